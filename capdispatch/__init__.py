@@ -1,0 +1,35 @@
+"""capdispatch: which kernel runs each op on each GPU, and why.
+
+Importing this package imports neither torch nor any kernel library, reads no
+environment variable and probes no device: all of that happens when a decision
+is made.
+"""
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+_API = {
+    "probe": ("capdispatch.capabilities", "probe"),
+    "DeviceSpec": ("capdispatch.capabilities", "DeviceSpec"),
+    "resolve": ("capdispatch.dispatch", "resolve"),
+    "resolve_group": ("capdispatch.dispatch", "resolve_group"),
+    "plan": ("capdispatch.dispatch", "plan"),
+    "bind": ("capdispatch.dispatch", "bind"),
+    "OpHandle": ("capdispatch.dispatch", "OpHandle"),
+    "Resolution": ("capdispatch.dispatch", "Resolution"),
+    "NoBackendError": ("capdispatch.dispatch", "NoBackendError"),
+    "Unsatisfiable": ("capdispatch.dispatch", "Unsatisfiable"),
+    "BadInput": ("capdispatch.dispatch", "BadInput"),
+}
+
+__all__ = sorted(_API)
+
+
+def __getattr__(name):
+    if name in _API:
+        import importlib
+        module, attr = _API[name]
+        value = getattr(importlib.import_module(module), attr)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'capdispatch' has no attribute {name!r}")

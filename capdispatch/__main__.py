@@ -1,0 +1,3 @@
+from capdispatch.dispatch.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,168 @@
+"""Op and Backend declarations, and requirements as data.
+
+A requirement never looks at a device itself: it is evaluated by the resolver
+against a `Facts` value into a `Check` {code, need, found, ok, message}.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+import attrs
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+from ..capabilities import DeviceSpec, Inventory
+from ..capabilities import features as _features
+from ..capabilities.libraries import import_check
+
+
+@attrs.frozen
+class Check:
+    code: str
+    need: str
+    found: str
+    ok: bool
+    message: str = ""
+
+    def to_dict(self) -> dict:
+        return attrs.asdict(self)
+
+
+@attrs.frozen
+class Facts:
+    """Everything a requirement may look at, for one device and one decision."""
+
+    device: DeviceSpec
+    features: frozenset
+    libraries: Inventory
+    env: Mapping = attrs.field(factory=dict)   # snapshot taken when the decision is made
+    check_imports: bool = False                # real devices only: planning never imports
+
+
+@attrs.frozen
+class Feature:
+    name: str
+
+    def evaluate(self, f: Facts) -> Check:
+        rule = _features.rules()[self.name]
+        ok = self.name in f.features
+        return Check(
+            code=f"feature:{self.name}", need=f"{self.name} ({rule.need})",
+            found=rule.found(f.device), ok=ok,
+            message="" if ok else f"{f.device.id} lacks {self.name}: needs {rule.need}, has {rule.found(f.device)}",
+        )
+
+
+@attrs.frozen
+class AnyFeature:
+    """At least one of several features (e.g. wgmma or tcgen05)."""
+    names: tuple
+
+    def evaluate(self, f: Facts) -> Check:
+        have = [n for n in self.names if n in f.features]
+        need = " or ".join(self.names)
+        rules = _features.rules()
+        found = ", ".join(sorted({rules[n].found(f.device) for n in self.names}))
+        return Check(code=f"feature:{'|'.join(self.names)}", need=need, found=found,
+                     ok=bool(have), message="" if have else f"{f.device.id} has none of {need} ({found})")
+
+
+@attrs.frozen
+class Platform:
+    kind: str   # "cuda" or "cpu"
+
+    def evaluate(self, f: Facts) -> Check:
+        ok = f.device.platform == self.kind
+        return Check(code="platform", need=self.kind, found=f.device.platform, ok=ok,
+                     message="" if ok else f"needs a {self.kind} device, {f.device.id} is {f.device.platform}")
+
+
+@attrs.frozen
+class TritonTarget:
+    """Triton compiles for CUDA cards from MIN_CC, or runs on the CPU under its interpreter."""
+    min_cc: str = "8.0"
+
+    def evaluate(self, f: Facts) -> Check:
+        need = f"CUDA cc >= {self.min_cc}, or cpu with TRITON_INTERPRET=1"
+        d = f.device
+        if d.platform == "cuda":
+            ok = d.cc is not None and Version(d.cc_str) >= Version(self.min_cc)
+            found = f"cuda cc {d.cc_str or 'unknown'}"
+        else:
+            ok = f.env.get("TRITON_INTERPRET", "0") not in ("", "0")
+            found = f"cpu, TRITON_INTERPRET={f.env.get('TRITON_INTERPRET', '(unset)')}"
+        return Check(code="triton_target", need=need, found=found, ok=ok,
+                     message="" if ok else f"Triton cannot run on {d.id}: needs {need}")
+
+
+@attrs.frozen
+class ComputeCapability:
+    spec: str
+
+    def __attrs_post_init__(self):
+        SpecifierSet(self.spec)  # fail at declaration, not at decision
+
+    def evaluate(self, f: Facts) -> Check:
+        d = f.device
+        ok = d.cc is not None and Version(d.cc_str) in SpecifierSet(self.spec)
+        return Check(code="cc", need=f"cc {self.spec}", found=f"cc {d.cc_str or 'none'}", ok=ok,
+                     message="" if ok else f"{d.id} has cc {d.cc_str or 'none'}, needs {self.spec}")
+
+
+@attrs.frozen
+class Library:
+    """An installed distribution (by package metadata), optionally within a version
+    range; when `module` is given and the device is real, also that it imports."""
+    dist: str
+    spec: str = ""
+    module: Optional[str] = None
+
+    def __attrs_post_init__(self):
+        SpecifierSet(self.spec)
+
+    def evaluate(self, f: Facts) -> Check:
+        fact = f.libraries.get(self.dist)
+        need = f"{self.dist}{self.spec}" if self.spec else self.dist
+        ok = fact.installed
+        msg = ""
+        if not ok:
+            msg = f"{self.dist} is not installed"
+        elif self.spec and fact.version is not None:
+            try:
+                ok = Version(fact.version) in SpecifierSet(self.spec, prereleases=True)
+            except InvalidVersion:
+                ok = False
+            if not ok:
+                msg = f"{self.dist} {fact.version} is outside {self.spec}"
+        found = fact.describe()
+        if ok and self.module and f.check_imports and not fact.assumed:
+            imp = import_check(self.module)
+            if not imp.ok:
+                ok, msg = False, f"import {self.module} failed: {imp.error}"
+                found = f"{found}, import failed"
+        return Check(code=f"library:{self.dist}", need=need, found=found, ok=ok, message=msg)
+
+
+@attrs.frozen
+class Op:
+    name: str
+    summary: str
+    signature: str
+    reference: str          # the backend that defines the op's meaning
+
+
+@attrs.frozen
+class Backend:
+    op: str
+    name: str
+    impl: str               # "package.module:function", imported only when bound
+    requires: tuple = attrs.field(converter=tuple)
+    summary: str = ""
+
+    def evaluate(self, facts: Facts) -> list:
+        return [r.evaluate(facts) for r in self.requires]
+
+    def load(self):
+        import importlib
+        module, _, attr = self.impl.partition(":")
+        return getattr(importlib.import_module(module), attr)

@@ -1,0 +1,39 @@
+"""KV-cache fp8 quant/dequant in SGLang 0.5.23's DeepSeek-V4 `V4` paged layout.
+
+Declarations only: kernels live in reference.py (torch) and triton_kernels.py
+and are imported when bound.
+"""
+from ..base import Backend, Feature, Library, Op, TritonTarget
+
+_PKG = "capdispatch.backends.kv_cache"
+
+OPS = (
+    Op("kv_quant",
+       "bf16 K [n,512] -> V4 paged uint8 pool at token slots `loc` (448 fp8 e4m3 + 64 bf16 + 7 UE8M0 scales + pad)",
+       "kv_quant(k, pool, loc, page_size) -> None", reference="torch"),
+    Op("kv_dequant",
+       "V4 paged uint8 pool, token ids -> bf16 [n,1,512]",
+       "kv_dequant(pool, token_ids, page_size, out=None) -> Tensor", reference="torch"),
+)
+
+_TRITON = Library("triton", ">=3.2", module="triton")
+_TORCH = Library("torch", ">=2.4", module="torch")
+
+
+def register(registry) -> None:
+    for op in OPS:
+        registry.add_op(op)
+    # Registration order is the default order: fastest first.
+    for op in ("kv_quant", "kv_dequant"):
+        registry.add_backend(Backend(
+            op, "triton_fp8", f"{_PKG}.triton_kernels:{op}_fp8",
+            requires=(_TORCH, _TRITON, TritonTarget("8.0"), Feature("fp8_e4m3")),
+            summary="Triton with native fp8 e4m3 types (Triton admits fp8e4nv from cc 8.9)"))
+        registry.add_backend(Backend(
+            op, "triton_u8", f"{_PKG}.triton_kernels:{op}_u8",
+            requires=(_TORCH, _TRITON, TritonTarget("8.0")),
+            summary="Triton over uint8 views, fp8 coded with integer operations (any CUDA card Triton supports)"))
+        registry.add_backend(Backend(
+            op, "torch", f"{_PKG}.reference:{op}",
+            requires=(_TORCH,),
+            summary="torch reference (runs anywhere)"))

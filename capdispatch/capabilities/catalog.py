@@ -1,0 +1,84 @@
+"""The catalog of known GPUs and bare architectures (catalog.yaml)."""
+from __future__ import annotations
+
+import difflib
+import re
+from typing import Optional
+
+from . import _data
+from .spec import DeviceSpec
+
+
+class UnknownDeviceError(ValueError):
+    """A device name that is neither in the catalog nor a bare architecture."""
+
+
+def _entries() -> dict:
+    data = _data.load("catalog.yaml")
+    table = {}
+    for section in ("gpus", "archs"):
+        for key, body in (data.get(section) or {}).items():
+            table[key] = dict(body, key=key, section=section)
+    return table
+
+
+def names() -> list:
+    return sorted(_entries())
+
+
+def _aliases() -> dict:
+    out = {}
+    for key, body in _entries().items():
+        out[key] = key
+        for alias in body.get("aliases") or ():
+            out[str(alias).lower()] = key
+    return out
+
+
+def lookup(name: str) -> dict:
+    """The catalog entry for NAME (key or alias, case-insensitive)."""
+    norm = name.strip().lower()
+    aliases = _aliases()
+    key = aliases.get(norm) or aliases.get(norm.replace("_", "-"))
+    if key is None:
+        m = re.fullmatch(r"sm_?(\d{2,3})[af]?", norm)
+        if m and f"sm_{m.group(1)}" in aliases:
+            key = f"sm_{m.group(1)}"
+    if key is None:
+        close = difflib.get_close_matches(norm, list(aliases), n=3, cutoff=0.5)
+        hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+        raise UnknownDeviceError(
+            f"unknown simulated device {name!r}{hint} "
+            f"(known: {', '.join(names())})"
+        )
+    return _entries()[key]
+
+
+def match_name(device_name: str) -> Optional[dict]:
+    """The catalog GPU whose driver-reported name equals DEVICE_NAME, if any."""
+    want = device_name.strip().lower()
+    for body in _entries().values():
+        if body["section"] == "gpus" and str(body.get("name", "")).lower() == want:
+            return body
+    return None
+
+
+def arch_entry(cc: tuple) -> Optional[dict]:
+    return _entries().get(f"sm_{cc[0]}{cc[1]}")
+
+
+def simulate(name: str, *, cuda: Optional[str] = None) -> DeviceSpec:
+    entry = lookup(name)
+    return DeviceSpec(
+        id=f"sim:{name}",
+        name=entry.get("name") or entry["key"],
+        platform="cuda",
+        vendor="NVIDIA",
+        cc=str(entry["cc"]),
+        sm_count=entry.get("sm_count"),
+        smem_optin_per_block=entry.get("smem_optin_per_block"),
+        memory=entry.get("memory"),
+        cuda=cuda,
+        probe="sim",
+        catalog_key=entry["key"],
+    )

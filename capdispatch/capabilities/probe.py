@@ -1,0 +1,226 @@
+"""Probing a device: cuda:N through torch or NVML, cpu, or sim:NAME.
+
+Nothing here runs at import time; every probe reads the environment when it
+is called, so CUDA_VISIBLE_DEVICES set late still counts.
+"""
+from __future__ import annotations
+
+import os
+import platform as _platform
+import sys
+from typing import Optional
+
+from . import catalog
+from .spec import DeviceSpec
+
+
+class ProbeError(RuntimeError):
+    """A real device could not be probed (no driver, no such index, ...)."""
+
+
+def parse_device(text: str) -> tuple:
+    """'cuda:1' -> ('cuda', '1'); 'sim:rtx-3080' -> ('sim', 'rtx-3080'); 'cpu' -> ('cpu', '')."""
+    text = text.strip()
+    if text == "cpu":
+        return ("cpu", "")
+    if text == "cuda":
+        return ("cuda", "0")
+    kind, sep, rest = text.partition(":")
+    if sep and kind in ("cuda", "sim") and rest:
+        if kind == "cuda" and not rest.isdigit():
+            raise catalog.UnknownDeviceError(
+                f"bad device {text!r}: a CUDA device is cuda:N with N a non-negative integer")
+        return (kind, rest)
+    raise catalog.UnknownDeviceError(
+        f"bad device {text!r}: expected cuda:N, cpu, or sim:NAME "
+        f"(NAME one of {', '.join(catalog.names())})")
+
+
+def probe(device, *, via: str = "auto", assume_cuda: Optional[str] = None) -> DeviceSpec:
+    """The facts of DEVICE ('cuda:N', 'cpu', 'sim:NAME', or a DeviceSpec)."""
+    if isinstance(device, DeviceSpec):
+        return device
+    kind, rest = parse_device(str(device))
+    if kind == "cpu":
+        return probe_cpu()
+    if kind == "sim":
+        return catalog.simulate(rest, cuda=assume_cuda)
+    index = int(rest)
+    if via == "torch" or (via == "auto" and _torch_cuda_initialized()):
+        return probe_torch(index)
+    if via in ("nvml", "auto"):
+        try:
+            return probe_nvml(index)
+        except ProbeError:
+            if via == "nvml":
+                raise
+    return probe_torch(index)
+
+
+def probe_cpu() -> DeviceSpec:
+    return DeviceSpec(id="cpu", name=_platform.processor() or _platform.machine() or "cpu",
+                      platform="cpu", probe="cpu")
+
+
+def _torch_cuda_initialized() -> bool:
+    # Only ask torch if someone already imported it: probing must not pay for it.
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_initialized())
+
+
+def torch_cuda_version() -> Optional[str]:
+    """CUDA toolkit of the installed torch build, from its metadata (no import)."""
+    from packaging.version import InvalidVersion, Version
+    from importlib import metadata
+    try:
+        local = Version(metadata.version("torch")).local or ""
+    except (metadata.PackageNotFoundError, InvalidVersion):
+        return None
+    if local.startswith("cu") and local[2:].isdigit() and len(local) >= 5:
+        digits = local[2:]
+        return f"{int(digits[:-1])}.{digits[-1]}"
+    torch = sys.modules.get("torch")
+    return getattr(getattr(torch, "version", None), "cuda", None)
+
+
+def probe_torch(index: int) -> DeviceSpec:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ProbeError(f"cuda:{index}: torch sees no CUDA device (torch {torch.__version__})")
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise ProbeError(f"cuda:{index}: no such device; torch sees {count} (cuda:0..cuda:{count - 1})")
+    p = torch.cuda.get_device_properties(index)
+    smem = getattr(p, "shared_memory_per_block_optin", None)
+    uuid = getattr(p, "uuid", None)
+    entry = catalog.match_name(p.name)
+    return DeviceSpec(
+        id=f"cuda:{index}", name=p.name, platform="cuda", vendor="NVIDIA",
+        cc=(p.major, p.minor), sm_count=p.multi_processor_count,
+        smem_optin_per_block=smem, memory=p.total_memory,
+        cuda=torch.version.cuda, uuid=str(uuid) if uuid is not None else None,
+        probe="torch", catalog_key=entry["key"] if entry else None,
+    )
+
+
+def _visible_to_physical(index: int, nvml) -> tuple:
+    """Map CUDA's index N to an NVML handle, honouring CUDA_VISIBLE_DEVICES."""
+    notes = []
+    total = nvml.nvmlDeviceGetCount()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        order = list(range(total))
+    else:
+        order = [v.strip() for v in visible.split(",") if v.strip()]
+        # CUDA stops at the first entry that is not a valid device.
+        valid = []
+        for v in order:
+            if v.isdigit() and int(v) < total:
+                valid.append(int(v))
+            elif v.startswith(("GPU-", "MIG-")):
+                valid.append(v)
+            else:
+                break
+        order = valid
+    if index >= len(order):
+        raise ProbeError(f"cuda:{index}: no such device; {len(order)} visible "
+                         f"(CUDA_VISIBLE_DEVICES={visible!r}, {total} on the bus)")
+    target = order[index]
+    if isinstance(target, int):
+        handle = nvml.nvmlDeviceGetHandleByIndex(target)
+    else:
+        handle = nvml.nvmlDeviceGetHandleByUUID(target)
+    names = {nvml.nvmlDeviceGetName(nvml.nvmlDeviceGetHandleByIndex(i)) for i in range(total)}
+    if len(names) > 1 and os.environ.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID":
+        notes.append("mixed GPU models and CUDA_DEVICE_ORDER is not PCI_BUS_ID: CUDA's "
+                     "default FASTEST_FIRST order may differ from NVML's PCI order; "
+                     "set CUDA_DEVICE_ORDER=PCI_BUS_ID so cuda:N means the same card everywhere")
+    return handle, notes
+
+
+def probe_nvml(index: int) -> DeviceSpec:
+    """Facts through NVML: never initialises CUDA in this process."""
+    try:
+        import pynvml as nvml
+    except ImportError as exc:
+        raise ProbeError(f"cuda:{index}: NVML bindings not installed (pip install nvidia-ml-py): {exc}")
+    try:
+        nvml.nvmlInit()
+    except nvml.NVMLError as exc:
+        raise ProbeError(f"cuda:{index}: NVML could not start: {exc}")
+    try:
+        handle, notes = _visible_to_physical(index, nvml)
+        name = nvml.nvmlDeviceGetName(handle)
+        name = name.decode() if isinstance(name, bytes) else name
+        major, minor = nvml.nvmlDeviceGetCudaComputeCapability(handle)
+        memory = nvml.nvmlDeviceGetMemoryInfo(handle).total
+        uuid = nvml.nvmlDeviceGetUUID(handle)
+        uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
+        sm_count = None
+        try:
+            sm_count = int(nvml.nvmlDeviceGetAttributes_v2(handle).multiprocessorCount) or None
+        except (nvml.NVMLError, AttributeError):
+            pass
+        entry = catalog.match_name(name)
+        if sm_count is None and entry is not None:
+            sm_count = entry.get("sm_count")
+            notes.append(f"SM count from the catalog entry {entry['key']!r} (NVML does not report it)")
+        arch = catalog.arch_entry((major, minor))
+        smem = arch.get("smem_optin_per_block") if arch else None
+        if smem is not None:
+            notes.append(f"opt-in shared memory from the sm_{major}{minor} architecture table (NVML does not report it)")
+    except nvml.NVMLError as exc:
+        raise ProbeError(f"cuda:{index}: NVML query failed: {exc}")
+    finally:
+        try:
+            nvml.nvmlShutdown()
+        except nvml.NVMLError:
+            pass
+    return DeviceSpec(
+        id=f"cuda:{index}", name=name, platform="cuda", vendor="NVIDIA",
+        cc=(major, minor), sm_count=sm_count, smem_optin_per_block=smem, memory=memory,
+        cuda=torch_cuda_version(), uuid=uuid, probe="nvml",
+        catalog_key=entry["key"] if entry else None, notes=tuple(notes),
+    )
+
+
+def local_devices(*, via: str = "auto") -> list:
+    """Every local CUDA device (without initialising CUDA when NVML works), else cpu."""
+    count = 0
+    if via in ("auto", "nvml") and not _torch_cuda_initialized():
+        try:
+            import pynvml as nvml
+            nvml.nvmlInit()
+            try:
+                visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+                total = nvml.nvmlDeviceGetCount()
+                count = total if visible is None else sum(
+                    1 for _ in _iter_visible(visible, total))
+            finally:
+                nvml.nvmlShutdown()
+            via_used = "nvml"
+        except Exception:  # no driver, no bindings: ask torch below
+            via_used = "torch"
+    else:
+        via_used = "torch"
+    if via_used == "torch":
+        try:
+            import torch
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        except ImportError:
+            count = 0
+    if count == 0:
+        return [probe_cpu()]
+    return [probe(f"cuda:{i}", via=via_used) for i in range(count)]
+
+
+def _iter_visible(visible: str, total: int):
+    for v in visible.split(","):
+        v = v.strip()
+        if v.isdigit() and int(v) < total:
+            yield v
+        elif v.startswith(("GPU-", "MIG-")):
+            yield v
+        else:
+            return

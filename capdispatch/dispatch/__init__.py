@@ -1,0 +1,11 @@
+"""Decisions: resolver, groups, binding, explain, the command line."""
+from .binding import OpHandle, bind
+from .errors import (BadInput, GroupDivergenceError, NoBackendError, StrictFallbackError,
+                     Unsatisfiable)
+from .explain import Plan, plan
+from .group import GroupResolution, resolve_group
+from .resolver import Candidate, Resolution, resolve
+
+__all__ = ["BadInput", "Candidate", "GroupDivergenceError", "GroupResolution", "NoBackendError",
+           "OpHandle", "Plan", "Resolution", "StrictFallbackError", "Unsatisfiable", "bind",
+           "plan", "resolve", "resolve_group"]

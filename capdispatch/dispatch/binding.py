@@ -1,0 +1,61 @@
+"""Binding: the chosen backend's callable itself, for the hot path."""
+from __future__ import annotations
+
+from .errors import Unsatisfiable
+from .resolver import as_spec, context, log, resolve_in
+
+
+class BackendLoadError(Unsatisfiable):
+    pass
+
+
+def bind(op: str, device, backend=None, *, policy=None, selections=None, strict: bool = False,
+         env=None, registry=None):
+    """Return the kernel that runs OP on DEVICE: no wrapper, no lookup at call time.
+
+    With BACKEND given the choice is explicit and strict: if it cannot run here,
+    this raises with the reasons instead of handing back something else.
+    """
+    sel = dict(selections or {})
+    if backend is not None:
+        sel[op] = backend
+    ctx = context(policy=policy, selections=sel or None, strict=strict or backend is not None,
+                  env=env, registry=registry, selection_origin="bind(backend=...)" if backend else "selections=")
+    res = resolve_in(ctx, op, as_spec(device))
+    for w in res.warnings:
+        log.warning(w)
+    b = ctx.registry.backend(op, res.backend)
+    try:
+        return b.load()
+    except Exception as exc:
+        raise BackendLoadError(f"{op}={res.backend} on {res.device.id}: loading {b.impl} failed: "
+                               f"{type(exc).__name__}: {exc}") from exc
+
+
+class OpHandle:
+    """Call OP on whatever device its first tensor argument lives on.
+
+    Binds once per device (type, index) and keeps the kernel; never answers
+    for one device with another's choice.
+    """
+
+    def __init__(self, op: str, **bind_kwargs):
+        self.op = op
+        self._kw = bind_kwargs
+        self._by_device = {}
+
+    def _device_of(self, args, kwargs):
+        for a in list(args) + list(kwargs.values()):
+            dev = getattr(a, "device", None)
+            if dev is not None:
+                return dev
+        raise TypeError(f"{self.op}: no tensor argument to take the device from")
+
+    def __call__(self, *args, **kwargs):
+        dev = self._device_of(args, kwargs)
+        key = (dev.type, dev.index)
+        fn = self._by_device.get(key)
+        if fn is None:
+            name = "cpu" if dev.type == "cpu" else f"{dev.type}:{dev.index or 0}"
+            fn = self._by_device[key] = bind(self.op, name, **self._kw)
+        return fn(*args, **kwargs)

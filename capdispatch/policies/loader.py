@@ -1,0 +1,252 @@
+"""Policy files: PyYAML's safe loader with line marks, schema checks, did-you-mean.
+
+The loader builds Python values from YAML nodes itself so every value keeps the
+line it came from; scalars are constructed by the safe constructor, so any tag
+outside YAML's core schema (`!!python/object`, ...) is refused.
+"""
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from typing import Optional
+
+import attrs
+import yaml
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+
+MIXED_GROUP = ("allow", "warn", "uniform", "error")
+ON_UNSUPPORTED = ("downgrade", "error")
+TOP_KEYS = ("schema", "mixed_group", "on_unsupported", "ops", "devices")
+DEVICE_KEYS = ("match", "ops")
+MATCH_KEYS = ("id", "name", "cc")
+
+
+class PolicyError(ValueError):
+    """A policy that cannot be used, with where and why."""
+
+    def __init__(self, file: str, line: Optional[int], message: str):
+        self.file, self.line, self.bare = file, line, message
+        where = f"{file}:{line}" if line else file
+        super().__init__(f"{where}: {message}")
+
+
+def _did_you_mean(value: str, valid) -> str:
+    close = difflib.get_close_matches(str(value), list(valid), n=1, cutoff=0.5)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+@attrs.frozen
+class Marked:
+    value: object
+    line: int
+
+
+@attrs.frozen
+class DeviceEntry:
+    match: dict           # key -> str
+    ops: dict             # op -> Marked(list of backend names)
+    line: int
+
+    def matches(self, device) -> bool:
+        for key, want in self.match.items():
+            if key == "id":
+                if device.id != want:
+                    return False
+            elif key == "name":
+                w = want.lower()
+                if w not in (device.name.lower(), (device.catalog_key or "").lower()):
+                    return False
+            elif key == "cc":
+                if device.cc is None:
+                    return False
+                from packaging.version import Version
+                spec = want if want[0] in "<>=!~" else f"=={want}"
+                if Version(device.cc_str) not in SpecifierSet(spec):
+                    return False
+        return True
+
+    def describe(self) -> str:
+        return ", ".join(f"{k} {v}" for k, v in self.match.items())
+
+
+@attrs.frozen
+class PolicyFile:
+    path: str
+    mixed_group: Optional[Marked] = None
+    on_unsupported: Optional[Marked] = None
+    ops: dict = attrs.field(factory=dict)          # op -> Marked(list)
+    devices: tuple = ()                            # DeviceEntry...
+    builtin: bool = False
+
+
+class _Reader:
+    def __init__(self, path: str, text: str):
+        self.path = path
+        self.text = text
+
+    def err(self, node_or_line, message: str) -> PolicyError:
+        line = node_or_line if isinstance(node_or_line, int) or node_or_line is None \
+            else node_or_line.start_mark.line + 1
+        return PolicyError(self.path, line, message)
+
+    def root(self):
+        loader = yaml.SafeLoader(self.text)
+        try:
+            node = loader.get_single_node()
+            self._loader = loader
+            return node
+        except yaml.MarkedYAMLError as exc:
+            mark = exc.problem_mark or exc.context_mark
+            line = mark.line + 1 if mark else None
+            raise PolicyError(self.path, line, f"malformed YAML: {exc.problem or exc.context}")
+        except yaml.YAMLError as exc:
+            raise PolicyError(self.path, None, f"malformed YAML: {exc}")
+
+    def scalar(self, node, what: str):
+        self._check_tag(node, what)
+        if not isinstance(node, yaml.ScalarNode):
+            raise self.err(node, f"{what} must be a single value, not a {_kind(node)}")
+        try:
+            return self._loader.construct_object(node, deep=True)
+        except yaml.YAMLError as exc:
+            raise self.err(node, f"{what}: {exc}")
+
+    def mapping(self, node, what: str) -> list:
+        if not isinstance(node, yaml.MappingNode):
+            raise self.err(node, f"{what} must be a mapping, not a {_kind(node)}")
+        self._check_tag(node, what)
+        out, seen = [], {}
+        for k, v in node.value:
+            key = self.scalar(k, f"a key in {what}")
+            if not isinstance(key, str):
+                raise self.err(k, f"{what}: key {key!r} must be a string")
+            if key in seen:
+                raise self.err(k, f"{what}: key {key!r} given twice (first at line {seen[key]})")
+            seen[key] = k.start_mark.line + 1
+            out.append((key, k, v))
+        return out
+
+    def sequence(self, node, what: str) -> list:
+        if isinstance(node, yaml.ScalarNode):   # `op: torch` is a list of one
+            return [node]
+        if not isinstance(node, yaml.SequenceNode):
+            raise self.err(node, f"{what} must be a list, not a {_kind(node)}")
+        self._check_tag(node, what)
+        return list(node.value)
+
+    def _check_tag(self, node, what):
+        if node.tag not in _PLAIN_TAGS:
+            raise self.err(node, f"{what}: tag {node.tag!r} is not allowed (policy files are "
+                                 f"plain YAML: strings, numbers, booleans, lists and mappings)")
+
+
+_PLAIN_TAGS = tuple(f"tag:yaml.org,2002:{t}" for t in ("str", "int", "float", "bool", "null", "map", "seq"))
+
+
+def _kind(node) -> str:
+    return {"ScalarNode": "single value", "SequenceNode": "list", "MappingNode": "mapping"}[type(node).__name__]
+
+
+def parse(text: str, path: str, registry, *, known_devices=(), builtin: bool = False) -> PolicyFile:
+    """Parse and check one policy document against REGISTRY's ops and backends."""
+    r = _Reader(path, text)
+    root = r.root()
+    if root is None:
+        return PolicyFile(path=path, builtin=builtin)
+    fields = {}
+    for key, knode, vnode in r.mapping(root, "the policy"):
+        if key not in TOP_KEYS:
+            raise r.err(knode, f"unknown key {key!r}{_did_you_mean(key, TOP_KEYS)} "
+                               f"(valid: {', '.join(TOP_KEYS)})")
+        if key == "schema":
+            v = r.scalar(vnode, "schema")
+            if v != 1:
+                raise r.err(vnode, f"schema {v!r} is not supported (valid: 1)")
+        elif key in ("mixed_group", "on_unsupported"):
+            valid = MIXED_GROUP if key == "mixed_group" else ON_UNSUPPORTED
+            v = r.scalar(vnode, key)
+            if v not in valid:
+                raise r.err(vnode, f"{key}: {v!r} is not valid{_did_you_mean(v, valid)} "
+                                   f"(valid: {', '.join(valid)})")
+            fields[key] = Marked(v, vnode.start_mark.line + 1)
+        elif key == "ops":
+            fields["ops"] = _ops(r, vnode, registry, "ops")
+        elif key == "devices":
+            fields["devices"] = tuple(_devices(r, vnode, registry, known_devices))
+    return PolicyFile(path=path, builtin=builtin, **fields)
+
+
+def _ops(r: _Reader, node, registry, what: str) -> dict:
+    out = {}
+    for op, knode, vnode in r.mapping(node, what):
+        if op not in registry.ops:
+            raise r.err(knode, f"unknown op {op!r}{_did_you_mean(op, registry.ops)} "
+                               f"(valid: {', '.join(registry.ops)})")
+        names = []
+        for item in r.sequence(vnode, f"{what}.{op}"):
+            name = r.scalar(item, f"a backend of {op}")
+            valid = [b.name for b in registry.backends(op)]
+            if name not in valid:
+                raise r.err(item, f"unknown backend {name!r} for op {op}"
+                                  f"{_did_you_mean(name, valid)} (valid: {', '.join(valid)})")
+            if name in names:
+                raise r.err(item, f"backend {name!r} listed twice for op {op}")
+            names.append(name)
+        if not names:
+            raise r.err(vnode, f"{what}.{op}: the list is empty; name at least one backend")
+        out[op] = Marked(tuple(names), vnode.start_mark.line + 1)
+    return out
+
+
+def _devices(r: _Reader, node, registry, known_devices):
+    for i, item in enumerate(r.sequence(node, "devices")):
+        where = f"devices[{i}]"
+        body = {k: (kn, vn) for k, kn, vn in r.mapping(item, where)}
+        for key, (kn, _) in body.items():
+            if key not in DEVICE_KEYS:
+                raise r.err(kn, f"{where}: unknown key {key!r}{_did_you_mean(key, DEVICE_KEYS)} "
+                                f"(valid: {', '.join(DEVICE_KEYS)})")
+        if "match" not in body:
+            raise r.err(item, f"{where}: needs a 'match' (by id, name or cc)")
+        match = {}
+        for key, kn, vn in r.mapping(body["match"][1], f"{where}.match"):
+            if key not in MATCH_KEYS:
+                raise r.err(kn, f"{where}.match: unknown key {key!r}{_did_you_mean(key, MATCH_KEYS)} "
+                                f"(valid: {', '.join(MATCH_KEYS)})")
+            value = str(r.scalar(vn, f"{where}.match.{key}"))
+            if key == "cc":
+                spec = value if value[:1] in "<>=!~" else f"=={value}"
+                try:
+                    SpecifierSet(spec)
+                except InvalidSpecifier:
+                    raise r.err(vn, f"{where}.match.cc: {value!r} is not a compute capability "
+                                    f"or range (e.g. \"8.6\", \">=8.9\", \">=12.0,<13.0\")")
+            if key == "name" and known_devices and value.lower() not in known_devices:
+                raise r.err(vn, f"{where}.match.name: unknown device {value!r}"
+                                f"{_did_you_mean(value.lower(), known_devices)} "
+                                f"(a catalog key such as rtx-5090, or the name the driver reports)")
+            if key == "id" and not re.fullmatch(r"cuda:\d+|cpu|sim:[\w.#-]+", value):
+                raise r.err(vn, f"{where}.match.id: {value!r} is not a device id "
+                                f"(valid: cuda:N, cpu, sim:NAME)")
+            match[key] = value
+        if not match:
+            raise r.err(body["match"][1], f"{where}.match is empty; match by id, name or cc")
+        ops = _ops(r, body["ops"][1], registry, f"{where}.ops") if "ops" in body else {}
+        yield DeviceEntry(match=match, ops=ops, line=item.start_mark.line + 1)
+
+
+def load_file(path, registry, *, known_devices=()) -> PolicyFile:
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except OSError as exc:
+        raise PolicyError(path, None, f"cannot read policy file: {exc.strerror}")
+    return parse(text, path, registry, known_devices=known_devices)
+
+
+def load_default(registry) -> PolicyFile:
+    from importlib import resources
+    text = resources.files("capdispatch.policies").joinpath("default.yaml").read_text("utf-8")
+    return parse(text, "default.yaml", registry, builtin=True)

@@ -1,0 +1,140 @@
+"""The Python API: env read at decision time, no torch for simulated devices, bind."""
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import capdispatch as cd
+
+POL = os.path.join(os.path.dirname(__file__), "policies")
+
+
+def _py(code: str, env=None):
+    e = {k: v for k, v in os.environ.items() if not k.startswith("CAPDISPATCH_")}
+    e.update(env or {})
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, env=e, timeout=120)
+
+
+def test_explaining_simulated_devices_never_imports_torch():
+    p = _py("""
+        import sys, json, io, contextlib
+        import capdispatch as cd
+        from capdispatch.dispatch.cli import main
+        assert 'torch' not in sys.modules
+        r = cd.resolve('kv_dequant', 'sim:rtx-3080', assume_libs=['triton'])
+        g = cd.resolve_group('kv_quant', ['sim:rtx-5090', 'sim:rtx-3080'])
+        with contextlib.redirect_stdout(io.StringIO()):
+            main(['explain', '--device', 'sim:rtx-5090,sim:sm_86', '--format', 'json'])
+            main(['devices', '--device', 'sim:h200'])
+            main(['ops'])
+        bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton', 'flashinfer', 'sglang', 'pynvml'))
+        print(json.dumps(bad))
+    """)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout.strip().splitlines()[-1]) == []
+
+
+def test_import_reads_no_environment():
+    # A bad CAPDISPATCH_SET must not break `import capdispatch`; it is read at decision time.
+    p = _py("import capdispatch, capdispatch.dispatch, capdispatch.backends, capdispatch.policies",
+            env={"CAPDISPATCH_SET": "nonsense", "CAPDISPATCH_POLICY": "/nonexistent.yaml"})
+    assert p.returncode == 0, p.stderr
+
+
+def test_env_set_after_import_takes_effect(clean_env):
+    r = cd.resolve("kv_dequant", "sim:rtx-5090", assume_libs=["triton"])
+    assert r.backend == "triton_fp8" and r.source.startswith("default.yaml:")
+    clean_env.setenv("CAPDISPATCH_SET", "kv_dequant=torch")
+    r = cd.resolve("kv_dequant", "sim:rtx-5090", assume_libs=["triton"])
+    assert r.backend == "torch" and r.source == "CAPDISPATCH_SET"
+    clean_env.delenv("CAPDISPATCH_SET")
+    clean_env.setenv("CAPDISPATCH_POLICY", os.path.join(POL, "device_scoped.yaml"))
+    r = cd.resolve("kv_quant", "sim:rtx-5090", assume_libs=["triton"])
+    assert r.backend == "triton_u8" and "device_scoped.yaml:4" in r.source
+
+
+def test_fallback_away_from_selection_logs_warning(clean_env, caplog):
+    with caplog.at_level(logging.WARNING, logger="capdispatch"):
+        r = cd.resolve("kv_quant", "sim:a10", selections={"kv_quant": "triton_fp8"},
+                       assume_libs=["triton"])
+    assert r.backend == "triton_u8" and r.downgraded_from == "triton_fp8" and r.fallback
+    assert len(caplog.records) == 1
+    msg = caplog.records[0].getMessage()
+    assert "sim:a10" in msg and "kv_quant=triton_fp8" in msg and "running triton_u8" in msg
+    with pytest.raises(cd.Unsatisfiable, match="fp8_e4m3"):
+        cd.resolve("kv_quant", "sim:a10", selections={"kv_quant": "triton_fp8"},
+                   assume_libs=["triton"], strict=True)
+
+
+def test_default_layer_fallback_is_quiet(clean_env, caplog):
+    with caplog.at_level(logging.WARNING, logger="capdispatch"):
+        r = cd.resolve("kv_quant", "sim:rtx-3090", assume_libs=["triton"])
+    assert r.backend == "triton_u8" and r.fallback and r.downgraded_from is None
+    assert caplog.records == []
+
+
+def test_every_check_is_evaluated(clean_env):
+    # cpu without Triton's interpreter and with triton assumed too old: both reasons appear.
+    r = cd.resolve("kv_dequant", "cpu", assume_libs=["triton==2.0"])
+    fp8 = r.candidates[0]
+    failing = {c.code for c in fp8.checks if not c.ok}
+    assert {"library:triton", "triton_target", "feature:fp8_e4m3"} <= failing
+    assert r.backend == "torch"
+
+
+def test_no_backend_lists_every_candidate(clean_env):
+    with pytest.raises(cd.NoBackendError) as ei:
+        cd.resolve("kv_dequant", "sim:rtx-3080", assume_libs=["torch==2.0", "triton==1.0"])
+    text = str(ei.value)
+    for name in ("triton_fp8", "triton_u8", "torch"):
+        assert f"  {name}:" in text
+    assert "torch 2.0 is outside >=2.4" in text
+
+
+def test_group_api_modes(clean_env):
+    g = cd.resolve_group("kv_quant", ["sim:rtx-5090", "sim:rtx-3080"], assume_libs=["triton"])
+    assert not g.uniform and g.mode == "warn" and len(g.warnings) == 1
+    g = cd.resolve_group("kv_quant", ["sim:rtx-5090", "sim:rtx-3080"], assume_libs=["triton"],
+                         policy=os.path.join(POL, "uniform.yaml"))
+    assert g.uniform and {r.backend for r in g.per_device.values()} == {"triton_u8"}
+    with pytest.raises(cd.Unsatisfiable, match="mixed_group is error"):
+        cd.resolve_group("kv_quant", ["sim:rtx-5090", "sim:rtx-3080"], assume_libs=["triton"],
+                         policy=os.path.join(POL, "error.yaml"))
+
+
+def test_bind_returns_the_kernel_itself(clean_env):
+    from capdispatch.backends.kv_cache import reference
+    assert cd.bind("kv_dequant", "cpu") is reference.kv_dequant
+    assert cd.bind("kv_quant", "cpu", backend="torch") is reference.kv_quant
+
+
+def test_bind_explicit_backend_that_cannot_run_raises(clean_env):
+    with pytest.raises(cd.Unsatisfiable, match="TRITON_INTERPRET"):
+        cd.bind("kv_dequant", "cpu", backend="triton_u8")
+
+
+def test_bind_triton_on_cpu_under_interpreter(clean_env):
+    clean_env.setenv("TRITON_INTERPRET", "1")
+    fn = cd.bind("kv_dequant", "cpu", backend="triton_u8")
+    assert fn.__name__ == "kv_dequant_u8"
+
+
+def test_op_handle_binds_per_device(clean_env):
+    import torch
+    from capdispatch.backends.kv_cache import layout, reference
+    h = cd.OpHandle("kv_dequant")
+    pool = torch.randint(0, 255, (2, layout.bytes_per_page(4)), dtype=torch.uint8)
+    out = h(pool, torch.tensor([0, 5]), 4)
+    assert out.shape == (2, 1, 512)
+    assert h._by_device == {("cpu", None): reference.kv_dequant}
+
+
+def test_device_spec_roundtrip():
+    spec = cd.probe("sim:rtx-pro-6000")
+    assert spec.cc == (12, 0) and spec.sm_count == 188
+    assert cd.DeviceSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
