@@ -2,7 +2,7 @@
 from .catalog import UnknownDeviceError
 from .features import derive as derive_features
 from .libraries import Inventory, LibraryFact
-from .probe import ProbeError, local_devices, parse_device, probe
+from .probing import ProbeError, local_devices, parse_device, probe
 from .spec import DeviceSpec
 
 __all__ = ["DeviceSpec", "Inventory", "LibraryFact", "ProbeError", "UnknownDeviceError",

@@ -68,19 +68,30 @@ def _torch_cuda_initialized() -> bool:
     return bool(torch is not None and torch.cuda.is_initialized())
 
 
-def torch_cuda_version() -> Optional[str]:
-    """CUDA toolkit of the installed torch build, from its metadata (no import)."""
+def cuda_from_local(version: str) -> Optional[str]:
+    """'2.11.0+cu130' -> '13.0': the CUDA toolkit a torch wheel was built for."""
     from packaging.version import InvalidVersion, Version
-    from importlib import metadata
     try:
-        local = Version(metadata.version("torch")).local or ""
-    except (metadata.PackageNotFoundError, InvalidVersion):
+        local = Version(version).local or ""
+    except InvalidVersion:
         return None
     if local.startswith("cu") and local[2:].isdigit() and len(local) >= 5:
         digits = local[2:]
         return f"{int(digits[:-1])}.{digits[-1]}"
-    torch = sys.modules.get("torch")
-    return getattr(getattr(torch, "version", None), "cuda", None)
+    return None
+
+
+def torch_cuda_version() -> Optional[str]:
+    """CUDA toolkit of the installed torch build, from its metadata (no import)."""
+    from importlib import metadata
+    try:
+        found = cuda_from_local(metadata.version("torch"))
+    except metadata.PackageNotFoundError:
+        return None
+    if found is None:   # a build without the +cuXYZ label: ask torch only if already imported
+        torch = sys.modules.get("torch")
+        found = getattr(getattr(torch, "version", None), "cuda", None)
+    return found
 
 
 def probe_torch(index: int) -> DeviceSpec:

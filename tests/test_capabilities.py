@@ -1,0 +1,124 @@
+"""Capabilities: catalog, feature rules, NVML probing (through a stand-in NVML), libraries."""
+import sys
+import types
+
+import pytest
+
+from capdispatch.capabilities import catalog, derive_features, features, probe
+from capdispatch.capabilities.libraries import AssumeLibError, Inventory, parse_assume
+
+
+@pytest.mark.parametrize("name,cc,has,lacks", [
+    ("rtx-3080", "8.6", {"bf16", "smem_99k"}, {"fp8_e4m3", "wgmma", "tcgen05", "tma"}),
+    ("rtx-4090", "8.9", {"bf16", "fp8_e4m3"}, {"wgmma", "tma"}),
+    ("h200", "9.0", {"fp8_e4m3", "tma", "wgmma", "smem_227k"}, {"tcgen05", "sm120_block_scaled_mma"}),
+    ("b200", "10.0", {"tcgen05", "tma", "smem_227k"}, {"wgmma", "sm120_block_scaled_mma"}),
+    ("rtx-5090", "12.0", {"sm120_block_scaled_mma", "fp8_e4m3", "tma"}, {"tcgen05", "wgmma", "smem_163k"}),
+    ("dgx-spark", "12.1", {"sm120_block_scaled_mma"}, {"tcgen05"}),
+    ("a100", "8.0", {"bf16", "smem_163k"}, {"fp8_e4m3", "smem_227k"}),
+    ("sm_120", "12.0", {"sm120_block_scaled_mma"}, {"tcgen05"}),
+])
+def test_features_follow_rules(name, cc, has, lacks):
+    spec = catalog.simulate(name)
+    feats = derive_features(spec)
+    assert spec.cc_str == cc
+    assert has <= feats and not (lacks & feats)
+
+
+def test_cpu_has_no_gpu_features():
+    assert derive_features(probe("cpu")) == frozenset()
+
+
+def test_every_rule_and_catalog_value_has_a_source():
+    for rule in features.rules().values():
+        assert len(rule.source) > 20
+    for key in catalog.names():
+        entry = catalog.lookup(key)
+        for field in ("cc", "sm_count", "smem_optin_per_block", "memory"):
+            assert field in entry, (key, field)
+            assert entry["sources"].get(field), (key, field)
+
+
+def test_catalog_aliases_and_arch_forms():
+    assert catalog.lookup("gb10")["key"] == "dgx-spark"
+    assert catalog.lookup("sm_90a")["key"] == "sm_90"
+    assert catalog.lookup("SM_120")["key"] == "sm_120"
+    with pytest.raises(catalog.UnknownDeviceError, match="rtx-4090"):
+        catalog.lookup("rtx-4909")
+
+
+def test_assume_lib_parsing():
+    assert parse_assume("triton") == ("triton", None)
+    assert parse_assume("FlashInfer_Python==0.6.14") == ("flashinfer-python", "0.6.14")
+    for bad in ("triton>=3", "triton==3.*", "tri ton", "x==1,==2"):
+        with pytest.raises(AssumeLibError):
+            parse_assume(bad)
+    inv = Inventory.with_assumptions(["flashinfer-python==0.6.14"])
+    f = inv.get("flashinfer_python")
+    assert f.installed and f.assumed and f.version == "0.6.14"
+    assert not inv.get("surely-not-an-installed-dist").installed
+
+
+def test_torch_cuda_version_from_metadata(monkeypatch):
+    from capdispatch.capabilities import probing as probe_mod
+    assert probe_mod.cuda_from_local("2.11.0+cu130") == "13.0"
+    assert probe_mod.cuda_from_local("2.9.1+cu128") == "12.8"
+    assert probe_mod.cuda_from_local("2.13.0+cpu") is None
+    assert probe_mod.cuda_from_local("2.13.0") is None
+
+
+class _FakeNVML(types.ModuleType):
+    """A stand-in for pynvml on a machine without a driver: two different cards."""
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, cards):
+        super().__init__("pynvml")
+        self.cards = cards
+        self.inits = 0
+
+    def nvmlInit(self): self.inits += 1
+    def nvmlShutdown(self): pass
+    def nvmlDeviceGetCount(self): return len(self.cards)
+    def nvmlDeviceGetHandleByIndex(self, i): return self.cards[i]
+    def nvmlDeviceGetHandleByUUID(self, u):
+        return next(c for c in self.cards if c["uuid"] == u)
+    def nvmlDeviceGetName(self, h): return h["name"]
+    def nvmlDeviceGetCudaComputeCapability(self, h): return h["cc"]
+    def nvmlDeviceGetMemoryInfo(self, h): return types.SimpleNamespace(total=h["mem"])
+    def nvmlDeviceGetUUID(self, h): return h["uuid"]
+    def nvmlDeviceGetAttributes_v2(self, h): raise self.NVMLError("Not Supported")
+
+
+@pytest.fixture
+def fake_nvml(monkeypatch):
+    fake = _FakeNVML([
+        {"name": "NVIDIA GeForce RTX 5090", "cc": (12, 0), "mem": 32 * 2**30, "uuid": "GPU-aaa"},
+        {"name": "NVIDIA GeForce RTX 3080", "cc": (8, 6), "mem": 10 * 2**30, "uuid": "GPU-bbb"},
+    ])
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
+    return fake
+
+
+def test_nvml_probe_reads_facts_and_fills_from_catalog(fake_nvml):
+    from capdispatch.capabilities.probing import probe_nvml
+    s = probe_nvml(1)
+    assert (s.id, s.name, s.cc, s.probe) == ("cuda:1", "NVIDIA GeForce RTX 3080", (8, 6), "nvml")
+    assert s.sm_count == 68 and s.smem_optin_per_block == 101376 and s.uuid == "GPU-bbb"
+    assert any("catalog" in n for n in s.notes)
+    assert any("CUDA_DEVICE_ORDER" in n for n in s.notes)   # mixed models, default order
+
+
+def test_nvml_probe_honours_cuda_visible_devices_at_call_time(fake_nvml, monkeypatch):
+    from capdispatch.capabilities.probing import ProbeError, local_devices, probe_nvml
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert probe_nvml(0).name == "NVIDIA GeForce RTX 3080"
+    with pytest.raises(ProbeError, match="no such device"):
+        probe_nvml(1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-aaa,GPU-bbb")
+    assert [d.cc for d in local_devices()] == [(12, 0), (8, 6)]
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    assert not any("CUDA_DEVICE_ORDER" in n for n in probe_nvml(0).notes)
