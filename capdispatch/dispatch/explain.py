@@ -40,7 +40,7 @@ def _device_dict(d, libraries) -> dict:
 
 def plan(devices, ops=None, *, policy=None, selections=None, assume_libs=None,
          strict: bool = False, env=None, via: str = "auto", assume_cuda: Optional[str] = None,
-         registry=None, selection_origin: str = "selections=") -> Plan:
+         registry=None, selection_origin: str = "selections=", _log: bool = True) -> Plan:
     """Resolve OPS (default: all) over DEVICES as one group; log its warnings once."""
     ctx = context(policy=policy, selections=selections, assume_libs=assume_libs, strict=strict,
                   env=env, registry=registry, selection_origin=selection_origin)
@@ -48,8 +48,9 @@ def plan(devices, ops=None, *, policy=None, selections=None, assume_libs=None,
     names = list(ops) if ops else list(ctx.registry.ops)
     groups = {op: resolve_group_in(ctx, op, specs) for op in names}
     warnings = tuple(w for g in groups.values() for w in g.warnings)
-    for w in warnings:
-        log.warning(w)
+    if _log:
+        for w in warnings:
+            log.warning(w)
     dists = sorted({r.dist for op in names for b in ctx.registry.backends(op)
                     for r in b.requires if hasattr(r, "dist")})
     libs = {d: ctx.inventory.get(d).describe() for d in dists}
