@@ -8,6 +8,12 @@ import sys
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_UNSAT = 0, 2, 3
 
+# Subcommands that live with an adapter, named by module so that the core never
+# imports an adapter: `dispatch NAME ARGS...` runs `MODULE.main(ARGS)`.
+EXTENSIONS = {
+    "sglang": ("capdispatch.adapters.sglang.cli", "what the SGLang adapter would set for a launch"),
+}
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
@@ -47,6 +53,10 @@ def _parser() -> argparse.ArgumentParser:
 
     o = sub.add_parser("ops", help="the ops and their backends with what each needs")
     fmt(o)
+
+    for name, (_, help_) in EXTENSIONS.items():
+        x = sub.add_parser(name, help=help_, add_help=False)
+        x.add_argument("rest", nargs=argparse.REMAINDER)
 
     pol = sub.add_parser("policy", help="check or show policy files")
     psub = pol.add_subparsers(dest="policy_cmd", required=True, parser_class=_Parser)
@@ -104,6 +114,9 @@ def _run(args) -> int:
         return _cmd_explain(args)
     if args.cmd == "ops":
         return _cmd_ops(args)
+    if args.cmd in EXTENSIONS:
+        import importlib
+        return importlib.import_module(EXTENSIONS[args.cmd][0]).main(args.rest)
     if args.cmd == "policy":
         return _cmd_policy_validate(args) if args.policy_cmd == "validate" else _cmd_policy_show(args)
     raise AssertionError(args.cmd)
