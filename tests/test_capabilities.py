@@ -119,6 +119,13 @@ def test_nvml_probe_honours_cuda_visible_devices_at_call_time(fake_nvml, monkeyp
     with pytest.raises(ProbeError, match="no such device"):
         probe_nvml(1)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-aaa,GPU-bbb")
-    assert [d.cc for d in local_devices()] == [(12, 0), (8, 6)]
+    assert [d.cc for d in local_devices(via="nvml")] == [(12, 0), (8, 6)]
     monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
     assert not any("CUDA_DEVICE_ORDER" in n for n in probe_nvml(0).notes)
+
+
+def test_cuda_version_from_torch_version_file():
+    from capdispatch.capabilities.probing import cuda_from_version_text
+    assert cuda_from_version_text("__version__ = '2.11.0'\ncuda: Optional[str] = '13.0'\n") == "13.0"
+    assert cuda_from_version_text("cuda = '12.8'\n") == "12.8"
+    assert cuda_from_version_text("cuda: Optional[str] = None\n") is None

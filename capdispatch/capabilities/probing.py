@@ -88,10 +88,27 @@ def torch_cuda_version() -> Optional[str]:
         found = cuda_from_local(metadata.version("torch"))
     except metadata.PackageNotFoundError:
         return None
-    if found is None:   # a build without the +cuXYZ label: ask torch only if already imported
-        torch = sys.modules.get("torch")
-        found = getattr(getattr(torch, "version", None), "cuda", None)
+    if found is None:   # a build without the +cuXYZ label: read torch/version.py, don't import it
+        found = _cuda_from_version_file()
     return found
+
+
+def _cuda_from_version_file() -> Optional[str]:
+    import re
+    from importlib import metadata
+    try:
+        path = metadata.distribution("torch").locate_file("torch/version.py")
+        text = open(path, encoding="utf-8").read()
+    except (metadata.PackageNotFoundError, OSError):
+        return None
+    return cuda_from_version_text(text)
+
+
+def cuda_from_version_text(text: str) -> Optional[str]:
+    """The `cuda = '13.0'` line of torch/version.py (None on a CPU build)."""
+    import re
+    m = re.search(r"^cuda\s*(?::[^=]*)?=\s*['\"]([0-9.]+)['\"]", text, flags=re.M)
+    return m.group(1) if m else None
 
 
 def probe_torch(index: int) -> DeviceSpec:
@@ -199,7 +216,7 @@ def probe_nvml(index: int) -> DeviceSpec:
 def local_devices(*, via: str = "auto") -> list:
     """Every local CUDA device (without initialising CUDA when NVML works), else cpu."""
     count = 0
-    if via in ("auto", "nvml") and not _torch_cuda_initialized():
+    if via == "nvml" or (via == "auto" and not _torch_cuda_initialized()):
         try:
             import pynvml as nvml
             nvml.nvmlInit()

@@ -1,0 +1,245 @@
+"""Benchmark the KV-cache quant/dequant backends (DeepSeek-V4 "V4" layout) on a CUDA GPU.
+
+    python benchmarks/bench_kv_cache.py [--tokens 262144 1048576] [--page-size 256] [--out DIR]
+
+What it does:
+  1. measures device-to-device copy bandwidth (large torch copy, bytes read +
+     written, median of triton.testing.do_bench) as the ceiling;
+  2. for each token count, draws fresh random K rows (seed printed), a random slot
+     permutation, and for each backend (torch, triton_u8, triton_fp8) checks the
+     result against the torch reference (pool byte-identical, dequant bit-exact),
+     then times kv_quant and kv_dequant (do_bench, warm-up, median);
+  3. times SGLang's dequantize_k_cache_paged_dsv4 side by side when importable;
+  4. writes results JSON + markdown into --out (default benchmarks/results).
+
+Bytes counted per token: quant reads 1024 (bf16 K) + 8 (int64 slot) and writes 584;
+dequant reads 584 + 8 and writes 1024.
+
+Importable without a GPU; it only needs CUDA when run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import random
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+QUANT_BYTES_PER_TOKEN = 1024 + 8 + 584
+DEQUANT_BYTES_PER_TOKEN = 584 + 8 + 1024
+BACKENDS = ("torch", "triton_u8", "triton_fp8")
+
+
+def _ops(backend):
+    """The kernels exactly as the hot path gets them: capdispatch.bind, explicit."""
+    import capdispatch as cd
+    return (cd.bind("kv_quant", "cuda:0", backend=backend),
+            cd.bind("kv_dequant", "cuda:0", backend=backend))
+
+
+def _sglang_dequant():
+    """SGLang's dequant kernel, or (None, why)."""
+    try:
+        from sglang.kernels.ops.attention.dsv4.dequant_k_cache import dequantize_k_cache_paged_dsv4
+    except Exception as exc:  # ImportError, or its own import-time failures
+        return None, f"{type(exc).__name__}: {exc}"
+    return dequantize_k_cache_paged_dsv4, None
+
+
+def _bench(fn, warmup, rep):
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def copy_bandwidth(nbytes, warmup, rep):
+    """Device-to-device copy: (GB/s counting read + write, ms)."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = _bench(lambda: dst.copy_(src), warmup, rep)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / ms / 1e6, ms
+
+
+def rand_k(n, gen):
+    import torch
+
+    nope = torch.randn(n, 7, 64, generator=gen, device="cuda")
+    nope *= torch.exp2(torch.randint(-24, 25, (n, 7, 1), generator=gen, device="cuda").float())
+    rope = torch.randn(n, 64, generator=gen, device="cuda")
+    return torch.cat([nope.view(n, 448), rope], dim=1).bfloat16()
+
+
+def _same_bf16(a, b):
+    """Bit equality with NaN matched by class."""
+    import torch
+
+    a, b = a.reshape(-1).view(torch.int16), b.reshape(-1).view(torch.int16)
+    na, nb = (a & 0x7FFF) > 0x7F80, (b & 0x7FFF) > 0x7F80
+    return bool(((na == nb) & (na | (a == b))).all())
+
+
+def slots(pattern, n, num_pages, page_size, gen):
+    """Token slots to write/read. 'random': any slot of the pool (the worst case).
+    'paged': whole pages in random order, slots in order inside a page — how a
+    paged allocator lays out a request's tokens."""
+    import torch
+    if pattern == "random":
+        return torch.randperm(num_pages * page_size, generator=gen, device="cuda")[:n]
+    pages = torch.randperm(num_pages, generator=gen, device="cuda")
+    inner = torch.arange(page_size, device="cuda")
+    return (pages[:, None] * page_size + inner[None, :]).reshape(-1)[:n]
+
+
+def run(args):
+    import torch
+    import triton
+
+    if not torch.cuda.is_available():
+        print("bench_kv_cache: needs a CUDA device", file=sys.stderr)
+        return 2
+
+    from capdispatch.backends.kv_cache import reference as R
+
+    dev_name = torch.cuda.get_device_name()
+    cc = torch.cuda.get_device_capability()
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
+    print(f"device: {dev_name} (cc {cc[0]}.{cc[1]}), torch {torch.__version__}, triton {triton.__version__}, "
+          f"CUDA {torch.version.cuda}, seed {seed}")
+
+    copy_gbps, copy_ms = copy_bandwidth(args.copy_bytes, args.warmup, args.rep)
+    print(f"copy bandwidth: {copy_gbps:.0f} GB/s (read+write, {args.copy_bytes / 2**30:.1f} GiB, {copy_ms:.3f} ms)")
+
+    backends = [b for b in args.backends if not (b == "triton_fp8" and cc < (8, 9))]
+    sglang_fn, sglang_why = _sglang_dequant()
+    if sglang_fn is None:
+        print(f"sglang dequant not timed: {sglang_why}")
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    rows = []
+    P = args.page_size
+    for n, pattern in [(n, s) for n in args.tokens for s in args.slots]:
+        num_pages = math.ceil(n / P)
+        k = rand_k(n, gen)
+        loc = slots(pattern, n, num_pages, P, gen)
+        ref_pool = R.new_pool(num_pages, P, "cuda")
+        R.kv_quant(k, ref_pool, loc, P)
+        ref_out = R.kv_dequant(ref_pool, loc, P)
+        pool = torch.empty_like(ref_pool)
+        out = torch.empty_like(ref_out)
+        times = {}
+        for backend in backends:
+            quant, dequant = _ops(backend)
+            pool.zero_()
+            quant(k, pool, loc, P)
+            ok_q = bool(torch.equal(pool, ref_pool))
+            out.fill_(float("nan"))
+            dequant(ref_pool, loc, P, out=out)
+            ok_d = _same_bf16(out, ref_out)
+            if not (ok_q and ok_d):
+                print(f"  {backend}: CORRECTNESS FAILURE n={n} quant_ok={ok_q} dequant_ok={ok_d}")
+            tq = _bench(lambda: quant(k, pool, loc, P), args.warmup, args.rep)
+            td = _bench(lambda: dequant(ref_pool, loc, P, out=out), args.warmup, args.rep)
+            times[backend] = (tq, td)
+            for op, ms, nbytes in (("kv_quant", tq, QUANT_BYTES_PER_TOKEN),
+                                   ("kv_dequant", td, DEQUANT_BYTES_PER_TOKEN)):
+                gbps = n * nbytes / ms / 1e6
+                rows.append(dict(tokens=n, slots=pattern, page_size=P, backend=backend, op=op, ms=ms, gbps=gbps,
+                                 frac_copy=gbps / copy_gbps, correct=ok_q if op == "kv_quant" else ok_d))
+                print(f"  n={n:>8} {pattern:>6} {backend:>10} {op:>10}: {ms:8.4f} ms {gbps:7.0f} GB/s "
+                      f"{100 * gbps / copy_gbps:5.1f}% of copy  correct={rows[-1]['correct']}")
+        if sglang_fn is not None:
+            try:
+                out.fill_(float("nan"))
+                sglang_fn(ref_pool, loc, P, out=out)
+                ok = _same_bf16(out, ref_out)
+                ms = _bench(lambda: sglang_fn(ref_pool, loc, P, out=out), args.warmup, args.rep)
+                gbps = n * DEQUANT_BYTES_PER_TOKEN / ms / 1e6
+                rows.append(dict(tokens=n, slots=pattern, page_size=P, backend="sglang", op="kv_dequant", ms=ms, gbps=gbps,
+                                 frac_copy=gbps / copy_gbps, correct=ok))
+                print(f"  n={n:>8} {pattern:>6} {'sglang':>10} {'kv_dequant':>10}: {ms:8.4f} ms {gbps:7.0f} GB/s "
+                      f"{100 * gbps / copy_gbps:5.1f}% of copy  correct={ok}")
+            except Exception as exc:  # report, keep the other results
+                print(f"  sglang dequant failed: {type(exc).__name__}: {exc}")
+        if "triton_u8" in times and "triton_fp8" in times:
+            (uq, ud), (fq, fd) = times["triton_u8"], times["triton_fp8"]
+            print(f"  n={n:>8} {pattern:>6} time ratio triton_u8/triton_fp8: quant {uq / fq:.3f}, dequant {ud / fd:.3f}")
+            for op, r in (("kv_quant", uq / fq), ("kv_dequant", ud / fd)):
+                rows.append(dict(tokens=n, slots=pattern, page_size=P, backend="triton_u8/triton_fp8", op=op, ratio=r))
+        del k, loc, ref_pool, ref_out, pool, out
+        torch.cuda.empty_cache()
+
+    meta = dict(
+        device=dev_name, compute_capability=f"{cc[0]}.{cc[1]}", torch=torch.__version__,
+        triton=triton.__version__, cuda=torch.version.cuda, python=platform.python_version(),
+        date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), seed=seed,
+        page_size=P, copy_gbps=copy_gbps, copy_bytes=args.copy_bytes,
+        bytes_per_token={"kv_quant": QUANT_BYTES_PER_TOKEN, "kv_dequant": DEQUANT_BYTES_PER_TOKEN},
+        sglang=None if sglang_fn is not None else sglang_why,
+        do_bench=dict(warmup_ms=args.warmup, rep_ms=args.rep, return_mode="median"),
+    )
+    _write(args.out, meta, rows)
+    return 0 if all(r.get("correct", True) for r in rows) else 1
+
+
+def _write(out_dir, meta, rows):
+    os.makedirs(out_dir, exist_ok=True)
+    slug = "".join(c if c.isalnum() else "_" for c in meta["device"]).strip("_").lower()
+    stamp = meta["date"].replace(":", "").replace("-", "")[:15]
+    base = os.path.join(out_dir, f"kv_cache_{slug}_{stamp}")
+    with open(base + ".json", "w") as f:
+        json.dump(dict(meta=meta, results=rows), f, indent=2)
+    lines = [
+        f"# KV-cache kernels on {meta['device']}",
+        "",
+        f"- date: {meta['date']}; torch {meta['torch']}, triton {meta['triton']}, CUDA {meta['cuda']}, "
+        f"cc {meta['compute_capability']}; seed {meta['seed']}; page size {meta['page_size']}",
+        f"- copy bandwidth (read+write): {meta['copy_gbps']:.0f} GB/s",
+        f"- bytes/token: quant {QUANT_BYTES_PER_TOKEN}, dequant {DEQUANT_BYTES_PER_TOKEN}; "
+        "timings: triton.testing.do_bench median",
+        f"- sglang: {'timed' if meta['sglang'] is None else 'not timed (' + meta['sglang'] + ')'}",
+        "",
+        "| tokens | slots | op | backend | ms | GB/s | % of copy | correct |",
+        "| ---: | --- | --- | --- | ---: | ---: | ---: | --- |",
+    ]
+    for r in rows:
+        if "ratio" in r:
+            continue
+        lines.append(f"| {r['tokens']} | {r['slots']} | {r['op']} | {r['backend']} | {r['ms']:.4f} | {r['gbps']:.0f} | "
+                     f"{100 * r['frac_copy']:.1f} | {r['correct']} |")
+    ratios = [r for r in rows if "ratio" in r]
+    if ratios:
+        lines += ["", "| tokens | slots | op | time triton_u8 / triton_fp8 |", "| ---: | --- | --- | ---: |"]
+        lines += [f"| {r['tokens']} | {r['slots']} | {r['op']} | {r['ratio']:.3f} |" for r in ratios]
+    with open(base + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"wrote {base}.json and {base}.md")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, nargs="+", default=[262144, 1048576])
+    p.add_argument("--page-size", type=int, default=256)
+    p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
+    p.add_argument("--copy-bytes", type=int, default=2 << 30, help="bytes per copy for the bandwidth ceiling")
+    p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
+    p.add_argument("--rep", type=int, default=200, help="do_bench measuring time, ms")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--slots", nargs="+", default=["random", "paged"], choices=("random", "paged"))
+    p.add_argument("--out", default=os.path.join("benchmarks", "results"))
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""DeepSeek-V4 ("V4") paged KV-cache byte layout, byte-compatible with SGLang 0.5.23.
+
+Pure Python on purpose (no torch import) so that registries and tooling can read
+the constants without pulling in a tensor library.
+
+One K row is 512 bf16 values: 448 "nope" values followed by 64 "rope" values.
+
+Per token (584 bytes):
+  * 576 contiguous data bytes: 448 fp8 e4m3fn nope bytes, then 64 raw bf16 rope
+    values (128 bytes);
+  * 8 scale bytes: 7 UE8M0 exponents (one per 64-value nope tile, value
+    ``2 ** (byte - 127)``) and one pad byte, written as 0.
+
+Per page of P tokens: ``[P x 576 data bytes][P x 8 scale bytes]``, the page
+length padded up to a multiple of 576. The pool is a uint8 tensor
+``[num_pages, bytes_per_page]``; token slot ``loc`` lives in page ``loc // P``
+at slot ``loc % P``.
+"""
+
+from __future__ import annotations
+
+DIM_NOPE = 448  # fp8-quantised part of a K row
+DIM_ROPE = 64  # raw bf16 part of a K row
+DIM = DIM_NOPE + DIM_ROPE  # 512 values per K row
+TILE = 64  # nope values sharing one scale
+NUM_TILES = DIM_NOPE // TILE  # 7 scales per token
+
+ROPE_ELEM_BYTES = 2  # bf16
+ROPE_BYTE_OFFSET = DIM_NOPE  # rope starts right after the 448 fp8 bytes
+DATA_BYTES = DIM_NOPE + DIM_ROPE * ROPE_ELEM_BYTES  # 576 contiguous bytes per token
+SCALE_BYTES = NUM_TILES + 1  # 7 scales + 1 pad byte (written as 0)
+TOKEN_BYTES = DATA_BYTES + SCALE_BYTES  # 584
+PAGE_ALIGN = DATA_BYTES  # a page's byte length is padded to a multiple of this
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+SCALE_EPS = 1e-8  # amax floor before computing the tile scale
+UE8M0_BIAS = 127  # scale = 2 ** (byte - UE8M0_BIAS)
+
+
+def _check_page_size(page_size: int) -> int:
+    if isinstance(page_size, bool) or not isinstance(page_size, int):
+        raise TypeError(f"page_size must be an int, got {type(page_size).__name__}")
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    return page_size
+
+
+def scale_offset(page_size: int) -> int:
+    """Byte offset of the scale block inside a page (after P x 576 data bytes)."""
+    return _check_page_size(page_size) * DATA_BYTES
+
+
+def min_bytes_per_page(page_size: int) -> int:
+    """Bytes a page needs before padding: P x 584."""
+    return _check_page_size(page_size) * TOKEN_BYTES
+
+
+def bytes_per_page(page_size: int) -> int:
+    """Padded page length: P x 584 rounded up to a multiple of 576."""
+    need = min_bytes_per_page(page_size)
+    return -(-need // PAGE_ALIGN) * PAGE_ALIGN
+
+
+def token_data_offset(loc: int, page_size: int, page_bytes: int | None = None) -> int:
+    """Flat byte offset of token ``loc``'s 576 data bytes in a pool."""
+    page_bytes = bytes_per_page(page_size) if page_bytes is None else page_bytes
+    page, slot = divmod(loc, page_size)
+    return page * page_bytes + slot * DATA_BYTES
+
+
+def token_scale_offset(loc: int, page_size: int, page_bytes: int | None = None) -> int:
+    """Flat byte offset of token ``loc``'s 8 scale bytes in a pool."""
+    page_bytes = bytes_per_page(page_size) if page_bytes is None else page_bytes
+    page, slot = divmod(loc, page_size)
+    return page * page_bytes + scale_offset(page_size) + slot * SCALE_BYTES
