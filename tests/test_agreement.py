@@ -6,6 +6,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 POL = os.path.join(os.path.dirname(__file__), "policies")
 
 WORKER = textwrap.dedent("""
@@ -72,3 +74,42 @@ def test_mixed_group_error_aborts_every_rank_with_one_message():
     assert [rc for rc, _, _ in runs] == [3, 3, 3], [err for _, _, err in runs]
     msgs = {next(l for l in out.splitlines() if l.startswith("ABORT ")) for _, out, _ in runs}
     assert len(msgs) == 1 and "mixed_group is error" in msgs.pop()
+
+
+NCCL_WORKER = textwrap.dedent("""
+    import json, os, sys
+    import torch, torch.distributed as dist
+    import capdispatch as cd
+    from capdispatch.dispatch.agreement import agree
+    rank = int(os.environ["RANK"])
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", rank))
+    p = agree(cd.probe(f"cuda:{rank}"))
+    print("RESULT " + json.dumps({op: {d: r.backend for d, r in g.per_device.items()}
+                                  for op, g in p.ops.items()}), flush=True)
+    dist.destroy_process_group()
+""")
+
+
+@pytest.mark.gpu
+def test_real_ranks_agree_over_nccl():
+    import torch
+    n = torch.cuda.device_count()
+    if n < 2:
+        pytest.skip("needs two CUDA devices")
+    port = str(_free_port())
+    procs = []
+    for rank in range(2):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("CAPDISPATCH_")}
+        env.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        procs.append(subprocess.Popen([sys.executable, "-c", NCCL_WORKER], env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    runs = [(p.wait(timeout=300), p.stdout.read(), p.stderr.read()) for p in procs]
+    results = []
+    for rc, out, err in runs:
+        assert rc == 0, err
+        results.append(next(l for l in out.splitlines() if l.startswith("RESULT ")))
+    assert len(set(results)) == 1
+    decided = json.loads(results[0][len("RESULT "):])
+    assert set(decided["kv_dequant"]) == {"rank0:cuda:0", "rank1:cuda:1"}
+    print(results[0])
