@@ -40,16 +40,17 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _launch(policy=None):
+def _launch(policy=None, worker=WORKER, world=3):
+    """Start WORLD ranks of WORKER; return (rc, stdout, stderr) per rank."""
     port = str(_free_port())
     procs = []
-    for rank in range(3):
+    for rank in range(world):
         env = {k: v for k, v in os.environ.items() if not k.startswith("CAPDISPATCH_")}
-        env.update(RANK=str(rank), WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+        env.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
                    POLICY=policy or "")
-        procs.append(subprocess.Popen([sys.executable, "-c", WORKER], env=env, text=True,
+        procs.append(subprocess.Popen([sys.executable, "-c", worker], env=env, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    return [(p.wait(timeout=180), p.stdout.read(), p.stderr.read()) for p in procs]
+    return [(p.wait(timeout=300), p.stdout.read(), p.stderr.read()) for p in procs]
 
 
 def test_three_ranks_agree_and_warn_once():
@@ -97,14 +98,7 @@ def test_real_ranks_agree_over_nccl():
     n = torch.cuda.device_count()
     if n < 2:
         pytest.skip("needs two CUDA devices")
-    port = str(_free_port())
-    procs = []
-    for rank in range(2):
-        env = {k: v for k, v in os.environ.items() if not k.startswith("CAPDISPATCH_")}
-        env.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        procs.append(subprocess.Popen([sys.executable, "-c", NCCL_WORKER], env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    runs = [(p.wait(timeout=300), p.stdout.read(), p.stderr.read()) for p in procs]
+    runs = _launch(worker=NCCL_WORKER, world=2)
     results = []
     for rc, out, err in runs:
         assert rc == 0, err

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Mapping, Optional
 
 import attrs
-from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from ..capabilities import DeviceSpec, Inventory

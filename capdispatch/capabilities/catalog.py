@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import difflib
+import functools
 import re
 from typing import Optional
 
@@ -13,6 +14,7 @@ class UnknownDeviceError(ValueError):
     """A device name that is neither in the catalog nor a bare architecture."""
 
 
+@functools.lru_cache(maxsize=None)   # static package data
 def _entries() -> dict:
     data = _data.load("catalog.yaml")
     table = {}
@@ -26,6 +28,7 @@ def names() -> list:
     return sorted(_entries())
 
 
+@functools.lru_cache(maxsize=None)
 def _aliases() -> dict:
     out = {}
     for key, body in _entries().items():
