@@ -5,6 +5,7 @@ import os
 import pytest
 
 POL = os.path.join(os.path.dirname(__file__), "policies")
+KV = ("--op", "kv_quant", "--op", "kv_dequant")
 
 
 def explain_json(run_cli, *args, env=None):
@@ -34,7 +35,7 @@ def test_sm86_takes_u8_and_shows_why_not_fp8(run_cli):
                                       ("sim:sm_120", "triton_fp8"), ("sim:sm_86", "triton_u8"),
                                       ("cpu", "torch")])
 def test_choice_per_device(run_cli, dev, want):
-    rc, doc, err = explain_json(run_cli, "--device", dev, "--assume-lib", "triton")
+    rc, doc, err = explain_json(run_cli, "--device", dev, "--assume-lib", "triton", *KV)
     assert rc == 0, err
     assert {g["per_device"][doc["devices"][0]["id"]]["backend"] for g in doc["ops"].values()} == {want}
 
@@ -65,7 +66,7 @@ def test_mixed_rig_diverges_with_one_warning(run_cli):
 
 def test_mixed_rig_uniform_runs_one_kernel(run_cli):
     rc, doc, err = explain_json(run_cli, "--device", "sim:rtx-5090,sim:rtx-3080,sim:rtx-3080",
-                                "--assume-lib", "triton", "--policy", os.path.join(POL, "uniform.yaml"))
+                                "--assume-lib", "triton", "--policy", os.path.join(POL, "uniform.yaml"), *KV)
     assert rc == 0, err
     for g in doc["ops"].values():
         assert g["uniform"] is True

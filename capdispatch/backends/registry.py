@@ -11,6 +11,7 @@ from .base import Backend, Op
 
 BUILTIN_OP_PACKAGES = (
     "capdispatch.backends.kv_cache",
+    "capdispatch.backends.moe",
 )
 
 

@@ -18,6 +18,7 @@ class Rule:
     source: str
     cc: Optional[SpecifierSet] = None
     smem: Optional[int] = None
+    cc_text: str = ""      # the rule as written (SpecifierSet sorts its parts)
 
     def holds(self, spec: DeviceSpec) -> bool:
         if spec.platform != "cuda":
@@ -34,7 +35,7 @@ class Rule:
     def need(self) -> str:
         parts = []
         if self.cc is not None:
-            parts.append(f"cc {self.cc}")
+            parts.append(f"cc {self.cc_text or self.cc}")
         if self.smem is not None:
             parts.append(f"opt-in smem >= {self.smem} B")
         return " and ".join(parts)
@@ -58,6 +59,7 @@ def rules() -> dict:
             name=name,
             source=body["source"],
             cc=SpecifierSet(body["cc"]) if "cc" in body else None,
+            cc_text=body.get("cc", ""),
             smem=body.get("smem"),
         )
     return table

@@ -1,0 +1,81 @@
+"""Routed-expert MoE of DeepSeek-V4: packed MXFP4 weights, E8M0 scales, clamped SwiGLU, top-k 6.
+
+Declarations only (no torch, no kernel library at import): the torch reference
+is in reference.py, the Triton W4A16 kernels in triton_kernels.py, the thin
+adapters to FlashInfer and SGLang's Marlin in flashinfer_adapters.py and
+marlin_adapter.py; each is imported when its backend is bound or prepared.
+
+Op contract (see reference.py): ``moe(x, weights, topk_weights, topk_ids,
+out=None) -> bf16 [T, H]`` with LOCAL expert ids and -1 for masked routes.
+Weights are a ``MoeWeights`` (weights.py); a backend whose kernel consumes a
+shuffled layout needs ``prepare(weights, backend)`` once after loading (in
+place, bytes per expert unchanged).
+"""
+from ..base import Backend, ComputeCapability, Feature, Library, Op, Platform, TritonTarget
+from .weights import LAYOUTS, LayoutError, MoeWeights, packed_bytes_per_expert, prepare
+
+__all__ = ["OPS", "register", "MoeWeights", "prepare", "packed_bytes_per_expert", "LayoutError",
+           "LAYOUTS", "BACKEND_ORDER", "SGLANG_RUNNER_BACKEND"]
+
+_PKG = "capdispatch.backends.moe"
+
+OPS = (
+    Op("moe",
+       "routed experts: packed MXFP4 weights + E8M0 scales (never widened), clamped SwiGLU, "
+       "weighted top-k sum; expert id -1 = masked (not local under EP)",
+       "moe(x, weights, topk_weights, topk_ids, out=None) -> Tensor", reference="torch"),
+)
+
+_TORCH = Library("torch", ">=2.4", module="torch")
+_TRITON = Library("triton", ">=3.2", module="triton")
+# 0.6.14: first release with the SM120 MXFP8 x MXFP4 CUTLASS MoE and the SM90
+# mixed-input (W4A16) interleave helpers that SGLang 0.5.23 calls.
+_FLASHINFER = Library("flashinfer-python", ">=0.6.14", module="flashinfer.fused_moe")
+# SGLang 0.5.23's MXFP4 Marlin MoE: sglang.srt.layers.moe.fused_moe_triton.fused_marlin_moe
+# (GEMM JIT-built from the sglang wheel's csrc through apache-tvm-ffi), which imports
+# sgl_kernel (distribution sglang-kernel) for scalar types and moe_sum_reduce.
+_SGLANG = Library("sglang", ">=0.5.23", module="sglang.srt.layers.moe.fused_moe_triton.fused_marlin_moe")
+_SGL_KERNEL = Library("sglang-kernel", ">=0.4.10", module="sgl_kernel")
+_CUDA = Platform("cuda")
+
+# Registration order is the default order: fastest first.
+BACKEND_ORDER = ("flashinfer_cutlass_w4a8", "flashinfer_trtllm_w4a8", "flashinfer_cutlass_w4a16",
+                 "marlin_w4a16", "triton_w4a16", "torch")
+
+# SGLang 0.5.23 `--moe-runner-backend` value that runs the same kernel family,
+# for the adapter's knob map (None: capdispatch routes the call itself).
+SGLANG_RUNNER_BACKEND = {
+    "flashinfer_cutlass_w4a8": "flashinfer_mxfp4",    # Mxfp4FlashinferCutlassMoEMethod, SM120 MXFP8 path
+    "flashinfer_trtllm_w4a8": "flashinfer_mxfp4",     # Mxfp4FlashinferTrtllmMoEMethod (SM100)
+    "flashinfer_cutlass_w4a16": "flashinfer_mxfp4",   # Mxfp4FlashinferCutlassMoEMethod, SM90 W4A16
+    "marlin_w4a16": "marlin",                          # Mxfp4MarlinMoEMethod
+    "triton_w4a16": None,
+    "torch": None,
+}
+
+
+def register(registry) -> None:
+    for op in OPS:
+        registry.add_op(op)
+    add = registry.add_backend
+    add(Backend("moe", "flashinfer_cutlass_w4a8", f"{_PKG}.flashinfer_adapters:moe_cutlass_w4a8",
+                requires=(_TORCH, _CUDA, Feature("sm120_block_scaled_mma"), _FLASHINFER),
+                summary="FlashInfer CUTLASS MoE, MXFP8 activations x MXFP4 weights on the SM120 "
+                        "block-scaled MMA (SGLang flashinfer_mxfp4 on SM120)"))
+    add(Backend("moe", "flashinfer_trtllm_w4a8", f"{_PKG}.flashinfer_adapters:moe_trtllm_w4a8",
+                requires=(_TORCH, _CUDA, Feature("tcgen05"), _FLASHINFER),
+                summary="FlashInfer TRT-LLM-gen routed MoE, MXFP8 x MXFP4 on tcgen05 (SM100 family; "
+                        "cubins from flashinfer-cubin or FlashInfer's download cache)"))
+    add(Backend("moe", "flashinfer_cutlass_w4a16", f"{_PKG}.flashinfer_adapters:moe_cutlass_w4a16",
+                requires=(_TORCH, _CUDA, Feature("wgmma"), _FLASHINFER),
+                summary="FlashInfer CUTLASS mixed-input MoE, bf16 x MXFP4 on wgmma (SM90; JIT-built)"))
+    add(Backend("moe", "marlin_w4a16", f"{_PKG}.marlin_adapter:moe_marlin",
+                requires=(_TORCH, _CUDA, ComputeCapability(">=8.0"), _SGLANG, _SGL_KERNEL),
+                summary="SGLang's MXFP4 Marlin MoE (bf16 x MXFP4, JIT), -1 routes dropped before it"))
+    add(Backend("moe", "triton_w4a16", f"{_PKG}.triton_kernels:moe_w4a16",
+                requires=(_TORCH, _TRITON, TritonTarget("8.0")),
+                summary="Triton grouped GEMM, MXFP4 decoded on load, bf16 tensor cores (any card Triton "
+                        "supports from cc 8.0)"))
+    add(Backend("moe", "torch", f"{_PKG}.reference:moe",
+                requires=(_TORCH,),
+                summary="torch reference, one expert chunk decoded at a time (runs anywhere)"))

@@ -1,0 +1,357 @@
+"""Triton W4A16 routed-expert MoE: MXFP4 dequantised on load inside a grouped GEMM.
+
+Three launches plus one small routing kernel, no atomics (bit-stable run to run):
+
+1. routing: routes (t, k) with id >= 0 are grouped by expert, stable in route
+   order, into ``sorted_routes``; a block table lists, for each block of up to
+   BM routes of one expert, (expert, start, end). Blocks past the last real one
+   carry expert -1. A masked route (-1) gets no position: it is never computed
+   and its id is never used as an address. One Triton program does this for up
+   to ROUTING_MAX_ROUTES routes (decode and small prefill); beyond that torch ops
+   build the same table (large prefill, where the GEMMs dwarf them).
+2. GEMM1 + SwiGLU: per block and N-tile of I, acc_gate/acc_up over H with the
+   gate and up rows of w13 decoded from packed bytes in registers (e2m1 codes
+   built as float32 bit patterns, times the E8M0 scale), bf16 tensor-core dots
+   with float32 accumulation; the clamped SwiGLU in float32; h stored bf16 at
+   the route's sorted position. Only positions of unmasked routes are written.
+3. GEMM2: per block and N-tile of H, h rows times decoded w2, times the route's
+   top-k weight, stored float32 at the route's own row of ``routed`` [T*K, H].
+   Rows of masked routes are never written.
+4. combine: y[t] = sum over k in order of routed[t*K+k] where id >= 0 (loads of
+   masked rows are masked off: never read), rounded to bf16 once.
+
+The grid of 2 and 3 is an upper bound (cdiv(routes, BM) + E blocks) known on
+the host without reading device data, so nothing synchronises and the launch
+sequence is capturable in a CUDA graph. Shapes: H and I multiples of 64.
+This module imports triton at import time; it is imported when bound.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+
+from .reference import check_moe_args
+from .weights import CHECKPOINT
+
+__all__ = ["moe_w4a16", "routing_tables", "ROUTING_MAX_ROUTES"]
+
+ROUTING_MAX_ROUTES = 2048      # one-program routing kernel up to this many routes (torch ops beyond)
+ROUTING_CHUNK = 128            # routes per scan step: [128, EP] int32 scratch, fits 99 KB cards
+
+
+# --------------------------------------------------------------------------- #
+# Device helpers
+# --------------------------------------------------------------------------- #
+@triton.jit
+def _e2m1_to_f32(c):
+    """e2m1 code (int32 0..15) -> float32, exact: bits built directly."""
+    mag = c & 7
+    e = mag >> 1
+    m = mag & 1
+    bits = tl.where(e == 0, m * (126 << 23), ((e + 126) << 23) | (m << 22))
+    bits = bits | ((c & 8) << 28)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e8m0_to_f32(s):
+    """E8M0 byte (int32 0..255) -> float32 2**(s-127); 0 -> 2**-127, 255 -> NaN."""
+    bits = tl.where(s == 0, 0x00400000, s << 23)
+    bits = tl.where(s == 255, 0x7FC00000, bits)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _to_bf16(v, EXACT_RNE: tl.constexpr):
+    """float32 -> bf16, round to nearest even. The interpreter's own cast truncates
+    (triton 3.9 numpy emulation), so under it the rounding is done on the bits
+    first and the cast is then exact; on the GPU the hardware cvt rounds."""
+    if EXACT_RNE:
+        b = v.to(tl.int32, bitcast=True)
+        b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
+        v = b.to(tl.float32, bitcast=True)
+    return v.to(tl.bfloat16)
+
+
+@triton.jit
+def _dequant_tile(w_ptrs, s_ptrs, mask_n, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
+    """Packed rows [BN, BK/2] bytes + scales [BN, BK/32] -> bf16 [BN, BK] (float32 when F32)."""
+    wb = tl.load(w_ptrs, mask=mask_n[:, None], other=0).to(tl.int32)
+    sb = tl.load(s_ptrs, mask=mask_n[:, None], other=127).to(tl.int32)
+    lo = _e2m1_to_f32(wb & 15)
+    hi = _e2m1_to_f32(wb >> 4)
+    v = tl.reshape(tl.join(lo, hi), (BN, BK // 32, 32))     # element 2j low nibble, 2j+1 high
+    v = v * _e8m0_to_f32(sb)[:, :, None]
+    v = tl.reshape(v, (BN, BK))
+    if F32:
+        return v
+    return v.to(tl.bfloat16)
+
+
+# --------------------------------------------------------------------------- #
+# Routing
+# --------------------------------------------------------------------------- #
+@triton.jit
+def _routing_kernel(ids_ptr, sorted_ptr, blk_expert_ptr, blk_start_ptr, blk_end_ptr,
+                    R, E, MAXB,
+                    CH: tl.constexpr, EP: tl.constexpr, BP: tl.constexpr, BM: tl.constexpr):
+    """One program: counts per expert, stable positions (two passes over CH-route
+    chunks, so the scan scratch stays [CH, EP]), then the block table."""
+    ex = tl.arange(0, EP)
+    c = tl.arange(0, CH)
+    counts = tl.zeros((EP,), dtype=tl.int32)
+    for r0 in range(0, R, CH):
+        r = r0 + c
+        ids = tl.load(ids_ptr + r, mask=r < R, other=-1).to(tl.int32)
+        onehot = ((ids[:, None] == ex[None, :]) & (ids[:, None] >= 0)).to(tl.int32)      # [CH, EP]
+        counts += tl.sum(onehot, axis=0)
+    offsets = tl.cumsum(counts, axis=0) - counts            # exclusive start of each expert
+    base = offsets
+    for r0 in range(0, R, CH):
+        r = r0 + c
+        rmask = r < R
+        ids = tl.load(ids_ptr + r, mask=rmask, other=-1).to(tl.int32)
+        onehot = ((ids[:, None] == ex[None, :]) & (ids[:, None] >= 0)).to(tl.int32)
+        rank = tl.cumsum(onehot, axis=0)                    # inclusive rank within the chunk
+        pos = tl.sum(onehot * (base[None, :] + rank - 1), axis=1)
+        tl.store(sorted_ptr + pos, r, mask=rmask & (ids >= 0))     # a masked route gets no position
+        base += tl.sum(onehot, axis=0)
+    nblk = (counts + BM - 1) // BM
+    bcum = tl.cumsum(nblk, axis=0)                          # inclusive block ends
+    b = tl.arange(0, BP)
+    in_e = ((bcum[None, :] - nblk[None, :]) <= b[:, None]) & (b[:, None] < bcum[None, :])   # [BP, EP]
+    sel = in_e.to(tl.int32)
+    has = tl.sum(sel, axis=1) > 0
+    expert = tl.sum(sel * ex[None, :], axis=1)
+    lb = b - tl.sum(sel * (bcum - nblk)[None, :], axis=1)
+    start = tl.sum(sel * offsets[None, :], axis=1) + lb * BM
+    end = tl.minimum(start + BM, tl.sum(sel * (offsets + counts)[None, :], axis=1))
+    bmask = b < MAXB
+    tl.store(blk_expert_ptr + b, tl.where(has, expert, -1), mask=bmask)
+    tl.store(blk_start_ptr + b, tl.where(has, start, 0), mask=bmask)
+    tl.store(blk_end_ptr + b, tl.where(has, end, 0), mask=bmask)
+
+
+def max_blocks(R: int, E: int, BM: int) -> int:
+    return triton.cdiv(R, BM) + E
+
+
+def routing_tables(topk_ids: torch.Tensor, E: int, BM: int, force_torch: bool = False):
+    """(sorted_routes int32 [R], blk_expert, blk_start, blk_end int32 [MAXB]).
+
+    sorted_routes[p] for p < number of unmasked routes is a route index t*K+k,
+    grouped by expert in ascending expert order, route order kept inside an
+    expert; entries past that are never read. Same table from both paths."""
+    ids = topk_ids.reshape(-1)
+    R = ids.numel()
+    MAXB = max_blocks(R, E, BM)
+    dev = ids.device
+    sorted_routes = torch.empty(max(R, 1), dtype=torch.int32, device=dev)
+    blk = torch.empty(3, MAXB, dtype=torch.int32, device=dev)
+    if R <= ROUTING_MAX_ROUTES and E <= 128 and not force_torch:
+        EP = max(16, triton.next_power_of_2(E))
+        BP = max(16, triton.next_power_of_2(MAXB))
+        _routing_kernel[(1,)](ids, sorted_routes, blk[0], blk[1], blk[2], R, E, MAXB,
+                              CH=ROUTING_CHUNK, EP=EP, BP=BP, BM=BM, num_warps=4)
+        return sorted_routes, blk[0], blk[1], blk[2]
+    ids64 = ids.long()
+    key = torch.where(ids64 >= 0, ids64, E)
+    _, order = torch.sort(key, stable=True)
+    sorted_routes.copy_(order.to(torch.int32)) if R else None
+    counts = torch.bincount(key, minlength=E + 1)[:E]
+    offsets = torch.cumsum(counts, 0) - counts
+    nblk = (counts + BM - 1) // BM
+    bcum = torch.cumsum(nblk, 0)
+    b = torch.arange(MAXB, device=dev)
+    e_of_b = torch.searchsorted(bcum, b, right=True)
+    has = e_of_b < E
+    ec = e_of_b.clamp(max=E - 1)
+    start = offsets[ec] + (b - (bcum[ec] - nblk[ec])) * BM
+    end = torch.minimum(start + BM, offsets[ec] + counts[ec])
+    blk[0].copy_(torch.where(has, ec, -1))
+    blk[1].copy_(torch.where(has, start, 0))
+    blk[2].copy_(torch.where(has, end, 0))
+    return sorted_routes, blk[0], blk[1], blk[2]
+
+
+# --------------------------------------------------------------------------- #
+# GEMMs
+# --------------------------------------------------------------------------- #
+@triton.jit
+def _gemm1_swiglu_kernel(x_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, blk_expert_ptr, blk_start_ptr, blk_end_ptr,
+                         H, I, stride_x, limit,
+                         TOPK: tl.constexpr, HAS_LIMIT: tl.constexpr, F32: tl.constexpr,
+                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    pid_b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(blk_expert_ptr + pid_b)
+    if e >= 0:
+        start = tl.load(blk_start_ptr + pid_b)
+        end = tl.load(blk_end_ptr + pid_b)
+        offs_m = start + tl.arange(0, BM)
+        mask_m = offs_m < end
+        route = tl.load(sorted_ptr + offs_m, mask=mask_m, other=0)
+        tok = (route // TOPK).to(tl.int64)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        mask_n = offs_n < I
+        e64 = e.to(tl.int64)
+        w_base = w_ptr + e64 * (2 * I) * (H // 2)
+        s_base = s_ptr + e64 * (2 * I) * (H // 32)
+        rows_g = offs_n.to(tl.int64)
+        rows_u = rows_g + I
+        kb = tl.arange(0, BK // 2)
+        ks = tl.arange(0, BK // 32)
+        kx = tl.arange(0, BK)
+        acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+        acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, H, BK):
+            a = tl.load(x_ptr + tok[:, None] * stride_x + (k0 + kx)[None, :], mask=mask_m[:, None], other=0.0)
+            if F32:
+                a = a.to(tl.float32)
+            wg = _dequant_tile(w_base + rows_g[:, None] * (H // 2) + (k0 // 2 + kb)[None, :],
+                               s_base + rows_g[:, None] * (H // 32) + (k0 // 32 + ks)[None, :], mask_n, BN, BK, F32)
+            acc_g = tl.dot(a, tl.trans(wg), acc_g)
+            wu = _dequant_tile(w_base + rows_u[:, None] * (H // 2) + (k0 // 2 + kb)[None, :],
+                               s_base + rows_u[:, None] * (H // 32) + (k0 // 32 + ks)[None, :], mask_n, BN, BK, F32)
+            acc_u = tl.dot(a, tl.trans(wu), acc_u)
+        if HAS_LIMIT:
+            acc_g = tl.minimum(acc_g, limit)
+            acc_u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        tl.store(h_ptr + offs_m.to(tl.int64)[:, None] * I + offs_n[None, :], _to_bf16(h, F32),
+                 mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _gemm2_kernel(h_ptr, w_ptr, s_ptr, tw_ptr, routed_ptr, sorted_ptr, blk_expert_ptr, blk_start_ptr, blk_end_ptr,
+                  H, I, F32: tl.constexpr,
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    pid_b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(blk_expert_ptr + pid_b)
+    if e >= 0:
+        start = tl.load(blk_start_ptr + pid_b)
+        end = tl.load(blk_end_ptr + pid_b)
+        offs_m = start + tl.arange(0, BM)
+        mask_m = offs_m < end
+        route = tl.load(sorted_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+        offs_n = pid_n * BN + tl.arange(0, BN)
+        mask_n = offs_n < H
+        e64 = e.to(tl.int64)
+        w_base = w_ptr + e64 * H * (I // 2)
+        s_base = s_ptr + e64 * H * (I // 32)
+        rows = offs_n.to(tl.int64)
+        kb = tl.arange(0, BK // 2)
+        ks = tl.arange(0, BK // 32)
+        kx = tl.arange(0, BK)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, I, BK):
+            a = tl.load(h_ptr + offs_m.to(tl.int64)[:, None] * I + (k0 + kx)[None, :], mask=mask_m[:, None],
+                        other=0.0)
+            if F32:
+                a = a.to(tl.float32)
+            w = _dequant_tile(w_base + rows[:, None] * (I // 2) + (k0 // 2 + kb)[None, :],
+                              s_base + rows[:, None] * (I // 32) + (k0 // 32 + ks)[None, :], mask_n, BN, BK, F32)
+            acc = tl.dot(a, tl.trans(w), acc)
+        tw = tl.load(tw_ptr + route, mask=mask_m, other=0.0).to(tl.float32)
+        acc = acc * tw[:, None]
+        tl.store(routed_ptr + route[:, None] * H + offs_n[None, :], acc, mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _combine_kernel(routed_ptr, ids_ptr, out_ptr, H, stride_out, TOPK: tl.constexpr, BN: tl.constexpr,
+                    EXACT_RNE: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BN + tl.arange(0, BN)
+    mask = offs < H
+    acc = tl.zeros((BN,), dtype=tl.float32)
+    for k in tl.static_range(TOPK):
+        eid = tl.load(ids_ptr + t * TOPK + k)
+        live = mask & ((offs * 0 + eid) >= 0)      # masked route: its row is never read
+        v = tl.load(routed_ptr + (t * TOPK + k) * H + offs, mask=live, other=0.0)
+        acc += v
+    tl.store(out_ptr + t * stride_out + offs, _to_bf16(acc, EXACT_RNE), mask=mask)
+
+
+# --------------------------------------------------------------------------- #
+# Host side
+# --------------------------------------------------------------------------- #
+INTERPRETED = not isinstance(_combine_kernel, triton.runtime.jit.JITFunction)
+
+
+@contextlib.contextmanager
+def _on_device(device):
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            yield
+    else:
+        yield
+
+
+def _alloc(shape, dtype, device):
+    """Scratch buffers (uninitialised on purpose; tests poison them through this hook)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _config(avg_rows: float, H: int, I: int, interpreted: bool):
+    """(BM, BN1, BK1, BN2, BK2, warps1, warps2) from the mean routes per active expert.
+    Chosen by reasoning, not tuned on hardware yet (the benchmark reports the outcome)."""
+    if interpreted:
+        return 16, 32, 64, 32, 64, 4, 4
+    if avg_rows <= 16:
+        return 16, 64, 128, 64, 128, 4, 4
+    if avg_rows <= 64:
+        return 32, 64, 128, 64, 128, 4, 4
+    if avg_rows <= 128:
+        return 64, 64, 64, 128, 64, 4, 8
+    # Prefill: 128 rows share each decoded weight tile (the decode is ALU work per weight).
+    return 128, 64, 64, 128, 64, 8, 8
+
+
+def moe_w4a16(x, weights, topk_weights, topk_ids, out=None, *, force_torch_routing: bool = False):
+    """The ``moe`` op (contract: reference.py) with the Triton W4A16 kernels."""
+    check_moe_args(x, weights, topk_weights, topk_ids, out)
+    weights.require_layout(CHECKPOINT, "triton_w4a16")
+    dev = x.device
+    if dev.type == "cpu" and not INTERPRETED:
+        raise ValueError("Triton MoE kernels need CUDA tensors (CPU tensors only when imported with "
+                         "TRITON_INTERPRET=1)")
+    T, H = x.shape
+    K = topk_ids.shape[1]
+    E, I = weights.num_experts, weights.intermediate
+    if H % 64 or I % 64:
+        raise ValueError(f"triton_w4a16 needs H and I to be multiples of 64 (H={H}, I={I})")
+    if out is None:
+        out = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
+    if T == 0:
+        return out
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if out.stride(1) != 1:
+        raise ValueError("out must have unit stride along H")
+    ids = topk_ids.contiguous()
+    tw = topk_weights.contiguous()
+    R = T * K
+    BM, BN1, BK1, BN2, BK2, W1, W2 = _config(R / max(1, min(E, R)), H, I, INTERPRETED)
+    BK1 = BK1 if H % BK1 == 0 else 64           # K tiles never straddle the end of a row
+    BK2 = BK2 if I % BK2 == 0 else 64
+    with _on_device(dev):
+        sorted_routes, be, bs, bend = routing_tables(ids, E, BM, force_torch=force_torch_routing)
+        MAXB = be.numel()
+        h = _alloc((R, I), torch.bfloat16, dev)           # rows of masked routes: never written/read
+        routed = _alloc((R, H), torch.float32, dev)
+        limit = weights.swiglu_limit
+        _gemm1_swiglu_kernel[(MAXB, triton.cdiv(I, BN1))](
+            x, weights.w13, weights.w13_scale, h, sorted_routes, be, bs, bend,
+            H, I, x.stride(0), float(limit) if limit is not None else 0.0,
+            TOPK=K, HAS_LIMIT=limit is not None, F32=INTERPRETED, BM=BM, BN=BN1, BK=BK1, num_warps=W1)
+        _gemm2_kernel[(MAXB, triton.cdiv(H, BN2))](
+            h, weights.w2, weights.w2_scale, tw, routed, sorted_routes, be, bs, bend,
+            H, I, F32=INTERPRETED, BM=BM, BN=BN2, BK=BK2, num_warps=W2)
+        BNC = 1024 if H >= 1024 else triton.next_power_of_2(H)
+        _combine_kernel[(T, triton.cdiv(H, BNC))](routed, ids, out, H, out.stride(0), TOPK=K, BN=BNC,
+                                                   EXACT_RNE=INTERPRETED, num_warps=4)
+    return out
