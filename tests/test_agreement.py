@@ -19,11 +19,11 @@ WORKER = textwrap.dedent("""
     dist.init_process_group("gloo")
     logging.basicConfig(level=logging.WARNING, format="WARNING %(message)s")
     card = ["sim:rtx-5090", "sim:rtx-3080", "sim:rtx-3080"][rank]
-    kwargs = {"assume_libs": ["triton"]}
+    kwargs = {"assume_libs": ["triton"], "ops": ["kv_quant", "kv_dequant"]}
     if os.environ.get("POLICY"):
         kwargs["policy"] = os.environ["POLICY"]
     try:
-        p = agree(cd.probe(card), **kwargs)
+        p = agree(cd.probe(card), kwargs.pop("ops"), **kwargs)
         print("RESULT " + json.dumps({op: {d: r.backend for d, r in g.per_device.items()}
                                       for op, g in p.ops.items()}), flush=True)
     except AgreementError as exc:

@@ -1,0 +1,380 @@
+"""Benchmark the attention ops (sparse_prefill, decode_mla) on a CUDA GPU at DeepSeek-V4 shapes.
+
+    python benchmarks/bench_attention.py [--out DIR] [--ops sparse_prefill decode_mla]
+                                         [--quick] [--tune] [--graphs]
+
+What it does:
+  1. measures the ceilings: device-to-device copy bandwidth (a large torch copy, bytes
+     read + written) and the dense bf16 matmul rate (torch.matmul 8192^3);
+  2. asks capdispatch which backends of each op can run on cuda:0 (a fresh registry with
+     this op package, real import checks) and says why the others cannot;
+  3. for each shape draws fresh random inputs (seed printed; DeepSeek-V4: 64 heads, head
+     dim 512, top-k 512; decode pools written by kv_quant, page size 256 for the SWA pool
+     with a 128-entry window list, page size 64 for the c4 compressed pool with top-k 512),
+     checks every runnable backend against the torch reference (out relative error
+     <= 1e-2, statistics within 1e-3: the tests' bounds), then times it
+     (triton.testing.do_bench median; with --graphs also inside a CUDA graph);
+  4. reports for each backend: time, fraction of the roofline
+        roofline time = max(bytes / copy bandwidth, FLOPs / bf16 matmul rate)
+        bytes  = the distinct K/V rows the inputs reference, each read once (1024 B
+                 bf16 for prefill, 584 B per pool token for decode) + q + out (1024 B
+                 per token x head) + indices (4 B per entry) + statistics
+        FLOPs  = 2 x 2 x tokens x heads x entries x 512 (Q.K^T and P.V)
+     which term bounds it, and the Triton / torch speedup;
+  5. with --tune, sweeps Triton launch configurations per shape and reports the best;
+  6. writes JSON + markdown into --out (default benchmarks/results).
+
+Importable without a GPU; it only needs CUDA when run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import importlib
+import json
+import math
+import os
+import platform
+import random
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+SCALE = 512 ** -0.5
+H = 64
+PREFILL_SHAPES = [  # (queries, s_kv, topk)
+    dict(s=4096, s_kv=65536, topk=512),
+    dict(s=16384, s_kv=65536, topk=512),
+    dict(s=4096, s_kv=65536, topk=640),     # top-k 512 + SWA window 128, as SGLang combines them
+]
+DECODE_SHAPES = [   # tokens; SWA list 128 over page-256 pool + c4 list 512 over page-64 pool
+    dict(tokens=1), dict(tokens=8), dict(tokens=32), dict(tokens=64), dict(tokens=128),
+    dict(tokens=4096),   # an extend through the paged path (what SM120 does)
+]
+QUICK_PREFILL = PREFILL_SHAPES[:1]
+QUICK_DECODE = [DECODE_SHAPES[0], DECODE_SHAPES[2], DECODE_SHAPES[5]]
+SWA_TOPK, SWA_PAGE, C4_TOPK, C4_PAGE = 128, 256, 512, 64
+
+TUNE_CONFIGS = [dict(BLOCK_H=bh, BLOCK_N=bn, num_warps=w, num_stages=st) for bh, bn, w, st in (
+    (64, 32, 8, 2), (64, 32, 8, 1), (64, 16, 8, 2), (64, 64, 8, 1), (64, 32, 4, 2),
+    (32, 32, 8, 2), (32, 32, 4, 2), (32, 64, 8, 2), (32, 16, 4, 2), (32, 32, 4, 3),
+    (16, 32, 4, 2), (16, 64, 4, 2), (16, 32, 2, 2),
+)]
+
+
+def registry():
+    from capdispatch.backends.registry import BUILTIN_OP_PACKAGES, Registry
+    reg = Registry()
+    for pkg in dict.fromkeys(BUILTIN_OP_PACKAGES + ("capdispatch.backends.sparse_prefill",
+                                                    "capdispatch.backends.decode_mla")):
+        importlib.import_module(pkg).register(reg)
+    return reg
+
+
+def _bench(fn, warmup, rep):
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def _bench_graph(fn, rep):
+    import triton.testing
+    return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
+
+
+def copy_bandwidth(nbytes, warmup, rep):
+    import torch
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = _bench(lambda: dst.copy_(src), warmup, rep)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / ms / 1e6, ms
+
+
+def matmul_rate(n, warmup, rep):
+    import torch
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = _bench(lambda: a @ b, warmup, rep)
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * n ** 3 / ms / 1e9, ms      # TFLOP/s
+
+
+def runnable(op, reg):
+    """{backend: None if it can run on cuda:0 else the reasons}."""
+    import capdispatch as cd
+    res = cd.resolve(op, "cuda:0", registry=reg)
+    out = {}
+    for c in res.candidates:
+        out[c.backend] = None if c.ok else "; ".join(ch.message or ch.code for ch in c.checks if not ch.ok)
+    return out
+
+
+# --------------------------------------------------------------------------- #
+# Inputs and accounting
+# --------------------------------------------------------------------------- #
+def prefill_inputs(shape, gen):
+    import torch
+    s, s_kv, topk = shape["s"], shape["s_kv"], shape["topk"]
+    q = (torch.randn(s, H, 512, generator=gen, device="cuda") * 2).bfloat16()
+    kv = torch.randn(s_kv, 1, 512, generator=gen, device="cuda").bfloat16()
+    idx = torch.randint(0, s_kv, (s, 1, topk), generator=gen, device="cuda", dtype=torch.int32)
+    idx[torch.rand(idx.shape, generator=gen, device="cuda") < 0.05] = -1
+    sink = torch.randn(H, generator=gen, device="cuda")
+    rows = int(torch.unique(idx[idx >= 0]).numel())
+    return (q, kv, idx, SCALE, 512, sink, None), dict(tokens=s, entries=topk, rows=rows)
+
+
+def _pool(n_tokens, page_size, gen):
+    import torch
+    from capdispatch.backends.kv_cache import reference as KV
+    pages = math.ceil(n_tokens / page_size)
+    pool = KV.new_pool(pages, page_size, "cuda")
+    rows = torch.randn(pages * page_size, 512, generator=gen, device="cuda").bfloat16()
+    KV.kv_quant(rows, pool, torch.arange(pages * page_size, device="cuda"), page_size)
+    return pool
+
+
+def decode_inputs(shape, gen):
+    import torch
+    T = shape["tokens"]
+    swa_tokens = max(4 * SWA_PAGE, T * SWA_TOPK)          # the SWA pool: every token's window
+    c4_tokens = 65536                                      # 256k context / 4
+    pool = _pool(swa_tokens, SWA_PAGE, gen)
+    cpool = _pool(c4_tokens, C4_PAGE, gen)
+    q = (torch.randn(T, 1, H, 512, generator=gen, device="cuda") * 2).bfloat16()
+    idx = torch.randint(0, pool.shape[0] * SWA_PAGE, (T, 1, SWA_TOPK), generator=gen, device="cuda",
+                        dtype=torch.int32)
+    cidx = torch.randint(0, cpool.shape[0] * C4_PAGE, (T, 1, C4_TOPK), generator=gen, device="cuda",
+                         dtype=torch.int32)
+    lengths = torch.full((T,), SWA_TOPK, dtype=torch.int32, device="cuda")
+    clengths = torch.full((T,), C4_TOPK, dtype=torch.int32, device="cuda")
+    sink = torch.randn(H, generator=gen, device="cuda")
+    args = (q, pool, idx, SWA_PAGE, SCALE, lengths, sink, cpool, cidx, C4_PAGE, clengths)
+    rows = int(torch.unique(idx).numel()) + int(torch.unique(cidx).numel())
+    return args, dict(tokens=T, entries=SWA_TOPK + C4_TOPK, rows=rows)
+
+
+def work(op, acc):
+    T, n = acc["tokens"], acc["entries"]
+    flops = 2 * 2 * T * H * n * 512
+    row = 1024 if op == "sparse_prefill" else 584
+    nbytes = acc["rows"] * row + T * n * 4 + T * H * (1024 + 1024) + T * H * (8 if op == "sparse_prefill" else 4)
+    return flops, nbytes
+
+
+def _check(op, got, want):
+    import torch
+    o, ro = got[0].float(), want[0].float()
+    rel = ((o - ro).norm() / ro.norm().clamp_min(1e-30)).item()
+    stat_err = 0.0
+    same_inf = True
+    for g, w in zip(got[1:], want[1:]):
+        fin = torch.isfinite(w)
+        same_inf &= bool(torch.equal(torch.isfinite(g), fin)) and bool(torch.equal(g[~fin], w[~fin]))
+        if fin.any():
+            stat_err = max(stat_err, (g[fin] - w[fin]).abs().max().item())
+    ok = rel <= 1e-2 and stat_err <= 1e-3 and same_inf and bool(torch.isfinite(got[0]).all())
+    return ok, rel, stat_err
+
+
+# --------------------------------------------------------------------------- #
+# Run
+# --------------------------------------------------------------------------- #
+def run(args):
+    import torch
+    import triton
+
+    if not torch.cuda.is_available():
+        print("bench_attention: needs a CUDA device", file=sys.stderr)
+        return 2
+    import capdispatch as cd
+
+    dev_name = torch.cuda.get_device_name()
+    cc = torch.cuda.get_device_capability()
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
+    print(f"device: {dev_name} (cc {cc[0]}.{cc[1]}), torch {torch.__version__}, triton {triton.__version__}, "
+          f"CUDA {torch.version.cuda}, seed {seed}")
+    bw, _ = copy_bandwidth(args.copy_bytes, args.warmup, args.rep)
+    tflops, _ = matmul_rate(8192, args.warmup, args.rep)
+    print(f"copy bandwidth {bw:.0f} GB/s (read+write); bf16 matmul {tflops:.0f} TFLOP/s")
+
+    reg = registry()
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    rows, tune_rows, availability = [], [], {}
+    for op in args.ops:
+        avail = runnable(op, reg)
+        availability[op] = avail
+        for b, why in avail.items():
+            print(f"[{op}] {b}: {'runnable' if why is None else 'not runnable: ' + why}")
+        shapes = (QUICK_PREFILL if args.quick else PREFILL_SHAPES) if op == "sparse_prefill" else \
+            (QUICK_DECODE if args.quick else DECODE_SHAPES)
+        ref = cd.bind(op, "cuda:0", backend="torch", registry=reg)
+        for shape in shapes:
+            make = prefill_inputs if op == "sparse_prefill" else decode_inputs
+            inputs, acc = make(shape, gen)
+            flops, nbytes = work(op, acc)
+            t_bw, t_fl = nbytes / bw / 1e6, flops / tflops / 1e9           # ms
+            roof = max(t_bw, t_fl)
+            bound = "memory" if t_bw >= t_fl else "compute"
+            want = ref(*inputs)
+            times = {}
+            for backend, why in avail.items():
+                if why is not None:
+                    continue
+                fn = cd.bind(op, "cuda:0", backend=backend, registry=reg)
+                try:
+                    got = fn(*inputs)
+                    ok, rel, serr = _check(op, got, want)
+                    ms = _bench(lambda: fn(*inputs), args.warmup, args.rep)
+                    gms = None
+                    if args.graphs:
+                        try:
+                            gms = _bench_graph(lambda: fn(*inputs), args.rep)
+                        except Exception as exc:   # noqa: BLE001 - report, keep going
+                            print(f"    graph timing failed for {backend}: {type(exc).__name__}: {exc}")
+                except Exception as exc:   # noqa: BLE001 - a backend failing must not hide the others
+                    print(f"  {op} {shape} {backend}: FAILED {type(exc).__name__}: {exc}")
+                    rows.append(dict(op=op, shape=shape, backend=backend, error=f"{type(exc).__name__}: {exc}"))
+                    continue
+                times[backend] = ms
+                rows.append(dict(op=op, shape=shape, backend=backend, ms=ms, graph_ms=gms, correct=ok,
+                                 out_rel_err=rel, stat_abs_err=serr, flops=flops, bytes=nbytes,
+                                 roofline_ms=roof, bound=bound, frac_roofline=roof / ms))
+                print(f"  {op} {shape} {backend:>22}: {ms:9.4f} ms"
+                      + (f" (graph {gms:.4f})" if gms is not None else "")
+                      + f"  {100 * roof / ms:5.1f}% of {bound} roofline  correct={ok} (rel {rel:.1e}, stat {serr:.1e})")
+            if "torch" in times:
+                for b, ms in times.items():
+                    if b != "torch":
+                        rows.append(dict(op=op, shape=shape, backend=b, speedup_vs_torch=times["torch"] / ms))
+                        print(f"  {op} {shape} {b:>22}: {times['torch'] / ms:7.1f}x torch")
+            fastest = min(times, key=times.get) if times else None
+            default = cd.resolve(op, "cuda:0", registry=reg).backend
+            if fastest:
+                rows.append(dict(op=op, shape=shape, fastest=fastest, default=default,
+                                 default_over_fastest=times.get(default, math.inf) / times[fastest]))
+                print(f"  {op} {shape}: fastest {fastest}, default {default} "
+                      f"({times.get(default, math.inf) / times[fastest]:.2f}x the fastest)")
+            if args.tune:
+                tune_rows += tune(op, inputs, shape, want, args)
+            del inputs, want
+            torch.cuda.empty_cache()
+
+    meta = dict(device=dev_name, compute_capability=f"{cc[0]}.{cc[1]}", torch=torch.__version__,
+                triton=triton.__version__, cuda=torch.version.cuda, python=platform.python_version(),
+                date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), seed=seed,
+                copy_gbps=bw, bf16_tflops=tflops, heads=H, availability=availability,
+                do_bench=dict(warmup_ms=args.warmup, rep_ms=args.rep, return_mode="median"))
+    _write(args.out, meta, rows, tune_rows)
+    return 0 if all(r.get("correct", True) and "error" not in r for r in rows) else 1
+
+
+def tune(op, inputs, shape, want, args):
+    """Time the Triton backends with each launch configuration (others unchanged)."""
+    from capdispatch.backends.decode_mla import triton_kernels as DK
+    from capdispatch.backends.sparse_prefill import triton_kernels as K
+    out = []
+    fns = [("triton", K.sparse_prefill)] if op == "sparse_prefill" else \
+        [("triton", DK.decode_mla_u8), ("triton_fp8", DK.decode_mla_fp8)]
+    attr = "PREFILL_CONFIGS" if op == "sparse_prefill" else "DECODE_CONFIGS"
+    saved = getattr(K, attr)
+    try:
+        for name, fn in fns:
+            best = None
+            for cfg in TUNE_CONFIGS:
+                setattr(K, attr, (cfg,))
+                K._chosen.clear()
+                try:
+                    got = fn(*inputs)
+                    ok = _check(op, got, want)[0]
+                    ms = _bench(lambda: fn(*inputs), args.warmup, args.rep)
+                except Exception as exc:   # noqa: BLE001 - e.g. does not fit shared memory
+                    print(f"    tune {name} {cfg}: {type(exc).__name__}")
+                    continue
+                out.append(dict(op=op, shape=shape, backend=name, config=cfg, ms=ms, correct=ok))
+                print(f"    tune {op} {shape} {name} {cfg}: {ms:.4f} ms correct={ok}")
+                if ok and (best is None or ms < best[0]):
+                    best = (ms, cfg)
+            if best:
+                print(f"  tune {op} {shape} {name}: best {best[1]} {best[0]:.4f} ms")
+    finally:
+        setattr(K, attr, saved)
+        K._chosen.clear()
+    return out
+
+
+def _fmt_shape(s):
+    return ", ".join(f"{k}={v}" for k, v in s.items())
+
+
+def _write(out_dir, meta, rows, tune_rows):
+    os.makedirs(out_dir, exist_ok=True)
+    slug = "".join(c if c.isalnum() else "_" for c in meta["device"]).strip("_").lower()
+    stamp = meta["date"].replace(":", "").replace("-", "")[:15]
+    base = os.path.join(out_dir, f"attention_{slug}_{stamp}")
+    with open(base + ".json", "w") as f:
+        json.dump(dict(meta=meta, results=rows, tune=tune_rows), f, indent=2)
+    lines = [
+        f"# Attention ops on {meta['device']}",
+        "",
+        f"- date: {meta['date']}; torch {meta['torch']}, triton {meta['triton']}, CUDA {meta['cuda']}, "
+        f"cc {meta['compute_capability']}; seed {meta['seed']}; heads {meta['heads']}",
+        f"- ceilings: copy {meta['copy_gbps']:.0f} GB/s (read+write), bf16 matmul {meta['bf16_tflops']:.0f} TFLOP/s",
+        "- roofline time = max(bytes / copy bandwidth, FLOPs / matmul rate); timings: do_bench median",
+        "",
+    ]
+    for op, avail in meta["availability"].items():
+        lines.append(f"- {op}: " + "; ".join(f"{b} {'runs' if w is None else 'not runnable (' + w + ')'}"
+                                               for b, w in avail.items()))
+    lines += ["", "| op | shape | backend | ms | graph ms | % roofline | bound | correct |",
+              "| --- | --- | --- | ---: | ---: | ---: | --- | --- |"]
+    for r in rows:
+        if "ms" in r:
+            g = f"{r['graph_ms']:.4f}" if r.get("graph_ms") is not None else "—"
+            lines.append(f"| {r['op']} | {_fmt_shape(r['shape'])} | {r['backend']} | {r['ms']:.4f} | {g} | "
+                         f"{100 * r['frac_roofline']:.1f} | {r['bound']} | {r['correct']} |")
+        elif "error" in r:
+            lines.append(f"| {r['op']} | {_fmt_shape(r['shape'])} | {r['backend']} | error | | | | {r['error']} |")
+    sp = [r for r in rows if "speedup_vs_torch" in r]
+    if sp:
+        lines += ["", "| op | shape | backend | speedup vs torch |", "| --- | --- | --- | ---: |"]
+        lines += [f"| {r['op']} | {_fmt_shape(r['shape'])} | {r['backend']} | {r['speedup_vs_torch']:.1f}x |"
+                  for r in sp]
+    fd = [r for r in rows if "fastest" in r]
+    if fd:
+        lines += ["", "| op | shape | fastest | default | default / fastest time |", "| --- | --- | --- | --- | ---: |"]
+        lines += [f"| {r['op']} | {_fmt_shape(r['shape'])} | {r['fastest']} | {r['default']} | "
+                  f"{r['default_over_fastest']:.2f} |" for r in fd]
+    if tune_rows:
+        lines += ["", "## Triton launch configurations", "", "| op | shape | backend | config | ms | correct |",
+                  "| --- | --- | --- | --- | ---: | --- |"]
+        lines += [f"| {r['op']} | {_fmt_shape(r['shape'])} | {r['backend']} | "
+                  f"{r['config']['BLOCK_H']}x{r['config']['BLOCK_N']} w{r['config']['num_warps']} "
+                  f"s{r['config']['num_stages']} | {r['ms']:.4f} | {r['correct']} |" for r in tune_rows]
+    with open(base + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"wrote {base}.json and {base}.md")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ops", nargs="+", default=["sparse_prefill", "decode_mla"],
+                   choices=("sparse_prefill", "decode_mla"))
+    p.add_argument("--quick", action="store_true", help="one prefill shape, three decode shapes")
+    p.add_argument("--tune", action="store_true", help="sweep Triton launch configurations per shape")
+    p.add_argument("--graphs", action="store_true", help="also time inside a CUDA graph (launch overhead removed)")
+    p.add_argument("--copy-bytes", type=int, default=2 << 30)
+    p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
+    p.add_argument("--rep", type=int, default=100, help="do_bench measuring time, ms")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--out", default=os.path.join("benchmarks", "results"))
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

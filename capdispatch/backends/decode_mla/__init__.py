@@ -1,0 +1,59 @@
+"""decode_mla: DeepSeek-V4 sparse MLA decode over the V4 fp8 paged KV pool.
+
+Contract: derived from SGLang 0.5.23's DSv4 decode call site (``flash_mla_with_kvcache``
+on SM90/SM100, ``flash_mla_with_kvcache_sm120`` on SM120) with FlashMLA's decode
+semantics; see reference.py. Covers the main (SWA) pool, an optional extra (c4/c128
+compressed) pool in the same V4 layout, per-batch top-k lengths and the attention
+sink. Declarations only: kernels are imported when bound.
+"""
+from ..base import AnyFeature, Backend, Feature, Library, Op, TritonTarget
+
+_PKG = "capdispatch.backends.decode_mla"
+
+OPS = (
+    Op("decode_mla",
+       "DeepSeek-V4 sparse MLA decode/extend over the V4 fp8 paged pool (448 e4m3 + 64 bf16 + UE8M0 "
+       "scales per token) by token ids, optional extra (compressed) pool, top-k lengths and attention "
+       "sink -> out and natural-log lse",
+       "decode_mla(q [b,s_q,h,512] bf16, pool uint8 [num_pages,bytes_per_page] (or the 4-D "
+       "[num_pages,page_size,1,584] view), indices [b,s_q,topk] int32 token ids, page_size, sm_scale, "
+       "topk_length=None [b], attn_sink=None [h] fp32, extra_pool=None, extra_indices=None "
+       "[b,s_q,extra_topk], extra_page_size=None, extra_topk_length=None [b], *, out=None) "
+       "-> (out [b,s_q,h,512] bf16, lse [b,h,s_q] fp32 natural log, sink not included, +inf and "
+       "out 0 where no entry is valid); ids < 0, >= num_pages*page_size or past topk_length are masked",
+       reference="torch"),
+)
+
+_TRITON = Library("triton", ">=3.2", module="triton")
+_TORCH = Library("torch", ">=2.4", module="torch")
+_FLASHMLA = Library("sgl-flash-mla", ">=1.0", module="flash_mla")
+# The public SparseMLASm120Wrapper with runtime page sizes and lse_scale: 0.7.2 is
+# what SGLang 0.5.23 pins (0.6.x needed 64-token pages and a private entry point).
+_FLASHINFER = Library("flashinfer-python", ">=0.7.2", module="flashinfer")
+
+
+def register(registry) -> None:
+    for op in OPS:
+        registry.add_op(op)
+    # Registration order is the default order: fastest first.
+    registry.add_backend(Backend(
+        "decode_mla", "flashmla", f"{_PKG}.external:flashmla",
+        requires=(_TORCH, _FLASHMLA, AnyFeature(("wgmma", "tcgen05"))),
+        summary="FlashMLA sparse fp8 decode (legacy V4-format kernels: SM90a wgmma, SM100 tcgen05)"))
+    registry.add_backend(Backend(
+        "decode_mla", "flashinfer_sparse_mla", f"{_PKG}.external:flashinfer_sparse_mla",
+        requires=(_TORCH, _FLASHINFER, Feature("sm120_block_scaled_mma")),
+        summary="FlashInfer SM120 sparse MLA (block-scaled MMA); split-K scratch only for <= 64 tokens"))
+    registry.add_backend(Backend(
+        "decode_mla", "triton_fp8", f"{_PKG}.triton_kernels:decode_mla_fp8",
+        requires=(_TORCH, _TRITON, TritonTarget("8.0"), Feature("fp8_e4m3")),
+        summary="Triton with native fp8 loads (Triton admits fp8e4nv from cc 8.9)"))
+    registry.add_backend(Backend(
+        "decode_mla", "triton", f"{_PKG}.triton_kernels:decode_mla_u8",
+        requires=(_TORCH, _TRITON, TritonTarget("8.0")),
+        summary="Triton, pool read through uint8 with an integer e4m3 decode (any CUDA card from SM80); "
+                "split-K only for <= 64 tokens"))
+    registry.add_backend(Backend(
+        "decode_mla", "torch", f"{_PKG}.reference:decode_mla",
+        requires=(_TORCH,),
+        summary="torch reference, chunked over tokens (runs anywhere)"))

@@ -1,0 +1,52 @@
+"""sparse_prefill: DeepSeek-V4 sparse attention over gathered top-k bf16 K/V rows.
+
+Contract: SGLang 0.5.23's ``flash_mla_interface.flash_mla_sparse_fwd`` (see reference.py).
+Declarations only: kernels live in reference.py (torch), triton_kernels.py and
+external.py (FlashMLA) and are imported when bound.
+
+Not declared here: FlashInfer. Its SM120 sparse-MLA kernels read only fp8 paged
+caches, not a bf16 K/V workspace, so they cannot serve this contract; on SM120 SGLang
+runs extends through the paged kernel instead, which is the ``decode_mla`` op's
+``flashinfer_sparse_mla`` backend (its extend path takes no split-K scratch).
+"""
+from ..base import AnyFeature, Backend, Library, Op, TritonTarget
+
+_PKG = "capdispatch.backends.sparse_prefill"
+
+OPS = (
+    Op("sparse_prefill",
+       "DeepSeek-V4 sparse attention prefill: bf16 q [s,h,512] over gathered top-k rows of bf16 kv "
+       "[s_kv,1,512] (K = V), -1 / out-of-range / past-topk_length entries masked, optional attention "
+       "sink -> out, max_logits, lse (base 2 by default, FlashMLA legacy statistics)",
+       "sparse_prefill(q [s,h,512] bf16, kv [s_kv,1,512] bf16, indices [s,1,topk] int32, sm_scale, "
+       "d_v=512, attn_sink=None [h] fp32, topk_length=None [s] int32, *, use_legacy=True, out=None) "
+       "-> (out [s,h,512] bf16, max_logits [s,h] fp32, lse [s,h] fp32); use_legacy=True: base-2 "
+       "statistics, a query with no valid index gives out 0, max_logits -inf, lse -inf; "
+       "use_legacy=False: natural log, lse +inf for such a query",
+       reference="torch"),
+)
+
+_TRITON = Library("triton", ">=3.2", module="triton")
+_TORCH = Library("torch", ">=2.4", module="torch")
+# SGLang 0.5.23 pins sgl-flash-mla==1.0.0 and imports it as flash_mla; the
+# use_legacy / return_log2_lse arguments the adapter passes exist from 1.0.
+_FLASHMLA = Library("sgl-flash-mla", ">=1.0", module="flash_mla")
+
+
+def register(registry) -> None:
+    for op in OPS:
+        registry.add_op(op)
+    # Registration order is the default order: fastest first.
+    registry.add_backend(Backend(
+        "sparse_prefill", "flashmla_sparse", f"{_PKG}.external:flashmla_sparse",
+        requires=(_TORCH, _FLASHMLA, AnyFeature(("wgmma", "tcgen05"))),
+        summary="FlashMLA sparse prefill (legacy kernels: SM90a wgmma, SM100 tcgen05), as SGLang calls it"))
+    registry.add_backend(Backend(
+        "sparse_prefill", "triton", f"{_PKG}.triton_kernels:sparse_prefill",
+        requires=(_TORCH, _TRITON, TritonTarget("8.0")),
+        summary="Triton: one program per (query, head block), bf16 tensor-core dots, online softmax, "
+                "no scratch (any CUDA card from SM80)"))
+    registry.add_backend(Backend(
+        "sparse_prefill", "torch", f"{_PKG}.reference:sparse_prefill",
+        requires=(_TORCH,),
+        summary="torch reference, chunked over queries (runs anywhere)"))

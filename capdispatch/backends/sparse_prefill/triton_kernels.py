@@ -1,0 +1,545 @@
+"""Triton sparse MLA attention over gathered top-k K/V rows (DeepSeek-V4: head dim 512,
+K = V = the same 512 latent values, one KV head).
+
+One kernel body serves both attention ops, the K/V source chosen by the ``KV_MODE``
+constexpr:
+
+* ``KV_MODE = 0``: bf16 rows ``kv[s_kv, 512]`` (sparse_prefill, this package);
+* ``KV_MODE = 1``: the V4 fp8 paged pool read through uint8 with an integer e4m3
+  decode (no fp8 type anywhere: compiles for SM80/SM86) (decode_mla ``triton``);
+* ``KV_MODE = 2``: the same pool with Triton's native fp8 loads (cc >= 8.9)
+  (decode_mla ``triton_fp8``).
+
+Each program owns one query token and ``BLOCK_H`` heads and walks that token's index
+list in blocks of ``BLOCK_N`` rows: gather the rows (masked entries are never loaded),
+S = Q K^T on bf16 tensor cores with fp32 accumulation, an online softmax in base 2,
+O += P V with P rounded to bf16. The walk stops at the token's ``topk_length``. With
+``SPLIT`` (decode-sized calls only) the index list is cut into contiguous
+ranges, each program writes a normalised partial output and its base-2 lse to a
+scratch buffer, and ``_combine_kernel`` merges them; the scratch is sized by the
+program count, never by sequence length. Extends never use scratch.
+
+Statistics modes (``STATS``): 0 = FlashMLA legacy prefill (base 2; lonely query:
+max_logits -inf, lse -inf), 1 = FlashMLA current prefill (natural log; lonely:
+max_logits -inf, lse +inf), 2 = decode (natural-log lse only; lonely: +inf).
+All address arithmetic is int64. This module imports triton at module level and is
+meant to be imported lazily (at backend bind time).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from . import reference as R
+
+__all__ = ["sparse_prefill", "launch_sparse_mla", "INTERPRETED", "PREFILL_CONFIGS", "DECODE_CONFIGS"]
+
+_LOG2E = tl.constexpr(1.4426950408889634)
+_LN2 = tl.constexpr(0.6931471805599453)
+
+# Launch configurations, tried in order until one compiles within the device's shared
+# memory (Triton raises OutOfResources at compile time). Chosen from offline compiles
+# (triton 3.9, ptxas -v) for sm_80, sm_86, sm_89, sm_90a and sm_120a: the first entry of
+# each list uses <= 255 registers with no spills and fits the 99 KB of SM86/SM89/SM120
+# (prefill 82 KB, decode 64 KB); 64-head tiles spilled on every target (a [64, 512] fp32
+# accumulator), and the paged loader's dequantisation needs BLOCK_N = 16 to stay in
+# registers. The benchmark (benchmarks/bench_attention.py --tune) times alternatives.
+PREFILL_CONFIGS = (
+    dict(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=2),
+    dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=1),
+    dict(BLOCK_H=16, BLOCK_N=16, num_warps=4, num_stages=1),
+)
+DECODE_CONFIGS = (
+    dict(BLOCK_H=32, BLOCK_N=16, num_warps=8, num_stages=1),
+    dict(BLOCK_H=16, BLOCK_N=16, num_warps=4, num_stages=1),
+)
+# Under the interpreter (CPU) resources do not matter; small tiles keep it fast and
+# exercise head / index masking with small test shapes.
+INTERP_CONFIG = dict(BLOCK_H=16, BLOCK_N=16, num_warps=4, num_stages=1)
+
+# Split-K only for decode-sized calls: at most this many query tokens.
+DECODE_MAX_TOKENS = 64
+COMBINE_BLOCK_D = 128   # output columns per combine program (keeps its registers low)
+MAX_SPLITS = 32   # a power of two: the combine kernel's split axis (one compile for any split count)
+
+
+# --------------------------------------------------------------------------- #
+# K/V tile loaders
+# --------------------------------------------------------------------------- #
+@triton.jit
+def _e4m3_bits_to_f32(c):
+    """e4m3fn code (integer tensor, 0..255) -> float32, exact for all 256 codes.
+
+    The 7 magnitude bits shifted to bit 7 of a float16 give code_value * 2**-8 for
+    normals and subnormals alike (float16 has 5 exponent bits, bias 15 = 7 + 8);
+    float16 -> float32 is exact. The sign goes in with bit operations. Codes 0x7F/0xFF
+    (NaN in e4m3fn) become NaN.
+    """
+    c = c.to(tl.int32)
+    h = ((c << 7) & 0x3F80) | ((c << 8) & 0x8000)
+    v = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+    return tl.where((c & 0x7F) == 0x7F, float("nan"), v)
+
+
+@triton.jit
+def _round_bf16(x):
+    """fp32 -> the nearest bf16 value (ties to even), still as fp32; finite inputs.
+
+    Only used under the interpreter, whose fp32 -> bf16 cast truncates: rounding first
+    makes that cast exact, so interpreted results round like the GPU's cvt.rn.bf16.
+    """
+    u = x.to(tl.uint32, bitcast=True)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    return u.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _load_rows(kv_ptr, ids, valid, row_stride, cols):
+    """bf16 rows kv[ids, :] -> [BN, 512] bf16; masked rows are zeros and never loaded."""
+    ptrs = kv_ptr + ids.to(tl.int64)[:, None] * row_stride + cols[None, :]
+    return tl.load(ptrs, mask=valid[:, None], other=0.0)
+
+
+@triton.jit
+def _load_paged(pool_ptr, ids, valid, PAGE_SIZE: tl.constexpr, BYTES_PER_PAGE: tl.constexpr,
+                NATIVE_FP8: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Tokens ``ids`` of a V4 paged pool -> dequantised [BN, 512] bf16 rows (exact, as
+    kv_dequant); masked rows are zeros and none of their bytes are loaded.
+
+    Layout (kv_cache/layout.py): page = [P x 576 data][P x 8 scales], padded; per token
+    448 e4m3fn nope bytes, then 64 raw bf16 rope values; 7 UE8M0 exponents per token.
+    ``pool_ptr`` is a uint8 pointer, or float8e4nv with NATIVE_FP8. The row is handled
+    as [BN, 8, 64]: 7 nope tiles and the rope tail as an 8th, so the tile scales
+    broadcast along the last axis without being materialised.
+    """
+    ids64 = ids.to(tl.int64)
+    page = ids64 // PAGE_SIZE
+    slot = ids64 % PAGE_SIZE
+    page_base = page * BYTES_PER_PAGE
+    data_base = page_base + slot * 576
+    scale_base = page_base + PAGE_SIZE * 576 + slot * 8
+    tile = tl.arange(0, 8)
+    inner = tl.arange(0, 64)
+    col = tile[:, None] * 64 + inner[None, :]                          # [8, 64] = 0..511
+    is_nope = (tile < 7)[None, :, None]
+    is_rope = (tile == 7)[None, :, None]
+    vm = valid[:, None, None]
+    nope_off = data_base[:, None, None] + col[None, :, :]
+    if NATIVE_FP8:
+        v = tl.load(pool_ptr + nope_off, mask=vm & is_nope, other=0.0).to(tl.float32)
+    else:
+        v = _e4m3_bits_to_f32(tl.load(pool_ptr + nope_off, mask=vm & is_nope, other=0))
+    pool_u8 = pool_ptr.to(tl.pointer_type(tl.uint8))
+    sb = tl.load(pool_u8 + scale_base[:, None] + tile[None, :], mask=valid[:, None] & (tile < 7)[None, :],
+                 other=0)
+    # 2**(byte - 127) from the exponent bits (byte 0 -> 0.0, 255 -> inf), as kv_dequant.
+    scale = (sb.to(tl.int32) << 23).to(tl.float32, bitcast=True)                     # [BN, 8]
+    nope = (v * scale[:, :, None]).to(tl.bfloat16)
+    pool_bf16 = pool_ptr.to(tl.pointer_type(tl.bfloat16))
+    # (col - 448 is 0..63 on tile 7; the other tiles are masked off)
+    rope_off = ((data_base + 448) >> 1)[:, None, None] + (col - 448)[None, :, :]
+    rope = tl.load(pool_bf16 + rope_off, mask=vm & is_rope, other=0.0)
+    return tl.reshape(tl.where(is_rope, rope, nope), (BLOCK_N, 512))
+
+
+# --------------------------------------------------------------------------- #
+# One index list, a range of its blocks
+# --------------------------------------------------------------------------- #
+@triton.jit
+def _attend_range(q, m_i, l_i, acc, qk_scale,
+                  kv_ptr, row_stride, n_kv,
+                  idx_row_ptr, n_idx, b_lo, b_hi, cols,
+                  KV_MODE: tl.constexpr, PAGE_SIZE: tl.constexpr, BYTES_PER_PAGE: tl.constexpr,
+                  BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr):
+    """Online softmax (base 2) over index blocks [b_lo, b_hi) of one token's list of n_idx
+    valid-position entries. An entry is valid when 0 <= id < n_kv."""
+    offs = tl.arange(0, BLOCK_N)
+    for b in range(b_lo, b_hi):
+        pos = b * BLOCK_N + offs
+        inr = pos < n_idx
+        ids = tl.load(idx_row_ptr + pos, mask=inr, other=-1).to(tl.int64)
+        valid = inr & (ids >= 0) & (ids < n_kv)
+        if KV_MODE == 0:
+            k = _load_rows(kv_ptr, ids, valid, row_stride, cols)
+        else:
+            k = _load_paged(kv_ptr, ids, valid, PAGE_SIZE, BYTES_PER_PAGE, KV_MODE == 2, BLOCK_N)
+        if DOT_F32:   # interpreter: its bf16 dot multiplies raw bits; use the same values in fp32
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * qk_scale                                         # [BH, BN] fp32, base-2 logits
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)   # no (-inf) - (-inf)
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if DOT_F32:
+            pv = tl.dot(_round_bf16(p), k.to(tl.float32))
+        else:
+            pv = tl.dot(p.to(tl.bfloat16), k)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _finish(o, lse2, m2, t, heads, hmask, smask, cols, sink_ptr,
+            out_ptr, out_sb, out_ss, out_sh,
+            ml_ptr, lse_ptr, st_sb, st_ss, st_sh, DIV,
+            HAS_SINK: tl.constexpr, STATS: tl.constexpr, ROUND: tl.constexpr):
+    """Sink, lonely rows, bf16 output (columns ``cols``) and statistics (heads in ``smask``)
+    for one token x BLOCK_H heads. o: normalised output (0 where lonely); lse2 / m2:
+    base-2 (-inf where lonely)."""
+    lonely = lse2 == float("-inf")
+    if HAS_SINK:
+        sink = tl.load(sink_ptr + heads, mask=hmask, other=0.0)
+        d = tl.where(lonely, 0.0, sink * _LOG2E - lse2)
+        o = o * (1.0 / (1.0 + tl.exp2(d)))[:, None]
+    o = tl.where(lonely[:, None], 0.0, o)
+    if ROUND:
+        o = _round_bf16(o)
+    tb = t // DIV
+    ts = t % DIV
+    optrs = out_ptr + tb * out_sb + ts * out_ss + heads.to(tl.int64)[:, None] * out_sh + cols[None, :]
+    tl.store(optrs, o.to(tl.bfloat16), mask=hmask[:, None])
+    st = tb * st_sb + ts * st_ss + heads.to(tl.int64) * st_sh
+    if STATS == 0:
+        tl.store(ml_ptr + st, m2, mask=smask)
+        tl.store(lse_ptr + st, lse2, mask=smask)
+    elif STATS == 1:
+        tl.store(ml_ptr + st, m2 * _LN2, mask=smask)
+        tl.store(lse_ptr + st, tl.where(lonely, float("inf"), lse2 * _LN2), mask=smask)
+    else:
+        tl.store(lse_ptr + st, tl.where(lonely, float("inf"), lse2 * _LN2), mask=smask)
+
+
+# --------------------------------------------------------------------------- #
+# Kernels
+# --------------------------------------------------------------------------- #
+@triton.jit
+def _sparse_mla_kernel(
+    q_ptr, q_sb, q_ss, q_sh,                        # q: token t at (t // DIV) * q_sb + (t % DIV) * q_ss
+    kv_ptr, kv_row_stride, n_kv,                    # main source: bf16 rows, or a paged pool
+    idx_ptr, idx_sb, idx_ss, n_idx,                 # main index list [T, n_idx]
+    len_ptr,                                        # main topk_length, indexed by t // LEN_DIV
+    kv2_ptr, n_kv2,                                 # extra paged pool (decode)
+    idx2_ptr, idx2_sb, idx2_ss, n_idx2,
+    len2_ptr,
+    sink_ptr,
+    out_ptr, out_sb, out_ss, out_sh,
+    ml_ptr, lse_ptr, st_sb, st_ss, st_sh,
+    part_o_ptr, part_lse_ptr,                       # split-K scratch [T, H_pad, S, 512], [T, H_pad, S]
+    H, H_pad, DIV, LEN_DIV, qk_scale, blocks_per_split, num_splits,
+    KV_MODE: tl.constexpr, PAGE_SIZE: tl.constexpr, BYTES_PER_PAGE: tl.constexpr,
+    PAGE_SIZE2: tl.constexpr, BYTES_PER_PAGE2: tl.constexpr,
+    HAS_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_LEN2: tl.constexpr, HAS_SINK: tl.constexpr,
+    STATS: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    split = tl.program_id(2)
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < H
+    cols = tl.arange(0, 512)
+    tb = t // DIV
+    ts = t % DIV
+
+    qptrs = q_ptr + tb * q_sb + ts * q_ss + heads.to(tl.int64)[:, None] * q_sh + cols[None, :]
+    q = tl.load(qptrs, mask=hmask[:, None], other=0.0)
+
+    # Valid positions of each list (topk_length caps them), in blocks.
+    n1 = n_idx
+    if HAS_LEN:
+        n1 = tl.minimum(tl.maximum(tl.load(len_ptr + t // LEN_DIV).to(tl.int32), 0), n_idx)
+    nb1 = tl.cdiv(n_idx, BLOCK_N)              # static block count (split ranges)
+    nb1_used = tl.cdiv(n1, BLOCK_N)            # blocks holding valid positions
+    nb2 = 0
+    n2 = 0
+    if HAS_EXTRA:
+        n2 = n_idx2
+        if HAS_LEN2:
+            n2 = tl.minimum(tl.maximum(tl.load(len2_ptr + t // LEN_DIV).to(tl.int32), 0), n_idx2)
+        nb2 = tl.cdiv(n_idx2, BLOCK_N)
+
+    lo = 0
+    hi = nb1 + nb2
+    if SPLIT:
+        lo = split * blocks_per_split
+        hi = tl.minimum(lo + blocks_per_split, nb1 + nb2)
+
+    m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, 512), tl.float32)
+
+    m_i, l_i, acc = _attend_range(
+        q, m_i, l_i, acc, qk_scale, kv_ptr, kv_row_stride, n_kv,
+        idx_ptr + tb * idx_sb + ts * idx_ss, n1,
+        tl.minimum(lo, nb1_used), tl.minimum(hi, nb1_used), cols,
+        KV_MODE, PAGE_SIZE, BYTES_PER_PAGE, BLOCK_N, DOT_F32)
+    if HAS_EXTRA:
+        nb2_used = tl.cdiv(n2, BLOCK_N)
+        m_i, l_i, acc = _attend_range(
+            q, m_i, l_i, acc, qk_scale, kv2_ptr, 0, n_kv2,
+            idx2_ptr + tb * idx2_sb + ts * idx2_ss, n2,
+            tl.minimum(tl.maximum(lo - nb1, 0), nb2_used), tl.minimum(tl.maximum(hi - nb1, 0), nb2_used), cols,
+            KV_MODE, PAGE_SIZE2, BYTES_PER_PAGE2, BLOCK_N, DOT_F32)
+
+    has = l_i > 0.0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    lse2 = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    if not SPLIT:
+        _finish(o, lse2, m_i, t, heads, hmask, hmask, cols, sink_ptr,
+                out_ptr, out_sb, out_ss, out_sh, ml_ptr, lse_ptr, st_sb, st_ss, st_sh, DIV,
+                HAS_SINK, STATS, DOT_F32)
+    else:
+        prow = (t * H_pad + heads.to(tl.int64)) * num_splits + split     # [BH]
+        tl.store(part_o_ptr + prow[:, None] * 512 + cols[None, :], o, mask=hmask[:, None])
+        tl.store(part_lse_ptr + prow, lse2, mask=hmask)
+
+
+@triton.jit
+def _combine_kernel(
+    part_o_ptr, part_lse_ptr, sink_ptr,
+    out_ptr, out_sb, out_ss, out_sh,
+    ml_ptr, lse_ptr, st_sb, st_ss, st_sh,
+    H, H_pad, DIV, num_splits,
+    HAS_SINK: tl.constexpr, STATS: tl.constexpr,
+    SPLITS_P2: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, ROUND: tl.constexpr,
+):
+    """Merge the split partials of one token x BLOCK_H heads x BLOCK_D output columns."""
+    t = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    db = tl.program_id(2)
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < H
+    cols = db * BLOCK_D + tl.arange(0, BLOCK_D)
+    sp = tl.arange(0, SPLITS_P2)
+    row = (t * H_pad + heads.to(tl.int64)) * num_splits                     # [BH]
+    lse_s = tl.load(part_lse_ptr + row[:, None] + sp[None, :],
+                    mask=hmask[:, None] & (sp < num_splits)[None, :], other=float("-inf"))
+    mx = tl.max(lse_s, axis=1)
+    mx_ref = tl.where(mx == float("-inf"), 0.0, mx)
+    w = tl.exp2(lse_s - mx_ref[:, None])                                    # [BH, S]
+    tot = tl.sum(w, axis=1)
+    has = tot > 0.0
+    o = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
+    for s in range(num_splits):
+        ws = tl.sum(tl.where(sp[None, :] == s, w, 0.0), axis=1)
+        po = tl.load(part_o_ptr + (row + s)[:, None] * 512 + cols[None, :], mask=hmask[:, None], other=0.0)
+        o += ws[:, None] * po
+    o = o / tl.where(has, tot, 1.0)[:, None]
+    lse2 = tl.where(has, mx_ref + tl.log2(tl.where(has, tot, 1.0)), float("-inf"))
+    _finish(o, lse2, lse2, t, heads, hmask, hmask & ((heads * 0 + db) == 0), cols, sink_ptr,
+            out_ptr, out_sb, out_ss, out_sh, ml_ptr, lse_ptr, st_sb, st_ss, st_sh, DIV,
+            HAS_SINK, STATS, ROUND)
+
+
+# --------------------------------------------------------------------------- #
+# Host side
+# --------------------------------------------------------------------------- #
+# triton.jit picks the interpreter at decoration time (TRITON_INTERPRET=1 at import).
+INTERPRETED = not isinstance(_sparse_mla_kernel, triton.runtime.jit.JITFunction)
+
+
+def check_device(t: torch.Tensor, native_fp8: bool = False) -> None:
+    if t.device.type == "cpu":
+        if not INTERPRETED:
+            raise ValueError("Triton attention kernels need CUDA tensors "
+                             "(CPU tensors only when imported with TRITON_INTERPRET=1)")
+        return
+    if native_fp8 and t.device.type == "cuda" and torch.version.hip is None:
+        cc = torch.cuda.get_device_capability(t.device)
+        if cc < (8, 9):
+            raise RuntimeError(f"native-fp8 attention needs compute capability >= 8.9 (device has "
+                               f"{cc[0]}.{cc[1]}); use the uint8 (integer-decode) Triton backend")
+
+
+def on_device(device: torch.device):
+    # Triton launches on the current CUDA device; make it the tensors'.
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+_chosen: dict = {}    # (device, kind, key) -> index of the first config that compiled
+
+
+def _configs(device: torch.device, kind: str):
+    if device.type != "cuda":
+        return (INTERP_CONFIG,)
+    return PREFILL_CONFIGS if kind == "prefill" else DECODE_CONFIGS
+
+
+def _out_of_resources():
+    errs = []
+    for mod, name in (("triton.runtime.errors", "OutOfResources"), ("triton.runtime.autotuner", "OutOfResources")):
+        try:
+            errs.append(getattr(__import__(mod, fromlist=[name]), name))
+        except (ImportError, AttributeError):
+            pass
+    return tuple(dict.fromkeys(errs)) or (RuntimeError,)
+
+
+# Offline compile support (tests and tuning: no GPU needed). Kernel argument types and
+# the constexprs of one launch, for triton.compile(ASTSource(...), target=GPUTarget(...)).
+def compile_signature(kv_mode: int) -> dict:
+    kvt = {0: "*bf16", 1: "*u8", 2: "*fp8e4nv"}[kv_mode]
+    return dict(q_ptr="*bf16", q_sb="i64", q_ss="i64", q_sh="i64", kv_ptr=kvt, kv_row_stride="i64", n_kv="i64",
+                idx_ptr="*i32", idx_sb="i64", idx_ss="i64", n_idx="i32", len_ptr="*i32",
+                kv2_ptr=kvt, n_kv2="i64", idx2_ptr="*i32", idx2_sb="i64", idx2_ss="i64", n_idx2="i32",
+                len2_ptr="*i32", sink_ptr="*fp32", out_ptr="*bf16", out_sb="i64", out_ss="i64", out_sh="i64",
+                ml_ptr="*fp32", lse_ptr="*fp32", st_sb="i64", st_ss="i64", st_sh="i64",
+                part_o_ptr="*fp32", part_lse_ptr="*fp32", H="i32", H_pad="i32", DIV="i32", LEN_DIV="i32",
+                qk_scale="fp32", blocks_per_split="i32", num_splits="i32")
+
+
+def compile_offline(cc: int, kv_mode: int, cfg: dict, *, extra: bool = False, num_splits: int = 1):
+    """Compile ``_sparse_mla_kernel`` for CUDA compute capability ``cc`` (e.g. 86) without a
+    GPU; returns (CompiledKernel, ptx). Raises what Triton raises (e.g. fp8e4nv below 8.9)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    consts = dict(KV_MODE=kv_mode, PAGE_SIZE=256 if kv_mode else 1, BYTES_PER_PAGE=149760 if kv_mode else 1,
+                  PAGE_SIZE2=64 if extra else 1, BYTES_PER_PAGE2=37440 if extra else 1,
+                  HAS_LEN=True, HAS_EXTRA=extra, HAS_LEN2=extra, HAS_SINK=True,
+                  STATS=0 if kv_mode == 0 else 2, SPLIT=num_splits > 1,
+                  BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], DOT_F32=False)
+    sig = compile_signature(kv_mode)
+    sig.update({k: "constexpr" for k in consts})
+    ck = triton.compile(ASTSource(fn=_sparse_mla_kernel, signature=sig, constexprs=consts),
+                        target=GPUTarget("cuda", cc, 32),
+                        options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+    return ck, ck.asm["ptx"]
+
+
+def compile_combine_offline(cc: int, block_h: int = 32):
+    """Compile ``_combine_kernel`` for compute capability ``cc`` without a GPU."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    sig = dict(part_o_ptr="*fp32", part_lse_ptr="*fp32", sink_ptr="*fp32", out_ptr="*bf16", out_sb="i64",
+               out_ss="i64", out_sh="i64", ml_ptr="*fp32", lse_ptr="*fp32", st_sb="i64", st_ss="i64",
+               st_sh="i64", H="i32", H_pad="i32", DIV="i32", num_splits="i32")
+    consts = dict(HAS_SINK=True, STATS=2, SPLITS_P2=MAX_SPLITS, BLOCK_H=block_h, BLOCK_D=COMBINE_BLOCK_D,
+                  ROUND=False)
+    sig.update({k: "constexpr" for k in consts})
+    return triton.compile(ASTSource(fn=_combine_kernel, signature=sig, constexprs=consts),
+                          target=GPUTarget("cuda", cc, 32), options=dict(num_warps=4))
+
+
+def launch_sparse_mla(*, kind, device, T, H, config=None, num_splits=1, **args):
+    """Launch ``_sparse_mla_kernel`` (and the combine kernel when split) over T tokens x H
+    heads, trying configurations until one fits the device; the choice is cached per
+    (device, kind, key). ``args`` are the kernel's arguments by name (minus the grid-
+    and config-dependent ones)."""
+    configs = (config,) if config is not None else _configs(device, kind)
+    key = (str(device), kind, args.get("KV_MODE"), args.get("HAS_EXTRA"), num_splits > 1)
+    start = _chosen.get(key, 0) if config is None else 0
+    errors = _out_of_resources()
+    last = None
+    for i in range(start, len(configs)):
+        cfg = configs[i]
+        try:
+            _run(device, T, H, cfg, num_splits, args)
+        except errors as exc:   # does not fit this device: try a smaller tile
+            last = exc
+            continue
+        if config is None:
+            _chosen[key] = i
+        return cfg
+    raise RuntimeError(f"no Triton configuration fits this device for {kind}: {last}")
+
+
+def _run(device, T, H, cfg, num_splits, args):
+    num_splits = min(num_splits, MAX_SPLITS)
+    bh, bn = cfg["BLOCK_H"], cfg["BLOCK_N"]
+    n_hb = triton.cdiv(H, bh)
+    launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if num_splits == 1:
+        _sparse_mla_kernel[(T, n_hb, 1)](
+            **args, part_o_ptr=args["out_ptr"], part_lse_ptr=args["lse_ptr"], H=H, H_pad=H,
+            blocks_per_split=0, num_splits=1, SPLIT=False, BLOCK_H=bh, BLOCK_N=bn, DOT_F32=INTERPRETED,
+            **launch)
+        return
+    total_blocks = triton.cdiv(args["n_idx"], bn) + (triton.cdiv(args["n_idx2"], bn) if args["HAS_EXTRA"] else 0)
+    per = triton.cdiv(max(total_blocks, 1), num_splits)
+    splits = triton.cdiv(max(total_blocks, 1), per)
+    h_pad = n_hb * bh
+    part_o = torch.empty((T, h_pad, splits, 512), dtype=torch.float32, device=device)
+    part_lse = torch.empty((T, h_pad, splits), dtype=torch.float32, device=device)
+    _sparse_mla_kernel[(T, n_hb, splits)](
+        **args, part_o_ptr=part_o, part_lse_ptr=part_lse, H=H, H_pad=h_pad,
+        blocks_per_split=per, num_splits=splits, SPLIT=True, BLOCK_H=bh, BLOCK_N=bn, DOT_F32=INTERPRETED,
+        **launch)
+    fin = {k: args[k] for k in ("sink_ptr", "out_ptr", "out_sb", "out_ss", "out_sh", "ml_ptr", "lse_ptr",
+                                "st_sb", "st_ss", "st_sh", "DIV", "HAS_SINK", "STATS")}
+    _combine_kernel[(T, n_hb, 512 // COMBINE_BLOCK_D)](
+        part_o, part_lse, **fin, H=H, H_pad=h_pad, num_splits=splits,
+        SPLITS_P2=MAX_SPLITS, BLOCK_H=bh, BLOCK_D=COMBINE_BLOCK_D, ROUND=INTERPRETED, num_warps=4)
+
+
+def decode_splits(device: torch.device, T: int, H: int, total_index_entries: int, block_h: int = 32,
+                  block_n: int = 32) -> int:
+    """Split-K factor: >1 only for decode-sized calls (T <= DECODE_MAX_TOKENS) that would
+    otherwise leave the GPU idle (fewer than ~2 programs per SM)."""
+    if device.type != "cuda" or T > DECODE_MAX_TOKENS or T == 0:
+        return 1
+    programs = T * triton.cdiv(H, block_h)
+    target = 2 * num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    if programs >= target:
+        return 1
+    blocks = triton.cdiv(max(total_index_entries, 1), block_n)
+    return max(1, min(MAX_SPLITS, triton.cdiv(target, programs), blocks))
+
+
+# --------------------------------------------------------------------------- #
+# Public op
+# --------------------------------------------------------------------------- #
+def sparse_prefill(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None,
+                   *, use_legacy=True, out=None):
+    """Triton sparse prefill; same contract as reference.sparse_prefill (SGLang's
+    ``flash_mla_sparse_fwd``). No scratch memory: one program per (query, head block)."""
+    q, kv2, idx2, attn_sink, topk_length, out = R.check_sparse_prefill_args(
+        q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out)
+    check_device(q)
+    s, h, _ = q.shape
+    dev = q.device
+    if out is None:
+        out = torch.empty((s, h, R.D_V), dtype=torch.bfloat16, device=dev)
+    max_logits = torch.empty((s, h), dtype=torch.float32, device=dev)
+    lse = torch.empty((s, h), dtype=torch.float32, device=dev)
+    if s == 0 or h == 0:
+        return out, max_logits, lse
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    if kv2.shape[0] and kv2.stride(1) != 1:
+        kv2 = kv2.contiguous()
+    if idx2.stride(1) != 1:
+        idx2 = idx2.contiguous()
+    topk = idx2.shape[1]
+    dummy = lse
+    with on_device(dev):
+        launch_sparse_mla(
+            kind="prefill", device=dev, T=s, H=h,
+            q_ptr=q, q_sb=q.stride(0), q_ss=0, q_sh=q.stride(1),
+            kv_ptr=kv2, kv_row_stride=kv2.stride(0), n_kv=kv2.shape[0],
+            idx_ptr=idx2, idx_sb=idx2.stride(0), idx_ss=0, n_idx=topk,
+            len_ptr=topk_length if topk_length is not None else dummy,
+            kv2_ptr=kv2, n_kv2=0, idx2_ptr=idx2, idx2_sb=0, idx2_ss=0, n_idx2=0, len2_ptr=dummy,
+            sink_ptr=attn_sink if attn_sink is not None else dummy,
+            out_ptr=out, out_sb=out.stride(0), out_ss=0, out_sh=out.stride(1),
+            ml_ptr=max_logits, lse_ptr=lse, st_sb=h, st_ss=0, st_sh=1,
+            DIV=1, LEN_DIV=1, qk_scale=float(sm_scale) * R.LOG2E,
+            KV_MODE=0, PAGE_SIZE=1, BYTES_PER_PAGE=1, PAGE_SIZE2=1, BYTES_PER_PAGE2=1,
+            HAS_LEN=topk_length is not None, HAS_EXTRA=False, HAS_LEN2=False,
+            HAS_SINK=attn_sink is not None, STATS=0 if use_legacy else 1,
+        )
+    return out, max_logits, lse

@@ -1,0 +1,648 @@
+"""decode_mla: torch reference, Triton kernels (uint8 integer decode and native fp8),
+FlashMLA / FlashInfer adapters, declarations.
+
+Contract: capdispatch/backends/decode_mla/reference.py (SGLang 0.5.23's DSv4 decode call
+site with FlashMLA's decode semantics: lse natural-log [b, h, s_q], sink not included,
++inf and out 0 for a query with no valid entry).
+
+CPU (no CUDA): torch on the CPU, Triton under the interpreter (TRITON_INTERPRET=1 set
+per test before the kernel module is imported) at small sizes. ``gpu``-marked tests run
+the full DeepSeek-V4 decode/extend shapes (h = 64, page size 256, top-k 512 plus a
+compressed pool with page size 64). Fresh seeds from ``random.SystemRandom``, named in
+messages; ATTN_TEST_SEED=<int> replays one.
+
+Pools are written with the KV op's torch ``kv_quant`` from random bf16 rows, so they hold
+exactly what DeepSeek-V4 stores. Tolerances, against the fp32 torch reference on the same
+pool: out ||out - ref|| / ||ref|| <= 1e-2, lse |got - ref| <= 1e-3 where finite and the
+same infinities (reasons as in test_sparse_prefill.py: the dequantised rows are exact
+bf16 values on both sides, the kernels round P and the output to bf16 and accumulate in
+fp32). The float64 check decodes the pool bytes independently (pure-Python IEEE e4m3
+table from tests/ieee_fp8.py, layout offsets from layout.py).
+
+Interpreter caveats: see test_sparse_prefill.py (bf16 dot); the native-fp8 loads decode
+finite codes correctly under the interpreter (NaN codes do not, and pools written by
+kv_quant never hold them).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import math
+import os
+import random
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
+
+HAS_CUDA = torch.cuda.is_available()
+INTERPRET = (not HAS_CUDA and os.environ.get("TRITON_INTERPRET", "1") not in ("", "0")) or (
+    os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+
+
+@pytest.fixture(autouse=True)
+def _triton_interpreter(monkeypatch):
+    if not HAS_CUDA and "TRITON_INTERPRET" not in os.environ:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    yield
+
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ieee_fp8 as F  # noqa: E402
+
+from capdispatch.backends.decode_mla import reference as R  # noqa: E402
+from capdispatch.backends.kv_cache import layout as L  # noqa: E402
+from capdispatch.backends.kv_cache import reference as KV  # noqa: E402
+
+SCALE = 512 ** -0.5
+OUT_RTOL = 1e-2
+STAT_ATOL = 1e-3
+
+_gpu = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")]
+_interp = pytest.mark.skipif(not INTERPRET, reason="Triton on CPU needs TRITON_INTERPRET=1")
+_no_interp_on_gpu = pytest.mark.skipif(INTERPRET, reason="GPU Triton run with TRITON_INTERPRET set")
+
+
+def _native_fp8_cuda() -> bool:
+    return HAS_CUDA and torch.version.hip is None and torch.cuda.get_device_capability() >= (8, 9)
+
+
+def _flashmla_runs() -> bool:
+    if not HAS_CUDA:
+        return False
+    cc = torch.cuda.get_device_capability()
+    if cc != (9, 0) and cc[0] != 10:
+        return False
+    try:
+        import flash_mla  # noqa: F401
+    except Exception:   # noqa: BLE001
+        return False
+    return True
+
+
+def _flashinfer_runs() -> bool:
+    if not HAS_CUDA or torch.cuda.get_device_capability()[0] != 12:
+        return False
+    try:
+        from flashinfer.mla import SparseMLASm120Wrapper  # noqa: F401
+    except Exception:   # noqa: BLE001
+        return False
+    return True
+
+
+_fp8_cc = pytest.mark.skipif(HAS_CUDA and not _native_fp8_cuda(), reason="native fp8 needs cc >= 8.9")
+_flashmla = pytest.mark.skipif(not _flashmla_runs(), reason="needs sgl-flash-mla (flash_mla) on SM90/SM100")
+_flashinfer = pytest.mark.skipif(not _flashinfer_runs(), reason="needs flashinfer-python on SM120/SM121")
+
+CASES = [
+    pytest.param("torch", "cpu", id="torch-cpu"),
+    pytest.param("triton", "cpu", id="triton-interp", marks=_interp),
+    pytest.param("triton_fp8", "cpu", id="triton_fp8-interp", marks=_interp),
+    pytest.param("torch", "cuda", id="torch-cuda", marks=_gpu),
+    pytest.param("triton", "cuda", id="triton-cuda", marks=_gpu + [_no_interp_on_gpu]),
+    pytest.param("triton_fp8", "cuda", id="triton_fp8-cuda", marks=_gpu + [_no_interp_on_gpu, _fp8_cc]),
+    pytest.param("flashmla", "cuda", id="flashmla-cuda", marks=_gpu + [_flashmla]),
+    pytest.param("flashinfer_sparse_mla", "cuda", id="flashinfer-cuda", marks=_gpu + [_flashinfer]),
+]
+KERNEL_CASES = [c for c in CASES if c.values[0] != "torch"]
+LOCAL_CASES = [c for c in CASES if c.values[0] in ("torch", "triton", "triton_fp8")]
+
+
+# --------------------------------------------------------------------------- #
+# Helpers
+# --------------------------------------------------------------------------- #
+@functools.lru_cache(maxsize=None)
+def _tk():
+    from capdispatch.backends.decode_mla import triton_kernels
+    from capdispatch.backends.sparse_prefill import triton_kernels as core
+    if INTERPRET and not core.INTERPRETED:
+        importlib.reload(core)
+        triton_kernels = importlib.reload(triton_kernels)
+    elif INTERPRET and not triton_kernels.INTERPRETED:
+        triton_kernels = importlib.reload(triton_kernels)
+    return triton_kernels
+
+
+def op(backend):
+    if backend == "torch":
+        return R.decode_mla
+    if backend == "triton":
+        return _tk().decode_mla_u8
+    if backend == "triton_fp8":
+        return _tk().decode_mla_fp8
+    from capdispatch.backends.decode_mla import external
+    return getattr(external, backend)
+
+
+def new_seed():
+    env = os.environ.get("ATTN_TEST_SEED")
+    return int(env) if env else random.SystemRandom().randrange(2**31)
+
+
+def make_pool(gen, num_pages, page_size, device, *, spare_pages=0):
+    """A V4 pool whose every slot holds kv_quant of a random bf16 row (magnitudes vary per
+    64-value tile, so the UE8M0 scales vary). Returns the pool (a window of a buffer with
+    ``spare_pages`` poisoned pages on either side) and its buffer."""
+    cap = num_pages * page_size
+    rows = torch.randn(cap, 512, generator=gen)
+    tile_scale = torch.exp2(torch.randint(-4, 5, (cap, 7), generator=gen).float())
+    rows[:, :448] *= tile_scale.repeat_interleave(64, dim=1)
+    buf = torch.full((num_pages + 2 * spare_pages, L.bytes_per_page(page_size)), 0x7F, dtype=torch.uint8)
+    pool = buf[spare_pages:spare_pages + num_pages]
+    KV.kv_quant(rows.bfloat16(), pool, torch.arange(cap), page_size)
+    buf = buf.to(device)
+    return buf[spare_pages:spare_pages + num_pages], buf
+
+
+def make_case(gen, b, s_q, h, device, *, page_size=16, num_pages=8, topk=40, extra=None, lengths=False,
+              sink=False, lonely=()):
+    """q, main pool/indices, optional extra pool (page size, pages, topk), lengths and sink."""
+    qscale = float(torch.empty(()).uniform_(0.5, 4.0, generator=gen))
+    q = (torch.randn(b, s_q, h, 512, generator=gen) * qscale).bfloat16().to(device)
+    pool, _ = make_pool(gen, num_pages, page_size, device)
+    cap = num_pages * page_size
+
+    def ids(cap, topk):
+        if topk <= cap:
+            x = torch.stack([torch.randperm(cap, generator=gen)[:topk] for _ in range(b * s_q)]).int()
+        else:   # more entries than tokens: repeats (a token may be listed twice)
+            x = torch.randint(0, cap, (b * s_q, topk), generator=gen, dtype=torch.int32)
+        x[torch.rand(x.shape, generator=gen) < 0.2] = -1
+        far = torch.rand(x.shape, generator=gen) < 0.05
+        x[far] = cap + torch.randint(0, 5, (int(far.sum()),), generator=gen, dtype=torch.int32)
+        x = x.view(b, s_q, topk)
+        for i in lonely:
+            x[i] = -1
+        return x.to(device)
+
+    kw = dict(topk_length=None, attn_sink=None)
+    idx = ids(cap, topk)
+    if lengths:
+        kw["topk_length"] = torch.randint(0, topk + 1, (b,), generator=gen, dtype=torch.int32).to(device)
+    if sink:
+        kw["attn_sink"] = (torch.randn(h, generator=gen) * 2).to(device)
+    if extra:
+        eps, enp, etopk = extra
+        kw["extra_pool"], _ = make_pool(gen, enp, eps, device)
+        kw["extra_indices"] = ids(enp * eps, etopk)
+        kw["extra_page_size"] = eps
+        if lengths:
+            kw["extra_topk_length"] = torch.randint(0, etopk + 1, (b,), generator=gen,
+                                                    dtype=torch.int32).to(device)
+    return q, pool, idx, page_size, kw
+
+
+def rel_err(got, want):
+    g, w = got.float(), want.float()
+    return ((g - w).norm() / w.norm().clamp_min(1e-30)).item()
+
+
+def assert_stats_close(got, want, msg, atol=STAT_ATOL):
+    g, w = got.float().cpu(), want.float().cpu()
+    fin = torch.isfinite(w)
+    assert torch.equal(torch.isfinite(g), fin), f"{msg}: finite pattern differs"
+    assert torch.equal(g[~fin], w[~fin]), f"{msg}: infinities differ"
+    if fin.any():
+        err = (g[fin] - w[fin]).abs().max().item()
+        assert err <= atol, f"{msg}: max abs error {err:.3g} > {atol}"
+
+
+def check_against(got, want, msg):
+    o, lse = got
+    ro, rlse = want
+    assert o.shape == ro.shape and o.dtype == torch.bfloat16 and lse.shape == rlse.shape, msg
+    assert bool(torch.isfinite(o).all()), f"{msg}: non-finite output"
+    e = rel_err(o, ro)
+    assert e <= OUT_RTOL, f"{msg}: out relative error {e:.3g} > {OUT_RTOL}"
+    assert_stats_close(lse, rlse, msg + " lse")
+
+
+@functools.lru_cache(maxsize=None)
+def _e4m3_table():
+    return torch.tensor([F.decode(c) for c in range(256)], dtype=torch.float64)
+
+
+def dequant_f64(pool, page_size, token):
+    """Token ``token`` of ``pool`` in float64, decoded from its bytes independently of
+    torch's fp8 dtype and of the KV op's code (IEEE table + layout offsets)."""
+    flat = pool.cpu().contiguous().view(-1)
+    bpp = pool.shape[1]
+    d = L.token_data_offset(token, page_size, bpp)
+    s = L.token_scale_offset(token, page_size, bpp)
+    codes = flat[d:d + 448].long()
+    scales = torch.tensor([math.ldexp(1.0, int(x) - 127) for x in flat[s:s + 7].tolist()], dtype=torch.float64)
+    nope = _e4m3_table()[codes] * scales.repeat_interleave(64)
+    rope = torch.tensor([F.bf16_from_bits(int(x)) for x in flat[d + 448:d + 576].view(torch.int16).tolist()],
+                        dtype=torch.float64)
+    return torch.cat([nope, rope])
+
+
+def dense_f64(q, pool, idx, page_size, sm_scale, topk_length=None, attn_sink=None, extra_pool=None,
+              extra_indices=None, extra_page_size=None, extra_topk_length=None):
+    b, s_q, h, _ = q.shape
+    out = torch.zeros(b, s_q, h, 512, dtype=torch.float64)
+    lse = torch.full((b, h, s_q), math.inf, dtype=torch.float64)
+    lists = [(pool, idx, page_size, topk_length)]
+    if extra_pool is not None:
+        lists.append((extra_pool, extra_indices, extra_page_size, extra_topk_length))
+    for bi in range(b):
+        for si in range(s_q):
+            rows = []
+            for p, ix, ps, ln in lists:
+                cap = p.shape[0] * ps
+                n = ix.shape[2] if ln is None else int(ln[bi])
+                rows += [dequant_f64(p, ps, t) for t in ix[bi, si, :n].tolist() if 0 <= t < cap]
+            if not rows:
+                continue
+            k = torch.stack(rows)
+            logits = (q[bi, si].double().cpu() @ k.T) * sm_scale
+            l_e = torch.logsumexp(logits, dim=1)
+            o = torch.softmax(logits, dim=1) @ k
+            if attn_sink is not None:
+                o = o * torch.sigmoid(l_e - attn_sink.double().cpu())[:, None]
+            out[bi, si] = o
+            lse[bi, :, si] = l_e
+    return out, lse
+
+
+# --------------------------------------------------------------------------- #
+# Against the reference / float64
+# --------------------------------------------------------------------------- #
+VARIANTS = {
+    "main": dict(),
+    "lengths+sink": dict(lengths=True, sink=True),
+    "extra": dict(extra=(4, 6, 24), lengths=True, sink=True),
+    "mtp": dict(lengths=True, sink=True, s_q=2),
+}
+
+
+@pytest.mark.parametrize("backend,device", KERNEL_CASES)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_matches_reference(backend, device, variant):
+    seed = new_seed()
+    msg = f"{backend}/{device}/{variant} seed={seed}"
+    gen = torch.Generator().manual_seed(seed)
+    v = dict(VARIANTS[variant])
+    s_q = v.pop("s_q", 1)
+    if device == "cuda":
+        if "extra" in v:
+            v["extra"] = (64, 40, 512)
+        q, pool, idx, ps, kw = make_case(gen, 24, s_q, 64, device, page_size=256, num_pages=12, topk=512,
+                                         lonely=(1,), **v)
+    else:
+        q, pool, idx, ps, kw = make_case(gen, 3, s_q, 20, device, lonely=(1,), **v)
+    want = R.decode_mla(q, pool, idx, ps, SCALE, **kw)
+    got = op(backend)(q, pool, idx, ps, SCALE, **kw)
+    check_against(got, want, msg)
+
+
+@pytest.mark.parametrize("backend,device", LOCAL_CASES[:3])
+def test_against_float64_dense(backend, device):
+    seed = new_seed()
+    msg = f"{backend}/{device} seed={seed}"
+    gen = torch.Generator().manual_seed(seed)
+    q, pool, idx, ps, kw = make_case(gen, 3, 1, 18, device, topk=24, extra=(4, 5, 16), lengths=True,
+                                     sink=True, lonely=(2,))
+    got = op(backend)(q, pool, idx, ps, SCALE, **kw)
+    want = dense_f64(q, pool, idx, ps, SCALE, **kw)
+    check_against(tuple(t.cpu() for t in got), want, msg)
+    if backend == "torch":
+        assert_stats_close(got[1], want[1], msg + " lse (reference, 1e-5)", atol=1e-5)
+
+
+@_interp
+@pytest.mark.parametrize("native", [False, True])
+@pytest.mark.parametrize("splits", [2, 5])
+def test_split_k_path(native, splits):
+    """The decode-sized split-K kernel plus combine (forced here; on the GPU it is chosen
+    for <= 64 tokens that would leave SMs idle) matches the reference."""
+    seed = new_seed()
+    gen = torch.Generator().manual_seed(seed)
+    q, pool, idx, ps, kw = make_case(gen, 3, 1, 20, "cpu", topk=56, extra=(4, 6, 40), lengths=True,
+                                     sink=True, lonely=(0,))
+    tk = _tk()
+    got = tk._launch(q, pool, idx, ps, SCALE, kw["topk_length"], kw["attn_sink"], kw["extra_pool"],
+                     kw["extra_indices"], kw["extra_page_size"], kw["extra_topk_length"], None, native,
+                     num_splits=splits)
+    check_against(got, R.decode_mla(q, pool, idx, ps, SCALE, **kw), f"splits={splits} seed={seed}")
+
+
+# --------------------------------------------------------------------------- #
+# Masking, lonely queries, outputs, pool forms
+# --------------------------------------------------------------------------- #
+@pytest.mark.parametrize("backend,device", LOCAL_CASES)
+def test_masked_entries_never_read(backend, device):
+    """The pool is a window of a buffer whose pages before and after it are NaN codes with
+    scale byte 0x7F: ids < 0 reach the page before, ids >= capacity the page after; the
+    tokens named only past topk_length are overwritten with NaN codes. Any read of a
+    masked entry would make the output NaN. The result equals the one with masked entries
+    compacted away."""
+    seed = new_seed()
+    msg = f"{backend}/{device} seed={seed}"
+    gen = torch.Generator().manual_seed(seed)
+    b, h, ps, npg, topk = 4, 20, 16, 6, 48
+    pool, buf = make_pool(gen, npg, ps, "cpu", spare_pages=2)
+    cap = npg * ps
+    nan_tokens = [3, 50, 77]
+    data, _ = KV._page_views(pool, ps)
+    for t in nan_tokens:
+        data[t // ps, t % ps, :448] = 0x7F
+    ok = torch.tensor([t for t in range(cap) if t not in nan_tokens])
+    idx = torch.stack([ok[torch.randperm(len(ok), generator=gen)[:topk]] for _ in range(b)]).int()
+    lengths = torch.randint(8, topk - 8, (b,), generator=gen, dtype=torch.int32)
+    junk = torch.tensor([-1, -7, cap, cap + ps + 1], dtype=torch.int32)
+    for i in range(b):
+        n = int(lengths[i])
+        idx[i, torch.randperm(n, generator=gen)[:4]] = junk
+        idx[i, n:] = torch.tensor(nan_tokens, dtype=torch.int32)[torch.randint(0, 3, (topk - n,), generator=gen)]
+    buf = buf.to(device)
+    pool = buf[2:2 + npg]
+    q = torch.randn(b, 1, h, 512, generator=gen).bfloat16().to(device)
+    got = op(backend)(q, pool, idx.view(b, 1, topk).to(device), ps, SCALE, lengths.to(device))
+    assert bool(torch.isfinite(got[0]).all()) and bool(torch.isfinite(got[1]).all()), \
+        f"{msg}: a masked entry was read"
+    rows = []
+    for i in range(b):
+        v = [t for t in idx[i, :int(lengths[i])].tolist() if 0 <= t < cap]
+        v = torch.tensor(v)[torch.randperm(len(v), generator=gen)]
+        rows.append(torch.cat([v, torch.full((topk - len(v),), -1)]))
+    compact = torch.stack(rows).int().view(b, 1, topk).to(device)
+    check_against(got, R.decode_mla(q, pool, compact, ps, SCALE), msg)
+
+
+@pytest.mark.parametrize("backend,device", CASES)
+def test_all_masked_query(backend, device):
+    """No valid entry in either list: out exactly 0 and lse +inf (FlashMLA's decode
+    convention), with or without a sink. Query 0: main list all -1 but the extra list
+    valid (finite); query 1: both lengths 0; query 2: both lists all -1; query 3: normal."""
+    seed = new_seed()
+    msg = f"{backend}/{device} seed={seed}"
+    gen = torch.Generator().manual_seed(seed)
+    h = 64 if device == "cuda" else 20
+    extra = (64, 8, 64) if device == "cuda" else (4, 6, 24)
+    q, pool, idx, ps, kw = make_case(gen, 4, 1, h, device, topk=64, extra=extra, sink=True)
+    etopk = kw["extra_indices"].shape[2]
+    idx[0] = -1
+    idx[2] = -1
+    kw["extra_indices"][2] = -1
+    kw["extra_indices"][0, 0, 0] = 5     # at least one valid extra entry for query 0
+    kw["topk_length"] = torch.tensor([64, 0, 64, 64], dtype=torch.int32, device=device)
+    kw["extra_topk_length"] = torch.tensor([etopk, 0, etopk, etopk], dtype=torch.int32, device=device)
+    for sink in (kw["attn_sink"], None):
+        o, lse = op(backend)(q, pool, idx, ps, SCALE, **dict(kw, attn_sink=sink))
+        for i in (1, 2):
+            assert bool((o[i].float() == 0).all()), f"{msg}: lonely query {i} output not 0"
+            assert bool((lse[i] == math.inf).all()), f"{msg}: lonely lse {lse[i].flatten()[:4]}"
+        for i in (0, 3):
+            assert bool(torch.isfinite(lse[i]).all()) and bool((o[i].float() != 0).any()), f"{msg}: query {i}"
+
+
+@pytest.mark.parametrize("backend,device", LOCAL_CASES)
+def test_poisoned_out_fully_written(backend, device):
+    seed = new_seed()
+    msg = f"{backend}/{device} seed={seed}"
+    gen = torch.Generator().manual_seed(seed)
+    b, s_q, h = 3, 2, 20
+    q, pool, idx, ps, kw = make_case(gen, b, s_q, h, device, extra=(4, 6, 24), lengths=True, sink=True,
+                                     lonely=(1,))
+    f = op(backend)
+    fresh = f(q, pool, idx, ps, SCALE, **kw)
+    for bits in (0x7FC1, -0x5455):
+        ws = torch.full((b, s_q, h, 520), bits, dtype=torch.int16, device=device).view(torch.bfloat16)
+        out = ws[..., 5:517]
+        res = f(q, pool, idx, ps, SCALE, **kw, out=out)
+        assert res[0].data_ptr() == out.data_ptr(), f"{msg}: out= not returned"
+        assert torch.equal(out.view(torch.int16), fresh[0].view(torch.int16)), f"{msg}: out= not all written"
+        assert bool((ws.view(torch.int16)[..., :5] == bits).all()), f"{msg}: wrote outside out="
+        assert bool((ws.view(torch.int16)[..., 517:] == bits).all()), f"{msg}: wrote outside out="
+        assert torch.equal(res[1], fresh[1]), msg
+
+
+@pytest.mark.parametrize("backend,device", LOCAL_CASES)
+def test_flashmla_view_of_the_pool(backend, device):
+    """SGLang hands FlashMLA the pool as a [num_pages, page_size, 1, 584] view over the
+    padded pages; the op accepts it and gives the same result as the 2-D pool."""
+    seed = new_seed()
+    gen = torch.Generator().manual_seed(seed)
+    q, pool, idx, ps, kw = make_case(gen, 3, 1, 20, device, lengths=True, sink=True)
+    view = pool[:, :ps * L.TOKEN_BYTES].view(pool.shape[0], ps, 1, L.TOKEN_BYTES)
+    a = op(backend)(q, pool, idx, ps, SCALE, **kw)
+    b_ = op(backend)(q, view, idx, ps, SCALE, **kw)
+    c = op(backend)(q, view.view(torch.float8_e4m3fn), idx, None, SCALE, **kw)
+    for x in (b_, c):
+        assert torch.equal(a[0], x[0]) and torch.equal(a[1], x[1]), f"seed={seed}"
+
+
+def test_reference_chunking_is_exact(monkeypatch):
+    seed = new_seed()
+    gen = torch.Generator().manual_seed(seed)
+    q, pool, idx, ps, kw = make_case(gen, 5, 2, 8, "cpu", extra=(4, 6, 24), lengths=True, sink=True)
+    whole = R.decode_mla(q, pool, idx, ps, SCALE, **kw)
+    monkeypatch.setattr(R, "GATHER_BUDGET", 64 * 512 * 3)   # 3 tokens per chunk
+    chunked = R.decode_mla(q, pool, idx, ps, SCALE, **kw)
+    for a, b in zip(whole, chunked):
+        assert torch.equal(a, b), f"seed={seed}"
+
+
+def test_argument_errors():
+    q = torch.zeros(2, 1, 4, 512, dtype=torch.bfloat16)
+    pool = KV.new_pool(4, 16)
+    idx = torch.zeros(2, 1, 8, dtype=torch.int32)
+    with pytest.raises(ValueError, match="q must be"):
+        R.decode_mla(q[:, 0], pool, idx, 16, SCALE)
+    with pytest.raises(ValueError, match="needs >="):
+        R.decode_mla(q, pool, idx, 64, SCALE)
+    with pytest.raises(ValueError, match="page_size is required"):
+        R.decode_mla(q, pool, idx, None, SCALE)
+    with pytest.raises(ValueError, match="indices"):
+        R.decode_mla(q, pool, idx[:1], 16, SCALE)
+    with pytest.raises(ValueError, match="together"):
+        R.decode_mla(q, pool, idx, 16, SCALE, extra_pool=pool)
+    with pytest.raises(ValueError, match="topk_length"):
+        R.decode_mla(q, pool, idx, 16, SCALE, topk_length=torch.zeros(3, dtype=torch.int32))
+    view = pool[:, :16 * L.TOKEN_BYTES].view(4, 16, 1, L.TOKEN_BYTES)
+    with pytest.raises(ValueError, match="page size 16"):
+        R.decode_mla(q, view, idx, 8, SCALE)
+
+
+# --------------------------------------------------------------------------- #
+# Declarations, dispatch, external signatures
+# --------------------------------------------------------------------------- #
+def registry():
+    from capdispatch.backends.registry import BUILTIN_OP_PACKAGES, Registry
+    reg = Registry()
+    for pkg in dict.fromkeys(BUILTIN_OP_PACKAGES + ("capdispatch.backends.decode_mla",)):
+        importlib.import_module(pkg).register(reg)
+    return reg
+
+
+ASSUME = ["sgl-flash-mla==1.0.0", "flashinfer-python==0.7.2", "triton==3.9.0", "torch==2.13.0"]
+
+
+@pytest.mark.parametrize("device,want", [
+    ("sim:h200", "flashmla"), ("sim:b200", "flashmla"), ("sim:rtx-5090", "flashinfer_sparse_mla"),
+    ("sim:rtx-pro-6000", "flashinfer_sparse_mla"), ("sim:rtx-4090", "triton_fp8"), ("sim:rtx-3080", "triton"),
+])
+def test_default_choice(device, want):
+    import capdispatch as cd
+    res = cd.resolve("decode_mla", device, registry=registry(), assume_libs=ASSUME)
+    assert res.backend == want
+
+
+def test_requirements_name_what_is_missing():
+    import capdispatch as cd
+    res = cd.resolve("decode_mla", "sim:rtx-3080", registry=registry(), assume_libs=ASSUME)
+    c = {x.backend: x for x in res.candidates}
+    why = lambda name: [ch.code for ch in c[name].checks if not ch.ok]  # noqa: E731
+    assert why("flashmla") == ["feature:wgmma|tcgen05"]
+    assert why("flashinfer_sparse_mla") == ["feature:sm120_block_scaled_mma"]
+    assert why("triton_fp8") == ["feature:fp8_e4m3"]
+    res = cd.resolve("decode_mla", "sim:rtx-5090", registry=registry(), assume_libs=ASSUME)
+    c = {x.backend: x for x in res.candidates}
+    assert why("flashmla") == ["feature:wgmma|tcgen05"]
+    res = cd.resolve("decode_mla", "sim:rtx-5090", registry=registry(),
+                     assume_libs=["flashinfer-python==0.6.14", "triton==3.9.0", "torch==2.13.0"])
+    c = {x.backend: x for x in res.candidates}
+    assert "library:flashinfer-python" in why("flashinfer_sparse_mla")
+
+
+def test_flashinfer_adapter_matches_library_signature():
+    """The names the adapter passes exist in the installed flashinfer's real API."""
+    pytest.importorskip("flashinfer", reason="pip install --no-deps flashinfer-python==0.7.2 apache-tvm-ffi")
+    from flashinfer.mla import SparseMLASm120Wrapper
+    init = inspect.signature(SparseMLASm120Wrapper.__init__).parameters
+    for name in ("d_v", "kv_scale_format", "kv_cache_format", "device"):
+        assert name in init, name
+    run = inspect.signature(SparseMLASm120Wrapper.run).parameters
+    assert list(run)[1:6] == ["q", "kv_cache", "indices", "output", "sm_scale"], list(run)
+    for name in ("topk_length", "attn_sink", "extra_kv_cache", "extra_indices", "extra_topk_length",
+                 "out_lse", "return_lse", "lse_scale"):
+        assert name in run and run[name].kind == inspect.Parameter.KEYWORD_ONLY, name
+    from capdispatch.backends.decode_mla import external
+    src = inspect.getsource(external)
+    for name in ("extra_kv_cache=", "extra_indices=", "extra_topk_length=", "topk_length=", "attn_sink=",
+                 "out_lse=", "return_lse=False", "lse_scale=math.log(2.0)", "SparseMLASm120Wrapper(d_v=DIM",
+                 'kv_scale_format="auto"', 'kv_cache_format="fp8"'):
+        assert name in src, name
+
+
+def _flash_mla_interface_source():
+    import importlib.util
+    spec = importlib.util.find_spec("flash_mla")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("sgl-flash-mla is not installed (pip install --no-deps sgl-flash-mla==1.0.0)")
+    with open(os.path.join(list(spec.submodule_search_locations)[0], "flash_mla_interface.py")) as f:
+        return f.read()
+
+
+def test_flashmla_adapter_matches_library_signature():
+    """flash_mla is a CUDA-only extension (it does not import on a CPU machine): its Python
+    interface is read from the installed sources and the adapter's keywords checked."""
+    import ast
+    src = _flash_mla_interface_source()
+    tree = ast.parse(src)
+    fns = {n.name: n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+    a = fns["flash_mla_with_kvcache"].args
+    params = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs]
+    from capdispatch.backends.decode_mla import external
+    call = inspect.getsource(external.flashmla)
+    for name in ("q", "k_cache", "block_table", "cache_seqlens", "head_dim_v", "tile_scheduler_metadata",
+                 "softmax_scale", "is_fp8_kvcache", "indices", "attn_sink", "topk_length", "use_legacy",
+                 "extra_k_cache", "extra_indices_in_kvcache", "extra_topk_length"):
+        assert name in params, name
+        assert f"{name}=" in call, name
+    assert "get_mla_metadata" in fns and "flash_mla.get_mla_metadata()[0]" in call
+
+
+def test_contract_signatures_agree():
+    from capdispatch.backends.decode_mla import external
+    want = list(inspect.signature(R.decode_mla).parameters)
+    for fn in (external.flashmla, external.flashinfer_sparse_mla):
+        assert list(inspect.signature(fn).parameters) == want, fn.__name__
+    if INTERPRET or HAS_CUDA:
+        for fn in (_tk().decode_mla_u8, _tk().decode_mla_fp8):
+            assert list(inspect.signature(fn).parameters) == want, fn.__name__
+
+
+@_interp
+def test_bind_on_cpu():
+    import capdispatch as cd
+    fn = cd.bind("decode_mla", "cpu", backend="triton", registry=registry())
+    assert fn.__name__ == "decode_mla_u8"
+
+
+# --------------------------------------------------------------------------- #
+# Offline compilation for real GPU targets (no GPU needed)
+# --------------------------------------------------------------------------- #
+def test_decode_kernels_compile_for_gpu_targets():
+    """The uint8 (integer-decode) kernel builds for sm_86 and sm_120a, the native-fp8 one for
+    sm_89 (sm_90a runs on the H200 in the gpu tests), both with the main + extra pools and their default
+    configuration, the split-K variant and its combine kernel too: no spills, shared memory
+    within each target's limit. The native-fp8
+    kernel is rejected for sm_86 by Triton itself (fp8e4nv needs cc >= 8.9): the reason
+    the integer decoder exists."""
+    from test_sparse_prefill import SMEM_OPTIN, compile_offline
+    jobs = [(86, 1, None, True), (120, 1, None, True), (89, 2, None, True), (120, 1, None, True, 4),
+            (86, "combine", None, False), (86, 2, None, True)]
+    res = compile_offline(jobs)
+    for (cc, mode, *_), r in zip(jobs[:-1], res[:-1]):
+        assert "error" not in r, (cc, mode, r)
+        assert r["ptxas_rc"] == 0, (cc, mode, r["log"])
+        assert r["spill"] == 0 and r["regs"] <= 255, (cc, mode, r)
+        assert r["shared"] <= SMEM_OPTIN[cc], (cc, mode, r)
+    assert "fp8e4nv not supported" in res[-1].get("error", ""), res[-1]
+
+
+# --------------------------------------------------------------------------- #
+# GPU: full DeepSeek-V4 shapes
+# --------------------------------------------------------------------------- #
+GPU_SHAPES = [
+    pytest.param(1, dict(), id="b1"),
+    pytest.param(32, dict(extra=(64, 256, 512)), id="b32-c4"),
+    pytest.param(64, dict(extra=(2, 4096, 512)), id="b64-c128"),
+    pytest.param(2048, dict(extra=(64, 256, 512)), id="extend2048-c4"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", [
+    "triton", pytest.param("triton_fp8", marks=_fp8_cc), pytest.param("flashmla", marks=_flashmla),
+    pytest.param("flashinfer_sparse_mla", marks=_flashinfer)])
+@pytest.mark.parametrize("tokens,extra", GPU_SHAPES)
+def test_gpu_dsv4_shapes(backend, tokens, extra):
+    """h = 64, SWA pool page size 256 (window 128 padded to a 128-wide list), compressed
+    pool (c4: page 64, c128: page 2) with top-k 512, lengths and the sink."""
+    if not HAS_CUDA or INTERPRET:
+        pytest.skip("needs a CUDA device without TRITON_INTERPRET")
+    seed = new_seed()
+    gen = torch.Generator().manual_seed(seed)
+    q, pool, idx, ps, kw = make_case(gen, tokens, 1, 64, "cuda", page_size=256, num_pages=64, topk=128,
+                                     lengths=True, sink=True, lonely=(0,), **extra)
+    want = R.decode_mla(q, pool, idx, ps, SCALE, **kw)
+    got = op(backend)(q, pool, idx, ps, SCALE, **kw)
+    check_against(got, want, f"{backend} tokens={tokens} seed={seed}")
+
+
+@pytest.mark.gpu
+def test_gpu_extend_allocates_no_scratch_and_decode_scratch_is_bounded():
+    if not HAS_CUDA or INTERPRET:
+        pytest.skip("needs a CUDA device without TRITON_INTERPRET")
+    gen = torch.Generator().manual_seed(2)
+    tk = _tk()
+    for tokens, bound in ((4096, 0), (4, 2 * 2 * torch.cuda.get_device_properties(0).multi_processor_count
+                                      * 64 * (512 + 1) * 4)):
+        q, pool, idx, ps, kw = make_case(gen, tokens, 1, 64, "cuda", page_size=256, num_pages=64, topk=128,
+                                         extra=(64, 256, 512), lengths=True, sink=True)
+        tk.decode_mla_u8(q, pool, idx, ps, SCALE, **kw)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        tk.decode_mla_u8(q, pool, idx, ps, SCALE, **kw)
+        torch.cuda.synchronize()
+        outputs = tokens * 64 * (512 * 2 + 4)
+        extra = torch.cuda.max_memory_allocated() - base - outputs
+        assert extra <= bound + (1 << 20), (tokens, extra, bound)
