@@ -150,7 +150,8 @@ def test_policy_validate_ok_and_show(run_cli):
     assert doc["settings"]["mixed_group"] == {"value": "warn", "from": "default.yaml:7"}
     assert doc["ops"]["kv_quant"]["from"].endswith("device_scoped.yaml:4")
     assert doc["ops"]["kv_dequant"]["from"].startswith("default.yaml:")
-    assert doc["devices"][0]["match"] == {"cc": "8.6"}
+    assert doc["devices"][-2]["match"] == {"cc": "8.6"}
+    assert doc["devices"][-2]["from"].endswith("device_scoped.yaml:6")
 
 
 def test_device_scoped_entries_beat_file_entries(run_cli):

@@ -311,7 +311,11 @@ def test_against_float64_dense(backend, device):
     want = dense_f64(q, pool, idx, ps, SCALE, **kw)
     check_against(tuple(t.cpu() for t in got), want, msg)
     if backend == "torch":
-        assert_stats_close(got[1], want[1], msg + " lse (reference, 1e-5)", atol=1e-5)
+        # The fp32 reference must sit within a few fp32 ulps of the float64 lse: 8 ulps of
+        # the largest |lse| (lse grows with the logits, so an absolute bound would be arbitrary).
+        w = want[1][torch.isfinite(want[1])].abs()
+        atol = 8 * 2.0**-23 * max(1.0, float(w.max())) if w.numel() else 0.0
+        assert_stats_close(got[1], want[1], msg + f" lse (reference, 8 ulps = {atol:.2g})", atol=atol)
 
 
 @_interp

@@ -82,3 +82,14 @@ def test_later_files_win_and_selections_win_over_files(tmp_path):
                   env={"CAPDISPATCH_SET": "kv_quant=triton_fp8"})
     pref = stack.preference("kv_quant", spec)
     assert pref.backends == ("torch",) and pref.origin == "selections="
+
+
+def test_a_user_file_beats_the_defaults_device_entries(tmp_path):
+    import capdispatch as cd
+    p = tmp_path / "mine.yaml"
+    p.write_text("ops: {indexer: [torch]}\n")
+    spec = cd.probe("sim:rtx-3080")
+    assert build(builtin(), env={}).preference("indexer", spec).origin.startswith("default.yaml:")
+    assert "device cc <8.9" in build(builtin(), env={}).preference("indexer", spec).origin
+    pref = build(builtin(), policy=str(p), env={}).preference("indexer", spec)
+    assert pref.backends == ("torch",) and pref.user

@@ -11,6 +11,7 @@ from .base import Backend, Op
 
 BUILTIN_OP_PACKAGES = (
     "capdispatch.backends.kv_cache",
+    "capdispatch.backends.indexer",
     "capdispatch.backends.sparse_prefill",
     "capdispatch.backends.decode_mla",
     "capdispatch.backends.moe",

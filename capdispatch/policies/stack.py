@@ -52,17 +52,19 @@ class PolicyStack:
         for sel in reversed(self.selections):
             if sel.op == op:
                 return Preference((sel.backend,), sel.origin, "selection", True)
-        for pf in reversed(self.layers):
-            for entry in reversed(pf.devices):
-                if op in entry.ops and entry.matches(device):
-                    m = entry.ops[op]
-                    return Preference(m.value, f"{pf.path}:{m.line} (device {entry.describe()})",
-                                      "device", not pf.builtin)
-        for pf in reversed(self.layers):
-            if op in pf.ops:
-                m = pf.ops[op]
-                return Preference(m.value, f"{pf.path}:{m.line}",
-                                  "default" if pf.builtin else "policy", not pf.builtin)
+        # The built-in default, device entries included, sits below every user file.
+        for files in (tuple(self.files), (self.default,)):
+            for pf in reversed(files):
+                for entry in reversed(pf.devices):
+                    if op in entry.ops and entry.matches(device):
+                        m = entry.ops[op]
+                        return Preference(m.value, f"{pf.path}:{m.line} (device {entry.describe()})",
+                                          "device", not pf.builtin)
+            for pf in reversed(files):
+                if op in pf.ops:
+                    m = pf.ops[op]
+                    return Preference(m.value, f"{pf.path}:{m.line}",
+                                      "default" if pf.builtin else "policy", not pf.builtin)
         return None
 
 

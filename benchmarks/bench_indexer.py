@@ -1,0 +1,433 @@
+"""Benchmark the sparse-indexer backends (fp8 paged MQA logits) at DeepSeek-V4 shapes.
+
+    python benchmarks/bench_indexer.py [--out DIR] [--backends ...] [--quick] [--no-memory]
+    python benchmarks/bench_indexer.py --cpu-memory        # no GPU: the accounting only
+
+On a CUDA GPU:
+  1. ceilings: device-to-device copy bandwidth (bytes read + written) and the matmul
+     rate the op's tensor-core work can reach (fp8 torch._scaled_mm from cc 8.9, bf16
+     torch.matmul below), each the median of triton.testing.do_bench;
+  2. for each shape (decode: B requests x next_n rows over C4-compressed contexts;
+     prefill: one request's causal rows, row i seeing (start + i + 1) // 4 index-K
+     tokens), fresh random inputs (seed printed), every runnable backend
+     (torch, triton [native fp8 where cc >= 8.9], triton_u8, tilelang, deepgemm) is
+     checked against the float32 absolute-sum bound (|err| <= 2**-10 * A at valid
+     positions, -inf past each row for capdispatch kernels), then timed (median);
+     roofline time = max(bytes / copy bandwidth, FLOPs / matmul rate) with bytes =
+     q + weights + index-K pages the rows reach (each once) + logits written, FLOPs =
+     2 * 64 heads * 128 * scored positions; fraction of roofline = roofline / measured;
+     the default pick (deepgemm > tilelang > triton > torch, cc < 8.9: triton first)
+     is compared with the fastest backend;
+  3. the torch reference's peak memory at 8k and 32k tokens of prefill (rows =
+     tokens, C4 context = tokens / 4) with torch.cuda.max_memory_allocated, beside the
+     accounted bound of one step (reference.plan_steps) and what gathering a whole
+     1024-row chunk's index-K in float32 would take (the seed's OOM);
+  4. writes indexer_<device>_<stamp>.json and .md into --out.
+
+Without a GPU (or with --cpu-memory) it prints and writes item 3's accounting alone:
+the reference's step plan (query chunk, pages per step, accounted bytes) at 8k, 32k
+and 128k tokens, which is what bounds its peak memory on any device.
+
+TileLang and DeepGEMM on the H200: carry their wheels (docs/ops/indexer.md, "Running on the H200").
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import random
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+H, D, PAGE = 64, 128, 64
+REL_TOL = 2.0 ** -10
+BACKENDS = ("torch", "triton", "triton_u8", "tilelang", "deepgemm")
+DECODE = [(64, 1, 16384), (128, 1, 4096), (8, 1, 65536), (64, 2, 16384)]       # (B, next_n, context)
+PREFILL = [(8192, 0), (4096, 28672)]                                            # (rows, start)
+MEMORY_TOKENS = (8192, 32768)
+
+
+def _bench(fn, warmup, rep):
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+# --------------------------------------------------------------------------- #
+# Ceilings
+# --------------------------------------------------------------------------- #
+def copy_bandwidth(nbytes, warmup, rep):
+    import torch
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = _bench(lambda: dst.copy_(src), warmup, rep)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / ms / 1e6, ms          # GB/s, ms
+
+
+def matmul_rate(warmup, rep, n=8192):
+    """(TFLOP/s, dtype): fp8 scaled_mm from cc 8.9, else bf16 matmul; random data."""
+    import torch
+    a = torch.randn(n, n, device="cuda").bfloat16()
+    b = torch.randn(n, n, device="cuda").bfloat16()
+    if torch.cuda.get_device_capability() >= (8, 9):
+        try:
+            a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+            one = torch.tensor(1.0, device="cuda")
+            fn = lambda: torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)  # noqa: E731
+            fn()
+            ms = _bench(fn, warmup, rep)
+            return 2 * n ** 3 / ms / 1e9, "fp8"
+        except Exception as exc:  # older torch: fall back to bf16 and say so
+            print(f"fp8 scaled_mm unavailable ({type(exc).__name__}: {exc}); using the bf16 rate")
+    ms = _bench(lambda: a @ b, warmup, rep)
+    return 2 * n ** 3 / ms / 1e9, "bf16"
+
+
+# --------------------------------------------------------------------------- #
+# Inputs
+# --------------------------------------------------------------------------- #
+def make_inputs(kind, shape, gen, dev="cuda"):
+    """Device tensors for one shape. Distinct pages per decode request; prefill rows of
+    one request share its page list (each row its own block-table row, as SGLang passes)."""
+    import torch
+    from capdispatch.backends.indexer import reference as R
+    if kind == "decode":
+        B, N, ctx = shape
+        lens = torch.randint(max(N, ctx // 2), ctx + 1, (B,), generator=gen, device=dev, dtype=torch.int32)
+        S = ctx
+        need = (lens + PAGE - 1) // PAGE
+        NB = -(-ctx // PAGE)
+        P = int(need.sum())
+        perm = torch.randperm(P, generator=gen, device=dev).int()
+        bt = torch.zeros(B, NB, dtype=torch.int32, device=dev)
+        off = 0
+        for b, n in enumerate(need.tolist()):
+            bt[b, :n] = perm[off:off + n]
+            off += n
+        rows = B * N
+        unique_pages = P
+        ctx_arg = lens
+        E = R.row_lengths(lens, N, S)
+    else:
+        rows, start = shape
+        N, B = 1, rows
+        S = (start + rows) // 4
+        NB = -(-S // PAGE)
+        P = NB
+        unique_pages = P
+        perm = torch.randperm(P, generator=gen, device=dev).int()
+        bt = perm[None, :].expand(rows, NB).contiguous()
+        ctx_arg = ((torch.arange(rows, device=dev) + start + 1) // 4).int()
+        E = R.row_lengths(ctx_arg, 1, S)
+    x = torch.randn(P, PAGE, D, generator=gen, device=dev)
+    codes, scales = R.quantize_index_k(x)
+    kv = R.pack_index_k(codes, scales)
+    q = torch.randn(B, N, H, D, generator=gen, device=dev).to(torch.float8_e4m3fn)
+    w = torch.randn(B * N, H, generator=gen, device=dev)
+    scored = int(E.sum())
+    return dict(q=q, kv=kv, w=w, ctx=ctx_arg, bt=bt, S=S, rows=rows, B=B, N=N, E=E,
+                unique_pages=unique_pages, scored=scored)
+
+
+def traffic(c):
+    """(bytes, flops) the op must move / do at least."""
+    rows, S = c["rows"], c["S"]
+    nbytes = (rows * H * D            # q fp8
+              + rows * H * 4          # weights
+              + c["unique_pages"] * PAGE * (D + 4)   # index-K pages, each once
+              + rows * S * 4)         # logits written
+    return nbytes, 2 * H * D * c["scored"]
+
+
+def abs_sum(c):
+    """A = s * sum_h |w| * sum_d |q k| per position: the reference on magnitudes."""
+    import torch
+    from capdispatch.backends.indexer import layout as L
+    from capdispatch.backends.indexer import reference as R
+    qa = (c["q"].view(torch.uint8) & 0x7F).view(torch.float8_e4m3fn)
+    pages = L.pages_u8(c["kv"]).clone()
+    pages[:, :L.SCALE_OFFSET] &= 0x7F
+    return R.fp8_paged_mqa_logits(qa, pages, c["w"].abs(), c["ctx"], c["bt"], None, c["S"])
+
+
+def check(got, want, A, E, S, clean):
+    import torch
+    pos = torch.arange(S, device=got.device)
+    valid = pos[None, :] < E.reshape(-1, 1)
+    err = (got - want).abs()
+    bound = REL_TOL * A
+    ok = bool(((err <= bound) | ~valid).all())
+    if clean:
+        ok = ok and bool((got[~valid] == float("-inf")).all())
+    ratio = float(((err / A.clamp_min(1e-30)) * valid).nan_to_num(0.0).max())
+    return ok, float((err * valid).nan_to_num(0.0).max()), ratio
+
+
+# --------------------------------------------------------------------------- #
+# Backends
+# --------------------------------------------------------------------------- #
+def load_backends(names):
+    """name -> (callable, None) or (None, why not)."""
+    import torch
+    out = {}
+    cc = torch.cuda.get_device_capability()
+    for name in names:
+        try:
+            if name == "torch":
+                from capdispatch.backends.indexer.reference import fp8_paged_mqa_logits as fn
+            elif name == "triton":
+                from capdispatch.backends.indexer.triton_kernels import fp8_paged_mqa_logits as fn
+            elif name == "triton_u8":
+                from capdispatch.backends.indexer.triton_kernels import fp8_paged_mqa_logits_u8 as fn
+            elif name == "tilelang":
+                from capdispatch.backends.indexer.tilelang_kernel import fp8_paged_mqa_logits as fn
+            elif name == "deepgemm":
+                if cc[0] not in (9, 10):
+                    raise RuntimeError(f"the deepgemm backend needs wgmma or tcgen05 (cc {cc[0]}.{cc[1]})")
+                from capdispatch.backends.indexer.deepgemm import fp8_paged_mqa_logits as fn
+            else:
+                raise ValueError(name)
+            out[name] = (fn, None)
+        except Exception as exc:
+            out[name] = (None, f"{type(exc).__name__}: {str(exc)[:300]}")
+    return out
+
+
+def default_pick(available, cc):
+    order = ["triton", "tilelang", "torch"] if cc < (8, 9) else ["deepgemm", "tilelang", "triton", "torch"]
+    return next((b for b in order if b in available), None)
+
+
+# --------------------------------------------------------------------------- #
+# Memory of the torch reference
+# --------------------------------------------------------------------------- #
+def accounting(tokens_list=(8192, 32768, 131072)):
+    from capdispatch.backends.indexer import layout as L
+    from capdispatch.backends.indexer import reference as R
+    rows = []
+    for tokens in tokens_list:
+        S = tokens // 4
+        pages = -(-S // PAGE)
+        plan = R.plan_steps(tokens, 1, H, pages)
+        rows.append(dict(tokens=tokens, context=S, query_chunk=plan.batch_chunk, pages_per_step=plan.pages,
+                         step_bytes=plan.bytes, logits_bytes=tokens * S * 4,
+                         seed_chunk_fp32_gather_bytes=L.QUERY_CHUNK * pages * PAGE * D * 4))
+    return rows
+
+
+def gpu_memory(warmup, rep, tokens_list, gen, with_time=True):
+    import torch
+    from capdispatch.backends.indexer import reference as R
+    out = []
+    for tokens in tokens_list:
+        c = make_inputs("prefill", (tokens, 0), gen)
+        S = c["S"]
+        pages = -(-S // PAGE)
+        plan = R.plan_steps(tokens, 1, H, pages)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        logits = R.fp8_paged_mqa_logits(c["q"], c["kv"], c["w"], c["ctx"], c["bt"], None, S)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        extra = peak - logits.numel() * 4
+        ms = _bench(lambda: R.fp8_paged_mqa_logits(c["q"], c["kv"], c["w"], c["ctx"], c["bt"], None, S),
+                    warmup, rep) if with_time else None
+        row = dict(tokens=tokens, context=S, peak_bytes=peak, logits_bytes=logits.numel() * 4, extra_bytes=extra,
+                   plan_step_bytes=plan.bytes, query_chunk=plan.batch_chunk, pages_per_step=plan.pages,
+                   within_plan=extra <= plan.bytes * 1.25 + (8 << 20), ms=ms,
+                   seed_chunk_fp32_gather_bytes=1024 * pages * PAGE * D * 4)
+        print(f"  torch reference, {tokens} tokens (context {S}): peak {peak / 2**20:.0f} MiB = logits "
+              f"{logits.numel() * 4 / 2**20:.0f} MiB + {extra / 2**20:.0f} MiB working set "
+              f"(step plan {plan.bytes / 2**20:.0f} MiB: {plan.batch_chunk} rows x {plan.pages} pages)"
+              + (f", {ms:.1f} ms" if ms else ""))
+        out.append(row)
+        del logits, c
+        torch.cuda.empty_cache()
+    return out
+
+
+# --------------------------------------------------------------------------- #
+# Main
+# --------------------------------------------------------------------------- #
+def run(args):
+    import torch
+    if args.cpu_memory or not torch.cuda.is_available():
+        acc = accounting()
+        for r in acc:
+            print(f"  {r['tokens']:>7} tokens (C4 context {r['context']}): {r['query_chunk']} rows x "
+                  f"{r['pages_per_step']} pages per step, {r['step_bytes'] / 2**20:.0f} MiB accounted; "
+                  f"logits {r['logits_bytes'] / 2**20:.0f} MiB; a whole chunk's index-K in fp32: "
+                  f"{r['seed_chunk_fp32_gather_bytes'] / 2**20:.0f} MiB")
+        meta = dict(device="cpu", python=platform.python_version(), torch=torch.__version__,
+                    date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
+        _write(args.out, meta, [], [], acc)
+        return 0
+
+    import triton
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
+    dev_name = torch.cuda.get_device_name()
+    cc = torch.cuda.get_device_capability()
+    print(f"device: {dev_name} (cc {cc[0]}.{cc[1]}), torch {torch.__version__}, triton {triton.__version__}, "
+          f"CUDA {torch.version.cuda}, seed {seed}")
+    gbps, _ = copy_bandwidth(args.copy_bytes, args.warmup, args.rep)
+    tflops, mm_dtype = matmul_rate(args.warmup, args.rep)
+    print(f"ceilings: copy {gbps:.0f} GB/s (read+write), {mm_dtype} matmul {tflops:.0f} TFLOP/s")
+
+    backends = load_backends(args.backends)
+    for name, (fn, why) in backends.items():
+        if fn is None:
+            print(f"  {name}: not run ({why})")
+    available = [n for n, (fn, _) in backends.items() if fn is not None]
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    shapes = [("decode", s) for s in (DECODE[:2] if args.quick else DECODE)] + \
+             [("prefill", s) for s in (PREFILL[:1] if args.quick else PREFILL)]
+    rows = []
+    picks = []
+    for kind, shape in shapes:
+        c = make_inputs(kind, shape, gen)
+        nbytes, flops = traffic(c)
+        t_roof = max(nbytes / (gbps * 1e6), flops / (tflops * 1e9))        # ms
+        bound = "memory" if nbytes / (gbps * 1e6) >= flops / (tflops * 1e9) else "compute"
+        want = backends["torch"][0](c["q"], c["kv"], c["w"], c["ctx"], c["bt"], None, c["S"]) \
+            if "torch" in available else None
+        A = abs_sum(c) if want is not None else None
+        times = {}
+        for name in available:
+            fn = backends[name][0]
+            call = lambda: fn(c["q"], c["kv"], c["w"], c["ctx"], c["bt"], None, c["S"], False)  # noqa: E731
+            try:
+                got = call()
+                torch.cuda.synchronize()
+                ok, err, ratio = (check(got, want, A, c["E"], c["S"], clean=name != "deepgemm")
+                                  if want is not None else (None, None, None))
+                del got
+                if name == "torch" and kind == "prefill" and shape[0] * c["S"] > (1 << 26) and args.quick:
+                    ms = None
+                else:
+                    ms = _bench(call, args.warmup, args.rep)
+            except Exception as exc:
+                print(f"  {kind} {shape} {name}: FAILED {type(exc).__name__}: {str(exc)[:300]}")
+                rows.append(dict(kind=kind, shape=list(shape), backend=name, error=f"{type(exc).__name__}: {exc}"[:500]))
+                continue
+            times[name] = ms
+            rows.append(dict(kind=kind, shape=list(shape), backend=name, ms=ms, correct=ok, max_abs_err=err,
+                             max_err_over_abs_sum=ratio, bytes=nbytes, flops=flops, roofline_ms=t_roof,
+                             bound=bound, frac_roofline=(t_roof / ms) if ms else None))
+            print(f"  {kind:>7} {str(shape):>18} {name:>9}: {ms if ms is None else round(ms, 4)} ms, "
+                  f"{100 * t_roof / ms if ms else float('nan'):5.1f}% of {bound} roofline, correct={ok} "
+                  f"(max|err| {err}, /A {ratio})")
+        if times:
+            fastest = min((t, n) for n, t in times.items() if t is not None)
+            pick = default_pick([n for n in times if times[n] is not None], cc)
+            ratio_pick = times[pick] / fastest[0] if pick else None
+            picks.append(dict(kind=kind, shape=list(shape), fastest=fastest[1], fastest_ms=fastest[0], default=pick,
+                              default_ms=times.get(pick), default_over_fastest=ratio_pick,
+                              within_10pct=ratio_pick is not None and ratio_pick <= 1.10))
+            print(f"  {kind:>7} {str(shape):>18} fastest {fastest[1]} ({fastest[0]:.4f} ms); default {pick} "
+                  f"x{ratio_pick:.2f}")
+        del c, want, A
+        torch.cuda.empty_cache()
+
+    mem = gpu_memory(args.warmup, args.rep, MEMORY_TOKENS, gen, with_time=not args.quick) \
+        if not args.no_memory else []
+    meta = dict(device=dev_name, compute_capability=f"{cc[0]}.{cc[1]}", torch=torch.__version__,
+                triton=triton.__version__, cuda=torch.version.cuda, python=platform.python_version(),
+                date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), seed=seed,
+                copy_gbps=gbps, matmul_tflops=tflops, matmul_dtype=mm_dtype,
+                not_run={n: why for n, (fn, why) in backends.items() if fn is None},
+                versions=_versions(), tolerance=f"|err| <= 2^-10 * A (abs-sum) at valid positions",
+                do_bench=dict(warmup_ms=args.warmup, rep_ms=args.rep, return_mode="median"))
+    _write(args.out, meta, rows, picks, accounting(), mem)
+    bad = [r for r in rows if r.get("correct") is False or "error" in r]
+    return 1 if bad else 0
+
+
+def _versions():
+    from importlib import metadata
+    out = {}
+    for d in ("tilelang", "sgl-deep-gemm", "apache-tvm-ffi", "sglang"):
+        try:
+            out[d] = metadata.version(d)
+        except metadata.PackageNotFoundError:
+            out[d] = None
+    return out
+
+
+def _write(out_dir, meta, rows, picks, acc, mem=()):
+    os.makedirs(out_dir, exist_ok=True)
+    slug = "".join(ch if ch.isalnum() else "_" for ch in meta["device"]).strip("_").lower()
+    stamp = meta["date"].replace(":", "").replace("-", "")[:15]
+    base = os.path.join(out_dir, f"indexer_{slug}_{stamp}")
+    with open(base + ".json", "w") as f:
+        json.dump(dict(meta=meta, results=rows, default_vs_fastest=picks, reference_memory=list(mem),
+                       reference_accounting=acc), f, indent=2)
+    lines = [f"# Sparse indexer (fp8 paged MQA logits) on {meta['device']}", ""]
+    if rows:
+        lines += [
+            f"- date {meta['date']}; torch {meta['torch']}, triton {meta['triton']}, CUDA {meta['cuda']}, "
+            f"cc {meta['compute_capability']}; seed {meta['seed']}; versions {meta['versions']}",
+            f"- ceilings: copy {meta['copy_gbps']:.0f} GB/s (read+write), {meta['matmul_dtype']} matmul "
+            f"{meta['matmul_tflops']:.0f} TFLOP/s; roofline = max(bytes / copy, FLOPs / matmul)",
+            f"- not run: {meta['not_run'] or 'none'}",
+            f"- correctness: {meta['tolerance']}; -inf past each row (capdispatch kernels)",
+            "", "| kind | shape | backend | ms | % of roofline | bound | correct | max err / A |",
+            "| --- | --- | --- | ---: | ---: | --- | --- | ---: |",
+        ]
+        for r in rows:
+            if "error" in r:
+                lines.append(f"| {r['kind']} | {r['shape']} | {r['backend']} | error | | | {r['error'][:80]} | |")
+                continue
+            frac = f"{100 * r['frac_roofline']:.1f}" if r["frac_roofline"] else ""
+            ms = f"{r['ms']:.4f}" if r["ms"] else ""
+            ratio = f"{r['max_err_over_abs_sum']:.2g}" if r["max_err_over_abs_sum"] is not None else ""
+            lines.append(f"| {r['kind']} | {r['shape']} | {r['backend']} | {ms} | {frac} | {r['bound']} | "
+                         f"{r['correct']} | {ratio} |")
+        lines += ["", "| kind | shape | fastest | default pick | default / fastest |", "| --- | --- | --- | --- | ---: |"]
+        for p in picks:
+            lines.append(f"| {p['kind']} | {p['shape']} | {p['fastest']} | {p['default']} | "
+                         f"{p['default_over_fastest']:.2f} |")
+    if mem:
+        lines += ["", "Torch reference memory (prefill, rows = tokens, context = tokens / 4):", "",
+                  "| tokens | peak MiB | logits MiB | working set MiB | step plan MiB | within plan | ms |",
+                  "| ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
+        for m in mem:
+            lines.append(f"| {m['tokens']} | {m['peak_bytes'] / 2**20:.0f} | {m['logits_bytes'] / 2**20:.0f} | "
+                         f"{m['extra_bytes'] / 2**20:.0f} | {m['plan_step_bytes'] / 2**20:.0f} | {m['within_plan']} | "
+                         f"{m['ms'] if m['ms'] is None else round(m['ms'], 1)} |")
+    lines += ["", "Reference step plan (accounting; the same on any device):", "",
+              "| tokens | context | rows/chunk | pages/step | step MiB | logits MiB | whole-chunk fp32 gather MiB |",
+              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for a in acc:
+        lines.append(f"| {a['tokens']} | {a['context']} | {a['query_chunk']} | {a['pages_per_step']} | "
+                     f"{a['step_bytes'] / 2**20:.0f} | {a['logits_bytes'] / 2**20:.0f} | "
+                     f"{a['seed_chunk_fp32_gather_bytes'] / 2**20:.0f} |")
+    with open(base + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"wrote {base}.json and {base}.md")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
+    p.add_argument("--copy-bytes", type=int, default=2 << 30)
+    p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
+    p.add_argument("--rep", type=int, default=100, help="do_bench measuring time, ms")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--quick", action="store_true", help="fewer shapes, no reference timing at memory sizes")
+    p.add_argument("--no-memory", action="store_true", help="skip the reference memory measurement")
+    p.add_argument("--cpu-memory", action="store_true", help="only the reference's memory accounting")
+    p.add_argument("--out", default=os.path.join("benchmarks", "results"))
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

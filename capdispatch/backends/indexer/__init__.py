@@ -1,0 +1,48 @@
+"""DeepSeek-V4 sparse indexer: fp8 paged MQA logits (SGLang 0.5.23 DSv4 indexer site).
+
+Declarations only: the kernels live in reference.py (torch), triton_kernels.py,
+tilelang_kernel.py and deepgemm.py, and are imported when a backend is bound.
+Contract: reference.py's module docstring and docs/ops/indexer.md.
+"""
+from ..base import AnyFeature, Backend, ComputeCapability, Library, Op, Platform, TritonTarget
+
+_PKG = "capdispatch.backends.indexer"
+
+OP = Op(
+    "indexer",
+    "fp8 paged MQA logits: q fp8 [B,next_n,64,128], index-K pages of 64 tokens x (128 fp8 + fp32 scale), "
+    "weights fp32 [B*next_n,64], context lens, block table -> fp32 logits [B*next_n, max_context_len]",
+    "indexer(q, kv_cache, weights, context_lens, block_table, schedule_metadata, max_context_len, "
+    "clean_logits=False) -> Tensor",
+    reference="torch",
+)
+
+_TORCH = Library("torch", ">=2.4", module="torch")
+_TRITON = Library("triton", ">=3.2", module="triton")
+# SGLang 0.5.23 pins tilelang==0.1.12; the kernel is lowered and tested with it.
+_TILELANG = Library("tilelang", ">=0.1.12", module="tilelang")
+# The DeepGEMM SGLang installs (and pins, 0.2.3.post2); the module is `deep_gemm`.
+_DEEPGEMM = Library("sgl-deep-gemm", ">=0.2.3", module="deep_gemm")
+
+BACKENDS = (
+    # Registration order is the default order: fastest first (docs/ops/indexer.md).
+    Backend("indexer", "deepgemm", f"{_PKG}.deepgemm:fp8_paged_mqa_logits",
+            requires=(_TORCH, _DEEPGEMM, Platform("cuda"), AnyFeature(("wgmma", "tcgen05"))),
+            summary="DeepGEMM fp8_paged_mqa_logits (SM90 wgmma / SM100 tcgen05 kernels; JIT needs the CUDA toolkit)"),
+    Backend("indexer", "tilelang", f"{_PKG}.tilelang_kernel:fp8_paged_mqa_logits",
+            requires=(_TORCH, _TILELANG, Platform("cuda"), ComputeCapability(">=8.0")),
+            summary="capdispatch's TileLang kernel: fp8 MMA from cc 8.9 (wgmma on SM90), fp16 MMA over "
+                    "integer-widened fp8 below (JIT needs the CUDA toolkit)"),
+    Backend("indexer", "triton", f"{_PKG}.triton_kernels:fp8_paged_mqa_logits",
+            requires=(_TORCH, _TRITON, TritonTarget("8.0")),
+            summary="Triton: native fp8 dot from cc 8.9, uint8 views widened to fp16 with integer ops below"),
+    Backend("indexer", "torch", f"{_PKG}.reference:fp8_paged_mqa_logits",
+            requires=(_TORCH,),
+            summary="torch reference, 1024 query rows at a time, index-K gathered a few pages at a time"),
+)
+
+
+def register(registry) -> None:
+    registry.add_op(OP)
+    for backend in BACKENDS:
+        registry.add_backend(backend)

@@ -1,0 +1,234 @@
+"""Triton kernel for the sparse indexer's fp8 paged MQA logits (contract: reference.py).
+
+One program scores one batch entry (all its next_n query rows: M = next_n_pad * heads
+rows of q) over one split of the positions, BLOCK_N = 64 tokens (one page) per step:
+
+    S = q [M, 128] @ K^T [128, 64]           (tensor cores, float32 accumulation)
+    logits[j, t] = scale[t] * sum_h w[j, h] * relu(S[j*H + h, t])
+
+Positions at or past a row's length are written -inf, so the whole
+[rows, max_context_len] result is written (clean logits). Pages past the longest row
+of the entry are never read; the page id of such a position is never loaded either.
+
+Two codecs, selected by the NATIVE_FP8 constexpr per device (cc >= 8.9: native):
+* native: q and the pool are passed as float8e4nv views and tl.dot multiplies fp8
+  directly (Triton admits fp8e4nv from compute capability 8.9);
+* uint8: only uint8 views reach the kernel; e4m3fn codes are widened to float16 with
+  integer operations (every e4m3fn value is exact in float16) and tl.dot runs in
+  float16 with float32 accumulation, which SM80/SM86 have. Products of two fp8 values
+  are exact either way.
+All address arithmetic is int64. Import lazily (at bind time): this imports triton.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from .layout import HEAD_DIM, PAGE_TOKENS, SCALE_OFFSET, alloc_logits, check_args
+
+__all__ = ["fp8_paged_mqa_logits", "fp8_paged_mqa_logits_u8", "fp8_paged_mqa_logits_native",
+           "plan_splits", "INTERPRETED"]
+
+BLOCK_N = 64          # tokens per step (one page)
+NUM_WARPS = 4       # 8 when next_n > 1 (M = next_n_pad * 64 rows of q per program)
+NUM_STAGES = 2      # software pipelining of the page loads
+_SCALE_OFFSET = tl.constexpr(SCALE_OFFSET)
+_PAGE = tl.constexpr(PAGE_TOKENS)
+
+
+@triton.jit
+def _e4m3fn_bits_to_f16(c):
+    """e4m3fn codes (uint8 tensor) -> float16, exact for every finite code; 0x7F/0xFF -> NaN.
+
+    The code's 7 magnitude bits placed at bit 7 of a float16 (5-bit exponent, bias 15)
+    give the value times 2**-8, normals and subnormals alike; times 256 is exact."""
+    c = c.to(tl.int32)
+    h = ((c << 7) & 0x3F80) | ((c << 8) & 0x8000)
+    v = h.to(tl.int16).to(tl.float16, bitcast=True) * 256.0
+    return tl.where((c & 0x7F) == 0x7F, float("nan"), v)
+
+
+@triton.jit
+def _indexer_kernel(
+    q_ptr,            # float8e4nv / uint8 [B, NEXT_N, H, 128] contiguous
+    kv_ptr,           # float8e4nv / uint8 pages, page stride kv_page_stride bytes
+    w_ptr,            # float32 [B*NEXT_N, H]
+    ctx_ptr,          # int32/int64 [B] or [B, NEXT_N]
+    bt_ptr,           # int32/int64 [B, max_blocks]
+    out_ptr,          # float32 [B*NEXT_N, max_ctx], row stride out_stride
+    max_ctx, tokens_per_split,
+    kv_page_stride, w_stride, ctx_stride, bt_stride, out_stride,
+    NEXT_N: tl.constexpr, NEXT_N_PAD: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+    CTX_2D: tl.constexpr, NATIVE_FP8: tl.constexpr, BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    M: tl.constexpr = NEXT_N_PAD * H
+
+    # Row lengths E[j] = clamp(L[j], 0, max_ctx).
+    jj = tl.arange(0, NEXT_N_PAD)
+    jmask = jj < NEXT_N
+    if CTX_2D:
+        L = tl.load(ctx_ptr + b * ctx_stride + jj, mask=jmask, other=0).to(tl.int32)
+    else:
+        L = tl.load(ctx_ptr + b * ctx_stride).to(tl.int32) - (NEXT_N - 1) + jj
+    E = tl.minimum(tl.maximum(L, 0), max_ctx)
+    E = tl.where(jmask, E, 0)
+    e_max = tl.max(E, axis=0)
+
+    # q tile [M, D] and weights [M] (row m = j * H + h).
+    m = tl.arange(0, M)
+    mvalid = m < NEXT_N * H
+    d = tl.arange(0, D)
+    q_off = b * (NEXT_N * H * D) + m[:, None].to(tl.int64) * D + d[None, :]
+    if NATIVE_FP8:
+        qt = tl.load(q_ptr + q_off, mask=mvalid[:, None], other=0.0)
+    else:
+        qt = _e4m3fn_bits_to_f16(tl.load(q_ptr + q_off, mask=mvalid[:, None], other=0))
+    w = tl.load(w_ptr + (b * NEXT_N + m // H) * w_stride + (m % H), mask=mvalid, other=0.0)
+
+    t_begin = split * tokens_per_split
+    t_end = tl.minimum(t_begin + tokens_per_split, max_ctx)
+    t_comp = tl.maximum(tl.minimum(t_end, e_max), t_begin)   # tokens [t_begin, t_comp) are scored
+    n_comp = tl.cdiv(t_comp - t_begin, BLOCK)
+
+    row_off = (b * NEXT_N + jj).to(tl.int64) * out_stride          # [NEXT_N_PAD]
+    kv_u8 = kv_ptr.to(tl.pointer_type(tl.uint8))
+    kv_f32 = kv_ptr.to(tl.pointer_type(tl.float32))
+    tn = tl.arange(0, BLOCK)
+    for it in tl.range(0, n_comp, num_stages=NUM_STAGES):
+        t = t_begin + it * BLOCK + tn                                  # [BLOCK] positions
+        live = t < e_max
+        page = tl.load(bt_ptr + b * bt_stride + t // _PAGE, mask=live, other=0).to(tl.int64)
+        base = page * kv_page_stride
+        slot = (t % _PAGE).to(tl.int64)
+        k_off = base[:, None] + slot[:, None] * D + d[None, :]
+        if NATIVE_FP8:
+            kt = tl.load(kv_ptr + k_off, mask=live[:, None], other=0.0)
+        else:
+            kt = _e4m3fn_bits_to_f16(tl.load(kv_u8 + k_off, mask=live[:, None], other=0))
+        scale = tl.load(kv_f32 + ((base + _SCALE_OFFSET) >> 2) + slot, mask=live, other=0.0)
+        s = tl.dot(qt, tl.trans(kt))                                   # [M, BLOCK] float32
+        s = tl.maximum(s, 0.0) * w[:, None]
+        if NEXT_N_PAD == 1:
+            logit = tl.sum(s, axis=0)[None, :] * scale[None, :]       # no reshape of the MMA layout
+        else:
+            logit = tl.sum(tl.reshape(s, (NEXT_N_PAD, H, BLOCK)), axis=1) * scale[None, :]
+        logit = tl.where(t[None, :] < E[:, None], logit, float("-inf"))
+        tl.store(out_ptr + row_off[:, None] + t[None, :], logit,
+                 mask=jmask[:, None] & (t < t_end)[None, :])
+
+    # The rest of the split: past every row's length.
+    neg = tl.full((NEXT_N_PAD, BLOCK), float("-inf"), tl.float32)
+    for t0 in range(t_begin + n_comp * BLOCK, t_end, BLOCK):
+        t = t0 + tn
+        tl.store(out_ptr + row_off[:, None] + t[None, :], neg,
+                 mask=jmask[:, None] & (t < t_end)[None, :])
+
+
+# triton.jit picks the interpreter at decoration time (TRITON_INTERPRET=1 at import).
+INTERPRETED = not isinstance(_indexer_kernel, triton.runtime.jit.JITFunction)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_facts(index: int) -> tuple:
+    props = torch.cuda.get_device_properties(index)
+    return props.multi_processor_count, (props.major, props.minor)
+
+
+def _native_fp8_default(device: torch.device) -> bool:
+    if device.type != "cuda" or torch.version.hip is not None:
+        return False
+    return _device_facts(device.index if device.index is not None else torch.cuda.current_device())[1] >= (8, 9)
+
+
+def plan_splits(batch: int, max_context_len: int, num_sms: int) -> int:
+    """Tokens per program along the positions: enough programs to fill the card
+    (about 4 per SM) for decode-sized batches, whole rows for large batches."""
+    pages = -(-max_context_len // PAGE_TOKENS)
+    if pages == 0:
+        return PAGE_TOKENS
+    splits = max(1, min(pages, -(-4 * num_sms // max(batch, 1))))
+    return -(-pages // splits) * PAGE_TOKENS
+
+
+def _on_device(device: torch.device):
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _launch(q, kv_cache, weights, context_lens, block_table, max_context_len, out, native_fp8):
+    a = check_args(q, kv_cache, weights, context_lens, block_table, max_context_len)
+    dev = a.q_u8.device
+    if dev.type == "cpu" and not INTERPRETED:
+        raise ValueError("the Triton indexer needs CUDA tensors (CPU tensors only when imported "
+                         "with TRITON_INTERPRET=1)")
+    if native_fp8 is None:
+        native_fp8 = _native_fp8_default(dev)
+    elif native_fp8 and dev.type == "cuda" and torch.version.hip is None:
+        cc = _device_facts(dev.index if dev.index is not None else torch.cuda.current_device())[1]
+        if cc < (8, 9):
+            raise RuntimeError(f"native-fp8 indexer kernel needs compute capability >= 8.9 "
+                               f"(device has {cc[0]}.{cc[1]}); use fp8_paged_mqa_logits_u8")
+    H = a.heads
+    if H & (H - 1) or not 16 <= H * _pow2(a.next_n) or H > 128:
+        raise ValueError(f"the Triton indexer needs a power-of-two head count <= 128 "
+                         f"(next_n_pad * heads >= 16), got heads={H}")
+    B, N, S = a.batch, a.next_n, a.max_context_len
+    out = alloc_logits(B * N, S, dev, out)
+    if B == 0 or S == 0:
+        return out
+    num_sms = _device_facts(dev.index if dev.index is not None else torch.cuda.current_device())[0] \
+        if dev.type == "cuda" else 4
+    tps = plan_splits(B, S, num_sms)
+    grid = (B, -(-S // tps))
+    q_arg = a.q_u8.view(torch.float8_e4m3fn) if native_fp8 else a.q_u8
+    kv_arg = a.pages.view(torch.float8_e4m3fn) if native_fp8 else a.pages
+    ctx_stride = a.context_lens.stride(0) if a.context_lens.numel() else 0
+    with _on_device(dev):
+        _indexer_kernel[grid](
+            q_arg, kv_arg, a.weights, a.context_lens, a.block_table, out,
+            S, tps,
+            a.pages.stride(0), a.weights.stride(0), ctx_stride, a.block_table.stride(0), out.stride(0),
+            NEXT_N=N, NEXT_N_PAD=_pow2(N), H=H, D=HEAD_DIM, CTX_2D=a.ctx_2d,
+            NATIVE_FP8=bool(native_fp8), BLOCK=BLOCK_N, NUM_STAGES=NUM_STAGES,
+            num_warps=NUM_WARPS if N == 1 else 2 * NUM_WARPS,
+        )
+    return out
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedule_metadata=None,
+                         max_context_len=None, clean_logits=False, *, out=None):
+    """The indexer op (contract: reference.fp8_paged_mqa_logits). Native fp8 where the
+    device has it (cc >= 8.9), the uint8 codec elsewhere; `schedule_metadata` is ignored
+    and positions past a row's length are written -inf whatever `clean_logits` says."""
+    del schedule_metadata, clean_logits
+    if max_context_len is None:
+        raise TypeError("max_context_len is required")
+    return _launch(q, kv_cache, weights, context_lens, block_table, max_context_len, out, None)
+
+
+def fp8_paged_mqa_logits_u8(q, kv_cache, weights, context_lens, block_table, schedule_metadata=None,
+                            max_context_len=None, clean_logits=False, *, out=None):
+    """The uint8-codec kernel on any device (SM80+; the interpreter)."""
+    del schedule_metadata, clean_logits
+    if max_context_len is None:
+        raise TypeError("max_context_len is required")
+    return _launch(q, kv_cache, weights, context_lens, block_table, max_context_len, out, False)
+
+
+def fp8_paged_mqa_logits_native(q, kv_cache, weights, context_lens, block_table, schedule_metadata=None,
+                                max_context_len=None, clean_logits=False, *, out=None):
+    """The native-fp8 kernel (cc >= 8.9, or the interpreter)."""
+    del schedule_metadata, clean_logits
+    if max_context_len is None:
+        raise TypeError("max_context_len is required")
+    return _launch(q, kv_cache, weights, context_lens, block_table, max_context_len, out, True)
