@@ -36,7 +36,8 @@ def test_nvml_probe_does_not_initialise_cuda():
 
 
 def test_explain_on_the_real_card_follows_its_facts():
-    doc = json.loads(_cli("explain", "--device", "cuda:0", "--format", "json"))
+    doc = json.loads(_cli("explain", "--device", "cuda:0", "--op", "kv_quant", "--op", "kv_dequant",
+                          "--format", "json"))
     dev = doc["devices"][0]
     want = "triton_fp8" if "fp8_e4m3" in dev["features"] else "triton_u8"
     for g in doc["ops"].values():
