@@ -2,13 +2,20 @@
 SGLang package: its plugin loader and hook registry keep per-process state, and
 SGLang itself spawns one process per rank. Each prints one line `RESULT <json>`.
 
-  loader                          SGLang's load_plugins() finds and runs register()
-  launch OUT.pkl -- ARGS...       prepare_server_args(ARGS) + resolve_once(); pickles the record
-  rank IN.pkl GPU_ID TP_RANK      a scheduler process: publish, configure_scheduler_process
-  kv_dequant IN.pkl GPU_ID TP_RANK   rank, then SGLang's V4 dequant vs its reference
-  kv_store IN.pkl GPU_ID TP_RANK     rank, then SGLang's V4 store through the route
-  version VERSION [-- ARGS...]    register() with a fake SGLang version, then a launch
-  agree IN.pkl GPU_ID TP_RANK PORT   rank, then SGLang's TP group (gloo) and the agreement hook
+  launcher CASES.json    load_plugins() as SGLang's launcher does; check the knob
+                         map's names against this SGLang; then, per case,
+                         prepare_server_args(argv) + resolve_once() under the
+                         case's environment, pickling the record when asked
+  rank IN.pkl GPU_ID TP_RANK [PORT [POLICY,...]]
+                         a scheduler process: load_plugins, publish, the real
+                         configure_scheduler_process; with PORT, then SGLang's TP
+                         group over gloo and the plugin's agreement hook, once per
+                         policy file ("-": none)
+  kv IN.pkl GPU_ID TP_RANK
+                         a rank, then SGLang's V4 dequant (and store, if routed)
+                         against SGLang's K-cache reference
+  version VERSION CASES.json
+                         register() with a fake SGLang version, then launches
 """
 from __future__ import annotations
 
@@ -36,8 +43,11 @@ class _Records(logging.Handler):
 
 
 def capture_logs() -> list:
+    """Collect the capdispatch records from now on (a fresh list each call)."""
     h = _Records()
     log = logging.getLogger("capdispatch")
+    for old in [x for x in log.handlers if isinstance(x, _Records)]:
+        log.removeHandler(old)
     log.addHandler(h)
     log.setLevel(logging.INFO)
     return h.items
@@ -53,42 +63,89 @@ def _ours(hooks) -> bool:
     return any(h[1] in mine for h in hooks)
 
 
-def loader() -> None:
-    logs = capture_logs()
-    from importlib.metadata import entry_points
-
-    from sglang.srt.plugins import load_plugins
-    load_plugins()
-    import sglang.srt.distributed.bootstrap as bootstrap
-    import sglang.srt.managers.scheduler as scheduler
+def _registries() -> dict:
     from sglang.srt.arg_groups import resolution_hooks
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    import capdispatch.adapters.sglang as plugin
     from capdispatch.adapters.sglang import launch
-    emit({
-        "entry_points": [ep.value for ep in entry_points(group="sglang.srt.plugins")],
-        "registered": plugin._done.get("result"),
-        "again": plugin.register(),
-        "resolution_hook": launch.resolution_hook in resolution_hooks._HOOKS.get(
-            "handle_model_specific_adjustments", []),
-        "hook_targets": sorted(t for t, hs in HookRegistry._hooks.items() if _ours(hs)),
-        "configure_patched": hasattr(scheduler.configure_scheduler_process, "__wrapped__"),
-        "parallel_patched": hasattr(bootstrap.init_parallel_runtime, "__wrapped__"),
-        "logs": logs,
-    })
+    return {"hook_targets": sorted(t for t, hs in HookRegistry._hooks.items() if _ours(hs)),
+            "resolution_hooks": sorted(k for k, fns in resolution_hooks._HOOKS.items()
+                                       if launch.resolution_hook in fns)}
 
 
-def _launch(argv, out=None) -> dict:
-    logs = capture_logs()
-    from sglang.srt.plugins import load_plugins
-    load_plugins()
+# --------------------------------------------------------------------------- launcher
+
+def check_knob_names() -> list:
+    """Every SGLang name the knob map uses exists in this SGLang. Returns problems."""
+    import importlib
+    import pkgutil
+
+    import msgspec
+    from sglang.srt.arg_groups import resolution_hooks
+    from sglang.srt.environ import envs
+    from sglang.srt.runtime_context import override_platform
+    from sglang.srt.server_args import ServerArgs
+
+    from capdispatch.adapters.sglang import knobs, versions
+    release = knobs.load().release(versions.installed())
+    fields = {f.name for f in msgspec.structs.fields(ServerArgs)}
+    problems = []
+
+    def resolves(name):
+        try:
+            pkgutil.resolve_name(name)
+        except Exception as exc:
+            problems.append(f"{name}: {type(exc).__name__}: {exc}")
+
+    h = release.hooks
+    if h["resolution_step"] not in resolution_hooks._OVERRIDABLE_HOOKS:
+        problems.append(f"resolution step {h['resolution_step']} is not overridable")
+    for key in ("rank", "group", "tp_group"):
+        resolves(h[key])
+    for s in release.settings:
+        if s.kind == "field" and s.name not in fields:
+            problems.append(f"setting: {s.name} is not a ServerArgs field")
+        if s.kind == "env" and not hasattr(envs, s.name):
+            problems.append(f"setting: {s.name} is not declared in sglang.srt.environ")
+    for s in release.selects:
+        if s.field not in fields:
+            problems.append(f"select: {s.field} is not a ServerArgs field")
+    for r in release.routes:
+        resolves(r.target)
+    arch = release.arch
+    common = importlib.import_module(arch["module"])
+    for name in arch["probes"]:
+        if not callable(getattr(common, name, None)):
+            problems.append(f"probe {arch['module']}.{name} missing")
+    try:
+        override_platform(**{f: None for f in arch["platform"]}).install()
+    except ValueError as exc:
+        problems.append(f"platform: {exc}")
+    for g in arch["globals"]:
+        mod = importlib.import_module(g["module"])
+        if not hasattr(mod, g["name"]):
+            problems.append(f"global {g['module']}.{g['name']} missing")
+    jit = importlib.import_module(arch["jit_arch"]["module"])
+    for key in ("make", "detect"):
+        if not callable(getattr(jit, arch["jit_arch"][key], None)):
+            problems.append(f"jit_arch {key}: {arch['jit_arch'][key]} missing")
+    return problems
+
+
+def _launch_case(case: dict, baseline: dict) -> dict:
     from sglang.srt.arg_groups.overrides import resolution_result
     from sglang.srt.server_args import prepare_server_args
-    sa = prepare_server_args(argv)
-    sa.resolve_once()
-    if out:
-        with open(out, "wb") as f:
+    os.environ.clear()
+    os.environ.update(baseline)
+    os.environ.update(case.get("env", {}))
+    logs = capture_logs()
+    try:
+        sa = prepare_server_args(case["argv"])
+        sa.resolve_once()
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}", "logs": logs}
+    if case.get("pickle"):
+        with open(case["pickle"], "wb") as f:
             pickle.dump(sa, f)
     return {
         "fields": {f: resolution_result(sa, f) for f in FIELDS},
@@ -99,9 +156,54 @@ def _launch(argv, out=None) -> dict:
     }
 
 
-def launch(out, argv) -> None:
-    emit(_launch(argv, out))
+def _cases(path) -> list:
+    with open(path) as f:
+        return json.load(f)
 
+
+def launcher(cases_path) -> None:
+    from importlib.metadata import entry_points
+    logs = capture_logs()
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+    import sglang.srt.distributed.bootstrap as bootstrap
+    import sglang.srt.managers.scheduler as scheduler
+
+    import capdispatch.adapters.sglang as plugin
+    out = {
+        "entry_points": [ep.value for ep in entry_points(group="sglang.srt.plugins")],
+        "registered": plugin._done.get("result"),
+        "again": plugin.register(),
+        "configure_patched": hasattr(scheduler.configure_scheduler_process, "__wrapped__"),
+        "parallel_patched": hasattr(bootstrap.init_parallel_runtime, "__wrapped__"),
+        "load_logs": logs,
+        **_registries(),
+    }
+    baseline = dict(os.environ)
+    out["cases"] = [_launch_case(c, baseline) for c in _cases(cases_path)]
+    out["knob_name_problems"] = check_knob_names()
+    emit(out)
+
+
+def version(v, cases_path) -> None:
+    logs = capture_logs()
+    from sglang.srt.plugins import hook_registry  # noqa: F401  (its import sets SGLang's env defaults)
+
+    import capdispatch.adapters.sglang as plugin
+    env_before = dict(os.environ)
+    out = {"first": plugin.register(sglang_version=v), "again": plugin.register()}
+    out["env_changed"] = sorted(k for k in set(os.environ) | set(env_before)
+                                if os.environ.get(k) != env_before.get(k))
+    out["register_logs"] = list(logs)
+    from sglang.srt.plugins import load_plugins
+    load_plugins()          # SGLang's loader runs register() again: still nothing
+    out.update(_registries())
+    baseline = dict(os.environ)
+    out["cases"] = [_launch_case(c, baseline) for c in _cases(cases_path)]
+    emit(out)
+
+
+# --------------------------------------------------------------------------- ranks
 
 def _rank(inp, gpu_id: int, tp_rank: int):
     """What SGLang's run_scheduler_process does before building the Scheduler."""
@@ -110,8 +212,13 @@ def _rank(inp, gpu_id: int, tp_rank: int):
     load_plugins()
     with open(inp, "rb") as f:
         sa = pickle.load(f)
-    from sglang.srt.runtime_context import SpawnRanks, publish
+    from sglang.srt.runtime_context import SpawnRanks, override_platform, publish
     publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=tp_rank, dp_rank=None, gpu_id=gpu_id))
+    if os.environ.get("SCENARIO_DEVICE0_SM120"):
+        # What a process would believe from device 0 = an RTX 5090, through
+        # SGLang's own override facility: the plugin must replace it.
+        override_platform(is_sm120=True, is_blackwell=True, device_sm=120,
+                          device_capability=(12, 0)).install()
     import sglang.srt.managers.scheduler as scheduler
     scheduler.configure_scheduler_process(sa, gpu_id, display_tp_rank=tp_rank)
     return sa, logs
@@ -130,8 +237,7 @@ def _state(gpu_id: int) -> dict:
     return out
 
 
-def rank(inp, gpu_id: int, tp_rank: int) -> None:
-    sa, logs = _rank(inp, gpu_id, tp_rank)
+def _facts() -> dict:
     import sglang.srt.layers.moe.moe_runner.deep_gemm_sm120 as dg120
     import sglang.srt.utils as utils_pkg
     from sglang.kernels.jit.utils import arch
@@ -141,8 +247,7 @@ def rank(inp, gpu_id: int, tp_rank: int) -> None:
     import sglang.srt.layers.attention.dsv4.metadata as dsv4_metadata   # imported after the hook
     p = get_platform()
     jit = arch.get_jit_cuda_arch()
-    emit({
-        "state": _state(gpu_id),
+    return {
         "platform": {k: getattr(p, k) for k in ("is_sm90", "is_sm100", "is_sm120", "is_blackwell",
                                                  "device_sm", "device_capability")},
         "probes": {k: getattr(common, k)() for k in ("is_sm90_supported", "is_sm100_supported",
@@ -154,9 +259,45 @@ def rank(inp, gpu_id: int, tp_rank: int) -> None:
                    "dsv4.metadata._IS_SM120": dsv4_metadata._IS_SM120,
                    "dsv4.metadata_imported_before": was_loaded},
         "jit_arch": [jit.major, jit.minor, jit.suffix],
-        "logs": logs,
-    })
+    }
 
+
+def rank(inp, gpu_id: int, tp_rank: int, port=None, modes=()) -> None:
+    """MODES: policy files to agree under, one after another over the same TP
+    group (every rank runs the same sequence); "-" is no policy file."""
+    sa, logs = _rank(inp, gpu_id, tp_rank)
+    out = {"state": _state(gpu_id), "facts": _facts(), "logs": logs, "agreements": []}
+    if port is not None:
+        from sglang.srt.distributed import parallel_state as ps
+        from sglang.srt.runtime_context import get_parallel
+
+        from capdispatch.adapters.sglang import rank as hooks
+        from capdispatch.dispatch.agreement import AgreementError
+        ps.init_distributed_environment(world_size=get_parallel().tp_size, rank=tp_rank,
+                                        local_rank=tp_rank, backend="gloo", timeout=120,
+                                        distributed_init_method=f"tcp://127.0.0.1:{port}")
+        ps.initialize_model_parallel(backend="gloo")
+        for policy in modes or ("-",):
+            if policy == "-":
+                os.environ.pop("CAPDISPATCH_POLICY", None)
+            else:
+                os.environ["CAPDISPATCH_POLICY"] = policy
+            logs = capture_logs()
+            error = None
+            try:
+                # The plugin's AFTER hook on init_parallel_runtime, once SGLang's TP group exists.
+                hooks.after_parallel_ready(None, server_args=sa, device="cpu", dist_port=port)
+            except AgreementError as exc:
+                error = str(exc)
+            plan = hooks._RANKS[gpu_id]["agreed"]
+            out["agreements"].append({
+                "policy": policy, "error": error, "logs": logs, "state": _state(gpu_id),
+                "group": None if plan is None or error else {
+                    op: {d: r.backend for d, r in g.per_device.items()} for op, g in plan.ops.items()}})
+    emit(out)
+
+
+# --------------------------------------------------------------------------- KV routes
 
 def _seed() -> int:
     env = os.environ.get("KV_TEST_SEED")
@@ -179,16 +320,13 @@ def _pool(kind, pages, bpp, page_size, gen):
     return pool
 
 
-def kv_dequant(inp, gpu_id: int, tp_rank: int) -> None:
-    _, logs = _rank(inp, gpu_id, tp_rank)
+def _dequant_checks(gen):
     import torch
     from sglang.kernels.ops.attention.dsv4 import dequant_k_cache as dq
     from sglang.test.kernels.deepseek_v4.k_cache_reference import dequantize_k_cache_paged_ref
 
-    # The attention backend is imported lazily by SGLang: it binds whatever is routed.
+    # SGLang imports its attention backend lazily: it binds whatever is routed then.
     import sglang.srt.layers.attention.deepseek_v4_backend as backend
-    seed = _seed()
-    gen = torch.Generator().manual_seed(seed)
     checks = []
     for kind in ("store-range", "all-bytes"):
         for page_size, n, index_dtype in ((4, 37, torch.int64), (64, 45, torch.int32)):
@@ -197,40 +335,34 @@ def kv_dequant(inp, gpu_id: int, tp_rank: int) -> None:
             pool = _pool(kind, pages, bpp, page_size, gen)
             ids = torch.randint(0, pages * page_size, (n,), generator=gen).to(index_dtype)
             want = dequantize_k_cache_paged_ref(pool, ids, page_size).view(torch.int16)
-            got_src = dq.dequantize_k_cache_paged_dsv4(pool, ids, page_size).view(torch.int16)
+            got = dq.dequantize_k_cache_paged_dsv4(pool, ids, page_size).view(torch.int16)
             got_be = backend.dequantize_k_cache_paged_dsv4(pool.view(torch.bfloat16), ids, page_size)
             work = torch.full((n + 3, 1, 512), float("nan"), dtype=torch.bfloat16)
             got_out = backend.dequantize_k_cache_paged_dsv4(pool, ids, page_size, out=work[2:2 + n])
-            # Where bits differ, are both NaN, or is either a zero/subnormal bf16?
-            # (The Triton interpreter's numpy emulation gets those bits wrong.)
+            # Where bits differ: both NaN, or a zero/subnormal bf16 on either side?
             nan_w = ((want & 0x7F80) == 0x7F80) & ((want & 0x7F) != 0)
-            nan_g = ((got_src & 0x7F80) == 0x7F80) & ((got_src & 0x7F) != 0)
-            tiny = ((want & 0x7F80) == 0) | ((got_src & 0x7F80) == 0)
-            differ = got_src != want
+            nan_g = ((got & 0x7F80) == 0x7F80) & ((got & 0x7F) != 0)
+            tiny = ((want & 0x7F80) == 0) | ((got & 0x7F80) == 0)
+            differ = got != want
             checks.append({
                 "pool": kind, "page_size": page_size, "n": n, "index_dtype": str(index_dtype),
-                "source_identical": bool(torch.equal(got_src, want)),
-                "source_differing": int(differ.sum()),
+                "identical": bool(torch.equal(got, want)),
+                "differing": int(differ.sum()),
                 "differing_not_nan_or_subnormal": int((differ & ~(nan_w & nan_g) & ~tiny).sum()),
-                "backend_identical": bool(torch.equal(got_be.view(torch.int16), want)),
-                "out_identical": bool(torch.equal(work[2:2 + n].view(torch.int16), want))
-                                 and got_out.data_ptr() == work[2].data_ptr(),
+                "backend_binding_identical": bool(torch.equal(got_be.view(torch.int16), got)),
+                "out_slice_identical": bool(torch.equal(work[2:2 + n].view(torch.int16), got))
+                                       and got_out.data_ptr() == work[2].data_ptr(),
             })
-    emit({"seed": seed, "checks": checks, "state": _state(gpu_id),
-          "backend_binding_routed": hasattr(backend.dequantize_k_cache_paged_dsv4, "__wrapped__"),
-          "same_object": backend.dequantize_k_cache_paged_dsv4 is dq.dequantize_k_cache_paged_dsv4,
-          "logs": logs})
+    return checks, {"backend_binding_routed": hasattr(backend.dequantize_k_cache_paged_dsv4, "__wrapped__"),
+                    "backend_binding_is_source": backend.dequantize_k_cache_paged_dsv4 is dq.dequantize_k_cache_paged_dsv4}
 
 
-def kv_store(inp, gpu_id: int, tp_rank: int) -> None:
-    _, logs = _rank(inp, gpu_id, tp_rank)
+def _store_check(gen) -> dict:
     import torch
     from sglang.kernels.ops.attention.dsv4 import attn
     from sglang.test.kernels.deepseek_v4.k_cache_reference import dequantize_k_cache_paged_ref
 
     from capdispatch.backends.kv_cache import reference
-    seed = _seed()
-    gen = torch.Generator().manual_seed(seed)
     page_size, pages, n = 4, 6, 19
     bpp = -(-page_size * 584 // 576) * 576
     k = (torch.randn(n, 512, generator=gen) * 3).bfloat16()
@@ -240,76 +372,38 @@ def kv_store(inp, gpu_id: int, tp_rank: int) -> None:
     want = torch.zeros_like(pool)
     reference.kv_quant(k, want, loc, page_size)
     back = dequantize_k_cache_paged_ref(pool, loc, page_size)[:, 0].float()
-    rel = ((back[:, :448] - k[:, :448].float()).abs().max() / k[:, :448].float().abs().max()).item()
-    emit({"seed": seed, "state": _state(gpu_id),
-          "pool_identical_to_capdispatch_reference": bool(torch.equal(pool, want)),
-          "rope_exact": bool(torch.equal(back[:, 448:].bfloat16().view(torch.int16),
-                                         k[:, 448:].view(torch.int16))),
-          "nope_max_rel_err": rel, "logs": logs})
+    nope = k[:, :448].float()
+    return {"pool_identical_to_capdispatch_reference": bool(torch.equal(pool, want)),
+            "rope_exact": bool(torch.equal(back[:, 448:].bfloat16().view(torch.int16),
+                                           k[:, 448:].view(torch.int16))),
+            "nope_max_rel_err": ((back[:, :448] - nope).abs().max() / nope.abs().max()).item()}
 
 
-def version(v, argv) -> None:
-    logs = capture_logs()
-    from sglang.srt.arg_groups import resolution_hooks
-    from sglang.srt.plugins.hook_registry import HookRegistry
-
-    import capdispatch.adapters.sglang as plugin
-    env_before = dict(os.environ)
-    first = plugin.register(sglang_version=v)
-    again = plugin.register()
-    result = {"first": first, "again": again,
-              "hook_targets": sorted(t for t, hs in HookRegistry._hooks.items() if _ours(hs)),
-              "resolution_hooks": sorted(resolution_hooks._HOOKS),
-              "env_changed": sorted(k for k in set(os.environ) | set(env_before)
-                                    if os.environ.get(k) != env_before.get(k))}
-    if argv:
-        launched = _launch(argv)
-        result.update(launch={k: launched[k] for k in ("fields", "declared", "env", "stash")})
-    result["logs"] = logs
-    emit(result)
-
-
-def agree(inp, gpu_id: int, tp_rank: int, port: int) -> None:
-    sa, logs = _rank(inp, gpu_id, tp_rank)
-    from sglang.srt.distributed import parallel_state as ps
-    from sglang.srt.runtime_context import get_parallel
-    world = get_parallel().tp_size
-    ps.init_distributed_environment(world_size=world, rank=tp_rank, local_rank=tp_rank,
-                                    distributed_init_method=f"tcp://127.0.0.1:{port}",
-                                    backend="gloo", timeout=60)
-    ps.initialize_model_parallel(backend="gloo")
-    from capdispatch.adapters.sglang import rank as rank_hooks
-    from capdispatch.dispatch.agreement import AgreementError
-    error = None
-    try:
-        # What the AFTER hook on init_parallel_runtime does once the groups exist.
-        rank_hooks.after_parallel_ready(None, server_args=sa, device="cpu", dist_port=port)
-    except AgreementError as exc:
-        error = str(exc)
-    st = rank_hooks._RANKS[gpu_id]
-    plan = st["agreed"]
-    emit({"error": error, "state": _state(gpu_id),
-          "group": None if plan is None else {op: {d: r.backend for d, r in g.per_device.items()}
-                                              for op, g in plan.ops.items()},
-          "logs": logs})
+def kv(inp, gpu_id: int, tp_rank: int) -> None:
+    _, logs = _rank(inp, gpu_id, tp_rank)
+    import torch
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    state = _state(gpu_id)
+    checks, binding = _dequant_checks(gen)
+    out = {"seed": seed, "state": state, "dequant": checks, **binding}
+    if state["routes"].get("kv_quant"):
+        out["store"] = _store_check(gen)
+    out["logs"] = logs
+    emit(out)
 
 
 def main(argv) -> None:
     name, rest = argv[0], argv[1:]
-    passthrough = []
-    if "--" in rest:
-        i = rest.index("--")
-        rest, passthrough = rest[:i], rest[i + 1:]
-    if name == "loader":
-        loader()
-    elif name == "launch":
-        launch(rest[0], passthrough)
-    elif name in ("rank", "kv_dequant", "kv_store"):
-        globals()[name](rest[0], int(rest[1]), int(rest[2]))
+    if name == "launcher":
+        launcher(rest[0])
     elif name == "version":
-        version(rest[0], passthrough)
-    elif name == "agree":
-        agree(rest[0], int(rest[1]), int(rest[2]), int(rest[3]))
+        version(rest[0], rest[1])
+    elif name == "rank":
+        rank(rest[0], int(rest[1]), int(rest[2]), int(rest[3]) if len(rest) > 3 else None,
+             tuple(rest[4].split(",")) if len(rest) > 4 else ())
+    elif name == "kv":
+        kv(rest[0], int(rest[1]), int(rest[2]))
     else:
         raise SystemExit(f"unknown scenario {name!r}")
 

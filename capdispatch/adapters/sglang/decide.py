@@ -1,0 +1,225 @@
+"""The adapter's decisions, without SGLang: which ops a launch runs, what runs
+on each device, which SGLang call sites are routed, which launch settings fire.
+Launch, rank and the command line all decide through here."""
+from __future__ import annotations
+
+from typing import Optional
+
+import attrs
+
+SOURCE = "capdispatch"
+
+
+@attrs.frozen
+class OpChoice:
+    op: str
+    device: str
+    resolution: object       # capdispatch Resolution
+    routed: bool             # a capdispatch kernel replaces SGLang's own at the call site
+    why: str
+
+    @property
+    def backend(self):
+        """capdispatch's backend, or None where no decision was needed (SGLang's own runs)."""
+        return None if self.resolution is None else self.resolution.backend
+
+
+@attrs.frozen
+class SettingChoice:
+    setting: object          # knobs.Setting
+    action: str              # "set" | "kept" (the user set it)
+    value: str               # what is in force
+    devices: tuple           # the devices that made the row fire
+
+
+@attrs.frozen
+class Decision:
+    ops: tuple
+    resolved: tuple          # the ops capdispatch decided (see resolved_ops)
+    devices: tuple           # DeviceSpecs in group order
+    plan: object             # capdispatch Plan over `resolved` (None when empty)
+    choices: dict            # op -> {device id: OpChoice}
+    settings: tuple
+    warnings: tuple          # to log: downgrades, divergences, user settings kept against a need
+
+
+def applicable_ops(release, model_arch: Optional[str], kv_cache_dtype: Optional[str]):
+    """(ops, reason): the capdispatch ops this model runs with this KV-cache dtype."""
+    if not model_arch:
+        return (), "the model architecture is unknown"
+    model = release.models.get(model_arch)
+    if model is None:
+        return (), f"{model_arch} runs no capdispatch op"
+    dtype = kv_cache_dtype or "auto"
+    if dtype not in model.kv_cache_dtypes:
+        return (), (f"kv_cache_dtype={dtype}: {model_arch}'s capdispatch ops run with "
+                    f"{' or '.join(model.kv_cache_dtypes)} only")
+    return tuple(model.ops), f"{model_arch} with kv_cache_dtype={dtype}"
+
+
+def flag_selections(release, explicit: dict):
+    """Selections made by SGLang flags the user set whose value names a backend:
+    (['op=backend', ...], origin)."""
+    picked, flags = [], []
+    for s in release.selects:
+        if s.field in explicit and str(explicit[s.field]) == s.value:
+            picked.append(f"{s.op}={s.backend}")
+            flags.append(f"--{s.field.replace('_', '-')} {s.value}")
+    origin = f"sglang {', '.join(flags)}" if flags else "sglang command line"
+    return picked, origin
+
+
+def _failed(candidate) -> str:
+    return "; ".join(f"needs {ch.need}, has {ch.found}" for ch in candidate.checks if not ch.ok)
+
+
+def route_choice(release, op: str, res, user_spoke: bool):
+    """(routed, why) for OP on the device RES was resolved for."""
+    route = release.route(op)
+    if route is None:
+        return False, "no SGLang call site to route"
+    site = route.target.rsplit(".", 1)[-1]
+    if user_spoke and res.downgraded_from:
+        return True, (f"the explicit choice {res.downgraded_from} cannot run there (see the warning); "
+                      f"capdispatch {res.backend} runs at {site} instead")
+    if user_spoke:
+        return True, f"explicit choice ({res.source}): capdispatch {res.backend} runs at {site}"
+    if route.native is None:
+        return False, f"SGLang's own {site} kept ({route.why})"
+    if res.backend == route.native:
+        return False, f"SGLang's own {site} kept (it needs what {route.native} needs, and has it)"
+    native = next((c for c in res.candidates if c.backend == route.native), None)
+    if native is not None and not native.ok:
+        return True, f"SGLang's own {site} cannot run there: {_failed(native)}"
+    # SGLang's kernel could run, but the decision (e.g. mixed_group: uniform) is another one.
+    return True, f"capdispatch {res.backend} runs at {site} ({res.source})"
+
+
+def _user_spoke(ctx, op: str, spec) -> bool:
+    from capdispatch.dispatch.resolver import order
+    return order(ctx, op, spec)[0].user
+
+
+def _user_names(ctx, op: str) -> bool:
+    """Does a user layer (a selection, or a policy file globally or for some
+    device) speak for OP? The same answer on every device."""
+    st = ctx.stack
+    if any(sel.op == op for sel in st.selections):
+        return True
+    return any(op in pf.ops or any(op in e.ops for e in pf.devices) for pf in st.files)
+
+
+def resolved_ops(release, ops, ctx) -> tuple:
+    """The ops whose capdispatch decision changes what runs: a routable site
+    whose SGLang kernel has requirements (`native`) always, one whose SGLang
+    kernel runs everywhere only when the user asked for a capdispatch backend.
+    Device-independent, so every rank of a group derives the same list."""
+    out = []
+    for op in ops:
+        route = release.route(op)
+        if route is None or route.native is not None or _user_names(ctx, op):
+            out.append(op)
+    return tuple(out)
+
+
+def _context(*, policy=None, selections=None, selection_origin="selections=", env=None):
+    from capdispatch.dispatch.resolver import context
+    return context(policy=policy, selections=selections or None, env=env,
+                   selection_origin=selection_origin)
+
+
+def choices_for(plan, release, ops, specs, *, selections=None, selection_origin="selections=",
+                policy=None, env=None, ids=None) -> dict:
+    """op -> {device id: OpChoice} from PLAN; IDS maps plan ids to reported ids."""
+    ctx = _context(policy=policy, selections=selections, selection_origin=selection_origin, env=env)
+    out = {}
+    for op in ops:
+        g = plan.ops[op]
+        row = {}
+        for spec, (pid, res) in zip(specs, g.per_device.items()):
+            routed, why = route_choice(release, op, res, _user_spoke(ctx, op, spec))
+            did = (ids or {}).get(pid, pid)
+            row[did] = OpChoice(op, did, res, routed, why)
+        out[op] = row
+    return out
+
+
+def kept_choices(release, op: str, specs) -> dict:
+    """An op capdispatch was not asked to decide: SGLang's own kernel everywhere."""
+    route = release.route(op)
+    site = route.target.rsplit(".", 1)[-1] if route else op
+    why = f"SGLang's own {site} kept ({route.why if route else 'no call site to route'})"
+    return {s.id: OpChoice(op, s.id, None, False, why) for s in specs}
+
+
+def settings_for(release, choices: dict, *, explicit_fields=(), env=None, field_values=None):
+    """The launch settings that fire, and whether the user's value stands. Returns
+    (SettingChoice..., warnings)."""
+    import os
+    env = os.environ if env is None else env
+    field_values = field_values or {}
+    out, warnings = [], []
+    for s in release.settings:
+        hits = [c for op in s.ops for c in choices.get(op, {}).values()
+                if (s.backends is None or c.backend in s.backends) and (c.routed or not s.routed)]
+        if not hits:
+            continue
+        devices = tuple(dict.fromkeys(c.device for c in hits))
+        user = (s.name in explicit_fields) if s.kind == "field" else (s.name in env)
+        if not user:
+            out.append(SettingChoice(s, "set", s.value, devices))
+            continue
+        value = str(field_values.get(s.name)) if s.kind == "field" else env[s.name]
+        out.append(SettingChoice(s, "kept", value, devices))
+        if value.lower() != s.value.lower():
+            warnings.append(f"{s.name}={value} was set by the user and is kept, but "
+                            f"{', '.join(devices)} need {s.name}={s.value} ({s.why})")
+    return tuple(out), warnings
+
+
+def decide(specs, ops, release, *, selections=None, selection_origin="selections=", policy=None,
+           strict: bool = False, env=None, explicit_fields=(), field_values=None) -> Decision:
+    """Resolve OPS over SPECS as one group and derive routes and launch settings.
+    Raises capdispatch.Unsatisfiable (strict downgrade, nothing runnable,
+    mixed_group: error) and capdispatch.BadInput."""
+    import capdispatch as cd
+    specs = tuple(specs)
+    ctx = _context(policy=policy, selections=selections, selection_origin=selection_origin, env=env)
+    active = resolved_ops(release, ops, ctx)
+    plan, choices = None, {}
+    if active:
+        # Warnings ride in the plan; the caller logs them once, where it should.
+        plan = cd.plan(list(specs), list(active), policy=policy, selections=selections or None,
+                       selection_origin=selection_origin, strict=strict, env=env, _log=False)
+        choices = choices_for(plan, release, active, specs, selections=selections,
+                              selection_origin=selection_origin, policy=policy, env=env,
+                              ids={p.id: s.id for p, s in zip(plan.devices, specs)})
+    choices = {op: choices[op] if op in active else kept_choices(release, op, specs) for op in ops}
+    settings, warnings = settings_for(release, choices, explicit_fields=explicit_fields, env=env,
+                                      field_values=field_values)
+    return Decision(tuple(ops), active, specs, plan, choices, settings,
+                    tuple(plan.warnings if plan else ()) + tuple(warnings))
+
+
+def summary(d: Decision, *, settings: bool = True) -> str:
+    """One paragraph for a log line: per op, which devices run what and why
+    (and, for a launch, the settings)."""
+    parts = []
+    for op, row in d.choices.items():
+        kept = [c.device for c in row.values() if not c.routed]
+        text = [f"SGLang's own kernel on {', '.join(kept)}"] if kept else []
+        by = {}
+        for c in row.values():
+            if c.routed:
+                by.setdefault(c.backend, []).append(c)
+        for backend, cs in by.items():
+            text.append(f"capdispatch {backend} on {', '.join(c.device for c in cs)} ({cs[0].why})")
+        parts.append(f"{op}: {'; '.join(text)}")
+    for s in d.settings if settings else ():
+        if s.action == "kept":
+            parts.append(f"kept the user's {s.setting.name}={s.value}")
+        elif s.setting.routed:
+            parts.append(f"set {s.setting.label} for {', '.join(s.devices)} ({s.setting.why})")
+        else:
+            parts.append(f"set {s.setting.label} ({s.setting.why})")
+    return "; ".join(parts)

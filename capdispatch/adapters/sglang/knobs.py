@@ -1,0 +1,197 @@
+"""The knob map (knobs.yaml): which SGLang setting each capdispatch decision
+drives, per SGLang release range. Loading checks the shape and the op and
+backend names; tests check the SGLang names against the installed package."""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional
+
+import attrs
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+DEFAULT_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "knobs.yaml")
+
+
+class KnobsError(ValueError):
+    pass
+
+
+@attrs.frozen
+class Setting:
+    ops: tuple
+    backends: Optional[tuple]     # None: any backend
+    routed: bool
+    kind: str                     # "field" | "env"
+    name: str
+    value: str
+    why: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}={self.value}" if self.kind == "field" else f"env {self.name}={self.value}"
+
+
+@attrs.frozen
+class Select:
+    field: str
+    value: str
+    op: str
+    backend: str
+
+
+@attrs.frozen
+class Route:
+    op: str
+    target: str
+    call: str
+    native: Optional[str]
+    why: str
+
+
+@attrs.frozen
+class Model:
+    ops: tuple
+    kv_cache_dtypes: tuple
+
+
+@attrs.frozen
+class Release:
+    spec: SpecifierSet
+    hooks: dict
+    models: dict                  # architecture -> Model
+    settings: tuple
+    selects: tuple
+    routes: tuple
+    arch: dict
+
+    def route(self, op: str) -> Optional[Route]:
+        return next((r for r in self.routes if r.op == op), None)
+
+
+@attrs.frozen
+class Knobs:
+    path: str
+    tested: SpecifierSet
+    releases: tuple
+    tested_text: str = ""        # as written (SpecifierSet reorders)
+
+    def release(self, version: str) -> Optional[Release]:
+        """The rows for SGLang VERSION, or None outside every range."""
+        try:
+            v = Version(version)
+        except InvalidVersion:
+            return None
+        return next((r for r in self.releases if r.spec.contains(v, prereleases=True)), None)
+
+
+def _need(d: dict, key: str, where: str, kind=None):
+    if not isinstance(d, dict) or key not in d:
+        raise KnobsError(f"{where}: missing {key!r}")
+    value = d[key]
+    if kind is not None and not isinstance(value, kind):
+        raise KnobsError(f"{where}.{key}: expected {getattr(kind, '__name__', kind)}, got {value!r}")
+    return value
+
+
+def _spec(text, where: str) -> SpecifierSet:
+    try:
+        return SpecifierSet(str(text))
+    except InvalidSpecifier:
+        raise KnobsError(f"{where}: {text!r} is not a version range (e.g. '>=0.5.23,<0.5.24')") from None
+
+
+def _names(value, where: str) -> tuple:
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
+        raise KnobsError(f"{where}: expected a name or a list of names, got {value!r}")
+    return tuple(items)
+
+
+def _check_backends(registry, op: str, backends, where: str) -> None:
+    if op not in registry.ops:
+        raise KnobsError(f"{where}: unknown op {op!r} (valid: {', '.join(registry.ops)})")
+    valid = [b.name for b in registry.backends(op)]
+    for b in backends or ():
+        if b not in valid:
+            raise KnobsError(f"{where}: unknown backend {b!r} for {op} (valid: {', '.join(valid)})")
+
+
+def _release(d: dict, where: str, registry) -> Release:
+    spec = _spec(_need(d, "sglang", where), f"{where}.sglang")
+    hooks = _need(d, "hooks", where, dict)
+    for key in ("resolution_step", "rank", "group", "tp_group"):
+        _need(hooks, key, f"{where}.hooks", str)
+    models = {}
+    for arch, m in (_need(d, "models", where, dict)).items():
+        w = f"{where}.models.{arch}"
+        ops = _names(_need(m, "ops", w), f"{w}.ops")
+        for op in ops:
+            _check_backends(registry, op, (), w)
+        models[arch] = Model(ops, _names(_need(m, "kv_cache_dtypes", w), f"{w}.kv_cache_dtypes"))
+    settings, seen = [], {}
+    for i, s in enumerate(d.get("settings") or ()):
+        w = f"{where}.settings[{i}]"
+        ops = _names(_need(s, "ops", w), f"{w}.ops")
+        raw = s.get("backends", "*")
+        backends = None if raw == "*" else _names(raw, f"{w}.backends")
+        for op in ops:
+            _check_backends(registry, op, backends, w)
+        kinds = [k for k in ("field", "env") if k in s]
+        if len(kinds) != 1:
+            raise KnobsError(f"{w}: give exactly one of 'field' or 'env'")
+        kind = kinds[0]
+        row = Setting(ops, backends, bool(s.get("routed", False)), kind, str(s[kind]),
+                      str(_need(s, "value", w)), str(s.get("why", "")))
+        key = (kind, row.name)
+        if key in seen and seen[key] != row.value:
+            raise KnobsError(f"{w}: {row.name} is set to {row.value!r} here and {seen[key]!r} in another row")
+        seen[key] = row.value
+        settings.append(row)
+    selects = []
+    for i, s in enumerate(d.get("selects") or ()):
+        w = f"{where}.selects[{i}]"
+        row = Select(str(_need(s, "field", w)), str(_need(s, "value", w)), str(_need(s, "op", w)),
+                     str(_need(s, "backend", w)))
+        _check_backends(registry, row.op, (row.backend,), w)
+        selects.append(row)
+    routes = []
+    for i, r in enumerate(d.get("routes") or ()):
+        w = f"{where}.routes[{i}]"
+        row = Route(str(_need(r, "op", w)), _need(r, "target", w, str), _need(r, "call", w, str),
+                    r.get("native"), str(r.get("why", "")))
+        _check_backends(registry, row.op, (row.native,) if row.native else (), w)
+        routes.append(row)
+    arch = _need(d, "arch", where, dict)
+    for key in ("module", "probes", "platform", "globals", "jit_arch"):
+        _need(arch, key, f"{where}.arch")
+    facts = set(arch["probes"]) | {"sm", "cc"}
+    for fact, probe in arch["platform"].items():
+        if probe not in facts:
+            raise KnobsError(f"{where}.arch.platform.{fact}: {probe!r} is not a probe or sm/cc")
+    for i, g in enumerate(arch["globals"]):
+        if g.get("fact") not in facts:
+            raise KnobsError(f"{where}.arch.globals[{i}]: fact {g.get('fact')!r} is not a probe or sm/cc")
+    return Release(spec, dict(hooks), models, tuple(settings), tuple(selects), tuple(routes), dict(arch))
+
+
+@functools.lru_cache(maxsize=4)
+def load(path: Optional[str] = None) -> Knobs:
+    """Parse and check the knob map (the packaged knobs.yaml by default)."""
+    import yaml
+
+    from ...backends import builtin
+    path = path or DEFAULT_PATH
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError) as exc:
+        raise KnobsError(f"{path}: cannot read the knob map: {exc}") from None
+    if not isinstance(data, dict) or data.get("schema") != 1:
+        raise KnobsError(f"{path}: expected a mapping with 'schema: 1'")
+    tested = _spec(_need(data, "tested", path), f"{path}: tested")
+    registry = builtin()
+    releases = tuple(_release(r, f"{path}: releases[{i}]", registry)
+                     for i, r in enumerate(_need(data, "releases", path, list)))
+    return Knobs(path, tested, releases, str(data["tested"]))

@@ -1,0 +1,160 @@
+"""Launch time (SGLang's main process): decide for the launch's GPUs, set
+SGLang's fields and environment only where the user did not, say what was set.
+
+Runs as a wrapper of one resolution step (register_resolution_hook): the
+environment is set before the step, so SGLang's DeepSeek-V4 defaults read it;
+fields are declared after it, so they are the last word unless the user spoke.
+What was decided rides to every scheduler process on the record (STASH).
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger("capdispatch.sglang")
+
+STASH = "_capdispatch"      # a bookkeeping attribute: pickled with the record
+
+
+def explicit_fields(launch_command) -> set:
+    """ServerArgs fields the user gave, from the record's launch command (the CLI
+    argv, already merged with --config, or `Engine(k=v, ...)`)."""
+    if not launch_command:
+        return set()
+    text = str(launch_command)
+    if text.startswith("Engine("):
+        import ast
+        try:
+            call = ast.parse(text, mode="eval").body
+            return {k.arg for k in call.keywords if k.arg}
+        except SyntaxError:
+            import re
+            return set(re.findall(r"(?:\(|, )([A-Za-z_]\w*)=", text))
+    return cli_fields(text.split())
+
+
+def cli_fields(argv) -> set:
+    """Fields set on an SGLang command line, parsed by SGLang's own parser with
+    every default replaced by a marker (abbreviations and --opt=value included)."""
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    class _Parser(argparse.ArgumentParser):
+        def error(self, message):
+            raise ValueError(message)
+
+    parser = _Parser(add_help=False)
+    ServerArgs.add_cli_args(parser)
+    unset = object()
+    for action in parser._actions:
+        action.default = unset
+        action.required = False
+    try:
+        ns, _ = parser.parse_known_args(list(argv))
+    except ValueError as exc:
+        log.debug("capdispatch: cannot parse the launch command (%s); treating no field as user-set", exc)
+        return set()
+    return {k for k, v in vars(ns).items() if v is not unset}
+
+
+def model_arch(server_args):
+    from sglang.srt.arg_groups.overrides import model_config_of
+    try:
+        return model_config_of(server_args).hf_config.architectures[0]
+    except Exception as exc:  # SGLang's own step reports a bad model; we only stand aside
+        log.debug("capdispatch: model architecture unknown (%s)", exc)
+        return None
+
+
+def gpu_ids_of(cfg) -> list:
+    from . import rig
+    return rig.gpu_ids(tp_size=cfg.tp_size, pp_size=cfg.pp_size, nnodes=cfg.nnodes,
+                       node_rank=cfg.node_rank, base_gpu_id=cfg.base_gpu_id,
+                       gpu_id_step=cfg.gpu_id_step, dp_size=cfg.dp_size,
+                       dp_attention=bool(cfg.enable_dp_attention) or cfg.attn_dp_size > 1)
+
+
+def record_facts(server_args, release, read):
+    """(stash, explicit fields, their values) for a record; READ(field) gives a value."""
+    from . import decide
+    explicit = explicit_fields(server_args.launch_command)
+    values = {}
+    for f in explicit:
+        try:
+            values[f] = read(f)
+        except AttributeError:
+            pass
+    arch = model_arch(server_args)
+    ops, reason = decide.applicable_ops(release, arch, read("kv_cache_dtype"))
+    sels, origin = decide.flag_selections(release, values)
+    stash = {"schema": 1, "model": arch, "ops": list(ops), "reason": reason,
+             "selections": sels, "selection_origin": origin, "set": {}, "devices": []}
+    return stash, explicit, values
+
+
+def prepare(server_args, release, *, env=None):
+    """Before the step: what applies, the group decision, the environment.
+    Returns the Decision, or None when there is nothing to decide here."""
+    from capdispatch.capabilities import ProbeError
+    from sglang.srt.arg_groups.overrides import resolving_view
+
+    from . import decide, rig
+    env = os.environ if env is None else env
+    cfg = resolving_view(server_args)
+    stash, explicit, values = record_facts(server_args, release, lambda f: getattr(cfg, f))
+    setattr(server_args, STASH, stash)
+    ops, reason = stash["ops"], stash["reason"]
+    if not ops:
+        log.info("capdispatch: %s; nothing to decide at launch", reason)
+        return None
+    ids = gpu_ids_of(cfg)
+    try:
+        specs = rig.devices(ids, env=env, via="nvml")
+    except ProbeError as exc:
+        log.warning("capdispatch: cannot read the launch's GPUs %s without initialising CUDA (%s); "
+                    "launch-time settings skipped, each rank still decides for its own card",
+                    ", ".join(f"cuda:{g}" for g in ids), exc)
+        return None
+    d = decide.decide(specs, ops, release, selections=stash["selections"],
+                      selection_origin=stash["selection_origin"], env=env,
+                      explicit_fields=explicit, field_values=values)
+    for s in d.settings:
+        if s.action == "set" and s.setting.kind == "env":
+            env[s.setting.name] = s.setting.value
+    stash["devices"] = [rig.describe(s) for s in specs]
+    return d
+
+
+def finish(server_args, release, d) -> None:
+    """After the step: declare the fields, log the summary."""
+    from sglang.srt.arg_groups.overrides import declare_resolution, resolution_result
+
+    from . import decide, rig
+    stash = getattr(server_args, STASH)
+    dtype = resolution_result(server_args, "kv_cache_dtype")
+    ops, reason = decide.applicable_ops(release, stash["model"], dtype)
+    stash["reason"] = reason
+    if not ops:
+        stash["ops"] = []
+        log.info("capdispatch: SGLang resolved %s; capdispatch's ops do not run", reason)
+        return
+    fields = {s.setting.name: s.setting.value for s in d.settings
+              if s.action == "set" and s.setting.kind == "field"}
+    if fields:
+        declare_resolution(server_args, decide.SOURCE, **fields)
+    stash["set"] = {s.setting.name: s.value for s in d.settings if s.action == "set"}
+    for w in d.warnings:
+        log.warning("capdispatch: %s", w)
+    log.info("capdispatch: SGLang launch of %s on %s: %s", stash["reason"],
+             "; ".join(rig.describe(s) for s in d.devices), decide.summary(d))
+
+
+def resolution_hook(server_args, previous) -> None:
+    """register_resolution_hook wrapper: fn(server_args, previous)."""
+    from . import knobs, versions
+    release = knobs.load().release(versions.installed() or "")
+    d = prepare(server_args, release) if release is not None else None
+    previous(server_args)
+    if d is not None:
+        finish(server_args, release, d)

@@ -1,0 +1,133 @@
+"""Per rank (each SGLang scheduler process): decide on the rank's own GPU,
+correct SGLang's architecture facts to it, route the KV call sites where
+SGLang's own kernel cannot run; then agree with the other ranks of the TP group.
+
+Hooks (HookRegistry, AFTER): configure_scheduler_process(server_args, gpu_id,
+...) runs after publish and before CUDA, the process groups and the model;
+init_parallel_runtime(...) is the first point where the TP CPU group exists.
+"""
+from __future__ import annotations
+
+import logging
+import pkgutil
+
+log = logging.getLogger("capdispatch.sglang")
+
+_RANKS: dict = {}     # gpu_id -> state of this process's rank (never another GPU's)
+
+
+def device_key(spec, gpu_id: int):
+    # A simulated card's kernels run where the test tensors are: the CPU.
+    return ("cpu", None) if spec.simulated else ("cuda", gpu_id)
+
+
+def _release():
+    from . import knobs, versions
+    return knobs.load().release(versions.installed() or "")
+
+
+def _stash(server_args, release) -> dict:
+    from . import launch
+    stash = getattr(server_args, launch.STASH, None)
+    if stash is not None:
+        return stash
+    # The launcher did not decide (its plugin was not loaded there): read the record.
+    from sglang.srt.arg_groups.overrides import resolution_result
+    stash, _, _ = launch.record_facts(server_args, release, lambda f: resolution_result(server_args, f))
+    return stash
+
+
+def apply_routes(release, choices: dict, spec, key) -> list:
+    """Install or remove this device's routes; returns the ops now routed."""
+    import capdispatch as cd
+
+    from . import routes
+    routed = []
+    for op, c in choices.items():
+        route = release.route(op)
+        if route is None:
+            continue
+        if c.routed:
+            if routes.install(route, cd.bind(op, spec, backend=c.backend), key):
+                routed.append(op)
+        else:
+            routes.remove(op, key)
+    return routed
+
+
+def configure(server_args, gpu_id: int, *, env=None):
+    """Everything a rank does before its model exists. Returns its state."""
+    from . import archfacts, decide, rig
+    release = _release()
+    if release is None:
+        return None
+    spec = rig.device(gpu_id, env=env, via="auto")
+    changes = archfacts.correct(spec, release.arch)
+    stash = _stash(server_args, release)
+    ops = tuple(stash["ops"])
+    d = decide.decide([spec], ops, release, selections=stash["selections"],
+                      selection_origin=stash["selection_origin"], env=env)
+    for w in d.warnings:
+        log.warning("capdispatch: %s", w)
+    mine = {op: row[spec.id] for op, row in d.choices.items()}
+    key = device_key(spec, gpu_id)
+    apply_routes(release, mine, spec, key)
+    state = {"gpu_id": gpu_id, "spec": spec, "ops": ops, "resolved": d.resolved, "key": key,
+             "choices": mine, "stash": stash, "changes": changes, "release": release,
+             "agreed": None}
+    _RANKS[gpu_id] = state
+    facts = ", ".join(f"{n} {b!r} -> {a!r}" for n, b, a in changes) or "already this card's"
+    what = decide.summary(d, settings=False) if ops else f"no op to decide ({stash['reason']})"
+    log.info("capdispatch: rank on %s (gpu_id %d): %s; SGLang's architecture facts: %s",
+             rig.describe(spec), gpu_id, what, facts)
+    return state
+
+
+def agree(state, group):
+    """Gather every rank's card over GROUP, resolve the group on every rank, and
+    re-route this rank if the group decision differs (mixed_group: uniform).
+    A mixed_group: error divergence raises the same AgreementError on every rank."""
+    import torch.distributed as dist
+    from capdispatch.dispatch.agreement import agree as _agree
+
+    from . import decide
+    stash, release = state["stash"], state["release"]
+    ops = list(state["resolved"])      # the same on every rank: derived from settings, not cards
+    plan = _agree(state["spec"], ops, group=group, log_warnings=False,
+                  selections=stash["selections"] or None, selection_origin=stash["selection_origin"])
+    rank = dist.get_rank(group)
+    me = plan.devices[rank]
+    choices = decide.choices_for(plan, release, ops, plan.devices, selections=stash["selections"],
+                                 selection_origin=stash["selection_origin"])
+    if rank == 0:   # each rank logged its own downgrades; the group's divergences once
+        for g in plan.ops.values():
+            own = {w for r in g.per_device.values() for w in r.warnings}
+            for w in g.warnings:
+                if w not in own:
+                    log.warning("capdispatch: %s", w)
+    mine = dict(state["choices"])
+    mine.update({op: row[me.id] for op, row in choices.items()})
+    before = {op: (c.backend, c.routed) for op, c in state["choices"].items()}
+    after = {op: (c.backend, c.routed) for op, c in mine.items()}
+    if before != after:
+        apply_routes(release, mine, state["spec"], state["key"])
+        log.info("capdispatch: rank %s after agreement with %d rank(s): %s", me.id,
+                 len(plan.devices), "; ".join(f"{op}: {before[op][0]} -> {c.backend} ({c.why})"
+                                              for op, c in mine.items() if before[op] != after[op]))
+    state["choices"], state["agreed"] = mine, plan
+    return plan
+
+
+def after_configure(result, server_args, gpu_id, *args, **kwargs):
+    """AFTER configure_scheduler_process(server_args, gpu_id, display_*=...)."""
+    configure(server_args, gpu_id)
+
+
+def after_parallel_ready(result, *args, **kwargs):
+    """AFTER init_parallel_runtime(*, server_args, device, dist_port)."""
+    from sglang.srt.runtime_context import get_device
+    state = _RANKS.get(get_device().gpu_id)
+    if state is None or not state["resolved"]:
+        return
+    group = pkgutil.resolve_name(state["release"].hooks["tp_group"])()
+    agree(state, group.cpu_group)

@@ -1,0 +1,334 @@
+"""The SGLang adapter inside the real SGLang 0.5.23 (installed with --no-deps plus
+tests/requirements-nodeps.txt and tests/requirements.txt): SGLang's own plugin loader, argument resolution,
+per-rank process setup, TP group and DeepSeek-V4 KV kernels. Nothing of SGLang
+is mocked; each scenario runs in fresh processes (tests/sglang_scenarios.py),
+because SGLang keeps per-process plugin state and spawns a process per rank.
+The group's devices are simulated with CAPDISPATCH_SGLANG_DEVICES."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+# Skip without SGLang, but never import it here: it imports Triton, and Triton
+# decides at import whether to interpret (TRITON_INTERPRET), which other test
+# modules set per test. SGLang runs only in the scenarios' own processes.
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("sglang") is None,
+                                reason="needs SGLang (see tests/requirements-nodeps.txt and tests/requirements.txt)")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCENARIOS = os.path.join(HERE, "sglang_scenarios.py")
+POL = os.path.join(HERE, "policies")
+RIG = "sim:rtx-5090,sim:rtx-3080,sim:rtx-3080"
+TIMEOUT = 300
+
+
+def _env(extra=None) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("CAPDISPATCH_", "SGLANG_", "TRITON_INTERPRET"))}
+    env.update(extra or {})
+    return env
+
+
+def _start(*args, env=None):
+    return subprocess.Popen([sys.executable, SCENARIOS, *map(str, args)], env=_env(env), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _result(proc) -> dict:
+    out, err = proc.communicate(timeout=TIMEOUT)
+    lines = [x for x in out.splitlines() if x.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, f"rc={proc.returncode}\n{err[-4000:]}"
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def _run(*args, env=None) -> dict:
+    return _result(_start(*args, env=env))
+
+
+def _messages(logs, level=None):
+    return [m for lv, m in logs if level is None or lv == level]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    sys.path.insert(0, HERE)
+    import sglang_fake_models as fake
+    root = tmp_path_factory.mktemp("sglang")
+    return {"root": root, "dsv4": fake.write(str(root / "dsv4"), fake.DSV4),
+            "llama": fake.write(str(root / "llama"), fake.LLAMA)}
+
+
+def _argv(model_path, *more):
+    return ["--model-path", model_path, "--skip-tokenizer-init", "--device", "cuda", *more]
+
+
+@pytest.fixture(scope="module")
+def launcher(model):
+    """One fresh launcher process: SGLang's load_plugins, then one resolution per case."""
+    root, dsv4 = model["root"], model["dsv4"]
+    sim = {"CAPDISPATCH_SGLANG_DEVICES": RIG}
+    cases = {
+        "mixed": {"argv": _argv(dsv4, "--tp-size", "3"), "env": sim, "pickle": str(root / "mixed.pkl")},
+        "user_set": {"argv": _argv(dsv4, "--tp", "3", "--kv-cache-dtype=fp8_e4m3"),
+                     "env": {**sim, "SGLANG_DSV4_KV_LAYOUT": "v41"}},
+        "bf16": {"argv": _argv(dsv4, "--tp-size", "3", "--kv-cache-dtype", "bfloat16"), "env": sim},
+        "downgrade": {"argv": _argv(dsv4, "--tp-size", "3"),
+                      "env": {**sim, "CAPDISPATCH_SET": "kv_dequant=triton_fp8"}},
+        "strict": {"argv": _argv(dsv4, "--tp-size", "3"),
+                   "env": {**sim, "CAPDISPATCH_SET": "kv_dequant=triton_fp8", "CAPDISPATCH_STRICT": "1"}},
+        "error_policy": {"argv": _argv(dsv4, "--tp-size", "3"),
+                         "env": {**sim, "CAPDISPATCH_POLICY": os.path.join(POL, "error.yaml")}},
+        "no_nvml": {"argv": _argv(dsv4, "--tp-size", "2"), "env": {}},
+        "llama": {"argv": _argv(model["llama"], "--tp-size", "3"), "env": sim},
+    }
+    path = root / "cases.json"
+    path.write_text(json.dumps(list(cases.values())))
+    r = _run("launcher", path)
+    r["by_name"] = dict(zip(cases, r["cases"]))
+    r["record"] = cases["mixed"]["pickle"]
+    return r
+
+
+# --------------------------------------------------------------------------- plugin
+
+def test_sglang_plugin_loader_discovers_and_runs_register(launcher):
+    assert "capdispatch.adapters.sglang:register" in launcher["entry_points"]
+    assert launcher["registered"] is True and launcher["again"] is True
+    assert launcher["resolution_hooks"] == ["handle_model_specific_adjustments"]
+    assert launcher["hook_targets"] == ["sglang.srt.distributed.bootstrap.init_parallel_runtime",
+                                        "sglang.srt.managers.scheduler.configure_scheduler_process"]
+    assert launcher["configure_patched"] and launcher["parallel_patched"]
+    assert launcher["load_logs"] == []        # registering decides and logs nothing
+
+
+def test_knob_map_names_exist_in_this_sglang(launcher):
+    assert launcher["knob_name_problems"] == []
+
+
+# --------------------------------------------------------------------------- launch
+
+def test_launch_sets_fields_and_environment_for_the_mixed_rig(launcher):
+    c = launcher["by_name"]["mixed"]
+    assert c["fields"]["kv_cache_dtype"] == "fp8_e4m3" and c["fields"]["tp_size"] == 3
+    assert c["declared"] == [{"kv_cache_dtype": "fp8_e4m3"}]
+    assert c["env"] == {"SGLANG_DSV4_KV_LAYOUT": "v4"}
+    assert c["stash"]["ops"] == ["kv_quant", "kv_dequant"]
+    assert c["stash"]["set"] == {"kv_cache_dtype": "fp8_e4m3", "SGLANG_DSV4_KV_LAYOUT": "v4"}
+    infos = _messages(c["logs"], "INFO")
+    assert len(infos) == 1
+    assert "cuda:1 NVIDIA GeForce RTX 3080, cc 8.6 (simulated)" in infos[0]
+    assert "kv_dequant: SGLang's own kernel on cuda:0; capdispatch triton_u8 on cuda:1, cuda:2" in infos[0]
+    warnings = _messages(c["logs"], "WARNING")
+    assert len(warnings) == 1 and "kv_dequant: the group's devices choose different backends" in warnings[0]
+
+
+def test_launch_never_overwrites_what_the_user_set(launcher):
+    c = launcher["by_name"]["user_set"]
+    assert c["declared"] == []                                   # --kv-cache-dtype was the user's
+    assert c["fields"]["kv_cache_dtype"] == "fp8_e4m3"
+    assert c["env"] == {"SGLANG_DSV4_KV_LAYOUT": "v41"}          # the user's environment stands
+    assert c["stash"]["set"] == {}
+    warnings = _messages(c["logs"], "WARNING")
+    assert any("SGLANG_DSV4_KV_LAYOUT=v41 was set by the user and is kept, but cuda:1, cuda:2 need "
+               "SGLANG_DSV4_KV_LAYOUT=v4" in w for w in warnings)
+    info = _messages(c["logs"], "INFO")[0]
+    assert "kept the user's kv_cache_dtype=fp8_e4m3" in info and "kept the user's SGLANG_DSV4_KV_LAYOUT=v41" in info
+
+
+def test_launch_user_bf16_cache_means_no_kv_op(launcher):
+    c = launcher["by_name"]["bf16"]
+    assert c["fields"]["kv_cache_dtype"] == "bfloat16"
+    assert c["declared"] == [] and c["env"] == {"SGLANG_DSV4_KV_LAYOUT": None}
+    assert c["stash"]["ops"] == []
+    assert _messages(c["logs"]) == ["capdispatch: kv_cache_dtype=bfloat16: DeepseekV4ForCausalLM's "
+                                    "capdispatch ops run with auto or fp8_e4m3 only; nothing to decide at launch"]
+
+
+def test_launch_explicit_choice_downgraded_per_device_or_refused_under_strict(launcher):
+    c = launcher["by_name"]["downgrade"]
+    downgrades = [w for w in _messages(c["logs"], "WARNING") if "was asked for (CAPDISPATCH_SET)" in w]
+    assert [w.split(" ")[1] for w in downgrades] == ["cuda:1", "cuda:2"]
+    s = launcher["by_name"]["strict"]
+    assert s["error"].startswith("StrictFallbackError: strict: cuda:1 (NVIDIA GeForce RTX 3080): "
+                                 "kv_dequant=triton_fp8 was asked for (CAPDISPATCH_SET) but cannot run")
+
+
+def test_launch_mixed_group_error_refuses(launcher):
+    e = launcher["by_name"]["error_policy"]["error"]
+    assert e.startswith("GroupDivergenceError: kv_dequant: the group's devices choose different backends")
+
+
+def test_launch_without_nvml_sets_nothing_but_ranks_still_decide(launcher):
+    c = launcher["by_name"]["no_nvml"]
+    assert c["declared"] == [] and c["env"] == {"SGLANG_DSV4_KV_LAYOUT": None}
+    assert c["stash"]["ops"] == ["kv_quant", "kv_dequant"]
+    (w,) = _messages(c["logs"], "WARNING")
+    assert "cannot read the launch's GPUs cuda:0, cuda:1 without initialising CUDA" in w
+
+
+def test_launch_other_models_untouched(launcher):
+    c = launcher["by_name"]["llama"]
+    assert c["declared"] == [] and c["stash"]["ops"] == []
+    assert c["fields"]["kv_cache_dtype"] == "auto"
+
+
+def test_outside_the_tested_version_range_one_warning_nothing_changed(launcher, model):
+    path = model["root"] / "version_cases.json"
+    path.write_text(json.dumps([{"argv": _argv(model["dsv4"], "--tp-size", "3"),
+                                 "env": {"CAPDISPATCH_SGLANG_DEVICES": RIG}}]))
+    r = _run("version", "0.5.22", path)
+    assert r["first"] is False and r["again"] is False
+    (w,) = [m for lv, m in r["register_logs"] if lv == "WARNING"]
+    assert "SGLang 0.5.22 is outside the tested range >=0.5.23,<0.5.24" in w
+    assert r["env_changed"] == [] and r["hook_targets"] == [] and r["resolution_hooks"] == []
+    (c,) = r["cases"]
+    assert c["declared"] == [] and c["stash"] is None and c["logs"] == []
+    assert c["env"] == {"SGLANG_DSV4_KV_LAYOUT": None}
+    # SGLang's own resolution, untouched.
+    mixed = launcher["by_name"]["mixed"]["fields"]
+    assert c["fields"] == mixed
+
+
+# --------------------------------------------------------------------------- ranks
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+MODES = ("-", os.path.join(POL, "error.yaml"), os.path.join(POL, "uniform.yaml"))
+
+
+@pytest.fixture(scope="module")
+def ranks(launcher):
+    """Three scheduler processes on the simulated rig. Each also starts out believing
+    what SGLang's override facility says of device 0 (an RTX 5090). Once SGLang's
+    TP group exists they agree three times: mixed_group warn (the default), error,
+    uniform -- the same sequence on every rank."""
+    port = _free_port()
+    env = {"CAPDISPATCH_SGLANG_DEVICES": RIG, "SCENARIO_DEVICE0_SM120": "1"}
+    procs = [_start("rank", launcher["record"], r, r, port, ",".join(MODES), env=env) for r in range(3)]
+    return [_result(p) for p in procs]
+
+
+def test_each_rank_decides_for_its_own_card(ranks):
+    states = [r["state"] for r in ranks]
+    assert [s["device"]["name"] for s in states] == ["NVIDIA GeForce RTX 5090", "NVIDIA GeForce RTX 3080",
+                                                      "NVIDIA GeForce RTX 3080"]
+    assert [s["choices"]["kv_dequant"]["backend"] for s in states] == ["triton_fp8", "triton_u8", "triton_u8"]
+    assert [s["routes"] for s in states] == [
+        {"kv_quant": None, "kv_dequant": None},
+        {"kv_quant": None, "kv_dequant": "capdispatch.backends.kv_cache.triton_kernels.kv_dequant_u8"},
+        {"kv_quant": None, "kv_dequant": "capdispatch.backends.kv_cache.triton_kernels.kv_dequant_u8"}]
+    for r in ranks:
+        (info,) = [m for lv, m in r["logs"] if lv == "INFO" and "rank on" in m]
+        assert f"rank on {r['state']['device']['id']} {r['state']['device']['name']}" in info
+
+
+def test_sglang_architecture_facts_on_an_sm86_rank_say_sm86(ranks):
+    f = ranks[1]["facts"]
+    assert f["platform"] == {"is_sm90": False, "is_sm100": False, "is_sm120": False, "is_blackwell": False,
+                             "device_sm": 86, "device_capability": [8, 6]}
+    assert f["probes"] == {"is_sm90_supported": False, "is_sm100_supported": False,
+                           "is_sm120_supported": False, "is_blackwell_supported": False,
+                           "is_sm120": False, "get_device_sm": 86}
+    assert f["copies"]["sglang.srt.utils.is_sm120_supported"] is False
+    assert f["copies"]["deep_gemm_sm120._is_sm120"] is False
+    assert f["copies"]["dsv4.metadata._IS_SM120"] is False and not f["copies"]["dsv4.metadata_imported_before"]
+    assert f["jit_arch"][:2] == [8, 6]
+    f0 = ranks[0]["facts"]      # this CPU machine's probes said "not SM120": corrected to the 5090's
+    assert f0["probes"]["is_sm120_supported"] is True and f0["copies"]["deep_gemm_sm120._is_sm120"] is True
+    assert f0["platform"]["device_sm"] == 120 and f0["jit_arch"][:2] == [12, 0]
+    (info,) = [m for lv, m in ranks[0]["logs"] if lv == "INFO" and "rank on" in m]
+    assert "is_sm120_supported False -> True" in info
+
+
+def test_ranks_agree_over_sglangs_tp_group(ranks):
+    runs = [r["agreements"][0] for r in ranks]
+    assert all(a["error"] is None for a in runs)
+    assert runs[0]["group"] == runs[1]["group"] == runs[2]["group"] == {
+        "kv_dequant": {"rank0:cuda:0": "triton_fp8", "rank1:cuda:1": "triton_u8", "rank2:cuda:2": "triton_u8"}}
+    divergence = [m for a in runs for lv, m in a["logs"]
+                  if lv == "WARNING" and "the group's devices choose different backends" in m]
+    assert len(divergence) == 1           # once for the group, by rank 0
+
+
+def test_ranks_mixed_group_error_aborts_every_rank_with_one_message(ranks):
+    errors = {r["agreements"][1]["error"] for r in ranks}
+    assert len(errors) == 1
+    (e,) = errors
+    assert e.startswith("kv_dequant: the group's devices choose different backends") and "mixed_group is error" in e
+
+
+def test_ranks_mixed_group_uniform_reroutes_the_fast_card(ranks):
+    assert ranks[0]["state"]["routes"]["kv_dequant"] is None                 # alone: SGLang's own
+    after = [r["agreements"][2] for r in ranks]
+    assert all(a["error"] is None for a in after)
+    assert {a["state"]["choices"]["kv_dequant"]["backend"] for a in after} == {"triton_u8"}
+    assert after[0]["state"]["routes"]["kv_dequant"].endswith("kv_dequant_u8")
+    (info,) = [m for lv, m in after[0]["logs"] if lv == "INFO"]
+    assert "after agreement with 3 rank(s): kv_dequant: triton_fp8 -> triton_u8" in info
+
+
+# --------------------------------------------------------------------------- KV routes
+
+def test_kv_dequant_route_matches_sglangs_reference_under_the_triton_interpreter(launcher):
+    # cuda:1 (RTX 3080): SGLang's fp8 Triton kernel cannot run; the route runs capdispatch's triton_u8.
+    r = _run("kv", launcher["record"], 1, 1, env={"CAPDISPATCH_SGLANG_DEVICES": RIG, "TRITON_INTERPRET": "1"})
+    assert r["state"]["routes"]["kv_dequant"].endswith("triton_kernels.kv_dequant_u8")
+    assert r["backend_binding_routed"] and r["backend_binding_is_source"]
+    for c in r["dequant"]:
+        msg = f"seed {r['seed']} (KV_TEST_SEED replays): {c}"
+        assert c["backend_binding_identical"] and c["out_slice_identical"], msg
+        if c["pool"] == "store-range":
+            assert c["identical"], msg
+        else:
+            # Every byte random: the interpreter's numpy emulation gets NaN payloads and
+            # bf16-subnormal products wrong (see tests/test_kv_cache_kernels.py); nothing else.
+            assert c["differing_not_nan_or_subnormal"] == 0, msg
+
+
+def test_kv_routes_for_an_explicit_choice_match_sglangs_reference(launcher):
+    env = {"CAPDISPATCH_SGLANG_DEVICES": RIG, "TRITON_INTERPRET": "1",
+           "CAPDISPATCH_SET": "kv_dequant=torch,kv_quant=torch"}
+    r = _run("kv", launcher["record"], 0, 0, env=env)
+    assert r["state"]["routes"] == {"kv_quant": "capdispatch.backends.kv_cache.reference.kv_quant",
+                                    "kv_dequant": "capdispatch.backends.kv_cache.reference.kv_dequant"}
+    for c in r["dequant"]:          # every byte random, including NaN codes and overflowing scales
+        assert c["identical"] and c["backend_binding_identical"] and c["out_slice_identical"], \
+            f"seed {r['seed']}: {c}"
+    s = r["store"]
+    assert s["pool_identical_to_capdispatch_reference"] and s["rope_exact"], f"seed {r['seed']}: {s}"
+    assert s["nope_max_rel_err"] < 0.07, f"seed {r['seed']}: {s}"
+
+
+# --------------------------------------------------------------------------- dispatch sglang plan
+
+def test_plan_with_sglang_arguments_runs_sglangs_resolution(model):
+    code = ("import sys; sys.path.insert(0, %r); import sglang_prelude; "
+            "from capdispatch.dispatch.cli import main; sys.exit(main(sys.argv[1:]))" % HERE)
+    argv = ["sglang", "plan", "--device", RIG, "--format", "json", "--",
+            *_argv(model["dsv4"], "--tp-size", "3", "--kv-cache-dtype", "fp8_e4m3")]
+    p = subprocess.run([sys.executable, "-c", code, *argv], env=_env(), text=True,
+                       capture_output=True, timeout=TIMEOUT)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout)
+    assert out["model"] == {"architecture": "DeepseekV4ForCausalLM", "assumed": False,
+                            "kv_cache_dtype": "fp8_e4m3"}
+    assert {x["name"]: x["action"] for x in out["launch"]} == {"kv_cache_dtype": "kept",
+                                                                "SGLANG_DSV4_KV_LAYOUT": "set"}
+    assert out["sglang_resolved"]["kv_cache_dtype"] == "fp8_e4m3"
+    assert out["sglang_resolved"]["SGLANG_DSV4_KV_LAYOUT"] == "v4"
+    assert [r["ops"]["kv_dequant"]["routed"] for r in out["ranks"]] == [False, True, True]
+    bad = subprocess.run([sys.executable, "-c", code, "sglang", "plan", "--device", RIG, "--",
+                          "--model-path", model["dsv4"], "--tp-size", "three"],
+                         env=_env(), text=True, capture_output=True, timeout=TIMEOUT)
+    assert bad.returncode == 2 and "SGLang rejected the arguments" in bad.stderr
+    assert "Traceback" not in bad.stderr
