@@ -39,16 +39,7 @@ import torch
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
 
-HAS_CUDA = torch.cuda.is_available()
-INTERPRET = (not HAS_CUDA and os.environ.get("TRITON_INTERPRET", "1") not in ("", "0")) or (
-    os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
-
-
-@pytest.fixture(autouse=True)
-def _triton_interpreter(monkeypatch):
-    if not HAS_CUDA and "TRITON_INTERPRET" not in os.environ:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-    yield
+from triton_env import HAS_CUDA, INTERPRET, _triton_interpreter  # noqa: E402,F401 (autouse fixture)
 
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -42,21 +42,7 @@ import torch
 # The interpreter's numpy emulation warns on inf*0 and NaN reductions in the test data.
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
 
-HAS_CUDA = torch.cuda.is_available()
-# Without CUDA the Triton kernels run under the interpreter. TRITON_INTERPRET must be
-# set before triton_kernels is imported (triton.jit reads it at decoration) and while
-# kernels launch. It is set per test by the autouse fixture below, not for the whole
-# session: a process-wide setting leaks into other test modules' subprocesses (it
-# made tests/test_cli.py pick triton_u8 for the cpu device).
-INTERPRET = (not HAS_CUDA and os.environ.get("TRITON_INTERPRET", "1") not in ("", "0")) or (
-    os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
-
-
-@pytest.fixture(autouse=True)
-def _triton_interpreter(monkeypatch):
-    if not HAS_CUDA and "TRITON_INTERPRET" not in os.environ:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")  # os.environ.setdefault, undone after the test
-    yield
+from triton_env import HAS_CUDA, INTERPRET, _triton_interpreter  # noqa: E402,F401 (autouse fixture)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ieee_fp8 as F  # noqa: E402

@@ -42,17 +42,7 @@ import torch
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")
 
-HAS_CUDA = torch.cuda.is_available()
-INTERPRET = (not HAS_CUDA and os.environ.get("TRITON_INTERPRET", "1") not in ("", "0")) or (
-    os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
-
-
-@pytest.fixture(autouse=True)
-def _triton_interpreter(monkeypatch):
-    # Per test, not per session: a process-wide setting leaks into other modules' subprocesses.
-    if not HAS_CUDA and "TRITON_INTERPRET" not in os.environ:
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-    yield
+from triton_env import HAS_CUDA, INTERPRET, _triton_interpreter  # noqa: E402,F401 (autouse fixture)
 
 
 from capdispatch.backends.sparse_prefill import reference as R  # noqa: E402
