@@ -14,6 +14,7 @@ SGLang itself spawns one process per rank. Each prints one line `RESULT <json>`.
   kv IN.pkl GPU_ID TP_RANK
                          a rank, then SGLang's V4 dequant (and store, if routed)
                          against SGLang's K-cache reference
+  knobs                  only the knob map's names against this SGLang
   version VERSION CASES.json
                          register() with a fake SGLang version, then launches
 """
@@ -107,9 +108,27 @@ def check_knob_names() -> list:
             problems.append(f"setting: {s.name} is not a ServerArgs field")
         if s.kind == "env" and not hasattr(envs, s.name):
             problems.append(f"setting: {s.name} is not declared in sglang.srt.environ")
+    choices = _field_choices()
+
+    def field_value(where, name, value):
+        if name not in fields:
+            problems.append(f"{where}: {name} is not a ServerArgs field")
+        elif choices.get(name) is not None and value not in [str(c) for c in choices[name]]:
+            problems.append(f"{where}: {name}={value} is not one of SGLang's choices {choices[name]}")
+
     for s in release.selects:
-        if s.field not in fields:
-            problems.append(f"select: {s.field} is not a ServerArgs field")
+        field_value("select", s.field, s.value)
+    for k in release.knobs:
+        for s in k.sets or ():
+            if s.kind == "field":
+                field_value(f"knob {k.op}", s.name, s.value)
+            elif not hasattr(envs, s.name):
+                problems.append(f"knob {k.op}: {s.name} is not declared in sglang.srt.environ")
+            else:
+                try:
+                    getattr(envs, s.name).parse(s.value)
+                except Exception as exc:
+                    problems.append(f"knob {k.op}: {s.name}={s.value} does not parse: {exc}")
     for r in release.routes:
         resolves(r.target)
     arch = release.arch
@@ -130,6 +149,21 @@ def check_knob_names() -> list:
         if not callable(getattr(jit, arch["jit_arch"][key], None)):
             problems.append(f"jit_arch {key}: {arch['jit_arch'][key]} missing")
     return problems
+
+
+def _field_choices() -> dict:
+    """ServerArgs field -> its CLI choices (None: free-form), from SGLang's own parser."""
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+    parser = argparse.ArgumentParser(add_help=False)
+    ServerArgs.add_cli_args(parser)
+    return {a.dest: a.choices for a in parser._actions}
+
+
+def knob_names() -> None:
+    """Only the knob-map name check (tests/test_sglang_units.py runs it when SGLang is here)."""
+    emit({"knob_name_problems": check_knob_names()})
 
 
 def _launch_case(case: dict, baseline: dict) -> dict:
@@ -402,6 +436,8 @@ def main(argv) -> None:
     elif name == "rank":
         rank(rest[0], int(rest[1]), int(rest[2]), int(rest[3]) if len(rest) > 3 else None,
              tuple(rest[4].split(",")) if len(rest) > 4 else ())
+    elif name == "knobs":
+        knob_names()
     elif name == "kv":
         kv(rest[0], int(rest[1]), int(rest[2]))
     else:

@@ -227,8 +227,8 @@ def test_mixed_group_error_refuses(env, release):
 
 def test_sglang_flag_naming_a_backend_is_an_explicit_selection(tmp_path, env):
     # No SGLang flag names a KV backend; a test row shows the mechanism later ops use.
-    path = _edited(tmp_path, "selects: []",
-                   "selects:\n      - {field: kv_cache_dtype, value: fp8_e4m3, op: kv_dequant, backend: triton_fp8}")
+    path = _edited(tmp_path, "    selects:\n",
+                   "    selects:\n      - {field: kv_cache_dtype, value: fp8_e4m3, op: kv_dequant, backend: triton_fp8}\n")
     rel = knobs.load(path).release(VERSION)
     sels, origin = decide.flag_selections(rel, {"kv_cache_dtype": "fp8_e4m3"})
     assert (sels, origin) == (["kv_dequant=triton_fp8"], "sglang --kv-cache-dtype fp8_e4m3")
@@ -326,3 +326,257 @@ def test_plan_through_the_dispatch_command(run_cli):
     assert json.loads(out)["ranks"][0]["ops"]["kv_dequant"]["routed"] is True
     rc, out, err = run_cli("sglang", "plan", "--frobnicate")
     assert rc == 2 and "unrecognized arguments: --frobnicate" in err
+
+
+# --------------------------------------------------------------------------- attention and MoE knobs
+
+KNOB_RIG = "sim:rtx-5090,sim:h200,sim:rtx-3080"
+KNOB_OPS = ("indexer", "sparse_prefill", "decode_mla", "moe")
+LIBS = ("sgl-flash-mla", "flashinfer-python", "sgl-deep-gemm", "sglang", "sglang-kernel")
+
+
+def _knobs(env, release, rig_=KNOB_RIG, libs=LIBS, values=None, **kw):
+    env[rig.SIM_ENV] = rig_
+    specs = rig.devices(list(range(len(rig_.split(",")))), env=env)
+    values = values or {}
+    return decide.decide_knobs(specs, decide.knob_ops(release, "DeepseekV4ForCausalLM"), release, env=env,
+                               explicit_fields=set(values), field_values=values,
+                               assume_libs=list(libs), **kw)
+
+
+def _per_device(kd, op):
+    return {dev: (c.backend, [s.label for s in c.knob.sets] if c.knob.sets else None)
+            for dev, c in kd.choices[op].items()}
+
+
+def test_knob_map_rows_for_attention_and_moe(release):
+    import capdispatch.backends.moe as moe
+    assert decide.knob_ops(release, "DeepseekV4ForCausalLM") == KNOB_OPS
+    assert decide.knob_ops(release, "LlamaForCausalLM") == ()
+    # One row per backend of every knob op; no route for them yet.
+    from capdispatch.backends import builtin
+    reg = builtin()
+    for op in KNOB_OPS:
+        assert release.route(op) is None
+        for b in reg.backends(op):
+            assert release.knob(op, b.name) is not None, (op, b.name)
+    # The MoE rows agree with the op's own declaration of SGLang's runner values.
+    for backend, value in moe.SGLANG_RUNNER_BACKEND.items():
+        k = release.knob("moe", backend)
+        got = None if k.sets is None else [s.value for s in k.sets if s.name == "moe_runner_backend"][0]
+        assert got == value, backend
+    labels = {(k.op, b): (None if k.sets is None else [s.label for s in k.sets])
+              for k in release.knobs for b in k.backends}
+    assert labels[("sparse_prefill", "flashmla_sparse")] == [
+        "dsv4_prefill_backend=flashmla_sparse", "env SGLANG_OPT_FLASHMLA_SPARSE_PREFILL=true"]
+    assert labels[("decode_mla", "flashmla")] == ["dsv4_attn_backend=flashmla"]
+    assert labels[("decode_mla", "flashinfer_sparse_mla")] == [
+        "dsv4_attn_backend=flashmla", "env SGLANG_SM120_FLASHMLA_BACKEND=flashinfer"]
+    assert labels[("indexer", "deepgemm")] == [
+        "env SGLANG_OPT_USE_TILELANG_INDEXER=false", "env SGLANG_OPT_USE_AITER_INDEXER=false",
+        "env SGLANG_FP8_PAGED_MQA_LOGITS_TORCH=false"]
+    # capdispatch's own kernels: SGLang has no setting that runs them.
+    for op, b in [("decode_mla", "triton"), ("decode_mla", "triton_fp8"), ("sparse_prefill", "triton"),
+                  ("indexer", "tilelang"), ("indexer", "triton"), ("moe", "triton_w4a16")]:
+        assert labels[(op, b)] is None, (op, b)
+    sel = {(s.field, s.value): s for s in release.selects}
+    assert sel[("moe_runner_backend", "marlin")].backend == "marlin_w4a16"
+    assert sel[("dsv4_attn_backend", "flashmla")].backend == "flashmla"
+    assert sel[("dsv4_prefill_backend", "flashmla_sparse")].backend == "flashmla_sparse"
+    mx = sel[("moe_runner_backend", "flashinfer_mxfp4")]
+    assert mx.backend is None
+    assert {d: mx.backend_for(cd.probe(f"sim:{d}")) for d in ("rtx-5090", "b200", "h200", "rtx-3080")} == {
+        "rtx-5090": "flashinfer_cutlass_w4a8", "b200": "flashinfer_trtllm_w4a8",
+        "h200": "flashinfer_cutlass_w4a16", "rtx-3080": "flashinfer_cutlass_w4a8"}
+
+
+@pytest.mark.parametrize("old,new,message", [
+    ("        backends: [triton_w4a16, torch]\n", "        backends: [triton_w4a16]\n",
+     "no row for moe backend(s) torch"),
+    ("        backend: marlin_w4a16                      # Mxfp4MarlinMoEMethod\n",
+     "        backend: marlin_w4a16\n        backends: {sm90: marlin_w4a16}\n",
+     "selects[2]: give exactly one of 'backend' or 'backends'"),
+    ("          sm100: flashinfer_trtllm_w4a8", "          blackwell: flashinfer_trtllm_w4a8",
+     "expected a mapping of device families"),
+    ("          sm90: flashinfer_cutlass_w4a16", "          sm90: flashinfer_cutlass_w4a61",
+     "unknown backend 'flashinfer_cutlass_w4a61' for moe"),
+    ("        backend: deepgemm\n", "        backends: [deepgemm, tilelang]\n", "indexer=tilelang has two knob rows"),
+    ("          - {env: SGLANG_OPT_USE_AITER_INDEXER, value: \"false\"}\n",
+     "          - {value: \"false\"}\n", "give exactly one of 'field' or 'env'"),
+])
+def test_knob_rows_errors_name_the_problem(tmp_path, old, new, message):
+    with pytest.raises(knobs.KnobsError, match=message.replace("(", r"\(").replace(")", r"\)")
+                       .replace("[", r"\[").replace("]", r"\]")):
+        knobs.load(_edited(tmp_path, old, new))
+
+
+def test_knob_ops_per_rank_on_the_simulated_rig(env, release):
+    kd = _knobs(env, release)
+    assert kd.ops == KNOB_OPS
+    assert _per_device(kd, "decode_mla") == {
+        "cuda:0": ("flashinfer_sparse_mla", ["dsv4_attn_backend=flashmla",
+                                             "env SGLANG_SM120_FLASHMLA_BACKEND=flashinfer"]),
+        "cuda:1": ("flashmla", ["dsv4_attn_backend=flashmla"]),
+        "cuda:2": ("triton", None)}
+    assert _per_device(kd, "sparse_prefill") == {
+        "cuda:0": ("triton", None),
+        "cuda:1": ("flashmla_sparse", ["dsv4_prefill_backend=flashmla_sparse",
+                                       "env SGLANG_OPT_FLASHMLA_SPARSE_PREFILL=true"]),
+        "cuda:2": ("triton", None)}
+    ix = _per_device(kd, "indexer")
+    assert ix["cuda:1"][0] == "deepgemm" and ix["cuda:1"][1][0] == "env SGLANG_OPT_USE_TILELANG_INDEXER=false"
+    assert ix["cuda:0"][1] is None and ix["cuda:2"] == ("triton", None)
+    assert _per_device(kd, "moe") == {
+        "cuda:0": ("flashinfer_cutlass_w4a8", ["moe_runner_backend=flashinfer_mxfp4"]),
+        "cuda:1": ("flashinfer_cutlass_w4a16", ["moe_runner_backend=flashinfer_mxfp4"]),
+        "cuda:2": ("triton_w4a16", None)}
+    # Where SGLang has no setting, the row says a route would be needed.
+    why = kd.choices["decode_mla"]["cuda:2"].why
+    assert why.startswith("no SGLang setting runs capdispatch triton; a route to capdispatch's kernel would be needed")
+    assert "SM86" in why
+    assert "SM80-89" in kd.choices["moe"]["cuda:2"].why
+    # The launch: one value per SGLang name; a mixed rig splits, nothing is set.
+    s = {x.name: x for x in kd.settings}
+    assert s["moe_runner_backend"].action == "split"
+    assert s["moe_runner_backend"].wants == {"flashinfer_mxfp4": ("cuda:0", "cuda:1")}
+    assert s["moe_runner_backend"].without == ("cuda:2",)
+    assert s["dsv4_attn_backend"].wants == {"flashmla": ("cuda:0", "cuda:1")}
+    assert s["SGLANG_SM120_FLASHMLA_BACKEND"].wants == {"flashinfer": ("cuda:0",)}
+    assert "cuda:2 needs a capdispatch kernel no SGLang setting runs" in s["dsv4_attn_backend"].why
+
+
+def test_knob_ops_same_generation_rig_agrees(env, release):
+    kd = _knobs(env, release, rig_="sim:h200,sim:h200")
+    s = {x.name: (x.action, x.wants) for x in kd.settings}
+    assert s["moe_runner_backend"] == ("agree", {"flashinfer_mxfp4": ("cuda:0", "cuda:1")})
+    assert s["dsv4_attn_backend"] == ("agree", {"flashmla": ("cuda:0", "cuda:1")})
+    assert s["dsv4_prefill_backend"] == ("agree", {"flashmla_sparse": ("cuda:0", "cuda:1")})
+    assert s["SGLANG_SM120_FLASHMLA_BACKEND"] == ("none", {})
+    assert not kd.warnings
+    # Only the RTX 3080: no SGLang setting runs any of its choices.
+    kd = _knobs(env, release, rig_="sim:rtx-3080")
+    assert all(c.knob.sets is None for row in kd.choices.values() for c in row.values())
+    assert {x.action for x in kd.settings} == {"none"}
+
+
+def test_knob_flashinfer_mxfp4_is_an_explicit_selection_per_device_family(env, release):
+    kd = _knobs(env, release, rig_="sim:rtx-5090,sim:b200,sim:h200,sim:rtx-3080",
+                values={"moe_runner_backend": "flashinfer_mxfp4"})
+    assert {d: c.backend for d, c in kd.choices["moe"].items()} == {
+        "cuda:0": "flashinfer_cutlass_w4a8", "cuda:1": "flashinfer_trtllm_w4a8",
+        "cuda:2": "flashinfer_cutlass_w4a16", "cuda:3": "triton_w4a16"}
+    for dev in ("cuda:0", "cuda:1", "cuda:2"):
+        c = kd.choices["moe"][dev]
+        assert c.resolution.source.startswith("sglang --moe-runner-backend flashinfer_mxfp4")
+        assert c.resolution.downgraded_from is None and c.why.startswith("explicit choice (sglang --moe-runner-backend")
+    c3 = kd.choices["moe"]["cuda:3"]
+    assert c3.resolution.downgraded_from == "flashinfer_cutlass_w4a8"
+    assert c3.why.startswith("the explicit choice flashinfer_cutlass_w4a8 cannot run there")
+    warned = [w for w in kd.warnings if "was asked for (sglang --moe-runner-backend flashinfer_mxfp4" in w]
+    assert len(warned) == 1 and warned[0].startswith("cuda:3 (NVIDIA GeForce RTX 3080): moe=flashinfer_cutlass_w4a8")
+    s = {x.name: x for x in kd.settings}["moe_runner_backend"]
+    assert (s.action, s.user) == ("kept", "flashinfer_mxfp4")
+    # Under strict, the card where it cannot run stops the decision, naming the flag.
+    with pytest.raises(cd.Unsatisfiable, match=r"cuda:1 .*sglang --moe-runner-backend flashinfer_mxfp4"):
+        _knobs(env, release, rig_="sim:h200,sim:rtx-3080", values={"moe_runner_backend": "flashinfer_mxfp4"},
+               strict=True)
+
+
+def test_knob_explicit_sglang_values_honoured_downgraded_or_refused(env, release):
+    kd = _knobs(env, release, values={"moe_runner_backend": "marlin", "dsv4_attn_backend": "flashmla",
+                                      "dsv4_prefill_backend": "flashmla_sparse"})
+    # Marlin runs on every card from cc 8.0: honoured everywhere, SGLang runs it.
+    assert {d: (c.backend, c.resolution.downgraded_from) for d, c in kd.choices["moe"].items()} == {
+        d: ("marlin_w4a16", None) for d in ("cuda:0", "cuda:1", "cuda:2")}
+    assert {x.name: (x.action, x.user) for x in kd.settings}["moe_runner_backend"] == ("kept", "marlin")
+    # FlashMLA needs wgmma/tcgen05: honoured on the H200, downgraded loudly on the others.
+    assert {d: (c.backend, c.resolution.downgraded_from) for d, c in kd.choices["decode_mla"].items()} == {
+        "cuda:0": ("flashinfer_sparse_mla", "flashmla"), "cuda:1": ("flashmla", None),
+        "cuda:2": ("triton", "flashmla")}
+    assert {d: c.resolution.downgraded_from for d, c in kd.choices["sparse_prefill"].items()} == {
+        "cuda:0": "flashmla_sparse", "cuda:1": None, "cuda:2": "flashmla_sparse"}
+    for dev, op in [("cuda:0", "decode_mla"), ("cuda:2", "decode_mla"), ("cuda:0", "sparse_prefill"),
+                    ("cuda:2", "sparse_prefill")]:
+        assert any(w.startswith(f"{dev} (") and f"{op}=flashmla" in w and "cannot run" in w
+                   and "sglang --" in w for w in kd.warnings), (dev, op)
+    # Marlin without sgl-kernel cannot run: downgraded per device, or refused under strict.
+    kd = _knobs(env, release, libs=("flashinfer-python",), values={"moe_runner_backend": "marlin"})
+    assert all(c.resolution.downgraded_from == "marlin_w4a16" for c in kd.choices["moe"].values())
+    with pytest.raises(cd.Unsatisfiable, match=r"sglang --moe-runner-backend marlin"):
+        _knobs(env, release, libs=("flashinfer-python",), values={"moe_runner_backend": "marlin"}, strict=True)
+    # A value that names no backend (e.g. trtllm) is the user's, kept, and selects nothing.
+    kd = _knobs(env, release, values={"dsv4_attn_backend": "trtllm"})
+    assert all(c.resolution.downgraded_from is None for c in kd.choices["decode_mla"].values())
+    s = {x.name: x for x in kd.settings}["dsv4_attn_backend"]
+    assert (s.action, s.user) == ("kept", "trtllm")
+    assert any(w.startswith("dsv4_attn_backend=trtllm was set by the user and is kept, but cuda:0, cuda:1 need")
+               for w in kd.warnings)
+
+
+def test_knob_user_environment_is_kept_and_conflicts_said(env, release):
+    env["SGLANG_SM120_FLASHMLA_BACKEND"] = "triton"
+    kd = _knobs(env, release)
+    s = {x.name: x for x in kd.settings}["SGLANG_SM120_FLASHMLA_BACKEND"]
+    assert (s.action, s.user) == ("kept", "triton")
+    assert any("SGLANG_SM120_FLASHMLA_BACKEND=triton was set by the user and is kept, but cuda:0 needs "
+               "SGLANG_SM120_FLASHMLA_BACKEND=flashinfer" in w for w in kd.warnings)
+
+
+def test_knob_flags_leave_the_kv_selections_alone(release):
+    sels, origin = decide.flag_selections(release, {"moe_runner_backend": "flashinfer_mxfp4"})
+    assert (sels, origin) == ([], "sglang command line")
+    assert [pf.path for pf in decide.flag_policy(release, {"moe_runner_backend": "flashinfer_mxfp4"})] == [
+        "sglang --moe-runner-backend flashinfer_mxfp4"]
+    assert decide.flag_policy(release, {"moe_runner_backend": "marlin"}) == []
+    sels, origin = decide.flag_selections(release, {"moe_runner_backend": "marlin",
+                                                    "dsv4_attn_backend": "flashmla"})
+    assert sels == ["decode_mla=flashmla", "moe=marlin_w4a16"]
+    assert origin == "sglang --dsv4-attn-backend flashmla, --moe-runner-backend marlin"
+
+
+def test_plan_shows_the_knob_ops_and_where_no_sglang_setting_runs_them(env, capsys, monkeypatch):
+    monkeypatch.delenv(rig.SIM_ENV, raising=False)
+    libs = [a for lib in LIBS for a in ("--assume-lib", lib)]
+    rc, out, err = _plan(capsys, "--device", KNOB_RIG, *libs)
+    assert rc == 0, err
+    assert "rank 2: cuda:2 NVIDIA GeForce RTX 3080, cc 8.6 (simulated)" in out
+    flat = "\n".join(" ".join(line.split()) for line in out.splitlines())
+    rank2 = flat.split("rank 2:")[1]
+    assert "decode_mla triton no-knob no SGLang setting runs capdispatch triton; a route" in rank2
+    assert "moe triton_w4a16 no-knob no SGLang setting runs capdispatch triton_w4a16; a route" in rank2
+    assert "decode_mla flashmla sglang SGLang runs it under dsv4_attn_backend=flashmla" in flat
+    assert "SGLang settings for indexer, sparse_prefill, decode_mla, moe (reported, not set" in out
+    assert "split  moe_runner_backend  (SGLang takes one value per launch; cuda:0, cuda:1 need flashinfer_mxfp4; " \
+           "cuda:2 needs a capdispatch kernel no SGLang setting runs)" in out
+    rc, out, err = _plan(capsys, "--device", KNOB_RIG, *libs, "--format", "json")
+    p = json.loads(out)
+    assert p["knob_ops"] == list(KNOB_OPS)
+    r2 = p["ranks"][2]["knob_ops"]
+    assert r2["decode_mla"]["backend"] == "triton" and r2["decode_mla"]["sglang"] is None
+    assert p["ranks"][1]["knob_ops"]["moe"]["sglang"] == ["moe_runner_backend=flashinfer_mxfp4"]
+    mrb = next(x for x in p["knobs"] if x["name"] == "moe_runner_backend")
+    assert mrb == {"kind": "field", "name": "moe_runner_backend", "ops": ["moe"], "action": "split", "user": None,
+                   "wants": {"flashinfer_mxfp4": ["cuda:0", "cuda:1"]}, "without": ["cuda:2"],
+                   "why": mrb["why"]}
+    # mixed_group: error stops a launch only for what the launch decides (the KV ops agree
+    # on an RTX 5090 + H200); the reported ops' divergence is a warning and the plan goes on.
+    rc, out, err = _plan(capsys, "--device", "sim:rtx-5090,sim:h200", "--policy",
+                         os.path.join(POL, "error.yaml"), *libs, "--format", "json")
+    assert rc == 0, err
+    p = json.loads(out)
+    assert p["knob_ops"] == [] and p["knobs"] == []
+    assert any(w.startswith("indexer, sparse_prefill, decode_mla, moe (reported only, not decided):")
+               for w in p["warnings"])
+
+
+def test_knob_names_exist_in_the_installed_sglang():
+    import importlib.util
+    import subprocess
+    import sys
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("SGLang is not installed here")
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "sglang_scenarios.py"), "knobs"],
+                          capture_output=True, text=True, timeout=600)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert line is not None, proc.stderr[-3000:]
+    assert json.loads(line[len("RESULT "):])["knob_name_problems"] == []

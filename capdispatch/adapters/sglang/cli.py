@@ -38,6 +38,9 @@ def _parser():
     plan.add_argument("--set", action="append", default=[], metavar="OP=BACKEND", dest="set_")
     plan.add_argument("--strict", action="store_true",
                       help="an explicit choice that cannot run is an error (exit 3)")
+    plan.add_argument("--assume-lib", action="append", default=[], metavar="NAME[==VERSION]",
+                      help="treat a library as installed when deciding the attention and MoE ops "
+                           "(e.g. flashinfer-python, sgl-flash-mla)")
     plan.add_argument("--format", choices=("text", "json"), default="text")
     return p
 
@@ -120,6 +123,16 @@ def _plan(args, sglang_args) -> int:
     specs = _devices(ids, env)
     d = decide.decide(specs, ops, release, selections=sels, selection_origin=origin, env=env,
                       explicit_fields=facts["explicit"], field_values=facts["values"])
+    # The attention and MoE ops are reported, not acted on: the launch goes ahead
+    # whatever they resolve to, so neither does the plan stop on them.
+    knob_ops = decide.knob_ops(release, facts["model"])
+    try:
+        kd = decide.decide_knobs(specs, knob_ops, release, selections=sels, selection_origin=origin,
+                                 env=env, explicit_fields=facts["explicit"],
+                                 field_values=facts["values"], assume_libs=args.assume_lib or None)
+    except cd.Unsatisfiable as exc:
+        kd = decide.KnobDecision((), tuple(specs), None, {}, (),
+                                 (f"{', '.join(knob_ops)} (reported only, not decided): {exc}",))
     out.update(
         model={"architecture": facts["model"], "assumed": facts["assumed"],
                "kv_cache_dtype": facts["kv_cache_dtype"]},
@@ -128,8 +141,12 @@ def _plan(args, sglang_args) -> int:
                  "wants": s.setting.value, "action": s.action, "why": s.setting.why,
                  "devices": list(s.devices)}
                 for s in d.settings],
-        ranks=[_rank(i, g, spec, d, release) for i, (g, spec) in enumerate(zip(ids, specs))],
-        warnings=list(d.warnings))
+        ranks=[_rank(i, g, spec, d, release, kd) for i, (g, spec) in enumerate(zip(ids, specs))],
+        knob_ops=list(kd.ops),
+        knobs=[{"kind": s.kind, "name": s.name, "ops": list(s.ops), "action": s.action,
+                "user": s.user, "wants": {v: list(ds) for v, ds in s.wants.items()},
+                "without": list(s.without), "why": s.why} for s in kd.settings],
+        warnings=list(d.warnings) + list(kd.warnings))
     if facts["fields"] is not None:
         out["sglang_resolved"] = facts["fields"]
     _emit(args, out)
@@ -161,7 +178,7 @@ def _devices(ids, env):
                           f"sim:NAME[,sim:NAME...]") from None
 
 
-def _rank(i, gpu_id, spec, d, release) -> dict:
+def _rank(i, gpu_id, spec, d, release, kd=None) -> dict:
     from . import archfacts
     facts = archfacts.facts(spec, release.arch)
     platform = {f: facts[src] for f, src in release.arch["platform"].items() if f in PLATFORM_FACTS}
@@ -172,7 +189,15 @@ def _rank(i, gpu_id, spec, d, release) -> dict:
         ops[op] = {"backend": c.backend, "routed": c.routed, "why": c.why,
                    "source": res.source if res else None,
                    "downgraded_from": res.downgraded_from if res else None}
-    return {"rank": i, "gpu_id": gpu_id, "device": spec.to_dict(), "ops": ops, "arch": platform}
+    knob_ops = {}
+    for op, row in (kd.choices if kd else {}).items():
+        c = row[spec.id]
+        res = c.resolution
+        sets = c.knob.sets if c.knob else None
+        knob_ops[op] = {"backend": c.backend, "sglang": [s.label for s in sets] if sets else None,
+                        "why": c.why, "source": res.source, "downgraded_from": res.downgraded_from}
+    return {"rank": i, "gpu_id": gpu_id, "device": spec.to_dict(), "ops": ops, "knob_ops": knob_ops,
+            "arch": platform}
 
 
 def _from_sglang(args, sglang_args, release, env) -> dict:
@@ -271,8 +296,30 @@ def _text(out) -> str:
         for op, c in r["ops"].items():
             mark = "routed" if c["routed"] else "kept  "
             lines.append(f"  {op:<{width}}  {c['backend'] or '-':<10}  {mark}  {c['why']}")
+        kops = r.get("knob_ops", {})
+        kw = max((len(op) for op in kops), default=0)
+        bw = max([10] + [len(c["backend"]) for c in kops.values()])
+        for op, c in kops.items():
+            # sglang: SGLang runs this backend under the settings named; no-knob: it has none.
+            mark = "sglang " if c["sglang"] else "no-knob"
+            lines.append(f"  {op:<{kw}}  {c['backend']:<{bw}}  {mark}  {c['why']}")
         facts = " ".join(f"{k}={v}" for k, v in r["arch"].items())
         lines.append(f"  architecture facts set for this rank: {facts}")
+    if out.get("knobs"):
+        lines.append("")
+        lines.append("SGLang settings for " + ", ".join(out["knob_ops"])
+                     + " (reported, not set; SGLang takes one value per launch):")
+        for x in out["knobs"]:
+            label = x["name"] if x["kind"] == "field" else f"env {x['name']}"
+            if x["action"] == "kept":
+                head = f"kept   {label}={x['user']}  (set by the user)"
+            elif x["action"] == "agree":
+                head = f"agree  {label}={next(iter(x['wants']))}"
+            elif x["action"] == "split":
+                head = f"split  {label}"
+            else:
+                head = f"none   {label}"
+            lines.append(f"  {head}  ({x['why']})")
     if out.get("sglang_resolved"):
         lines.append("")
         lines.append("SGLang resolved: " + ", ".join(f"{k}={v}" for k, v in out["sglang_resolved"].items()))

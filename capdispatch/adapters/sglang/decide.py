@@ -57,16 +57,38 @@ def applicable_ops(release, model_arch: Optional[str], kv_cache_dtype: Optional[
     return tuple(model.ops), f"{model_arch} with kv_cache_dtype={dtype}"
 
 
+def _flag(s) -> str:
+    return f"--{s.field.replace('_', '-')} {s.value}"
+
+
 def flag_selections(release, explicit: dict):
-    """Selections made by SGLang flags the user set whose value names a backend:
-    (['op=backend', ...], origin)."""
+    """Selections made by SGLang flags the user set whose value names one backend
+    on every device: (['op=backend', ...], origin). A value that means a
+    different backend per device family goes through flag_policy instead."""
     picked, flags = [], []
     for s in release.selects:
-        if s.field in explicit and str(explicit[s.field]) == s.value:
+        if s.backend and s.field in explicit and str(explicit[s.field]) == s.value:
             picked.append(f"{s.op}={s.backend}")
-            flags.append(f"--{s.field.replace('_', '-')} {s.value}")
+            flags.append(_flag(s))
     origin = f"sglang {', '.join(flags)}" if flags else "sglang command line"
     return picked, origin
+
+
+def flag_policy(release, explicit: dict):
+    """The explicit selections of SGLang flags whose value means a different
+    backend per device family (e.g. --moe-runner-backend flashinfer_mxfp4), as
+    in-memory user policy files: per family its backend, elsewhere the first
+    listed (which cannot run there: downgraded loudly, refused under strict)."""
+    from capdispatch.policies.loader import DeviceEntry, Marked, PolicyFile
+    out = []
+    for s in release.selects:
+        if s.backend or s.field not in explicit or str(explicit[s.field]) != s.value:
+            continue
+        entries = tuple(DeviceEntry({"cc": f">={fam[2:-1]}.0,<{int(fam[2:-1]) + 1}.0"},
+                                    {s.op: Marked((b,), 0)}, 0) for fam, b in s.backends)
+        out.append(PolicyFile(f"sglang {_flag(s)}", ops={s.op: Marked((s.backends[0][1],), 0)},
+                              devices=entries))
+    return out
 
 
 def _failed(candidate) -> str:
@@ -223,3 +245,149 @@ def summary(d: Decision, *, settings: bool = True) -> str:
         else:
             parts.append(f"set {s.setting.label} ({s.setting.why})")
     return "; ".join(parts)
+
+
+# --------------------------------------------------------------------------- knob ops
+
+@attrs.frozen
+class KnobChoice:
+    op: str
+    device: str
+    resolution: object       # capdispatch Resolution
+    knob: object             # knobs.Knob: the SGLang settings that run it, or sets=None
+    why: str
+
+    @property
+    def backend(self):
+        return self.resolution.backend
+
+
+@attrs.frozen
+class KnobSetting:
+    """One SGLang name over the group: the value each device's backend needs."""
+    kind: str                # "field" | "env"
+    name: str
+    ops: tuple
+    wants: dict              # value -> (device, ...)
+    without: tuple           # devices running one of `ops` where SGLang has no setting for it
+    user: Optional[str]      # the user's value, when the user set it
+    action: str              # "agree" | "split" | "none" | "kept"
+    why: str
+
+
+@attrs.frozen
+class KnobDecision:
+    ops: tuple
+    devices: tuple
+    plan: object
+    choices: dict            # op -> {device id: KnobChoice}
+    settings: tuple          # KnobSetting...
+    warnings: tuple
+
+
+def knob_ops(release, model_arch: Optional[str]) -> tuple:
+    model = release.models.get(model_arch or "")
+    return tuple(model.knob_ops) if model else ()
+
+
+def _knob_why(knob, res) -> str:
+    if knob is None:
+        return "the knob map has no row for it"
+    if knob.sets is None:
+        text = (f"no SGLang setting runs capdispatch {res.backend}; a route to capdispatch's kernel "
+                f"would be needed (none is wired yet): {knob.why}")
+    else:
+        text = f"SGLang runs it under {', '.join(s.label for s in knob.sets)} ({knob.why})"
+    if res.downgraded_from:
+        text = f"the explicit choice {res.downgraded_from} cannot run there (see the warning); {text}"
+    elif res.source and res.source.startswith("sglang --"):
+        text = f"explicit choice ({res.source}); {text}"
+    return text
+
+
+def decide_knobs(specs, ops, release, *, selections=None, selection_origin="selections=", policy=None,
+                 strict: bool = False, env=None, explicit_fields=(), field_values=None,
+                 assume_libs=None) -> KnobDecision:
+    """Resolve the knob ops over SPECS as one group and say, per device, which
+    SGLang settings run the chosen backend (or that none does), and per SGLang
+    name what the group needs. Reported, not set. An SGLang flag the user set
+    whose value names a backend is an explicit selection (FIELD_VALUES)."""
+    import os
+
+    import capdispatch as cd
+    env = os.environ if env is None else env
+    field_values = field_values or {}
+    specs = tuple(specs)
+    ops = tuple(ops)
+    if not ops:
+        return KnobDecision((), specs, None, {}, (), ())
+    given = [] if policy is None else ([policy] if isinstance(policy, (str, os.PathLike)) else list(policy))
+    flags, forigin = flag_selections(release, field_values)
+    sels = list(selections or [])
+    origin = selection_origin
+    for f in flags:
+        if f not in sels:
+            sels.append(f)
+            origin = forigin if not selections else f"{selection_origin}, {forigin}"
+    pol = given + flag_policy(release, field_values)
+    plan = cd.plan(list(specs), list(ops), policy=pol or None, selections=sels or None,
+                   selection_origin=origin, strict=strict, env=env, assume_libs=assume_libs, _log=False)
+    ids = {p.id: s.id for p, s in zip(plan.devices, specs)}
+    choices = {}
+    for op in ops:
+        row = {}
+        for pid, res in plan.ops[op].per_device.items():
+            knob = release.knob(op, res.backend)
+            did = ids.get(pid, pid)
+            row[did] = KnobChoice(op, did, res, knob, _knob_why(knob, res))
+        choices[op] = row
+    settings, warnings = [], []
+    names = {}
+    for k in release.knobs:
+        if k.op in ops:
+            for s in k.sets or ():
+                names.setdefault((s.kind, s.name), []).append(k)
+    for (kind, name), rows in names.items():
+        rops = tuple(dict.fromkeys(k.op for k in rows))
+        wants, without = {}, []
+        for op in rops:
+            for c in choices[op].values():
+                if c.knob is None or c.knob.sets is None:
+                    without.append(c.device)
+                    continue
+                for s in c.knob.sets:
+                    if (s.kind, s.name) == (kind, name):
+                        wants.setdefault(s.value, []).append(c.device)
+        wants = {v: tuple(dict.fromkeys(d)) for v, d in wants.items()}
+        without = tuple(dict.fromkeys(without))
+        user = None
+        if kind == "field" and name in explicit_fields:
+            user = str(field_values.get(name))
+        elif kind == "env" and name in env:
+            user = env[name]
+        if user is not None:
+            action = "kept"
+            others = [d for v, ds in wants.items() if v.lower() != user.lower() for d in ds]
+            if others:
+                text = "; ".join(f"{', '.join(ds)} need{'s' if len(ds) == 1 else ''} {name}={v}"
+                                 for v, ds in wants.items() if v.lower() != user.lower())
+                warnings.append(f"{name}={user} was set by the user and is kept, but {text}")
+        elif not wants:
+            action = "none"
+        elif len(wants) == 1 and not without:
+            action = "agree"
+        else:
+            action = "split"
+        def need(ds):
+            return f"{', '.join(ds)} need{'s' if len(ds) == 1 else ''}"
+        if action == "none":
+            why = f"no device runs a backend SGLang selects with {name}"
+        elif action == "split":
+            why = ("SGLang takes one value per launch; "
+                   + "; ".join(f"{need(ds)} {v}" for v, ds in wants.items())
+                   + (f"; {need(without)} a capdispatch kernel no SGLang setting runs"
+                      if without else ""))
+        else:
+            why = "; ".join(f"{need(ds)} {v}" for v, ds in wants.items())
+        settings.append(KnobSetting(kind, name, rops, wants, without, user, action, why))
+    return KnobDecision(ops, specs, plan, choices, tuple(settings), tuple(plan.warnings) + tuple(warnings))

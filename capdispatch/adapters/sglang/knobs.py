@@ -38,7 +38,47 @@ class Select:
     field: str
     value: str
     op: str
-    backend: str
+    backend: Optional[str]        # one backend on every device, or None: see `backends`
+    backends: tuple = ()          # ((family, backend), ...): the value runs per device family
+
+    @property
+    def names(self) -> tuple:
+        """Every capdispatch backend this value can mean."""
+        return (self.backend,) if self.backend else tuple(b for _, b in self.backends)
+
+    def backend_for(self, device) -> str:
+        """The backend this value means on DEVICE (the first listed where its family has none)."""
+        if self.backend:
+            return self.backend
+        fam = family(device)
+        return next((b for f, b in self.backends if f == fam), self.backends[0][1])
+
+
+def family(device) -> Optional[str]:
+    """'sm90', 'sm100', 'sm120', ... (compute-capability major x 10), None without a cc."""
+    cc = getattr(device, "cc", None)
+    return None if cc is None else f"sm{cc[0] * 10}"
+
+
+@attrs.frozen
+class KnobSet:
+    kind: str                     # "field" | "env"
+    name: str
+    value: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}={self.value}" if self.kind == "field" else f"env {self.name}={self.value}"
+
+
+@attrs.frozen
+class Knob:
+    """The SGLang settings under which SGLang runs BACKENDS of OP itself, or
+    sets=None: SGLang has no setting that runs them (a route would be needed)."""
+    op: str
+    backends: tuple
+    sets: Optional[tuple]         # KnobSet..., or None
+    why: str
 
 
 @attrs.frozen
@@ -54,6 +94,7 @@ class Route:
 class Model:
     ops: tuple
     kv_cache_dtypes: tuple
+    knob_ops: tuple = ()          # decided and reported through `knobs`; not routed
 
 
 @attrs.frozen
@@ -65,9 +106,13 @@ class Release:
     selects: tuple
     routes: tuple
     arch: dict
+    knobs: tuple = ()
 
     def route(self, op: str) -> Optional[Route]:
         return next((r for r in self.routes if r.op == op), None)
+
+    def knob(self, op: str, backend: str) -> Optional[Knob]:
+        return next((k for k in self.knobs if k.op == op and backend in k.backends), None)
 
 
 @attrs.frozen
@@ -129,7 +174,11 @@ def _release(d: dict, where: str, registry) -> Release:
         ops = _names(_need(m, "ops", w), f"{w}.ops")
         for op in ops:
             _check_backends(registry, op, (), w)
-        models[arch] = Model(ops, _names(_need(m, "kv_cache_dtypes", w), f"{w}.kv_cache_dtypes"))
+        knob_ops = _names(m.get("knob_ops") or [], f"{w}.knob_ops")
+        for op in knob_ops:
+            _check_backends(registry, op, (), w)
+        models[arch] = Model(ops, _names(_need(m, "kv_cache_dtypes", w), f"{w}.kv_cache_dtypes"),
+                             knob_ops)
     settings, seen = [], {}
     for i, s in enumerate(d.get("settings") or ()):
         w = f"{where}.settings[{i}]"
@@ -152,10 +201,52 @@ def _release(d: dict, where: str, registry) -> Release:
     selects = []
     for i, s in enumerate(d.get("selects") or ()):
         w = f"{where}.selects[{i}]"
+        if ("backend" in s) == ("backends" in s):
+            raise KnobsError(f"{w}: give exactly one of 'backend' or 'backends'")
+        per = s.get("backends")
+        if per is not None:
+            if not isinstance(per, dict) or not per or not all(
+                    isinstance(f, str) and f.startswith("sm") and f[2:].isdigit() for f in per):
+                raise KnobsError(f"{w}.backends: expected a mapping of device families "
+                                 f"(sm90, sm100, sm120, ...) to backends, got {per!r}")
+            per = tuple((f, str(b)) for f, b in per.items())
         row = Select(str(_need(s, "field", w)), str(_need(s, "value", w)), str(_need(s, "op", w)),
-                     str(_need(s, "backend", w)))
-        _check_backends(registry, row.op, (row.backend,), w)
+                     None if per else str(s["backend"]), per or ())
+        _check_backends(registry, row.op, row.names, w)
+        if any(o.field == row.field and o.value == row.value for o in selects):
+            raise KnobsError(f"{w}: {row.field}={row.value} is mapped twice")
         selects.append(row)
+    knob_rows = []
+    for i, k in enumerate(d.get("knobs") or ()):
+        w = f"{where}.knobs[{i}]"
+        if ("backend" in k) == ("backends" in k):
+            raise KnobsError(f"{w}: give exactly one of 'backend' or 'backends'")
+        op = str(_need(k, "op", w))
+        backends = _names(k["backend"] if "backend" in k else k["backends"], f"{w}.backends")
+        _check_backends(registry, op, backends, w)
+        raw = _need(k, "set", w)
+        sets = None
+        if raw is not None:
+            if not isinstance(raw, list) or not raw:
+                raise KnobsError(f"{w}.set: expected a list of {{field|env, value}}, or null (no knob)")
+            sets = []
+            for j, x in enumerate(raw):
+                kinds = [kk for kk in ("field", "env") if kk in (x if isinstance(x, dict) else {})]
+                if len(kinds) != 1:
+                    raise KnobsError(f"{w}.set[{j}]: give exactly one of 'field' or 'env'")
+                sets.append(KnobSet(kinds[0], str(x[kinds[0]]), str(_need(x, "value", f"{w}.set[{j}]"))))
+            sets = tuple(sets)
+        for b in backends:
+            if any(b in o.backends for o in knob_rows if o.op == op):
+                raise KnobsError(f"{w}: {op}={b} has two knob rows")
+        knob_rows.append(Knob(op, backends, sets, str(k.get("why", ""))))
+    for arch_name, m in models.items():
+        for op in m.knob_ops:
+            covered = {b for k in knob_rows if k.op == op for b in k.backends}
+            missing = [b.name for b in registry.backends(op) if b.name not in covered]
+            if missing:
+                raise KnobsError(f"{where}.knobs: no row for {op} backend(s) {', '.join(missing)} "
+                                 f"(a knob op needs one row per backend; `set: null` where SGLang has none)")
     routes = []
     for i, r in enumerate(d.get("routes") or ()):
         w = f"{where}.routes[{i}]"
@@ -173,7 +264,8 @@ def _release(d: dict, where: str, registry) -> Release:
     for i, g in enumerate(arch["globals"]):
         if g.get("fact") not in facts:
             raise KnobsError(f"{where}.arch.globals[{i}]: fact {g.get('fact')!r} is not a probe or sm/cc")
-    return Release(spec, dict(hooks), models, tuple(settings), tuple(selects), tuple(routes), dict(arch))
+    return Release(spec, dict(hooks), models, tuple(settings), tuple(selects), tuple(routes), dict(arch),
+                   tuple(knob_rows))
 
 
 @functools.lru_cache(maxsize=4)
