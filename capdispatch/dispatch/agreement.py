@@ -53,7 +53,7 @@ def agree(local: DeviceSpec, ops=None, *, group=None, log_warnings: bool = None,
     rank = dist.get_rank(group)
     error = None
     try:
-        p = plan(specs, ops, _log=False, **plan_kwargs)
+        p = plan(specs, ops, log_warnings=False, **plan_kwargs)
     except Unsatisfiable as exc:
         p, error = None, str(exc)
     # Everyone learns whether anyone failed, so all ranks stop together with one message.

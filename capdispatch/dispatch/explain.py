@@ -40,15 +40,16 @@ def _device_dict(d, libraries) -> dict:
 
 def plan(devices, ops=None, *, policy=None, selections=None, assume_libs=None,
          strict: bool = False, env=None, via: str = "auto", assume_cuda: Optional[str] = None,
-         registry=None, selection_origin: str = "selections=", _log: bool = True) -> Plan:
-    """Resolve OPS (default: all) over DEVICES as one group; log its warnings once."""
+         registry=None, selection_origin: str = "selections=", log_warnings: bool = True) -> Plan:
+    """Resolve OPS (default: all) over DEVICES as one group; log its warnings once
+    (LOG_WARNINGS=False: the caller logs them, e.g. rank 0 of a distributed group)."""
     ctx = context(policy=policy, selections=selections, assume_libs=assume_libs, strict=strict,
                   env=env, registry=registry, selection_origin=selection_origin)
     specs = unique_ids([as_spec(d, via=via, assume_cuda=assume_cuda) for d in devices])
     names = list(ops) if ops else list(ctx.registry.ops)
     groups = {op: resolve_group_in(ctx, op, specs) for op in names}
     warnings = tuple(w for g in groups.values() for w in g.warnings)
-    if _log:
+    if log_warnings:
         for w in warnings:
             log.warning(w)
     dists = sorted({r.dist for op in names for b in ctx.registry.backends(op)

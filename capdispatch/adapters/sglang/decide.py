@@ -212,7 +212,7 @@ def decide(specs, ops, release, *, selections=None, selection_origin="selections
     if active:
         # Warnings ride in the plan; the caller logs them once, where it should.
         plan = cd.plan(list(specs), list(active), policy=policy, selections=selections or None,
-                       selection_origin=selection_origin, strict=strict, env=env, _log=False)
+                       selection_origin=selection_origin, strict=strict, env=env, log_warnings=False)
         choices = choices_for(plan, release, active, specs, selections=selections,
                               selection_origin=selection_origin, policy=policy, env=env,
                               ids={p.id: s.id for p, s in zip(plan.devices, specs)})
@@ -331,7 +331,7 @@ def decide_knobs(specs, ops, release, *, selections=None, selection_origin="sele
             origin = forigin if not selections else f"{selection_origin}, {forigin}"
     pol = given + flag_policy(release, field_values)
     plan = cd.plan(list(specs), list(ops), policy=pol or None, selections=sels or None,
-                   selection_origin=origin, strict=strict, env=env, assume_libs=assume_libs, _log=False)
+                   selection_origin=origin, strict=strict, env=env, assume_libs=assume_libs, log_warnings=False)
     ids = {p.id: s.id for p, s in zip(plan.devices, specs)}
     choices = {}
     for op in ops:
