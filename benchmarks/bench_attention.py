@@ -39,6 +39,8 @@ import platform
 import random
 import sys
 
+from ceilings import bench as _bench, copy_bandwidth, matmul_rate  # noqa: E402 (the script's own folder)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
@@ -74,34 +76,9 @@ def registry():
     return reg
 
 
-def _bench(fn, warmup, rep):
-    import triton.testing
-    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
-
-
 def _bench_graph(fn, rep):
     import triton.testing
     return triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
-
-
-def copy_bandwidth(nbytes, warmup, rep):
-    import torch
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    ms = _bench(lambda: dst.copy_(src), warmup, rep)
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * nbytes / ms / 1e6, ms
-
-
-def matmul_rate(n, warmup, rep):
-    import torch
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    ms = _bench(lambda: a @ b, warmup, rep)
-    del a, b
-    torch.cuda.empty_cache()
-    return 2 * n ** 3 / ms / 1e9, ms      # TFLOP/s
 
 
 def runnable(op, reg):

@@ -41,6 +41,8 @@ import platform
 import random
 import sys
 
+from ceilings import bench as _bench, copy_bandwidth, matmul_rate  # noqa: E402 (the script's own folder)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
@@ -51,43 +53,6 @@ BACKENDS = ("torch", "triton", "triton_u8", "tilelang", "deepgemm")
 DECODE = [(64, 1, 16384), (128, 1, 4096), (8, 1, 65536), (64, 2, 16384)]       # (B, next_n, context)
 PREFILL = [(8192, 0), (4096, 28672)]                                            # (rows, start)
 MEMORY_TOKENS = (8192, 32768)
-
-
-def _bench(fn, warmup, rep):
-    import triton.testing
-    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
-
-
-# --------------------------------------------------------------------------- #
-# Ceilings
-# --------------------------------------------------------------------------- #
-def copy_bandwidth(nbytes, warmup, rep):
-    import torch
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    ms = _bench(lambda: dst.copy_(src), warmup, rep)
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * nbytes / ms / 1e6, ms          # GB/s, ms
-
-
-def matmul_rate(warmup, rep, n=8192):
-    """(TFLOP/s, dtype): fp8 scaled_mm from cc 8.9, else bf16 matmul; random data."""
-    import torch
-    a = torch.randn(n, n, device="cuda").bfloat16()
-    b = torch.randn(n, n, device="cuda").bfloat16()
-    if torch.cuda.get_device_capability() >= (8, 9):
-        try:
-            a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
-            one = torch.tensor(1.0, device="cuda")
-            fn = lambda: torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)  # noqa: E731
-            fn()
-            ms = _bench(fn, warmup, rep)
-            return 2 * n ** 3 / ms / 1e9, "fp8"
-        except Exception as exc:  # older torch: fall back to bf16 and say so
-            print(f"fp8 scaled_mm unavailable ({type(exc).__name__}: {exc}); using the bf16 rate")
-    ms = _bench(lambda: a @ b, warmup, rep)
-    return 2 * n ** 3 / ms / 1e9, "bf16"
 
 
 # --------------------------------------------------------------------------- #
@@ -279,7 +244,7 @@ def run(args):
     print(f"device: {dev_name} (cc {cc[0]}.{cc[1]}), torch {torch.__version__}, triton {triton.__version__}, "
           f"CUDA {torch.version.cuda}, seed {seed}")
     gbps, _ = copy_bandwidth(args.copy_bytes, args.warmup, args.rep)
-    tflops, mm_dtype = matmul_rate(args.warmup, args.rep)
+    tflops, mm_dtype = matmul_rate(8192, args.warmup, args.rep, fp8=True)
     print(f"ceilings: copy {gbps:.0f} GB/s (read+write), {mm_dtype} matmul {tflops:.0f} TFLOP/s")
 
     backends = load_backends(args.backends)

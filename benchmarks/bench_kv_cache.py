@@ -29,6 +29,8 @@ import platform
 import random
 import sys
 
+from ceilings import bench as _bench, copy_bandwidth  # noqa: E402 (the script's own folder)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
@@ -52,24 +54,6 @@ def _sglang_dequant():
     except Exception as exc:  # ImportError, or its own import-time failures
         return None, f"{type(exc).__name__}: {exc}"
     return dequantize_k_cache_paged_dsv4, None
-
-
-def _bench(fn, warmup, rep):
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
-
-
-def copy_bandwidth(nbytes, warmup, rep):
-    """Device-to-device copy: (GB/s counting read + write, ms)."""
-    import torch
-
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    ms = _bench(lambda: dst.copy_(src), warmup, rep)
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * nbytes / ms / 1e6, ms
 
 
 def rand_k(n, gen):

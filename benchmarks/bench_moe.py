@@ -39,6 +39,8 @@ import random
 import sys
 import time
 
+from ceilings import bench as _bench, copy_bandwidth, matmul_rate  # noqa: E402 (the script's own folder)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
@@ -48,31 +50,6 @@ SWIGLU_LIMIT = 10.0
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64, 4096)
 DEFAULT_BACKENDS = ("triton_w4a16", "torch", "flashinfer_cutlass_w4a16", "marlin_w4a16")
 TOL_NORM = 1.5e-2
-
-
-def _bench(fn, warmup=25, rep=200):
-    import triton.testing
-    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
-
-
-def copy_bandwidth(nbytes=2 << 30):
-    import torch
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    ms = _bench(lambda: dst.copy_(src))
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * nbytes / ms / 1e6, ms
-
-
-def bf16_rate(n=8192):
-    import torch
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    ms = _bench(lambda: a @ b)
-    del a, b
-    torch.cuda.empty_cache()
-    return 2 * n ** 3 / ms / 1e9, ms      # TFLOP/s
 
 
 def flashinfer_sm90_status():
@@ -155,7 +132,7 @@ def run(tokens, backends, out_dir, allow_jit, seed):
     reg = _registry()
     dev_name = torch.cuda.get_device_name()
     bw, _ = copy_bandwidth()
-    rate, _ = bf16_rate()
+    rate, _ = matmul_rate()
     print(f"[moe] {dev_name}: copy {bw:.0f} GB/s, bf16 matmul {rate:.0f} TFLOP/s, seed {seed}", flush=True)
 
     base = R.random_weights(E, H, I, gen=gen, device="cuda", swiglu_limit=SWIGLU_LIMIT)

@@ -1,0 +1,47 @@
+"""Shared by the GPU benchmarks: timing, and the two ceilings measured on the card.
+
+Every benchmark divides by ceilings measured in the same run (never datasheet
+figures): a large device-to-device copy counted as bytes read + written, and a
+large matrix product on random data.
+"""
+from __future__ import annotations
+
+
+def bench(fn, warmup=25, rep=200):
+    """Median milliseconds of FN: CUDA events, warm-up first (do_bench; ms arguments)."""
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def copy_bandwidth(nbytes=2 << 30, warmup=25, rep=200):
+    """Device-to-device copy: (GB/s counting read + write, ms)."""
+    import torch
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src), warmup, rep)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / ms / 1e6, ms
+
+
+def matmul_rate(n=8192, warmup=25, rep=200, fp8=False):
+    """(TFLOP/s, dtype) of an n^3 product on random data: bf16, or fp8 scaled_mm
+    when FP8 and the card has it (falls back to bf16 and says so)."""
+    import torch
+    a = torch.randn(n, n, device="cuda").bfloat16()
+    b = torch.randn(n, n, device="cuda").bfloat16()
+    try:
+        if fp8 and torch.cuda.get_device_capability() >= (8, 9):
+            try:
+                a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+                one = torch.tensor(1.0, device="cuda")
+                fn = lambda: torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one,  # noqa: E731
+                                              out_dtype=torch.bfloat16)
+                fn()
+                return 2 * n ** 3 / bench(fn, warmup, rep) / 1e9, "fp8"
+            except Exception as exc:  # older torch: the bf16 rate, said aloud
+                print(f"fp8 scaled_mm unavailable ({type(exc).__name__}: {exc}); using the bf16 rate")
+        return 2 * n ** 3 / bench(lambda: a @ b, warmup, rep) / 1e9, "bf16"
+    finally:
+        del a, b
+        torch.cuda.empty_cache()
