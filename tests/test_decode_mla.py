@@ -51,7 +51,7 @@ from capdispatch.backends.kv_cache import reference as KV  # noqa: E402
 
 SCALE = 512 ** -0.5
 OUT_RTOL = 1e-2
-STAT_ATOL = 1e-3
+from attention_checks import STAT_ATOL, assert_stats_close, rel_err  # noqa: E402,F401
 
 _gpu = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")]
 _interp = pytest.mark.skipif(not INTERPRET, reason="Triton on CPU needs TRITON_INTERPRET=1")
@@ -185,21 +185,6 @@ def make_case(gen, b, s_q, h, device, *, page_size=16, num_pages=8, topk=40, ext
             kw["extra_topk_length"] = torch.randint(0, etopk + 1, (b,), generator=gen,
                                                     dtype=torch.int32).to(device)
     return q, pool, idx, page_size, kw
-
-
-def rel_err(got, want):
-    g, w = got.float(), want.float()
-    return ((g - w).norm() / w.norm().clamp_min(1e-30)).item()
-
-
-def assert_stats_close(got, want, msg, atol=STAT_ATOL):
-    g, w = got.float().cpu(), want.float().cpu()
-    fin = torch.isfinite(w)
-    assert torch.equal(torch.isfinite(g), fin), f"{msg}: finite pattern differs"
-    assert torch.equal(g[~fin], w[~fin]), f"{msg}: infinities differ"
-    if fin.any():
-        err = (g[fin] - w[fin]).abs().max().item()
-        assert err <= atol, f"{msg}: max abs error {err:.3g} > {atol}"
 
 
 def check_against(got, want, msg):

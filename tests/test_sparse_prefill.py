@@ -49,7 +49,7 @@ from capdispatch.backends.sparse_prefill import reference as R  # noqa: E402
 
 SCALE = 512 ** -0.5
 OUT_RTOL = 1e-2
-STAT_ATOL = 1e-3
+from attention_checks import STAT_ATOL, assert_stats_close, rel_err  # noqa: E402,F401
 
 _gpu = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")]
 _interp = pytest.mark.skipif(not INTERPRET, reason="Triton on CPU needs TRITON_INTERPRET=1")
@@ -124,21 +124,6 @@ def make_case(gen, s, h, s_kv, topk, device, *, lengths=False, sink=False, lonel
     sk = (torch.randn(h, generator=gen) * 2).float() if sink else None
     to = lambda x: None if x is None else x.to(device)  # noqa: E731
     return to(q), to(kv), to(idx.unsqueeze(1)), to(tl), to(sk)
-
-
-def rel_err(got, want):
-    g, w = got.float(), want.float()
-    return ((g - w).norm() / w.norm().clamp_min(1e-30)).item()
-
-
-def assert_stats_close(got, want, msg, atol=STAT_ATOL):
-    g, w = got.float().cpu(), want.float().cpu()
-    fin = torch.isfinite(w)
-    assert torch.equal(torch.isfinite(g), fin), f"{msg}: finite pattern differs"
-    assert torch.equal(g[~fin], w[~fin]), f"{msg}: infinities differ: {g[~fin][:8]} vs {w[~fin][:8]}"
-    if fin.any():
-        err = (g[fin] - w[fin]).abs().max().item()
-        assert err <= atol, f"{msg}: max abs error {err:.3g} > {atol}"
 
 
 def check_against(got, want, msg):
