@@ -422,6 +422,26 @@ def _sglang_ref(P, c):
     return P.ref_fp8_paged_mqa_logits(c["q"], kv_fp8, kv_scales, c["w"], c["ctx"], c["bt"], c["S"], 64)
 
 
+def _check_against_sglang(P, c, backends, what):
+    """SGLang's reference and ours are both float32 with different summation orders, so
+    each is held to the float64 value within REL_F32 * A, and they to each other within
+    twice that. (SGLang's own assert_paged_mqa_matches_ref uses a fixed atol=5e-5,
+    rtol=1e-5 tuned to its generator's magnitudes; on fresh inputs with logits near 80
+    a 16-ulp summation-order difference trips it, so it is not the criterion here.)"""
+    ref = _sglang_ref(P, c)
+    want, A = f64_logits(c)
+    rows = c["q"].shape[0] * c["q"].shape[1]
+    ref_v = ref[:rows, :c["S"]]
+    check(ref_v, want, A, REL_F32, f"SGLang reference {what}", clean=False)
+    valid = torch.isfinite(want)
+    for backend in backends:
+        got = run(backend, c)
+        assert torch.equal(torch.isinf(got), torch.isinf(ref)), f"{backend} {what}"
+        check(got, want, A, REL_F32, f"{backend} {what}")
+        diff = (got.double() - ref_v.double()).abs()[valid]
+        assert (diff <= 2 * REL_F32 * A[valid]).all(), f"{backend} vs SGLang {what}: max {diff.max().item():.3g}"
+
+
 @pytest.mark.parametrize("N", [1, 2])
 def test_against_sglang_reference_fresh_inputs(N):
     P = _sglang_paged_mqa()
@@ -431,24 +451,20 @@ def test_against_sglang_reference_fresh_inputs(N):
     ctx = torch.randint(N, 400, (B,), generator=gen).tolist()
     S = 64 * -(-max(ctx) // 64)                          # SGLang's reference writes whole pages
     c = make_case(gen, B, N, 64, S, ctx, kind="quant", junk_table=False)
-    ref = _sglang_ref(P, c)
     backends = ["torch"] + (["triton_u8", "triton_native"] if INTERPRET else [])
-    for backend in backends:
-        got = run(backend, c)
-        assert torch.equal(torch.isinf(got), torch.isinf(ref)), f"{backend} seed={seed}"
-        P.assert_paged_mqa_matches_ref(got, ref, c["ctx"], B, N, S)
+    _check_against_sglang(P, c, backends, f"seed={seed}")
 
 
 def test_against_sglang_reference_its_own_inputs():
     P = _sglang_paged_mqa()
+    seed = new_seed()
+    torch.manual_seed(seed)                              # SGLang's generator draws from the global RNG
     d = P.generate_paged_mqa_test_data(3, 2, 64, 300, 512, device="cpu")
-    c = dict(q=d["q_fp8"], kv=d["kv_fused"], w=d["weights"], ctx=d["context_lens"], bt=d["block_table"], S=512)
-    ref = P.ref_fp8_paged_mqa_logits(d["q_fp8"], d["kv_fp8"], d["kv_scales"], d["weights"], d["context_lens"],
-                                     d["block_table"], 512, 64)
-    for backend in ["torch"] + (["triton_u8"] if INTERPRET else []):
-        got = run(backend, c)
-        assert torch.equal(torch.isinf(got), torch.isinf(ref)), backend
-        P.assert_paged_mqa_matches_ref(got, ref, c["ctx"], 3, 2, 512)
+    ctx = d["context_lens"]
+    c = dict(q=d["q_fp8"], kv=d["kv_fused"], w=d["weights"], ctx=ctx, bt=d["block_table"], S=512, N=2,
+             E=R.row_lengths(ctx, 2, 512))
+    backends = ["torch"] + (["triton_u8"] if INTERPRET else [])
+    _check_against_sglang(P, c, backends, f"SGLang's generator, seed={seed}")
 
 
 def _module_source(module: str, rel: str):
