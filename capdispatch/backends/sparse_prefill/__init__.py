@@ -21,7 +21,7 @@ OPS = (
        "sparse_prefill(q [s,h,512] bf16, kv [s_kv,1,512] bf16, indices [s,1,topk] int32, sm_scale, "
        "d_v=512, attn_sink=None [h] fp32, topk_length=None [s] int32, *, use_legacy=True, out=None) "
        "-> (out [s,h,512] bf16, max_logits [s,h] fp32, lse [s,h] fp32); use_legacy=True: base-2 "
-       "statistics, a query with no valid index gives out 0, max_logits -inf, lse -inf; "
+       "statistics, a query with no valid index gives out 0, max_logits -inf, lse +inf; "
        "use_legacy=False: natural log, lse +inf for such a query",
        reference="torch"),
 )

@@ -13,6 +13,10 @@ What the adapter adds, all cheap and outside the kernel:
 * top-k width: the kernels need topk % B_TOPK == 0 (64 for h_q 64, 128 for h_q 128);
   indices are padded with -1 to a multiple of 128, as SGLang's
   ``SPARSE_PREFILL_TOPK_ALIGNMENT`` does;
+* statistics: the legacy kernel runs for both conventions. FlashMLA's current
+  sparse-prefill kernel exists for SM100f only (on an H200 it raises "only supported
+  on SM100f architectures"), so ``use_legacy=False`` converts the legacy base-2
+  statistics to natural log (x ln 2; a lonely query's lse is +inf either way);
 * ``out=``: copied into.
 
 Not installable on a CPU-only machine (the wheel is a CUDA extension and pins
@@ -29,6 +33,7 @@ from .reference import D_V, check_sparse_prefill_args
 __all__ = ["flashmla_sparse"]
 
 TOPK_ALIGN = 128
+_LN2 = 0.6931471805599453
 
 
 def _pad_heads(h: int) -> int:
@@ -68,7 +73,9 @@ def flashmla_sparse(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_leng
         topk_length = topk_length.to(torch.int32)
     o, max_logits, lse = flash_mla.flash_mla_sparse_fwd(
         q, kv2.unsqueeze(1).contiguous(), idx, float(sm_scale), D_V, attn_sink, topk_length,
-        use_legacy=use_legacy, return_log2_lse=True if use_legacy else None)
+        use_legacy=True, return_log2_lse=True)
+    if not use_legacy:
+        max_logits, lse = max_logits * _LN2, lse * _LN2       # +inf / -inf stay as they are
     if hp != h:
         o, max_logits, lse = o[:, :h], max_logits[:, :h].contiguous(), lse[:, :h].contiguous()
         if out is None:

@@ -20,7 +20,8 @@ Contract: SGLang 0.5.23's ``sglang.kernels.ops.attention.flash_mla_interface.fla
     use_legacy   the statistics convention of SGLang's wrapper (keyword-only, default True):
                    True  (what SGLang's DSv4 prefill gets): base 2, FlashMLA's legacy kernel,
                          P = q.k * sm_scale * log2(e);  max_logits = max P,  lse = log2(sum 2**P);
-                         a query with no valid index: out 0, max_logits -inf, lse -inf
+                         a query with no valid index: out 0, max_logits -inf, lse +inf
+                         (sgl-flash-mla 1.0.0's legacy kernel on an H200, 2026-11-29)
                    False (FlashMLA's current kernels): natural log,
                          P = q.k * sm_scale;  max_logits = max P,  lse = ln(sum e**P);
                          a query with no valid index: out 0, max_logits -inf, lse +inf
@@ -192,7 +193,7 @@ def sparse_prefill(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_lengt
         out[start:end] = o.to(torch.bfloat16)
         if use_legacy:
             max_logits[start:end] = m * LOG2E
-            lse[start:end] = l_e * LOG2E          # -inf stays -inf
+            lse[start:end] = torch.where(l_e == float("-inf"), float("inf"), l_e * LOG2E)
         else:
             max_logits[start:end] = m
             lse[start:end] = torch.where(l_e == float("-inf"), float("inf"), l_e)

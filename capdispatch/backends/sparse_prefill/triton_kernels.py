@@ -20,7 +20,7 @@ scratch buffer, and ``_combine_kernel`` merges them; the scratch is sized by the
 program count, never by sequence length. Extends never use scratch.
 
 Statistics modes (``STATS``): 0 = FlashMLA legacy prefill (base 2; lonely query:
-max_logits -inf, lse -inf), 1 = FlashMLA current prefill (natural log; lonely:
+max_logits -inf, lse +inf), 1 = FlashMLA current prefill (natural log; lonely:
 max_logits -inf, lse +inf), 2 = decode (natural-log lse only; lonely: +inf).
 All address arithmetic is int64. This module imports triton at module level and is
 meant to be imported lazily (at backend bind time).
@@ -211,7 +211,7 @@ def _finish(o, lse2, m2, t, heads, hmask, smask, cols, sink_ptr,
     st = tb * st_sb + ts * st_ss + heads.to(tl.int64) * st_sh
     if STATS == 0:
         tl.store(ml_ptr + st, m2, mask=smask)
-        tl.store(lse_ptr + st, lse2, mask=smask)
+        tl.store(lse_ptr + st, tl.where(lonely, float("inf"), lse2), mask=smask)
     elif STATS == 1:
         tl.store(ml_ptr + st, m2 * _LN2, mask=smask)
         tl.store(lse_ptr + st, tl.where(lonely, float("inf"), lse2 * _LN2), mask=smask)
