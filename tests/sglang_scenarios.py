@@ -14,6 +14,9 @@ SGLang itself spawns one process per rank. Each prints one line `RESULT <json>`.
   kv IN.pkl GPU_ID TP_RANK
                          a rank, then SGLang's V4 dequant (and store, if routed)
                          against SGLang's K-cache reference
+  attn IN.pkl GPU_ID TP_RANK
+                         a rank, then SGLang's DSv4 decode, sparse-prefill and
+                         indexer call sites against capdispatch's references
   knobs                  only the knob map's names against this SGLang
   version VERSION CASES.json
                          register() with a fake SGLang version, then launches
@@ -129,8 +132,34 @@ def check_knob_names() -> list:
                     getattr(envs, s.name).parse(s.value)
                 except Exception as exc:
                     problems.append(f"knob {k.op}: {s.name}={s.value} does not parse: {exc}")
+    import inspect
+
+    from capdispatch.adapters.sglang import routes
+
+    def params(fn):
+        # Names, kinds, and which have defaults (a wrapper's None may stand for
+        # SGLang's default, e.g. layout=None for KVLayout.V4).
+        return [(p.name, p.kind.name, p.default is not p.empty)
+                for p in inspect.signature(fn).parameters.values()]
+
     for r in release.routes:
         resolves(r.target)
+        try:
+            target = pkgutil.resolve_name(r.target)
+        except Exception:
+            continue
+        # The wrapper binds SGLang's positional and keyword calls the same way.
+        want, got = params(target), params(routes.CALLS[r.call])[1:]
+        if want != got:
+            problems.append(f"route {r.target}: SGLang's parameters {want} differ from {r.call}'s {got}")
+        for name, value in r.env:
+            if not hasattr(envs, name):
+                problems.append(f"route {r.op}: {name} is not declared in sglang.srt.environ")
+            else:
+                try:
+                    getattr(envs, name).parse(value)
+                except Exception as exc:
+                    problems.append(f"route {r.op}: {name}={value} does not parse: {exc}")
     arch = release.arch
     common = importlib.import_module(arch["module"])
     for name in arch["probes"]:
@@ -268,6 +297,7 @@ def _state(gpu_id: int) -> dict:
     for op in st["ops"]:
         fn = routes.kernel(op, st["key"])
         out["routes"][op] = None if fn is None else f"{fn.__module__}.{fn.__name__}"
+    out["env"] = {n: os.environ.get(n) for n in st["release"].route_env_names()}
     return out
 
 
@@ -427,6 +457,160 @@ def kv(inp, gpu_id: int, tp_rank: int) -> None:
     emit(out)
 
 
+# --------------------------------------------------------------------------- attention routes
+
+def _rel(got, want) -> float:
+    g, w = got.float(), want.float()
+    return ((g - w).norm() / w.norm().clamp_min(1e-30)).item()
+
+
+def _stat_err(got, want) -> dict:
+    """Max |difference| over finite entries, and whether the non-finite pattern agrees."""
+    import torch
+    g, w = got.float(), want.float()
+    fin = torch.isfinite(w)
+    same = bool(torch.equal(torch.isfinite(g), fin)) and bool(torch.equal(g[~fin], w[~fin]))
+    err = (g[fin] - w[fin]).abs().max().item() if bool(fin.any()) else 0.0
+    return {"same_nonfinite": same, "max_abs": err}
+
+
+def _v4_pool(gen, pages, page_size):
+    """A V4 pool holding kv_quant of random bf16 rows, and its [pages, ps, 1, 584] view
+    as SGLang's DSv4 backend slices it."""
+    import torch
+
+    from capdispatch.backends.kv_cache import layout as KL
+    from capdispatch.backends.kv_cache import reference as KV
+    rows = torch.randn(pages * page_size, 512, generator=gen)
+    rows[:, :448] *= torch.exp2(torch.randint(-4, 5, (pages * page_size, 7), generator=gen).float()
+                                ).repeat_interleave(64, dim=1)
+    pool = torch.full((pages, KL.bytes_per_page(page_size)), 0x7F, dtype=torch.uint8)
+    KV.kv_quant(rows.bfloat16(), pool, torch.arange(pages * page_size), page_size)
+    view = pool[:, :page_size * 584].view(pages, page_size, 1, 584)
+    return pool, view
+
+
+def _ids(gen, b, topk, cap):
+    import torch
+    x = torch.stack([torch.randperm(cap, generator=gen)[:topk] for _ in range(b)]).int()
+    x[torch.rand(x.shape, generator=gen) < 0.2] = -1
+    return x.view(b, 1, topk)
+
+
+def _decode_check(gen) -> dict:
+    """SGLang's DSv4 decode call, as deepseek_v4_backend makes it on a non-SM120 card:
+    functools.partial(flash_mla_interface.flash_mla_with_kvcache, use_legacy=...) built
+    when the backend is, called with keywords; SGLang keeps [0]."""
+    import functools
+
+    import torch
+    from sglang.kernels.ops.attention import flash_mla_interface as fmi
+
+    from capdispatch.backends.decode_mla import reference as R
+    b, h, ps, epS = 3, 6, 16, 8
+    q = (torch.randn(b, 1, h, 512, generator=gen) * 2).bfloat16()
+    pool, view = _v4_pool(gen, 6, ps)
+    epool, eview = _v4_pool(gen, 5, epS)
+    idx, eidx = _ids(gen, b, 40, 6 * ps), _ids(gen, b, 24, 5 * epS)
+    tl = torch.randint(0, 41, (b,), generator=gen, dtype=torch.int32)
+    etl = torch.randint(0, 25, (b,), generator=gen, dtype=torch.int32)
+    sink = torch.randn(h, generator=gen) * 2
+    scale = 512 ** -0.5
+    from sglang.srt.runtime_context import get_platform
+    if get_platform().is_sm120:
+        # The SM120 branch: imported at call time, keyword arguments only.
+        from sglang.kernels.ops.attention.flash_mla_sm120 import flash_mla_with_kvcache_sm120 as site
+        o = site(q=q, k_cache=view, head_dim_v=512, softmax_scale=scale, indices=idx, topk_length=tl,
+                 attn_sink=sink, extra_k_cache=eview, extra_indices_in_kvcache=eidx, extra_topk_length=etl)
+    else:
+        site = fmi.flash_mla_with_kvcache
+        call = functools.partial(fmi.flash_mla_with_kvcache, use_legacy=True)
+        o = call(q=q, k_cache=view, head_dim_v=512, block_table=None, cache_seqlens=None,
+                 tile_scheduler_metadata=fmi.get_mla_metadata()[0], softmax_scale=scale, is_fp8_kvcache=True,
+                 indices=idx, topk_length=tl, attn_sink=sink, extra_k_cache=eview,
+                 extra_indices_in_kvcache=eidx, extra_topk_length=etl)
+    want = R.decode_mla(q, pool, idx, ps, scale, tl, sink, epool, eidx, epS, etl)
+    return {"routed": hasattr(site, "__wrapped__"), "site": site.__name__,
+            "out_rel_err": _rel(o[0], want[0]), "lse": _stat_err(o[1], want[1]),
+            "shape": list(o[0].shape), "finite": bool(torch.isfinite(o[0]).all())}
+
+
+def _prefill_check(gen) -> dict:
+    """SGLang's _forward_prefill_sparse call: flash_mla_sparse_fwd imported at call time."""
+    import torch
+    from sglang.kernels.ops.attention.flash_mla_interface import flash_mla_sparse_fwd
+
+    from capdispatch.backends.sparse_prefill import reference as R
+    s, h, s_kv, topk = 7, 6, 50, 32
+    q = (torch.randn(s, h, 512, generator=gen) * 2).bfloat16()
+    kv = torch.randn(s_kv, 1, 512, generator=gen).bfloat16()
+    idx = torch.stack([torch.randperm(s_kv, generator=gen)[:topk] for _ in range(s)]).int()
+    idx[torch.rand(idx.shape, generator=gen) < 0.2] = -1
+    idx = idx.unsqueeze(1)
+    tl = torch.randint(0, topk + 1, (s,), generator=gen, dtype=torch.int32)
+    sink = torch.randn(h, generator=gen) * 2
+    out = {}
+    for legacy in (True, False):
+        o, ml, lse = flash_mla_sparse_fwd(q=q, kv=kv, indices=idx, sm_scale=512 ** -0.5, d_v=512,
+                                          attn_sink=sink, topk_length=tl, use_legacy=legacy)
+        wo, wml, wlse = R.sparse_prefill(q, kv, idx, 512 ** -0.5, 512, sink, tl, use_legacy=legacy)
+        out[f"legacy={legacy}"] = {"out_rel_err": _rel(o, wo), "max_logits": _stat_err(ml, wml),
+                                   "lse": _stat_err(lse, wlse)}
+    return out
+
+
+def _indexer_check(gen) -> dict:
+    """dsv4/indexer.py under the rank's switches: fn = fp8_paged_mqa_logits_torch (a module
+    global read at call time), called as run_paged_indexer calls it."""
+    import torch
+    import sglang.srt.layers.attention.dsv4.indexer as I
+    from sglang.srt.environ import envs
+
+    from capdispatch.backends.indexer import reference as R
+    B, H, P = 4, 64, 9
+    q = torch.randn(B, 1, H, 128, generator=gen).to(torch.float8_e4m3fn)
+    codes, scales = R.quantize_index_k(torch.randn(P, 64, 128, generator=gen))
+    raw = torch.empty(P, 64 * 132, dtype=torch.uint8)
+    raw[:, :64 * 128] = codes.view(torch.uint8).reshape(P, -1)
+    raw[:, 64 * 128:] = scales.reshape(P, -1).contiguous().view(torch.uint8).reshape(P, -1)
+    kv = raw.view(P, 64, 1, 132)
+    w = torch.randn(B, H, generator=gen)
+    lens = torch.randint(1, 3 * 64, (B,), generator=gen, dtype=torch.int32)
+    table = torch.stack([torch.randperm(P, generator=gen)[:3] for _ in range(B)]).int()
+    from sglang.srt.runtime_context import get_platform
+    site = I.fp8_paged_mqa_logits_torch_sm120 if get_platform().is_sm120 else I.fp8_paged_mqa_logits_torch
+    picked = {"torch_switch": envs.SGLANG_FP8_PAGED_MQA_LOGITS_TORCH.get(),
+              "tilelang_switch": envs.SGLANG_OPT_USE_TILELANG_INDEXER.get(),
+              "routed": hasattr(site, "__wrapped__"), "site": site.__name__}
+    got = site(q, kv, w, lens, table, None, 3 * 64, False)
+    want = R.fp8_paged_mqa_logits(q, kv, w, lens, table, None, 3 * 64)
+    sg = getattr(site, "__wrapped__", site)(q, kv, w, lens, table, None, 3 * 64, False)
+    valid = torch.arange(3 * 64).unsqueeze(0) < lens.unsqueeze(1)
+    scale = want[valid].abs().max().item()
+    return {**picked, "shape": list(got.shape),
+            "max_abs_vs_reference": (got[valid] - want[valid]).abs().max().item() / scale,
+            "masked_minus_inf": bool((got[~valid] == float("-inf")).all()),
+            # SGLang's own torch version stages in bf16: a looser agreement.
+            "max_abs_vs_sglang_torch": (got[valid] - sg[valid].float()).abs().max().item() / scale}
+
+
+def attn(inp, gpu_id: int, tp_rank: int) -> None:
+    _, logs = _rank(inp, gpu_id, tp_rank)
+    import torch
+    seed = _seed()
+    gen = torch.Generator().manual_seed(seed)
+    out = {"seed": seed, "state": _state(gpu_id)}
+    for name, check in (("decode", _decode_check), ("prefill", _prefill_check), ("indexer", _indexer_check)):
+        if name == "prefill" and out["state"]["routes"].get("sparse_prefill") is None:
+            continue            # SGLang calls no sparse-prefill site here (SM120)
+        try:
+            out[name] = check(gen)
+        except Exception as exc:       # reported, so the test names what failed
+            out[name] = {"error": f"{type(exc).__name__}: {exc}"}
+    out["logs"] = logs
+    emit(out)
+
+
 def main(argv) -> None:
     name, rest = argv[0], argv[1:]
     if name == "launcher":
@@ -440,6 +624,8 @@ def main(argv) -> None:
         knob_names()
     elif name == "kv":
         kv(rest[0], int(rest[1]), int(rest[2]))
+    elif name == "attn":
+        attn(rest[0], int(rest[1]), int(rest[2]))
     else:
         raise SystemExit(f"unknown scenario {name!r}")
 

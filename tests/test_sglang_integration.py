@@ -86,12 +86,16 @@ def launcher(model):
                          "env": {**sim, "CAPDISPATCH_POLICY": os.path.join(POL, "error.yaml")}},
         "no_nvml": {"argv": _argv(dsv4, "--tp-size", "2"), "env": {}},
         "llama": {"argv": _argv(model["llama"], "--tp-size", "3"), "env": sim},
+        "user_tilelang": {"argv": _argv(dsv4, "--tp-size", "3"),
+                          "env": {**sim, "SGLANG_OPT_USE_TILELANG_INDEXER": "1"},
+                          "pickle": str(root / "user_tilelang.pkl")},
     }
     path = root / "cases.json"
     path.write_text(json.dumps(list(cases.values())))
     r = _run("launcher", path)
     r["by_name"] = dict(zip(cases, r["cases"]))
     r["record"] = cases["mixed"]["pickle"]
+    r["record_user_tilelang"] = cases["user_tilelang"]["pickle"]
     return r
 
 
@@ -118,14 +122,19 @@ def test_launch_sets_fields_and_environment_for_the_mixed_rig(launcher):
     assert c["fields"]["kv_cache_dtype"] == "fp8_e4m3" and c["fields"]["tp_size"] == 3
     assert c["declared"] == [{"kv_cache_dtype": "fp8_e4m3"}]
     assert c["env"] == {"SGLANG_DSV4_KV_LAYOUT": "v4"}
-    assert c["stash"]["ops"] == ["kv_quant", "kv_dequant"]
+    assert c["stash"]["ops"] == ["kv_quant", "kv_dequant", "indexer", "sparse_prefill", "decode_mla"]
     assert c["stash"]["set"] == {"kv_cache_dtype": "fp8_e4m3", "SGLANG_DSV4_KV_LAYOUT": "v4"}
+    assert c["stash"]["user_env"] == {}
     infos = _messages(c["logs"], "INFO")
     assert len(infos) == 1
     assert "cuda:1 NVIDIA GeForce RTX 3080, cc 8.6 (simulated)" in infos[0]
     assert "kv_dequant: SGLang's own kernel on cuda:0; capdispatch triton_u8 on cuda:1, cuda:2" in infos[0]
+    # SM86 has no FlashMLA decode: SGLang's call site is routed there.
+    assert "decode_mla: SGLang's own kernel on cuda:0; capdispatch triton on cuda:1, cuda:2 (SGLang's own " \
+           "flash_mla_with_kvcache cannot run there" in infos[0]
     warnings = _messages(c["logs"], "WARNING")
-    assert len(warnings) == 1 and "kv_dequant: the group's devices choose different backends" in warnings[0]
+    assert {w.split(": ")[1] for w in warnings} >= {"kv_dequant", "indexer", "decode_mla"}
+    assert all("the group's devices choose different backends" in w for w in warnings)
 
 
 def test_launch_never_overwrites_what_the_user_set(launcher):
@@ -167,7 +176,7 @@ def test_launch_mixed_group_error_refuses(launcher):
 def test_launch_without_nvml_sets_nothing_but_ranks_still_decide(launcher):
     c = launcher["by_name"]["no_nvml"]
     assert c["declared"] == [] and c["env"] == {"SGLANG_DSV4_KV_LAYOUT": None}
-    assert c["stash"]["ops"] == ["kv_quant", "kv_dequant"]
+    assert c["stash"]["ops"] == ["kv_quant", "kv_dequant", "indexer", "sparse_prefill", "decode_mla"]
     (w,) = _messages(c["logs"], "WARNING")
     assert "cannot read the launch's GPUs cuda:0, cuda:1 without initialising CUDA" in w
 
@@ -223,10 +232,26 @@ def test_each_rank_decides_for_its_own_card(ranks):
     assert [s["device"]["name"] for s in states] == ["NVIDIA GeForce RTX 5090", "NVIDIA GeForce RTX 3080",
                                                       "NVIDIA GeForce RTX 3080"]
     assert [s["choices"]["kv_dequant"]["backend"] for s in states] == ["triton_fp8", "triton_u8", "triton_u8"]
+    kv = "capdispatch.backends.kv_cache.triton_kernels.kv_dequant_u8"
+    sm86 = {"kv_quant": None, "kv_dequant": kv,
+            "indexer": "capdispatch.backends.indexer.triton_kernels.fp8_paged_mqa_logits",
+            "sparse_prefill": "capdispatch.backends.sparse_prefill.triton_kernels.sparse_prefill",
+            "decode_mla": "capdispatch.backends.decode_mla.triton_kernels.decode_mla_u8"}
+    # The 5090: FlashInfer's SM120 decode is SGLang's own (kept); DeepGEMM has no SM120
+    # indexer (routed to capdispatch's TileLang kernel); SGLang calls no sparse-prefill
+    # site on SM120 (its extends go through the SM120 decode entry).
     assert [s["routes"] for s in states] == [
-        {"kv_quant": None, "kv_dequant": None},
-        {"kv_quant": None, "kv_dequant": "capdispatch.backends.kv_cache.triton_kernels.kv_dequant_u8"},
-        {"kv_quant": None, "kv_dequant": "capdispatch.backends.kv_cache.triton_kernels.kv_dequant_u8"}]
+        {"kv_quant": None, "kv_dequant": None,
+         "indexer": "capdispatch.backends.indexer.tilelang_kernel.fp8_paged_mqa_logits",
+         "sparse_prefill": None, "decode_mla": None},
+        sm86, sm86]
+    assert states[0]["choices"]["sparse_prefill"]["why"] == "SGLang calls no routable sparse_prefill site on this card"
+    assert states[1]["choices"]["decode_mla"]["why"].startswith(
+        "SGLang's own flash_mla_with_kvcache cannot run there: needs ")
+    # The indexer route turns SGLang's torch switch on in the rank's own process.
+    for s in states:
+        assert s["env"] == {"SGLANG_FP8_PAGED_MQA_LOGITS_TORCH": "true",
+                            "SGLANG_OPT_USE_TILELANG_INDEXER": "false", "SGLANG_OPT_USE_AITER_INDEXER": "false"}
     for r in ranks:
         (info,) = [m for lv, m in r["logs"] if lv == "INFO" and "rank on" in m]
         assert f"rank on {r['state']['device']['id']} {r['state']['device']['name']}" in info
@@ -241,7 +266,8 @@ def test_sglang_architecture_facts_on_an_sm86_rank_say_sm86(ranks):
                            "is_sm120": False, "get_device_sm": 86}
     assert f["copies"]["sglang.srt.utils.is_sm120_supported"] is False
     assert f["copies"]["deep_gemm_sm120._is_sm120"] is False
-    assert f["copies"]["dsv4.metadata._IS_SM120"] is False and not f["copies"]["dsv4.metadata_imported_before"]
+    # Imported after the correction (by the indexer route's target module): it read the rank's facts.
+    assert f["copies"]["dsv4.metadata._IS_SM120"] is False
     assert f["jit_arch"][:2] == [8, 6]
     f0 = ranks[0]["facts"]      # this CPU machine's probes said "not SM120": corrected to the 5090's
     assert f0["probes"]["is_sm120_supported"] is True and f0["copies"]["deep_gemm_sm120._is_sm120"] is True
@@ -253,11 +279,16 @@ def test_sglang_architecture_facts_on_an_sm86_rank_say_sm86(ranks):
 def test_ranks_agree_over_sglangs_tp_group(ranks):
     runs = [r["agreements"][0] for r in ranks]
     assert all(a["error"] is None for a in runs)
-    assert runs[0]["group"] == runs[1]["group"] == runs[2]["group"] == {
-        "kv_dequant": {"rank0:cuda:0": "triton_fp8", "rank1:cuda:1": "triton_u8", "rank2:cuda:2": "triton_u8"}}
+    assert runs[0]["group"] == runs[1]["group"] == runs[2]["group"]
+    group = runs[0]["group"]
+    assert group["kv_dequant"] == {"rank0:cuda:0": "triton_fp8", "rank1:cuda:1": "triton_u8",
+                                   "rank2:cuda:2": "triton_u8"}
+    assert group["decode_mla"] == {"rank0:cuda:0": "flashinfer_sparse_mla", "rank1:cuda:1": "triton",
+                                   "rank2:cuda:2": "triton"}
+    divergent = [op for op, row in group.items() if len(set(row.values())) > 1]
     divergence = [m for a in runs for lv, m in a["logs"]
                   if lv == "WARNING" and "the group's devices choose different backends" in m]
-    assert len(divergence) == 1           # once for the group, by rank 0
+    assert len(divergence) == len(divergent)           # once per op for the group, by rank 0
 
 
 def test_ranks_mixed_group_error_aborts_every_rank_with_one_message(ranks):
@@ -299,8 +330,9 @@ def test_kv_routes_for_an_explicit_choice_match_sglangs_reference(launcher):
     env = {"CAPDISPATCH_SGLANG_DEVICES": RIG, "TRITON_INTERPRET": "1",
            "CAPDISPATCH_SET": "kv_dequant=torch,kv_quant=torch"}
     r = _run("kv", launcher["record"], 0, 0, env=env)
-    assert r["state"]["routes"] == {"kv_quant": "capdispatch.backends.kv_cache.reference.kv_quant",
-                                    "kv_dequant": "capdispatch.backends.kv_cache.reference.kv_dequant"}
+    routes = r["state"]["routes"]
+    assert (routes["kv_quant"], routes["kv_dequant"]) == ("capdispatch.backends.kv_cache.reference.kv_quant",
+                                                          "capdispatch.backends.kv_cache.reference.kv_dequant")
     for c in r["dequant"]:          # every byte random, including NaN codes and overflowing scales
         assert c["identical"] and c["backend_binding_identical"] and c["out_slice_identical"], \
             f"seed {r['seed']}: {c}"
@@ -332,3 +364,75 @@ def test_plan_with_sglang_arguments_runs_sglangs_resolution(model):
                          env=_env(), text=True, capture_output=True, timeout=TIMEOUT)
     assert bad.returncode == 2 and "SGLang rejected the arguments" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+# --------------------------------------------------------------------------- attention routes
+
+def test_attention_routes_on_an_sm86_rank_run_capdispatchs_kernels_at_sglangs_call_sites(launcher):
+    """cuda:1 (RTX 3080): FlashMLA (decode, sparse prefill) and DeepGEMM (indexer) have no
+    SM86 kernels. The rank routes SGLang's own functions, called the way SGLang's DSv4
+    backend calls them, to capdispatch's Triton kernels (under the interpreter here);
+    FlashMLA itself is a stand-in that raises if reached (tests/sglang_prelude.py).
+    Tolerances: out relative error (Frobenius) <= 1e-2 as in tests/test_decode_mla.py
+    and tests/test_sparse_prefill.py, statistics 1e-3 absolute; indexer logits
+    within 1e-4 of the largest |logit| of capdispatch's fp32 reference (both fp32),
+    3e-2 of SGLang's own torch version (which stages q and K in bf16)."""
+    r = _run("attn", launcher["record"], 1, 1, env={"CAPDISPATCH_SGLANG_DEVICES": RIG, "TRITON_INTERPRET": "1"})
+    msg = f"seed {r['seed']} (KV_TEST_SEED replays)"
+    routes = r["state"]["routes"]
+    assert routes["decode_mla"].endswith("decode_mla.triton_kernels.decode_mla_u8")
+    assert routes["sparse_prefill"].endswith("sparse_prefill.triton_kernels.sparse_prefill")
+    assert routes["indexer"].endswith("indexer.triton_kernels.fp8_paged_mqa_logits")
+    d = r["decode"]
+    assert "error" not in d, f"{msg}: {d}"
+    assert d["routed"] and d["finite"] and d["shape"] == [3, 1, 6, 512], f"{msg}: {d}"
+    assert d["out_rel_err"] <= 1e-2, f"{msg}: {d}"
+    assert d["lse"]["same_nonfinite"] and d["lse"]["max_abs"] <= 1e-3, f"{msg}: {d}"
+    p = r["prefill"]
+    assert "error" not in p, f"{msg}: {p}"
+    for legacy, c in p.items():
+        assert c["out_rel_err"] <= 1e-2, f"{msg} {legacy}: {c}"
+        for stat in ("max_logits", "lse"):
+            assert c[stat]["same_nonfinite"] and c[stat]["max_abs"] <= 1e-3, f"{msg} {legacy} {stat}: {c}"
+    ix = r["indexer"]
+    assert "error" not in ix, f"{msg}: {ix}"
+    assert ix["routed"] and ix["torch_switch"] is True and ix["tilelang_switch"] is False, f"{msg}: {ix}"
+    assert ix["shape"] == [4, 192] and ix["masked_minus_inf"], f"{msg}: {ix}"
+    assert ix["max_abs_vs_reference"] <= 1e-4, f"{msg}: {ix}"
+    assert ix["max_abs_vs_sglang_torch"] <= 3e-2, f"{msg}: {ix}"
+    routed = [m for lv, m in r["logs"] if lv == "INFO" and "indexer routed on" in m]
+    assert routed and "set SGLANG_FP8_PAGED_MQA_LOGITS_TORCH=true" in routed[0]
+    assert (d["site"], ix["site"]) == ("flash_mla_with_kvcache", "fp8_paged_mqa_logits_torch")
+
+
+def test_attention_routes_on_an_sm120_rank_for_an_explicit_choice(launcher):
+    """cuda:0 (RTX 5090) with decode_mla and indexer chosen explicitly: SGLang's SM120
+    entries (flash_mla_with_kvcache_sm120, fp8_paged_mqa_logits_torch_sm120) are the
+    sites, and they run capdispatch's torch references. Same tolerances as above."""
+    env = {"CAPDISPATCH_SGLANG_DEVICES": RIG, "CAPDISPATCH_SET": "decode_mla=torch,indexer=torch"}
+    r = _run("attn", launcher["record"], 0, 0, env=env)
+    msg = f"seed {r['seed']}"
+    routes = r["state"]["routes"]
+    assert routes["decode_mla"] == "capdispatch.backends.decode_mla.reference.decode_mla"
+    assert routes["indexer"] == "capdispatch.backends.indexer.reference.fp8_paged_mqa_logits"
+    assert routes["sparse_prefill"] is None and "prefill" not in r
+    d, ix = r["decode"], r["indexer"]
+    assert "error" not in d and "error" not in ix, f"{msg}: {d} {ix}"
+    assert (d["site"], ix["site"]) == ("flash_mla_with_kvcache_sm120", "fp8_paged_mqa_logits_torch_sm120")
+    assert d["routed"] and d["out_rel_err"] <= 1e-2 and d["lse"]["same_nonfinite"], f"{msg}: {d}"
+    assert ix["routed"] and ix["max_abs_vs_reference"] == 0.0 and ix["masked_minus_inf"], f"{msg}: {ix}"
+    assert ix["max_abs_vs_sglang_torch"] <= 3e-2, f"{msg}: {ix}"
+
+
+def test_user_indexer_switch_keeps_sglangs_choice_and_says_it_cannot_run(launcher):
+    """A user who set SGLang's TileLang switch chose SGLang's indexer: the rank keeps it,
+    sets nothing, and warns where SGLang's default cannot run."""
+    assert launcher["by_name"]["user_tilelang"]["stash"]["user_env"] == {"SGLANG_OPT_USE_TILELANG_INDEXER": "1"}
+    r = _run("rank", launcher["record_user_tilelang"], 1, 1, env={"CAPDISPATCH_SGLANG_DEVICES": RIG,
+                                                                   "SGLANG_OPT_USE_TILELANG_INDEXER": "1"})
+    st = r["state"]
+    assert st["routes"]["indexer"] is None and st["choices"]["indexer"]["routed"] is False
+    assert st["choices"]["indexer"]["why"].startswith("the user set SGLANG_OPT_USE_TILELANG_INDEXER=1: "
+                                                      "SGLang's own indexer choice kept")
+    assert st["env"]["SGLANG_FP8_PAGED_MQA_LOGITS_TORCH"] is None
+    assert any(lv == "WARNING" and m.startswith("capdispatch: indexer on cuda:1: the user set") for lv, m in r["logs"])

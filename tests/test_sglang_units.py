@@ -43,12 +43,26 @@ def _decide(env, release, ids=(0, 1, 2), **kw):
 
 def test_knob_map_loads_with_kv_rows(release):
     assert release is not None
-    assert {r.op for r in release.routes} == {"kv_quant", "kv_dequant"}
+    assert {r.op for r in release.routes} == {"kv_quant", "kv_dequant", "indexer", "sparse_prefill", "decode_mla"}
     assert release.route("kv_dequant").native == "triton_fp8"
     assert release.route("kv_quant").native is None
-    assert release.models["DeepseekV4ForCausalLM"].ops == ("kv_quant", "kv_dequant")
+    assert release.models["DeepseekV4ForCausalLM"].ops == ("kv_quant", "kv_dequant", "indexer", "sparse_prefill",
+                                                           "decode_mla")
     assert {(s.kind, s.name) for s in release.settings} == {("field", "kv_cache_dtype"),
                                                             ("env", "SGLANG_DSV4_KV_LAYOUT")}
+    # The site SGLang calls depends on the card: SM120 has its own decode and indexer entries.
+    sm86, sm90, sm120 = (cd.probe(f"sim:{n}") for n in ("sm_86", "sm_90", "sm_120"))
+    site = lambda op, d: release.route(op, d).target.rsplit(".", 1)[-1]  # noqa: E731
+    assert site("decode_mla", sm86) == site("decode_mla", sm90) == "flash_mla_with_kvcache"
+    assert site("decode_mla", sm120) == "flash_mla_with_kvcache_sm120"
+    assert site("indexer", sm90) == "fp8_paged_mqa_logits_torch"
+    assert site("indexer", sm120) == "fp8_paged_mqa_logits_torch_sm120"
+    assert site("sparse_prefill", sm86) == "flash_mla_sparse_fwd" and release.route("sparse_prefill", sm120) is None
+    assert dict(release.route("indexer", sm86).env) == {
+        "SGLANG_FP8_PAGED_MQA_LOGITS_TORCH": "true", "SGLANG_OPT_USE_TILELANG_INDEXER": "false",
+        "SGLANG_OPT_USE_AITER_INDEXER": "false"}
+    assert release.route_env_names() == ("SGLANG_FP8_PAGED_MQA_LOGITS_TORCH", "SGLANG_OPT_USE_TILELANG_INDEXER",
+                                         "SGLANG_OPT_USE_AITER_INDEXER")
     k = knobs.load()
     assert k.release("0.5.22") is None and k.release("0.6.0") is None and k.release("junk") is None
 
@@ -62,6 +76,12 @@ def _edited(tmp_path, old, new):
 
 
 @pytest.mark.parametrize("old,new,message", [
+    ('        cc: ">=12.0,<13.0"\n        why: SGLang\'s SM120 decode', '        cc: "sm120"\n        why: x',
+     ".cc: 'sm120' is not a version range"),
+    ('SGLANG_OPT_USE_AITER_INDEXER: "false"}', "SGLANG_OPT_USE_AITER_INDEXER: false}",
+     ".env: expected a mapping of environment names to string values"),
+    ("flash_mla_interface.flash_mla_sparse_fwd", "flash_mla_interface.flash_mla_with_kvcache",
+     "flash_mla_with_kvcache is routed twice"),
     ("- op: kv_dequant\n        target", "- op: kv_dequnt\n        target", "unknown op 'kv_dequnt'"),
     ("native: triton_fp8", "native: triton_fp9", "unknown backend 'triton_fp9' for kv_dequant"),
     ("value: v4", "value: v41\n      - ops: [kv_dequant]\n        env: SGLANG_DSV4_KV_LAYOUT\n        value: v4",
@@ -149,12 +169,58 @@ def test_simulated_rig_bad_input(value, index, message):
 # --------------------------------------------------------------------------- decisions
 
 def test_applicable_ops(release):
-    assert decide.applicable_ops(release, "DeepseekV4ForCausalLM", "auto")[0] == ("kv_quant", "kv_dequant")
-    assert decide.applicable_ops(release, "DeepseekV4ForCausalLM", "fp8_e4m3")[0] == ("kv_quant", "kv_dequant")
+    dsv4 = ("kv_quant", "kv_dequant", "indexer", "sparse_prefill", "decode_mla")
+    assert decide.applicable_ops(release, "DeepseekV4ForCausalLM", "auto")[0] == dsv4
+    assert decide.applicable_ops(release, "DeepseekV4ForCausalLM", "fp8_e4m3")[0] == dsv4
     ops, why = decide.applicable_ops(release, "DeepseekV4ForCausalLM", "bfloat16")
     assert ops == () and "kv_cache_dtype=bfloat16" in why
     assert decide.applicable_ops(release, "LlamaForCausalLM", "auto")[0] == ()
     assert decide.applicable_ops(release, None, "auto")[0] == ()
+
+
+def test_route_wrappers_pass_what_they_do_not_cover_to_sglang():
+    """A wrapper runs the bound kernel only for the call it covers; anything else (no
+    kernel for this device, another cache format, another head dim) is SGLang's call,
+    with the same arguments."""
+    import torch
+
+    from capdispatch.adapters.sglang import routes
+    seen = []
+
+    def original(*args, **kwargs):
+        seen.append((args, kwargs))
+        return "sglang"
+
+    q = torch.zeros(2, 1, 4, 512, dtype=torch.bfloat16)
+    v4 = torch.zeros(3, 16, 1, 584, dtype=torch.uint8)
+    v41 = torch.zeros(3, 16, 1, 528, dtype=torch.uint8)
+    idx = torch.zeros(2, 1, 8, dtype=torch.int32)
+    key = ("cpu", None)
+    calls = []
+    kernel = lambda *a, **k: calls.append((a, k)) or ("out", "lse")  # noqa: E731
+    try:
+        assert routes.mla_decode(original, q, v4, None, None, 512, None, is_fp8_kvcache=True,
+                                 indices=idx) == "sglang"                               # nothing bound
+        routes._KERNELS.setdefault("decode_mla", {})[key] = kernel
+        assert routes.mla_decode(original, q, v41, None, None, 512, None, is_fp8_kvcache=True,
+                                 indices=idx) == "sglang"                               # V4.1 format
+        assert routes.mla_decode(original, q, v4, None, None, 512, None) == "sglang"    # dense call
+        assert routes.mla_decode_sm120(original, q=q, k_cache=v41, head_dim_v=512, indices=idx) == "sglang"
+        assert not calls and len(seen) == 4
+        assert seen[1][1] == {"use_legacy": True} and seen[1][0][1] is v41
+        got = routes.mla_decode(original, q, v4, None, None, 512, None, softmax_scale=0.25,
+                                is_fp8_kvcache=True, indices=idx)
+        assert got == ("out", "lse")
+        args = calls[0][0]
+        assert args[1] is v4 and args[2] is idx and args[3] == 16 and args[4] == 0.25
+        routes._KERNELS.setdefault("sparse_prefill", {})[key] = kernel
+        q3 = torch.zeros(5, 4, 512, dtype=torch.bfloat16)
+        assert routes.mla_sparse_prefill(original, q3, q3, idx, 0.1, d_v=256) == "sglang"
+        assert routes.mla_sparse_prefill(original, q3, q3, idx, 0.1, use_legacy=False) == ("out", "lse")
+        assert calls[-1][1] == {"use_legacy": False}
+    finally:
+        routes._KERNELS.pop("decode_mla", None)
+        routes._KERNELS.pop("sparse_prefill", None)
 
 
 def test_mixed_rig_routes_only_where_sglangs_kernel_cannot_run(env, release):
@@ -287,7 +353,9 @@ def test_plan_text_for_the_mixed_rig(env, capsys, monkeypatch):
     assert "GPUs: cuda:0, cuda:1, cuda:2" in out
     assert "set   env SGLANG_DSV4_KV_LAYOUT=v4" in out
     assert "rank 1: cuda:1 NVIDIA GeForce RTX 3080, cc 8.6 (simulated)" in out
-    assert "kv_dequant  triton_u8   routed  SGLang's own dequantize_k_cache_paged_dsv4 cannot run there" in out
+    flat = "\n".join(" ".join(line.split()) for line in out.splitlines())
+    assert "kv_dequant triton_u8 routed SGLang's own dequantize_k_cache_paged_dsv4 cannot run there" in flat
+    assert "decode_mla triton routed SGLang's own flash_mla_with_kvcache cannot run there" in flat
     assert "architecture facts set for this rank: is_sm90=False is_sm100=False is_sm120=False" in out
 
 
@@ -353,11 +421,11 @@ def test_knob_map_rows_for_attention_and_moe(release):
     import capdispatch.backends.moe as moe
     assert decide.knob_ops(release, "DeepseekV4ForCausalLM") == KNOB_OPS
     assert decide.knob_ops(release, "LlamaForCausalLM") == ()
-    # One row per backend of every knob op; no route for them yet.
+    # One row per backend of every knob op; moe has no routed call site.
     from capdispatch.backends import builtin
     reg = builtin()
+    assert release.routes_for("moe") == ()
     for op in KNOB_OPS:
-        assert release.route(op) is None
         for b in reg.backends(op):
             assert release.knob(op, b.name) is not None, (op, b.name)
     # The MoE rows agree with the op's own declaration of SGLang's runner values.
@@ -430,10 +498,14 @@ def test_knob_ops_per_rank_on_the_simulated_rig(env, release):
         "cuda:0": ("flashinfer_cutlass_w4a8", ["moe_runner_backend=flashinfer_mxfp4"]),
         "cuda:1": ("flashinfer_cutlass_w4a16", ["moe_runner_backend=flashinfer_mxfp4"]),
         "cuda:2": ("triton_w4a16", None)}
-    # Where SGLang has no setting, the row says a route would be needed.
+    # Where SGLang has no setting, the row names the call site the rank routes instead.
     why = kd.choices["decode_mla"]["cuda:2"].why
-    assert why.startswith("no SGLang setting runs capdispatch triton; a route to capdispatch's kernel would be needed")
+    assert why.startswith("no SGLang setting runs capdispatch triton; the rank routes SGLang's "
+                          "flash_mla_with_kvcache to it")
     assert "SM86" in why
+    assert kd.choices["sparse_prefill"]["cuda:0"].why.startswith(
+        "no SGLang setting runs capdispatch triton; and no call site of it is routed on this card")
+    assert "no call site of it is routed" in kd.choices["moe"]["cuda:2"].why
     assert "SM80-89" in kd.choices["moe"]["cuda:2"].why
     # The launch: one value per SGLang name; a mixed rig splits, nothing is set.
     s = {x.name: x for x in kd.settings}
@@ -542,9 +614,11 @@ def test_plan_shows_the_knob_ops_and_where_no_sglang_setting_runs_them(env, caps
     assert "rank 2: cuda:2 NVIDIA GeForce RTX 3080, cc 8.6 (simulated)" in out
     flat = "\n".join(" ".join(line.split()) for line in out.splitlines())
     rank2 = flat.split("rank 2:")[1]
-    assert "decode_mla triton no-knob no SGLang setting runs capdispatch triton; a route" in rank2
-    assert "moe triton_w4a16 no-knob no SGLang setting runs capdispatch triton_w4a16; a route" in rank2
-    assert "decode_mla flashmla sglang SGLang runs it under dsv4_attn_backend=flashmla" in flat
+    # The routed ops say what runs at SGLang's site; only moe keeps a knob row in the text.
+    assert "decode_mla triton routed SGLang's own flash_mla_with_kvcache cannot run there" in rank2
+    assert "decode_mla triton no-knob" not in rank2
+    assert "moe triton_w4a16 no-knob no SGLang setting runs capdispatch triton_w4a16; and no call" in rank2
+    assert "decode_mla flashmla kept SGLang's own flash_mla_with_kvcache kept" in flat
     assert "SGLang settings for indexer, sparse_prefill, decode_mla, moe (reported, not set" in out
     assert "split  moe_runner_backend  (SGLang takes one value per launch; cuda:0, cuda:1 need flashinfer_mxfp4; " \
            "cuda:2 needs a capdispatch kernel no SGLang setting runs)" in out
@@ -558,15 +632,15 @@ def test_plan_shows_the_knob_ops_and_where_no_sglang_setting_runs_them(env, caps
     assert mrb == {"kind": "field", "name": "moe_runner_backend", "ops": ["moe"], "action": "split", "user": None,
                    "wants": {"flashinfer_mxfp4": ["cuda:0", "cuda:1"]}, "without": ["cuda:2"],
                    "why": mrb["why"]}
-    # mixed_group: error stops a launch only for what the launch decides (the KV ops agree
-    # on an RTX 5090 + H200); the reported ops' divergence is a warning and the plan goes on.
+    # mixed_group: error stops a launch for what the launch decides: the routed attention
+    # ops diverge on an RTX 5090 + H200 (e.g. the indexer: TileLang vs DeepGEMM).
     rc, out, err = _plan(capsys, "--device", "sim:rtx-5090,sim:h200", "--policy",
                          os.path.join(POL, "error.yaml"), *libs, "--format", "json")
+    assert rc == 3 and "the group's devices choose different backends" in err and "mixed_group is error" in err
+    # Two SM120 cards agree on every op: the same policy plans.
+    rc, out, err = _plan(capsys, "--device", "sim:rtx-5090,sim:rtx-pro-6000", "--policy",
+                         os.path.join(POL, "error.yaml"), *libs, "--format", "json")
     assert rc == 0, err
-    p = json.loads(out)
-    assert p["knob_ops"] == [] and p["knobs"] == []
-    assert any(w.startswith("indexer, sparse_prefill, decode_mla, moe (reported only, not decided):")
-               for w in p["warnings"])
 
 
 def test_knob_names_exist_in_the_installed_sglang():

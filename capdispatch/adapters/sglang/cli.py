@@ -122,9 +122,10 @@ def _plan(args, sglang_args) -> int:
     ids = rig.gpu_ids(tp_size=facts["tp_size"], **facts["cfg"])
     specs = _devices(ids, env)
     d = decide.decide(specs, ops, release, selections=sels, selection_origin=origin, env=env,
-                      explicit_fields=facts["explicit"], field_values=facts["values"])
-    # The attention and MoE ops are reported, not acted on: the launch goes ahead
-    # whatever they resolve to, so neither does the plan stop on them.
+                      explicit_fields=facts["explicit"], field_values=facts["values"],
+                      user_env={n: env[n] for n in release.route_env_names() if n in env})
+    # The knob rows (SGLang's own settings per op) are reported, not acted on: the
+    # launch goes ahead whatever they resolve to, so neither does the plan stop on them.
     knob_ops = decide.knob_ops(release, facts["model"])
     try:
         kd = decide.decide_knobs(specs, knob_ops, release, selections=sels, selection_origin=origin,
@@ -146,7 +147,7 @@ def _plan(args, sglang_args) -> int:
         knobs=[{"kind": s.kind, "name": s.name, "ops": list(s.ops), "action": s.action,
                 "user": s.user, "wants": {v: list(ds) for v, ds in s.wants.items()},
                 "without": list(s.without), "why": s.why} for s in kd.settings],
-        warnings=list(d.warnings) + list(kd.warnings))
+        warnings=list(dict.fromkeys(list(d.warnings) + list(kd.warnings))))
     if facts["fields"] is not None:
         out["sglang_resolved"] = facts["fields"]
     _emit(args, out)
@@ -293,12 +294,14 @@ def _text(out) -> str:
         lines.append("")
         lines.append(f"rank {r['rank']}: cuda:{r['gpu_id']} {dev['name']}, cc {dev['cc']} ({how})")
         width = max((len(op) for op in r["ops"]), default=0)
+        bwidth = max([10] + [len(c["backend"] or "-") for c in r["ops"].values()])
         for op, c in r["ops"].items():
             mark = "routed" if c["routed"] else "kept  "
-            lines.append(f"  {op:<{width}}  {c['backend'] or '-':<10}  {mark}  {c['why']}")
-        kops = r.get("knob_ops", {})
-        kw = max((len(op) for op in kops), default=0)
-        bw = max([10] + [len(c["backend"]) for c in kops.values()])
+            lines.append(f"  {op:<{width}}  {c['backend'] or '-':<{bwidth}}  {mark}  {c['why']}")
+        # Knob rows of ops the launch does not decide (an op above already says what runs).
+        kops = {op: c for op, c in r.get("knob_ops", {}).items() if op not in r["ops"]}
+        kw = max([width] + [len(op) for op in kops])
+        bw = max([bwidth] + [len(c["backend"]) for c in kops.values()])
         for op, c in kops.items():
             # sglang: SGLang runs this backend under the settings named; no-knob: it has none.
             mark = "sglang " if c["sglang"] else "no-knob"

@@ -95,12 +95,33 @@ def _failed(candidate) -> str:
     return "; ".join(f"needs {ch.need}, has {ch.found}" for ch in candidate.checks if not ch.ok)
 
 
-def route_choice(release, op: str, res, user_spoke: bool):
-    """(routed, why) for OP on the device RES was resolved for."""
-    route = release.route(op)
+def _same(a: str, b: str) -> bool:
+    """Environment values as SGLang's EnvBool reads them (true/1/yes/y, false/0/no/n)."""
+    truth = {"true": "1", "1": "1", "yes": "1", "y": "1", "false": "0", "0": "0", "no": "0", "n": "0"}
+    a, b = str(a).strip().lower(), str(b).strip().lower()
+    return truth.get(a, a) == truth.get(b, b)
+
+
+def user_env_conflicts(route, user_env) -> list:
+    """The names ROUTE must set that the user set to another value: [(name, user value, needed)]."""
+    return [(n, user_env[n], v) for n, v in route.env if n in (user_env or {}) and not _same(user_env[n], v)]
+
+
+def route_choice(release, op: str, res, user_spoke: bool, spec=None, user_env=None):
+    """(routed, why) for OP on the device RES was resolved for (SPEC: which site SGLang calls there)."""
+    route = release.route(op, spec)
     if route is None:
+        if release.routes_for(op):
+            return False, f"SGLang calls no routable {op} site on this card"
         return False, "no SGLang call site to route"
     site = route.target.rsplit(".", 1)[-1]
+    conflicts = user_env_conflicts(route, user_env)
+    if conflicts:
+        said = ", ".join(f"{n}={u}" for n, u, _ in conflicts)
+        native = next((c for c in res.candidates if c.backend == route.native), None)
+        cannot = (f"; SGLang's default {site} cannot run there ({_failed(native)}), and capdispatch "
+                  f"would run {res.backend}" if native is not None and not native.ok else "")
+        return False, f"the user set {said}: SGLang's own {op} choice kept{cannot}"
     if user_spoke and res.downgraded_from:
         return True, (f"the explicit choice {res.downgraded_from} cannot run there (see the warning); "
                       f"capdispatch {res.backend} runs at {site} instead")
@@ -111,6 +132,10 @@ def route_choice(release, op: str, res, user_spoke: bool):
     if res.backend == route.native:
         return False, f"SGLang's own {site} kept (it needs what {route.native} needs, and has it)"
     native = next((c for c in res.candidates if c.backend == route.native), None)
+    if native is not None and not native.ok and route.env:
+        # The site is a function SGLang takes only under the switches the rank sets.
+        return True, (f"SGLang's default cannot run there ({route.why}): {_failed(native)}; capdispatch "
+                      f"{res.backend} runs at {site}, which this rank switches on")
     if native is not None and not native.ok:
         return True, f"SGLang's own {site} cannot run there: {_failed(native)}"
     # SGLang's kernel could run, but the decision (e.g. mixed_group: uniform) is another one.
@@ -138,8 +163,8 @@ def resolved_ops(release, ops, ctx) -> tuple:
     Device-independent, so every rank of a group derives the same list."""
     out = []
     for op in ops:
-        route = release.route(op)
-        if route is None or route.native is not None or _user_names(ctx, op):
+        routes = release.routes_for(op)
+        if not routes or any(r.native is not None for r in routes) or _user_names(ctx, op):
             out.append(op)
     return tuple(out)
 
@@ -151,15 +176,16 @@ def _context(*, policy=None, selections=None, selection_origin="selections=", en
 
 
 def choices_for(plan, release, ops, specs, *, selections=None, selection_origin="selections=",
-                policy=None, env=None, ids=None) -> dict:
-    """op -> {device id: OpChoice} from PLAN; IDS maps plan ids to reported ids."""
+                policy=None, env=None, ids=None, user_env=None) -> dict:
+    """op -> {device id: OpChoice} from PLAN; IDS maps plan ids to reported ids;
+    USER_ENV: the route environment names the user set (they keep SGLang's choice)."""
     ctx = _context(policy=policy, selections=selections, selection_origin=selection_origin, env=env)
     out = {}
     for op in ops:
         g = plan.ops[op]
         row = {}
         for spec, (pid, res) in zip(specs, g.per_device.items()):
-            routed, why = route_choice(release, op, res, _user_spoke(ctx, op, spec))
+            routed, why = route_choice(release, op, res, _user_spoke(ctx, op, spec), spec, user_env)
             did = (ids or {}).get(pid, pid)
             row[did] = OpChoice(op, did, res, routed, why)
         out[op] = row
@@ -168,10 +194,11 @@ def choices_for(plan, release, ops, specs, *, selections=None, selection_origin=
 
 def kept_choices(release, op: str, specs) -> dict:
     """An op capdispatch was not asked to decide: SGLang's own kernel everywhere."""
-    route = release.route(op)
-    site = route.target.rsplit(".", 1)[-1] if route else op
-    why = f"SGLang's own {site} kept ({route.why if route else 'no call site to route'})"
-    return {s.id: OpChoice(op, s.id, None, False, why) for s in specs}
+    def why(spec):
+        route = release.route(op, spec)
+        site = route.target.rsplit(".", 1)[-1] if route else op
+        return f"SGLang's own {site} kept ({route.why if route else 'no call site to route'})"
+    return {s.id: OpChoice(op, s.id, None, False, why(s)) for s in specs}
 
 
 def settings_for(release, choices: dict, *, explicit_fields=(), env=None, field_values=None):
@@ -200,7 +227,8 @@ def settings_for(release, choices: dict, *, explicit_fields=(), env=None, field_
 
 
 def decide(specs, ops, release, *, selections=None, selection_origin="selections=", policy=None,
-           strict: bool = False, env=None, explicit_fields=(), field_values=None) -> Decision:
+           strict: bool = False, env=None, explicit_fields=(), field_values=None,
+           user_env=None) -> Decision:
     """Resolve OPS over SPECS as one group and derive routes and launch settings.
     Raises capdispatch.Unsatisfiable (strict downgrade, nothing runnable,
     mixed_group: error) and capdispatch.BadInput."""
@@ -215,12 +243,20 @@ def decide(specs, ops, release, *, selections=None, selection_origin="selections
                        selection_origin=selection_origin, strict=strict, env=env, log_warnings=False)
         choices = choices_for(plan, release, active, specs, selections=selections,
                               selection_origin=selection_origin, policy=policy, env=env,
-                              ids={p.id: s.id for p, s in zip(plan.devices, specs)})
+                              ids={p.id: s.id for p, s in zip(plan.devices, specs)}, user_env=user_env)
     choices = {op: choices[op] if op in active else kept_choices(release, op, specs) for op in ops}
     settings, warnings = settings_for(release, choices, explicit_fields=explicit_fields, env=env,
                                       field_values=field_values)
+    warnings = list(warnings) + kept_user_env_warnings(choices)
     return Decision(tuple(ops), active, specs, plan, choices, settings,
                     tuple(plan.warnings if plan else ()) + tuple(warnings))
+
+
+def kept_user_env_warnings(choices: dict) -> list:
+    """One warning per device where a user's environment switch keeps an SGLang kernel
+    that cannot run there (nothing is silently replaced, nothing silently kept)."""
+    return [f"{c.op} on {c.device}: {c.why}" for row in choices.values() for c in row.values()
+            if c.why.startswith("the user set ") and "cannot run there" in c.why]
 
 
 def summary(d: Decision, *, settings: bool = True) -> str:
@@ -290,12 +326,13 @@ def knob_ops(release, model_arch: Optional[str]) -> tuple:
     return tuple(model.knob_ops) if model else ()
 
 
-def _knob_why(knob, res) -> str:
+def _knob_why(knob, res, route=None) -> str:
     if knob is None:
         return "the knob map has no row for it"
     if knob.sets is None:
-        text = (f"no SGLang setting runs capdispatch {res.backend}; a route to capdispatch's kernel "
-                f"would be needed (none is wired yet): {knob.why}")
+        how = (f"the rank routes SGLang's {route.target.rsplit('.', 1)[-1]} to it" if route is not None
+               else "and no call site of it is routed on this card")
+        text = f"no SGLang setting runs capdispatch {res.backend}; {how}: {knob.why}"
     else:
         text = f"SGLang runs it under {', '.join(s.label for s in knob.sets)} ({knob.why})"
     if res.downgraded_from:
@@ -336,10 +373,10 @@ def decide_knobs(specs, ops, release, *, selections=None, selection_origin="sele
     choices = {}
     for op in ops:
         row = {}
-        for pid, res in plan.ops[op].per_device.items():
+        for spec, (pid, res) in zip(specs, plan.ops[op].per_device.items()):
             knob = release.knob(op, res.backend)
             did = ids.get(pid, pid)
-            row[did] = KnobChoice(op, did, res, knob, _knob_why(knob, res))
+            row[did] = KnobChoice(op, did, res, knob, _knob_why(knob, res, release.route(op, spec)))
         choices[op] = row
     settings, warnings = [], []
     names = {}

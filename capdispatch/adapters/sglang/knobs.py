@@ -88,6 +88,16 @@ class Route:
     call: str
     native: Optional[str]
     why: str
+    cc: Optional[SpecifierSet] = None   # the cards on which SGLang calls this site; None: every card
+    env: tuple = ()                     # ((name, value), ...): set in the rank's own process to route
+    cc_text: str = ""                   # as written
+
+    def calls_on(self, device) -> bool:
+        """Does SGLang call this site on DEVICE (by its compute capability)?"""
+        if self.cc is None:
+            return True
+        cc = getattr(device, "cc", None)
+        return cc is not None and self.cc.contains(Version(f"{cc[0]}.{cc[1]}"), prereleases=True)
 
 
 @attrs.frozen
@@ -108,8 +118,17 @@ class Release:
     arch: dict
     knobs: tuple = ()
 
-    def route(self, op: str) -> Optional[Route]:
-        return next((r for r in self.routes if r.op == op), None)
+    def route(self, op: str, device=None) -> Optional[Route]:
+        """The site SGLang calls for OP on DEVICE (the first route of OP without one)."""
+        return next((r for r in self.routes if r.op == op and (device is None or r.calls_on(device))),
+                    None)
+
+    def routes_for(self, op: str) -> tuple:
+        return tuple(r for r in self.routes if r.op == op)
+
+    def route_env_names(self) -> tuple:
+        """Every environment name a route sets (the launcher records the user's values)."""
+        return tuple(dict.fromkeys(n for r in self.routes for n, _ in r.env))
 
     def knob(self, op: str, backend: str) -> Optional[Knob]:
         return next((k for k in self.knobs if k.op == op and backend in k.backends), None)
@@ -250,9 +269,18 @@ def _release(d: dict, where: str, registry) -> Release:
     routes = []
     for i, r in enumerate(d.get("routes") or ()):
         w = f"{where}.routes[{i}]"
+        cc_text = r.get("cc")
+        env = r.get("env") or {}
+        if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):
+            raise KnobsError(f"{w}.env: expected a mapping of environment names to string values, got {env!r}")
         row = Route(str(_need(r, "op", w)), _need(r, "target", w, str), _need(r, "call", w, str),
-                    r.get("native"), str(r.get("why", "")))
+                    r.get("native"), str(r.get("why", "")),
+                    None if cc_text is None else _spec(cc_text, f"{w}.cc"),
+                    tuple((str(k), v) for k, v in env.items()), "" if cc_text is None else str(cc_text))
         _check_backends(registry, row.op, (row.native,) if row.native else (), w)
+        clash = next((o for o in routes if o.target == row.target), None)
+        if clash is not None:
+            raise KnobsError(f"{w}: {row.target} is routed twice")
         routes.append(row)
     arch = _need(d, "arch", where, dict)
     for key in ("module", "probes", "platform", "globals", "jit_arch"):

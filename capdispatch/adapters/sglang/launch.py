@@ -103,6 +103,9 @@ def prepare(server_args, release, *, env=None):
     env = os.environ if env is None else env
     cfg = resolving_view(server_args)
     stash, explicit, values = record_facts(server_args, release, lambda f: getattr(cfg, f))
+    # Before SGLang's own DeepSeek-V4 defaults set any of them (on SM120 it turns
+    # its TileLang and torch indexer switches on): what the user set, for the ranks.
+    stash["user_env"] = {n: env[n] for n in release.route_env_names() if n in env}
     setattr(server_args, STASH, stash)
     ops, reason = stash["ops"], stash["reason"]
     if not ops:
@@ -118,7 +121,7 @@ def prepare(server_args, release, *, env=None):
         return None
     d = decide.decide(specs, ops, release, selections=stash["selections"],
                       selection_origin=stash["selection_origin"], env=env,
-                      explicit_fields=explicit, field_values=values)
+                      explicit_fields=explicit, field_values=values, user_env=stash["user_env"])
     for s in d.settings:
         if s.action == "set" and s.setting.kind == "env":
             env[s.setting.name] = s.setting.value

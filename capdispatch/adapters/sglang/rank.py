@@ -37,22 +37,42 @@ def _stash(server_args, release) -> dict:
     return stash
 
 
-def apply_routes(release, choices: dict, spec, key) -> list:
-    """Install or remove this device's routes; returns the ops now routed."""
+def apply_routes(release, choices: dict, spec, key, environ=None) -> list:
+    """Install or remove this device's routes; returns the ops now routed. A route's
+    environment switches go into ENVIRON, this rank's own process environment."""
+    import os
+
     import capdispatch as cd
 
     from . import routes
+    environ = os.environ if environ is None else environ
     routed = []
     for op, c in choices.items():
-        route = release.route(op)
+        route = release.route(op, spec)
         if route is None:
             continue
         if c.routed:
             if routes.install(route, cd.bind(op, spec, backend=c.backend), key):
                 routed.append(op)
+                changed = [f"{n}={v}" for n, v in route.env if environ.get(n) != v]
+                for n, v in route.env:
+                    environ[n] = v
+                if changed:
+                    log.info("capdispatch: %s routed on %s: set %s in this rank's process",
+                             op, spec.id, ", ".join(changed))
         else:
             routes.remove(op, key)
     return routed
+
+
+def user_env(release, stash, environ=None) -> dict:
+    """The route switches the user set: recorded by the launcher before SGLang's own
+    defaults ran; without its record, whatever this process inherited counts."""
+    import os
+    if "user_env" in stash:
+        return dict(stash["user_env"])
+    environ = os.environ if environ is None else environ
+    return {n: environ[n] for n in release.route_env_names() if n in environ}
 
 
 def configure(server_args, gpu_id: int, *, env=None):
@@ -65,16 +85,17 @@ def configure(server_args, gpu_id: int, *, env=None):
     changes = archfacts.correct(spec, release.arch)
     stash = _stash(server_args, release)
     ops = tuple(stash["ops"])
+    uenv = user_env(release, stash, env)
     d = decide.decide([spec], ops, release, selections=stash["selections"],
-                      selection_origin=stash["selection_origin"], env=env)
+                      selection_origin=stash["selection_origin"], env=env, user_env=uenv)
     for w in d.warnings:
         log.warning("capdispatch: %s", w)
     mine = {op: row[spec.id] for op, row in d.choices.items()}
     key = device_key(spec, gpu_id)
-    apply_routes(release, mine, spec, key)
+    apply_routes(release, mine, spec, key, env)
     state = {"gpu_id": gpu_id, "spec": spec, "ops": ops, "resolved": d.resolved, "key": key,
              "choices": mine, "stash": stash, "changes": changes, "release": release,
-             "agreed": None}
+             "agreed": None, "user_env": uenv, "env": env}
     _RANKS[gpu_id] = state
     facts = ", ".join(f"{n} {b!r} -> {a!r}" for n, b, a in changes) or "already this card's"
     what = decide.summary(d, settings=False) if ops else f"no op to decide ({stash['reason']})"
@@ -98,7 +119,7 @@ def agree(state, group):
     rank = dist.get_rank(group)
     me = plan.devices[rank]
     choices = decide.choices_for(plan, release, ops, plan.devices, selections=stash["selections"],
-                                 selection_origin=stash["selection_origin"])
+                                 selection_origin=stash["selection_origin"], user_env=state["user_env"])
     if rank == 0:   # each rank logged its own downgrades; the group's divergences once
         for g in plan.ops.values():
             own = {w for r in g.per_device.values() for w in r.warnings}
@@ -110,7 +131,7 @@ def agree(state, group):
     before = {op: (c.backend, c.routed) for op, c in state["choices"].items()}
     after = {op: (c.backend, c.routed) for op, c in mine.items()}
     if before != after:
-        apply_routes(release, mine, state["spec"], state["key"])
+        apply_routes(release, mine, state["spec"], state["key"], state["env"])
         log.info("capdispatch: rank %s after agreement with %d rank(s): %s", me.id,
                  len(plan.devices), "; ".join(f"{op}: {before[op][0]} -> {c.backend} ({c.why})"
                                               for op, c in mine.items() if before[op] != after[op]))

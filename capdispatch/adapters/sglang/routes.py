@@ -1,4 +1,5 @@
-"""Routing SGLang's DeepSeek-V4 KV-cache call sites to bound capdispatch kernels.
+"""Routing SGLang's DeepSeek-V4 call sites (KV cache, decode, sparse prefill,
+indexer) to bound capdispatch kernels.
 
 A rank installs a route only where its card needs one (SGLang's own kernel
 cannot run there, or the user chose a capdispatch backend explicitly), through
@@ -50,7 +51,80 @@ def store_v4(original, input, cache, indices, *, page_size, type, layout=None, f
     return None
 
 
-CALLS = {"dequant_v4": dequant_v4, "store_v4": store_v4}
+# Each wrapper keeps the parameter names and order of SGLang 0.5.23's function
+# (tests/test_sglang_units.py compares them with the installed source), so
+# positional and keyword calls bind the same way with no per-call inspection.
+V4_TOKEN_BYTES = 584      # the V4 layout; FlashMLA tells formats apart by this last dim
+
+
+def _v4_view(cache) -> bool:
+    return cache is None or (cache.dim() == 4 and cache.shape[2] == 1 and cache.shape[3] == V4_TOKEN_BYTES)
+
+
+def mla_decode(original, q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
+               num_splits=None, softmax_scale=None, causal=False, descale_q=None, descale_k=None,
+               is_fp8_kvcache=False, indices=None, attn_sink=None, extra_k_cache=None,
+               extra_indices_in_kvcache=None, topk_length=None, extra_topk_length=None, kv_format=None,
+               *, use_legacy=True):
+    """AROUND flash_mla_interface.flash_mla_with_kvcache (DSv4 decode and dense
+    extend on every card but SM120) -> (out [b,s_q,h,512], lse). Covered: the
+    sparse fp8 V4 call (indices, 584-byte views, d_v 512, no block table, no
+    descale); SGLang reads only `out`. The rest goes to FlashMLA unchanged."""
+    fn = _KERNELS.get("decode_mla", {}).get(_key(q))
+    if (fn is None or indices is None or not is_fp8_kvcache or head_dim_v != 512 or block_table is not None
+            or descale_q is not None or descale_k is not None or kv_format is not None or causal
+            or q.shape[-1] != 512 or not _v4_view(k_cache) or not _v4_view(extra_k_cache)):
+        return original(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
+                        num_splits, softmax_scale, causal, descale_q, descale_k, is_fp8_kvcache, indices,
+                        attn_sink, extra_k_cache, extra_indices_in_kvcache, topk_length,
+                        extra_topk_length, kv_format, use_legacy=use_legacy)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    return fn(q, k_cache, indices, k_cache.shape[1], scale, topk_length, attn_sink, extra_k_cache,
+              extra_indices_in_kvcache, None if extra_k_cache is None else extra_k_cache.shape[1],
+              extra_topk_length)
+
+
+def mla_decode_sm120(original, **kwargs):
+    """AROUND flash_mla_sm120.flash_mla_with_kvcache_sm120(**kwargs) (SM120 decode
+    and extends) -> (out, lse); SGLang reads only `out`."""
+    q, k_cache = kwargs["q"], kwargs["k_cache"]
+    extra = kwargs.get("extra_k_cache")
+    fn = _KERNELS.get("decode_mla", {}).get(_key(q))
+    if fn is None or kwargs.get("head_dim_v") != 512 or q.shape[-1] != 512 or not _v4_view(k_cache) \
+            or not _v4_view(extra) or kwargs.get("indices") is None:
+        return original(**kwargs)
+    scale = kwargs.get("softmax_scale")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return fn(q, k_cache, kwargs["indices"], k_cache.shape[1], scale, kwargs.get("topk_length"),
+              kwargs.get("attn_sink"), extra, kwargs.get("extra_indices_in_kvcache"),
+              None if extra is None else extra.shape[1], kwargs.get("extra_topk_length"))
+
+
+def mla_sparse_prefill(original, q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None,
+                       *, use_legacy=True):
+    """AROUND flash_mla_interface.flash_mla_sparse_fwd -> (out, max_logits, lse),
+    base-2 statistics under use_legacy as FlashMLA's legacy kernel returns them."""
+    fn = _KERNELS.get("sparse_prefill", {}).get(_key(q))
+    if fn is None or d_v != 512 or q.shape[-1] != 512:
+        return original(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, use_legacy=use_legacy)
+    return fn(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, use_legacy=use_legacy)
+
+
+def indexer_logits(original, q_fp8, kvcache_fp8, weight, seq_lens, page_table, deep_gemm_metadata,
+                   max_seq_len, clean_logits=True):
+    """AROUND dsv4/indexer.py's fp8_paged_mqa_logits_torch[_sm120] (which the routing
+    rank makes SGLang call) -> fp32 logits [rows, max_seq_len]; positions past a
+    row's length are -inf, which SGLang's top-k ignores (it masks by length)."""
+    fn = _KERNELS.get("indexer", {}).get(_key(q_fp8))
+    if fn is None:
+        return original(q_fp8, kvcache_fp8, weight, seq_lens, page_table, deep_gemm_metadata,
+                        max_seq_len, clean_logits)
+    return fn(q_fp8, kvcache_fp8, weight, seq_lens, page_table, None, max_seq_len, clean_logits)
+
+
+CALLS = {"dequant_v4": dequant_v4, "store_v4": store_v4, "mla_decode": mla_decode,
+         "mla_decode_sm120": mla_decode_sm120, "mla_sparse_prefill": mla_sparse_prefill,
+         "indexer_logits": indexer_logits}
 
 
 def kernel(op: str, device_key):
@@ -69,6 +143,15 @@ def install(route, kernel_fn, device_key) -> bool:
         HookRegistry.register(route.target, CALLS[route.call], HookType.AROUND,
                               source=HookSource("capdispatch", "capdispatch"))
         HookRegistry.apply_hooks()
+        if route.target not in HookRegistry._patched:
+            # SGLang logged why (its module failed to import); nothing changed. Take the
+            # hook back so later apply_hooks() calls do not retry it.
+            mine = CALLS[route.call]
+            HookRegistry._hooks[route.target] = [h for h in HookRegistry._hooks[route.target]
+                                                 if h[1] is not mine]
+            log.warning("capdispatch: could not hook %s (see SGLang's error above); %s on %s stays "
+                        "with SGLang's own kernel", route.target, route.op, device_key)
+            return False
         _INSTALLED.add(route.target)
     _KERNELS.setdefault(route.op, {})[device_key] = kernel_fn
     return True
