@@ -223,6 +223,21 @@ def test_route_wrappers_pass_what_they_do_not_cover_to_sglang():
         routes._KERNELS.pop("sparse_prefill", None)
 
 
+def test_route_switches_are_set_and_restored_in_the_ranks_environment(release):
+    from capdispatch.adapters.sglang import routes
+    route = release.route("indexer", cd.probe("sim:rtx-3080"))
+    environ = {"SGLANG_OPT_USE_TILELANG_INDEXER": "true", "OTHER": "x"}
+    assert routes.switch_env(route, environ) == ["SGLANG_FP8_PAGED_MQA_LOGITS_TORCH=true",
+                                                 "SGLANG_OPT_USE_TILELANG_INDEXER=false",
+                                                 "SGLANG_OPT_USE_AITER_INDEXER=false"]
+    assert routes.switch_env(route, environ) == []                 # already switched: nothing to say
+    assert routes.restore_env(route, environ) == ["SGLANG_FP8_PAGED_MQA_LOGITS_TORCH",
+                                                  "SGLANG_OPT_USE_TILELANG_INDEXER",
+                                                  "SGLANG_OPT_USE_AITER_INDEXER"]
+    assert environ == {"SGLANG_OPT_USE_TILELANG_INDEXER": "true", "OTHER": "x"}
+    assert routes.restore_env(route, environ) == []
+
+
 def test_mixed_rig_routes_only_where_sglangs_kernel_cannot_run(env, release):
     d = _decide(env, release)
     dq = d.choices["kv_dequant"]

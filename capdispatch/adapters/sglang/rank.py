@@ -54,14 +54,16 @@ def apply_routes(release, choices: dict, spec, key, environ=None) -> list:
         if c.routed:
             if routes.install(route, cd.bind(op, spec, backend=c.backend), key):
                 routed.append(op)
-                changed = [f"{n}={v}" for n, v in route.env if environ.get(n) != v]
-                for n, v in route.env:
-                    environ[n] = v
+                changed = routes.switch_env(route, environ)
                 if changed:
                     log.info("capdispatch: %s routed on %s: set %s in this rank's process",
                              op, spec.id, ", ".join(changed))
         else:
             routes.remove(op, key)
+            restored = routes.restore_env(route, environ)
+            if restored:
+                log.info("capdispatch: %s on %s is SGLang's own again: restored %s",
+                         op, spec.id, ", ".join(restored))
     return routed
 
 

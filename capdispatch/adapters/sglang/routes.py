@@ -16,6 +16,7 @@ log = logging.getLogger("capdispatch.sglang")
 
 _KERNELS: dict = {}       # op -> {(device type, device index): kernel}
 _INSTALLED: set = set()   # targets this process has hooked
+_ENV_SAVED: dict = {}     # target -> {name: value before the route switched it (None: unset)}
 
 
 def _key(t):
@@ -155,6 +156,30 @@ def install(route, kernel_fn, device_key) -> bool:
         _INSTALLED.add(route.target)
     _KERNELS.setdefault(route.op, {})[device_key] = kernel_fn
     return True
+
+
+def switch_env(route, environ) -> list:
+    """Set ROUTE's switches in ENVIRON (the rank's own process environment), keeping
+    what was there to restore. Returns the "NAME=value" it changed."""
+    saved = _ENV_SAVED.setdefault(route.target, {})
+    changed = []
+    for name, value in route.env:
+        if environ.get(name) != value:
+            saved.setdefault(name, environ.get(name))
+            environ[name] = value
+            changed.append(f"{name}={value}")
+    return changed
+
+
+def restore_env(route, environ) -> list:
+    """Undo switch_env for ROUTE (the rank no longer routes it). Returns the names restored."""
+    saved = _ENV_SAVED.pop(route.target, {})
+    for name, value in saved.items():
+        if value is None:
+            environ.pop(name, None)
+        else:
+            environ[name] = value
+    return list(saved)
 
 
 def remove(op: str, device_key) -> None:
