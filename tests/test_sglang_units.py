@@ -238,6 +238,24 @@ def test_route_switches_are_set_and_restored_in_the_ranks_environment(release):
     assert routes.restore_env(route, environ) == []
 
 
+def test_a_rank_that_keeps_sglangs_indexer_undoes_the_launchers_device0_switches(release, monkeypatch):
+    """An H200 rank of a rig whose device 0 is an RTX 5090: SGLang's launcher turned its
+    TileLang/torch indexer switches on for every rank; DeepGEMM runs on the H200, so the
+    rank unsets what the user did not set (the user's own values stay)."""
+    from capdispatch.adapters.sglang import decide as D
+    from capdispatch.adapters.sglang import rank, routes
+    spec = cd.probe("sim:h200")
+    res = cd.resolve("indexer", spec, assume_libs=["sgl-deep-gemm", "tilelang", "triton"])
+    assert res.backend == "deepgemm"
+    choice = D.OpChoice("indexer", spec.id, res, False, "kept")
+    environ = {"SGLANG_FP8_PAGED_MQA_LOGITS_TORCH": "1", "SGLANG_OPT_USE_TILELANG_INDEXER": "1"}
+    key = ("cpu", None)
+    rank.apply_routes(release, {"indexer": choice}, spec, key, environ,
+                      user_env={"SGLANG_FP8_PAGED_MQA_LOGITS_TORCH": "1"})
+    assert environ == {"SGLANG_FP8_PAGED_MQA_LOGITS_TORCH": "1"}
+    assert routes.kernel("indexer", key) is None
+
+
 def test_mixed_rig_routes_only_where_sglangs_kernel_cannot_run(env, release):
     d = _decide(env, release)
     dq = d.choices["kv_dequant"]

@@ -37,9 +37,11 @@ def _stash(server_args, release) -> dict:
     return stash
 
 
-def apply_routes(release, choices: dict, spec, key, environ=None) -> list:
+def apply_routes(release, choices: dict, spec, key, environ=None, user_env=None) -> list:
     """Install or remove this device's routes; returns the ops now routed. A route's
-    environment switches go into ENVIRON, this rank's own process environment."""
+    environment switches go into ENVIRON, this rank's own process environment. Where
+    SGLang's own kernel is kept, switches the user did not set (USER_ENV) -- set by
+    SGLang's launcher from device 0's view -- go back to SGLang's defaults."""
     import os
 
     import capdispatch as cd
@@ -64,6 +66,12 @@ def apply_routes(release, choices: dict, spec, key, environ=None) -> list:
             if restored:
                 log.info("capdispatch: %s on %s is SGLang's own again: restored %s",
                          op, spec.id, ", ".join(restored))
+            if c.backend is not None and c.backend == route.native:
+                cleared = routes.clear_env(route, environ, keep=user_env or {})
+                if cleared:
+                    log.info("capdispatch: %s on %s keeps SGLang's %s: unset %s (SGLang's launcher "
+                             "set them for device 0's card; the user did not)",
+                             op, spec.id, route.native, ", ".join(cleared))
     return routed
 
 
@@ -94,7 +102,7 @@ def configure(server_args, gpu_id: int, *, env=None):
         log.warning("capdispatch: %s", w)
     mine = {op: row[spec.id] for op, row in d.choices.items()}
     key = device_key(spec, gpu_id)
-    apply_routes(release, mine, spec, key, env)
+    apply_routes(release, mine, spec, key, env, uenv)
     state = {"gpu_id": gpu_id, "spec": spec, "ops": ops, "resolved": d.resolved, "key": key,
              "choices": mine, "stash": stash, "changes": changes, "release": release,
              "agreed": None, "user_env": uenv, "env": env}
@@ -133,7 +141,7 @@ def agree(state, group):
     before = {op: (c.backend, c.routed) for op, c in state["choices"].items()}
     after = {op: (c.backend, c.routed) for op, c in mine.items()}
     if before != after:
-        apply_routes(release, mine, state["spec"], state["key"], state["env"])
+        apply_routes(release, mine, state["spec"], state["key"], state["env"], state["user_env"])
         log.info("capdispatch: rank %s after agreement with %d rank(s): %s", me.id,
                  len(plan.devices), "; ".join(f"{op}: {before[op][0]} -> {c.backend} ({c.why})"
                                               for op, c in mine.items() if before[op] != after[op]))

@@ -182,6 +182,16 @@ def restore_env(route, environ) -> list:
     return list(saved)
 
 
+def clear_env(route, environ, keep) -> list:
+    """Unset ROUTE's switch names in ENVIRON except those in KEEP (the user's), so
+    SGLang reads its declared defaults. Returns the "NAME=value" it unset."""
+    cleared = []
+    for name, _ in route.env:
+        if name in environ and name not in keep:
+            cleared.append(f"{name}={environ.pop(name)}")
+    return cleared
+
+
 def remove(op: str, device_key) -> None:
     """SGLang's own kernel again for DEVICE_KEY (the hook stays and passes through)."""
     _KERNELS.get(op, {}).pop(device_key, None)
