@@ -17,6 +17,7 @@ class OpChoice:
     resolution: object       # capdispatch Resolution
     routed: bool             # a capdispatch kernel replaces SGLang's own at the call site
     why: str
+    warning: Optional[str] = None   # to log: SGLang's kernel kept where it cannot run (a user switch)
 
     @property
     def backend(self):
@@ -108,38 +109,41 @@ def user_env_conflicts(route, user_env) -> list:
 
 
 def route_choice(release, op: str, res, user_spoke: bool, spec=None, user_env=None):
-    """(routed, why) for OP on the device RES was resolved for (SPEC: which site SGLang calls there)."""
+    """(routed, why, warning) for OP on the device RES was resolved for (SPEC: which site
+    SGLang calls there); WARNING is None unless a user switch keeps a kernel that cannot run."""
     route = release.route(op, spec)
     if route is None:
         if release.routes_for(op):
-            return False, f"SGLang calls no routable {op} site on this card"
-        return False, "no SGLang call site to route"
+            return False, f"SGLang calls no routable {op} site on this card", None
+        return False, "no SGLang call site to route", None
     site = route.target.rsplit(".", 1)[-1]
     conflicts = user_env_conflicts(route, user_env)
     if conflicts:
         said = ", ".join(f"{n}={u}" for n, u, _ in conflicts)
         native = next((c for c in res.candidates if c.backend == route.native), None)
-        cannot = (f"; SGLang's default {site} cannot run there ({_failed(native)}), and capdispatch "
-                  f"would run {res.backend}" if native is not None and not native.ok else "")
-        return False, f"the user set {said}: SGLang's own {op} choice kept{cannot}"
+        cannot = native is not None and not native.ok
+        why = f"the user set {said}: SGLang's own {op} choice kept" + (
+            f"; SGLang's default {site} cannot run there ({_failed(native)}), and capdispatch "
+            f"would run {res.backend}" if cannot else "")
+        return False, why, why if cannot else None
     if user_spoke and res.downgraded_from:
         return True, (f"the explicit choice {res.downgraded_from} cannot run there (see the warning); "
-                      f"capdispatch {res.backend} runs at {site} instead")
+                      f"capdispatch {res.backend} runs at {site} instead"), None
     if user_spoke:
-        return True, f"explicit choice ({res.source}): capdispatch {res.backend} runs at {site}"
+        return True, f"explicit choice ({res.source}): capdispatch {res.backend} runs at {site}", None
     if route.native is None:
-        return False, f"SGLang's own {site} kept ({route.why})"
+        return False, f"SGLang's own {site} kept ({route.why})", None
     if res.backend == route.native:
-        return False, f"SGLang's own {site} kept (it needs what {route.native} needs, and has it)"
+        return False, f"SGLang's own {site} kept (it needs what {route.native} needs, and has it)", None
     native = next((c for c in res.candidates if c.backend == route.native), None)
     if native is not None and not native.ok and route.env:
         # The site is a function SGLang takes only under the switches the rank sets.
         return True, (f"SGLang's default cannot run there ({route.why}): {_failed(native)}; capdispatch "
-                      f"{res.backend} runs at {site}, which this rank switches on")
+                      f"{res.backend} runs at {site}, which this rank switches on"), None
     if native is not None and not native.ok:
-        return True, f"SGLang's own {site} cannot run there: {_failed(native)}"
+        return True, f"SGLang's own {site} cannot run there: {_failed(native)}", None
     # SGLang's kernel could run, but the decision (e.g. mixed_group: uniform) is another one.
-    return True, f"capdispatch {res.backend} runs at {site} ({res.source})"
+    return True, f"capdispatch {res.backend} runs at {site} ({res.source})", None
 
 
 def _user_spoke(ctx, op: str, spec) -> bool:
@@ -185,9 +189,9 @@ def choices_for(plan, release, ops, specs, *, selections=None, selection_origin=
         g = plan.ops[op]
         row = {}
         for spec, (pid, res) in zip(specs, g.per_device.items()):
-            routed, why = route_choice(release, op, res, _user_spoke(ctx, op, spec), spec, user_env)
+            routed, why, warning = route_choice(release, op, res, _user_spoke(ctx, op, spec), spec, user_env)
             did = (ids or {}).get(pid, pid)
-            row[did] = OpChoice(op, did, res, routed, why)
+            row[did] = OpChoice(op, did, res, routed, why, warning)
         out[op] = row
     return out
 
@@ -247,16 +251,10 @@ def decide(specs, ops, release, *, selections=None, selection_origin="selections
     choices = {op: choices[op] if op in active else kept_choices(release, op, specs) for op in ops}
     settings, warnings = settings_for(release, choices, explicit_fields=explicit_fields, env=env,
                                       field_values=field_values)
-    warnings = list(warnings) + kept_user_env_warnings(choices)
+    warnings = list(warnings) + [f"{c.op} on {c.device}: {c.warning}" for row in choices.values()
+                                 for c in row.values() if c.warning]
     return Decision(tuple(ops), active, specs, plan, choices, settings,
                     tuple(plan.warnings if plan else ()) + tuple(warnings))
-
-
-def kept_user_env_warnings(choices: dict) -> list:
-    """One warning per device where a user's environment switch keeps an SGLang kernel
-    that cannot run there (nothing is silently replaced, nothing silently kept)."""
-    return [f"{c.op} on {c.device}: {c.why}" for row in choices.values() for c in row.values()
-            if c.why.startswith("the user set ") and "cannot run there" in c.why]
 
 
 def summary(d: Decision, *, settings: bool = True) -> str:

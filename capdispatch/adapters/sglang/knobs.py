@@ -90,7 +90,6 @@ class Route:
     why: str
     cc: Optional[SpecifierSet] = None   # the cards on which SGLang calls this site; None: every card
     env: tuple = ()                     # ((name, value), ...): set in the rank's own process to route
-    cc_text: str = ""                   # as written
 
     def calls_on(self, device) -> bool:
         """Does SGLang call this site on DEVICE (by its compute capability)?"""
@@ -276,7 +275,7 @@ def _release(d: dict, where: str, registry) -> Release:
         row = Route(str(_need(r, "op", w)), _need(r, "target", w, str), _need(r, "call", w, str),
                     r.get("native"), str(r.get("why", "")),
                     None if cc_text is None else _spec(cc_text, f"{w}.cc"),
-                    tuple((str(k), v) for k, v in env.items()), "" if cc_text is None else str(cc_text))
+                    tuple((str(k), v) for k, v in env.items()))
         _check_backends(registry, row.op, (row.native,) if row.native else (), w)
         clash = next((o for o in routes if o.target == row.target), None)
         if clash is not None:

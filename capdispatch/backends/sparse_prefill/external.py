@@ -28,12 +28,11 @@ from __future__ import annotations
 
 import torch
 
-from .reference import D_V, check_sparse_prefill_args
+from .reference import D_V, LN2, check_sparse_prefill_args
 
 __all__ = ["flashmla_sparse"]
 
 TOPK_ALIGN = 128
-_LN2 = 0.6931471805599453
 
 
 def _pad_heads(h: int) -> int:
@@ -75,7 +74,7 @@ def flashmla_sparse(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_leng
         q, kv2.unsqueeze(1).contiguous(), idx, float(sm_scale), D_V, attn_sink, topk_length,
         use_legacy=True, return_log2_lse=True)
     if not use_legacy:
-        max_logits, lse = max_logits * _LN2, lse * _LN2       # +inf / -inf stay as they are
+        max_logits, lse = max_logits * LN2, lse * LN2       # +inf / -inf stay as they are
     if hp != h:
         o, max_logits, lse = o[:, :h], max_logits[:, :h].contiguous(), lse[:, :h].contiguous()
         if out is None:
