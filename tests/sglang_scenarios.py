@@ -459,11 +459,6 @@ def kv(inp, gpu_id: int, tp_rank: int) -> None:
 
 # --------------------------------------------------------------------------- attention routes
 
-def _rel(got, want) -> float:
-    g, w = got.float(), want.float()
-    return ((g - w).norm() / w.norm().clamp_min(1e-30)).item()
-
-
 def _stat_err(got, want) -> dict:
     """Max |difference| over finite entries, and whether the non-finite pattern agrees."""
     import torch
@@ -472,22 +467,6 @@ def _stat_err(got, want) -> dict:
     same = bool(torch.equal(torch.isfinite(g), fin)) and bool(torch.equal(g[~fin], w[~fin]))
     err = (g[fin] - w[fin]).abs().max().item() if bool(fin.any()) else 0.0
     return {"same_nonfinite": same, "max_abs": err}
-
-
-def _v4_pool(gen, pages, page_size):
-    """A V4 pool holding kv_quant of random bf16 rows, and its [pages, ps, 1, 584] view
-    as SGLang's DSv4 backend slices it."""
-    import torch
-
-    from capdispatch.backends.kv_cache import layout as KL
-    from capdispatch.backends.kv_cache import reference as KV
-    rows = torch.randn(pages * page_size, 512, generator=gen)
-    rows[:, :448] *= torch.exp2(torch.randint(-4, 5, (pages * page_size, 7), generator=gen).float()
-                                ).repeat_interleave(64, dim=1)
-    pool = torch.full((pages, KL.bytes_per_page(page_size)), 0x7F, dtype=torch.uint8)
-    KV.kv_quant(rows.bfloat16(), pool, torch.arange(pages * page_size), page_size)
-    view = pool[:, :page_size * 584].view(pages, page_size, 1, 584)
-    return pool, view
 
 
 def _ids(gen, b, topk, cap):
@@ -504,19 +483,21 @@ def _decode_check(gen) -> dict:
     import functools
 
     import torch
+    from attention_checks import rel_err, v4_pool, v4_view
     from sglang.kernels.ops.attention import flash_mla_interface as fmi
+    from sglang.srt.runtime_context import get_platform
 
     from capdispatch.backends.decode_mla import reference as R
     b, h, ps, epS = 3, 6, 16, 8
     q = (torch.randn(b, 1, h, 512, generator=gen) * 2).bfloat16()
-    pool, view = _v4_pool(gen, 6, ps)
-    epool, eview = _v4_pool(gen, 5, epS)
+    pool, _ = v4_pool(gen, 6, ps, "cpu")
+    epool, _ = v4_pool(gen, 5, epS, "cpu")
+    view, eview = v4_view(pool, ps), v4_view(epool, epS)
     idx, eidx = _ids(gen, b, 40, 6 * ps), _ids(gen, b, 24, 5 * epS)
     tl = torch.randint(0, 41, (b,), generator=gen, dtype=torch.int32)
     etl = torch.randint(0, 25, (b,), generator=gen, dtype=torch.int32)
     sink = torch.randn(h, generator=gen) * 2
     scale = 512 ** -0.5
-    from sglang.srt.runtime_context import get_platform
     if get_platform().is_sm120:
         # The SM120 branch: imported at call time, keyword arguments only.
         from sglang.kernels.ops.attention.flash_mla_sm120 import flash_mla_with_kvcache_sm120 as site
@@ -531,7 +512,7 @@ def _decode_check(gen) -> dict:
                  extra_indices_in_kvcache=eidx, extra_topk_length=etl)
     want = R.decode_mla(q, pool, idx, ps, scale, tl, sink, epool, eidx, epS, etl)
     return {"routed": hasattr(site, "__wrapped__"), "site": site.__name__,
-            "out_rel_err": _rel(o[0], want[0]), "lse": _stat_err(o[1], want[1]),
+            "out_rel_err": rel_err(o[0], want[0]), "lse": _stat_err(o[1], want[1]),
             "shape": list(o[0].shape), "finite": bool(torch.isfinite(o[0]).all())}
 
 
@@ -539,6 +520,8 @@ def _prefill_check(gen) -> dict:
     """SGLang's _forward_prefill_sparse call: flash_mla_sparse_fwd imported at call time."""
     import torch
     from sglang.kernels.ops.attention.flash_mla_interface import flash_mla_sparse_fwd
+
+    from attention_checks import rel_err
 
     from capdispatch.backends.sparse_prefill import reference as R
     s, h, s_kv, topk = 7, 6, 50, 32
@@ -554,7 +537,7 @@ def _prefill_check(gen) -> dict:
         o, ml, lse = flash_mla_sparse_fwd(q=q, kv=kv, indices=idx, sm_scale=512 ** -0.5, d_v=512,
                                           attn_sink=sink, topk_length=tl, use_legacy=legacy)
         wo, wml, wlse = R.sparse_prefill(q, kv, idx, 512 ** -0.5, 512, sink, tl, use_legacy=legacy)
-        out[f"legacy={legacy}"] = {"out_rel_err": _rel(o, wo), "max_logits": _stat_err(ml, wml),
+        out[f"legacy={legacy}"] = {"out_rel_err": rel_err(o, wo), "max_logits": _stat_err(ml, wml),
                                    "lse": _stat_err(lse, wlse)}
     return out
 
@@ -570,10 +553,7 @@ def _indexer_check(gen) -> dict:
     B, H, P = 4, 64, 9
     q = torch.randn(B, 1, H, 128, generator=gen).to(torch.float8_e4m3fn)
     codes, scales = R.quantize_index_k(torch.randn(P, 64, 128, generator=gen))
-    raw = torch.empty(P, 64 * 132, dtype=torch.uint8)
-    raw[:, :64 * 128] = codes.view(torch.uint8).reshape(P, -1)
-    raw[:, 64 * 128:] = scales.reshape(P, -1).contiguous().view(torch.uint8).reshape(P, -1)
-    kv = raw.view(P, 64, 1, 132)
+    kv = R.pack_index_k(codes, scales)
     w = torch.randn(B, H, generator=gen)
     lens = torch.randint(1, 3 * 64, (B,), generator=gen, dtype=torch.int32)
     table = torch.stack([torch.randperm(P, generator=gen)[:3] for _ in range(B)]).int()

@@ -31,7 +31,6 @@ import importlib
 import inspect
 import math
 import os
-import random
 import sys
 
 import pytest
@@ -49,9 +48,8 @@ from capdispatch.backends.decode_mla import reference as R  # noqa: E402
 from capdispatch.backends.kv_cache import layout as L  # noqa: E402
 from capdispatch.backends.kv_cache import reference as KV  # noqa: E402
 
-SCALE = 512 ** -0.5
-OUT_RTOL = 1e-2
-from attention_checks import STAT_ATOL, assert_stats_close, rel_err  # noqa: E402,F401
+from attention_checks import (ASSUME, OUT_RTOL, SCALE, STAT_ATOL, assert_stats_close,  # noqa: E402,F401
+                              flashmla_runs, new_seed, rel_err, v4_pool as make_pool)
 
 _gpu = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")]
 _interp = pytest.mark.skipif(not INTERPRET, reason="Triton on CPU needs TRITON_INTERPRET=1")
@@ -60,19 +58,6 @@ _no_interp_on_gpu = pytest.mark.skipif(INTERPRET, reason="GPU Triton run with TR
 
 def _native_fp8_cuda() -> bool:
     return HAS_CUDA and torch.version.hip is None and torch.cuda.get_device_capability() >= (8, 9)
-
-
-def _flashmla_runs() -> bool:
-    if not HAS_CUDA:
-        return False
-    cc = torch.cuda.get_device_capability()
-    if cc != (9, 0) and cc[0] != 10:
-        return False
-    try:
-        import flash_mla  # noqa: F401
-    except Exception:   # noqa: BLE001
-        return False
-    return True
 
 
 def _flashinfer_runs() -> bool:
@@ -86,7 +71,7 @@ def _flashinfer_runs() -> bool:
 
 
 _fp8_cc = pytest.mark.skipif(HAS_CUDA and not _native_fp8_cuda(), reason="native fp8 needs cc >= 8.9")
-_flashmla = pytest.mark.skipif(not _flashmla_runs(), reason="needs sgl-flash-mla (flash_mla) on SM90/SM100")
+_flashmla = pytest.mark.skipif(not flashmla_runs(), reason="needs sgl-flash-mla (flash_mla) on SM90/SM100")
 _flashinfer = pytest.mark.skipif(not _flashinfer_runs(), reason="needs flashinfer-python on SM120/SM121")
 
 CASES = [
@@ -127,26 +112,6 @@ def op(backend):
         return _tk().decode_mla_fp8
     from capdispatch.backends.decode_mla import external
     return getattr(external, backend)
-
-
-def new_seed():
-    env = os.environ.get("ATTN_TEST_SEED")
-    return int(env) if env else random.SystemRandom().randrange(2**31)
-
-
-def make_pool(gen, num_pages, page_size, device, *, spare_pages=0):
-    """A V4 pool whose every slot holds kv_quant of a random bf16 row (magnitudes vary per
-    64-value tile, so the UE8M0 scales vary). Returns the pool (a window of a buffer with
-    ``spare_pages`` poisoned pages on either side) and its buffer."""
-    cap = num_pages * page_size
-    rows = torch.randn(cap, 512, generator=gen)
-    tile_scale = torch.exp2(torch.randint(-4, 5, (cap, 7), generator=gen).float())
-    rows[:, :448] *= tile_scale.repeat_interleave(64, dim=1)
-    buf = torch.full((num_pages + 2 * spare_pages, L.bytes_per_page(page_size)), 0x7F, dtype=torch.uint8)
-    pool = buf[spare_pages:spare_pages + num_pages]
-    KV.kv_quant(rows.bfloat16(), pool, torch.arange(cap), page_size)
-    buf = buf.to(device)
-    return buf[spare_pages:spare_pages + num_pages], buf
 
 
 def make_case(gen, b, s_q, h, device, *, page_size=16, num_pages=8, topk=40, extra=None, lengths=False,
@@ -458,9 +423,6 @@ def registry():
     for pkg in dict.fromkeys(BUILTIN_OP_PACKAGES + ("capdispatch.backends.decode_mla",)):
         importlib.import_module(pkg).register(reg)
     return reg
-
-
-ASSUME = ["sgl-flash-mla==1.0.0", "flashinfer-python==0.7.2", "triton==3.9.0", "torch==2.13.0"]
 
 
 @pytest.mark.parametrize("device,want", [

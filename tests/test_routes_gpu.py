@@ -23,7 +23,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from attention_checks import assert_stats_close, rel_err  # noqa: E402
+from attention_checks import assert_stats_close, rel_err, v4_pool, v4_view  # noqa: E402
 
 import capdispatch as cd  # noqa: E402
 from capdispatch.adapters.sglang import routes  # noqa: E402
@@ -58,17 +58,6 @@ def bound():
         routes._KERNELS.get(op, {}).pop(KEY, None)
 
 
-def _v4_pool(gen, pages, page_size):
-    from capdispatch.backends.kv_cache import layout as KL
-    from capdispatch.backends.kv_cache import reference as KV
-    n = pages * page_size
-    rows = torch.randn(n, 512, generator=gen)
-    rows[:, :448] *= torch.exp2(torch.randint(-4, 5, (n, 7), generator=gen).float()).repeat_interleave(64, 1)
-    pool = torch.full((pages, KL.bytes_per_page(page_size)), 0x7F, dtype=torch.uint8).cuda()
-    KV.kv_quant(rows.bfloat16().cuda(), pool, torch.arange(n, device="cuda"), page_size)
-    return pool, pool[:, :page_size * 584].view(pages, page_size, 1, 584)
-
-
 def _ids(gen, b, topk, cap, valid):
     x = torch.full((b, topk), -1, dtype=torch.int32)
     for i in range(b):
@@ -83,8 +72,9 @@ def test_decode_route_at_dsv4_shapes(bound, b):
     gen = torch.Generator().manual_seed(seed)
     h = 64
     q = (torch.randn(b, 1, h, 512, generator=gen) * 2).bfloat16().cuda()
-    pool, view = _v4_pool(gen, 32, 256)
-    epool, eview = _v4_pool(gen, 64, 64)
+    pool, _ = v4_pool(gen, 32, 256, "cuda")
+    epool, _ = v4_pool(gen, 64, 64, "cuda")
+    view, eview = v4_view(pool, 256), v4_view(epool, 64)
     idx, eidx = _ids(gen, b, 128, 32 * 256, 128), _ids(gen, b, 512, 64 * 64, 448)
     tl = torch.randint(1, 129, (b,), generator=gen, dtype=torch.int32).cuda()
     etl = torch.randint(0, 449, (b,), generator=gen, dtype=torch.int32).cuda()
@@ -137,20 +127,15 @@ def test_indexer_route_at_dsv4_shapes(bound, B, ctx):
     P = B * pages + 3
     q = torch.randn(B, 1, H, 128, generator=gen).to(torch.float8_e4m3fn)
     codes, scales = R.quantize_index_k(torch.randn(P, 64, 128, generator=gen))
-    raw = torch.empty(P, 64 * 132, dtype=torch.uint8)
-    raw[:, :64 * 128] = codes.reshape(P, -1)
-    raw[:, 64 * 128:] = scales.reshape(P, 64).contiguous().view(torch.uint8)
     w = torch.randn(B, H, generator=gen)
     lens = torch.randint(1, ctx + 1, (B,), generator=gen, dtype=torch.int32)
     table = torch.randperm(P, generator=gen)[:B * pages].view(B, pages).int()
-    q, kv, w, lens, table = q.cuda(), raw.view(P, 64, 1, 132).cuda(), w.cuda(), lens.cuda(), table.cuda()
+    q, kv, w, lens, table = q.cuda(), R.pack_index_k(codes, scales).cuda(), w.cuda(), lens.cuda(), table.cuda()
     got = routes.indexer_logits(_never, q, kv, w, lens, table, None, ctx, False)
     want = R.fp8_paged_mqa_logits(q, kv, w, lens, table, None, ctx)
     # A: the same reference over absolute values (sign bits of the fp8 codes cleared).
     qa = (q.view(torch.uint8) & 0x7F).view(torch.float8_e4m3fn)
-    rawa = raw.clone()
-    rawa[:, :64 * 128] &= 0x7F
-    A = R.fp8_paged_mqa_logits(qa, rawa.view(P, 64, 1, 132).cuda(), w.abs(), lens, table, None, ctx)
+    A = R.fp8_paged_mqa_logits(qa, R.pack_index_k(codes & 0x7F, scales).cuda(), w.abs(), lens, table, None, ctx)
     valid = torch.arange(ctx, device="cuda").unsqueeze(0) < lens.unsqueeze(1)
     msg = f"{bound['indexer'][0]} B={B} ctx={ctx} seed={seed}"
     assert bool((got[~valid] == float("-inf")).all()), msg

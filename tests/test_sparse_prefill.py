@@ -35,7 +35,6 @@ import importlib
 import inspect
 import math
 import os
-import random
 
 import pytest
 import torch
@@ -47,29 +46,15 @@ from triton_env import HAS_CUDA, INTERPRET, _triton_interpreter  # noqa: E402,F4
 
 from capdispatch.backends.sparse_prefill import reference as R  # noqa: E402
 
-SCALE = 512 ** -0.5
-OUT_RTOL = 1e-2
-from attention_checks import STAT_ATOL, assert_stats_close, rel_err  # noqa: E402,F401
+from attention_checks import (ASSUME, OUT_RTOL, SCALE, STAT_ATOL, assert_stats_close,  # noqa: E402,F401
+                              flashmla_runs, new_seed, rel_err)
 
 _gpu = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")]
 _interp = pytest.mark.skipif(not INTERPRET, reason="Triton on CPU needs TRITON_INTERPRET=1")
 _no_interp_on_gpu = pytest.mark.skipif(INTERPRET, reason="GPU Triton run with TRITON_INTERPRET set")
 
 
-def _flashmla_runs() -> bool:
-    if not HAS_CUDA:
-        return False
-    cc = torch.cuda.get_device_capability()
-    if cc != (9, 0) and cc[0] != 10:
-        return False
-    try:
-        import flash_mla  # noqa: F401
-    except Exception:   # noqa: BLE001 - any import failure means "not runnable here"
-        return False
-    return True
-
-
-_flashmla = pytest.mark.skipif(not _flashmla_runs(), reason="needs sgl-flash-mla (flash_mla) on SM90/SM100")
+_flashmla = pytest.mark.skipif(not flashmla_runs(), reason="needs sgl-flash-mla (flash_mla) on SM90/SM100")
 
 CASES = [
     pytest.param("torch", "cpu", id="torch-cpu"),
@@ -99,11 +84,6 @@ def op(backend):
         return _tk().sparse_prefill
     from capdispatch.backends.sparse_prefill import external
     return external.flashmla_sparse
-
-
-def new_seed():
-    env = os.environ.get("ATTN_TEST_SEED")
-    return int(env) if env else random.SystemRandom().randrange(2**31)
 
 
 def make_case(gen, s, h, s_kv, topk, device, *, lengths=False, sink=False, lonely=(), junk=True):
@@ -384,9 +364,6 @@ def registry():
     for pkg in dict.fromkeys(BUILTIN_OP_PACKAGES + ("capdispatch.backends.sparse_prefill",)):
         importlib.import_module(pkg).register(reg)
     return reg
-
-
-ASSUME = ["sgl-flash-mla==1.0.0", "flashinfer-python==0.7.2", "triton==3.9.0", "torch==2.13.0"]
 
 
 @pytest.mark.parametrize("device", ["sim:rtx-5090", "sim:rtx-pro-6000", "sim:sm_120"])
