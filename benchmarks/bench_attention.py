@@ -30,16 +30,13 @@ Importable without a GPU; it only needs CUDA when run.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import importlib
 import json
 import math
 import os
-import platform
-import random
 import sys
 
-from ceilings import bench as _bench, copy_bandwidth, matmul_rate  # noqa: E402 (the script's own folder)
+from ceilings import bench as _bench, copy_bandwidth, describe, matmul_rate, run_facts  # noqa: E402 (the script's own folder)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -164,18 +161,15 @@ def _check(op, got, want):
 # --------------------------------------------------------------------------- #
 def run(args):
     import torch
-    import triton
 
     if not torch.cuda.is_available():
         print("bench_attention: needs a CUDA device", file=sys.stderr)
         return 2
     import capdispatch as cd
 
-    dev_name = torch.cuda.get_device_name()
-    cc = torch.cuda.get_device_capability()
-    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
-    print(f"device: {dev_name} (cc {cc[0]}.{cc[1]}), torch {torch.__version__}, triton {triton.__version__}, "
-          f"CUDA {torch.version.cuda}, seed {seed}")
+    facts = run_facts(args.seed)
+    seed = facts["seed"]
+    print(describe(facts))
     bw, _ = copy_bandwidth(args.copy_bytes, args.warmup, args.rep)
     tflops, _ = matmul_rate(8192, args.warmup, args.rep)
     print(f"copy bandwidth {bw:.0f} GB/s (read+write); bf16 matmul {tflops:.0f} TFLOP/s")
@@ -251,10 +245,7 @@ def run(args):
             del inputs, want
             torch.cuda.empty_cache()
 
-    meta = dict(device=dev_name, compute_capability=f"{cc[0]}.{cc[1]}", torch=torch.__version__,
-                triton=triton.__version__, cuda=torch.version.cuda, python=platform.python_version(),
-                date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), seed=seed,
-                copy_gbps=bw, bf16_tflops=tflops, heads=H, availability=availability,
+    meta = dict(facts, copy_gbps=bw, bf16_tflops=tflops, heads=H, availability=availability,
                 do_bench=dict(warmup_ms=args.warmup, rep_ms=args.rep, return_mode="median"))
     _write(args.out, meta, rows, tune_rows)
     return 0 if all(r.get("correct", True) and "error" not in r for r in rows) else 1

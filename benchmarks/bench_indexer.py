@@ -38,10 +38,9 @@ import datetime as _dt
 import json
 import os
 import platform
-import random
 import sys
 
-from ceilings import bench as _bench, copy_bandwidth, matmul_rate  # noqa: E402 (the script's own folder)
+from ceilings import bench as _bench, copy_bandwidth, describe, matmul_rate, run_facts  # noqa: E402 (the script's own folder)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -237,12 +236,9 @@ def run(args):
         _write(args.out, meta, [], [], acc)
         return 0
 
-    import triton
-    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
-    dev_name = torch.cuda.get_device_name()
-    cc = torch.cuda.get_device_capability()
-    print(f"device: {dev_name} (cc {cc[0]}.{cc[1]}), torch {torch.__version__}, triton {triton.__version__}, "
-          f"CUDA {torch.version.cuda}, seed {seed}")
+    facts = run_facts(args.seed)
+    seed, cc = facts["seed"], torch.cuda.get_device_capability()
+    print(describe(facts))
     gbps, _ = copy_bandwidth(args.copy_bytes, args.warmup, args.rep)
     tflops, mm_dtype = matmul_rate(8192, args.warmup, args.rep, fp8=True)
     print(f"ceilings: copy {gbps:.0f} GB/s (read+write), {mm_dtype} matmul {tflops:.0f} TFLOP/s")
@@ -304,10 +300,7 @@ def run(args):
 
     mem = gpu_memory(args.warmup, args.rep, MEMORY_TOKENS, gen, with_time=not args.quick) \
         if not args.no_memory else []
-    meta = dict(device=dev_name, compute_capability=f"{cc[0]}.{cc[1]}", torch=torch.__version__,
-                triton=triton.__version__, cuda=torch.version.cuda, python=platform.python_version(),
-                date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), seed=seed,
-                copy_gbps=gbps, matmul_tflops=tflops, matmul_dtype=mm_dtype,
+    meta = dict(facts, copy_gbps=gbps, matmul_tflops=tflops, matmul_dtype=mm_dtype,
                 not_run={n: why for n, (fn, why) in backends.items() if fn is None},
                 versions=_versions(), tolerance=f"|err| <= 2^-10 * A (abs-sum) at valid positions",
                 do_bench=dict(warmup_ms=args.warmup, rep_ms=args.rep, return_mode="median"))

@@ -21,15 +21,12 @@ Importable without a GPU; it only needs CUDA when run.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import math
 import os
-import platform
-import random
 import sys
 
-from ceilings import bench as _bench, copy_bandwidth  # noqa: E402 (the script's own folder)
+from ceilings import bench as _bench, copy_bandwidth, describe, run_facts  # noqa: E402 (the script's own folder)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -88,7 +85,6 @@ def slots(pattern, n, num_pages, page_size, gen):
 
 def run(args):
     import torch
-    import triton
 
     if not torch.cuda.is_available():
         print("bench_kv_cache: needs a CUDA device", file=sys.stderr)
@@ -96,11 +92,9 @@ def run(args):
 
     from capdispatch.backends.kv_cache import reference as R
 
-    dev_name = torch.cuda.get_device_name()
-    cc = torch.cuda.get_device_capability()
-    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
-    print(f"device: {dev_name} (cc {cc[0]}.{cc[1]}), torch {torch.__version__}, triton {triton.__version__}, "
-          f"CUDA {torch.version.cuda}, seed {seed}")
+    facts = run_facts(args.seed)
+    seed, cc = facts["seed"], torch.cuda.get_device_capability()
+    print(describe(facts))
 
     copy_gbps, copy_ms = copy_bandwidth(args.copy_bytes, args.warmup, args.rep)
     print(f"copy bandwidth: {copy_gbps:.0f} GB/s (read+write, {args.copy_bytes / 2**30:.1f} GiB, {copy_ms:.3f} ms)")
@@ -165,10 +159,7 @@ def run(args):
         torch.cuda.empty_cache()
 
     meta = dict(
-        device=dev_name, compute_capability=f"{cc[0]}.{cc[1]}", torch=torch.__version__,
-        triton=triton.__version__, cuda=torch.version.cuda, python=platform.python_version(),
-        date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), seed=seed,
-        page_size=P, copy_gbps=copy_gbps, copy_bytes=args.copy_bytes,
+        facts, page_size=P, copy_gbps=copy_gbps, copy_bytes=args.copy_bytes,
         bytes_per_token={"kv_quant": QUANT_BYTES_PER_TOKEN, "kv_dequant": DEQUANT_BYTES_PER_TOKEN},
         sglang=None if sglang_fn is not None else sglang_why,
         do_bench=dict(warmup_ms=args.warmup, rep_ms=args.rep, return_mode="median"),

@@ -45,3 +45,27 @@ def matmul_rate(n=8192, warmup=25, rep=200, fp8=False):
     finally:
         del a, b
         torch.cuda.empty_cache()
+
+
+def run_facts(seed=None) -> dict:
+    """What every result file records: the card, the software, the time (UTC) and the
+    run's seed (a fresh one unless SEED is given)."""
+    import datetime
+    import platform
+    import random
+
+    import torch
+    import triton
+    cc = torch.cuda.get_device_capability()
+    return dict(device=torch.cuda.get_device_name(), compute_capability=f"{cc[0]}.{cc[1]}",
+                torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
+                python=platform.python_version(),
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                seed=seed if seed is not None else random.SystemRandom().randrange(2**31))
+
+
+def describe(facts) -> str:
+    """The header line a benchmark prints from run_facts()."""
+    f = facts
+    return (f"device: {f['device']} (cc {f['compute_capability']}), torch {f['torch']}, triton {f['triton']}, "
+            f"CUDA {f['cuda']}, seed {f['seed']}")
