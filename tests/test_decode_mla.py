@@ -510,6 +510,49 @@ def test_contract_signatures_agree():
             assert list(inspect.signature(fn).parameters) == want, fn.__name__
 
 
+def _index_prep():
+    from capdispatch.backends.decode_mla import index_prep
+    if INTERPRET and not index_prep.INTERPRETED:
+        index_prep = importlib.reload(index_prep)
+    return index_prep
+
+
+@pytest.mark.skipif(not (INTERPRET or HAS_CUDA), reason="Triton needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("shape", [(3, 1, 70), (2, 2, 128), (4, 5), (2, 0)])
+def test_clean_ids_matches_torch(dtype, shape):
+    """The external adapters' one-launch index cleaning: ids outside [0, capacity) (any
+    negative, capacity and beyond) become -1, lists padded with -1 to a multiple of 64,
+    int32 out; every element of a poisoned output is written."""
+    ip = _index_prep()
+    seed = new_seed()
+    g = torch.Generator().manual_seed(seed)
+    cap = 1000
+    idx = torch.randint(-20, cap + 50, shape, generator=g, dtype=torch.int64).to(dtype)
+    if idx.numel():
+        idx.view(-1)[0] = cap            # exactly the capacity: out of range
+        idx.view(-1)[-1] = cap - 1       # the last valid id
+    dev = "cuda" if HAS_CUDA and not INTERPRET else "cpu"
+    idx = idx.to(dev)
+    k = shape[-1]
+    k_out = k + (-k) % 64
+    want = torch.where((idx >= 0) & (idx < cap), idx, -1).to(torch.int32)
+    want = torch.nn.functional.pad(want, (0, k_out - k), value=-1)
+    out = torch.full(tuple(shape[:-1]) + (k_out,), 0x7EADBEEF, dtype=torch.int32, device=dev)
+    got = ip.clean_ids(idx, cap, out=out)
+    assert got is out and torch.equal(got.cpu(), want.cpu()), f"seed={seed} shape={shape} {dtype}"
+    non_contig = idx.transpose(-1, -2).contiguous().transpose(-1, -2) if len(shape) > 1 else idx
+    assert torch.equal(ip.clean_ids(non_contig, cap).cpu(), want.cpu()), f"seed={seed} strided"
+
+
+def test_clean_ids_errors():
+    ip = _index_prep() if (INTERPRET or HAS_CUDA) else pytest.importorskip("capdispatch.backends.decode_mla.index_prep")
+    with pytest.raises(TypeError, match="int32 or int64"):
+        ip.clean_ids(torch.zeros(2, 3), 10)
+    with pytest.raises(ValueError, match=r"contiguous int32 tensor of shape \(2, 64\)"):
+        ip.clean_ids(torch.zeros(2, 3, dtype=torch.int32), 10, out=torch.empty(2, 3, dtype=torch.int32))
+
+
 @_interp
 def test_bind_on_cpu():
     import capdispatch as cd

@@ -3,8 +3,8 @@ FlashInfer's SM120 sparse MLA (``flashinfer-python`` / ``flashinfer``).
 
 Both adapters convert our contract (reference.decode_mla: FlashMLA's decode semantics,
 lse natural-log, unaffected by the sink, +inf for a query with nothing valid) to the
-library call and back. Their shared chores, done with small torch ops on the
-[b, s_q, topk]-sized index tensors and [b, h] statistics:
+library call and back. Their shared chores, on the [b, s_q, topk]-sized index tensors
+(one Triton launch each, index_prep.py) and the [b, h] statistics (small torch ops):
 * ids outside [0, num_pages * page_size) become -1 (both libraries treat only -1 as
   masked and do not bound-check other ids);
 * index lists are padded with -1 to a multiple of 64 (both kernels tile top-k by 64);
@@ -32,12 +32,9 @@ def _pool_view(pool_u8, page_size):
 
 
 def _clean_ids(idx, capacity):
-    idx = idx.to(torch.int32)
-    idx = torch.where((idx >= 0) & (idx < capacity), idx, torch.full_like(idx, -1))
-    pad = (-idx.shape[-1]) % TOPK_ALIGN
-    if pad:
-        idx = torch.nn.functional.pad(idx, (0, pad), value=-1)
-    return idx.contiguous()
+    """ids outside [0, capacity) -> -1, padded with -1 to a multiple of 64: one launch."""
+    from .index_prep import clean_ids
+    return clean_ids(idx, capacity, TOPK_ALIGN)
 
 
 def _pad_heads(q, attn_sink, allowed):

@@ -28,6 +28,7 @@ This module imports triton at import time; it is imported when bound.
 from __future__ import annotations
 
 import contextlib
+from typing import NamedTuple
 
 import torch
 import triton
@@ -36,7 +37,7 @@ import triton.language as tl
 from .reference import check_moe_args
 from .weights import CHECKPOINT
 
-__all__ = ["moe_w4a16", "routing_tables", "ROUTING_MAX_ROUTES"]
+__all__ = ["moe_w4a16", "routing_tables", "ROUTING_MAX_ROUTES", "Tiles"]
 
 ROUTING_MAX_ROUTES = 2048      # one-program routing kernel up to this many routes (torch ops beyond)
 ROUTING_CHUNK = 128            # routes per scan step: [128, EP] int32 scratch, fits 99 KB cards
@@ -296,23 +297,41 @@ def _alloc(shape, dtype, device):
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _config(avg_rows: float, H: int, I: int, interpreted: bool):
-    """(BM, BN1, BK1, BN2, BK2, warps1, warps2) from the mean routes per active expert.
-    Chosen by reasoning, not tuned on hardware yet (the benchmark reports the outcome)."""
+class Tiles(NamedTuple):
+    """Tile sizes, warps and pipeline stages of the two GEMM launches."""
+    BM: int           # routes per block (one expert's rows)
+    BN1: int          # GEMM1 N tile (over I; gate and up tiles both)
+    BK1: int          # GEMM1 K tile (over H)
+    W1: int           # GEMM1 warps
+    S1: int           # GEMM1 software-pipeline stages
+    BN2: int          # GEMM2 N tile (over H)
+    BK2: int          # GEMM2 K tile (over I)
+    W2: int
+    S2: int
+
+
+def _config(avg_rows: float, H: int, I: int, interpreted: bool) -> Tiles:
+    """Tiles from the mean routes per active expert. The decode and prefill rows are
+    the best of benchmarks/sweep_moe_triton.py on an H200 at DSv4 shapes
+    (results/moe_tiles_nvidia_h200_20261129T210528.md: a 32-wide GEMM1 N tile spreads
+    six experts' rows over twice the SMs, 27% faster at 1 token, 4-5% at 8-64; four
+    GEMM2 warps 6% faster at 4096 tokens). The middle rows are reasoned, not measured."""
     if interpreted:
-        return 16, 32, 64, 32, 64, 4, 4
+        return Tiles(16, 32, 64, 4, 1, 32, 64, 4, 1)
     if avg_rows <= 16:
-        return 16, 64, 128, 64, 128, 4, 4
+        return Tiles(16, 32, 128, 4, 3, 64, 128, 4, 3)
     if avg_rows <= 64:
-        return 32, 64, 128, 64, 128, 4, 4
+        return Tiles(32, 64, 128, 4, 3, 64, 128, 4, 3)
     if avg_rows <= 128:
-        return 64, 64, 64, 128, 64, 4, 8
+        return Tiles(64, 64, 64, 4, 3, 128, 64, 8, 3)
     # Prefill: 128 rows share each decoded weight tile (the decode is ALU work per weight).
-    return 128, 64, 64, 128, 64, 8, 8
+    return Tiles(128, 64, 64, 8, 3, 128, 64, 4, 3)
 
 
-def moe_w4a16(x, weights, topk_weights, topk_ids, out=None, *, force_torch_routing: bool = False):
-    """The ``moe`` op (contract: reference.py) with the Triton W4A16 kernels."""
+def moe_w4a16(x, weights, topk_weights, topk_ids, out=None, *, force_torch_routing: bool = False,
+              tiles: Tiles | None = None):
+    """The ``moe`` op (contract: reference.py) with the Triton W4A16 kernels.
+    ``tiles`` overrides the size-based choice (benchmarks/sweep_moe_triton.py uses it)."""
     check_moe_args(x, weights, topk_weights, topk_ids, out)
     weights.require_layout(CHECKPOINT, "triton_w4a16")
     dev = x.device
@@ -335,7 +354,9 @@ def moe_w4a16(x, weights, topk_weights, topk_ids, out=None, *, force_torch_routi
     ids = topk_ids.contiguous()
     tw = topk_weights.contiguous()
     R = T * K
-    BM, BN1, BK1, BN2, BK2, W1, W2 = _config(R / max(1, min(E, R)), H, I, INTERPRETED)
+    if tiles is None:
+        tiles = _config(R / max(1, min(E, R)), H, I, INTERPRETED)
+    BM, BN1, BK1, W1, S1, BN2, BK2, W2, S2 = tiles
     BK1 = BK1 if H % BK1 == 0 else 64           # K tiles never straddle the end of a row
     BK2 = BK2 if I % BK2 == 0 else 64
     with _on_device(dev):
@@ -347,10 +368,11 @@ def moe_w4a16(x, weights, topk_weights, topk_ids, out=None, *, force_torch_routi
         _gemm1_swiglu_kernel[(MAXB, triton.cdiv(I, BN1))](
             x, weights.w13, weights.w13_scale, h, sorted_routes, be, bs, bend,
             H, I, x.stride(0), float(limit) if limit is not None else 0.0,
-            TOPK=K, HAS_LIMIT=limit is not None, F32=INTERPRETED, BM=BM, BN=BN1, BK=BK1, num_warps=W1)
+            TOPK=K, HAS_LIMIT=limit is not None, F32=INTERPRETED, BM=BM, BN=BN1, BK=BK1, num_warps=W1,
+            num_stages=S1)
         _gemm2_kernel[(MAXB, triton.cdiv(H, BN2))](
             h, weights.w2, weights.w2_scale, tw, routed, sorted_routes, be, bs, bend,
-            H, I, F32=INTERPRETED, BM=BM, BN=BN2, BK=BK2, num_warps=W2)
+            H, I, F32=INTERPRETED, BM=BM, BN=BN2, BK=BK2, num_warps=W2, num_stages=S2)
         BNC = 1024 if H >= 1024 else triton.next_power_of_2(H)
         _combine_kernel[(T, triton.cdiv(H, BNC))](routed, ids, out, H, out.stride(0), TOPK=K, BN=BNC,
                                                    EXACT_RNE=INTERPRETED, num_warps=4)
