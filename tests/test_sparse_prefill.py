@@ -299,16 +299,24 @@ def test_strided_inputs_and_int64(backend, device):
         assert torch.equal(a, b), msg
 
 
-def test_reference_chunking_is_exact(monkeypatch):
-    """The reference's query chunking (memory bound) does not change its results."""
+def test_reference_chunking_changes_only_summation_order(monkeypatch):
+    """The reference's query chunking (memory bound) changes nothing but the BLAS blocking of
+    its batched products: max logits and lse are bit-identical, and an output differs by at
+    most one bf16 ulp where the float32 value sat on a rounding boundary (seed 1456240461:
+    1 of 36864 outputs)."""
     seed = new_seed()
     gen = torch.Generator().manual_seed(seed)
     q, kv, idx, tl, sk = make_case(gen, 9, 8, 64, 48, "cpu", lengths=True, sink=True)
     whole = R.sparse_prefill(q, kv, idx, SCALE, 512, sk, tl)
     monkeypatch.setattr(R, "GATHER_BUDGET", 48 * 512 * 2)   # 2 queries per chunk
     chunked = R.sparse_prefill(q, kv, idx, SCALE, 512, sk, tl)
-    for a, b in zip(whole, chunked):
-        assert torch.equal(a, b), f"seed={seed}"
+    (o1, m1, l1), (o2, m2, l2) = whole, chunked
+    assert torch.equal(m1, m2) and torch.equal(l1, l2), f"seed={seed}"
+    a, b = o1.float(), o2.float()
+    ulp = torch.exp2(torch.floor(torch.log2(torch.maximum(a.abs(), b.abs()).clamp_min(2.0 ** -126))) - 7)
+    diff = (a - b).abs()
+    assert bool((diff <= ulp).all()), f"seed={seed}: max diff {float(diff.max())}"
+    assert int((diff > 0).sum()) <= max(1, a.numel() // 1000), f"seed={seed}: {int((diff > 0).sum())} outputs differ"
 
 
 def test_argument_errors():
