@@ -3,6 +3,7 @@
 # kernels -- the GPU tests of sparse_prefill, decode_mla and the SGLang route wrappers,
 # then the attention benchmark with CUDA-graph timings (small decode batches are
 # launch-bound in eager mode, which is how SGLang never runs them).
+# Extra arguments go to bench_attention.py (e.g. --tune: time the Triton launch configurations).
 # Before the call, here:  pip download --no-deps sgl-flash-mla==1.0.0 -d .whl-fm
 # and carry .whl-fm (9.9 MB; it loads against the device's torch 2.11 despite its
 # torch>=2.14.1 metadata).
@@ -17,4 +18,4 @@ else
 fi
 timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_sparse_prefill.py \
   tests/test_decode_mla.py tests/test_routes_gpu.py 2>&1 | tee "$OUT/gpu_tests.txt" | tail -8
-timeout 240 python3 benchmarks/bench_attention.py --graphs --out "$OUT" 2>&1 | tee "$OUT/bench_attention.txt" | tail -40
+timeout 240 python3 benchmarks/bench_attention.py --graphs "$@" --out "$OUT" 2>&1 | tee "$OUT/bench_attention.txt" | tail -40
