@@ -16,6 +16,39 @@ import sys
 import types
 
 
+class _Placeholder(type):
+    """`from missing import Name` gets a class; its attributes are placeholders too, calling
+    it accepts anything, and as a decorator it hands back what it decorates (probe only)."""
+
+    def __getattr__(cls, attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return _placeholder(attr, cls.__module__)
+
+    def __iter__(cls):
+        return iter(())
+
+    def __getitem__(cls, key):
+        return cls
+
+    def __or__(cls, other):
+        return cls
+
+    __ror__ = __or__
+
+    def __call__(cls, *args, **kwargs):
+        if len(args) == 1 and not kwargs and callable(args[0]):
+            return args[0]
+        return cls
+
+
+def _placeholder(name: str, module: str):
+    if name.startswith("__"):
+        raise AttributeError(name)
+    return _Placeholder(name, (), {"__module__": module,
+                                   "__init_subclass__": classmethod(lambda cls, **kw: None)})
+
+
 def probe(target: str, limit: int = 60) -> tuple[list[str], str]:
     missing: list[str] = []
     for _ in range(limit):
@@ -32,9 +65,7 @@ def probe(target: str, limit: int = 60) -> tuple[list[str], str]:
                 if mod not in sys.modules:
                     m = types.ModuleType(mod)
                     m.__path__ = []
-                    # `from mod import Name` gets a placeholder class (probe only).
-                    m.__getattr__ = lambda attr, _m=mod: (_ for _ in ()).throw(AttributeError(attr)) \
-                        if attr.startswith("__") else type(attr, (), {"__module__": _m})
+                    m.__getattr__ = lambda attr, _m=mod: _placeholder(attr, _m)
                     sys.modules[mod] = m
             for k in [k for k in sys.modules if k == target.split(".")[0] or k.startswith(target.split(".")[0] + ".")]:
                 del sys.modules[k]                          # retry the chain from its top
