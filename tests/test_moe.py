@@ -270,6 +270,35 @@ def test_dequant_rows_exact():
             assert (math.isnan(g) and math.isnan(want)) or g == want, (r, j, g, want)
 
 
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=_interp, id="interp"),
+                                    pytest.param("cuda", marks=_gpu + [_no_interp_on_gpu], id="cuda")])
+def test_triton_dequant_tile_exact(device):
+    """The kernels' in-register MXFP4 decode (every byte code, scale bytes 0, 1, 100, 126,
+    127, 128, 254, 255; two scale groups per row) equals the reference's, bit for bit."""
+    import triton
+    import triton.language as tl
+    global _DEQUANT_TILE          # a Triton kernel reaches other jit functions through its globals
+    _DEQUANT_TILE = _tk()._dequant_tile
+
+    @triton.jit
+    def kernel(w_ptr, s_ptr, o_ptr, BN: tl.constexpr, BK: tl.constexpr):
+        rn = tl.arange(0, BN)
+        v = _DEQUANT_TILE(w_ptr + rn[:, None] * (BK // 2) + tl.arange(0, BK // 2)[None, :],
+                             s_ptr + rn[:, None] * (BK // 32) + tl.arange(0, BK // 32)[None, :],
+                             rn < BN, BN, BK, True)
+        tl.store(o_ptr + rn[:, None] * BK + tl.arange(0, BK)[None, :], v)
+
+    packed = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(8, 32).to(device)   # all codes
+    scales = torch.tensor([[0, 255], [1, 254], [100, 128], [126, 127], [127, 126], [128, 100], [254, 1],
+                           [255, 0]], dtype=torch.uint8, device=device)
+    out = torch.full((8, 64), 7.0, dtype=torch.float32, device=device)
+    kernel[(1,)](packed, scales, out, BN=8, BK=64)
+    want = R.dequant_rows(packed.cpu(), scales.cpu())
+    got = out.cpu()
+    same = (got.view(torch.int32) == want.view(torch.int32)) | (torch.isnan(got) & torch.isnan(want))
+    assert bool(same.all()), f"first mismatch at {same.logical_not().nonzero()[:4].tolist()}"
+
+
 def test_reference_definition_small():
     """The reference equals the op's formula written out densely, route by route."""
     seed = new_seed()
