@@ -18,4 +18,5 @@ else
 fi
 timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_sparse_prefill.py \
   tests/test_decode_mla.py tests/test_routes_gpu.py 2>&1 | tee "$OUT/gpu_tests.txt" | tail -8
-timeout 240 python3 benchmarks/bench_attention.py --graphs "$@" --out "$OUT" 2>&1 | tee "$OUT/bench_attention.txt" | tail -40
+LIMIT=240; case " $* " in *" --tune "*) LIMIT=480;; esac     # --tune times 15 configurations per shape (with --quick: 4 shapes)
+timeout $LIMIT python3 benchmarks/bench_attention.py --graphs "$@" --out "$OUT" 2>&1 | tee "$OUT/bench_attention.txt" | tail -40
