@@ -10,11 +10,11 @@ This module imports triton at import time; the adapters import it when they run.
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
+
+from ..device_scope import on_device
 
 __all__ = ["clean_ids", "TOPK_ALIGN"]
 
@@ -45,13 +45,13 @@ def clean_ids(idx: torch.Tensor, capacity: int, align: int = TOPK_ALIGN, *, out:
     elif tuple(out.shape) != shape or out.dtype != torch.int32 or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous int32 tensor of shape {shape}, "
                          f"got {out.dtype} {tuple(out.shape)}")
-    src = idx.reshape(-1, k) if k else idx.reshape(-1, 1)
+    src = idx.reshape(-1, max(k, 1))
     if src.stride(-1) != 1:
         src = src.contiguous()
     rows = src.shape[0]
     if rows and k_out:
         block = min(1024, triton.next_power_of_2(k_out))
-        with torch.cuda.device(idx.device) if idx.device.type == "cuda" else contextlib.nullcontext():
+        with on_device(idx.device):
             _clean_ids_kernel[(rows, triton.cdiv(k_out, block))](
                 src, out, k, k_out, int(capacity), src.stride(0), BLOCK=block, num_warps=4)
     return out

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from ..device_scope import on_device
 from ..sparse_prefill import triton_kernels as _K
 from .reference import DIM, check_decode_args
 
@@ -59,7 +60,7 @@ def _launch(q, pool, indices, page_size, sm_scale, topk_length, attn_sink, extra
         cfg = (config or _K.DECODE_CONFIGS[0]) if dev.type == "cuda" else _K.INTERP_CONFIG
         num_splits = _K.decode_splits(dev, T, h, width, block_h=cfg["BLOCK_H"], block_n=cfg["BLOCK_N"])
     dummy = lse
-    with _K.on_device(dev):
+    with on_device(dev):
         _K.launch_sparse_mla(
             kind="decode", device=dev, T=T, H=h, config=config, num_splits=num_splits,
             q_ptr=q, q_sb=q.stride(0), q_ss=q.stride(1), q_sh=q.stride(2),

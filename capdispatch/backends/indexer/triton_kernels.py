@@ -22,13 +22,13 @@ All address arithmetic is int64. Import lazily (at bind time): this imports trit
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
 import triton
 import triton.language as tl
 
+from ..device_scope import on_device
 from .layout import HEAD_DIM, PAGE_TOKENS, SCALE_OFFSET, alloc_logits, check_args
 
 __all__ = ["fp8_paged_mqa_logits", "fp8_paged_mqa_logits_u8", "fp8_paged_mqa_logits_native",
@@ -157,11 +157,9 @@ def plan_splits(batch: int, max_context_len: int, num_sms: int) -> int:
     return -(-pages // splits) * PAGE_TOKENS
 
 
-def _on_device(device: torch.device):
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-
-
 def _launch(q, kv_cache, weights, context_lens, block_table, max_context_len, out, native_fp8):
+    if max_context_len is None:
+        raise TypeError("max_context_len is required")
     a = check_args(q, kv_cache, weights, context_lens, block_table, max_context_len)
     dev = a.q_u8.device
     if dev.type == "cpu" and not INTERPRETED:

@@ -20,12 +20,12 @@ module level and is meant to be imported lazily (at backend bind time).
 
 from __future__ import annotations
 
-import contextlib
 
 import torch
 import triton
 import triton.language as tl
 
+from ..device_scope import on_device
 from .layout import DATA_BYTES, DIM, DIM_NOPE, FP8_MAX, SCALE_BYTES, SCALE_EPS, TILE
 from .reference import check_dequant_args, check_quant_args
 
@@ -238,7 +238,7 @@ def _launch_quant(k, pool, loc, page_size, native_fp8):
         return
     dst = u8.view(torch.float8_e4m3fn) if native_fp8 else u8
     T = QUANT_TOKENS_PER_PROG
-    with _on_device(u8.device):
+    with on_device(u8.device):
         _kv_quant_kernel[(triton.cdiv(n, T),)](
             k, dst, loc, n, k.stride(0),
             PAGE_SIZE=page_size, BYTES_PER_PAGE=u8.shape[1],
@@ -256,18 +256,13 @@ def _launch_dequant(pool, token_ids, page_size, out, native_fp8):
         return out
     src = u8.view(torch.float8_e4m3fn) if native_fp8 else u8
     T = DEQUANT_TOKENS_PER_PROG
-    with _on_device(u8.device):
+    with on_device(u8.device):
         _kv_dequant_kernel[(triton.cdiv(n, T),)](
             src, ids, out, n, out.stride(0),
             PAGE_SIZE=page_size, BYTES_PER_PAGE=u8.shape[1],
             NATIVE_FP8=native_fp8, TOKENS=T, num_warps=DEQUANT_NUM_WARPS,
         )
     return out
-
-
-def _on_device(device: torch.device):
-    # Triton launches on the current CUDA device; make it the pool's.
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def kv_quant_fp8(k: torch.Tensor, pool: torch.Tensor, loc: torch.Tensor, page_size: int) -> None:

@@ -27,13 +27,13 @@ This module imports triton at import time; it is imported when bound.
 """
 from __future__ import annotations
 
-import contextlib
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from ..device_scope import on_device
 from .reference import check_moe_args
 from .weights import CHECKPOINT
 
@@ -283,15 +283,6 @@ def _combine_kernel(routed_ptr, ids_ptr, out_ptr, H, stride_out, TOPK: tl.conste
 INTERPRETED = not isinstance(_combine_kernel, triton.runtime.jit.JITFunction)
 
 
-@contextlib.contextmanager
-def _on_device(device):
-    if device.type == "cuda":
-        with torch.cuda.device(device):
-            yield
-    else:
-        yield
-
-
 def _alloc(shape, dtype, device):
     """Scratch buffers (uninitialised on purpose; tests poison them through this hook)."""
     return torch.empty(shape, dtype=dtype, device=device)
@@ -359,7 +350,7 @@ def moe_w4a16(x, weights, topk_weights, topk_ids, out=None, *, force_torch_routi
     BM, BN1, BK1, W1, S1, BN2, BK2, W2, S2 = tiles
     BK1 = BK1 if H % BK1 == 0 else 64           # K tiles never straddle the end of a row
     BK2 = BK2 if I % BK2 == 0 else 64
-    with _on_device(dev):
+    with on_device(dev):
         sorted_routes, be, bs, bend = routing_tables(ids, E, BM, force_torch=force_torch_routing)
         MAXB = be.numel()
         h = _alloc((R, I), torch.bfloat16, dev)           # rows of masked routes: never written/read

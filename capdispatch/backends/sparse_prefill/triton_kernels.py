@@ -28,13 +28,13 @@ meant to be imported lazily (at backend bind time).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
 import triton
 import triton.language as tl
 
+from ..device_scope import on_device
 from . import reference as R
 
 __all__ = ["sparse_prefill", "launch_sparse_mla", "INTERPRETED", "PREFILL_CONFIGS", "DECODE_CONFIGS"]
@@ -359,11 +359,6 @@ def check_device(t: torch.Tensor, native_fp8: bool = False) -> None:
         if cc < (8, 9):
             raise RuntimeError(f"native-fp8 attention needs compute capability >= 8.9 (device has "
                                f"{cc[0]}.{cc[1]}); use the uint8 (integer-decode) Triton backend")
-
-
-def on_device(device: torch.device):
-    # Triton launches on the current CUDA device; make it the tensors'.
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,0 +1,20 @@
+"""The CUDA device a kernel launch runs on.
+
+Triton (and any launcher that reads the current device) launches on the *current*
+CUDA device, not the tensors' device: on a mixed box a call with tensors on cuda:1
+from a thread whose current device is cuda:0 would launch on the wrong card. Every
+backend launch goes through ``on_device(tensor.device)``. CPU tensors (the Triton
+interpreter) need no scope.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+__all__ = ["on_device"]
+
+
+def on_device(device: torch.device):
+    """A context that makes DEVICE current for the launches inside it (no-op off CUDA)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
