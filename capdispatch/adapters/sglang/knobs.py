@@ -18,6 +18,11 @@ class KnobsError(ValueError):
     pass
 
 
+def _label(kind: str, name: str, value: str) -> str:
+    """How plans and warnings name a server-args field or an environment switch."""
+    return f"{name}={value}" if kind == "field" else f"env {name}={value}"
+
+
 @attrs.frozen
 class Setting:
     ops: tuple
@@ -30,7 +35,7 @@ class Setting:
 
     @property
     def label(self) -> str:
-        return f"{self.name}={self.value}" if self.kind == "field" else f"env {self.name}={self.value}"
+        return _label(self.kind, self.name, self.value)
 
 
 @attrs.frozen
@@ -68,7 +73,7 @@ class KnobSet:
 
     @property
     def label(self) -> str:
-        return f"{self.name}={self.value}" if self.kind == "field" else f"env {self.name}={self.value}"
+        return _label(self.kind, self.name, self.value)
 
 
 @attrs.frozen

@@ -187,7 +187,7 @@ def _launch(q, kv_cache, weights, context_lens, block_table, max_context_len, ou
     q_arg = a.q_u8.view(torch.float8_e4m3fn) if native_fp8 else a.q_u8
     kv_arg = a.pages.view(torch.float8_e4m3fn) if native_fp8 else a.pages
     ctx_stride = a.context_lens.stride(0) if a.context_lens.numel() else 0
-    with _on_device(dev):
+    with on_device(dev):
         _indexer_kernel[grid](
             q_arg, kv_arg, a.weights, a.context_lens, a.block_table, out,
             S, tps,
@@ -209,8 +209,6 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedu
     device has it (cc >= 8.9), the uint8 codec elsewhere; `schedule_metadata` is ignored
     and positions past a row's length are written -inf whatever `clean_logits` says."""
     del schedule_metadata, clean_logits
-    if max_context_len is None:
-        raise TypeError("max_context_len is required")
     return _launch(q, kv_cache, weights, context_lens, block_table, max_context_len, out, None)
 
 
@@ -218,8 +216,6 @@ def fp8_paged_mqa_logits_u8(q, kv_cache, weights, context_lens, block_table, sch
                             max_context_len=None, clean_logits=False, *, out=None):
     """The uint8-codec kernel on any device (SM80+; the interpreter)."""
     del schedule_metadata, clean_logits
-    if max_context_len is None:
-        raise TypeError("max_context_len is required")
     return _launch(q, kv_cache, weights, context_lens, block_table, max_context_len, out, False)
 
 
@@ -227,6 +223,4 @@ def fp8_paged_mqa_logits_native(q, kv_cache, weights, context_lens, block_table,
                                 max_context_len=None, clean_logits=False, *, out=None):
     """The native-fp8 kernel (cc >= 8.9, or the interpreter)."""
     del schedule_metadata, clean_logits
-    if max_context_len is None:
-        raise TypeError("max_context_len is required")
     return _launch(q, kv_cache, weights, context_lens, block_table, max_context_len, out, True)
