@@ -143,6 +143,14 @@ class Library:
         return Check(code=f"library:{self.dist}", need=need, found=found, ok=ok, message=msg)
 
 
+
+# The requirements every kernel package shares, declared once so a minimum moves in
+# one place: torch for every backend, Triton (its interpreter included) for the
+# portable kernels.
+TORCH = Library("torch", ">=2.4", module="torch")
+TRITON = Library("triton", ">=3.2", module="triton")
+
+
 @attrs.frozen
 class Op:
     name: str

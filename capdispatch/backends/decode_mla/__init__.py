@@ -6,7 +6,7 @@ semantics; see reference.py. Covers the main (SWA) pool, an optional extra (c4/c
 compressed) pool in the same V4 layout, per-batch top-k lengths and the attention
 sink. Declarations only: kernels are imported when bound.
 """
-from ..base import AnyFeature, Backend, Feature, Library, Op, TritonTarget
+from ..base import AnyFeature, Backend, Feature, Library, Op, TORCH, TRITON, TritonTarget
 
 _PKG = "capdispatch.backends.decode_mla"
 
@@ -24,8 +24,6 @@ OPS = (
        reference="torch"),
 )
 
-_TRITON = Library("triton", ">=3.2", module="triton")
-_TORCH = Library("torch", ">=2.4", module="torch")
 _FLASHMLA = Library("sgl-flash-mla", ">=1.0", module="flash_mla")
 # The public SparseMLASm120Wrapper with runtime page sizes and lse_scale: 0.7.2 is
 # what SGLang 0.5.23 pins (0.6.x needed 64-token pages and a private entry point).
@@ -38,22 +36,22 @@ def register(registry) -> None:
     # Registration order is the default order: fastest first.
     registry.add_backend(Backend(
         "decode_mla", "flashmla", f"{_PKG}.external:flashmla",
-        requires=(_TORCH, _FLASHMLA, AnyFeature(("wgmma", "tcgen05"))),
+        requires=(TORCH, _FLASHMLA, AnyFeature(("wgmma", "tcgen05"))),
         summary="FlashMLA sparse fp8 decode (legacy V4-format kernels: SM90a wgmma, SM100 tcgen05)"))
     registry.add_backend(Backend(
         "decode_mla", "flashinfer_sparse_mla", f"{_PKG}.external:flashinfer_sparse_mla",
-        requires=(_TORCH, _FLASHINFER, Feature("sm120_block_scaled_mma")),
+        requires=(TORCH, _FLASHINFER, Feature("sm120_block_scaled_mma")),
         summary="FlashInfer SM120 sparse MLA (block-scaled MMA); split-K scratch only for <= 64 tokens"))
     registry.add_backend(Backend(
         "decode_mla", "triton_fp8", f"{_PKG}.triton_kernels:decode_mla_fp8",
-        requires=(_TORCH, _TRITON, TritonTarget("8.0"), Feature("fp8_e4m3")),
+        requires=(TORCH, TRITON, TritonTarget("8.0"), Feature("fp8_e4m3")),
         summary="Triton with native fp8 loads (Triton admits fp8e4nv from cc 8.9)"))
     registry.add_backend(Backend(
         "decode_mla", "triton", f"{_PKG}.triton_kernels:decode_mla_u8",
-        requires=(_TORCH, _TRITON, TritonTarget("8.0")),
+        requires=(TORCH, TRITON, TritonTarget("8.0")),
         summary="Triton, pool read through uint8 with an integer e4m3 decode (any CUDA card from SM80); "
                 "split-K only for <= 64 tokens"))
     registry.add_backend(Backend(
         "decode_mla", "torch", f"{_PKG}.reference:decode_mla",
-        requires=(_TORCH,),
+        requires=(TORCH,),
         summary="torch reference, chunked over tokens (runs anywhere)"))

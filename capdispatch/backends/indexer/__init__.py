@@ -4,7 +4,7 @@ Declarations only: the kernels live in reference.py (torch), triton_kernels.py,
 tilelang_kernel.py and deepgemm.py, and are imported when a backend is bound.
 Contract: reference.py's module docstring and docs/ops/indexer.md.
 """
-from ..base import AnyFeature, Backend, ComputeCapability, Library, Op, Platform, TritonTarget
+from ..base import AnyFeature, Backend, ComputeCapability, Library, Op, Platform, TORCH, TRITON, TritonTarget
 
 _PKG = "capdispatch.backends.indexer"
 
@@ -17,8 +17,6 @@ OP = Op(
     reference="torch",
 )
 
-_TORCH = Library("torch", ">=2.4", module="torch")
-_TRITON = Library("triton", ">=3.2", module="triton")
 # SGLang 0.5.23 pins tilelang==0.1.12; the kernel is lowered and tested with it.
 _TILELANG = Library("tilelang", ">=0.1.12", module="tilelang")
 # The DeepGEMM SGLang installs (and pins, 0.2.3.post2); the module is `deep_gemm`.
@@ -27,17 +25,17 @@ _DEEPGEMM = Library("sgl-deep-gemm", ">=0.2.3", module="deep_gemm")
 BACKENDS = (
     # Registration order is the default order: fastest first (docs/ops/indexer.md).
     Backend("indexer", "deepgemm", f"{_PKG}.deepgemm:fp8_paged_mqa_logits",
-            requires=(_TORCH, _DEEPGEMM, Platform("cuda"), AnyFeature(("wgmma", "tcgen05"))),
+            requires=(TORCH, _DEEPGEMM, Platform("cuda"), AnyFeature(("wgmma", "tcgen05"))),
             summary="DeepGEMM fp8_paged_mqa_logits (SM90 wgmma / SM100 tcgen05 kernels; JIT needs the CUDA toolkit)"),
     Backend("indexer", "tilelang", f"{_PKG}.tilelang_kernel:fp8_paged_mqa_logits",
-            requires=(_TORCH, _TILELANG, Platform("cuda"), ComputeCapability(">=8.0")),
+            requires=(TORCH, _TILELANG, Platform("cuda"), ComputeCapability(">=8.0")),
             summary="capdispatch's TileLang kernel: fp8 MMA from cc 8.9 (wgmma on SM90), fp16 MMA over "
                     "integer-widened fp8 below (JIT needs the CUDA toolkit)"),
     Backend("indexer", "triton", f"{_PKG}.triton_kernels:fp8_paged_mqa_logits",
-            requires=(_TORCH, _TRITON, TritonTarget("8.0")),
+            requires=(TORCH, TRITON, TritonTarget("8.0")),
             summary="Triton: native fp8 dot from cc 8.9, uint8 views widened to fp16 with integer ops below"),
     Backend("indexer", "torch", f"{_PKG}.reference:fp8_paged_mqa_logits",
-            requires=(_TORCH,),
+            requires=(TORCH,),
             summary="torch reference, 1024 query rows at a time, index-K gathered a few pages at a time"),
 )
 

@@ -3,7 +3,7 @@
 Declarations only: kernels live in reference.py (torch) and triton_kernels.py
 and are imported when bound.
 """
-from ..base import Backend, Feature, Library, Op, TritonTarget
+from ..base import Backend, Feature, Op, TORCH, TRITON, TritonTarget
 
 _PKG = "capdispatch.backends.kv_cache"
 
@@ -16,9 +16,6 @@ OPS = (
        "kv_dequant(pool, token_ids, page_size, out=None) -> Tensor", reference="torch"),
 )
 
-_TRITON = Library("triton", ">=3.2", module="triton")
-_TORCH = Library("torch", ">=2.4", module="torch")
-
 
 def register(registry) -> None:
     for op in OPS:
@@ -27,13 +24,13 @@ def register(registry) -> None:
     for op in ("kv_quant", "kv_dequant"):
         registry.add_backend(Backend(
             op, "triton_fp8", f"{_PKG}.triton_kernels:{op}_fp8",
-            requires=(_TORCH, _TRITON, TritonTarget("8.0"), Feature("fp8_e4m3")),
+            requires=(TORCH, TRITON, TritonTarget("8.0"), Feature("fp8_e4m3")),
             summary="Triton with native fp8 e4m3 types (Triton admits fp8e4nv from cc 8.9)"))
         registry.add_backend(Backend(
             op, "triton_u8", f"{_PKG}.triton_kernels:{op}_u8",
-            requires=(_TORCH, _TRITON, TritonTarget("8.0")),
+            requires=(TORCH, TRITON, TritonTarget("8.0")),
             summary="Triton over uint8 views, fp8 coded with integer operations (any CUDA card Triton supports)"))
         registry.add_backend(Backend(
             op, "torch", f"{_PKG}.reference:{op}",
-            requires=(_TORCH,),
+            requires=(TORCH,),
             summary="torch reference (runs anywhere)"))

@@ -11,7 +11,7 @@ Weights are a ``MoeWeights`` (weights.py); a backend whose kernel consumes a
 shuffled layout needs ``prepare(weights, backend)`` once after loading (in
 place, bytes per expert unchanged).
 """
-from ..base import Backend, ComputeCapability, Feature, Library, Op, Platform, TritonTarget
+from ..base import Backend, ComputeCapability, Feature, Library, Op, Platform, TORCH, TRITON, TritonTarget
 from .weights import LAYOUTS, LayoutError, MoeWeights, packed_bytes_per_expert, prepare
 
 __all__ = ["OPS", "register", "MoeWeights", "prepare", "packed_bytes_per_expert", "LayoutError",
@@ -26,8 +26,6 @@ OPS = (
        "moe(x, weights, topk_weights, topk_ids, out=None) -> Tensor", reference="torch"),
 )
 
-_TORCH = Library("torch", ">=2.4", module="torch")
-_TRITON = Library("triton", ">=3.2", module="triton")
 # 0.6.14: first release with the SM120 MXFP8 x MXFP4 CUTLASS MoE and the SM90
 # mixed-input (W4A16) interleave helpers that SGLang 0.5.23 calls.
 _FLASHINFER = Library("flashinfer-python", ">=0.6.14", module="flashinfer.fused_moe")
@@ -59,23 +57,23 @@ def register(registry) -> None:
         registry.add_op(op)
     add = registry.add_backend
     add(Backend("moe", "flashinfer_cutlass_w4a8", f"{_PKG}.flashinfer_adapters:moe_cutlass_w4a8",
-                requires=(_TORCH, _CUDA, Feature("sm120_block_scaled_mma"), _FLASHINFER),
+                requires=(TORCH, _CUDA, Feature("sm120_block_scaled_mma"), _FLASHINFER),
                 summary="FlashInfer CUTLASS MoE, MXFP8 activations x MXFP4 weights on the SM120 "
                         "block-scaled MMA (SGLang flashinfer_mxfp4 on SM120)"))
     add(Backend("moe", "flashinfer_trtllm_w4a8", f"{_PKG}.flashinfer_adapters:moe_trtllm_w4a8",
-                requires=(_TORCH, _CUDA, Feature("tcgen05"), _FLASHINFER),
+                requires=(TORCH, _CUDA, Feature("tcgen05"), _FLASHINFER),
                 summary="FlashInfer TRT-LLM-gen routed MoE, MXFP8 x MXFP4 on tcgen05 (SM100 family; "
                         "cubins from flashinfer-cubin or FlashInfer's download cache)"))
     add(Backend("moe", "flashinfer_cutlass_w4a16", f"{_PKG}.flashinfer_adapters:moe_cutlass_w4a16",
-                requires=(_TORCH, _CUDA, Feature("wgmma"), _FLASHINFER),
+                requires=(TORCH, _CUDA, Feature("wgmma"), _FLASHINFER),
                 summary="FlashInfer CUTLASS mixed-input MoE, bf16 x MXFP4 on wgmma (SM90; JIT-built)"))
     add(Backend("moe", "marlin_w4a16", f"{_PKG}.marlin_adapter:moe_marlin",
-                requires=(_TORCH, _CUDA, ComputeCapability(">=8.0"), _SGLANG, _SGL_KERNEL),
+                requires=(TORCH, _CUDA, ComputeCapability(">=8.0"), _SGLANG, _SGL_KERNEL),
                 summary="SGLang's MXFP4 Marlin MoE (bf16 x MXFP4, JIT), -1 routes dropped before it"))
     add(Backend("moe", "triton_w4a16", f"{_PKG}.triton_kernels:moe_w4a16",
-                requires=(_TORCH, _TRITON, TritonTarget("8.0")),
+                requires=(TORCH, TRITON, TritonTarget("8.0")),
                 summary="Triton grouped GEMM, MXFP4 decoded on load, bf16 tensor cores (any card Triton "
                         "supports from cc 8.0)"))
     add(Backend("moe", "torch", f"{_PKG}.reference:moe",
-                requires=(_TORCH,),
+                requires=(TORCH,),
                 summary="torch reference, one expert chunk decoded at a time (runs anywhere)"))

@@ -9,7 +9,7 @@ caches, not a bf16 K/V workspace, so they cannot serve this contract; on SM120 S
 runs extends through the paged kernel instead, which is the ``decode_mla`` op's
 ``flashinfer_sparse_mla`` backend (its extend path takes no split-K scratch).
 """
-from ..base import AnyFeature, Backend, Library, Op, TritonTarget
+from ..base import AnyFeature, Backend, Library, Op, TORCH, TRITON, TritonTarget
 
 _PKG = "capdispatch.backends.sparse_prefill"
 
@@ -26,8 +26,6 @@ OPS = (
        reference="torch"),
 )
 
-_TRITON = Library("triton", ">=3.2", module="triton")
-_TORCH = Library("torch", ">=2.4", module="torch")
 # SGLang 0.5.23 pins sgl-flash-mla==1.0.0 and imports it as flash_mla; the
 # use_legacy / return_log2_lse arguments the adapter passes exist from 1.0.
 _FLASHMLA = Library("sgl-flash-mla", ">=1.0", module="flash_mla")
@@ -39,14 +37,14 @@ def register(registry) -> None:
     # Registration order is the default order: fastest first.
     registry.add_backend(Backend(
         "sparse_prefill", "flashmla_sparse", f"{_PKG}.external:flashmla_sparse",
-        requires=(_TORCH, _FLASHMLA, AnyFeature(("wgmma", "tcgen05"))),
+        requires=(TORCH, _FLASHMLA, AnyFeature(("wgmma", "tcgen05"))),
         summary="FlashMLA sparse prefill (legacy kernels: SM90a wgmma, SM100 tcgen05), as SGLang calls it"))
     registry.add_backend(Backend(
         "sparse_prefill", "triton", f"{_PKG}.triton_kernels:sparse_prefill",
-        requires=(_TORCH, _TRITON, TritonTarget("8.0")),
+        requires=(TORCH, TRITON, TritonTarget("8.0")),
         summary="Triton: one program per (query, head block), bf16 tensor-core dots, online softmax, "
                 "no scratch (any CUDA card from SM80)"))
     registry.add_backend(Backend(
         "sparse_prefill", "torch", f"{_PKG}.reference:sparse_prefill",
-        requires=(_TORCH,),
+        requires=(TORCH,),
         summary="torch reference, chunked over queries (runs anywhere)"))
