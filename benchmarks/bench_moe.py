@@ -52,6 +52,16 @@ DEFAULT_BACKENDS = ("triton_w4a16", "torch", "flashinfer_cutlass_w4a16", "marlin
 TOL_NORM = 1.5e-2
 
 
+def roofline(tokens, experts, per_expert, copy_gbps, bf16_tflops):
+    """(bytes, FLOPs, ms at the copy bandwidth, ms at the bf16 rate) of one MoE call:
+    the routed experts' packed weights plus activations in and out and the routing,
+    and two GEMMs (gate+up, down) over every route."""
+    routes = tokens * TOPK
+    nbytes = experts * per_expert + 2 * tokens * H * 2 + routes * 8
+    flops = 6 * routes * H * I
+    return nbytes, flops, nbytes / (copy_gbps * 1e9) * 1e3, flops / (bf16_tflops * 1e12) * 1e3
+
+
 def flashinfer_sm90_status():
     """(importable, built, detail)."""
     try:
@@ -162,10 +172,7 @@ def run(tokens, backends, out_dir, allow_jit, seed):
         tw, ids = R.random_routing(T, TOPK, E, gen=gen, device="cuda")
         routes = T * TOPK
         experts = int(torch.unique(ids[ids >= 0]).numel())
-        nbytes = experts * per_expert + 2 * T * H * 2 + routes * 8
-        flops = 6 * routes * H * I
-        t_bw = nbytes / (bw * 1e9) * 1e3
-        t_fl = flops / (rate * 1e12) * 1e3
+        nbytes, flops, t_bw, t_fl = roofline(T, experts, per_expert, bw, rate)
         bound = max(t_bw, t_fl)
         ref = R.moe(x, base, tw, ids)
         row = {"tokens": T, "routes": routes, "experts_touched": experts, "weight_bytes": nbytes,

@@ -22,13 +22,13 @@ import json
 import os
 import sys
 
-from ceilings import bench, copy_bandwidth, describe, matmul_rate, run_facts  # noqa: E402 (the script's own folder)
+from bench_moe import E, H, I, SWIGLU_LIMIT, TOPK, roofline  # noqa: E402 (the script's own folder)
+from ceilings import bench, copy_bandwidth, describe, matmul_rate, run_facts  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-E, H, I, TOPK, LIMIT = 64, 4096, 2048, 6, 10.0
 CHECK_NORM = 2e-3
 
 
@@ -61,7 +61,7 @@ def main(argv=None):
     gen = torch.Generator().manual_seed(facts["seed"])
     bw, _ = copy_bandwidth()
     rate, _ = matmul_rate()
-    w = R.random_weights(E, H, I, gen=gen, device="cuda", swiglu_limit=LIMIT)
+    w = R.random_weights(E, H, I, gen=gen, device="cuda", swiglu_limit=SWIGLU_LIMIT)
     per_expert = w.packed_bytes_per_expert()
     print(f"[tiles] {facts['device']}: copy {bw:.0f} GB/s, bf16 {rate:.0f} TFLOP/s, seed {facts['seed']}", flush=True)
     rows = []
@@ -72,8 +72,7 @@ def main(argv=None):
         experts = int(torch.unique(ids[ids >= 0]).numel())
         R_ = T * TOPK
         avg = R_ / max(1, min(E, R_))
-        nbytes = experts * per_expert + 2 * T * H * 2 + R_ * 8
-        roof = max(nbytes / (bw * 1e9), 6 * R_ * H * I / (rate * 1e12)) * 1e3
+        roof = max(roofline(T, experts, per_expert, bw, rate)[2:])
         cur = tk._config(avg, H, I, False)
         tried = {}
 
