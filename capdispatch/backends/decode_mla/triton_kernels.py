@@ -12,11 +12,13 @@ bf16 rows ``kv_dequant`` would produce, then fed to bf16 tensor-core dots.
 
 Decode-sized calls (at most ``DECODE_MAX_TOKENS`` = 64 query tokens) that would leave
 SMs idle split each token's index lists into up to 32 ranges and merge the partial
-results in a second kernel; their fp32 scratch holds one [BLOCK_H, 512] partial per
-program, and the split factor is chosen so that programs ~ 2 x SM count, so it is
-bounded by about 4 x SM count x BLOCK_H x 2 KiB (~35 MB on an H200) whatever the
-sequence. Larger calls (extends) take the one-pass kernel and allocate nothing but the
-outputs.
+results in a second kernel; they use the "decode_split" launch configurations (small
+head tiles: many programs), larger calls the "decode" ones (see
+``sparse_prefill/triton_kernels.py``). The split scratch holds one fp32 [BLOCK_H, 512]
+partial per program, and the split factor keeps programs below ~4 x SM count, so it is
+bounded by 4 x SM count x BLOCK_H x 2 KiB (69 MB on an H200 with its 64-head split
+tile) whatever the sequence. Larger calls (extends) take the one-pass kernel and
+allocate nothing but the outputs.
 """
 
 from __future__ import annotations
@@ -57,12 +59,13 @@ def _launch(q, pool, indices, page_size, sm_scale, topk_length, attn_sink, extra
     epool_arg = epool.view(torch.float8_e4m3fn) if native_fp8 else epool
     width = idx.shape[2] + (eidx.shape[2] if has_extra else 0)
     if num_splits is None:
-        cfg = (config or _K.DECODE_CONFIGS[0]) if dev.type == "cuda" else _K.INTERP_CONFIG
+        # The split decision uses the split-K tile: decode-sized calls run with it.
+        cfg = config or _K._configs(dev, "decode_split", T)[0]
         num_splits = _K.decode_splits(dev, T, h, width, block_h=cfg["BLOCK_H"], block_n=cfg["BLOCK_N"])
     dummy = lse
     with on_device(dev):
         _K.launch_sparse_mla(
-            kind="decode", device=dev, T=T, H=h, config=config, num_splits=num_splits,
+            kind="decode_split" if num_splits > 1 else "decode", device=dev, T=T, H=h, config=config, num_splits=num_splits,
             q_ptr=q, q_sb=q.stride(0), q_ss=q.stride(1), q_sh=q.stride(2),
             kv_ptr=pool_arg, kv_row_stride=0, n_kv=a.pool.shape[0] * a.page_size,
             idx_ptr=idx, idx_sb=idx.stride(0), idx_ss=idx.stride(1), n_idx=idx.shape[2],

@@ -37,34 +37,78 @@ import triton.language as tl
 from ..device_scope import on_device
 from . import reference as R
 
-__all__ = ["sparse_prefill", "launch_sparse_mla", "INTERPRETED", "PREFILL_CONFIGS", "DECODE_CONFIGS"]
+__all__ = ["sparse_prefill", "launch_sparse_mla", "configs_for", "INTERPRETED"]
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 _LN2 = tl.constexpr(0.6931471805599453)
 
-# Launch configurations, tried in order until one compiles within the device's shared
-# memory (Triton raises OutOfResources at compile time). Chosen from offline compiles
-# (triton 3.9, ptxas -v) for sm_80, sm_86, sm_89, sm_90a and sm_120a: the first entry of
-# each list uses <= 255 registers with no spills and fits the 99 KB of SM86/SM89/SM120
-# (prefill 82 KB, decode 64 KB); 64-head tiles spilled on every target (a [64, 512] fp32
-# accumulator), and the paged loader's dequantisation needs BLOCK_N = 16 to stay in
-# registers. The benchmark (benchmarks/bench_attention.py --tune) times alternatives.
-PREFILL_CONFIGS = (
-    dict(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=2),
-    dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=1),
-    dict(BLOCK_H=16, BLOCK_N=16, num_warps=4, num_stages=1),
-)
-DECODE_CONFIGS = (
-    dict(BLOCK_H=32, BLOCK_N=16, num_warps=8, num_stages=1),
-    dict(BLOCK_H=16, BLOCK_N=16, num_warps=4, num_stages=1),
-)
+# Launch configurations per call kind, tried in order until one compiles within the
+# device's shared memory (Triton raises OutOfResources at compile time). Kinds:
+# "prefill" (bf16 rows), "decode" (paged pool, one pass) and "decode_split" (paged pool,
+# split-K for decode-sized calls, see decode_splits).
+#
+# PORTABLE: chosen from offline compiles (triton 3.9, ptxas -v) for sm_80, sm_86, sm_89,
+# sm_90a and sm_120a: the first entry of each list uses <= 255 registers with no spills
+# and fits the 99 KB of SM86/SM89/SM120 (prefill 82 KB, decode 64 KB). Never timed on
+# those cards.
+# MEASURED: tables timed on hardware, keyed by compute capability. An entry with
+# "max_tokens" is only used for calls of at most that many query tokens.
+# The H200 (SM90), 2026-11-29, CUDA graphs, DeepSeek-V4 shapes (benchmarks/results/
+# attention_nvidia_h200_20261129T222412.md and the sweep of ...T220941; the defaults
+# re-measured in ...T223206 and ...T223630): 64-head x
+# 64-row tiles (wgmma; one program per token, so each gathered row is dequantised once,
+# not once per head block) are fastest for prefill (1.42 ms against 3.52 ms for the
+# portable tile, s=4096), for one-pass decode (2.77 ms against 9.27 ms at 4096 tokens,
+# 98 us against 295 us at 128) and for split-K decode from 8 to 64 tokens (22-99 us
+# against 31-165 us), although ptxas spills 1-3 KB of their registers; they need
+# 128-192 KB of shared memory, which only SM90 and SM100 have. A single token wants
+# more, smaller programs: 16 heads x 32 rows, 15.9 us against 21.2 us.
+PORTABLE_CONFIGS = {
+    "prefill": (
+        dict(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=2),
+        dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=1),
+        dict(BLOCK_H=16, BLOCK_N=16, num_warps=4, num_stages=1),
+    ),
+    "decode": (
+        dict(BLOCK_H=32, BLOCK_N=16, num_warps=8, num_stages=1),
+        dict(BLOCK_H=16, BLOCK_N=16, num_warps=4, num_stages=1),
+    ),
+}
+PORTABLE_CONFIGS["decode_split"] = PORTABLE_CONFIGS["decode"]
+MEASURED_CONFIGS = {
+    (9, 0): {
+        "prefill": (dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=1),) + PORTABLE_CONFIGS["prefill"],
+        "decode": (dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=1),) + PORTABLE_CONFIGS["decode"],
+        "decode_split": (dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=2, max_tokens=1),
+                         dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=1)) + PORTABLE_CONFIGS["decode"],
+    },
+}
+KINDS = ("prefill", "decode", "decode_split")
 # Under the interpreter (CPU) resources do not matter; small tiles keep it fast and
 # exercise head / index masking with small test shapes.
 INTERP_CONFIG = dict(BLOCK_H=16, BLOCK_N=16, num_warps=4, num_stages=1)
 
+
+def configs_for(cc, kind: str, tokens: int | None = None) -> tuple:
+    """The launch configurations for compute capability ``cc`` ((major, minor)) and call
+    ``kind``, best first: the measured table for that capability, else the portable one;
+    with ``tokens``, without the entries whose ``max_tokens`` is below it."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown kernel kind {kind!r}; valid: {', '.join(KINDS)}")
+    table = MEASURED_CONFIGS.get(tuple(cc), PORTABLE_CONFIGS)[kind]
+    if tokens is None:
+        return table
+    return tuple(c for c in table if c.get("max_tokens", tokens) >= tokens)
+
+
 # Split-K only for decode-sized calls: at most this many query tokens.
 DECODE_MAX_TOKENS = 64
-COMBINE_BLOCK_D = 128   # output columns per combine program (keeps its registers low)
+# Combine tile: small, so that even one token's merge is spread over many programs
+# (the split kernel's head tile may be 64 heads; merging 64 heads x 128 columns per
+# program left most SMs idle at 1-8 tokens).
+COMBINE_BLOCK_H = 8
+COMBINE_BLOCK_D = 64
+COMBINE_WARPS = 2
 MAX_SPLITS = 32   # a power of two: the combine kernel's split axis (one compile for any split count)
 
 
@@ -369,10 +413,10 @@ def num_sms(device_index: int) -> int:
 _chosen: dict = {}    # (device, kind, key) -> index of the first config that compiled
 
 
-def _configs(device: torch.device, kind: str):
+def _configs(device: torch.device, kind: str, tokens: int | None = None):
     if device.type != "cuda":
         return (INTERP_CONFIG,)
-    return PREFILL_CONFIGS if kind == "prefill" else DECODE_CONFIGS
+    return configs_for(torch.cuda.get_device_capability(device), kind, tokens)
 
 
 def _out_of_resources():
@@ -416,7 +460,7 @@ def compile_offline(cc: int, kv_mode: int, cfg: dict, *, extra: bool = False, nu
     return ck, ck.asm["ptx"]
 
 
-def compile_combine_offline(cc: int, block_h: int = 32):
+def compile_combine_offline(cc: int, block_h: int = COMBINE_BLOCK_H):
     """Compile ``_combine_kernel`` for compute capability ``cc`` without a GPU."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -427,7 +471,7 @@ def compile_combine_offline(cc: int, block_h: int = 32):
                   ROUND=False)
     sig.update({k: "constexpr" for k in consts})
     return triton.compile(ASTSource(fn=_combine_kernel, signature=sig, constexprs=consts),
-                          target=GPUTarget("cuda", cc, 32), options=dict(num_warps=4))
+                          target=GPUTarget("cuda", cc, 32), options=dict(num_warps=COMBINE_WARPS))
 
 
 def launch_sparse_mla(*, kind, device, T, H, config=None, num_splits=1, **args):
@@ -435,8 +479,10 @@ def launch_sparse_mla(*, kind, device, T, H, config=None, num_splits=1, **args):
     heads, trying configurations until one fits the device; the choice is cached per
     (device, kind, key). ``args`` are the kernel's arguments by name (minus the grid-
     and config-dependent ones)."""
-    configs = (config,) if config is not None else _configs(device, kind)
-    key = (str(device), kind, args.get("KV_MODE"), args.get("HAS_EXTRA"), num_splits > 1)
+    configs = (config,) if config is not None else _configs(device, kind, T)
+    # The list depends on T only through max_tokens entries: its first entry tells them apart.
+    key = (str(device), kind, args.get("KV_MODE"), args.get("HAS_EXTRA"), num_splits > 1,
+           tuple(sorted(configs[0].items())) if configs else None)
     start = _chosen.get(key, 0) if config is None else 0
     errors = _out_of_resources()
     last = None
@@ -476,23 +522,46 @@ def _run(device, T, H, cfg, num_splits, args):
         **launch)
     fin = {k: args[k] for k in ("sink_ptr", "out_ptr", "out_sb", "out_ss", "out_sh", "ml_ptr", "lse_ptr",
                                 "st_sb", "st_ss", "st_sh", "DIV", "HAS_SINK", "STATS")}
-    _combine_kernel[(T, n_hb, 512 // COMBINE_BLOCK_D)](
+    _combine_kernel[(T, triton.cdiv(H, COMBINE_BLOCK_H), 512 // COMBINE_BLOCK_D)](
         part_o, part_lse, **fin, H=H, H_pad=h_pad, num_splits=splits,
-        SPLITS_P2=MAX_SPLITS, BLOCK_H=bh, BLOCK_D=COMBINE_BLOCK_D, ROUND=INTERPRETED, num_warps=4)
+        SPLITS_P2=MAX_SPLITS, BLOCK_H=COMBINE_BLOCK_H, BLOCK_D=COMBINE_BLOCK_D, ROUND=INTERPRETED,
+        num_warps=COMBINE_WARPS)
+
+
+def plan_splits(programs: int, blocks: int, sms: int, max_splits: int = MAX_SPLITS) -> int:
+    """Split count for ``programs`` (token x head-block) programs over index lists of
+    ``blocks`` blocks on ``sms`` SMs: the one that minimises waves x (blocks per program
+    + 1, the program's fixed cost: its query tile in, its partial out), assuming one
+    resident program per SM (the H200's 64-head tile needs 196 KB of shared memory);
+    ties go to fewer splits (less scratch, a cheaper merge), and the split programs stay
+    below 4 x SM count, which bounds the scratch. Returns the effective count,
+    ceil(blocks / ceil(blocks / s)), which is what the launch uses.
+
+    Why not just 'enough programs to fill the GPU': 32 tokens x 5 splits of 2 blocks are
+    160 programs, two waves on 132 SMs (2 x 3 block-times); 4 splits of 3 blocks are one
+    wave (4 block-times)."""
+    best = None
+    cap = max(1, min(max_splits, blocks, (4 * sms - 1) // max(programs, 1)))
+    for s in range(1, cap + 1):
+        per = -(-blocks // s)
+        eff = -(-blocks // per)
+        key = (-(-programs * eff // sms) * (per + 1), eff)
+        if best is None or key < best:
+            best = key
+    return best[1]
 
 
 def decode_splits(device: torch.device, T: int, H: int, total_index_entries: int, block_h: int = 32,
                   block_n: int = 32) -> int:
     """Split-K factor: >1 only for decode-sized calls (T <= DECODE_MAX_TOKENS) that would
-    otherwise leave the GPU idle (fewer than ~2 programs per SM)."""
+    otherwise leave the GPU idle (fewer than ~2 programs per SM); see plan_splits."""
     if device.type != "cuda" or T > DECODE_MAX_TOKENS or T == 0:
         return 1
     programs = T * triton.cdiv(H, block_h)
-    target = 2 * num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    if programs >= target:
+    sms = num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    if programs >= 2 * sms:
         return 1
-    blocks = triton.cdiv(max(total_index_entries, 1), block_n)
-    return max(1, min(MAX_SPLITS, triton.cdiv(target, programs), blocks))
+    return plan_splits(programs, triton.cdiv(max(total_index_entries, 1), block_n), sms)
 
 
 # --------------------------------------------------------------------------- #
