@@ -514,6 +514,48 @@ def test_triton_kernels_compile_for_sm86():
         assert smem <= 101376, f"{name} (BM={bm}) needs {smem} B of shared memory, more than sm_86 offers"
 
 
+_DEQUANT_COMPILE = r"""
+import os, sys
+os.environ.pop("TRITON_INTERPRET", None)
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from capdispatch.backends.moe import triton_kernels as tk
+DQ = tk._dequant_tile
+
+@triton.jit
+def kernel(w_ptr, s_ptr, o_ptr, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
+    rn = tl.arange(0, BN)
+    v = DQ(w_ptr + rn[:, None] * (BK // 2) + tl.arange(0, BK // 2)[None, :],
+           s_ptr + rn[:, None] * (BK // 32) + tl.arange(0, BK // 32)[None, :], rn < BN, BN, BK, F32)
+    tl.store(o_ptr + rn[:, None] * BK + tl.arange(0, BK)[None, :], v)
+
+for f32 in (True, False):
+    sig = dict(w_ptr="*u8", s_ptr="*u8", o_ptr="*fp32", BN="constexpr", BK="constexpr", F32="constexpr")
+    triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=dict(BN=8, BK=64, F32=f32)),
+                   target=GPUTarget("cuda", int(sys.argv[1]), 32))
+print("compiled")
+"""
+
+
+def test_dequant_tile_compiles_for_both_output_types(tmp_path):
+    """_dequant_tile with F32 True (the tests' exact-decode kernel) and False (the GEMMs)
+    compiles for sm_90 without the interpreter. Regression: an early ``return v`` under
+    ``if F32`` passed the interpreter and failed on the H200 (2026-11-29) with
+    'Inconsistent return types'."""
+    import subprocess
+    import sys
+    script = tmp_path / "dequant_compile.py"      # triton.jit needs a source file
+    script.write_text(_DEQUANT_COMPILE)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    p = subprocess.run([sys.executable, str(script), "90"], capture_output=True, text=True, env=env, cwd=root,
+                       timeout=600)
+    assert p.returncode == 0 and "compiled" in p.stdout, p.stderr[-3000:]
+
+
 # --------------------------------------------------------------------------- #
 # FlashInfer adapters against the installed package (CPU)
 # --------------------------------------------------------------------------- #

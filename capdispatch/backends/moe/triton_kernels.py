@@ -87,9 +87,10 @@ def _dequant_tile(w_ptrs, s_ptrs, mask_n, BN: tl.constexpr, BK: tl.constexpr, F3
     v = tl.reshape(tl.join(lo, hi), (BN, BK // 32, 32))     # element 2j low nibble, 2j+1 high
     v = v * _e8m0_to_f32(sb)[:, :, None]
     v = tl.reshape(v, (BN, BK))
-    if F32:
-        return v
-    return v.to(tl.bfloat16)
+    # One return: compiled Triton (3.6) rejects a constexpr-guarded early return of another type.
+    if not F32:
+        v = v.to(tl.bfloat16)
+    return v
 
 
 # --------------------------------------------------------------------------- #
