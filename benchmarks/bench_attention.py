@@ -57,11 +57,12 @@ QUICK_PREFILL = PREFILL_SHAPES[:1]
 QUICK_DECODE = [DECODE_SHAPES[0], DECODE_SHAPES[2], DECODE_SHAPES[5]]
 SWA_TOPK, SWA_PAGE, C4_TOPK, C4_PAGE = 128, 256, 512, 64
 
+# Candidates for --tune: the measured winners and runners-up of the 2026-11-29 H200 sweeps
+# (64-head tiles for prefill and one-pass decode, small tiles for split-K decode) and
+# the portable tiles (kernels' PORTABLE_CONFIGS).
 TUNE_CONFIGS = [dict(BLOCK_H=bh, BLOCK_N=bn, num_warps=w, num_stages=st) for bh, bn, w, st in (
-    (64, 32, 8, 2), (64, 32, 8, 1), (64, 16, 8, 2), (64, 16, 8, 1), (64, 64, 8, 1), (64, 32, 4, 2),
-    (32, 16, 8, 1),
-    (32, 32, 8, 2), (32, 32, 4, 2), (32, 64, 8, 2), (32, 16, 4, 2), (32, 32, 4, 3),
-    (16, 32, 4, 2), (16, 64, 4, 2), (16, 32, 2, 2),
+    (64, 64, 8, 1), (64, 32, 8, 1), (32, 32, 4, 2), (32, 32, 4, 3), (32, 32, 8, 2), (32, 16, 8, 1),
+    (16, 32, 4, 2), (16, 16, 4, 2), (16, 32, 2, 2), (16, 16, 4, 1),
 )]
 
 
@@ -134,6 +135,32 @@ def decode_inputs(shape, gen):
     return args, dict(tokens=T, entries=SWA_TOPK + C4_TOPK, rows=rows)
 
 
+def flashmla_as_sglang(inputs):
+    """FlashMLA's decode kernel called the way SGLang 0.5.23 serves with it, for comparison
+    with the adapter: index lists already clean (-1 masked, 64-aligned; the benchmark's
+    are), one ``FlashMLASchedMeta`` filled by the first call and reused (SGLang computes
+    it once per batch, not per layer). Returns a callable, or None without flash_mla."""
+    try:
+        import flash_mla
+    except ImportError:
+        return None
+    import torch
+    from capdispatch.backends.decode_mla.external import _pool_view
+    q, pool, idx, ps, scale, lengths, sink, cpool, cidx, cps, clengths = inputs
+    assert idx.shape[-1] % 64 == 0 and cidx.shape[-1] % 64 == 0 and idx.dtype == torch.int32
+    sched = flash_mla.get_mla_metadata()[0]
+    kv, ckv = _pool_view(pool, ps), _pool_view(cpool, cps)
+
+    def call():
+        return flash_mla.flash_mla_with_kvcache(
+            q=q, k_cache=kv, block_table=None, cache_seqlens=None, head_dim_v=512,
+            tile_scheduler_metadata=sched, softmax_scale=scale, is_fp8_kvcache=True, indices=idx,
+            attn_sink=sink, topk_length=lengths, use_legacy=True, extra_k_cache=ckv,
+            extra_indices_in_kvcache=cidx, extra_topk_length=clengths)
+    call()
+    return call
+
+
 def work(op, acc):
     T, n = acc["tokens"], acc["entries"]
     flops = 2 * 2 * T * H * n * 512
@@ -185,6 +212,8 @@ def run(args):
             print(f"[{op}] {b}: {'runnable' if why is None else 'not runnable: ' + why}")
         shapes = (QUICK_PREFILL if args.quick else PREFILL_SHAPES) if op == "sparse_prefill" else \
             (QUICK_DECODE if args.quick else DECODE_SHAPES)
+        if op == "decode_mla" and args.decode_tokens:
+            shapes = [dict(tokens=t) for t in args.decode_tokens]
         ref = cd.bind(op, "cuda:0", backend="torch", registry=reg)
         for shape in shapes:
             make = prefill_inputs if op == "sparse_prefill" else decode_inputs
@@ -222,6 +251,17 @@ def run(args):
                 print(f"  {op} {shape} {backend:>22}: {ms:9.4f} ms"
                       + (f" (graph {gms:.4f})" if gms is not None else "")
                       + f"  {100 * roof / ms:5.1f}% of {bound} roofline  correct={ok} (rel {rel:.1e}, stat {serr:.1e})")
+            if op == "decode_mla" and "flashmla" in times:
+                kfn = flashmla_as_sglang(inputs)
+                if kfn is not None:
+                    o = kfn()[0]   # the output only: the adapter owns the lse conventions
+                    kok = _check(op, (o,), want[:1])[0]
+                    kms = _bench(kfn, args.warmup, args.rep)
+                    kgms = _bench_graph(kfn, args.rep) if args.graphs else None
+                    rows.append(dict(op=op, shape=shape, backend="flashmla (kernel as SGLang calls it)",
+                                     ms=kms, graph_ms=kgms, correct=kok, not_a_backend=True))
+                    print(f"  {op} {shape} flashmla kernel as SGLang calls it: {kms:.4f} ms"
+                          + (f" (graph {kgms:.4f})" if kgms is not None else "") + f" output correct={kok}")
             if "torch" in times:
                 for b, ms in times.items():
                     if b != "torch":
@@ -259,13 +299,15 @@ def tune(op, inputs, shape, want, args):
     out = []
     fns = [("triton", K.sparse_prefill)] if op == "sparse_prefill" else \
         [("triton", DK.decode_mla_u8), ("triton_fp8", DK.decode_mla_fp8)]
-    attr = "PREFILL_CONFIGS" if op == "sparse_prefill" else "DECODE_CONFIGS"
-    saved = getattr(K, attr)
+    if args.tune_backends and op == "decode_mla":
+        fns = [f for f in fns if f[0] in args.tune_backends]
+    saved = K._configs
     try:
         for name, fn in fns:
             best = None
             for cfg in TUNE_CONFIGS:
-                setattr(K, attr, (cfg,))
+                # Every call kind (prefill, decode, decode_split) gets this one configuration.
+                K._configs = lambda device, kind, tokens=None, cfg=cfg: (cfg,)
                 K._chosen.clear()
                 try:
                     got = fn(*inputs)
@@ -287,7 +329,7 @@ def tune(op, inputs, shape, want, args):
                 print(f"  tune {op} {shape} {name}: best {best[1]} {best[0]:.4f} ms"
                       + (" (in graphs)" if args.graphs else ""))
     finally:
-        setattr(K, attr, saved)
+        K._configs = saved
         K._chosen.clear()
     return out
 
@@ -320,6 +362,10 @@ def _write(out_dir, meta, rows, tune_rows):
     for r in rows:
         if "ms" in r:
             g = f"{r['graph_ms']:.4f}" if r.get("graph_ms") is not None else "—"
+            if r.get("not_a_backend"):   # a comparison row (output checked, lse not): no roofline
+                lines.append(f"| {r['op']} | {_fmt_shape(r['shape'])} | {r['backend']} | {r['ms']:.4f} | {g} "
+                             f"| | | output {r['correct']} |")
+                continue
             lines.append(f"| {r['op']} | {_fmt_shape(r['shape'])} | {r['backend']} | {r['ms']:.4f} | {g} | "
                          f"{100 * r['frac_roofline']:.1f} | {r['bound']} | {r['correct']} |")
         elif "error" in r:
@@ -359,7 +405,11 @@ def main(argv=None):
     p.add_argument("--ops", nargs="+", default=["sparse_prefill", "decode_mla"],
                    choices=("sparse_prefill", "decode_mla"))
     p.add_argument("--quick", action="store_true", help="one prefill shape, three decode shapes")
+    p.add_argument("--decode-tokens", type=int, nargs="+", default=None, metavar="T",
+                   help="decode shapes to run (query tokens), instead of the default or --quick list")
     p.add_argument("--tune", action="store_true", help="sweep Triton launch configurations per shape")
+    p.add_argument("--tune-backends", nargs="+", default=None, choices=("triton", "triton_fp8"),
+                   help="with --tune: only these Triton backends (prefill has only 'triton')")
     p.add_argument("--graphs", action="store_true", help="also time inside a CUDA graph (launch overhead removed)")
     p.add_argument("--copy-bytes", type=int, default=2 << 30)
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
