@@ -80,3 +80,27 @@ def test_sass_counter_finds_the_moe_main_loops(tmp_path):
     for line in lines:
         n = int(line.split("main loop ")[1].split()[0])
         assert 100 < n < 5000, line
+
+
+def test_attention_report_keeps_comparison_rows_apart(tmp_path):
+    """bench_attention's report: the 'FlashMLA as SGLang calls it' row is listed without a
+    roofline, and the served-default table appears only when that row was measured."""
+    out = _run(f"""
+        import json, os
+        import bench_attention as B
+        meta = dict(device="NVIDIA H200", date="2026-11-29T22:36:30+00:00", torch="2.11", triton="3.6",
+                    cuda="13.0", compute_capability="9.0", seed=1, heads=64, copy_gbps=4273.0,
+                    bf16_tflops=709.0, availability={{"decode_mla": {{"flashmla": None, "triton_fp8": None}}}})
+        shape = dict(tokens=1)
+        rows = [dict(op="decode_mla", shape=shape, backend="triton_fp8", ms=0.2, graph_ms=0.0157, correct=True,
+                     frac_roofline=0.001, bound="compute"),
+                dict(op="decode_mla", shape=shape, backend="flashmla (kernel as SGLang calls it)", ms=0.03,
+                     graph_ms=0.0122, correct=True, not_a_backend=True),
+                dict(op="decode_mla", shape=shape, served_default="flashmla as SGLang calls it",
+                     fastest_backend_graph="triton_fp8", served_over_fastest_graph=0.0122 / 0.0157)]
+        B._write({str(tmp_path)!r}, meta, rows, [])
+        md = [f for f in os.listdir({str(tmp_path)!r}) if f.endswith(".md")][0]
+        print(open(os.path.join({str(tmp_path)!r}, md)).read())
+    """, tmp_path)
+    assert "| decode_mla | tokens=1 | flashmla (kernel as SGLang calls it) | 0.0300 | 0.0122 | | | output True |" in out
+    assert "| decode_mla | tokens=1 | flashmla as SGLang calls it | triton_fp8 | 0.78 |" in out
