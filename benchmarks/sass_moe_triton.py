@@ -25,12 +25,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-G1 = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "h_ptr": "*bf16", "sorted_ptr": "*i32",
-      "blk_expert_ptr": "*i32", "blk_start_ptr": "*i32", "blk_end_ptr": "*i32", "H": "i32", "I": "i32",
-      "stride_x": "i32", "limit": "fp32"}
-G2 = {"h_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "tw_ptr": "*fp32", "routed_ptr": "*fp32",
-      "sorted_ptr": "*i32", "blk_expert_ptr": "*i32", "blk_start_ptr": "*i32", "blk_end_ptr": "*i32",
-      "H": "i32", "I": "i32"}
 INSN = re.compile(r"^\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)")
 
 
@@ -74,9 +68,11 @@ def main(argv=None):
     os.environ.pop("TRITON_INTERPRET", None)
     from capdispatch.backends.moe import triton_kernels as tk
     t = tk._config(a.avg_rows, 4096, 2048, False)
-    jobs = [("gemm1_swiglu", tk._gemm1_swiglu_kernel, G1,
+    sigs = tk.COMPILE_SIGNATURES
+    jobs = [("gemm1_swiglu", tk._gemm1_swiglu_kernel, sigs["_gemm1_swiglu_kernel"],
              dict(TOPK=6, HAS_LIMIT=True, F32=False, BM=t.BM, BN=t.BN1, BK=t.BK1), t.W1, t.S1),
-            ("gemm2", tk._gemm2_kernel, G2, dict(F32=False, BM=t.BM, BN=t.BN2, BK=t.BK2), t.W2, t.S2)]
+            ("gemm2", tk._gemm2_kernel, sigs["_gemm2_kernel"],
+             dict(F32=False, BM=t.BM, BN=t.BN2, BK=t.BK2), t.W2, t.S2)]
     print(f"sm_{a.cc}, {t}")
     for name, fn, sig, consts, warps, stages in jobs:
         n, mix = main_loop(sass(fn, sig, consts, warps, stages, a.cc))

@@ -471,27 +471,18 @@ from triton.compiler import ASTSource
 from capdispatch.backends.moe import triton_kernels as tk
 assert not tk.INTERPRETED
 cc = int(sys.argv[1])
-g1 = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "h_ptr": "*bf16", "sorted_ptr": "*i32",
-      "blk_expert_ptr": "*i32", "blk_start_ptr": "*i32", "blk_end_ptr": "*i32", "H": "i32", "I": "i32",
-      "stride_x": "i32", "limit": "fp32"}
-g2 = {"h_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "tw_ptr": "*fp32", "routed_ptr": "*fp32",
-      "sorted_ptr": "*i32", "blk_expert_ptr": "*i32", "blk_start_ptr": "*i32", "blk_end_ptr": "*i32",
-      "H": "i32", "I": "i32"}
-rt = {"ids_ptr": "*i32", "sorted_ptr": "*i32", "blk_expert_ptr": "*i32", "blk_start_ptr": "*i32",
-      "blk_end_ptr": "*i32", "R": "i32", "E": "i32", "MAXB": "i32"}
-cb = {"routed_ptr": "*fp32", "ids_ptr": "*i32", "out_ptr": "*bf16", "H": "i32", "stride_out": "i32"}
 out = []
-def build(fn, sig, consts, warps, stages=3):
-    sig = dict(sig, **{k: "constexpr" for k in consts})
+def build(fn, consts, warps, stages=3):
+    sig = dict(tk.COMPILE_SIGNATURES[fn.__name__], **{k: "constexpr" for k in consts})
     c = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", cc, 32),
                        options={"num_warps": warps, "num_stages": stages})
     out.append([fn.__name__, consts.get("BM"), c.metadata.shared])
 for avg in (1000.0,):                # the prefill tiles: the largest shared-memory use
     BM, BN1, BK1, W1, S1, BN2, BK2, W2, S2 = tk._config(avg, 4096, 2048, False)
-    build(tk._gemm1_swiglu_kernel, g1, dict(TOPK=6, HAS_LIMIT=True, F32=False, BM=BM, BN=BN1, BK=BK1), W1, S1)
-    build(tk._gemm2_kernel, g2, dict(F32=False, BM=BM, BN=BN2, BK=BK2), W2, S2)
-build(tk._routing_kernel, rt, dict(CH=tk.ROUTING_CHUNK, EP=64, BP=128, BM=16), 4)
-build(tk._combine_kernel, cb, dict(TOPK=6, BN=1024, EXACT_RNE=False), 4)
+    build(tk._gemm1_swiglu_kernel, dict(TOPK=6, HAS_LIMIT=True, F32=False, BM=BM, BN=BN1, BK=BK1), W1, S1)
+    build(tk._gemm2_kernel, dict(F32=False, BM=BM, BN=BN2, BK=BK2), W2, S2)
+build(tk._routing_kernel, dict(CH=tk.ROUTING_CHUNK, EP=64, BP=128, BM=16), 4)
+build(tk._combine_kernel, dict(TOPK=6, BN=1024, EXACT_RNE=False), 4)
 print(json.dumps(out))
 """
 

@@ -283,6 +283,22 @@ def _combine_kernel(routed_ptr, ids_ptr, out_ptr, H, stride_out, TOPK: tl.conste
 # --------------------------------------------------------------------------- #
 INTERPRETED = not isinstance(_combine_kernel, triton.runtime.jit.JITFunction)
 
+# Types of each kernel's runtime (non-constexpr) arguments, in order: what an offline
+# compile (triton.compile(ASTSource(...)) for a GPUTarget, no GPU) needs. Used by the
+# tests' compile checks and benchmarks/sass_moe_triton.py.
+COMPILE_SIGNATURES = {
+    "_gemm1_swiglu_kernel": {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "h_ptr": "*bf16",
+                             "sorted_ptr": "*i32", "blk_expert_ptr": "*i32", "blk_start_ptr": "*i32",
+                             "blk_end_ptr": "*i32", "H": "i32", "I": "i32", "stride_x": "i32", "limit": "fp32"},
+    "_gemm2_kernel": {"h_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "tw_ptr": "*fp32", "routed_ptr": "*fp32",
+                      "sorted_ptr": "*i32", "blk_expert_ptr": "*i32", "blk_start_ptr": "*i32",
+                      "blk_end_ptr": "*i32", "H": "i32", "I": "i32"},
+    "_routing_kernel": {"ids_ptr": "*i32", "sorted_ptr": "*i32", "blk_expert_ptr": "*i32", "blk_start_ptr": "*i32",
+                        "blk_end_ptr": "*i32", "R": "i32", "E": "i32", "MAXB": "i32"},
+    "_combine_kernel": {"routed_ptr": "*fp32", "ids_ptr": "*i32", "out_ptr": "*bf16", "H": "i32",
+                        "stride_out": "i32"},
+}
+
 
 def _alloc(shape, dtype, device):
     """Scratch buffers (uninitialised on purpose; tests poison them through this hook)."""
