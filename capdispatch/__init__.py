@@ -9,6 +9,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 _API = {
+    "CapdispatchError": ("capdispatch.errors", "CapdispatchError"),
     "probe": ("capdispatch.capabilities", "probe"),
     "DeviceSpec": ("capdispatch.capabilities", "DeviceSpec"),
     "resolve": ("capdispatch.dispatch", "resolve"),
@@ -20,6 +21,12 @@ _API = {
     "NoBackendError": ("capdispatch.dispatch", "NoBackendError"),
     "Unsatisfiable": ("capdispatch.dispatch", "Unsatisfiable"),
     "BadInput": ("capdispatch.dispatch", "BadInput"),
+    "StrictFallbackError": ("capdispatch.dispatch", "StrictFallbackError"),
+    "GroupDivergenceError": ("capdispatch.dispatch", "GroupDivergenceError"),
+    "PolicyError": ("capdispatch.policies", "PolicyError"),
+    "SelectionError": ("capdispatch.policies", "SelectionError"),
+    "UnknownDeviceError": ("capdispatch.capabilities", "UnknownDeviceError"),
+    "ProbeError": ("capdispatch.capabilities", "ProbeError"),
 }
 
 __all__ = sorted(_API)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 
+from ..errors import CapdispatchError
 from .base import Backend, Op
 
 BUILTIN_OP_PACKAGES = (
@@ -18,7 +19,7 @@ BUILTIN_OP_PACKAGES = (
 )
 
 
-class RegistryError(ValueError):
+class RegistryError(CapdispatchError, ValueError):
     pass
 
 

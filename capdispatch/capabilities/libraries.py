@@ -15,8 +15,10 @@ from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
+from ..errors import CapdispatchError
 
-class AssumeLibError(ValueError):
+
+class AssumeLibError(CapdispatchError, ValueError):
     """A bad --assume-lib value."""
 
 

@@ -10,11 +10,12 @@ import platform as _platform
 import sys
 from typing import Optional
 
+from ..errors import CapdispatchError
 from . import catalog
 from .spec import DeviceSpec
 
 
-class ProbeError(RuntimeError):
+class ProbeError(CapdispatchError, RuntimeError):
     """A real device could not be probed (no driver, no such index, ...)."""
 
 

@@ -84,20 +84,10 @@ def _setup_logging():
 
 
 def main(argv=None) -> int:
-    from ..capabilities import ProbeError, UnknownDeviceError
-    from ..policies import PolicyError
-    from .errors import BadInput, Unsatisfiable
-
+    from .errors import run_guarded
     args = _parser().parse_args(argv)
     _setup_logging()
-    try:
-        return _run(args)
-    except (BadInput, PolicyError, UnknownDeviceError, ProbeError) as exc:
-        print(f"dispatch: error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except Unsatisfiable as exc:
-        print(f"dispatch: unsatisfiable: {exc}", file=sys.stderr)
-        return EXIT_UNSAT
+    return run_guarded("dispatch", lambda: _run(args))
 
 
 def _emit(args, obj, text):

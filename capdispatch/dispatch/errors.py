@@ -1,12 +1,14 @@
 """Errors of a decision. BadInput -> exit 2; Unsatisfiable -> exit 3."""
 from __future__ import annotations
 
+from ..errors import CapdispatchError
 
-class BadInput(ValueError):
+
+class BadInput(CapdispatchError, ValueError):
     """Unknown op, device or backend; a bad flag value."""
 
 
-class Unsatisfiable(RuntimeError):
+class Unsatisfiable(CapdispatchError, RuntimeError):
     """Nothing can run, or a strict choice cannot run, or a group may not diverge."""
 
 
@@ -27,3 +29,48 @@ class StrictFallbackError(Unsatisfiable):
 
 class GroupDivergenceError(Unsatisfiable):
     pass
+
+
+EXIT_OK, EXIT_BAD_INPUT, EXIT_UNSAT, EXIT_INTERNAL = 0, 2, 3, 1
+
+
+def exit_code(exc: BaseException) -> int:
+    """The command line's exit code for an error: 3 unsatisfiable, 2 any other of ours."""
+    if isinstance(exc, Unsatisfiable):
+        return EXIT_UNSAT
+    if isinstance(exc, CapdispatchError):
+        return EXIT_BAD_INPUT
+    return EXIT_INTERNAL
+
+
+def run_guarded(prog: str, fn) -> int:
+    """Run a command body; turn our errors into one line and an exit code.
+
+    An exception that is not ours is a bug: one line saying so and how to
+    report it (the traceback with CAPDISPATCH_DEBUG=1), exit 1.
+    """
+    import os
+    import sys
+    try:
+        return fn()
+    except CapdispatchError as exc:
+        kind = "unsatisfiable" if isinstance(exc, Unsatisfiable) else "error"
+        print(f"{prog}: {kind}: {exc}", file=sys.stderr)
+        return exit_code(exc)
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # The reader went away (`dispatch explain | head`): nothing more to say.
+        try:
+            sys.stdout = open(os.devnull, "w")
+        except OSError:
+            pass
+        return EXIT_OK
+    except Exception as exc:
+        if os.environ.get("CAPDISPATCH_DEBUG", "") not in ("", "0"):
+            raise
+        print(f"{prog}: internal error: {type(exc).__name__}: {exc}\n"
+              f"  this is a bug in capdispatch; please report it with the command line and the "
+              f"output of `dispatch env` (CAPDISPATCH_DEBUG=1 shows the traceback)", file=sys.stderr)
+        return EXIT_INTERNAL

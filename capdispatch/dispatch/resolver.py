@@ -61,14 +61,9 @@ class Context:
             or self.env.get("CAPDISPATCH_STRICT", "") not in ("", "0")
 
 
-def known_device_names() -> tuple:
-    names = set()
-    for key in _catalog.names():
-        entry = _catalog.lookup(key)
-        names.add(key)
-        names.add(str(entry.get("name", "")).lower())
-        names.update(str(a).lower() for a in entry.get("aliases") or ())
-    return tuple(sorted(n for n in names if n))
+def known_device_names() -> dict:
+    """Every name a policy's `match: {name: ...}` may use (lower case) -> its catalog key."""
+    return dict(sorted(_catalog.known_names().items()))
 
 
 def context(*, policy=None, selections=None, assume_libs=None, strict=False, registry=None,

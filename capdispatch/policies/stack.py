@@ -6,6 +6,8 @@ from typing import Optional
 
 import attrs
 
+from ..errors import CapdispatchError
+
 from .loader import PolicyError, PolicyFile, _did_you_mean, load_default, load_file
 
 
@@ -68,7 +70,7 @@ class PolicyStack:
         return None
 
 
-class SelectionError(ValueError):
+class SelectionError(CapdispatchError, ValueError):
     pass
 
 

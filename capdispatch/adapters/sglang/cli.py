@@ -46,11 +46,7 @@ def _parser():
 
 
 def main(argv=None) -> int:
-    from capdispatch.capabilities import ProbeError, UnknownDeviceError
-    from capdispatch.dispatch.errors import BadInput, Unsatisfiable
-    from capdispatch.policies import PolicyError
-
-    from .knobs import KnobsError
+    import capdispatch as cd
     argv = list(sys.argv[1:] if argv is None else argv)
     sglang_args = None
     if "--" in argv:
@@ -59,12 +55,12 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     try:
         return _plan(args, sglang_args)
-    except (BadInput, PolicyError, UnknownDeviceError, ProbeError, KnobsError) as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except Unsatisfiable as exc:
+    except cd.Unsatisfiable as exc:
         print(f"{PROG}: unsatisfiable: {exc}", file=sys.stderr)
         return EXIT_UNSAT
+    except cd.CapdispatchError as exc:   # bad input of any kind (KnobsError included)
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
 
 
 def _env_for(args, *, with_set: bool) -> dict:

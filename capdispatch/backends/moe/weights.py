@@ -28,6 +28,8 @@ from __future__ import annotations
 import importlib
 from typing import Optional
 
+from ...errors import CapdispatchError
+
 GROUP = 32                 # MXFP4 block: one E8M0 scale per 32 weights
 CHECKPOINT = "checkpoint"  # layout tag of unprepared weights
 
@@ -52,7 +54,7 @@ def packed_bytes_per_expert(hidden: int, intermediate: int) -> int:
     return n // 2 + n // GROUP
 
 
-class LayoutError(ValueError):
+class LayoutError(CapdispatchError, ValueError):
     """Weights are not in the layout the called backend consumes."""
 
 
