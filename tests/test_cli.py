@@ -57,7 +57,7 @@ def test_mixed_rig_diverges_with_one_warning(run_cli):
     assert rc == 0, err
     g = doc["ops"]["kv_dequant"]
     assert g["uniform"] is False
-    assert list(g["per_device"]) == ["sim:rtx-5090", "sim:rtx-3080", "sim:rtx-3080#2"]
+    assert list(g["per_device"]) == ["sim:rtx-5090", "sim:rtx-3080@1", "sim:rtx-3080@2"]
     assert [r["backend"] for r in g["per_device"].values()] == ["triton_fp8", "triton_u8", "triton_u8"]
     warnings = [line for line in err.splitlines() if line.startswith("WARNING")]
     assert len(warnings) == 1 and "kv_dequant" in warnings[0], err

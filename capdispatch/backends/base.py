@@ -136,7 +136,7 @@ class Library:
                 msg = f"{self.dist} {fact.version} is outside {self.spec}"
         found = fact.describe()
         if ok and self.module and f.check_imports and not fact.assumed:
-            imp = import_check(self.module)
+            imp = import_check(self.module, env=f.env)
             if not imp.ok:
                 ok, msg = False, f"import {self.module} failed: {imp.error}"
                 found = f"{found}, import failed"

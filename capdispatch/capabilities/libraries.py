@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import importlib
 import re
+import sys
+import threading
 from importlib import metadata
 from typing import Optional
 
@@ -37,21 +39,38 @@ class LibraryFact:
         return f"{self.version}{' (assumed)' if self.assumed else ''}"
 
 
+MAX_ASSUME = 200    # characters: a name and a version are far shorter
+
+
+def _shown(text) -> str:
+    return ascii(text) if len(text) <= 80 else f"{ascii(text[:60])}... ({len(text)} characters)"
+
+
 def parse_assume(text: str) -> tuple:
     """'triton' -> ('triton', None); 'flashinfer-python==0.6.14' -> (name, '0.6.14')."""
+    if not isinstance(text, str):
+        raise AssumeLibError(f"bad --assume-lib {text!r}: expected a string NAME or NAME==VERSION")
+    if len(text) > MAX_ASSUME:
+        raise AssumeLibError(f"bad --assume-lib {_shown(text)}: longer than {MAX_ASSUME} "
+                             f"characters; expected NAME or NAME==VERSION")
     try:
         req = Requirement(text)
-    except InvalidRequirement as exc:
-        raise AssumeLibError(f"bad --assume-lib {text!r}: {exc}; expected NAME or NAME==VERSION")
+    except (InvalidRequirement, ValueError) as exc:
+        raise AssumeLibError(f"bad --assume-lib {_shown(text)}: {exc}; expected NAME or "
+                             f"NAME==VERSION") from None
+    if req.url or req.extras or req.marker:
+        raise AssumeLibError(f"bad --assume-lib {_shown(text)}: expected NAME or NAME==VERSION "
+                             f"(no extras, URL or environment marker)")
     specs = list(req.specifier)
     if not specs:
         return canonicalize_name(req.name), None
     if len(specs) != 1 or specs[0].operator != "==" or "*" in specs[0].version:
-        raise AssumeLibError(f"bad --assume-lib {text!r}: give one exact version, NAME==VERSION")
+        raise AssumeLibError(f"bad --assume-lib {_shown(text)}: give one exact version, NAME==VERSION")
     try:
         Version(specs[0].version)
-    except InvalidVersion:
-        raise AssumeLibError(f"bad --assume-lib {text!r}: {specs[0].version!r} is not a version")
+    except (InvalidVersion, ValueError):
+        raise AssumeLibError(f"bad --assume-lib {_shown(text)}: {_shown(specs[0].version)} is not "
+                             f"a version (e.g. 3.4.0)") from None
     return canonicalize_name(req.name), specs[0].version
 
 
@@ -84,11 +103,70 @@ class ImportCheck:
     error: Optional[str] = None
 
 
-def import_check(module: str) -> ImportCheck:
-    """Try importing MODULE; a failure is recorded in the result, never raised."""
+DEFAULT_IMPORT_TIMEOUT = 60.0   # seconds; a cold import of torch or triton takes a few
+
+
+def _import_timeout(env) -> float:
+    raw = env.get("CAPDISPATCH_IMPORT_TIMEOUT", "")
+    if not raw.strip():
+        return DEFAULT_IMPORT_TIMEOUT
     try:
-        importlib.import_module(module)
-    except Exception as exc:  # any failure of a foreign import is a fact, not a crash
-        msg = re.sub(r"\s+", " ", f"{type(exc).__name__}: {exc}")[:300]
-        return ImportCheck(module, False, msg)
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= 3600:
+        raise ImportTimeoutError(f"CAPDISPATCH_IMPORT_TIMEOUT={ascii(raw[:40])} is not a number "
+                                 f"of seconds in (0, 3600] (default {DEFAULT_IMPORT_TIMEOUT:g})")
+    return value
+
+
+class ImportTimeoutError(CapdispatchError, ValueError):
+    """A bad CAPDISPATCH_IMPORT_TIMEOUT value."""
+
+
+# Imports still running after their check gave up, by module: a second check
+# must not wait on the same import lock.
+_pending: dict = {}
+_pending_lock = threading.Lock()
+
+
+def import_check(module: str, *, timeout: Optional[float] = None, env=None) -> ImportCheck:
+    """Try importing MODULE within TIMEOUT seconds (default CAPDISPATCH_IMPORT_TIMEOUT or
+    60); a failure or a hang is recorded in the result, never raised or waited out.
+
+    The import runs on a daemon thread so that a library that hangs at import
+    (a driver call, a lock, a network mount) costs the decision TIMEOUT seconds
+    instead of the whole command.
+    """
+    import os
+    if module in sys.modules and module not in _pending:
+        return ImportCheck(module, True)
+    if timeout is None:
+        timeout = _import_timeout(os.environ if env is None else env)
+    with _pending_lock:
+        worker = _pending.get(module)
+        if worker is None:
+            worker = _pending[module] = _ImportThread(module)
+            worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        return ImportCheck(module, False, f"timed out after {timeout:g} s (the import is left "
+                                          f"running in the background; CAPDISPATCH_IMPORT_TIMEOUT "
+                                          f"sets the limit)")
+    with _pending_lock:
+        _pending.pop(module, None)
+    if worker.error is not None:
+        return ImportCheck(module, False, worker.error)
     return ImportCheck(module, True)
+
+
+class _ImportThread(threading.Thread):
+    def __init__(self, module: str):
+        super().__init__(name=f"capdispatch-import-{module}", daemon=True)
+        self.module, self.error = module, None
+
+    def run(self):
+        try:
+            importlib.import_module(self.module)
+        except BaseException as exc:  # any failure of a foreign import is a fact, not a crash
+            self.error = re.sub(r"\s+", " ", f"{type(exc).__name__}: {exc}")[:300]

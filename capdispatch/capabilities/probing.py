@@ -19,22 +19,52 @@ class ProbeError(CapdispatchError, RuntimeError):
     """A real device could not be probed (no driver, no such index, ...)."""
 
 
+class AssumeCudaError(CapdispatchError, ValueError):
+    """A bad --assume-cuda value."""
+
+
+MAX_INDEX_DIGITS = 6     # no host has a million GPUs; longer is a typo or junk
+
+
+def _shown(text) -> str:
+    return ascii(text) if len(text) <= 80 else f"{ascii(text[:60])}... ({len(text)} characters)"
+
+
 def parse_device(text: str) -> tuple:
     """'cuda:1' -> ('cuda', '1'); 'sim:rtx-3080' -> ('sim', 'rtx-3080'); 'cpu' -> ('cpu', '')."""
+    if not isinstance(text, str):
+        raise catalog.UnknownDeviceError(
+            f"bad device {text!r}: expected a string cuda:N, cpu or sim:NAME, or a DeviceSpec")
     text = text.strip()
     if text == "cpu":
         return ("cpu", "")
     if text == "cuda":
         return ("cuda", "0")
     kind, sep, rest = text.partition(":")
-    if sep and kind in ("cuda", "sim") and rest:
-        if kind == "cuda" and not rest.isdigit():
+    if sep and kind in ("cuda", "sim") and rest.strip():
+        if kind == "cuda" and not (rest.isascii() and rest.isdigit()
+                                   and len(rest) <= MAX_INDEX_DIGITS):
             raise catalog.UnknownDeviceError(
-                f"bad device {text!r}: a CUDA device is cuda:N with N a non-negative integer")
-        return (kind, rest)
+                f"bad device {_shown(text)}: a CUDA device is cuda:N with N a device index "
+                f"(0, 1, ...; `dispatch devices` lists them)")
+        return (kind, rest.strip())
+    if sep and kind == "sim":
+        raise catalog.UnknownDeviceError(
+            f"bad device {_shown(text)}: sim: needs a NAME (one of {', '.join(catalog.names())})")
     raise catalog.UnknownDeviceError(
-        f"bad device {text!r}: expected cuda:N, cpu, or sim:NAME "
+        f"bad device {_shown(text)}: expected cuda:N, cpu, or sim:NAME "
         f"(NAME one of {', '.join(catalog.names())})")
+
+
+def check_assume_cuda(value: Optional[str]) -> Optional[str]:
+    """--assume-cuda: a CUDA toolkit version such as 12.8 or 13.0 (None: not given)."""
+    if value is None:
+        return None
+    import re
+    if not isinstance(value, str) or not re.fullmatch(r"\d{1,2}\.\d{1,2}(\.\d{1,3})?", value.strip(), re.ASCII):
+        raise AssumeCudaError(f"bad --assume-cuda {_shown(str(value))}: expected a CUDA toolkit "
+                              f"version such as 12.8 or 13.0")
+    return value.strip()
 
 
 def probe(device, *, via: str = "auto", assume_cuda: Optional[str] = None) -> DeviceSpec:
@@ -45,7 +75,7 @@ def probe(device, *, via: str = "auto", assume_cuda: Optional[str] = None) -> De
     if kind == "cpu":
         return probe_cpu()
     if kind == "sim":
-        return catalog.simulate(rest, cuda=assume_cuda)
+        return catalog.simulate(rest, cuda=check_assume_cuda(assume_cuda))
     index = int(rest)
     if via == "torch" or (via == "auto" and _torch_cuda_initialized()):
         return probe_torch(index)

@@ -1,6 +1,7 @@
 """Group decisions (a TP group): resolve each device on its own facts, then compare."""
 from __future__ import annotations
 
+import collections
 import logging
 from typing import Optional
 
@@ -26,12 +27,13 @@ class GroupResolution:
 
 
 def unique_ids(specs) -> list:
-    """A group may hold the same card twice; give later copies '#<position>'."""
-    seen, out = set(), []
-    for i, s in enumerate(specs):
-        out.append(s if s.id not in seen else s.with_id(f"{s.id}#{i}"))
-        seen.add(s.id)
-    return out
+    """A group may hold the same card more than once: every copy of a repeated id
+    becomes ID@N, N its position in the group (its TP rank), so each copy keeps the
+    same name whatever else is in the group. A policy's `id: ID` still matches every
+    copy; `id: ID@N` the copy at position N."""
+    specs = list(specs)
+    counts = collections.Counter(s.id for s in specs)
+    return [s.with_id(f"{s.id}@{i}") if counts[s.id] > 1 else s for i, s in enumerate(specs)]
 
 
 def _table(per_device) -> str:

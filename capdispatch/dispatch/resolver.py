@@ -58,7 +58,24 @@ class Context:
     @property
     def strict_effective(self) -> bool:
         return self.strict or self.stack.setting("on_unsupported").value == "error" \
-            or self.env.get("CAPDISPATCH_STRICT", "") not in ("", "0")
+            or env_flag(self.env, "CAPDISPATCH_STRICT")
+
+
+FLAG_ON = ("1", "true", "yes", "on")
+FLAG_OFF = ("", "0", "false", "no", "off")
+
+
+def env_flag(env, name: str) -> bool:
+    """A yes/no environment variable: 1/true/yes/on, or 0/false/no/off/empty (any case)."""
+    raw = env.get(name, "")
+    value = raw.strip().lower()
+    if value in FLAG_ON:
+        return True
+    if value in FLAG_OFF:
+        return False
+    raise BadInput(f"{name}={ascii(raw) if len(raw) <= 40 else ascii(raw[:40]) + '...'} is not "
+                   f"a yes/no value (valid: {', '.join(FLAG_ON)} to turn it on; "
+                   f"{', '.join(v for v in FLAG_OFF if v)} or empty to leave it off)")
 
 
 def known_device_names() -> dict:
@@ -82,6 +99,7 @@ def context(*, policy=None, selections=None, assume_libs=None, strict=False, reg
                                 selection_origin=selection_origin)
     except _policies.SelectionError as exc:
         raise BadInput(str(exc)) from None
+    env_flag(env, "CAPDISPATCH_STRICT")   # a bad value is refused now, not at the first fallback
     return Context(registry, stack, inventory, env, strict)
 
 
@@ -146,10 +164,12 @@ def resolve_in(ctx: Context, op: str, device: DeviceSpec) -> Resolution:
 
 
 def as_spec(device, *, via="auto", assume_cuda=None) -> DeviceSpec:
-    from ..capabilities import UnknownDeviceError
+    from ..capabilities import AssumeCudaError, UnknownDeviceError
+    if via not in ("auto", "torch", "nvml"):
+        raise BadInput(f"probe {via!r} is not valid (valid: auto, torch, nvml)")
     try:
         return probe(device, via=via, assume_cuda=assume_cuda)
-    except UnknownDeviceError as exc:
+    except (UnknownDeviceError, AssumeCudaError) as exc:
         raise BadInput(str(exc)) from None
 
 
