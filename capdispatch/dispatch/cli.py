@@ -196,36 +196,12 @@ def _cmd_policy_validate(args) -> int:
 def _cmd_policy_show(args) -> int:
     from ..backends import builtin
     from ..policies import build
+    from ..policies.show import merged
     from .resolver import known_device_names
     reg = builtin()
     stack = build(reg, policy=args.policy or None, known_devices=known_device_names())
-    obj = {"schema": 1, "settings": {}, "ops": {}, "devices": [], "selections": []}
-    lines = []
-    for key in ("mixed_group", "on_unsupported"):
-        s = stack.setting(key)
-        obj["settings"][key] = {"value": s.value, "from": s.origin}
-        lines.append(f"{key}: {s.value}    # {s.origin}")
-    lines.append("ops:")
-    for op in reg.ops:
-        for pf in reversed(stack.layers):
-            if op in pf.ops:
-                m = pf.ops[op]
-                obj["ops"][op] = {"backends": list(m.value), "from": f"{pf.path}:{m.line}"}
-                lines.append(f"  {op}: [{', '.join(m.value)}]    # {pf.path}:{m.line}")
-                break
-    entries = [(pf, e) for pf in stack.layers for e in pf.devices]
-    if entries:
-        lines.append("devices:    # later entries win")
-    for pf, e in entries:
-        obj["devices"].append({"match": e.match, "from": f"{pf.path}:{e.line}",
-                               "ops": {op: list(m.value) for op, m in e.ops.items()}})
-        lines.append(f"  - match: {e.match}    # {pf.path}:{e.line}")
-        for op, m in e.ops.items():
-            lines.append(f"      {op}: [{', '.join(m.value)}]    # {pf.path}:{m.line}")
-    for s in stack.selections:
-        obj["selections"].append({"op": s.op, "backend": s.backend, "from": s.origin})
-        lines.append(f"selection: {s.op}={s.backend}    # {s.origin}")
-    _emit(args, obj, "\n".join(lines))
+    obj, text = merged(stack, reg)
+    _emit(args, obj, text)
     return EXIT_OK
 
 
