@@ -85,7 +85,10 @@ def _setup_logging():
 
 def main(argv=None) -> int:
     from .errors import run_guarded
-    args = _parser().parse_args(argv)
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as exc:    # --help, or a usage error already printed: return its code
+        return exc.code if isinstance(exc.code, int) else EXIT_BAD_INPUT
     _setup_logging()
     return run_guarded("dispatch", lambda: _run(args))
 
@@ -188,8 +191,8 @@ def _cmd_policy_validate(args) -> int:
     from ..policies import load_file
     from .resolver import known_device_names
     for f in args.files:
-        load_file(f, builtin(), known_devices=known_device_names())
-        print(f"{f}: ok")
+        pf = load_file(f, builtin(), known_devices=known_device_names())
+        print(f"{pf.path}: ok")
     return EXIT_OK
 
 

@@ -43,6 +43,18 @@ def exit_code(exc: BaseException) -> int:
     return EXIT_INTERNAL
 
 
+def _say(text: str) -> None:
+    """One line to stderr, whatever the terminal can encode (lone surrogates from
+    argv or file names included)."""
+    import sys
+    enc = getattr(sys.stderr, "encoding", None) or "utf-8"
+    try:
+        text = text.encode(enc, "backslashreplace").decode(enc)
+    except LookupError:
+        text = text.encode("ascii", "backslashreplace").decode("ascii")
+    print(text, file=sys.stderr)
+
+
 def run_guarded(prog: str, fn) -> int:
     """Run a command body; turn our errors into one line and an exit code.
 
@@ -55,10 +67,10 @@ def run_guarded(prog: str, fn) -> int:
         return fn()
     except CapdispatchError as exc:
         kind = "unsatisfiable" if isinstance(exc, Unsatisfiable) else "error"
-        print(f"{prog}: {kind}: {exc}", file=sys.stderr)
+        _say(f"{prog}: {kind}: {exc}")
         return exit_code(exc)
     except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
+        _say(f"{prog}: interrupted")
         return 130
     except BrokenPipeError:
         # The reader went away (`dispatch explain | head`): nothing more to say.
@@ -68,9 +80,9 @@ def run_guarded(prog: str, fn) -> int:
             pass
         return EXIT_OK
     except Exception as exc:
-        if os.environ.get("CAPDISPATCH_DEBUG", "") not in ("", "0"):
+        if os.environ.get("CAPDISPATCH_DEBUG", "").strip().lower() in ("1", "true", "yes", "on"):
             raise
-        print(f"{prog}: internal error: {type(exc).__name__}: {exc}\n"
-              f"  this is a bug in capdispatch; please report it with the command line and the "
-              f"output of `dispatch env` (CAPDISPATCH_DEBUG=1 shows the traceback)", file=sys.stderr)
+        _say(f"{prog}: internal error: {type(exc).__name__}: {exc}\n"
+             f"  this is a bug in capdispatch; please report it with the command line and the "
+             f"output of `dispatch env` (CAPDISPATCH_DEBUG=1 shows the traceback)")
         return EXIT_INTERNAL
