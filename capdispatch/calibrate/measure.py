@@ -1,0 +1,62 @@
+"""The measurement loop: for each size, fresh inputs; each backend checked against the
+torch reference, then timed (inside a CUDA graph where the op is served that way)."""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import attrs
+
+from .ladder import served_in_graphs
+
+
+@attrs.frozen
+class Row:
+    op: str
+    size: int
+    backend: str
+    ms: Optional[float]       # None: not timed (the check failed, or the call raised)
+    ok: bool
+    detail: str
+    graph: bool
+
+    def to_dict(self) -> dict:
+        return attrs.asdict(self)
+
+
+def measure(op: str, sizes, backends: dict, *, device: str, platform: str, profile: dict, gen,
+            timer: Callable, step: Callable = lambda: None) -> list:
+    """BACKENDS: name -> callable (what `bind` returns). TIMER(call, graph) -> ms times a
+    zero-argument call (which carries .op, .backend and .size). STEP is called after
+    each (size, backend), for a progress bar."""
+    from . import inputs
+    rows = []
+    for size in sizes:
+        case = inputs.case(op, size, gen, device, profile)
+        graph = served_in_graphs(op, size, platform)
+        for name, fn in backends.items():
+            try:
+                ok, detail = case.verify_backend(name, fn)
+                ms = None
+                if ok:
+                    call = case.bind_backend(name, fn)
+                    call.op, call.backend, call.size = op, name, size    # for a timer that reports
+                    ms = timer(call, graph)
+            except Exception as exc:        # one backend failing must not hide the others
+                ok, detail, ms = False, f"{type(exc).__name__}: {str(exc)[:300]}", None
+            rows.append(Row(op, size, name, ms, ok, detail, graph))
+            step()
+        del case
+        if platform == "cuda":
+            import torch
+            torch.cuda.empty_cache()
+    return rows
+
+
+def times_by_size(rows) -> dict:
+    """size -> {backend: ms} over the rows that passed their check."""
+    out = {}
+    for r in rows:
+        out.setdefault(r.size, {})
+        if r.ok and r.ms is not None:
+            out[r.size][r.backend] = r.ms
+    return out
