@@ -196,3 +196,38 @@ def test_bench_refuses_to_overwrite_another_cards_calibration(clean_env, tmp_pat
     with pytest.raises(cd.BadInput, match=r"another card \(name h200, cc 9.0, line 2\).*write to another file"):
         bench_cmd.run(_args("--device", "cpu", "--op", "kv_quant", "--sizes", "1",
                             "--write-policy", str(other)), timer=FakeTimer({"torch": lambda n: 1.0}))
+
+
+def test_every_op_runs_the_cpu_path_at_a_small_size(clean_env, capsys):
+    """Each op's inputs build on the CPU ("small" profile), its torch backend passes the
+    check against the reference, and is timed; a backend whose output is wrong is not."""
+    timer = FakeTimer({"torch": lambda n: 1.0})
+    rc = bench_cmd.run(_args("--device", "cpu", "--sizes", "1", "--format", "json"), timer=timer)
+    obj = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    assert set(obj["ops"]) == set(builtin().ops)
+    for op, o in obj["ops"].items():
+        assert [(r["backend"], r["ok"]) for r in o["rows"]] == [("torch", True)], (op, o["rows"])
+    assert {op for op, *_ in timer.seen} == set(builtin().ops)
+
+
+def test_a_wrong_backend_fails_its_check_and_is_left_out(clean_env):
+    import torch
+    from capdispatch.calibrate import inputs, measure
+    from capdispatch.backends.kv_cache import reference as R
+    prof = ladder.PROFILES["small"]
+    gen = torch.Generator().manual_seed(1)
+
+    def off_by_one(pool, ids, page_size, out=None):
+        return R.kv_dequant(pool, (ids + 1) % (pool.shape[0] * page_size), page_size)
+
+    def skips_a_row(k, pool, loc, page_size):
+        R.kv_quant(k[1:], pool, loc[1:], page_size)
+    rows = measure.measure("kv_dequant", (4,), {"torch": R.kv_dequant, "bad": off_by_one}, device="cpu",
+                           platform="cpu", profile=prof, gen=gen, timer=lambda fn, g: 1.0)
+    assert [(r.backend, r.ok, r.ms) for r in rows] == [("torch", True, 1.0), ("bad", False, None)]
+    rows = measure.measure("kv_quant", (4,), {"torch": R.kv_quant, "bad": skips_a_row}, device="cpu",
+                           platform="cpu", profile=prof, gen=gen, timer=lambda fn, g: 1.0)
+    assert [(r.backend, r.ok) for r in rows] == [("torch", True), ("bad", False)]
+    assert "pool bytes differ" in rows[1].detail
+    assert measure.times_by_size(rows) == {4: {"torch": 1.0}}

@@ -43,9 +43,10 @@ def same_bf16(a, b) -> bool:
     return bool(((na == nb) & (na | (a == b))).all())
 
 
-def attention_close(got, want):
-    """Output relative error <= 1e-2 (Frobenius), statistics within 1e-3 absolute with
-    the same non-finite entries: the attention tests' bounds."""
+def attention_errors(got, want):
+    """(ok, out relative error, statistics abs error): output relative error <= 1e-2
+    (Frobenius), statistics within 1e-3 absolute with the same non-finite entries, a
+    finite output: the attention tests' bounds."""
     import torch
     o, ro = got[0].float(), want[0].float()
     rel = ((o - ro).norm() / ro.norm().clamp_min(1e-30)).item()
@@ -56,7 +57,12 @@ def attention_close(got, want):
         if fin.any():
             stat_err = max(stat_err, (g[fin] - w[fin]).abs().max().item())
     ok = rel <= 1e-2 and stat_err <= 1e-3 and same_inf and bool(torch.isfinite(got[0]).all())
-    return ok, f"out rel err {rel:.1e}, statistics abs err {stat_err:.1e}, same non-finite {same_inf}"
+    return ok, rel, stat_err
+
+
+def attention_close(got, want):
+    ok, rel, stat_err = attention_errors(got, want)
+    return ok, f"out rel err {rel:.1e}, statistics abs err {stat_err:.1e}"
 
 
 # --------------------------------------------------------------------------- #
@@ -221,14 +227,22 @@ def indexer_abs_sum(args):
     return R.fp8_paged_mqa_logits(qa, pages, w.abs(), ctx, bt, None, S)
 
 
-def indexer_close(got, want, A, E, S):
-    """|got - want| <= 2^-10 * A at every valid position (the indexer tests' bound)."""
+def indexer_errors(got, want, A, E, S, clean=False):
+    """(ok, max abs error, max error / magnitude): |got - want| <= 2^-10 * A at every valid
+    position (the indexer tests' bound); with CLEAN, -inf everywhere else."""
     import torch
     pos = torch.arange(S, device=got.device)
     valid = pos[None, :] < E.reshape(-1, 1)
     err = (got - want).abs()
     ok = bool(((err <= INDEXER_REL_TOL * A) | ~valid).all())
+    if clean:
+        ok = ok and bool((got[~valid] == float("-inf")).all())
     ratio = float(((err / A.clamp_min(1e-30)) * valid).nan_to_num(0.0).max())
+    return ok, float((err * valid).nan_to_num(0.0).max()), ratio
+
+
+def indexer_close(got, want, A, E, S):
+    ok, _, ratio = indexer_errors(got, want, A, E, S)
     return ok, f"max error / magnitude {ratio:.1e} (bound {INDEXER_REL_TOL:.1e})"
 
 
@@ -253,6 +267,13 @@ def indexer_case(B, gen, device, prof) -> Case:
 MOE_TOL_NORM = 1.5e-2
 
 
+def copy_weights(w):
+    """A copy a backend may re-lay out in place (`prepare`) without touching the original."""
+    from ..backends.moe.weights import MoeWeights
+    return MoeWeights(w.w13.clone(), w.w13_scale.clone(), w.w2.clone(), w.w2_scale.clone(),
+                      swiglu_limit=w.swiglu_limit)
+
+
 class MoeCase:
     """MoE weights are laid out per backend (`prepare`), so the case hands each backend
     its own prepared copy of one random weight set."""
@@ -271,12 +292,8 @@ class MoeCase:
 
     def weights_for(self, backend: str):
         from ..backends.moe import prepare
-        from ..backends.moe.weights import MoeWeights
         if backend not in self._prepared:
-            b = self.base
-            w = b if backend in ("torch", "triton_w4a16") else MoeWeights(
-                b.w13.clone(), b.w13_scale.clone(), b.w2.clone(), b.w2_scale.clone(),
-                swiglu_limit=b.swiglu_limit)
+            w = self.base if backend in ("torch", "triton_w4a16") else copy_weights(self.base)
             prepare(w, backend)
             self._prepared[backend] = w
         return self._prepared[backend]
