@@ -284,3 +284,16 @@ def test_cli_explain_and_policy_show_print_buckets(run_cli, tmp_path):
     rc, out, err = run_cli("policy", "validate", _policy(tmp_path, "ops:\n  decode_mla:\n"
                                                          "    - {tokens: '<=8', prefer: [torch]}\n", "bad.yaml"))
     assert rc == 2 and "bad.yaml:3" in err and "no catch-all bucket" in err
+
+
+def test_moe_buckets_keep_the_catch_alls_weight_layout(clean_env, tmp_path):
+    # flashinfer_cutlass_w4a16 needs its own weight layout; triton_w4a16 the checkpoint's.
+    pol = _policy(tmp_path, "ops:\n  moe:\n    - {tokens: '<=16', prefer: [flashinfer_cutlass_w4a16, triton_w4a16]}\n"
+                            "    - {prefer: [triton_w4a16]}\n")
+    r = cd.resolve("moe", "sim:h200", policy=pol, assume_libs=["triton", "flashinfer-python"])
+    b0 = r.buckets[0]
+    assert b0.backend == "triton_w4a16" and b0.downgraded_from == "flashinfer_cutlass_w4a16"
+    bad = next(c for c in b0.candidates if c.backend == "flashinfer_cutlass_w4a16")
+    lay = next(ch for ch in bad.checks if ch.code == "layout")
+    assert not lay.ok and lay.found == "flashinfer_cutlass_sm90" and lay.need.startswith("checkpoint")
+    assert any("one call site holds one layout" in w for w in r.warnings)

@@ -167,6 +167,9 @@ class Op:
     signature: str
     reference: str          # the backend that defines the op's meaning
     size: Optional[SizeArg] = None   # what size buckets test; None: the op takes no buckets
+    # Backends whose prepared inputs differ (MoE weight layouts) cannot share one call site
+    # across size buckets: backend name -> layout tag. Buckets keep the catch-all's layout.
+    layouts: Optional[dict] = attrs.field(default=None, eq=False)
 
 
 @attrs.frozen

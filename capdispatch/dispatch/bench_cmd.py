@@ -119,10 +119,22 @@ def run(args, *, timer=None) -> int:
             raise_at = next(s for s, t in by_size.items() if not t)
             print(f"dispatch: error: {op} at {key} {raise_at}: no backend passed its check", file=sys.stderr)
             return EXIT_CHECK_FAILED
-        choices = choose.choose(by_size, noise, previous.get(op, lambda s: None))
+        incumbent = previous.get(op, lambda s: None)
+        other_layout = {}
+        layouts = ctx.registry.ops[op].layouts
+        if layouts:   # one call site holds one input layout: the catch-all's (the largest size's)
+            top = max(by_size)
+            need = layouts.get(choose.choose({top: by_size[top]}, noise, incumbent)[0].winner)
+            for size, t in by_size.items():
+                for b in [b for b in t if layouts.get(b) != need]:
+                    del t[b]
+                    other_layout.setdefault(b, f"its inputs are in layout {layouts.get(b)}, the "
+                                               f"catch-all's in {need}: one call site holds one layout")
+        choices = choose.choose(by_size, noise, incumbent)
         runs = choose.merge(choices)
         per_op[op] = runs
         excluded[op] = {b: f"check failed at {why}" for b, why in bad.items()}
+        excluded[op].update(other_layout)
         excluded[op].update({b: f"cannot run here: {why}" for b, why in skipped.items()})
         obj_ops[op] = {"key": key, "skipped": skipped,
                        "rows": [r.to_dict() for r in rows],

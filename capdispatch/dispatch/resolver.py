@@ -8,7 +8,7 @@ from typing import Optional
 import attrs
 
 from .. import policies as _policies
-from ..backends import Facts, builtin
+from ..backends import Check, Facts, builtin
 from ..capabilities import DeviceSpec, Inventory, derive_features, probe
 from ..capabilities import catalog as _catalog
 from .errors import BadInput, NoBackendError, StrictFallbackError
@@ -188,6 +188,19 @@ def _decide(ctx: Context, op: str, device: DeviceSpec, wanted_list, origin: str,
     return winner.backend, source, fallback, downgraded, warnings
 
 
+def _same_layout(op, catch_all: str, cand: Candidate) -> Candidate:
+    """In a size bucket, a backend whose prepared inputs (weight layout) differ from the
+    catch-all winner's cannot serve the same call site: a failed check, shown like any."""
+    if not op.layouts:
+        return cand
+    need, found = op.layouts.get(catch_all), op.layouts.get(cand.backend)
+    ok = need == found
+    check = Check("layout", f"{need} (the layout of {catch_all}, the catch-all's backend)", str(found), ok,
+                  "" if ok else f"{cand.backend} needs {op.name} inputs in layout {found}, the catch-all's "
+                                f"{catch_all} in {need}: one call site holds one layout")
+    return attrs.evolve(cand, ok=cand.ok and ok, checks=cand.checks + (check,))
+
+
 def resolve_in(ctx: Context, op: str, device: DeviceSpec) -> Resolution:
     """One op on one device (each size bucket too). Logs nothing: warnings ride in the result."""
     _check_op(ctx, op)
@@ -205,7 +218,8 @@ def resolve_in(ctx: Context, op: str, device: DeviceSpec) -> Resolution:
                 buckets.append(BucketResolution(lower, None, backend, source, fallback, downgraded,
                                                 tuple(candidates), pref.backends[0]))
                 break
-            bcands = tuple(attrs.evolve(by_name[n], preferred=n in bp.backends)
+            bcands = tuple(_same_layout(ctx.registry.ops[op], backend,
+                                        attrs.evolve(by_name[n], preferred=n in bp.backends))
                            for n in _with_fallbacks(ctx, op, bp.backends))
             b_backend, b_source, b_fallback, b_down, b_warn = _decide(
                 ctx, op, device, bp.backends, bp.origin, pref.user, bcands,
