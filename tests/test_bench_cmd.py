@@ -231,3 +231,17 @@ def test_a_wrong_backend_fails_its_check_and_is_left_out(clean_env):
     assert [(r.backend, r.ok) for r in rows] == [("torch", True), ("bad", False)]
     assert "pool bytes differ" in rows[1].detail
     assert measure.times_by_size(rows) == {4: {"torch": 1.0}}
+
+
+def test_a_run_for_some_ops_keeps_the_others_with_their_times(clean_env, tmp_path, capsys):
+    policy = tmp_path / "cpu.yaml"
+    timer = FakeTimer({"torch": lambda n: 2.0})
+    assert bench_cmd.run(_args("--device", "cpu", "--op", "kv_quant", "--sizes", "1",
+                               "--write-policy", str(policy)), timer=timer) == 0
+    assert bench_cmd.run(_args("--device", "cpu", "--op", "kv_dequant", "--sizes", "1",
+                               "--write-policy", str(policy)), timer=timer) == 0
+    text = policy.read_text()
+    assert text.count("# rows 1: torch 2 ms") == 2
+    assert text.index("      kv_dequant:") < text.index("      kv_quant:")
+    pf = load_file(policy, builtin(), known_devices=known_device_names())
+    assert set(pf.devices[0].ops) == {"kv_quant", "kv_dequant"}

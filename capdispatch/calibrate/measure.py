@@ -24,21 +24,24 @@ class Row:
 
 
 def measure(op: str, sizes, backends: dict, *, device: str, platform: str, profile: dict, gen,
-            timer: Callable, step: Callable = lambda: None) -> list:
+            timer: Callable, step: Callable = lambda: None, inputs_of: Optional[dict] = None) -> list:
     """BACKENDS: name -> callable (what `bind` returns). TIMER(call, graph) -> ms times a
     zero-argument call (which carries .op, .backend and .size). STEP is called after
-    each (size, backend), for a progress bar."""
+    each (size, backend), for a progress bar. INPUTS_OF maps an entry of BACKENDS that is
+    not a backend's name (e.g. what `bind` returns under a policy) to the backend whose
+    prepared inputs it takes (MoE weight layouts)."""
     from . import inputs
     rows = []
     for size in sizes:
         case = inputs.case(op, size, gen, device, profile)
         graph = served_in_graphs(op, size, platform)
         for name, fn in backends.items():
+            as_backend = (inputs_of or {}).get(name, name)
             try:
-                ok, detail = case.verify_backend(name, fn)
+                ok, detail = case.verify_backend(as_backend, fn)
                 ms = None
                 if ok:
-                    call = case.bind_backend(name, fn)
+                    call = case.bind_backend(as_backend, fn)
                     call.op, call.backend, call.size = op, name, size    # for a timer that reports
                     ms = timer(call, graph)
             except Exception as exc:        # one backend failing must not hide the others

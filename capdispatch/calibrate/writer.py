@@ -2,6 +2,7 @@
 compute capability, size buckets per op, the measured times as YAML comments."""
 from __future__ import annotations
 
+import re
 from typing import Optional
 
 
@@ -49,6 +50,26 @@ def _lookup(m):
     return first
 
 
+MARK = "# Calibrated by `dispatch bench`"
+
+
+def op_blocks(text: str) -> dict:
+    """op -> its lines (comments included) in a file this module wrote; {} for any other."""
+    if not text.startswith(MARK):
+        return {}
+    out, current = {}, None
+    for line in text.splitlines():
+        m = re.match(r"^      (\w+):", line)
+        if m:
+            current = m.group(1)
+            out[current] = []
+        elif not line.startswith("        "):
+            current = None
+        if current is not None:
+            out[current].append(line)
+    return out
+
+
 def _q(s: str) -> str:
     return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
@@ -56,7 +77,8 @@ def _q(s: str) -> str:
 def render_policy(match: dict, per_op: dict, *, key_of, header=(), kept_ops=None, excluded=None,
                   graphed=None) -> str:
     """PER_OP: op -> list of Runs (calibrate.choose.merge). KEY_OF: op -> bucket key.
-    KEPT_OPS: op -> OpPreference carried over from the previous file unmeasured.
+    KEPT_OPS: op -> what the previous file said for an op not measured now: its lines
+    (`op_blocks`) or, for a file written by hand, its OpPreference.
     EXCLUDED: op -> {backend: why} (runnable, but not measured or failed its check).
     GRAPHED: op -> sizes timed inside a CUDA graph."""
     lines = [f"# {h}" if h else "#" for h in header]
@@ -77,6 +99,9 @@ def render_policy(match: dict, per_op: dict, *, key_of, header=(), kept_ops=None
             bound = f"{key}: \"<={run.upper}\", " if run.upper is not None else ""
             lines.append(f"        - {{{bound}prefer: [{', '.join(run.order)}]}}")
     for op, pref in (kept_ops or {}).items():
+        if isinstance(pref, list):      # the earlier calibration's own lines, times included
+            lines += pref
+            continue
         key = key_of(op)
         lines.append(f"      {op}:    # kept from the earlier calibration (not measured in this run)")
         if not pref.buckets:

@@ -78,7 +78,9 @@ def run(args, *, timer=None) -> int:
             raise BadInput(f"{args.write_policy}: has top-level ops; a calibrated policy holds one "
                            f"devices: entry only: write to another file")
         if mine is not None:
-            kept_ops = {op: m for op, m in mine.ops.items() if op not in ops}
+            with open(args.write_policy, encoding="utf-8") as fh:
+                blocks = writer.op_blocks(fh.read())
+            kept_ops = {op: blocks.get(op, m) for op, m in mine.ops.items() if op not in ops}
 
     import torch
     gen_device = "cuda" if spec.platform == "cuda" else "cpu"
@@ -181,6 +183,8 @@ def timer_description(timer) -> str:
 
 def _header(spec, timer, noise, profile) -> list:
     import platform as _pf
+
+    from ..calibrate import writer
     from .. import __version__
     from ..capabilities import Inventory
     inv = Inventory.with_assumptions(None)
@@ -188,7 +192,7 @@ def _header(spec, timer, noise, profile) -> list:
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     card = spec.name if spec.platform == "cuda" else f"the CPU ({spec.name})"
     cc = f" (cc {spec.cc_str})" if spec.cc_str else ""
-    return [f"Calibrated by `dispatch bench` on {card}{cc}, {stamp}.",
+    return [f"{writer.MARK[2:]} on {card}{cc}, {stamp}.",
             f"capdispatch {__version__}, Python {_pf.python_version()}, {libs}; profile {profile}.",
             f"Timer: {timer_description(timer)}.",
             f"Noise band {noise:g}%: re-running keeps a size's backend unless another is faster "
