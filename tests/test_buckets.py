@@ -297,3 +297,17 @@ def test_moe_buckets_keep_the_catch_alls_weight_layout(clean_env, tmp_path):
     lay = next(ch for ch in bad.checks if ch.code == "layout")
     assert not lay.ok and lay.found == "flashinfer_cutlass_sm90" and lay.need.startswith("checkpoint")
     assert any("one call site holds one layout" in w for w in r.warnings)
+
+
+def test_the_agreement_digest_covers_buckets(clean_env, tmp_path):
+    from capdispatch.dispatch.agreement import digest
+    small = _policy(tmp_path, "ops:\n  decode_mla:\n    - {tokens: '<=16', prefer: [triton_fp8]}\n"
+                              "    - {prefer: [flashmla]}\n", "a.yaml")
+    other = _policy(tmp_path, "ops:\n  decode_mla:\n    - {tokens: '<=32', prefer: [triton_fp8]}\n"
+                              "    - {prefer: [flashmla]}\n", "b.yaml")
+    plain = plan(["sim:h200"], ["decode_mla"], assume_libs=["triton"])
+    a = plan(["sim:h200"], ["decode_mla"], policy=small, assume_libs=["triton"])
+    b = plan(["sim:h200"], ["decode_mla"], policy=other, assume_libs=["triton"])
+    assert a.ops["decode_mla"].per_device["sim:h200"].backend == plain.ops["decode_mla"].per_device["sim:h200"].backend
+    assert len({digest(plain), digest(a), digest(b)}) == 3
+    assert digest(a) == digest(plan(["sim:h200"], ["decode_mla"], policy=small, assume_libs=["triton"]))

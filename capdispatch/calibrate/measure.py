@@ -24,10 +24,10 @@ class Row:
 
 
 def measure(op: str, sizes, backends: dict, *, device: str, platform: str, profile: dict, gen,
-            timer: Callable, step: Callable = lambda: None, inputs_of: Optional[dict] = None) -> list:
+            timer: Callable, step: Callable = lambda text: None, inputs_of: Optional[dict] = None) -> list:
     """BACKENDS: name -> callable (what `bind` returns). TIMER(call, graph) -> ms times a
-    zero-argument call (which carries .op, .backend and .size). STEP is called after
-    each (size, backend), for a progress bar. INPUTS_OF maps an entry of BACKENDS that is
+    zero-argument call (which carries .op, .backend and .size). STEP(text) is called
+    after each (size, backend), for a progress bar. INPUTS_OF maps an entry of BACKENDS that is
     not a backend's name (e.g. what `bind` returns under a policy) to the backend whose
     prepared inputs it takes (MoE weight layouts)."""
     from . import inputs
@@ -47,7 +47,7 @@ def measure(op: str, sizes, backends: dict, *, device: str, platform: str, profi
             except Exception as exc:        # one backend failing must not hide the others
                 ok, detail, ms = False, f"{type(exc).__name__}: {str(exc)[:300]}", None
             rows.append(Row(op, size, name, ms, ok, detail, graph))
-            step()
+            step(f"{op} {size} {name}")
         del case
         if platform == "cuda":
             import torch

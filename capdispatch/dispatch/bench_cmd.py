@@ -239,14 +239,14 @@ class _progress:
 
     def __enter__(self):
         if not sys.stderr.isatty():
-            return lambda: None
+            return lambda text: None
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
         self._p = Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
                            TimeElapsedColumn(), console=Console(file=sys.stderr), transient=True)
         self._p.__enter__()
         task = self._p.add_task("dispatch bench", total=self.total)
-        return lambda: self._p.advance(task)
+        return lambda text: self._p.update(task, advance=1, description=f"dispatch bench: {text}")
 
     def __exit__(self, *exc):
         if self._p is not None:
