@@ -95,7 +95,8 @@ def kv_quant_case(n, gen, device, prof) -> Case:
     pages = max(4, math.ceil(2 * n / P))        # half the slots written, scattered
     k = rand_k(n, gen, device)
     loc = torch.randperm(pages * P, generator=gen, device=device)[:n]
-    poisons = [torch.randint(0, 256, (pages, KV.new_pool(1, P, "cpu").shape[1]), generator=gen,
+    from ..backends.kv_cache import layout
+    poisons = [torch.randint(0, 256, (pages, layout.bytes_per_page(P)), generator=gen,
                              device=device, dtype=torch.uint8)]
     poisons.append(poisons[0] ^ 0xFF)          # every byte differs between the two poisons
     wants = []
@@ -283,9 +284,13 @@ class MoeCase:
         from ..backends.moe import reference as R
         E, H, I = prof["moe_experts"], prof["moe_hidden"], prof["moe_intermediate"]
         self.op, self.size = "moe", T
-        self.base = R.random_weights(E, H, I, gen=gen, device=device, swiglu_limit=MOE_SWIGLU_LIMIT)
-        self.x = torch.randn(T, H, generator=gen, device=device).bfloat16()
-        self.tw, self.ids = R.random_routing(T, min(MOE_TOPK, E), E, gen=gen, device=device)
+        # The reference's weight and routing draws run on the CPU: a CPU generator, seeded
+        # from the caller's, then the tensors move to DEVICE.
+        cpu = torch.Generator().manual_seed(
+            int(torch.randint(0, 2 ** 62, (1,), generator=gen, device=gen.device).item()))
+        self.base = R.random_weights(E, H, I, gen=cpu, device=device, swiglu_limit=MOE_SWIGLU_LIMIT)
+        self.x = torch.randn(T, H, generator=cpu).bfloat16().to(device)
+        self.tw, self.ids = R.random_routing(T, min(MOE_TOPK, E), E, gen=cpu, device=device)
         self.want = R.moe(self.x, self.base, self.tw, self.ids)
         self._prepared = {}
         self.args = (self.x, self.base, self.tw, self.ids)

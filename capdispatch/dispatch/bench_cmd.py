@@ -149,8 +149,11 @@ def run(args, *, timer=None) -> int:
                                 graphed={op: {r.size for r in rows if r.graph}
                                          for op, (rows, _) in results.items()})
     if args.write_policy:
-        with open(args.write_policy, "w", encoding="utf-8") as fh:
-            fh.write(text)
+        try:
+            with open(args.write_policy, "w", encoding="utf-8") as fh:
+                fh.write(text)
+        except OSError as exc:
+            raise BadInput(f"--write-policy {args.write_policy}: cannot write: {exc.strerror}") from None
         try:   # what was written must load like any policy
             load_file(args.write_policy, ctx.registry, known_devices=known)
         except PolicyError as exc:
