@@ -147,6 +147,9 @@ def test_bench_writes_a_bucketed_policy_that_loads_explains_and_binds(clean_env,
     r = cd.resolve("kv_dequant", "cpu", policy=str(policy))
     assert [(b.upper, b.backend) for b in r.buckets] == [(2, "triton_u8"), (None, "torch")]
     assert r.buckets[0].source == f"{policy}:{m.buckets[0].line} (device id cpu)"
+    from capdispatch.dispatch.explain import plan, render_text
+    shown = render_text(plan(["cpu"], ["kv_dequant"], policy=str(policy)))
+    assert f"rows <=2 -> triton_u8  # {policy}:{m.buckets[0].line} (device id cpu)" in shown
     fn = cd.bind("kv_dequant", "cpu", policy=str(policy))
     assert fn.buckets == ((2, "triton_u8"), (None, "torch"))
     # round trip: within the band nothing changes; beyond it the bucket moves
