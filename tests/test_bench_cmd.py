@@ -248,3 +248,19 @@ def test_a_run_for_some_ops_keeps_the_others_with_their_times(clean_env, tmp_pat
     assert text.index("      kv_dequant:") < text.index("      kv_quant:")
     pf = load_file(policy, builtin(), known_devices=known_device_names())
     assert set(pf.devices[0].ops) == {"kv_quant", "kv_dequant"}
+
+
+def test_a_backend_that_cannot_be_timed_is_left_out_with_the_reason(clean_env):
+    import torch
+    from capdispatch.calibrate import measure
+    from capdispatch.backends.kv_cache import reference as R
+
+    def timer(fn, graph):
+        if fn.backend == "uncapturable":
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return 1.0
+    rows = measure.measure("kv_dequant", (4,), {"torch": R.kv_dequant, "uncapturable": R.kv_dequant},
+                           device="cpu", platform="cpu", profile=ladder.PROFILES["small"],
+                           gen=torch.Generator().manual_seed(2), timer=timer)
+    assert [(r.backend, r.ok) for r in rows] == [("torch", True), ("uncapturable", False)]
+    assert rows[1].detail.startswith("failed while timing: RuntimeError: operation not permitted")

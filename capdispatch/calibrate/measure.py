@@ -37,15 +37,19 @@ def measure(op: str, sizes, backends: dict, *, device: str, platform: str, profi
         graph = served_in_graphs(op, size, platform)
         for name, fn in backends.items():
             as_backend = (inputs_of or {}).get(name, name)
+            ms = None
             try:
                 ok, detail = case.verify_backend(as_backend, fn)
-                ms = None
-                if ok:
-                    call = case.bind_backend(as_backend, fn)
-                    call.op, call.backend, call.size = op, name, size    # for a timer that reports
-                    ms = timer(call, graph)
             except Exception as exc:        # one backend failing must not hide the others
-                ok, detail, ms = False, f"{type(exc).__name__}: {str(exc)[:300]}", None
+                ok, detail = False, f"raised {type(exc).__name__}: {str(exc)[:300]}"
+            if ok:
+                call = case.bind_backend(as_backend, fn)
+                call.op, call.backend, call.size = op, name, size    # for a timer that reports
+                try:
+                    ms = timer(call, graph)
+                except Exception as exc:    # e.g. a launch that cannot be captured in a graph
+                    where = "in a CUDA graph" if graph else "while timing"
+                    ok, detail = False, f"failed {where}: {type(exc).__name__}: {str(exc)[:300]}"
             rows.append(Row(op, size, name, ms, ok, detail, graph))
             step(f"{op} {size} {name}")
         del case

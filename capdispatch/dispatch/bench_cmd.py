@@ -135,7 +135,7 @@ def run(args, *, timer=None) -> int:
         choices = choose.choose(by_size, noise, incumbent)
         runs = choose.merge(choices)
         per_op[op] = runs
-        excluded[op] = {b: f"check failed at {why}" for b, why in bad.items()}
+        excluded[op] = {b: f"left out at {why}" for b, why in bad.items()}
         excluded[op].update(other_layout)
         excluded[op].update({b: f"cannot run here: {why}" for b, why in skipped.items()})
         obj_ops[op] = {"key": key, "skipped": skipped,
@@ -224,7 +224,7 @@ def _table(results, per_op, ctx) -> str:
         out += ["  " + "  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in body]
         for r in rows:
             if not r.ok:
-                out.append(f"  {r.backend} at {key} {r.size}: check failed: {r.detail}")
+                out.append(f"  {r.backend} at {key} {r.size}: left out: {r.detail}")
         for b, why in skipped.items():
             out.append(f"  {b}: not runnable here: {why}")
         buckets = "; ".join((f"<={r.upper}" if r.upper is not None else "rest") + f": {r.winner}"
