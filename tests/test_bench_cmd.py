@@ -216,7 +216,7 @@ def test_every_op_runs_the_cpu_path_at_a_small_size(clean_env, capsys):
 
 def test_a_wrong_backend_fails_its_check_and_is_left_out(clean_env):
     import torch
-    from capdispatch.calibrate import inputs, measure
+    from capdispatch.calibrate import measure
     from capdispatch.backends.kv_cache import reference as R
     prof = ladder.PROFILES["small"]
     gen = torch.Generator().manual_seed(1)

@@ -83,7 +83,6 @@ def run(args, *, timer=None) -> int:
             kept_ops = {op: blocks.get(op, m) for op, m in mine.ops.items() if op not in ops}
 
     import torch
-    gen_device = "cuda" if spec.platform == "cuda" else "cpu"
     dev = spec.id.split("#")[0] if spec.platform == "cuda" else "cpu"
     if spec.platform == "cuda":
         torch.cuda.set_device(torch.device(dev))
