@@ -311,3 +311,11 @@ def test_the_agreement_digest_covers_buckets(clean_env, tmp_path):
     assert a.ops["decode_mla"].per_device["sim:h200"].backend == plain.ops["decode_mla"].per_device["sim:h200"].backend
     assert len({digest(plain), digest(a), digest(b)}) == 3
     assert digest(a) == digest(plan(["sim:h200"], ["decode_mla"], policy=small, assume_libs=["triton"]))
+
+
+def test_the_dispatcher_names_a_missing_size_argument(clean_env, tmp_path):
+    reg = _toy_registry()
+    pol = _policy(tmp_path, "ops:\n  toy:\n    - {tokens: '<=4', prefer: [small]}\n    - {prefer: [large]}\n")
+    fn = cd.bind("toy", "cpu", policy=pol, registry=reg)
+    with pytest.raises(TypeError, match="toy: missing its size argument 'x' \\(position 0\\)"):
+        fn(scale=2.0)

@@ -32,17 +32,30 @@ def dispatcher(op: str, size, bounds, default, names):
     """
     index, name = size.index, size.name
 
+    def by_keyword(kwargs):
+        try:
+            return kwargs[name]
+        except KeyError:
+            raise TypeError(f"{op}: missing its size argument {name!r} (position {index}), whose "
+                            f"leading dimension picks the size bucket") from None
+
     if len(bounds) == 1:                         # the common case: small sizes, then the rest
         (upper, small), = bounds
 
         def call(*args, **kwargs):
-            x = args[index] if len(args) > index else kwargs[name]
+            try:
+                x = args[index]
+            except IndexError:
+                x = by_keyword(kwargs)
             if x.shape[0] <= upper:
                 return small(*args, **kwargs)
             return default(*args, **kwargs)
     else:
         def call(*args, **kwargs):
-            x = args[index] if len(args) > index else kwargs[name]
+            try:
+                x = args[index]
+            except IndexError:
+                x = by_keyword(kwargs)
             n = x.shape[0]
             for upper, fn in bounds:
                 if n <= upper:
