@@ -58,6 +58,9 @@ def _parser() -> argparse.ArgumentParser:
         x = sub.add_parser(name, help=help_, add_help=False)
         x.add_argument("rest", nargs=argparse.REMAINDER)
 
+    from . import bench_cmd
+    bench_cmd.add_parser(sub)
+
     pol = sub.add_parser("policy", help="check or show policy files")
     psub = pol.add_subparsers(dest="policy_cmd", required=True, parser_class=_Parser)
     v = psub.add_parser("validate", help="check policy files; exit 2 on the first error")
@@ -110,6 +113,9 @@ def _run(args) -> int:
     if args.cmd in EXTENSIONS:
         import importlib
         return importlib.import_module(EXTENSIONS[args.cmd][0]).main(args.rest)
+    if args.cmd == "bench":
+        from . import bench_cmd
+        return bench_cmd.run(args)
     if args.cmd == "policy":
         return _cmd_policy_validate(args) if args.policy_cmd == "validate" else _cmd_policy_show(args)
     raise AssertionError(args.cmd)

@@ -16,6 +16,26 @@ def _comment(origin: str) -> str:
     return "    # " + " ".join(str(origin).split())
 
 
+def _op_obj(registry, op, pf, m) -> dict:
+    key = registry.ops[op].size.key if registry.ops[op].size else None
+    return {"backends": list(m.value), "from": f"{pf.path}:{m.line}",
+            "buckets": [{key: f"<={b.upper}" if b.upper is not None else "any", "upper": b.upper,
+                         "backends": list(b.backends), "from": f"{pf.path}:{b.line}"}
+                        for b in m.buckets]}
+
+
+def _op_lines(registry, op, pf, m, indent) -> list:
+    if not m.buckets:
+        return [f"{indent}{op}: [{', '.join(m.value)}]{_comment(f'{pf.path}:{m.line}')}"]
+    key = registry.ops[op].size.key
+    out = [f"{indent}{op}:"]
+    for b in m.buckets:
+        bound = f"{key}: \"<={b.upper}\", " if b.upper is not None else ""
+        out.append(f"{indent}  - {{{bound}prefer: [{', '.join(b.backends)}]}}"
+                   f"{_comment(f'{pf.path}:{b.line}')}")
+    return out
+
+
 def merged(stack: PolicyStack, registry) -> tuple:
     """(JSON-able dict, YAML text) of the policy STACK's layers flattened into one file.
 
@@ -38,8 +58,8 @@ def merged(stack: PolicyStack, registry) -> tuple:
         for pf in reversed(stack.layers):
             if op in pf.ops:
                 m = pf.ops[op]
-                obj["ops"][op] = {"backends": list(m.value), "from": f"{pf.path}:{m.line}"}
-                lines.append(f"  {op}: [{', '.join(m.value)}]{_comment(f'{pf.path}:{m.line}')}")
+                obj["ops"][op] = _op_obj(registry, op, pf, m)
+                lines += _op_lines(registry, op, pf, m, "  ")
                 break
     entries = []
     for pf in stack.layers:
@@ -51,12 +71,14 @@ def merged(stack: PolicyStack, registry) -> tuple:
         lines.append("devices:    # later entries win")
     for pf, e, ops in entries:
         obj["devices"].append({"match": dict(e.match), "from": f"{pf.path}:{e.line}",
-                               "ops": {op: list(m.value) for op, m in ops.items()}})
+                               "ops": {op: list(m.value) for op, m in ops.items()},
+                               "buckets": {op: _op_obj(registry, op, pf, m)["buckets"]
+                                           for op, m in ops.items() if m.buckets}})
         match = ", ".join(f"{k}: {_q(v)}" for k, v in e.match.items())
         lines.append(f"  - match: {{{match}}}{_comment(f'{pf.path}:{e.line}')}")
         lines.append("    ops:")
         for op, m in ops.items():
-            lines.append(f"      {op}: [{', '.join(m.value)}]{_comment(f'{pf.path}:{m.line}')}")
+            lines += _op_lines(registry, op, pf, m, "      ")
     if stack.selections:
         lines.append("# selections (they beat every line above):")
     for s in stack.selections:

@@ -93,6 +93,8 @@ def test_devices_command(capsys, value):
     (["explain", "--device", "sim:rtx-3080", "--set", "kv_quant=torch=x"], 2),
     (["explain", "--device", "sim:NVIDIA GeForce RTX 5090", "--op", "kv_quant"], 0),
     (["explain", "--no-such-flag"], 2), (["explain", "--help"], 0),
+    (["bench", "--device", "cpu", "--op", "kv_quant", "--sizes", "\u00b2"], 2),
+    (["bench", "--device", "cpu", "--op", "kv_quant", "--sizes", "9" * 5000], 2),
 ])
 def test_known_bad_values(capsys, argv, rc):
     assert _run(argv) == rc
