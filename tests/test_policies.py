@@ -117,6 +117,10 @@ def _all_devices():
      "  - match: {cc: '>=12.0,<13.0'}\n    ops: {indexer: [triton], kv_dequant: [torch, triton_u8]}\n"
      "  - match: {id: 'sim:rtx-3080@1'}\n    ops: {kv_quant: [triton_u8]}\n"
      "  - match: {name: NVIDIA GeForce RTX 5090, cc: '12.0'}\n    ops: {decode_mla: [torch]}\n"],
+    ["ops:\n  decode_mla:\n    - {tokens: '<=16', prefer: [triton_fp8, flashmla]}\n"
+     "    - {prefer: [flashmla, triton]}\n"
+     "devices:\n  - match: {cc: '8.6'}\n    ops:\n      kv_dequant:\n"
+     "        - {rows: '<=4096', prefer: [triton_u8]}\n        - {prefer: [torch]}\n"],
 ])
 def test_policy_show_round_trips(tmp_path, texts):
     """`policy show` is a policy file: loaded alone it gives the same effective policy."""
@@ -139,6 +143,8 @@ def test_policy_show_round_trips(tmp_path, texts):
         for op in reg.ops:
             a, b = stack.preference(op, spec), again.preference(op, spec)
             assert a.backends == b.backends, (op, spec.id, a.origin, b.origin)
+            assert [(x.upper, x.backends) for x in a.buckets] == \
+                [(x.upper, x.backends) for x in b.buckets], (op, spec.id)
     # Shown twice is the same text, but for the origins in comments.
     _, text2 = merged(again, reg)
     strip = lambda t: [ln.split("    #")[0] for ln in t.splitlines() if not ln.startswith("#")]

@@ -21,7 +21,7 @@ ODD = ["", " ", "-", "~", "0x", "0x_", "0b_", "0o", "._", "+.", "1_", "0_", ":",
        "!=8.6", "===foo", ">=", "8.", ".6", "8.6.", "8..6", "²", "١", "cuda:²", "sim:", "sim:#",
        "sim:rtx-3080#2", "sim:rtx-3080@1", "cuda:-1", "rtx\u00a05090", "\u212b", "\u0130",
        "é", "\U0001F600", "\\x00", "a\tb", "'", '"', "*a", "&a", "%YAML", "---", "...", "? a",
-       "true", "True", "1", "1.0", "-1", "8.6", ">=8.9", "torch", "kv_quant", "rtx-5090",
+       "true", "True", "1", "1.0", "-1", "8.6", "<=", "<=0", "<=16", "<=" + "9" * 5000, "<=\u0661", ">=8.9", "torch", "kv_quant", "rtx-5090",
        "geforce-rtx-3080", "NVIDIA GeForce RTX 5090", "cpu", "cuda:0"]
 
 
@@ -87,6 +87,9 @@ TEMPLATES = [
     "devices:\n  - match: {{id: {v}}}\n    ops: {{kv_quant: [torch]}}\n",
     "devices:\n  - match: {{{v}: x}}\n", "devices:\n  - {v}\n", "devices: {v}\n",
     "devices:\n  - match:\n      cc: {v}\n    ops:\n      indexer: {v}\n",
+    "ops:\n  decode_mla:\n    - {{tokens: {v}, prefer: [triton]}}\n    - {{prefer: [torch]}}\n",
+    "ops:\n  decode_mla:\n    - {{tokens: '<=16', prefer: {v}}}\n    - {{prefer: [torch]}}\n",
+    "ops:\n  kv_quant:\n    - {{{v}: '<=16', prefer: [torch]}}\n    - {v}\n",
 ]
 
 
