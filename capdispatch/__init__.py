@@ -10,6 +10,9 @@ __version__ = "0.1.0"
 
 _API = {
     "CapdispatchError": ("capdispatch.errors", "CapdispatchError"),
+    "ArgumentError": ("capdispatch.errors", "ArgumentError"),
+    "ArgumentTypeError": ("capdispatch.errors", "ArgumentTypeError"),
+    "UnsupportedDeviceError": ("capdispatch.errors", "UnsupportedDeviceError"),
     "probe": ("capdispatch.capabilities", "probe"),
     "DeviceSpec": ("capdispatch.capabilities", "DeviceSpec"),
     "resolve": ("capdispatch.dispatch", "resolve"),

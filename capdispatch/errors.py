@@ -15,3 +15,16 @@ from __future__ import annotations
 class CapdispatchError(Exception):
     """Raised on purpose by capdispatch: the message says what was needed and what was found."""
 
+
+
+class ArgumentError(CapdispatchError, ValueError):
+    """A kernel called with arguments that break its op's contract (a shape, a size, a layout)."""
+
+
+class ArgumentTypeError(CapdispatchError, TypeError):
+    """A kernel called with an argument of the wrong type or dtype."""
+
+
+class UnsupportedDeviceError(CapdispatchError, RuntimeError):
+    """A kernel called directly on a device it cannot run on (the resolver never
+    chooses it there; `bind` with an explicit backend refuses it first)."""

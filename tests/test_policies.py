@@ -233,6 +233,7 @@ def test_every_error_is_a_capdispatch_error():
     from capdispatch.adapters.sglang.knobs import KnobsError
     from capdispatch.backends.moe import LayoutError
     from capdispatch.backends.registry import RegistryError
+    from capdispatch.calibrate.ladder import SizesError
     from capdispatch.capabilities import AssumeCudaError
     from capdispatch.capabilities.libraries import AssumeLibError
     from capdispatch.dispatch.agreement import AgreementError
@@ -244,5 +245,11 @@ def test_every_error_is_a_capdispatch_error():
                       (cd.ProbeError, RuntimeError), (cd.Unsatisfiable, RuntimeError),
                       (cd.NoBackendError, cd.Unsatisfiable), (cd.StrictFallbackError, cd.Unsatisfiable),
                       (cd.GroupDivergenceError, cd.Unsatisfiable), (AgreementError, cd.Unsatisfiable),
-                      (BackendLoadError, cd.Unsatisfiable)]:
+                      (BackendLoadError, cd.Unsatisfiable), (SizesError, ValueError),
+                      (cd.ArgumentError, ValueError), (cd.ArgumentTypeError, TypeError),
+                      (cd.UnsupportedDeviceError, RuntimeError)]:
         assert issubclass(cls, cd.CapdispatchError) and issubclass(cls, base), cls
+    # A kernel's own argument check raises under the root too.
+    from capdispatch.backends.kv_cache.layout import bytes_per_page
+    with pytest.raises(cd.ArgumentError):
+        bytes_per_page(0)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from . import sized
+from ..errors import ArgumentTypeError
 from .errors import Unsatisfiable
 from .resolver import as_spec, context, log, resolve_in
 
@@ -65,7 +66,7 @@ class OpHandle:
             dev = getattr(a, "device", None)
             if dev is not None:
                 return dev
-        raise TypeError(f"{self.op}: no tensor argument to take the device from")
+        raise ArgumentTypeError(f"{self.op}: no tensor argument to take the device from")
 
     def __call__(self, *args, **kwargs):
         dev = self._device_of(args, kwargs)

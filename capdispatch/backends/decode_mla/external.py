@@ -17,6 +17,7 @@ import math
 
 import torch
 
+from ...errors import ArgumentError
 from ..kv_cache.layout import TOKEN_BYTES
 from .reference import DIM, check_decode_args
 
@@ -41,7 +42,7 @@ def _pad_heads(q, attn_sink, allowed):
     h = q.shape[-2]
     hp = next((n for n in allowed if n >= h), None)
     if hp is None:
-        raise ValueError(f"at most {allowed[-1]} query heads per call, got {h}")
+        raise ArgumentError(f"at most {allowed[-1]} query heads per call, got {h}")
     if hp == h:
         return q.contiguous(), attn_sink, h
     qp = q.new_zeros(q.shape[:-2] + (hp, q.shape[-1]))

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...errors import ArgumentError, ArgumentTypeError
 from ..device_scope import on_device
 
 __all__ = ["clean_ids", "TOPK_ALIGN"]
@@ -36,14 +37,14 @@ def clean_ids(idx: torch.Tensor, capacity: int, align: int = TOPK_ALIGN, *, out:
     -1 and each list is padded with -1 to k' = k rounded up to a multiple of ALIGN.
     OUT, when given, must be a contiguous int32 tensor of that shape."""
     if idx.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"index ids must be int32 or int64, got {idx.dtype}")
+        raise ArgumentTypeError(f"index ids must be int32 or int64, got {idx.dtype}")
     k = idx.shape[-1]
     k_out = k + (-k) % align
     shape = tuple(idx.shape[:-1]) + (k_out,)
     if out is None:
         out = torch.empty(shape, dtype=torch.int32, device=idx.device)
     elif tuple(out.shape) != shape or out.dtype != torch.int32 or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous int32 tensor of shape {shape}, "
+        raise ArgumentError(f"out must be a contiguous int32 tensor of shape {shape}, "
                          f"got {out.dtype} {tuple(out.shape)}")
     src = idx.reshape(-1, max(k, 1))
     if src.stride(-1) != 1:

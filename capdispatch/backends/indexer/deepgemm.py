@@ -27,6 +27,7 @@ import torch
 
 import deep_gemm
 
+from ...errors import ArgumentTypeError
 from .layout import PAGE_TOKENS, TOKEN_BYTES, alloc_logits, check_args
 from .reference import row_lengths
 
@@ -58,7 +59,7 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedu
                          max_context_len=None, clean_logits=False, *, out=None):
     """The indexer op through DeepGEMM (SM90 wgmma / SM100 tcgen05 kernels)."""
     if max_context_len is None:
-        raise TypeError("max_context_len is required")
+        raise ArgumentTypeError("max_context_len is required")
     a = check_args(q, kv_cache, weights, context_lens, block_table, max_context_len)
     B, N, S = a.batch, a.next_n, a.max_context_len
     P = a.pages.shape[0]

@@ -37,6 +37,7 @@ from typing import NamedTuple
 
 import torch
 
+from ...errors import ArgumentError, ArgumentTypeError
 from .layout import (
     HEAD_DIM, PAGE_BYTES, PAGE_TOKENS, QUERY_CHUNK, SCALE_OFFSET, alloc_logits, check_args,
 )
@@ -129,7 +130,7 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
     Returns float32 [batch * next_n, max_context_len] (`out` if given)."""
     del schedule_metadata
     if max_context_len is None:
-        raise TypeError("max_context_len is required")
+        raise ArgumentTypeError("max_context_len is required")
     a = check_args(q, kv_cache, weights, context_lens, block_table, max_context_len)
     B, N, H, S = a.batch, a.next_n, a.heads, a.max_context_len
     dev = a.q_u8.device
@@ -189,7 +190,7 @@ def pack_index_k(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         values = values.view(torch.uint8)
     P = values.shape[0]
     if tuple(values.shape) != (P, PAGE_TOKENS, HEAD_DIM) or tuple(scales.shape) != (P, PAGE_TOKENS):
-        raise ValueError(f"values must be [P, 64, 128] and scales [P, 64], got {tuple(values.shape)}, "
+        raise ArgumentError(f"values must be [P, 64, 128] and scales [P, 64], got {tuple(values.shape)}, "
                          f"{tuple(scales.shape)}")
     pool = torch.empty((P, PAGE_BYTES), dtype=torch.uint8, device=values.device)
     pool[:, :SCALE_OFFSET] = values.reshape(P, SCALE_OFFSET)

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...errors import ArgumentError, ArgumentTypeError, UnsupportedDeviceError
 from ..device_scope import on_device
 from .layout import HEAD_DIM, PAGE_TOKENS, SCALE_OFFSET, alloc_logits, check_args
 
@@ -159,22 +160,22 @@ def plan_splits(batch: int, max_context_len: int, num_sms: int) -> int:
 
 def _launch(q, kv_cache, weights, context_lens, block_table, max_context_len, out, native_fp8):
     if max_context_len is None:
-        raise TypeError("max_context_len is required")
+        raise ArgumentTypeError("max_context_len is required")
     a = check_args(q, kv_cache, weights, context_lens, block_table, max_context_len)
     dev = a.q_u8.device
     if dev.type == "cpu" and not INTERPRETED:
-        raise ValueError("the Triton indexer needs CUDA tensors (CPU tensors only when imported "
+        raise ArgumentError("the Triton indexer needs CUDA tensors (CPU tensors only when imported "
                          "with TRITON_INTERPRET=1)")
     if native_fp8 is None:
         native_fp8 = _native_fp8_default(dev)
     elif native_fp8 and dev.type == "cuda" and torch.version.hip is None:
         cc = _device_facts(dev.index if dev.index is not None else torch.cuda.current_device())[1]
         if cc < (8, 9):
-            raise RuntimeError(f"native-fp8 indexer kernel needs compute capability >= 8.9 "
+            raise UnsupportedDeviceError(f"native-fp8 indexer kernel needs compute capability >= 8.9 "
                                f"(device has {cc[0]}.{cc[1]}); use fp8_paged_mqa_logits_u8")
     H = a.heads
     if H & (H - 1) or not 16 <= H * _pow2(a.next_n) or H > 128:
-        raise ValueError(f"the Triton indexer needs a power-of-two head count <= 128 "
+        raise ArgumentError(f"the Triton indexer needs a power-of-two head count <= 128 "
                          f"(next_n_pad * heads >= 16), got heads={H}")
     B, N, S = a.batch, a.next_n, a.max_context_len
     out = alloc_logits(B * N, S, dev, out)

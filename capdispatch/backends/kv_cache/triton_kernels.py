@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...errors import ArgumentError, UnsupportedDeviceError
 from ..device_scope import on_device
 from .layout import DATA_BYTES, DIM, DIM_NOPE, FP8_MAX, SCALE_BYTES, SCALE_EPS, TILE
 from .reference import check_dequant_args, check_quant_args
@@ -218,13 +219,13 @@ INTERPRETED = not isinstance(_kv_quant_kernel, triton.runtime.jit.JITFunction)
 def _check_device(t: torch.Tensor, native_fp8: bool) -> None:
     if t.device.type == "cpu":
         if not INTERPRETED:
-            raise ValueError("Triton KV-cache kernels need CUDA tensors "
+            raise ArgumentError("Triton KV-cache kernels need CUDA tensors "
                              "(CPU tensors only when imported with TRITON_INTERPRET=1)")
         return
     if native_fp8 and t.device.type == "cuda" and torch.version.hip is None:
         cc = torch.cuda.get_device_capability(t.device)
         if cc < (8, 9):
-            raise RuntimeError(
+            raise UnsupportedDeviceError(
                 f"native-fp8 KV kernels need compute capability >= 8.9 (device has {cc[0]}.{cc[1]}); "
                 "use kv_quant_u8 / kv_dequant_u8"
             )

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import torch
 
+from ...errors import ArgumentError
 from .reference import check_moe_args
 from .weights import rewrite_per_expert_, swap_halves_
 
@@ -68,13 +69,13 @@ def _fi():
 
 def _require_cuda(weights, backend):
     if weights.device.type != "cuda":
-        raise ValueError(f"{backend} needs CUDA weights, these are on {weights.device}")
+        raise ArgumentError(f"{backend} needs CUDA weights, these are on {weights.device}")
 
 
 def _check_shapes(weights, backend):
     H, I = weights.hidden, weights.intermediate
     if H % 128 or I % 128:
-        raise ValueError(f"{backend} needs hidden and intermediate sizes that are multiples of 128 "
+        raise ArgumentError(f"{backend} needs hidden and intermediate sizes that are multiples of 128 "
                          f"(H={H}, I={I})")
     _require_cuda(weights, backend)
 

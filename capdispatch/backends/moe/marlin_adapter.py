@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from ...errors import ArgumentError
 from .reference import check_moe_args
 
 __all__ = ["prepare_marlin", "moe_marlin", "MARLIN_KWARGS"]
@@ -63,10 +64,10 @@ def prepare_marlin(weights) -> None:
     repack, permute_scales, process_scales = _prep_fns()
     E, H, I = weights.num_experts, weights.hidden, weights.intermediate
     if H % 128 or I % 64:
-        raise ValueError(f"marlin_w4a16 needs H % 128 == 0 and I % 64 == 0 (H={H}, I={I}); "
+        raise ArgumentError(f"marlin_w4a16 needs H % 128 == 0 and I % 64 == 0 (H={H}, I={I}); "
                          "SGLang pads, this preparer keeps the packed size and refuses")
     if weights.device.type != "cuda":
-        raise ValueError(f"marlin_w4a16 needs CUDA weights, these are on {weights.device}")
+        raise ArgumentError(f"marlin_w4a16 needs CUDA weights, these are on {weights.device}")
     perm = torch.empty(0, dtype=torch.int32, device=weights.device)
 
     def weight(name, size_n, size_k):

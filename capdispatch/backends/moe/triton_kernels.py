@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...errors import ArgumentError
 from ..device_scope import on_device
 from .reference import check_moe_args
 from .weights import CHECKPOINT
@@ -344,13 +345,13 @@ def moe_w4a16(x, weights, topk_weights, topk_ids, out=None, *, force_torch_routi
     weights.require_layout(CHECKPOINT, "triton_w4a16")
     dev = x.device
     if dev.type == "cpu" and not INTERPRETED:
-        raise ValueError("Triton MoE kernels need CUDA tensors (CPU tensors only when imported with "
+        raise ArgumentError("Triton MoE kernels need CUDA tensors (CPU tensors only when imported with "
                          "TRITON_INTERPRET=1)")
     T, H = x.shape
     K = topk_ids.shape[1]
     E, I = weights.num_experts, weights.intermediate
     if H % 64 or I % 64:
-        raise ValueError(f"triton_w4a16 needs H and I to be multiples of 64 (H={H}, I={I})")
+        raise ArgumentError(f"triton_w4a16 needs H and I to be multiples of 64 (H={H}, I={I})")
     if out is None:
         out = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
     if T == 0:
@@ -358,7 +359,7 @@ def moe_w4a16(x, weights, topk_weights, topk_ids, out=None, *, force_torch_routi
     if x.stride(1) != 1:
         x = x.contiguous()
     if out.stride(1) != 1:
-        raise ValueError("out must have unit stride along H")
+        raise ArgumentError("out must have unit stride along H")
     ids = topk_ids.contiguous()
     tw = topk_weights.contiguous()
     R = T * K

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from ...errors import ArgumentError
 from .reference import D_V, LN2, check_sparse_prefill_args
 
 __all__ = ["flashmla_sparse"]
@@ -40,7 +41,7 @@ def _pad_heads(h: int) -> int:
         return 64
     if h <= 128:
         return 128
-    raise ValueError(f"FlashMLA sparse prefill supports at most 128 query heads per call, got {h}")
+    raise ArgumentError(f"FlashMLA sparse prefill supports at most 128 query heads per call, got {h}")
 
 
 def flashmla_sparse(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None,

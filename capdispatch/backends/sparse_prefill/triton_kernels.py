@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...errors import ArgumentError, UnsupportedDeviceError
 from ..device_scope import on_device
 from . import reference as R
 
@@ -94,7 +95,7 @@ def configs_for(cc, kind: str, tokens: int | None = None) -> tuple:
     ``kind``, best first: the measured table for that capability, else the portable one;
     with ``tokens``, without the entries whose ``max_tokens`` is below it."""
     if kind not in KINDS:
-        raise ValueError(f"unknown kernel kind {kind!r}; valid: {', '.join(KINDS)}")
+        raise ArgumentError(f"unknown kernel kind {kind!r}; valid: {', '.join(KINDS)}")
     table = MEASURED_CONFIGS.get(tuple(cc), PORTABLE_CONFIGS)[kind]
     if tokens is None:
         return table
@@ -395,13 +396,13 @@ INTERPRETED = not isinstance(_sparse_mla_kernel, triton.runtime.jit.JITFunction)
 def check_device(t: torch.Tensor, native_fp8: bool = False) -> None:
     if t.device.type == "cpu":
         if not INTERPRETED:
-            raise ValueError("Triton attention kernels need CUDA tensors "
+            raise ArgumentError("Triton attention kernels need CUDA tensors "
                              "(CPU tensors only when imported with TRITON_INTERPRET=1)")
         return
     if native_fp8 and t.device.type == "cuda" and torch.version.hip is None:
         cc = torch.cuda.get_device_capability(t.device)
         if cc < (8, 9):
-            raise RuntimeError(f"native-fp8 attention needs compute capability >= 8.9 (device has "
+            raise UnsupportedDeviceError(f"native-fp8 attention needs compute capability >= 8.9 (device has "
                                f"{cc[0]}.{cc[1]}); use the uint8 (integer-decode) Triton backend")
 
 
@@ -496,7 +497,7 @@ def launch_sparse_mla(*, kind, device, T, H, config=None, num_splits=1, **args):
         if config is None:
             _chosen[key] = i
         return cfg
-    raise RuntimeError(f"no Triton configuration fits this device for {kind}: {last}")
+    raise UnsupportedDeviceError(f"no Triton configuration fits this device for {kind}: {last}")
 
 
 def _run(device, T, H, cfg, num_splits, args):
