@@ -211,7 +211,7 @@ def _cmd_policy_show(args) -> int:
     stack = build(reg, policy=args.policy or None, known_devices=known_device_names())
     obj = {"schema": 1, "settings": {}, "ops": {}, "devices": [], "selections": []}
     lines = []
-    for key in ("mixed_group", "on_unsupported"):
+    for key in ("mixed_group", "on_unsupported", "verify"):
         s = stack.setting(key)
         obj["settings"][key] = {"value": s.value, "from": s.origin}
         lines.append(f"{key}: {s.value}    # {s.origin}")
