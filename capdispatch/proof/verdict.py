@@ -31,15 +31,11 @@ class Verdict:
         """One line: 'pass', or the class with what went wrong."""
         if self.passed:
             return "pass"
-        parts = [self.outcome]
         if self.outcome == "mismatch" and self.max_err is not None:
-            parts.append(f"max error {self.max_err:.3g} at {self.where or '?'}")
-            if self.tolerance:
-                parts.append(f"tolerance {self.tolerance}")
-        first = self.detail.strip().splitlines()[:1]
-        if first:
-            parts.append(first[0][:200])
-        return ": ".join(parts[:1]) + (" " + "; ".join(parts[1:]) if len(parts) > 1 else "")
+            tol = f" (tolerance: {self.tolerance})" if self.tolerance else ""
+            return f"mismatch: max error {self.max_err:.3g} at {self.where or '?'}{tol}"
+        first = next((ln.strip() for ln in self.detail.splitlines() if ln.strip()), "")
+        return f"{self.outcome}: {first[:200]}" if first else self.outcome
 
     def to_dict(self) -> dict:
         return attrs.asdict(self)
