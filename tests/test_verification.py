@@ -210,7 +210,7 @@ for i in range(int(sys.argv[1])):
 
 def test_two_processes_writing_at_once(tmp_path, caplog):
     env = _env(tmp_path)
-    procs = [subprocess.Popen([sys.executable, "-c", _WRITER, "150"], env=env, stderr=subprocess.PIPE, text=True)
+    procs = [subprocess.Popen([sys.executable, "-c", _WRITER, "80"], env=env, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]
     errs = [p.communicate(timeout=120)[1] for p in procs]
     assert all(p.returncode == 0 for p in procs), errs

@@ -34,8 +34,10 @@ class Verdict:
         if self.outcome == "mismatch" and self.max_err is not None:
             tol = f" (tolerance: {self.tolerance})" if self.tolerance else ""
             return f"mismatch: max error {self.max_err:.3g} at {self.where or '?'}{tol}"
-        first = next((ln.strip() for ln in self.detail.splitlines() if ln.strip()), "")
-        return f"{self.outcome}: {first[:200]}" if first else self.outcome
+        lines = [ln.strip() for ln in self.detail.splitlines() if ln.strip()]
+        # A compiler's own message ends its report; other failures lead with theirs.
+        line = (lines[-1] if self.outcome == "compile" else lines[0]) if lines else ""
+        return f"{self.outcome}: {line[:200]}" if line else self.outcome
 
     def to_dict(self) -> dict:
         return attrs.asdict(self)
