@@ -177,6 +177,18 @@ def test_cache_corrupt_and_foreign_files_are_ignored(tmp_path, caplog):
         assert proof.lookup(cpu, "kv_dequant", "torch", env=env) is None
 
 
+def test_unwritable_cache_warns_and_keeps_the_verdict_in_memory(tmp_path, caplog):
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    env = {**_env(tmp_path), "CAPDISPATCH_CACHE_DIR": str(blocker)}
+    card = proof.open_card(cd.probe("cpu"), env=env)
+    b = cd.dispatch.resolver.builtin().backend("kv_dequant", "torch")
+    with caplog.at_level(logging.WARNING, logger="capdispatch"):
+        assert card.put(b, _verdict("kv_dequant", "torch")) is None
+    assert "cannot be written" in caplog.text and card.get(b).passed
+    assert proof.lookup(cd.probe("cpu"), "kv_dequant", "torch", env=env) is None
+
+
 def test_cache_key_separates_software_and_cards(tmp_path):
     env = _env(tmp_path)
     cpu = cd.probe("cpu")
@@ -280,3 +292,14 @@ def test_sglang_rank_decides_again_after_a_failed_canary(tmp_path, caplog):
     proof.store(cpu, "torch", _verdict("kv_dequant", "torch"), env=env)
     d, text = rank_proof.verified(Decision("torch"), cpu, lambda: pytest.fail("decided again"), env=env)
     assert text == "verified on this card: kv_dequant=torch (cached)"
+
+
+@pytest.mark.gpu
+def test_gpu_every_runnable_backend_passes_its_canary_on_cuda0(tmp_path):
+    """On a CUDA machine: every candidate whose requirements hold on cuda:0 passes."""
+    env = _env(tmp_path)
+    p = subprocess.run([sys.executable, "-m", "capdispatch", "verify", "--device", "cuda:0", "--all",
+                        "--format", "json"], env=env, capture_output=True, text=True, timeout=1800, cwd=ROOT)
+    obj = json.loads(p.stdout)
+    bad = [(r["op"], r["backend"], r["verdict"]) for r in obj["results"] if r["verdict"]["outcome"] != "pass"]
+    assert p.returncode == 0 and not bad, bad
