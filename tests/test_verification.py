@@ -273,6 +273,7 @@ def test_sglang_rank_decides_again_after_a_failed_canary(tmp_path, caplog):
     from capdispatch.adapters.sglang import proof as rank_proof
     env = _env(tmp_path)
     cpu = cd.probe("cpu")
+    seen = []
 
     class Choice:
         def __init__(self, backend):
@@ -282,16 +283,35 @@ def test_sglang_rank_decides_again_after_a_failed_canary(tmp_path, caplog):
         def __init__(self, backend):
             self.choices = {"kv_dequant": {"cpu": Choice(backend)}}
 
-    proof.store(cpu, "torch", _verdict("kv_dequant", "torch", "compile", detail="fp8e4nv not supported"), env=env)
+    def decide(e):
+        """torch first; once its verdict is cached as failed, triton_u8 (as the resolver does)."""
+        seen.append(e.get("CAPDISPATCH_VERIFY"))
+        v = proof.lookup(cpu, "kv_dequant", "torch", env=env)
+        return Decision("triton_u8" if len(seen) > 1 and v is not None and not v.passed else "torch")
+
+    proof.store(cpu, "torch", _verdict("kv_dequant", "torch", "compile", detail="x\nfp8e4nv not supported"), env=env)
     with caplog.at_level(logging.WARNING, logger="capdispatch.sglang"):
-        d, text = rank_proof.verified(Decision("torch"), cpu, lambda: Decision("triton_u8"), env=env, budget_s=0)
+        d, text = rank_proof.verified(cpu, decide, env=env, budget_s=0)
     assert d.choices["kv_dequant"]["cpu"].backend == "triton_u8"
-    assert "kv_dequant=torch failed its canary on this card (compile: fp8e4nv not supported), replaced by triton_u8" \
-        in text
-    assert "running triton_u8 instead" in caplog.text
+    assert seen[0] == "warn" and seen[-1] is None       # trial decisions as `warn`, the last as configured
+    assert ("kv_dequant=torch failed its canary on this card (compile: fp8e4nv not supported), replaced by "
+            "triton_u8; not verified within the time budget: kv_dequant=triton_u8") == text
+    assert "kv_dequant=torch failed its canary on this card" in caplog.text and "running triton_u8" in caplog.text
     proof.store(cpu, "torch", _verdict("kv_dequant", "torch"), env=env)
-    d, text = rank_proof.verified(Decision("torch"), cpu, lambda: pytest.fail("decided again"), env=env)
-    assert text == "verified on this card: kv_dequant=torch (cached)"
+    seen.clear()
+    d, text = rank_proof.verified(cpu, decide, env=env)
+    assert text == "verified on this card: kv_dequant=torch" and d.choices["kv_dequant"]["cpu"].backend == "torch"
+    d, text = rank_proof.verified(cd.probe("sim:h200"), decide, env=env)
+    assert text is None
+
+
+def test_verify_env_override(tmp_path):
+    env = {**_env(tmp_path), "CAPDISPATCH_VERIFY": "required"}
+    with pytest.raises(cd.NoBackendError):
+        cd.resolve("kv_dequant", "cpu", env=env)
+    with pytest.raises(cd.BadInput) as err:
+        cd.resolve("kv_dequant", "cpu", env={**env, "CAPDISPATCH_VERIFY": "sure"})
+    assert "valid: off, warn, required" in str(err.value)
 
 
 @pytest.mark.gpu
