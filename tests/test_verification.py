@@ -17,10 +17,12 @@ import textwrap
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 import capdispatch as cd
 from capdispatch import proof
 from capdispatch.backends import build
+from capdispatch.backends.canary_checks import Mismatch
 from capdispatch.dispatch import verify as V
 from capdispatch.dispatch.resolver import context, resolve_in
 from capdispatch.policies import PolicyError
@@ -323,3 +325,66 @@ def test_gpu_every_runnable_backend_passes_its_canary_on_cuda0(tmp_path):
     obj = json.loads(p.stdout)
     bad = [(r["op"], r["backend"], r["verdict"]) for r in obj["results"] if r["verdict"]["outcome"] != "pass"]
     assert p.returncode == 0 and not bad, bad
+
+
+# Each op's canary on its torch reference, and on the reference with one element wrong
+# or one element never written: in process (the canaries themselves, no child).
+def _corrupt(t):
+    flat = t.view(-1)
+    finite = torch.isfinite(flat.float()).nonzero().flatten()
+    i = int(finite[len(finite) * 7 // 13])          # a finite element (a NaN stays NaN)
+    v = flat.float()[finite].abs().amax()
+    flat[i] = (flat[i].float() + 0.5 * v + 1.0).to(t.dtype)
+
+
+CANARY_OPS = ["kv_quant", "kv_dequant", "indexer", "sparse_prefill", "decode_mla", "moe"]
+
+
+@pytest.mark.parametrize("op", CANARY_OPS)
+def test_each_canary_passes_the_reference_and_catches_one_wrong_element(op):
+    import random
+    reg = cd.dispatch.resolver.builtin()
+    canary = reg.ops[op].load_canary()
+    ref = reg.backend(op, "torch").load()
+    seed = random.SystemRandom().randrange(2**31)
+    report = canary(ref, torch.device("cpu"), seed, "torch")
+    assert report["tolerance"] and report["checked"] > 0
+
+    def wrong(*args, **kwargs):
+        res = ref(*args, **kwargs)
+        if op == "kv_quant":
+            _corrupt_written_byte(args[1], args[2], args[3])
+            return res
+        _corrupt(res[0] if isinstance(res, tuple) else res)
+        return res
+
+    def lazy(*args, **kwargs):
+        out = kwargs.get("out")
+        if op == "kv_quant":                   # one written byte left as the pool's poison
+            k, pool, loc, ps = args
+            tmp = pool.clone()
+            ref(k, tmp, loc, ps)
+            changed = (tmp != pool).view(-1).nonzero().flatten()
+            tmp.view(-1)[changed[len(changed) // 2]] = pool.view(-1)[changed[len(changed) // 2]]
+            pool.copy_(tmp)
+            return None
+        if out is None:
+            return wrong(*args, **kwargs)
+        kwargs = dict(kwargs, out=None)
+        res = ref(*args, **kwargs)
+        full = res[0] if isinstance(res, tuple) else res
+        keep = out.view(-1)[5].clone()
+        out.copy_(full)
+        out.view(-1)[5] = keep                 # one element left as the caller's poison
+        return (out,) + tuple(res[1:]) if isinstance(res, tuple) else out
+
+    for fn in (wrong, lazy):
+        with pytest.raises(Mismatch) as err:
+            canary(fn, torch.device("cpu"), seed, "torch")
+        assert err.value.where and err.value.tolerance, (op, fn.__name__, str(err.value))
+
+
+def _corrupt_written_byte(pool, loc, page_size):
+    from capdispatch.backends.kv_cache import layout as L
+    t = int(loc[len(loc) // 2])
+    pool.view(torch.uint8)[t // page_size, (t % page_size) * L.DATA_BYTES + 3] ^= 0x10
