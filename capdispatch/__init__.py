@@ -30,6 +30,8 @@ _API = {
     "SelectionError": ("capdispatch.policies", "SelectionError"),
     "UnknownDeviceError": ("capdispatch.capabilities", "UnknownDeviceError"),
     "ProbeError": ("capdispatch.capabilities", "ProbeError"),
+    "verify_decisions": ("capdispatch.dispatch", "verify_decisions"),
+    "Verification": ("capdispatch.dispatch", "Verification"),
 }
 
 __all__ = sorted(_API)

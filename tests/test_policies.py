@@ -112,6 +112,7 @@ def _all_devices():
 @pytest.mark.parametrize("texts", [
     [],
     ["ops: {indexer: [torch]}\n"],
+    ["verify: off\n", "verify: required\n"],
     ["mixed_group: uniform\ndevices:\n  - match: {name: geforce-rtx-3080}\n    ops: {moe: [torch]}\n",
      "on_unsupported: error\nops: {kv_quant: [torch]}\ndevices:\n"
      "  - match: {cc: '>=12.0,<13.0'}\n    ops: {indexer: [triton], kv_dequant: [torch, triton_u8]}\n"
@@ -137,7 +138,7 @@ def test_policy_show_round_trips(tmp_path, texts):
     shown = tmp_path / "shown.yaml"
     shown.write_text(text)
     again = build(reg, policy=str(shown), env={}, known_devices=known)
-    for key in ("mixed_group", "on_unsupported"):
+    for key in ("mixed_group", "on_unsupported", "verify"):
         assert again.setting(key).value == stack.setting(key).value
     for spec in _all_devices():
         for op in reg.ops:

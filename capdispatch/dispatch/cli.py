@@ -54,6 +54,9 @@ def _parser() -> argparse.ArgumentParser:
     o = sub.add_parser("ops", help="the ops and their backends with what each needs")
     fmt(o)
 
+    from . import verify_cmd
+    verify_cmd.add_parser(sub)
+
     for name, (_, help_) in EXTENSIONS.items():
         x = sub.add_parser(name, help=help_, add_help=False)
         x.add_argument("rest", nargs=argparse.REMAINDER)
@@ -110,6 +113,9 @@ def _run(args) -> int:
         return _cmd_explain(args)
     if args.cmd == "ops":
         return _cmd_ops(args)
+    if args.cmd == "verify":
+        from . import verify_cmd
+        return verify_cmd.run(args)
     if args.cmd in EXTENSIONS:
         import importlib
         return importlib.import_module(EXTENSIONS[args.cmd][0]).main(args.rest)
@@ -171,6 +177,10 @@ def _cmd_ops(args) -> int:
             rows.append(f"      needs: {'; '.join(needs)}")
             obj["ops"][op.name]["backends"].append({"name": b.name, "summary": b.summary,
                                                     "impl": b.impl, "needs": needs})
+    obj["plugins"] = [p.to_dict() for p in reg.plugins]
+    for p in reg.plugins:
+        rows.append(f"plugin {p.name} ({p.value}): " + (f"added {', '.join(p.backends)}" if p.ok
+                                                        else f"SKIPPED: {p.message}"))
     _emit(args, obj, "\n".join(rows))
     return EXIT_OK
 

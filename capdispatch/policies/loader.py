@@ -19,7 +19,9 @@ from ..errors import CapdispatchError
 
 MIXED_GROUP = ("allow", "warn", "uniform", "error")
 ON_UNSUPPORTED = ("downgrade", "error")
-TOP_KEYS = ("schema", "mixed_group", "on_unsupported", "ops", "devices")
+VERIFY = ("off", "warn", "required")
+SETTINGS = {"mixed_group": MIXED_GROUP, "on_unsupported": ON_UNSUPPORTED, "verify": VERIFY}
+TOP_KEYS = ("schema", "mixed_group", "on_unsupported", "verify", "ops", "devices")
 DEVICE_KEYS = ("match", "ops")
 MATCH_KEYS = ("id", "name", "cc")
 MAX_BYTES = 1 << 20          # a policy is a few dozen lines; refuse more than 1 MiB unread
@@ -140,6 +142,7 @@ class PolicyFile:
     path: str
     mixed_group: Optional[Marked] = None
     on_unsupported: Optional[Marked] = None
+    verify: Optional[Marked] = None
     ops: dict = attrs.field(factory=dict)          # op -> OpPreference
     devices: tuple = ()                            # DeviceEntry...
     builtin: bool = False
@@ -287,9 +290,11 @@ def parse(text: str, path: str, registry, *, known_devices=(), builtin: bool = F
             if type(v) is not int or v != 1:   # bool is an int subclass: `schema: true` is not 1
                 raise r.err(vnode, f"schema {_show(vnode.value)[1:-1] if v is not None else '(empty)'} "
                                    f"is not supported (valid: 1)")
-        elif key in ("mixed_group", "on_unsupported"):
-            valid = MIXED_GROUP if key == "mixed_group" else ON_UNSUPPORTED
+        elif key in SETTINGS:
+            valid = SETTINGS[key]
             v = r.scalar(vnode, key)
+            if key == "verify" and v is False:   # YAML 1.1 reads a bare `off` as false
+                v = "off"
             if not isinstance(v, str) or v not in valid:
                 shown = _show(vnode.value) if v is not None else "empty"
                 raise r.err(vnode, f"{key}: {shown} is not valid{_did_you_mean(vnode.value, valid)} "

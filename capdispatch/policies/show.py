@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from .loader import SETTINGS
 from .stack import PolicyStack
 
 
@@ -48,7 +49,7 @@ def merged(stack: PolicyStack, registry) -> tuple:
     lines = ["# The merged policy; loading this file gives the same decisions (comments say",
              "# where each value came from). Selections, if any, are listed at the end.",
              "schema: 1"]
-    for key in ("mixed_group", "on_unsupported"):
+    for key in SETTINGS:
         s = stack.setting(key)
         obj["settings"][key] = {"value": s.value, "from": s.origin}
         lines.append(f"{key}: {s.value}{_comment(s.origin)}")
