@@ -12,6 +12,6 @@ _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                      HealthCheck.data_too_large,
                                                      HealthCheck.filter_too_much,
                                                      HealthCheck.function_scoped_fixture])
-settings.register_profile("ci", max_examples=100, derandomize=True, print_blob=True, **_common)
+settings.register_profile("ci", max_examples=60, derandomize=True, print_blob=True, **_common)
 settings.register_profile("deep", max_examples=5000, **_common)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

@@ -26,7 +26,8 @@ FLAGS = ["--device", "--op", "--set", "--assume-lib", "--assume-cuda", "--policy
 
 def _run(argv, env=None):
     patch = {k: v for k, v in (env or {}).items()}
-    clear = {k: "" for k in ("CAPDISPATCH_POLICY", "CAPDISPATCH_SET", "CAPDISPATCH_STRICT")}
+    clear = {k: "" for k in ("CAPDISPATCH_POLICY", "CAPDISPATCH_SET", "CAPDISPATCH_STRICT",
+                             "CAPDISPATCH_VERIFY")}
     with mock.patch.dict(os.environ, {**clear, **patch}):
         try:
             rc = main(argv)
@@ -56,7 +57,7 @@ def test_explain_flag_values(capsys, pairs):
 
 @settings(max_examples=40)
 @given(st.sampled_from(["CAPDISPATCH_SET", "CAPDISPATCH_POLICY", "CAPDISPATCH_STRICT",
-                        "CAPDISPATCH_IMPORT_TIMEOUT"]),
+                        "CAPDISPATCH_IMPORT_TIMEOUT", "CAPDISPATCH_VERIFY"]),
        (st.sampled_from(ODD) | st.text(max_size=12)).filter(lambda v: "\x00" not in v))
 def test_environment_values(capsys, name, value):
     try:
