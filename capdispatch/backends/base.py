@@ -157,6 +157,14 @@ class Op:
     summary: str
     signature: str
     reference: str          # the backend that defines the op's meaning
+    # "module:function" of the op's canary (a small canonical problem checked against
+    # the reference on the card), imported only when a backend is verified.
+    canary: str = ""
+
+    def load_canary(self):
+        import importlib
+        module, _, attr = self.canary.partition(":")
+        return getattr(importlib.import_module(module), attr)
 
 
 @attrs.frozen

@@ -15,6 +15,7 @@ OP = Op(
     "indexer(q, kv_cache, weights, context_lens, block_table, schedule_metadata, max_context_len, "
     "clean_logits=False) -> Tensor",
     reference="torch",
+    canary=f"{_PKG}.canary:indexer",
 )
 
 # SGLang 0.5.23 pins tilelang==0.1.12; the kernel is lowered and tested with it.
