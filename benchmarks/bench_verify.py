@@ -1,7 +1,7 @@
 """Time `dispatch verify --all` on one card with cold JIT caches: wall time per backend
 (its child process: import and compile, then the canary's run) and for the whole card.
 
-    python benchmarks/bench_verify.py [--device cuda:0] [--out DIR] [--timeout 300] [--op OP]...
+    python benchmarks/bench_verify.py [--device cuda:0] [--out DIR] [--timeout 300] [--op OP]... [--jobs N]
                                       [--cold triton,tilelang,deepgemm,flashinfer] [--no-warm]
 
 Each run gets fresh, empty directories for the verdict cache (so every canary runs) and
@@ -55,10 +55,12 @@ def cache_env(root: str, cold) -> dict:
     return env
 
 
-def run_verify(device: str, timeout: float, env: dict, ops=()) -> dict:
+def run_verify(device: str, timeout: float, env: dict, ops=(), jobs=None) -> dict:
     """One `dispatch verify --all` in a fresh process; its JSON, exit code and wall time."""
     cmd = [sys.executable, "-m", "capdispatch", "verify", "--all", "--device", device,
            "--format", "json", "--timeout", str(timeout)] + [a for op in ops for a in ("--op", op)]
+    if jobs:
+        cmd += ["--jobs", str(jobs)]
     full = dict(os.environ, **env)
     full["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, full.get("PYTHONPATH", "")) if p)
     t0 = time.perf_counter()
@@ -149,25 +151,26 @@ def main(argv=None) -> int:
                     f"valid: {', '.join(CACHES)})")
     ap.add_argument("--no-warm", action="store_true", help="skip the second, warm-cache run")
     ap.add_argument("--op", action="append", default=[], help="only this op (repeatable; default: every op)")
+    ap.add_argument("--jobs", type=int, help="canaries at once (dispatch verify --jobs; default: its own)")
     args = ap.parse_args(argv)
     cold = [c for c in args.cold.split(",") if c]
     root = tempfile.mkdtemp(prefix="capdispatch-bench-verify-")
     try:
         env = cache_env(root, cold)
         card = _card(args.device, env)
-        first = run_verify(args.device, args.timeout, env, args.op)
+        first = run_verify(args.device, args.timeout, env, args.op, args.jobs)
         second = None
         if not args.no_warm:
             warm_env = dict(env, CAPDISPATCH_CACHE_DIR=os.path.join(root, "verdicts-warm"))
             os.makedirs(warm_env["CAPDISPATCH_CACHE_DIR"], exist_ok=True)
-            second = run_verify(args.device, args.timeout, warm_env, args.op)
+            second = run_verify(args.device, args.timeout, warm_env, args.op, args.jobs)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     now = datetime.datetime.now(datetime.timezone.utc)
     meta = {"device": args.device, "card": card, "date": now.strftime("%Y-%m-%d %H:%M UTC"),
             "versions": _versions(), "cold": cold, "cold_wall": first["wall"], "cold_rc": first["rc"],
             "warm_wall": second["wall"] if second else None, "target_s": TARGET_S,
-            "ops": list(args.op) or "all"}
+            "ops": list(args.op) or "all", "jobs": args.jobs}
     table = rows(first, second)
     slug = re.sub(r"[^a-z0-9]+", "_", card.lower()).strip("_") or "device"
     stem = os.path.join(args.out, f"verify_{slug}_{now.strftime('%Y%m%dT%H%M%S')}")

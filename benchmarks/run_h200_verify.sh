@@ -18,4 +18,4 @@ fi
 step() { local t=$1; shift; echo "=== $* (limit ${t}s)" | tee -a "$LOG"; timeout "$t" "$@" 2>&1 | tee -a "$LOG" | tail -${TAIL:-40}; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/nvidia-smi.txt"
 step 30 python3 -m capdispatch explain --device cuda:0
-TAIL=60 step 540 python3 benchmarks/bench_verify.py --device cuda:0 --out "$OUT" ${COLD:+--cold "$COLD"}
+TAIL=60 step 540 python3 benchmarks/bench_verify.py --device cuda:0 --out "$OUT" ${COLD:+--cold "$COLD"} ${JOBS:+--jobs "$JOBS"}

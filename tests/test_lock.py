@@ -5,6 +5,7 @@ which plans on the CPU device so the verification cache has a card to answer for
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -171,6 +172,12 @@ def test_malformed_lock_names_file_and_line(env, tmp_path, name, text, line, nee
     assert isinstance(ei.value, cd.BadInput)
 
 
+def test_write_where_it_cannot_is_bad_input(env, tmp_path):
+    lk = cd.lock(_plan([H200], ops=["indexer"]))
+    with pytest.raises(cd.BadInput, match=r"cannot write the lock .*nowhere/x\.lock"):
+        lk.write(tmp_path / "nowhere" / "x.lock")
+
+
 def test_good_text_parses(env, tmp_path):
     path = tmp_path / "good.lock"
     path.write_text(_GOOD)
@@ -212,9 +219,12 @@ def test_explain_with_lock_warns_and_strict_exits_3(run_cli, tmp_path):
     libs = sum((["--assume-lib", a] for a in ASSUME), [])
     assert run_cli("lock", "--device", RTX5090, "--op", "indexer", *libs, "-o", f)[0] == 0
     base = ["explain", "--device", RTX5090, "--op", "indexer", "--set", "indexer=triton", *libs]
-    rc, out, err = run_cli(*base, env={"CAPDISPATCH_LOCK": f})
-    assert rc == 0 and "indexer" in out, err
+    rc, out, err = run_cli(*base, "--format", "json", env={"CAPDISPATCH_LOCK": f})
+    assert rc == 0, err
     assert len(_drift_lines(err)) == 1 and "backend was tilelang" in err
+    doc = json.loads(out)
+    assert doc["ops"]["indexer"]["per_device"][RTX5090]["backend"] == "triton"
+    assert [w for w in doc["warnings"] if "lock drift" in w] == [_drift_lines(err)[0].split("capdispatch: ", 1)[1]]
     rc, _, err = run_cli(*base, "--lock", f, "--strict")
     assert rc == 3 and "strict: 1 difference(s) from the lock" in err, err
 

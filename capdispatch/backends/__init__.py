@@ -1,8 +1,8 @@
 """Ops and the backends that implement them, with what each backend needs."""
 from .base import (AnyFeature, Backend, Check, ComputeCapability, Facts, Feature, Library,
-                   Op, Platform, TritonTarget)
+                   Op, Platform, TORCH, TRITON, TritonTarget)
 from .plugins import PluginInfo
 from .registry import Registry, build, builtin
 
 __all__ = ["AnyFeature", "Backend", "Check", "ComputeCapability", "Facts", "Feature", "Library",
-           "Op", "Platform", "PluginInfo", "Registry", "TritonTarget", "build", "builtin"]
+           "Op", "Platform", "PluginInfo", "Registry", "TORCH", "TRITON", "TritonTarget", "build", "builtin"]

@@ -167,8 +167,10 @@ def _cmd_explain(args) -> int:
     p = plan(specs, args.op or None, policy=args.policy or None, selections=args.set_ or None,
              assume_libs=args.assume_lib, strict=args.strict, selection_origin="--set")
     from .lock import check
-    check(p, args.lock, strict=args.strict)
-    _emit(args, p.to_dict(), render_text(p))
+    drifts = check(p, args.lock, strict=args.strict)
+    obj = p.to_dict()
+    obj["warnings"] += [str(d) for d in drifts]
+    _emit(args, obj, render_text(p))
     return EXIT_OK
 
 

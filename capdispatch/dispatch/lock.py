@@ -118,7 +118,10 @@ class Lock:
         import tempfile
         path = os.fspath(path)
         d = os.path.dirname(os.path.abspath(path))
-        fd, tmp = tempfile.mkstemp(dir=d, prefix=".capdispatch-lock-", suffix=".part")
+        try:
+            fd, tmp = tempfile.mkstemp(dir=d, prefix=".capdispatch-lock-", suffix=".part")
+        except OSError as exc:
+            raise BadInput(f"cannot write the lock {path}: {exc.strerror or exc} (in {d})") from None
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as fh:
                 fh.write(self.dumps())
@@ -165,8 +168,11 @@ def _verification(spec, op: str, backend: str, plan, env) -> str:
 
 
 def _versions(plan, op: str, backend: str) -> dict:
-    return {dist: plan.inventory.get(dist).version
-            for dist in _backend_dists(plan.registry, op, backend)}
+    from ..backends import builtin
+    from ..capabilities import Inventory
+    inventory = plan.inventory or Inventory()
+    return {dist: inventory.get(dist).version
+            for dist in _backend_dists(plan.registry or builtin(), op, backend)}
 
 
 def freeze(plan, *, inputs=None, env=None, now=None) -> Lock:

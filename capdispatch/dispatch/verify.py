@@ -70,38 +70,43 @@ def jobs(ctx: Context, specs, ops, *, backend: Optional[str] = None, every: bool
 
 
 def run(ctx: Context, todo, *, timeout: float, budget_s: Optional[float] = None, use_cache: bool = False,
-        on_start=None, on_done=None) -> list:
-    """Run each job's canary in a child process and cache its verdict. USE_CACHE: a job
-    with a cached verdict does not run. BUDGET_S: jobs that would start after it are
-    left unverified (verdict None)."""
+        workers: int = 1, on_start=None, on_done=None) -> list:
+    """Run each job's canary in a child process and cache its verdict; results in job
+    order. USE_CACHE: a job with a cached verdict does not run. BUDGET_S: jobs that
+    would start after it are left unverified (verdict None). WORKERS: children at once."""
     from ..proof.runner import run_canary
     t0 = time.monotonic()
-    results = []
     for job in todo:
+        _card(ctx, job.device)        # read each device's cache once, before any thread runs
+
+    def one(job):
         card = _card(ctx, job.device)
         b = ctx.registry.backend(job.op, job.backend)
         cached = card.get(b) if use_cache else None
         if cached is not None:
-            results.append(Result(job, cached, cached=True))
-            if on_done:
-                on_done(results[-1])
-            continue
+            return Result(job, cached, cached=True)
         left = None if budget_s is None else budget_s - (time.monotonic() - t0)
         if left is not None and left <= 0:
-            results.append(Result(job, None))
-            if on_done:
-                on_done(results[-1])
-            continue
+            return Result(job, None)
         if on_start:
             on_start(job)
         verdict = run_canary(job.op, job.backend, job.device.id,
                              timeout=timeout if left is None else max(1.0, min(timeout, left)),
                              env=ctx.env)
         card.put(b, verdict)
-        results.append(Result(job, verdict))
+        return Result(job, verdict)
+
+    def done(r):
         if on_done:
-            on_done(results[-1])
-    return results
+            on_done(r)
+        return r
+
+    if workers <= 1 or len(todo) <= 1:
+        return [done(one(job)) for job in todo]
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = [pool.submit(one, job) for job in todo]
+        return [done(f.result()) for f in futures]
 
 
 def _card(ctx: Context, spec):

@@ -18,6 +18,8 @@ def add_parser(subparsers):
                    help="every candidate whose requirements hold, not only the chosen one")
     v.add_argument("--timeout", type=float, default=120.0, metavar="S",
                    help="seconds one canary may take, compile included (default 120)")
+    v.add_argument("--jobs", type=int, default=1, metavar="N",
+                   help="canaries at once, each in its own process (default 1)")
     v.add_argument("--policy", action="append", default=[], metavar="FILE")
     v.add_argument("--set", action="append", default=[], metavar="OP=BACKEND", dest="set_")
     v.add_argument("--clear-cache", action="store_true",
@@ -77,7 +79,7 @@ def run(args) -> int:
     ops = args.op or list(ctx.registry.ops)
     todo = verify.jobs(ctx, specs, ops, backend=args.backend, every=args.every)
     with _Progress(len(todo)) as progress:
-        results = verify.run(ctx, todo, timeout=args.timeout, on_start=progress.start, on_done=progress.done)
+        results = verify.run(ctx, todo, timeout=args.timeout, workers=max(1, args.jobs), on_start=progress.start, on_done=progress.done)
     failed = [r for r in results if r.verdict is None or not r.verdict.passed]
     if args.format == "json":
         print(json.dumps({"schema": 1, "results": [r.to_dict() for r in results],

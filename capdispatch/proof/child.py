@@ -21,6 +21,9 @@ _COMPILE_TEXT = ("not supported in this architecture", "ptxas", "nvcc", "nvrtc",
                  "compilation failed", "error: identifier")
 
 
+READY = "capdispatch-canary-ready"
+
+
 def classify(exc: BaseException) -> str:
     seen = set()
     e = exc
@@ -60,6 +63,8 @@ def run(op: str, backend: str, device: str, seed: int) -> dict:
     body = {"outcome": "pass", "seed": seed, "seconds": seconds}
     try:
         import torch
+        # The parent's timeout starts now: the interpreter and torch are up.
+        print(READY, flush=True)
         dev = torch.device(device)
         if dev.type == "cuda":
             torch.cuda.set_device(dev)

@@ -11,6 +11,7 @@ import datetime
 import json
 import os
 import random
+import selectors
 import signal
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from typing import Optional
 from .verdict import Verdict
 
 DEFAULT_TIMEOUT_S = 120.0
+DEFAULT_STARTUP_TIMEOUT_S = 120.0
 
 
 def _package_root() -> str:
@@ -51,8 +53,11 @@ def _signal_name(code: int) -> str:
 
 
 def run_canary(op: str, backend: str, device: str, *, timeout: float = DEFAULT_TIMEOUT_S,
-               seed: Optional[int] = None, env=None) -> Verdict:
-    """Verify BACKEND of OP on DEVICE ("cpu", "cuda:N") in a child process."""
+               seed: Optional[int] = None, env=None,
+               startup_timeout: float = DEFAULT_STARTUP_TIMEOUT_S) -> Verdict:
+    """Verify BACKEND of OP on DEVICE ("cpu", "cuda:N") in a child process. TIMEOUT
+    counts from the child's start-up (python and torch imported): loading the kernel,
+    compiling it and running the canary; STARTUP_TIMEOUT bounds the start-up itself."""
     seed = random.SystemRandom().randrange(2**31) if seed is None else int(seed)
     at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     with tempfile.TemporaryDirectory(prefix="capdispatch-canary-") as tmp:
@@ -61,22 +66,28 @@ def run_canary(op: str, backend: str, device: str, *, timeout: float = DEFAULT_T
         cmd = [sys.executable, "-m", "capdispatch.proof.child", op, backend, device, str(seed), result]
         t0 = time.perf_counter()
         with open(err_path, "w+b") as err:
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=err, stderr=err,
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err,
                                     env=child_env(env), start_new_session=True)
+            ready = _wait_ready(proc, startup_timeout)
+            started = time.perf_counter()
+            limit = timeout if ready else startup_timeout
             try:
-                code = proc.wait(timeout=timeout)
+                code = proc.wait(timeout=max(0.0, limit - (0 if ready else started - t0)))
                 timed_out = False
             except subprocess.TimeoutExpired:
                 timed_out = True
                 _kill_group(proc)
                 code = proc.wait()
+            proc.stdout.close()
             wall = time.perf_counter() - t0
             err.seek(0)
             stderr = err.read().decode("utf-8", "replace")
         base = dict(op=op, backend=backend, device=device, seed=seed, at=at)
         if timed_out:
-            return Verdict(outcome="timeout", detail=f"no result after {timeout:g} s (killed)\n{_tail(stderr, 4)}".strip(),
-                           seconds={"wall": wall}, **base)
+            what = f"no result {timeout:g} s after start-up" if ready else \
+                f"not started (python and torch) within {startup_timeout:g} s"
+            return Verdict(outcome="timeout", detail=f"{what} (killed)\n{_tail(stderr, 4)}".strip(),
+                           seconds={"startup": started - t0, "wall": wall}, **base)
         body = None
         if os.path.exists(result):
             try:
@@ -90,9 +101,29 @@ def run_canary(op: str, backend: str, device: str, *, timeout: float = DEFAULT_T
                            seconds={"wall": wall}, **base)
     seconds = {k: float(v) for k, v in (body.get("seconds") or {}).items()}
     seconds["wall"] = wall
+    seconds["startup"] = started - t0
     return Verdict(outcome=body["outcome"], detail=body.get("detail", ""),
                    max_err=body.get("max_err"), where=body.get("where", ""),
                    tolerance=body.get("tolerance", ""), seconds=seconds, **base)
+
+
+def _wait_ready(proc, limit: float) -> bool:
+    """True once the child prints READY; False when it exits or LIMIT passes first."""
+    from .child import READY
+    deadline = time.monotonic() + limit
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        buf = b""
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not sel.select(timeout=left):
+                return False
+            chunk = os.read(proc.stdout.fileno(), 4096)
+            if not chunk:
+                return False
+            buf += chunk
+            if READY.encode() in buf:
+                return True
 
 
 def _kill_group(proc) -> None:

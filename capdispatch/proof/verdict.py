@@ -31,15 +31,13 @@ class Verdict:
         """One line: 'pass', or the class with what went wrong."""
         if self.passed:
             return "pass"
-        parts = [self.outcome]
         if self.outcome == "mismatch" and self.max_err is not None:
-            parts.append(f"max error {self.max_err:.3g} at {self.where or '?'}")
-            if self.tolerance:
-                parts.append(f"tolerance {self.tolerance}")
-        first = self.detail.strip().splitlines()[:1]
-        if first:
-            parts.append(first[0][:200])
-        return ": ".join(parts[:1]) + (" " + "; ".join(parts[1:]) if len(parts) > 1 else "")
+            tol = f" (tolerance: {self.tolerance})" if self.tolerance else ""
+            return f"mismatch: max error {self.max_err:.3g} at {self.where or '?'}{tol}"
+        lines = [ln.strip() for ln in self.detail.splitlines() if ln.strip()]
+        # A compiler's own message ends its report; other failures lead with theirs.
+        line = (lines[-1] if self.outcome == "compile" else lines[0]) if lines else ""
+        return f"{self.outcome}: {line[:200]}" if line else self.outcome
 
     def to_dict(self) -> dict:
         return attrs.asdict(self)
