@@ -167,7 +167,7 @@ def _cmd_explain(args) -> int:
     p = plan(specs, args.op or None, policy=args.policy or None, selections=args.set_ or None,
              assume_libs=args.assume_lib, strict=args.strict, selection_origin="--set")
     from .lock import check
-    drifts = check(p, args.lock, strict=args.strict)
+    drifts = check(p, args.lock, strict=args.strict, partial=bool(args.op or args.device))
     obj = p.to_dict()
     obj["warnings"] += [str(d) for d in drifts]
     _emit(args, obj, render_text(p))

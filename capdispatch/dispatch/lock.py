@@ -429,4 +429,4 @@ def check_after_verify(specs, ops, args) -> tuple:
     from .explain import plan
     p = plan(specs, ops, policy=args.policy or None, selections=args.set_ or None,
              selection_origin="--set", log_warnings=False)
-    return check(p, path, partial=bool(args.op))
+    return check(p, path, partial=bool(args.op or getattr(args, "device", None)))

@@ -65,7 +65,7 @@ def run(args) -> int:
     p = plan(_specs(args, locked), ops, policy=args.policy or None, selections=args.set_ or None,
              assume_libs=args.assume_lib, strict=args.strict, selection_origin="--set")
     if locked is not None:
-        drifts = L.compare(p, locked, partial=bool(args.op))
+        drifts = L.compare(p, locked, partial=bool(args.op or args.device))
         for d in drifts:
             L.log.warning("%s", d)
         n = sum(len(d.ops) for d in locked.devices)
