@@ -148,6 +148,7 @@ devices:
 _BAD = [
     ("yaml", _GOOD.replace("  ops:\n", "  ops: [\n"), 8, "malformed YAML"),
     ("schema", _GOOD.replace("schema: 1", "schema: 2"), 1, "schema 2 is not supported"),
+    ("schema type", _GOOD.replace("schema: 1", "schema: true"), 1, "schema must be an integer, found True"),
     ("top key", _GOOD + "devics: []\n", 10, "unknown key 'devics'; did you mean 'devices'?"),
     ("missing", "schema: 1\n", 1, "missing 'devices'"),
     ("device key", _GOOD.replace("  cc:", "  ccc:"), 5, "unknown key 'ccc'"),
@@ -188,7 +189,7 @@ def test_good_text_parses(env, tmp_path):
 
 def test_cli_malformed_and_missing_exit_2(run_cli, tmp_path):
     path = tmp_path / "bad.lock"
-    path.write_text(_BAD[5][1])
+    path.write_text(dict((b[0], b[1]) for b in _BAD)["backend"])
     rc, _, err = run_cli("lock", "--check", str(path))
     assert rc == 2 and f"{path}:8: " in err and "Traceback" not in err, err
     rc, _, err = run_cli("explain", "--device", H200, "--lock", str(tmp_path / "nope.lock"))

@@ -232,9 +232,9 @@ class _Reader:
             return None
         if isinstance(value, (int, float)) and not isinstance(value, bool) and str in types:
             value = node.value      # a version such as 2.11 or an id read as a number: keep the text
-        if not isinstance(value, types):
-            names = " or ".join(t.__name__ for t in types) + (" or null" if null else "")
-            raise self.err(node, f"{what} must be a {names}, found {value!r}")
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            names = " or ".join({str: "a string", int: "an integer"}.get(t, t.__name__) for t in types)
+            raise self.err(node, f"{what} must be {names}{' or null' if null else ''}, found {value!r}")
         return value
 
     def mapping(self, node, what: str, required=(), optional=()) -> dict:
