@@ -4,7 +4,7 @@ Declarations only: the kernels live in reference.py (torch), triton_kernels.py,
 tilelang_kernel.py and deepgemm.py, and are imported when a backend is bound.
 Contract: reference.py's module docstring and docs/ops/indexer.md.
 """
-from ..base import AnyFeature, Backend, ComputeCapability, Library, Op, Platform, TORCH, TRITON, TritonTarget
+from ..base import AnyFeature, Backend, ComputeCapability, Library, Op, SizeArg, Platform, TORCH, TRITON, TritonTarget
 
 _PKG = "capdispatch.backends.indexer"
 
@@ -16,6 +16,7 @@ OP = Op(
     "clean_logits=False) -> Tensor",
     reference="torch",
     canary=f"{_PKG}.canary:indexer",
+    size=SizeArg("tokens", 0, "q"),     # B: decode batch rows, or prefill query rows
 )
 
 # SGLang 0.5.23 pins tilelang==0.1.12; the kernel is lowered and tested with it.
