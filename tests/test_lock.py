@@ -119,6 +119,23 @@ def attrs_evolve(spec, **kw):
     return attrs.evolve(spec, **kw)
 
 
+def test_size_buckets_are_locked_and_compared(env, tmp_path):
+    pol = tmp_path / "buckets.yaml"
+    pol.write_text('ops:\n  decode_mla:\n    - {tokens: "<=16", prefer: [triton_fp8, flashmla]}\n'
+                   '    - {prefer: [flashmla, triton_fp8]}\n')
+    libs = ASSUME + ["sgl-flash-mla==1.0.0"]
+    p = _plan([H200], ops=["decode_mla"], policy=[str(pol)], assume_libs=libs)
+    lk = cd.lock(p)
+    path = tmp_path / "capdispatch.lock"
+    lk.write(path)
+    back = cd.load_lock(path)
+    assert back.device(H200).ops["decode_mla"].buckets == ((16, "triton_fp8"), (None, "flashmla"))
+    assert set(back.device(H200).ops["decode_mla"].libraries) == {"torch", "sgl-flash-mla", "triton"}
+    assert cd.compare_lock(p, back) == ()
+    (d,) = cd.compare_lock(_plan([H200], ops=["decode_mla"], assume_libs=libs), back)
+    assert (d.kind, d.locked, d.now) == ("buckets", "tokens <= 16: triton_fp8, rest: flashmla", "no buckets")
+
+
 def test_device_and_op_drift_and_partial(env):
     lk = cd.lock(_plan([H200, RTX3080], ops=["indexer", "kv_dequant"]))
     drifts = cd.compare_lock(_plan([H200], ops=["indexer"]), lk)
@@ -158,6 +175,8 @@ _BAD = [
     ("list", _GOOD.split("  ops:")[0] + "  ops: [indexer]\n", 6, "ops must be a mapping, not a list"),
     ("tag", _GOOD.replace("name: NVIDIA H200", "name: !!python/name:os.system ''"), 4, "is not allowed"),
     ("twice", _GOOD + _GOOD.split("devices:\n")[1], 10, "listed twice (first at line 3)"),
+    ("bucket", _GOOD + "      buckets:\n      - {upper: '16', backend: triton}\n", 11,
+     "bucket upper must be an integer or null, found '16'"),
 ]
 
 

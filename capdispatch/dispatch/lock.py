@@ -17,6 +17,9 @@ for errors), schema 1:
             backend: tilelang
             libraries: {tilelang: 0.1.12, torch: 2.11.0}    # the backend's, null: not installed
             verified: pass             # | "failed: <class ...>" | "not verified"
+            buckets:                   # only where a policy gives size buckets: each bucket's
+            - {upper: 64, backend: triton}     # backend, ascending; upper null: the catch-all
+            - {upper: null, backend: tilelang}
 
 `compare(plan, lock)` gives one `Drift` per difference: a backend, a library version of the
 backend both choose, a card (name, compute capability, UUID), a device or op on one side
@@ -73,9 +76,20 @@ class LockDriftError(Unsatisfiable):
 @attrs.frozen
 class LockedOp:
     backend: str
-    libraries: dict           # dist -> version (None: not installed)
+    libraries: Optional[dict]  # dist -> version (None: not installed), of every backend it runs;
+                               # None: not recorded (a hand-written lock), not compared
     verified: str             # "pass", "failed: ...", "not verified"
+    buckets: tuple = ()       # ((upper or None, backend), ...) where a policy gives size buckets
     line: Optional[int] = attrs.field(default=None, eq=False)
+
+    def to_dict(self) -> dict:
+        d = {"backend": self.backend}
+        if self.libraries is not None:
+            d["libraries"] = dict(self.libraries)
+        d["verified"] = self.verified
+        if self.buckets:
+            d["buckets"] = [{"upper": u, "backend": b} for u, b in self.buckets]
+        return d
 
 
 @attrs.frozen
@@ -104,8 +118,7 @@ class Lock:
             "schema": SCHEMA, "capdispatch": self.capdispatch, "written": self.written,
             "inputs": {k: list(v) for k, v in self.inputs.items()},
             "devices": [{"id": d.id, "name": d.name, "cc": d.cc, "uuid": d.uuid,
-                         "ops": {op: {"backend": o.backend, "libraries": dict(o.libraries),
-                                      "verified": o.verified} for op, o in d.ops.items()}}
+                         "ops": {op: o.to_dict() for op, o in d.ops.items()}}
                         for d in self.devices],
         }
 
@@ -136,7 +149,7 @@ class Lock:
 
 @attrs.frozen
 class Drift:
-    kind: str                 # "backend" | "library" | "card" | "device" | "op"
+    kind: str                 # "backend" | "buckets" | "library" | "card" | "device" | "op"
     device: str
     op: Optional[str]
     locked: str
@@ -167,12 +180,26 @@ def _verification(spec, op: str, backend: str, plan, env) -> str:
     return "pass" if verdict.passed else f"failed: {verdict.describe()}"
 
 
-def _versions(plan, op: str, backend: str) -> dict:
+def _versions(plan, op: str, backends) -> dict:
     from ..backends import builtin
     from ..capabilities import Inventory
     inventory = plan.inventory or Inventory()
-    return {dist: inventory.get(dist).version
-            for dist in _backend_dists(plan.registry or builtin(), op, backend)}
+    registry = plan.registry or builtin()
+    dists = dict.fromkeys(d for b in dict.fromkeys(backends) for d in _backend_dists(registry, op, b))
+    return {dist: inventory.get(dist).version for dist in dists}
+
+
+def _buckets(r) -> tuple:
+    return tuple((b.upper, b.backend) for b in r.buckets)
+
+
+def _runs(r) -> list:
+    """Every backend a resolution runs: the catch-all's and each size bucket's."""
+    return [r.backend] + [b.backend for b in r.buckets]
+
+
+def _bucket_text(buckets, key) -> str:
+    return ", ".join(f"{key or 'size'} <= {u}: {b}" if u is not None else f"rest: {b}" for u, b in buckets)
 
 
 def freeze(plan, *, inputs=None, env=None, now=None) -> Lock:
@@ -184,8 +211,8 @@ def freeze(plan, *, inputs=None, env=None, now=None) -> Lock:
         ops = {}
         for op, g in plan.ops.items():
             r = g.per_device[spec.id]
-            ops[op] = LockedOp(r.backend, _versions(plan, op, r.backend),
-                               _verification(spec, op, r.backend, plan, env))
+            ops[op] = LockedOp(r.backend, _versions(plan, op, _runs(r)),
+                               _verification(spec, op, r.backend, plan, env), _buckets(r))
         devices.append(LockedDevice(spec.id, spec.name, spec.cc_str, spec.uuid, ops))
     when = now or datetime.datetime.now(datetime.timezone.utc)
     inputs = {k: list(v or ()) for k, v in (inputs or {}).items()}
@@ -306,19 +333,31 @@ def parse(text: str, path: str = "<lock>", registry=None) -> Lock:
                 from ..policies.loader import _did_you_mean
                 raise r.err(knode, f"{did}: unknown op {op!r}{_did_you_mean(op, registry.ops)} "
                                    f"(valid: {', '.join(registry.ops)})")
-            o = r.mapping(onode, f"{did} {op}", required=("backend",), optional=("libraries", "verified"))
-            backend = r.scalar(o["backend"][1], f"{did} {op}: backend")
+            o = r.mapping(onode, f"{did} {op}", required=("backend",),
+                          optional=("libraries", "verified", "buckets"))
             names = [b.name for b in registry.backends(op)]
-            if backend not in names:
-                from ..policies.loader import _did_you_mean
-                raise r.err(o["backend"][1], f"{did} {op}: unknown backend {backend!r}"
-                                             f"{_did_you_mean(backend, names)} (valid: {', '.join(names)})")
-            libs = {}
+
+            def backend_of(node, what):
+                name = r.scalar(node, what)
+                if name not in names:
+                    from ..policies.loader import _did_you_mean
+                    raise r.err(node, f"{what}: unknown backend {name!r}"
+                                      f"{_did_you_mean(name, names)} (valid: {', '.join(names)})")
+                return name
+            backend = backend_of(o["backend"][1], f"{did} {op}: backend")
+            buckets = []
+            if "buckets" in o:
+                for bnode in r.sequence(o["buckets"][1], f"{did} {op}: buckets"):
+                    b = r.mapping(bnode, f"{did} {op}: a bucket", required=("upper", "backend"))
+                    upper = r.scalar(b["upper"][1], f"{did} {op}: bucket upper", types=(int,), null=True)
+                    buckets.append((upper, backend_of(b["backend"][1], f"{did} {op}: bucket backend")))
+            libs = None          # not recorded: not compared
             if "libraries" in o:
+                libs = {}
                 for dist, (_, vnode) in r.mapping(o["libraries"][1], f"{did} {op}: libraries").items():
                     libs[dist] = r.scalar(vnode, f"{did} {op}: libraries.{dist}", null=True)
             verified = r.scalar(o["verified"][1], f"{did} {op}: verified") if "verified" in o else NOT_VERIFIED
-            ops[op] = LockedOp(backend, libs, verified, _line(o["backend"][1]))
+            ops[op] = LockedOp(backend, libs, verified, tuple(buckets), _line(o["backend"][1]))
         devices.append(LockedDevice(did, name, cc, uuid, ops, _line(d["id"][1])))
     return Lock(tuple(devices), version, written, inputs, path)
 
@@ -370,7 +409,14 @@ def compare(plan, lock: Lock, *, partial: bool = False) -> tuple:
             if lo.backend != r.backend:
                 out.append(Drift("backend", spec.id, op, lo.backend, r.backend, oat))
                 continue
-            now = _versions(plan, op, r.backend)
+            if lo.buckets != _buckets(r):
+                key = r.size_key
+                out.append(Drift("buckets", spec.id, op, _bucket_text(lo.buckets, key) or "no buckets",
+                                 _bucket_text(_buckets(r), key) or "no buckets", oat))
+                continue
+            if lo.libraries is None:
+                continue
+            now = _versions(plan, op, _runs(r))
             for dist in dict.fromkeys(list(lo.libraries) + list(now)):
                 was, is_ = lo.libraries.get(dist, "absent"), now.get(dist, "absent")
                 if was != is_:
