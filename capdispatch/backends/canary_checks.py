@@ -51,6 +51,22 @@ def assert_rel_close(got, want, rtol: float, name: str) -> float:
     return e
 
 
+def assert_rows_close(got, want, rtol: float, name: str) -> float:
+    """Every element within RTOL of its row's largest reference magnitude (last dim), so
+    one wrong element is caught where a norm over the whole output would average it
+    away; a row whose reference is all zeros must be exactly zero."""
+    g, w = got.float().cpu(), want.float().cpu()
+    d = (g - w).abs().nan_to_num(float("inf"))
+    scale = w.abs().amax(dim=-1, keepdim=True)
+    ratio = torch.where(scale > 0, d / scale.clamp_min(1e-30), d * float("inf")).nan_to_num(0.0)
+    worst = float(ratio.max()) if ratio.numel() else 0.0
+    if not worst <= rtol:
+        raise Mismatch(f"{name}: an element is off by {worst:.3g} of its row's largest value (> {rtol:g})",
+                       max_err=float(d.max()), where=where_of(ratio, name),
+                       tolerance=f"{rtol:g} of the row's largest value")
+    return worst
+
+
 def assert_stats_close(got, want, msg, atol=STAT_ATOL):
     """fp32 statistics: identical infinities, |got - want| <= ATOL where finite."""
     g, w = got.float().cpu(), want.float().cpu()

@@ -105,7 +105,8 @@ class Context:
 
     @property
     def verify_mode(self) -> str:
-        return self.stack.setting("verify").value
+        """CAPDISPATCH_VERIFY when set, else the policy's `verify`."""
+        return self.env.get("CAPDISPATCH_VERIFY") or self.stack.setting("verify").value
 
     def card(self, device: DeviceSpec):
         """The device's canary verdicts, read from the cache once for this context
@@ -149,6 +150,9 @@ def context(*, policy=None, selections=None, assume_libs=None, strict=False, reg
                                 selection_origin=selection_origin)
     except _policies.SelectionError as exc:
         raise BadInput(str(exc)) from None
+    verify = env.get("CAPDISPATCH_VERIFY")
+    if verify and verify not in _policies.VERIFY:
+        raise BadInput(f"CAPDISPATCH_VERIFY={verify!r} is not valid (valid: {', '.join(_policies.VERIFY)})")
     return Context(registry, stack, inventory, env, strict)
 
 

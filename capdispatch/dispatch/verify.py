@@ -79,7 +79,7 @@ def run(ctx: Context, todo, *, timeout: float, budget_s: Optional[float] = None,
     for job in todo:
         _card(ctx, job.device)        # read each device's cache once, before any thread runs
 
-    def one(job):
+    def check(job):
         card = _card(ctx, job.device)
         b = ctx.registry.backend(job.op, job.backend)
         cached = card.get(b) if use_cache else None
@@ -96,17 +96,17 @@ def run(ctx: Context, todo, *, timeout: float, budget_s: Optional[float] = None,
         card.put(b, verdict)
         return Result(job, verdict)
 
-    def done(r):
+    def one(job):
+        r = check(job)
         if on_done:
             on_done(r)
         return r
 
     if workers <= 1 or len(todo) <= 1:
-        return [done(one(job)) for job in todo]
+        return [one(job) for job in todo]
     from concurrent.futures import ThreadPoolExecutor
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        futures = [pool.submit(one, job) for job in todo]
-        return [done(f.result()) for f in futures]
+        return list(pool.map(one, todo))
 
 
 def _card(ctx: Context, spec):

@@ -72,26 +72,37 @@ class CardCache:
     def get(self, backend) -> Optional[Verdict]:
         return self._entries.get(digest(backend_key(backend, self.inventory)))
 
-    def put(self, backend, verdict: Verdict) -> Path:
+    def put(self, backend, verdict: Verdict) -> Optional[Path]:
+        """Record VERDICT (kept in memory either way); the file, or None with a WARNING
+        when the cache directory cannot be written."""
         bkey = backend_key(backend, self.inventory)
         d = digest(bkey)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self._entries[d] = verdict
         path = self.dir / f"{backend.op}.{backend.name}.{d}.json"
         body = {"schema": SCHEMA, "card": self.card, "backend": bkey, "verdict": verdict.to_dict()}
-        fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".tmp-", suffix=".part")
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".tmp-", suffix=".part")
+        except OSError as exc:
+            log.warning("verification cache %s cannot be written (%s); the verdict of %s/%s is kept "
+                        "for this process only", self.dir, exc.strerror or exc, backend.op, backend.name)
+            return None
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as fh:
                 json.dump(body, fh, indent=1, sort_keys=True, default=str)
                 fh.flush()
                 os.fsync(fh.fileno())
             os.replace(tmp, path)
-        except BaseException:
+        except BaseException as exc:
             try:
                 os.unlink(tmp)
             except OSError:
                 pass
-            raise
-        self._entries[d] = verdict
+            if not isinstance(exc, OSError):
+                raise
+            log.warning("verification cache file %s cannot be written (%s); the verdict is kept "
+                        "for this process only", path, exc.strerror or exc)
+            return None
         return path
 
     def verdicts(self) -> list:

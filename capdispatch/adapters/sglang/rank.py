@@ -106,11 +106,10 @@ def configure(server_args, gpu_id: int, *, env=None):
     stash = _stash(server_args, release)
     ops = tuple(stash["ops"])
     uenv = user_env(release, stash, env)
-    def decide_now():
+    def decide_now(env):
         return decide.decide([spec], ops, release, selections=stash["selections"],
                              selection_origin=stash["selection_origin"], env=env, user_env=uenv)
-    d = decide_now()
-    d, proof_text = proof.verified(d, spec, decide_now, env=env)
+    d, proof_text = proof.verified(spec, decide_now, env=env)
     for w in d.warnings:
         log.warning("capdispatch: %s", w)
     check_lock(d, env)

@@ -15,8 +15,8 @@ OP = Op(
     "indexer(q, kv_cache, weights, context_lens, block_table, schedule_metadata, max_context_len, "
     "clean_logits=False) -> Tensor",
     reference="torch",
-    canary=f"{_PKG}.canary:indexer",
     size=SizeArg("tokens", 0, "q"),     # B: decode batch rows, or prefill query rows
+    canary=f"{_PKG}.canary:indexer",
 )
 
 # SGLang 0.5.23 pins tilelang==0.1.12; the kernel is lowered and tested with it.

@@ -19,9 +19,10 @@ from . import reference as R
 from .inputs import make_case
 
 REL = 2.0 ** -10
+# next_n 1 and 2 (SGLang's decode and MTP), which every indexer kernel takes.
 CASES = (
-    dict(B=2, N=2, H=64, S=150, lens=[1, 150], ctx_2d=False, kind="quant"),
-    dict(B=2, N=3, H=64, S=130, lens=[[3, 64, 65], [0, 129, 500]], ctx_2d=True, kind="codes"),
+    dict(B=3, N=1, H=64, S=150, lens=[0, 70, 150], ctx_2d=False, kind="quant"),
+    dict(B=2, N=2, H=64, S=130, lens=[[3, 65], [0, 500]], ctx_2d=True, kind="codes"),
 )
 
 
