@@ -20,6 +20,15 @@ _API = {
     "NoBackendError": ("capdispatch.dispatch", "NoBackendError"),
     "Unsatisfiable": ("capdispatch.dispatch", "Unsatisfiable"),
     "BadInput": ("capdispatch.dispatch", "BadInput"),
+    "Context": ("capdispatch.dispatch", "Context"),
+    "context": ("capdispatch.dispatch", "context"),
+    "plan_in": ("capdispatch.dispatch", "plan_in"),
+    "policy_from_dict": ("capdispatch.dispatch", "policy_from_dict"),
+    "agree": ("capdispatch.dispatch", "agree"),
+    "AgreementError": ("capdispatch.dispatch", "AgreementError"),
+    "PolicyError": ("capdispatch.policies", "PolicyError"),
+    "ProbeError": ("capdispatch.capabilities", "ProbeError"),
+    "UnknownDeviceError": ("capdispatch.capabilities", "UnknownDeviceError"),
 }
 
 __all__ = sorted(_API)

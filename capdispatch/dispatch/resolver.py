@@ -39,6 +39,8 @@ class Resolution:
     candidates: tuple
     wanted: str              # first preference of the layer that spoke
     warnings: tuple = ()
+    layer: str = "default"   # the kind of that layer: "default" | "policy" | "device" | "selection"
+    user: bool = False       # that layer is the user's (a selection or a user policy file)
 
     def to_dict(self) -> dict:
         return {"backend": self.backend, "source": self.source, "fallback": self.fallback,
@@ -73,7 +75,10 @@ def known_device_names() -> tuple:
 
 def context(*, policy=None, selections=None, assume_libs=None, strict=False, registry=None,
             env=None, selection_origin="selections=") -> Context:
-    """Read the environment and policies now, for the decisions about to be made."""
+    """Read the environment and policies now, for the decisions about to be made.
+
+    One Context holds one policy stack and one library inventory; every decision
+    made with it (`plan_in`, `resolve_in`) sees the same assumptions."""
     from ..capabilities.libraries import AssumeLibError
     env = dict(os.environ if env is None else env)
     registry = registry or builtin()
@@ -88,6 +93,12 @@ def context(*, policy=None, selections=None, assume_libs=None, strict=False, reg
     except _policies.SelectionError as exc:
         raise BadInput(str(exc)) from None
     return Context(registry, stack, inventory, env, strict)
+
+
+def policy_from_dict(data, origin: str = "policy_from_dict", *, registry=None):
+    """An in-memory policy (the schema of a policy file, as Python data), checked
+    against the registry; pass it as `policy=` like a path. Raises PolicyError."""
+    return _policies.from_dict(data, origin, registry or builtin(), known_devices=known_device_names())
 
 
 def _check_op(ctx: Context, op: str) -> None:
@@ -147,7 +158,7 @@ def resolve_in(ctx: Context, op: str, device: DeviceSpec) -> Resolution:
             raise StrictFallbackError(f"strict: {text.replace('; running', '; would run')}")
         warnings = (text,)
     return Resolution(op, device, winner.backend, source, fallback, downgraded,
-                      tuple(candidates), wanted, warnings)
+                      tuple(candidates), wanted, warnings, pref.kind, pref.user)
 
 
 def as_spec(device, *, via="auto", assume_cuda=None) -> DeviceSpec:

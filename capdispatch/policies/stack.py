@@ -58,14 +58,19 @@ class PolicyStack:
                 for entry in reversed(pf.devices):
                     if op in entry.ops and entry.matches(device):
                         m = entry.ops[op]
-                        return Preference(m.value, f"{pf.path}:{m.line} (device {entry.describe()})",
+                        return Preference(m.value, f"{_at(pf, m)} (device {entry.describe()})",
                                           "device", not pf.builtin)
             for pf in reversed(files):
                 if op in pf.ops:
                     m = pf.ops[op]
-                    return Preference(m.value, f"{pf.path}:{m.line}",
+                    return Preference(m.value, _at(pf, m),
                                       "default" if pf.builtin else "policy", not pf.builtin)
         return None
+
+
+def _at(pf: PolicyFile, marked) -> str:
+    # An in-memory policy (policy_from_dict) has no lines: its origin names it.
+    return f"{pf.path}:{marked.line}" if marked.line else pf.path
 
 
 class SelectionError(ValueError):
