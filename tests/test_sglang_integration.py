@@ -122,8 +122,8 @@ def test_launch_sets_fields_and_environment_for_the_mixed_rig(launcher):
     assert c["fields"]["kv_cache_dtype"] == "fp8_e4m3" and c["fields"]["tp_size"] == 3
     assert c["declared"] == [{"kv_cache_dtype": "fp8_e4m3"}]
     assert c["env"] == {"SGLANG_DSV4_KV_LAYOUT": "v4"}
-    assert c["stash"]["ops"] == ["kv_quant", "kv_dequant", "indexer", "sparse_prefill", "decode_mla"]
-    assert c["stash"]["set"] == {"kv_cache_dtype": "fp8_e4m3", "SGLANG_DSV4_KV_LAYOUT": "v4"}
+    assert c["stash"]["ops"] == ["kv_quant", "kv_dequant", "indexer", "sparse_prefill", "decode_mla", "moe"]
+    assert c["stash"]["applied"] == {"kv_cache_dtype": "fp8_e4m3", "SGLANG_DSV4_KV_LAYOUT": "v4"}
     assert c["stash"]["user_env"] == {}
     infos = _messages(c["logs"], "INFO")
     assert len(infos) == 1
@@ -142,7 +142,7 @@ def test_launch_never_overwrites_what_the_user_set(launcher):
     assert c["declared"] == []                                   # --kv-cache-dtype was the user's
     assert c["fields"]["kv_cache_dtype"] == "fp8_e4m3"
     assert c["env"] == {"SGLANG_DSV4_KV_LAYOUT": "v41"}          # the user's environment stands
-    assert c["stash"]["set"] == {}
+    assert c["stash"]["applied"] == {}
     warnings = _messages(c["logs"], "WARNING")
     assert any("SGLANG_DSV4_KV_LAYOUT=v41 was set by the user and is kept, but cuda:1, cuda:2 need "
                "SGLANG_DSV4_KV_LAYOUT=v4" in w for w in warnings)
@@ -151,12 +151,16 @@ def test_launch_never_overwrites_what_the_user_set(launcher):
 
 
 def test_launch_user_bf16_cache_means_no_kv_op(launcher):
+    """A bfloat16 KV cache: no KV or attention op; the experts are still decided."""
     c = launcher["by_name"]["bf16"]
     assert c["fields"]["kv_cache_dtype"] == "bfloat16"
     assert c["declared"] == [] and c["env"] == {"SGLANG_DSV4_KV_LAYOUT": None}
-    assert c["stash"]["ops"] == []
-    assert _messages(c["logs"]) == ["capdispatch: kv_cache_dtype=bfloat16: DeepseekV4ForCausalLM's "
-                                    "capdispatch ops run with auto or fp8_e4m3 only; nothing to decide at launch"]
+    assert c["stash"]["ops"] == ["moe"] and c["stash"]["applied"] == {}
+    (info,) = _messages(c["logs"], "INFO")
+    assert info.startswith("capdispatch: SGLang launch of kv_cache_dtype=bfloat16: DeepseekV4ForCausalLM's KV "
+                           "and attention ops run with auto or fp8_e4m3 only; moe runs with any on ")
+    assert "moe: SGLang's own kernel on cuda:0; decided (reported, not carried out) triton_w4a16 on cuda:1, " \
+           "cuda:2" in info
 
 
 def test_launch_explicit_choice_downgraded_per_device_or_refused_under_strict(launcher):
@@ -176,7 +180,7 @@ def test_launch_mixed_group_error_refuses(launcher):
 def test_launch_without_nvml_sets_nothing_but_ranks_still_decide(launcher):
     c = launcher["by_name"]["no_nvml"]
     assert c["declared"] == [] and c["env"] == {"SGLANG_DSV4_KV_LAYOUT": None}
-    assert c["stash"]["ops"] == ["kv_quant", "kv_dequant", "indexer", "sparse_prefill", "decode_mla"]
+    assert c["stash"]["ops"] == ["kv_quant", "kv_dequant", "indexer", "sparse_prefill", "decode_mla", "moe"]
     (w,) = _messages(c["logs"], "WARNING")
     assert "cannot read the launch's GPUs cuda:0, cuda:1 without initialising CUDA" in w
 
