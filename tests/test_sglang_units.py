@@ -10,7 +10,7 @@ import os
 import pytest
 
 import capdispatch as cd
-from capdispatch.adapters.sglang import archfacts, decide, knobs, launch, rig, versions
+from capdispatch.adapters.sglang import archfacts, decide, knobs, launch, render, rig, versions
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 POL = os.path.join(HERE, "policies")
@@ -356,7 +356,7 @@ def test_sglang_flag_naming_a_backend_is_an_explicit_selection(tmp_path, env):
 
 
 def test_summary_names_devices_and_reasons(env, release):
-    text = decide.summary(_decide(env, release))
+    text = render.summary(_decide(env, release))
     assert "kv_dequant: SGLang's own kernel on cuda:0; capdispatch triton_u8 on cuda:1, cuda:2" in text
     assert "set env SGLANG_DSV4_KV_LAYOUT=v4 for cuda:1, cuda:2" in text
 

@@ -388,28 +388,3 @@ def decide_launch(specs, release, inputs, *, env=None) -> Decision:
     return decide_in(context_of(release, inputs, env), specs, inputs.ops, release, env=env,
                      explicit_fields=inputs.explicit_fields, field_values=inputs.field_values,
                      user_env=inputs.user_env)
-
-
-def summary(d: Decision, *, settings: bool = True) -> str:
-    """One paragraph for a log line: per op, which devices run what and why
-    (and, for a launch, the settings)."""
-    parts = []
-    for op, row in d.choices.items():
-        kept = [c.device for c in row.values() if c.action == "kept"]
-        text = [f"SGLang's own kernel on {', '.join(kept)}"] if kept else []
-        by = {}
-        for c in row.values():
-            if c.action != "kept":
-                by.setdefault((c.action, c.backend), []).append(c)
-        for (action, backend), cs in by.items():
-            verb = "capdispatch" if action == "routed" else "decided (reported, not carried out)"
-            text.append(f"{verb} {backend} on {', '.join(c.device for c in cs)} ({cs[0].why})")
-        parts.append(f"{op}: {'; '.join(text)}")
-    for s in d.settings if settings else ():
-        if s.action == "kept":
-            parts.append(f"kept the user's {s.setting.name}={s.value}")
-        elif s.setting.routed:
-            parts.append(f"set {s.setting.label} for {', '.join(s.devices)} ({s.setting.why})")
-        else:
-            parts.append(f"set {s.setting.label} ({s.setting.why})")
-    return "; ".join(parts)

@@ -138,7 +138,7 @@ def finish(server_args, release, d) -> None:
     import attrs
     from sglang.srt.arg_groups.overrides import declare_resolution, resolution_result
 
-    from . import decide, rig
+    from . import decide, render, rig
     inputs = getattr(server_args, STASH)
     dtype = resolution_result(server_args, "kv_cache_dtype")
     ops, reason = decide.applicable_ops(release, inputs.model, dtype)
@@ -157,7 +157,7 @@ def finish(server_args, release, d) -> None:
     for w in d.warnings:
         log.warning("capdispatch: %s", w)
     log.info("capdispatch: SGLang launch of %s on %s: %s", inputs.reason,
-             "; ".join(rig.describe(s) for s in d.devices), decide.summary(d))
+             "; ".join(rig.describe(s) for s in d.devices), render.summary(d))
 
 
 def resolution_hook(server_args, previous) -> None:

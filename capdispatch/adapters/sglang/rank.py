@@ -89,7 +89,7 @@ def configure(server_args, gpu_id: int, *, env=None):
     """Everything a rank does before its model exists. Returns its RankState."""
     import attrs
 
-    from . import archfacts, decide, rig
+    from . import archfacts, decide, render, rig
     from .records import RankState
     release = _release()
     if release is None:
@@ -107,7 +107,7 @@ def configure(server_args, gpu_id: int, *, env=None):
     state = RankState(gpu_id, spec, key, inputs, release, d.resolved, mine, tuple(changes), env)
     _RANKS[gpu_id] = state
     facts = ", ".join(f"{n} {b!r} -> {a!r}" for n, b, a in changes) or "already this card's"
-    what = decide.summary(d, settings=False) if inputs.ops else f"no op to decide ({inputs.reason})"
+    what = render.summary(d, settings=False) if inputs.ops else f"no op to decide ({inputs.reason})"
     log.info("capdispatch: rank on %s (gpu_id %d): %s; SGLang's architecture facts: %s",
              rig.describe(spec), gpu_id, what, facts)
     return state

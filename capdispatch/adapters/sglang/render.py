@@ -1,4 +1,5 @@
-"""`dispatch sglang plan` as text for people (plan.build gives the data)."""
+"""The adapter's decisions as text for people: `dispatch sglang plan` (plan.build
+gives the data) and the one-paragraph log lines of the launch and each rank."""
 from __future__ import annotations
 
 MARKS = {"routed": "routed", "kept": "kept  ", "reported": "report"}
@@ -65,3 +66,28 @@ def text(out) -> str:
         lines.append("warnings:")
         lines += [f"  {w}" for w in out["warnings"]]
     return "\n".join(lines)
+
+
+def summary(d, *, settings: bool = True) -> str:
+    """One paragraph for a log line: per op, which devices run what and why
+    (and, for a launch, the settings)."""
+    parts = []
+    for op, row in d.choices.items():
+        kept = [c.device for c in row.values() if c.action == "kept"]
+        text = [f"SGLang's own kernel on {', '.join(kept)}"] if kept else []
+        by = {}
+        for c in row.values():
+            if c.action != "kept":
+                by.setdefault((c.action, c.backend), []).append(c)
+        for (action, backend), cs in by.items():
+            verb = "capdispatch" if action == "routed" else "decided (reported, not carried out)"
+            text.append(f"{verb} {backend} on {', '.join(c.device for c in cs)} ({cs[0].why})")
+        parts.append(f"{op}: {'; '.join(text)}")
+    for s in d.settings if settings else ():
+        if s.action == "kept":
+            parts.append(f"kept the user's {s.setting.name}={s.value}")
+        elif s.setting.routed:
+            parts.append(f"set {s.setting.label} for {', '.join(s.devices)} ({s.setting.why})")
+        else:
+            parts.append(f"set {s.setting.label} ({s.setting.why})")
+    return "; ".join(parts)
