@@ -240,15 +240,17 @@ def test_each_rank_decides_for_its_own_card(ranks):
     sm86 = {"kv_quant": None, "kv_dequant": kv,
             "indexer": "capdispatch.backends.indexer.triton_kernels.fp8_paged_mqa_logits",
             "sparse_prefill": "capdispatch.backends.sparse_prefill.triton_kernels.sparse_prefill",
-            "decode_mla": "capdispatch.backends.decode_mla.triton_kernels.decode_mla_u8"}
+            "decode_mla": "capdispatch.backends.decode_mla.triton_kernels.decode_mla_u8", "moe": None}
     # The 5090: FlashInfer's SM120 decode is SGLang's own (kept); DeepGEMM has no SM120
     # indexer (routed to capdispatch's TileLang kernel); SGLang calls no sparse-prefill
     # site on SM120 (its extends go through the SM120 decode entry).
     assert [s["routes"] for s in states] == [
         {"kv_quant": None, "kv_dequant": None,
          "indexer": "capdispatch.backends.indexer.tilelang_kernel.fp8_paged_mqa_logits",
-         "sparse_prefill": None, "decode_mla": None},
+         "sparse_prefill": None, "decode_mla": None, "moe": None},
         sm86, sm86]
+    # The experts: SGLang's own FlashInfer runner on the 5090; reported on the 3080s.
+    assert [s["choices"]["moe"]["action"] for s in states] == ["kept", "reported", "reported"]
     assert states[0]["choices"]["sparse_prefill"]["why"] == "SGLang calls no routable sparse_prefill site on this card"
     assert states[1]["choices"]["decode_mla"]["why"].startswith(
         "SGLang's own flash_mla_with_kvcache cannot run there: needs ")
