@@ -365,6 +365,20 @@ def test_plan_with_sglang_arguments_runs_sglangs_resolution(model):
     assert out["sglang_resolved"]["kv_cache_dtype"] == "fp8_e4m3"
     assert out["sglang_resolved"]["SGLANG_DSV4_KV_LAYOUT"] == "v4"
     assert [r["ops"]["kv_dequant"]["routed"] for r in out["ranks"]] == [False, True, True]
+    assert [r["ops"]["moe"]["action"] for r in out["ranks"]] == ["kept", "reported", "reported"]
+    # --assume-lib reaches the plugin's own launch step inside SGLang's resolution: an
+    # H200 with an older FlashMLA routes decode, so that step sets the V4 layout.
+    for lib, routed, layout in (("sgl-flash-mla==0.9.0", True, "v4"), ("sgl-flash-mla==1.0.0", False, None)):
+        p = subprocess.run([sys.executable, "-c", code, "sglang", "plan", "--device", "sim:h200",
+                            "--assume-lib", lib, "--format", "json", "--",
+                            *_argv(model["dsv4"], "--tp-size", "1")],
+                           env=_env(), text=True, capture_output=True, timeout=TIMEOUT)
+        assert p.returncode == 0, p.stderr[-3000:]
+        out = json.loads(p.stdout)
+        assert out["ranks"][0]["ops"]["decode_mla"]["routed"] is routed, lib
+        assert out["sglang_resolved"]["SGLANG_DSV4_KV_LAYOUT"] == layout, lib
+        attn = next(x for x in out["sglang_settings"] if x["name"] == "dsv4_attn_backend")
+        assert attn["wants"] == ({} if routed else {"flashmla": ["cuda:0"]}), lib
     bad = subprocess.run([sys.executable, "-c", code, "sglang", "plan", "--device", RIG, "--",
                           "--model-path", model["dsv4"], "--tp-size", "three"],
                          env=_env(), text=True, capture_output=True, timeout=TIMEOUT)
