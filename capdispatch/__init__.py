@@ -29,6 +29,8 @@ _API = {
     "PolicyError": ("capdispatch.policies", "PolicyError"),
     "ProbeError": ("capdispatch.capabilities", "ProbeError"),
     "UnknownDeviceError": ("capdispatch.capabilities", "UnknownDeviceError"),
+    "verify_decisions": ("capdispatch.dispatch", "verify_decisions"),
+    "Verification": ("capdispatch.dispatch", "Verification"),
 }
 
 __all__ = sorted(_API)

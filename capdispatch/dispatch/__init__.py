@@ -7,8 +7,9 @@ from .errors import (BadInput, GroupDivergenceError, NoBackendError, StrictFallb
 from .explain import Plan, plan, plan_in
 from .group import GroupResolution, resolve_group
 from .resolver import Candidate, Context, Resolution, context, policy_from_dict, resolve
+from .verify import Verification, verify_decisions
 
 __all__ = ["AgreementError", "BadInput", "Candidate", "Context", "GroupDivergenceError",
            "GroupResolution", "NoBackendError", "OpHandle", "Plan", "PolicyError", "Resolution",
-           "StrictFallbackError", "Unsatisfiable", "agree", "bind", "context", "plan", "plan_in",
-           "policy_from_dict", "resolve", "resolve_group"]
+           "StrictFallbackError", "Unsatisfiable", "Verification", "agree", "bind", "context", "plan",
+           "plan_in", "policy_from_dict", "resolve", "resolve_group", "verify_decisions"]

@@ -1,10 +1,11 @@
 """What we prefer: YAML policies, layered. A policy never makes an impossible kernel run."""
-from .loader import (MIXED_GROUP, ON_UNSUPPORTED, Bucket, MarkedList, MarkedMap, OpPreference, PolicyError,
-                     PolicyFile, did_you_mean, from_dict, load_default, load_file, load_marked, parse)
+from .loader import (MIXED_GROUP, ON_UNSUPPORTED, VERIFY, Bucket, MarkedList, MarkedMap, OpPreference,
+                     PolicyError, PolicyFile, did_you_mean, from_dict, load_default, load_file, load_marked,
+                     parse)
 from .stack import (BucketPreference, PolicyStack, Preference, Selection, SelectionError, Setting,
                     build, parse_selections)
 
 __all__ = ["Bucket", "BucketPreference", "MIXED_GROUP", "MarkedList", "MarkedMap", "ON_UNSUPPORTED",
            "OpPreference", "PolicyError", "PolicyFile", "PolicyStack", "Preference", "Selection",
-           "SelectionError", "Setting", "build", "did_you_mean", "from_dict", "load_default", "load_file",
-           "load_marked", "parse", "parse_selections"]
+           "SelectionError", "Setting", "VERIFY", "build", "did_you_mean", "from_dict", "load_default",
+           "load_file", "load_marked", "parse", "parse_selections"]

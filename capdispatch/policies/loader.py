@@ -17,7 +17,9 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
 MIXED_GROUP = ("allow", "warn", "uniform", "error")
 ON_UNSUPPORTED = ("downgrade", "error")
-TOP_KEYS = ("schema", "mixed_group", "on_unsupported", "ops", "devices")
+VERIFY = ("off", "warn", "required")
+SETTINGS = {"mixed_group": MIXED_GROUP, "on_unsupported": ON_UNSUPPORTED, "verify": VERIFY}
+TOP_KEYS = ("schema", "mixed_group", "on_unsupported", "verify", "ops", "devices")
 DEVICE_KEYS = ("match", "ops")
 MATCH_KEYS = ("id", "name", "cc")
 
@@ -100,6 +102,7 @@ class PolicyFile:
     path: str
     mixed_group: Optional[Marked] = None
     on_unsupported: Optional[Marked] = None
+    verify: Optional[Marked] = None
     ops: dict = attrs.field(factory=dict)          # op -> OpPreference
     devices: tuple = ()                            # DeviceEntry...
     builtin: bool = False
@@ -242,9 +245,11 @@ def parse(text: str, path: str, registry, *, known_devices=(), builtin: bool = F
             v = r.scalar(vnode, "schema")
             if v != 1:
                 raise r.err(vnode, f"schema {v!r} is not supported (valid: 1)")
-        elif key in ("mixed_group", "on_unsupported"):
-            valid = MIXED_GROUP if key == "mixed_group" else ON_UNSUPPORTED
+        elif key in SETTINGS:
+            valid = SETTINGS[key]
             v = r.scalar(vnode, key)
+            if key == "verify" and v is False:   # YAML 1.1 reads a bare `off` as false
+                v = "off"
             if v not in valid:
                 raise r.err(vnode, f"{key}: {v!r} is not valid{_did_you_mean(v, valid)} "
                                    f"(valid: {', '.join(valid)})")
@@ -401,7 +406,7 @@ def load_default(registry) -> PolicyFile:
 
 def from_dict(data, origin: str, registry, *, known_devices=()) -> PolicyFile:
     """An in-memory policy with the schema of a policy file (`ops`, `devices`,
-    `mixed_group`, `on_unsupported`), checked as a file is. ORIGIN names it in
+    `mixed_group`, `on_unsupported`, `verify`), checked as a file is. ORIGIN names it in
     every trace and error (it has no lines), e.g. "sglang --moe-runner-backend X"."""
     if not isinstance(data, dict):
         raise PolicyError(origin, None, f"expected a mapping, got {type(data).__name__}")
@@ -423,6 +428,7 @@ def from_dict(data, origin: str, registry, *, known_devices=()) -> PolicyFile:
         return attrs.evolve(m, line=0)
     return attrs.evolve(
         pf, mixed_group=unmark(pf.mixed_group), on_unsupported=unmark(pf.on_unsupported),
+        verify=unmark(pf.verify),
         ops={op: unmark(m) for op, m in pf.ops.items()},
         devices=tuple(attrs.evolve(e, ops={op: unmark(m) for op, m in e.ops.items()}, line=0)
                       for e in pf.devices))

@@ -89,7 +89,7 @@ def configure(server_args, gpu_id: int, *, env=None):
     """Everything a rank does before its model exists. Returns its RankState."""
     import attrs
 
-    from . import archfacts, decide, render, rig
+    from . import archfacts, decide, proof, render, rig
     from .records import RankState
     release = _release()
     if release is None:
@@ -98,7 +98,10 @@ def configure(server_args, gpu_id: int, *, env=None):
     changes = archfacts.correct(spec, release.arch)
     inputs = _inputs(server_args, release)
     inputs = attrs.evolve(inputs, user_env=user_env(release, inputs, env))
-    d = decide.decide_launch([spec], release, inputs, env=env)
+
+    def decide_now(env):
+        return decide.decide_launch([spec], release, inputs, env=env)
+    d, proof_text = proof.verified(spec, decide_now, env=env)
     for w in d.warnings:
         log.warning("capdispatch: %s", w)
     mine = {op: row[spec.id] for op, row in d.choices.items()}
@@ -108,8 +111,8 @@ def configure(server_args, gpu_id: int, *, env=None):
     _RANKS[gpu_id] = state
     facts = ", ".join(f"{n} {b!r} -> {a!r}" for n, b, a in changes) or "already this card's"
     what = render.summary(d, settings=False) if inputs.ops else f"no op to decide ({inputs.reason})"
-    log.info("capdispatch: rank on %s (gpu_id %d): %s; SGLang's architecture facts: %s",
-             rig.describe(spec), gpu_id, what, facts)
+    log.info("capdispatch: rank on %s (gpu_id %d): %s; SGLang's architecture facts: %s%s",
+             rig.describe(spec), gpu_id, what, facts, f"; {proof_text}" if proof_text else "")
     return state
 
 
