@@ -59,7 +59,7 @@ class PolicyStack:
         for pf in reversed(self.layers):
             marked = getattr(pf, key)
             if marked is not None:
-                return Setting(marked.value, f"{pf.path}:{marked.line}")
+                return Setting(marked.value, _at(pf, marked))
         raise KeyError(key)
 
     def preference(self, op: str, device) -> Optional[Preference]:
