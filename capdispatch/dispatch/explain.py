@@ -21,6 +21,8 @@ class Plan:
     ops: dict                 # op -> GroupResolution
     warnings: tuple
     libraries: dict           # dist -> description, as the decision saw them
+    inventory: object = attrs.field(default=None, eq=False)   # the Inventory the decision read
+    registry: object = attrs.field(default=None, eq=False)    # the registry it decided from
 
     def to_dict(self) -> dict:
         return {
@@ -62,7 +64,7 @@ def plan_in(ctx, devices, ops=None, *, via: str = "auto", assume_cuda: Optional[
     dists = sorted({r.dist for op in names for b in ctx.registry.backends(op)
                     for r in b.requires if hasattr(r, "dist")})
     libs = {d: ctx.inventory.get(d).describe() for d in dists}
-    return Plan(tuple(specs), groups, warnings, libs)
+    return Plan(tuple(specs), groups, warnings, libs, ctx.inventory, ctx.registry)
 
 
 def _gib(n):
