@@ -18,6 +18,38 @@ class ProbeError(RuntimeError):
     """A real device could not be probed (no driver, no such index, ...)."""
 
 
+SIM_HINT = ("to plan for a GPU this machine does not have, simulate it: --device sim:NAME "
+            "(`dispatch catalog` lists the names)")
+
+
+def nvml_failure(exc) -> str:
+    """Why NVML could not start, in words, with what to do."""
+    kind = type(exc).__name__
+    if isinstance(exc, ImportError):
+        return "NVML bindings not installed (pip install nvidia-ml-py, or capdispatch[nvml])"
+    if kind == "NVMLError_LibraryNotFound":
+        return "NVML library (libnvidia-ml.so.1) not found: no NVIDIA driver is installed"
+    if kind == "NVMLError_DriverNotLoaded":
+        return "the NVIDIA driver is not loaded (nvidia-smi says more)"
+    if kind == "NVMLError_NoPermission":
+        return "no permission to open the NVIDIA device files"
+    if kind == "NVMLError_LibRmVersionMismatch":
+        return "the NVML library and the loaded kernel driver differ in version (reboot, or reload the driver)"
+    return f"NVML could not start: {exc}"
+
+
+def _torch_failure() -> str:
+    """Why torch sees no CUDA device, without initialising CUDA where it can be avoided."""
+    from importlib import metadata
+    try:
+        version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return "torch is not installed"
+    if torch_cuda_version() is None:
+        return f"torch {version} is a CPU build"
+    return f"torch {version} (CUDA {torch_cuda_version()}) sees no CUDA device"
+
+
 def parse_device(text: str) -> tuple:
     """'cuda:1' -> ('cuda', '1'); 'sim:rtx-3080' -> ('sim', 'rtx-3080'); 'cpu' -> ('cpu', '')."""
     text = text.strip()
@@ -45,21 +77,34 @@ def probe(device, *, via: str = "auto", assume_cuda: Optional[str] = None) -> De
         return probe_cpu()
     if kind == "sim":
         return catalog.simulate(rest, cuda=assume_cuda)
-    index = int(rest)
+    try:
+        return _probe_cuda(int(rest), via)
+    except ProbeError as exc:
+        raise ProbeError(f"{exc}; {SIM_HINT}") from None
+
+
+def _probe_cuda(index: int, via: str) -> DeviceSpec:
     if via == "torch" or (via == "auto" and _torch_cuda_initialized()):
         return probe_torch(index)
     if via in ("nvml", "auto"):
         try:
             return probe_nvml(index)
-        except ProbeError:
-            if via == "nvml":
+        except ProbeError as exc:
+            if via == "nvml" or not getattr(exc, "no_nvml", False):
                 raise
+            nvml_why = str(exc)
+        try:
+            return probe_torch(index)
+        except ProbeError as exc:
+            raise ProbeError(f"cuda:{index}: cannot read it: NVML: {nvml_why.partition(': ')[2]}; "
+                             f"torch: {str(exc).partition(': ')[2]}") from None
+    raise AssertionError(via)
     return probe_torch(index)
 
 
-def probe_cpu() -> DeviceSpec:
+def probe_cpu(notes=()) -> DeviceSpec:
     return DeviceSpec(id="cpu", name=_platform.processor() or _platform.machine() or "cpu",
-                      platform="cpu", probe="cpu")
+                      platform="cpu", probe="cpu", notes=tuple(notes))
 
 
 def _torch_cuda_initialized() -> bool:
@@ -112,10 +157,12 @@ def cuda_from_version_text(text: str) -> Optional[str]:
 
 
 def probe_torch(index: int) -> DeviceSpec:
-    import torch
-
+    try:
+        import torch
+    except ImportError:
+        raise ProbeError(f"cuda:{index}: torch is not installed") from None
     if not torch.cuda.is_available():
-        raise ProbeError(f"cuda:{index}: torch sees no CUDA device (torch {torch.__version__})")
+        raise ProbeError(f"cuda:{index}: {_torch_failure()}")
     count = torch.cuda.device_count()
     if index >= count:
         raise ProbeError(f"cuda:{index}: no such device; torch sees {count} (cuda:0..cuda:{count - 1})")
@@ -172,11 +219,11 @@ def probe_nvml(index: int) -> DeviceSpec:
     try:
         import pynvml as nvml
     except ImportError as exc:
-        raise ProbeError(f"cuda:{index}: NVML bindings not installed (pip install nvidia-ml-py): {exc}")
+        raise _no_nvml(f"cuda:{index}: {nvml_failure(exc)}")
     try:
         nvml.nvmlInit()
     except nvml.NVMLError as exc:
-        raise ProbeError(f"cuda:{index}: NVML could not start: {exc}")
+        raise _no_nvml(f"cuda:{index}: {nvml_failure(exc)}")
     try:
         handle, notes = _visible_to_physical(index, nvml)
         name = nvml.nvmlDeviceGetName(handle)
@@ -213,34 +260,66 @@ def probe_nvml(index: int) -> DeviceSpec:
     )
 
 
+def _no_nvml(text: str) -> ProbeError:
+    exc = ProbeError(text)
+    exc.no_nvml = True      # NVML itself is missing (auto may still ask torch)
+    return exc
+
+
+def _nvml_count() -> int:
+    """Visible devices by NVML; ProbeError (with the reason) when NVML cannot start."""
+    try:
+        import pynvml as nvml
+    except ImportError as exc:
+        raise _no_nvml(nvml_failure(exc))
+    try:
+        nvml.nvmlInit()
+    except Exception as exc:   # NVMLError subclasses, or a broken binding
+        raise _no_nvml(nvml_failure(exc))
+    try:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        total = nvml.nvmlDeviceGetCount()
+        return total if visible is None else sum(1 for _ in _iter_visible(visible, total))
+    except nvml.NVMLError as exc:
+        raise ProbeError(f"NVML query failed: {exc}")
+    finally:
+        try:
+            nvml.nvmlShutdown()
+        except nvml.NVMLError:
+            pass
+
+
 def local_devices(*, via: str = "auto") -> list:
-    """Every local CUDA device (without initialising CUDA when NVML works), else cpu."""
-    count = 0
+    """Every local CUDA device (without initialising CUDA when NVML works), else cpu
+    with notes saying why. VIA 'nvml' or 'torch' is an explicit way: if it cannot
+    run, or finds no device, ProbeError says why."""
+    why = []
     if via == "nvml" or (via == "auto" and not _torch_cuda_initialized()):
         try:
-            import pynvml as nvml
-            nvml.nvmlInit()
-            try:
-                visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-                total = nvml.nvmlDeviceGetCount()
-                count = total if visible is None else sum(
-                    1 for _ in _iter_visible(visible, total))
-            finally:
-                nvml.nvmlShutdown()
-            via_used = "nvml"
-        except Exception:  # no driver, no bindings: ask torch below
-            via_used = "torch"
-    else:
-        via_used = "torch"
-    if via_used == "torch":
-        try:
-            import torch
-            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        except ImportError:
-            count = 0
-    if count == 0:
-        return [probe_cpu()]
-    return [probe(f"cuda:{i}", via=via_used) for i in range(count)]
+            count = _nvml_count()
+        except ProbeError as exc:
+            if via == "nvml":
+                raise ProbeError(f"--probe nvml: {exc}; {SIM_HINT}") from None
+            why.append(f"NVML: {exc}")
+        else:
+            if count:
+                return [probe(f"cuda:{i}", via="nvml") for i in range(count)]
+            if via == "nvml":
+                raise ProbeError(f"--probe nvml: NVML sees no visible NVIDIA device "
+                                 f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); "
+                                 f"{SIM_HINT}")
+            why.append("NVML: no visible NVIDIA device")
+    try:
+        import torch
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except ImportError:
+        count = 0
+    if count:
+        return [probe(f"cuda:{i}", via="torch") for i in range(count)]
+    why.append(f"torch: {_torch_failure()}")
+    if via == "torch":
+        raise ProbeError(f"--probe torch: {_torch_failure()}; {SIM_HINT}")
+    return [probe_cpu(notes=[f"no CUDA device found ({'; '.join(why)}); {SIM_HINT}"])]
 
 
 def _iter_visible(visible: str, total: int):

@@ -13,6 +13,7 @@ from .resolver import as_spec, context
 log = logging.getLogger("capdispatch")
 
 SCHEMA = 1
+DEFAULT_WHOSE = "this machine's"
 
 
 @attrs.frozen
@@ -21,11 +22,13 @@ class Plan:
     ops: dict                 # op -> GroupResolution
     warnings: tuple
     libraries: dict           # dist -> description, as the decision saw them
+    inventory: dict = attrs.field(factory=dict)   # whose libraries: Inventory.to_dict() + note
 
     def to_dict(self) -> dict:
         return {
             "schema": SCHEMA,
             "devices": [_device_dict(d, self.libraries) for d in self.devices],
+            "inventory": self.inventory,
             "ops": {op: g.to_dict() for op, g in self.ops.items()},
             "warnings": list(self.warnings),
         }
@@ -38,13 +41,28 @@ def _device_dict(d, libraries) -> dict:
             "cuda": d.cuda, "probe": d.probe, "notes": list(d.notes)}
 
 
+def inventory_note(specs, inventory) -> str:
+    """What to say when simulated devices are planned with this machine's libraries."""
+    if not inventory.local or not any(s.simulated for s in specs):
+        return ""
+    from ..capabilities import lib_profiles
+    names = lib_profiles.names()
+    example = f"--libs {names[0]}" if names else "--libs PROFILE"
+    return ("simulated devices, but this machine's libraries: a library missing here counts as "
+            f"missing there; name the target's software with {example} or --assume-lib NAME[==VERSION]")
+
+
 def plan(devices, ops=None, *, policy=None, selections=None, assume_libs=None,
          strict: bool = False, env=None, via: str = "auto", assume_cuda: Optional[str] = None,
-         registry=None, selection_origin: str = "selections=", log_warnings: bool = True) -> Plan:
+         registry=None, selection_origin: str = "selections=", log_warnings: bool = True,
+         libs=None, settings=None, settings_origin: str = "settings=") -> Plan:
     """Resolve OPS (default: all) over DEVICES as one group; log its warnings once
-    (LOG_WARNINGS=False: the caller logs them, e.g. rank 0 of a distributed group)."""
+    (LOG_WARNINGS=False: the caller logs them, e.g. rank 0 of a distributed group).
+    LIBS names a library profile for the target's software; SETTINGS
+    ({"mixed_group": "uniform"}) sit above every policy file."""
     ctx = context(policy=policy, selections=selections, assume_libs=assume_libs, strict=strict,
-                  env=env, registry=registry, selection_origin=selection_origin)
+                  env=env, registry=registry, selection_origin=selection_origin, libs=libs,
+                  settings=settings, settings_origin=settings_origin)
     specs = unique_ids([as_spec(d, via=via, assume_cuda=assume_cuda) for d in devices])
     names = list(ops) if ops else list(ctx.registry.ops)
     groups = {op: resolve_group_in(ctx, op, specs) for op in names}
@@ -54,12 +72,21 @@ def plan(devices, ops=None, *, policy=None, selections=None, assume_libs=None,
             log.warning(w)
     dists = sorted({r.dist for op in names for b in ctx.registry.backends(op)
                     for r in b.requires if hasattr(r, "dist")})
-    libs = {d: ctx.inventory.get(d).describe() for d in dists}
-    return Plan(tuple(specs), groups, warnings, libs)
+    libs_seen = {d: ctx.inventory.get(d).describe() for d in dists}
+    inventory = dict(ctx.inventory.to_dict(dists), note=inventory_note(specs, ctx.inventory))
+    return Plan(tuple(specs), groups, warnings, libs_seen, inventory)
 
 
 def _gib(n):
-    return f"{n / 2**30:.1f} GiB" if n else "?"
+    return f"{n / 2**30:.1f} GiB" if n else "memory ?"
+
+
+def cuda_text(d) -> str:
+    if d.cuda:
+        return f"CUDA {d.cuda}"
+    if d.simulated:
+        return "CUDA unknown (--assume-cuda VER)"
+    return "CUDA unknown (no CUDA build of torch found)"
 
 
 def device_line(d) -> str:
@@ -67,41 +94,113 @@ def device_line(d) -> str:
         return f"{d.id}  {d.name}  (probed: {d.probe})"
     smem = f"{d.smem_optin_per_block // 1024} KiB opt-in smem" if d.smem_optin_per_block else "opt-in smem ?"
     sms = f"{d.sm_count} SMs" if d.sm_count else "SMs ?"
-    cuda = f"CUDA {d.cuda}" if d.cuda else "CUDA ?"
-    return (f"{d.id}  {d.name}  cc {d.cc_str}, {sms}, {smem}, {_gib(d.memory)}, {cuda}  "
-            f"(probed: {d.probe})")
+    how = "simulated" if d.simulated else f"probed: {d.probe}"
+    return f"{d.id}  {d.name}  cc {d.cc_str}, {sms}, {smem}, {_gib(d.memory)}, {cuda_text(d)}  ({how})"
 
 
-def render_text(p: Plan) -> str:
+def libraries_lines(libraries: dict, inventory: dict) -> list:
+    from .render import wrap
+    whose = inventory.get("whose", "this machine's")
+    text = f"libraries ({whose}): " + ", ".join(f"{k} {v}" for k, v in libraries.items())
+    out = wrap(text, "")
+    if inventory.get("note"):
+        out += wrap(f"note: {inventory['note']}", "")
+    return out
+
+
+def short_name(name: str) -> str:
+    for prefix in ("NVIDIA ", "GeForce "):
+        if name.startswith(prefix):
+            name = name[len(prefix):]
+    return name
+
+
+def cell_kind(g, r) -> str:
+    if r.downgraded_from:
+        return "downgraded"
+    if g.mode == "uniform" and r.source.startswith("mixed_group: uniform"):
+        return "uniform"
+    return "fallback" if r.fallback else "first"
+
+
+def matrix(p: Plan, *, color=None, width=None, ascii_only=None, stream=None) -> str:
+    """The op x device table of plan P: the backend per cell, fallbacks and
+    divergences marked (see render.KINDS), whose libraries in the caption."""
+    from .render import Cell, Row, render_matrix
+    cols = [f"{d.id}\n{short_name(d.name)}" + (f", cc {d.cc_str}" if d.cc_str else "")
+            for d in p.devices]
+    rows = [Row(op, tuple(Cell(r.backend, cell_kind(g, r)) for r in g.per_device.values()),
+                diverges=not g.uniform)
+            for op, g in p.ops.items()]
+    caption = f"libraries: {p.inventory.get('whose', DEFAULT_WHOSE)}"
+    if p.warnings:
+        caption += f"; {len(p.warnings)} warning(s) on stderr"
+    return render_matrix(cols, rows, caption=caption, color=color, width=width,
+                         ascii_only=ascii_only, stream=stream)
+
+
+def _same_trace(a, b) -> bool:
+    def key(r):
+        return (r.backend, r.source, r.fallback, r.downgraded_from,
+                tuple((c.backend, c.ok, tuple((ch.code, ch.need, ch.found, ch.ok) for ch in c.checks))
+                      for c in r.candidates))
+    return key(a) == key(b)
+
+
+def render_text(p: Plan, *, brief: bool = False, color=None, stream=None) -> str:
+    """For people: the matrix (several ops or devices, or BRIEF), then unless BRIEF
+    the devices, whose libraries, and each op's trace, wrapped at 100 columns."""
+    from .render import UNICODE, symbols, wrap
+    sym = symbols(stream)
     out = []
+    if brief or len(p.devices) > 1 or len(p.ops) > 1:
+        out.append(matrix(p, color=color, stream=stream, ascii_only=sym is not UNICODE))
+        if brief:
+            if p.inventory.get("note"):
+                out += wrap(f"note: {p.inventory['note']}", "")
+            return "\n".join(out)
+        out.append("")
     for d in p.devices:
-        out.append(device_line(d))
+        out += wrap(device_line(d), "")
         feats = sorted(derive_features(d))
-        out.append(f"  features: {', '.join(feats) if feats else '(none)'}")
+        out += wrap(f"features: {', '.join(feats) if feats else '(none)'}", "  ")
         for n in d.notes:
-            out.append(f"  note: {n}")
-    out.append("  libraries: " + ", ".join(f"{k} {v}" for k, v in p.libraries.items()))
+            out += wrap(f"note: {n}", "  ")
+    out += libraries_lines(p.libraries, p.inventory)
     for op, g in p.ops.items():
         out.append("")
         tag = "" if len(p.devices) == 1 else ("  [uniform]" if g.uniform else "  [DIVERGES]")
         out.append(f"{op}{tag}")
+        shown = []
         for did, r in g.per_device.items():
             flags = []
             if r.downgraded_from:
                 flags.append(f"downgraded from {r.downgraded_from}")
             elif r.fallback:
                 flags.append(f"fallback from {r.wanted}")
+            twin = next((t for t, tr in shown if _same_trace(tr, r)), None)
+            if twin is not None:
+                flags.append(f"same trace as {twin}")
             flag = f"  ({'; '.join(flags)})" if flags else ""
-            out.append(f"  {did} -> {r.backend}{flag}")
-            out.append(f"      source: {r.source}")
+            out += wrap(f"{did} {sym.arrow} {r.backend}{flag}", "  ", hang="    ")
+            if twin is not None:
+                continue
+            shown.append((did, r))
+            out += wrap(f"source: {r.source}", "      ", hang="    ")
             for c in r.candidates:
-                mark = "✓" if c.ok else "✗"
+                mark = sym.ok if c.ok else sym.bad
                 bad = [ch for ch in c.checks if not ch.ok]
                 if c.ok:
                     out.append(f"      {mark} {c.backend}")
+                elif len(bad) == 1:
+                    ch = bad[0]
+                    out += wrap(f"{mark} {c.backend}: {ch.code}: need {ch.need}, found {ch.found}",
+                                "      ", hang="    ")
                 else:
-                    why = "; ".join(f"{ch.code}: need {ch.need}, found {ch.found}" for ch in bad)
-                    out.append(f"      {mark} {c.backend}: {why}")
+                    out.append(f"      {mark} {c.backend}:")
+                    for ch in bad:
+                        out += wrap(f"{ch.code}: need {ch.need}, found {ch.found}", "          ",
+                                    hang="    ")
     if p.warnings:
         out.append("")
         out.append(f"{len(p.warnings)} warning(s): see above on stderr")

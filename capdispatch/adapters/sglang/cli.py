@@ -40,8 +40,12 @@ def _parser():
                       help="an explicit choice that cannot run is an error (exit 3)")
     plan.add_argument("--assume-lib", action="append", default=[], metavar="NAME[==VERSION]",
                       help="treat a library as installed when deciding the attention and MoE ops "
-                           "(e.g. flashinfer-python, sgl-flash-mla)")
-    plan.add_argument("--format", choices=("text", "json"), default="text")
+                           "(e.g. flashinfer-python, sgl-flash-mla); an unknown name is refused")
+    plan.add_argument("--libs", metavar="PROFILE",
+                      help="the target's libraries for those decisions from a profile (e.g. "
+                           "sglang-0.5.23: what SGLang 0.5.23 installs) instead of this machine's")
+    plan.add_argument("--format", choices=("text", "json"), default="text",
+                      help="text for people (default) or JSON for programs")
     return p
 
 
@@ -130,7 +134,8 @@ def _plan(args, sglang_args) -> int:
     try:
         kd = decide.decide_knobs(specs, knob_ops, release, selections=sels, selection_origin=origin,
                                  env=env, explicit_fields=facts["explicit"],
-                                 field_values=facts["values"], assume_libs=args.assume_lib or None)
+                                 field_values=facts["values"], assume_libs=args.assume_lib or None,
+                                 libs=args.libs)
     except cd.Unsatisfiable as exc:
         kd = decide.KnobDecision((), tuple(specs), None, {}, (),
                                  (f"{', '.join(knob_ops)} (reported only, not decided): {exc}",))
@@ -144,6 +149,7 @@ def _plan(args, sglang_args) -> int:
                 for s in d.settings],
         ranks=[_rank(i, g, spec, d, release, kd) for i, (g, spec) in enumerate(zip(ids, specs))],
         knob_ops=list(kd.ops),
+        libraries=kd.plan.inventory if kd.plan is not None else None,
         knobs=[{"kind": s.kind, "name": s.name, "ops": list(s.ops), "action": s.action,
                 "user": s.user, "wants": {v: list(ds) for v, ds in s.wants.items()},
                 "without": list(s.without), "why": s.why} for s in kd.settings],
@@ -275,6 +281,10 @@ def _text(out) -> str:
                                                    if m["assumed"] else "")
                  + f"; capdispatch ops: {', '.join(out['ops']) or 'none'} ({out['reason']})")
     lines.append(f"GPUs: {', '.join(f'cuda:{g}' for g in out['gpu_ids'])}")
+    inv = out.get("libraries")
+    if inv:
+        lines.append(f"libraries for the {', '.join(out['knob_ops'])} decisions: {inv['whose']}"
+                     + (f" (note: {inv['note']})" if inv.get("note") else ""))
     lines.append("")
     lines.append("launch (main process; every rank inherits it):")
     if not out["launch"]:

@@ -342,7 +342,7 @@ def _knob_why(knob, res, route=None) -> str:
 
 def decide_knobs(specs, ops, release, *, selections=None, selection_origin="selections=", policy=None,
                  strict: bool = False, env=None, explicit_fields=(), field_values=None,
-                 assume_libs=None) -> KnobDecision:
+                 assume_libs=None, libs=None) -> KnobDecision:
     """Resolve the knob ops over SPECS as one group and say, per device, which
     SGLang settings run the chosen backend (or that none does), and per SGLang
     name what the group needs. Reported, not set. An SGLang flag the user set
@@ -366,7 +366,8 @@ def decide_knobs(specs, ops, release, *, selections=None, selection_origin="sele
             origin = forigin if not selections else f"{selection_origin}, {forigin}"
     pol = given + flag_policy(release, field_values)
     plan = cd.plan(list(specs), list(ops), policy=pol or None, selections=sels or None,
-                   selection_origin=origin, strict=strict, env=env, assume_libs=assume_libs, log_warnings=False)
+                   selection_origin=origin, strict=strict, env=env, assume_libs=assume_libs, log_warnings=False,
+                   libs=libs)
     ids = {p.id: s.id for p, s in zip(plan.devices, specs)}
     choices = {}
     for op in ops:
