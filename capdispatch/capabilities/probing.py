@@ -156,7 +156,19 @@ def cuda_from_version_text(text: str) -> Optional[str]:
     return m.group(1) if m else None
 
 
+def _torch_cannot_have_cuda() -> bool:
+    # Installed metadata says: no torch, or a CPU build. Then importing it (seconds) cannot help.
+    from importlib import metadata
+    try:
+        metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return True
+    return "torch" not in sys.modules and torch_cuda_version() is None
+
+
 def probe_torch(index: int) -> DeviceSpec:
+    if _torch_cannot_have_cuda():
+        raise ProbeError(f"cuda:{index}: {_torch_failure()}")
     try:
         import torch
     except ImportError:
@@ -309,11 +321,13 @@ def local_devices(*, via: str = "auto") -> list:
                                  f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); "
                                  f"{SIM_HINT}")
             why.append("NVML: no visible NVIDIA device")
-    try:
-        import torch
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except ImportError:
-        count = 0
+    count = 0
+    if not _torch_cannot_have_cuda():
+        try:
+            import torch
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        except ImportError:
+            pass
     if count:
         return [probe(f"cuda:{i}", via="torch") for i in range(count)]
     why.append(f"torch: {_torch_failure()}")

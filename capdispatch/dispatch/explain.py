@@ -85,7 +85,7 @@ def cuda_text(d) -> str:
     if d.cuda:
         return f"CUDA {d.cuda}"
     if d.simulated:
-        return "CUDA unknown (--assume-cuda VER)"
+        return "CUDA unknown (simulated; --assume-cuda VER)"
     return "CUDA unknown (no CUDA build of torch found)"
 
 
@@ -94,8 +94,8 @@ def device_line(d) -> str:
         return f"{d.id}  {d.name}  (probed: {d.probe})"
     smem = f"{d.smem_optin_per_block // 1024} KiB opt-in smem" if d.smem_optin_per_block else "opt-in smem ?"
     sms = f"{d.sm_count} SMs" if d.sm_count else "SMs ?"
-    how = "simulated" if d.simulated else f"probed: {d.probe}"
-    return f"{d.id}  {d.name}  cc {d.cc_str}, {sms}, {smem}, {_gib(d.memory)}, {cuda_text(d)}  ({how})"
+    how = "  (simulated)" if d.simulated and d.cuda else "" if d.simulated else f"  (probed: {d.probe})"
+    return f"{d.id}  {d.name}  cc {d.cc_str}, {sms}, {smem}, {_gib(d.memory)}, {cuda_text(d)}{how}"
 
 
 def libraries_lines(libraries: dict, inventory: dict) -> list:

@@ -34,8 +34,10 @@ def _parser():
                       help="the node's GPUs as CUDA numbers them (entry N is cuda:N): cuda:N or "
                            "sim:NAME, e.g. sim:rtx-5090,sim:rtx-3080,sim:rtx-3080 (default: "
                            "$CAPDISPATCH_SGLANG_DEVICES, else the local GPUs via NVML)")
-    plan.add_argument("--policy", action="append", default=[], metavar="FILE")
-    plan.add_argument("--set", action="append", default=[], metavar="OP=BACKEND", dest="set_")
+    plan.add_argument("--policy", action="append", default=[], metavar="FILE",
+                      help="a capdispatch policy file, as the plugin's CAPDISPATCH_POLICY; repeat for more")
+    plan.add_argument("--set", action="append", default=[], metavar="OP=BACKEND", dest="set_",
+                      help="an explicit capdispatch choice, as CAPDISPATCH_SET (commas for several)")
     plan.add_argument("--strict", action="store_true",
                       help="an explicit choice that cannot run is an error (exit 3)")
     plan.add_argument("--assume-lib", action="append", default=[], metavar="NAME[==VERSION]",
