@@ -100,8 +100,10 @@ def device_line(d) -> str:
 
 def libraries_lines(libraries: dict, inventory: dict) -> list:
     from .render import wrap
-    whose = inventory.get("whose", "this machine's")
-    text = f"libraries ({whose}): " + ", ".join(f"{k} {v}" for k, v in libraries.items())
+    whose = inventory.get("whose", DEFAULT_WHOSE)
+    said = f" ({inventory['profile']})" if inventory.get("profile") else None
+    text = f"libraries ({whose}): " + ", ".join(
+        f"{k} {v.replace(said, '') if said else v}" for k, v in libraries.items())
     out = wrap(text, "")
     if inventory.get("note"):
         out += wrap(f"note: {inventory['note']}", "")

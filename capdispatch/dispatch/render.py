@@ -128,7 +128,11 @@ def render_matrix(columns: Sequence[str], rows: Sequence[Row], *, title: str = "
     console.print(table)
     for line in legend + ([caption] if caption else []):
         console.print(Text(line, style="dim" if color else ""), overflow="fold")
-    return "\n".join(line.rstrip() for line in buf.getvalue().rstrip("\n").splitlines())
+    lines = [line.rstrip() for line in buf.getvalue().splitlines()]
+    while lines and not lines[0]:
+        lines.pop(0)
+    return "\n".join(line for i, line in enumerate(lines)
+                     if line or (i and lines[i - 1] and i + 1 < len(lines)))
 
 
 def wrap(text: str, indent: str, *, hang: str = "  ", width: int = WIDTH) -> list:
