@@ -2,10 +2,11 @@
 from .binding import OpHandle, bind
 from .errors import (BadInput, GroupDivergenceError, NoBackendError, StrictFallbackError,
                      Unsatisfiable)
-from .explain import Plan, plan
+from .explain import Plan, matrix, plan
+from .render import Cell, Row, render_matrix
 from .group import GroupResolution, resolve_group
 from .resolver import Candidate, Resolution, resolve
 
-__all__ = ["BadInput", "Candidate", "GroupDivergenceError", "GroupResolution", "NoBackendError",
+__all__ = ["BadInput", "Candidate", "Cell", "Row", "matrix", "render_matrix", "GroupDivergenceError", "GroupResolution", "NoBackendError",
            "OpHandle", "Plan", "Resolution", "StrictFallbackError", "Unsatisfiable", "bind",
            "plan", "resolve", "resolve_group"]

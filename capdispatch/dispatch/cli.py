@@ -63,7 +63,12 @@ examples:
 
 class _Parser(argparse.ArgumentParser):
     def __init__(self, *a, **kw):
+        # Raw: the epilogs' examples keep their lines; a one-line description is filled here.
         kw.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+        desc = kw.get("description")
+        if desc and "\n" not in desc:
+            import textwrap
+            kw["description"] = textwrap.fill(desc, 88)
         super().__init__(*a, **kw)
 
     def error(self, message):

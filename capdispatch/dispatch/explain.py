@@ -125,7 +125,8 @@ def cell_kind(g, r) -> str:
     return "fallback" if r.fallback else "first"
 
 
-def matrix(p: Plan, *, color=None, width=None, ascii_only=None, stream=None) -> str:
+def matrix(p: Plan, *, color=None, width=None, ascii_only=None, stream=None,
+           warnings_where: str = "") -> str:
     """The op x device table of plan P: the backend per cell, fallbacks and
     divergences marked (see render.KINDS), whose libraries in the caption."""
     from .render import Cell, Row, render_matrix
@@ -136,7 +137,7 @@ def matrix(p: Plan, *, color=None, width=None, ascii_only=None, stream=None) -> 
             for op, g in p.ops.items()]
     caption = f"libraries: {p.inventory.get('whose', DEFAULT_WHOSE)}"
     if p.warnings:
-        caption += f"; {len(p.warnings)} warning(s) on stderr"
+        caption += f"; {len(p.warnings)} warning(s){warnings_where}"
     return render_matrix(cols, rows, caption=caption, color=color, width=width,
                          ascii_only=ascii_only, stream=stream)
 
@@ -156,7 +157,8 @@ def render_text(p: Plan, *, brief: bool = False, color=None, stream=None) -> str
     sym = symbols(stream)
     out = []
     if brief or len(p.devices) > 1 or len(p.ops) > 1:
-        out.append(matrix(p, color=color, stream=stream, ascii_only=sym is not UNICODE))
+        out.append(matrix(p, color=color, stream=stream, ascii_only=sym is not UNICODE,
+                          warnings_where=" on stderr"))
         if brief:
             if p.inventory.get("note"):
                 out += wrap(f"note: {p.inventory['note']}", "")
