@@ -447,3 +447,17 @@ def test_extras_match_the_declared_ranges():
     specs = [SpecifierSet(r.spec) for op in reg.ops for b in reg.backends(op) for r in b.requires
              if getattr(r, "dist", None) == "flashinfer-python"]
     assert specs and all(s.contains(floor) for s in specs)
+
+
+def test_bind_without_torch_names_the_extra(clean_env, monkeypatch):
+    import capdispatch as cd
+    from capdispatch.capabilities import libraries
+    real = libraries.metadata.version
+
+    def version(name):
+        if name == "torch":
+            raise libraries.metadata.PackageNotFoundError(name)
+        return real(name)
+    monkeypatch.setattr(libraries.metadata, "version", version)
+    with pytest.raises(cd.NoBackendError, match=re.escape("torch is not installed (pip install 'capdispatch[torch]')")):
+        cd.bind("kv_dequant", "cpu")
