@@ -63,6 +63,13 @@ def plan(devices, ops=None, *, policy=None, selections=None, assume_libs=None,
     ctx = context(policy=policy, selections=selections, assume_libs=assume_libs, strict=strict,
                   env=env, registry=registry, selection_origin=selection_origin, libs=libs,
                   settings=settings, settings_origin=settings_origin)
+    return plan_in(ctx, devices, ops, via=via, assume_cuda=assume_cuda, log_warnings=log_warnings)
+
+
+def plan_in(ctx, devices, ops=None, *, via: str = "auto", assume_cuda: Optional[str] = None,
+            log_warnings: bool = True) -> Plan:
+    """`plan` with an already built Context (`capdispatch.context(...)`): every op
+    of the plan reads the same policy stack, selections and library inventory."""
     specs = unique_ids([as_spec(d, via=via, assume_cuda=assume_cuda) for d in devices])
     names = list(ops) if ops else list(ctx.registry.ops)
     groups = {op: resolve_group_in(ctx, op, specs) for op in names}
