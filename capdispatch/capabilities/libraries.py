@@ -122,8 +122,8 @@ def _check_known(name: str, known: set) -> None:
     if name in profiles:
         raise AssumeLibError(f"--assume-lib {name!r} names a library profile, not a library: "
                              f"use --libs {profiles[name]}")
-    close = [k for k in sorted(known) if k.startswith(name) or name in k]
-    close += [k for k in difflib.get_close_matches(name, sorted(known), n=3, cutoff=0.4) if k not in close]
+    close = [k for k in sorted(known) if k.startswith(name) or name in k] \
+        or difflib.get_close_matches(name, sorted(known), n=3, cutoff=0.5)
     hint = f"; did you mean {', '.join(repr(c) for c in close[:3])}?" if close else ""
     raise AssumeLibError(f"--assume-lib: unknown library {name!r}{hint} (libraries a backend "
                          f"needs: {', '.join(sorted(known))})")
