@@ -132,7 +132,9 @@ def test_a_profile_lists_only_what_it_ships(dispatch):
 
 
 @pytest.mark.parametrize("args,needle", [
-    (("--assume-lib", "flashinfer==0.7.2"), "unknown library 'flashinfer'; did you mean 'flashinfer-python'"),
+    (("--assume-lib", "flashinfer==0.7.2"), "the distribution that installs it is 'flashinfer-python'"),
+    (("--assume-lib", "flashinfer-pyton"), "unknown library 'flashinfer-pyton'; did you mean 'flashinfer-python'"),
+    (("--assume-lib", "tritn"), "unknown library 'tritn'; did you mean 'triton'"),
     (("--assume-lib", "sglang-0.5.23"), "names a library profile, not a library: use --libs sglang-0.5.23"),
     (("--libs", "sglang-0.5.2"), "unknown library profile 'sglang-0.5.2'; did you mean 'sglang-0.5.23'"),
 ])

@@ -77,8 +77,15 @@ class Inventory:
                 raise AssumeLibError(f"--libs: {exc}") from None
         assumed = tuple(parse_assume(a) if isinstance(a, str) else tuple(a) for a in (assume_libs or ()))
         if known is not None:
+            # KNOWN may map import names to distributions ({"flash-mla": "sgl-flash-mla"}).
+            modules = dict(known) if isinstance(known, dict) else {}
+            dists = {d for d in (modules.values() if modules else known)} | lib_profiles.dists()
             for name, _ in assumed:
-                _check_known(name, set(known) | lib_profiles.dists())
+                if name not in dists and name in modules:
+                    raise AssumeLibError(f"--assume-lib {name!r} is an import name; the distribution "
+                                         f"that installs it is {modules[name]!r}: "
+                                         f"--assume-lib {modules[name]}")
+                _check_known(name, dists)
         return cls(assumed=assumed, profile=profile)
 
     @property

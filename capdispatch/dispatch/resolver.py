@@ -77,6 +77,21 @@ def library_names(registry) -> set:
             for r in b.requires if hasattr(r, "dist")}
 
 
+def library_modules(registry) -> dict:
+    """Canonical import name (and distribution name) -> distribution, for every library
+    a registered backend declares: flash_mla -> sgl-flash-mla."""
+    from packaging.utils import canonicalize_name
+    out = {}
+    for op in registry.ops:
+        for b in registry.backends(op):
+            for r in b.requires:
+                if hasattr(r, "dist"):
+                    out[r.dist] = r.dist
+                    if getattr(r, "module", None):
+                        out.setdefault(canonicalize_name(r.module.split(".")[0]), r.dist)
+    return out
+
+
 def context(*, policy=None, selections=None, assume_libs=None, strict=False, registry=None,
             env=None, selection_origin="selections=", libs=None, settings=None,
             settings_origin="settings=") -> Context:
@@ -86,7 +101,7 @@ def context(*, policy=None, selections=None, assume_libs=None, strict=False, reg
     env = dict(os.environ if env is None else env)
     registry = registry or builtin()
     try:
-        inventory = Inventory.with_assumptions(assume_libs, libs=libs, known=library_names(registry))
+        inventory = Inventory.with_assumptions(assume_libs, libs=libs, known=library_modules(registry))
     except AssumeLibError as exc:
         raise BadInput(str(exc)) from None
     try:
