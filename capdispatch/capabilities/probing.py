@@ -90,7 +90,7 @@ def _probe_cuda(index: int, via: str) -> DeviceSpec:
         try:
             return probe_nvml(index)
         except ProbeError as exc:
-            if via == "nvml" or not getattr(exc, "no_nvml", False):
+            if via == "nvml":
                 raise
             nvml_why = str(exc)
         try:
@@ -98,8 +98,7 @@ def _probe_cuda(index: int, via: str) -> DeviceSpec:
         except ProbeError as exc:
             raise ProbeError(f"cuda:{index}: cannot read it: NVML: {nvml_why.partition(': ')[2]}; "
                              f"torch: {str(exc).partition(': ')[2]}") from None
-    raise AssertionError(via)
-    return probe_torch(index)
+    raise ValueError(f"probe via {via!r}: expected auto, torch or nvml")
 
 
 def probe_cpu(notes=()) -> DeviceSpec:
@@ -231,11 +230,11 @@ def probe_nvml(index: int) -> DeviceSpec:
     try:
         import pynvml as nvml
     except ImportError as exc:
-        raise _no_nvml(f"cuda:{index}: {nvml_failure(exc)}")
+        raise ProbeError(f"cuda:{index}: {nvml_failure(exc)}")
     try:
         nvml.nvmlInit()
     except nvml.NVMLError as exc:
-        raise _no_nvml(f"cuda:{index}: {nvml_failure(exc)}")
+        raise ProbeError(f"cuda:{index}: {nvml_failure(exc)}")
     try:
         handle, notes = _visible_to_physical(index, nvml)
         name = nvml.nvmlDeviceGetName(handle)
@@ -272,22 +271,16 @@ def probe_nvml(index: int) -> DeviceSpec:
     )
 
 
-def _no_nvml(text: str) -> ProbeError:
-    exc = ProbeError(text)
-    exc.no_nvml = True      # NVML itself is missing (auto may still ask torch)
-    return exc
-
-
 def _nvml_count() -> int:
     """Visible devices by NVML; ProbeError (with the reason) when NVML cannot start."""
     try:
         import pynvml as nvml
     except ImportError as exc:
-        raise _no_nvml(nvml_failure(exc))
+        raise ProbeError(nvml_failure(exc))
     try:
         nvml.nvmlInit()
     except Exception as exc:   # NVMLError subclasses, or a broken binding
-        raise _no_nvml(nvml_failure(exc))
+        raise ProbeError(nvml_failure(exc))
     try:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         total = nvml.nvmlDeviceGetCount()
@@ -326,8 +319,8 @@ def local_devices(*, via: str = "auto") -> list:
         try:
             import torch
             count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        except ImportError:
-            pass
+        except Exception as exc:   # a torch that fails to import is a fact, not a crash
+            why.append(f"torch failed to import: {type(exc).__name__}: {exc}")
     if count:
         return [probe(f"cuda:{i}", via="torch") for i in range(count)]
     why.append(f"torch: {_torch_failure()}")
