@@ -76,6 +76,9 @@ def test_matrix_colour_only_on_a_terminal_and_never_under_no_color():
     assert use_color(Tty(), env={"NO_COLOR": "1"}) is False
     assert use_color(Tty(), env={"TERM": "dumb"}) is False
     assert use_color(None, env={}) is False or sys.stdout.isatty()
+    # A narrow terminal never folds a backend name.
+    narrow = render_matrix(["a"], [Row("moe", (Cell("flashinfer_cutlass_w4a8"),))], width=20, color=False)
+    assert "flashinfer_cutlass_w4a8" in narrow
     ascii_table = render_matrix(["a", "b"], rows, color=False, width=80, ascii_only=True)
     ascii_table.encode("ascii")
     assert "triton_u8*" in ascii_table and "!=" in ascii_table

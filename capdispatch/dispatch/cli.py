@@ -286,11 +286,14 @@ def _cmd_explain(args) -> int:
              selections=args.set_ or None, assume_libs=args.assume_lib, strict=args.strict,
              selection_origin="--set", libs=args.libs,
              settings={"mixed_group": args.mixed_group} if args.mixed_group else None,
-             settings_origin="--mixed-group")
+             settings_origin="--mixed-group", log_warnings=False)
     if args.format == "json":
         _emit(args, p.to_dict(), "")
     else:
-        print(render_text(p, brief=args.brief))
+        print(render_text(p, brief=args.brief), flush=True)
+    # After the output, so that on a terminal the matrix is the first screen.
+    for w in p.warnings:
+        logging.getLogger("capdispatch").warning(w)
     return EXIT_OK
 
 

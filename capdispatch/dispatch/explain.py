@@ -214,5 +214,5 @@ def render_text(p: Plan, *, brief: bool = False, color=None, stream=None) -> str
                                     hang="    ")
     if p.warnings:
         out.append("")
-        out.append(f"{len(p.warnings)} warning(s): see above on stderr")
+        out.append(f"{len(p.warnings)} warning(s), on stderr")
     return "\n".join(out)

@@ -101,6 +101,12 @@ def render_matrix(columns: Sequence[str], rows: Sequence[Row], *, title: str = "
     ascii_only = (not encodes("─│≠", stream)) if ascii_only is None else ascii_only
     sym = ASCII if ascii_only else UNICODE
     width = terminal_width(stream) if width is None else width
+    # Never fold a backend name: a table wider than the terminal stays whole.
+    natural = max(len(corner), *(len(r.label) + 2 for r in rows)) + 4
+    for i, c in enumerate(columns):
+        natural += 3 + max([len(x) for x in c.split("\n")]
+                           + [len(r.cells[i].text) + 1 for r in rows if i < len(r.cells)])
+    width = max(width, natural)
     table = Table(title=title or None, title_justify="left", caption=None,
                   box=box.ASCII2 if ascii_only else box.SIMPLE_HEAVY, show_lines=False,
                   pad_edge=False, header_style="bold" if color else "", title_style="bold" if color else "",
