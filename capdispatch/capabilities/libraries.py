@@ -106,7 +106,8 @@ class Inventory:
                 return LibraryFact(name, version, True, assumed=True, source="assumed")
         if self.profile is not None:
             lib = self.profile.get(name)
-            return LibraryFact(name, lib.version if lib else None, lib is not None,
+            # assumed: a profile describes another machine, so nothing is import-checked here.
+            return LibraryFact(name, lib.version if lib else None, lib is not None, assumed=True,
                                source=f"profile {self.profile.name}")
         try:
             return LibraryFact(name, metadata.version(name), True)
