@@ -15,7 +15,12 @@ from .spec import DeviceSpec
 
 
 class ProbeError(RuntimeError):
-    """A real device could not be probed (no driver, no such index, ...)."""
+    """A real device could not be probed (no driver, no such index, ...).
+    `reason` is the message without the advice `hint` that follows it."""
+
+    def __init__(self, reason: str, hint: str = ""):
+        super().__init__(f"{reason}; {hint}" if hint else reason)
+        self.reason, self.hint = reason, hint
 
 
 SIM_HINT = ("to plan for a GPU this machine does not have, simulate it: --device sim:NAME "
@@ -80,7 +85,7 @@ def probe(device, *, via: str = "auto", assume_cuda: Optional[str] = None) -> De
     try:
         return _probe_cuda(int(rest), via)
     except ProbeError as exc:
-        raise ProbeError(f"{exc}; {SIM_HINT}") from None
+        raise ProbeError(exc.reason, SIM_HINT) from None
 
 
 def _probe_cuda(index: int, via: str) -> DeviceSpec:
@@ -304,15 +309,15 @@ def local_devices(*, via: str = "auto") -> list:
             count = _nvml_count()
         except ProbeError as exc:
             if via == "nvml":
-                raise ProbeError(f"--probe nvml: {exc}; {SIM_HINT}") from None
+                raise ProbeError(f"--probe nvml: {exc}", SIM_HINT) from None
             why.append(f"NVML: {exc}")
         else:
             if count:
                 return [probe(f"cuda:{i}", via="nvml") for i in range(count)]
             if via == "nvml":
                 raise ProbeError(f"--probe nvml: NVML sees no visible NVIDIA device "
-                                 f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); "
-                                 f"{SIM_HINT}")
+                                 f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})",
+                                 SIM_HINT)
             why.append("NVML: no visible NVIDIA device")
     count = 0
     if not _torch_cannot_have_cuda():
@@ -325,7 +330,7 @@ def local_devices(*, via: str = "auto") -> list:
         return [probe(f"cuda:{i}", via="torch") for i in range(count)]
     why.append(f"torch: {_torch_failure()}")
     if via == "torch":
-        raise ProbeError(f"--probe torch: {_torch_failure()}; {SIM_HINT}")
+        raise ProbeError(f"--probe torch: {_torch_failure()}", SIM_HINT)
     return [probe_cpu(notes=[f"no CUDA device found ({'; '.join(why)}); {SIM_HINT}"])]
 
 

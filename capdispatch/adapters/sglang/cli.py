@@ -183,7 +183,7 @@ def _devices(ids, env):
         return rig.devices(ids, env=env, via="nvml")
     except ProbeError as exc:
         raise cd.BadInput(f"cannot read the launch's GPUs ({', '.join(f'cuda:{g}' for g in ids)}) "
-                          f"without initialising CUDA: {exc}; simulate them with --device "
+                          f"without initialising CUDA: {getattr(exc, 'reason', exc)}; simulate them with --device "
                           f"sim:NAME[,sim:NAME...]") from None
 
 

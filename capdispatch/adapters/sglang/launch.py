@@ -117,7 +117,7 @@ def prepare(server_args, release, *, env=None):
     except ProbeError as exc:
         log.warning("capdispatch: cannot read the launch's GPUs %s without initialising CUDA (%s); "
                     "launch-time settings skipped, each rank still decides for its own card",
-                    ", ".join(f"cuda:{g}" for g in ids), exc)
+                    ", ".join(f"cuda:{g}" for g in ids), getattr(exc, "reason", exc))
         return None
     d = decide.decide(specs, ops, release, selections=stash["selections"],
                       selection_origin=stash["selection_origin"], env=env,
