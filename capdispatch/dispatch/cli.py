@@ -301,15 +301,16 @@ def _cmd_ops(args) -> int:
     from ..backends import builtin
     reg = builtin()
     rows, obj = [], {"schema": 1, "ops": {}}
+    from .render import wrap
     for op in reg.ops.values():
-        rows.append(f"{op.name}: {op.signature}")
-        rows.append(f"  {op.summary}")
+        rows += wrap(f"{op.name}: {op.signature}", "", hang="    ")
+        rows += wrap(op.summary, "  ")
         obj["ops"][op.name] = {"signature": op.signature, "summary": op.summary,
                                "reference": op.reference, "backends": []}
         for b in reg.backends(op.name):
             needs = [_describe_req(r) for r in b.requires]
-            rows.append(f"  - {b.name}: {b.summary}")
-            rows.append(f"      needs: {'; '.join(needs)}")
+            rows += wrap(f"- {b.name}: {b.summary}", "  ")
+            rows += wrap(f"needs: {'; '.join(needs)}", "      ")
             obj["ops"][op.name]["backends"].append({"name": b.name, "summary": b.summary,
                                                     "impl": b.impl, "needs": needs})
     _emit(args, obj, "\n".join(rows))
