@@ -334,6 +334,8 @@ def test_op_takes_commas(dispatch):
     assert rc == 0 and list(json.loads(out)["ops"]) == ["kv_quant", "kv_dequant"]
     rc, _, err = dispatch("explain", "--device", "sim:rtx-3080", "--op", "kv_quant,kv_deqant")
     assert rc == 2 and "did you mean 'kv_dequant'" in err
+    rc, _, err = dispatch("explain", "--device", "sim:rtx-3080", "--op", ",")
+    assert rc == 2 and "names no op" in err
 
 
 def test_mixed_group_flag(dispatch):

@@ -50,7 +50,8 @@ def names() -> list:
 
 def lookup(name: str) -> Profile:
     import difflib
-    found = profiles().get(name.strip())
+    by_lower = {k.lower(): v for k, v in profiles().items()}
+    found = by_lower.get(name.strip().lower())
     if found is None:
         close = difflib.get_close_matches(name.strip(), names(), n=3, cutoff=0.5)
         hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""

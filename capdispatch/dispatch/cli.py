@@ -280,9 +280,13 @@ def _cmd_devices(args) -> int:
 
 
 def _cmd_explain(args) -> int:
+    from .errors import BadInput
     from .explain import plan, render_text
+    ops = _devices_arg(args.op)
+    if args.op and not ops:
+        raise BadInput(f"--op {' '.join(args.op)!r} names no op (valid: see `dispatch ops`)")
     specs = _specs(args)
-    p = plan(specs, _devices_arg(args.op) or None, policy=args.policy or None,
+    p = plan(specs, ops or None, policy=args.policy or None,
              selections=args.set_ or None, assume_libs=args.assume_lib, strict=args.strict,
              selection_origin="--set", libs=args.libs,
              settings={"mixed_group": args.mixed_group} if args.mixed_group else None,
