@@ -18,7 +18,7 @@ EXTENSIONS = {
 
 # Subcommands in their own modules (capdispatch/dispatch/NAME.py): each has
 # add_parser(subparsers) and run(args) -> int.
-COMMANDS = ("catalog_cmd", "env_cmd")
+COMMANDS = ("bench_cmd", "catalog_cmd", "env_cmd")
 
 EPILOG = """\
 examples:
@@ -348,6 +348,25 @@ def _cmd_policy_validate(args) -> int:
     return EXIT_OK
 
 
+def _op_obj(reg, op, pf, m) -> dict:
+    key = reg.ops[op].size.key if reg.ops[op].size else None
+    return {"backends": list(m.value), "from": f"{pf.path}:{m.line}",
+            "buckets": [{key: f"<={b.upper}" if b.upper is not None else "any", "upper": b.upper,
+                         "backends": list(b.backends), "from": f"{pf.path}:{b.line}"}
+                        for b in m.buckets]}
+
+
+def _op_lines(reg, op, pf, m, indent) -> list:
+    if not m.buckets:
+        return [f"{indent}{op}: [{', '.join(m.value)}]    # {pf.path}:{m.line}"]
+    key = reg.ops[op].size.key
+    out = [f"{indent}{op}:"]
+    for b in m.buckets:
+        bound = f"{key}: \"<={b.upper}\", " if b.upper is not None else ""
+        out.append(f"{indent}  - {{{bound}prefer: [{', '.join(b.backends)}]}}    # {pf.path}:{b.line}")
+    return out
+
+
 def _cmd_policy_show(args) -> int:
     from ..backends import builtin
     from ..policies import build
@@ -365,18 +384,20 @@ def _cmd_policy_show(args) -> int:
         for pf in reversed(stack.layers):
             if op in pf.ops:
                 m = pf.ops[op]
-                obj["ops"][op] = {"backends": list(m.value), "from": f"{pf.path}:{m.line}"}
-                lines.append(f"  {op}: [{', '.join(m.value)}]    # {pf.path}:{m.line}")
+                obj["ops"][op] = _op_obj(reg, op, pf, m)
+                lines += _op_lines(reg, op, pf, m, "  ")
                 break
     entries = [(pf, e) for pf in stack.layers for e in pf.devices]
     if entries:
         lines.append("devices:    # later entries win")
     for pf, e in entries:
         obj["devices"].append({"match": e.match, "from": f"{pf.path}:{e.line}",
-                               "ops": {op: list(m.value) for op, m in e.ops.items()}})
+                               "ops": {op: list(m.value) for op, m in e.ops.items()},
+                               "buckets": {op: _op_obj(reg, op, pf, m)["buckets"]
+                                           for op, m in e.ops.items() if m.buckets}})
         lines.append(f"  - match: {e.match}    # {pf.path}:{e.line}")
         for op, m in e.ops.items():
-            lines.append(f"      {op}: [{', '.join(m.value)}]    # {pf.path}:{m.line}")
+            lines += _op_lines(reg, op, pf, m, "      ")
     for s in stack.selections:
         obj["selections"].append({"op": s.op, "backend": s.backend, "from": s.origin})
         lines.append(f"selection: {s.op}={s.backend}    # {s.origin}")

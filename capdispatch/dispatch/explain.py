@@ -139,22 +139,47 @@ def matrix(p: Plan, *, color=None, width=None, ascii_only=None, stream=None,
     from .render import Cell, Row, render_matrix
     cols = [f"{d.id}\n{short_name(d.name)}" + (f", cc {d.cc_str}" if d.cc_str else "")
             for d in p.devices]
-    rows = [Row(op, tuple(Cell(r.backend, cell_kind(g, r)) for r in g.per_device.values()),
+    rows = [Row(op, tuple(Cell(r.backend + _sized(r), cell_kind(g, r)) for r in g.per_device.values()),
                 diverges=not g.uniform)
             for op, g in p.ops.items()]
     caption = f"libraries: {p.inventory.get('whose', DEFAULT_WHOSE)}"
+    if any(_sized(r) for g in p.ops.values() for r in g.per_device.values()):
+        caption = ("+N sized: N size buckets run another backend (the trace lists them)\n"
+                   + caption)
     if p.warnings:
         caption += f"; {len(p.warnings)} warning(s){warnings_where}"
     return render_matrix(cols, rows, caption=caption, color=color, width=width,
                          ascii_only=ascii_only, stream=stream)
 
 
+def _sized(r) -> str:
+    """' +N sized' when N size buckets of R run another backend than its catch-all."""
+    n = sum(1 for b in r.buckets if b.backend != r.backend)
+    return f" +{n} sized" if n else ""
+
+
 def _same_trace(a, b) -> bool:
     def key(r):
         return (r.backend, r.source, r.fallback, r.downgraded_from,
+                tuple((b.lower, b.upper, b.backend, b.source) for b in r.buckets),
                 tuple((c.backend, c.ok, tuple((ch.code, ch.need, ch.found, ch.ok) for ch in c.checks))
                       for c in r.candidates))
     return key(a) == key(b)
+
+
+def _bucket_lines(r) -> list:
+    if not r.buckets:
+        return []
+    rows = []
+    for b in r.buckets:
+        flag = ""
+        if b.downgraded_from:
+            flag = f"  (downgraded from {b.downgraded_from})"
+        elif b.fallback:
+            flag = f"  (fallback from {b.wanted})"
+        rows.append((f"{r.size_key} {b.label(r.size_key)}", f"{b.backend}{flag}", b.source))
+    w1, w2 = max(len(a) for a, _, _ in rows), max(len(b) for _, b, _ in rows)
+    return ["      buckets:"] + [f"        {a:<{w1}} -> {b:<{w2}}  # {c}" for a, b, c in rows]
 
 
 def render_text(p: Plan, *, brief: bool = False, color=None, stream=None) -> str:
@@ -198,6 +223,7 @@ def render_text(p: Plan, *, brief: bool = False, color=None, stream=None) -> str
                 continue
             shown.append((did, r))
             out += wrap(f"source: {r.source}", "      ", hang="    ")
+            out += _bucket_lines(r)
             for c in r.candidates:
                 mark = sym.ok if c.ok else sym.bad
                 bad = [ch for ch in c.checks if not ch.ok]
