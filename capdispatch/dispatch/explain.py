@@ -222,7 +222,7 @@ def render_text(p: Plan, *, brief: bool = False, color=None, stream=None) -> str
             if twin is not None:
                 continue
             shown.append((did, r))
-            out += wrap(f"source: {r.source}", "      ", hang="    ")
+            out.append(f"      source: {r.source}")    # a file:line locator stays whole
             out += _bucket_lines(r)
             for c in r.candidates:
                 mark = sym.ok if c.ok else sym.bad
