@@ -6,7 +6,8 @@ from .explain import Plan, matrix, plan
 from .render import Cell, Row, render_matrix
 from .group import GroupResolution, resolve_group
 from .resolver import Candidate, Resolution, resolve
+from .verify import Verification, verify_decisions
 
 __all__ = ["BadInput", "Candidate", "Cell", "Row", "matrix", "render_matrix", "GroupDivergenceError", "GroupResolution", "NoBackendError",
            "OpHandle", "Plan", "Resolution", "StrictFallbackError", "Unsatisfiable", "bind",
-           "plan", "resolve", "resolve_group"]
+           "Verification", "plan", "resolve", "resolve_group", "verify_decisions"]

@@ -18,7 +18,7 @@ EXTENSIONS = {
 
 # Subcommands in their own modules (capdispatch/dispatch/NAME.py): each has
 # add_parser(subparsers) and run(args) -> int.
-COMMANDS = ("bench_cmd", "catalog_cmd", "env_cmd")
+COMMANDS = ("bench_cmd", "catalog_cmd", "env_cmd", "verify_cmd")
 
 EPILOG = """\
 examples:
@@ -317,6 +317,10 @@ def _cmd_ops(args) -> int:
             rows += wrap(f"needs: {'; '.join(needs)}", "      ")
             obj["ops"][op.name]["backends"].append({"name": b.name, "summary": b.summary,
                                                     "impl": b.impl, "needs": needs})
+    obj["plugins"] = [p.to_dict() for p in reg.plugins]
+    for p in reg.plugins:
+        rows.append(f"plugin {p.name} ({p.value}): " + (f"added {', '.join(p.backends)}" if p.ok
+                                                        else f"SKIPPED: {p.message}"))
     _emit(args, obj, "\n".join(rows))
     return EXIT_OK
 
@@ -375,7 +379,7 @@ def _cmd_policy_show(args) -> int:
     stack = build(reg, policy=args.policy or None, known_devices=known_device_names())
     obj = {"schema": 1, "settings": {}, "ops": {}, "devices": [], "selections": []}
     lines = []
-    for key in ("mixed_group", "on_unsupported"):
+    for key in ("mixed_group", "on_unsupported", "verify"):
         s = stack.setting(key)
         obj["settings"][key] = {"value": s.value, "from": s.origin}
         lines.append(f"{key}: {s.value}    # {s.origin}")

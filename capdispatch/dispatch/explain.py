@@ -227,14 +227,15 @@ def render_text(p: Plan, *, brief: bool = False, color=None, stream=None) -> str
             for c in r.candidates:
                 mark = sym.ok if c.ok else sym.bad
                 bad = [ch for ch in c.checks if not ch.ok]
+                tag = f"  [{c.verification}]" if c.verification else ""
                 if c.ok:
-                    out.append(f"      {mark} {c.backend}")
+                    out.append(f"      {mark} {c.backend}{tag}")
                 elif len(bad) == 1:
                     ch = bad[0]
-                    out += wrap(f"{mark} {c.backend}: {ch.code}: need {ch.need}, found {ch.found}",
+                    out += wrap(f"{mark} {c.backend}: {ch.code}: need {ch.need}, found {ch.found}{tag}",
                                 "      ", hang="    ")
                 else:
-                    out.append(f"      {mark} {c.backend}:")
+                    out.append(f"      {mark} {c.backend}:{tag}")
                     for ch in bad:
                         out += wrap(f"{ch.code}: need {ch.need}, found {ch.found}", "          ",
                                     hang="    ")
