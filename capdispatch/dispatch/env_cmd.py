@@ -18,6 +18,8 @@ VARIABLES = {
     "CAPDISPATCH_SET": "explicit choices OP=BACKEND[,...], above every policy",
     "CAPDISPATCH_STRICT": "1: an explicit choice that cannot run is an error",
     "CAPDISPATCH_SGLANG_DEVICES": "the SGLang plugin's simulated GPUs (sim:NAME,...)",
+    "CAPDISPATCH_VERIFY": "what an unverified or failed canary does (above the policy's verify)",
+    "CAPDISPATCH_CACHE_DIR": "where canary verdicts are cached (default: the user's cache directory)",
     "CUDA_VISIBLE_DEVICES": "which GPUs cuda:N numbers, and in what order",
     "CUDA_DEVICE_ORDER": "PCI_BUS_ID makes CUDA's numbering match NVML's",
     "TRITON_INTERPRET": "1: Triton kernels run on the CPU under Triton's interpreter",
@@ -26,7 +28,7 @@ VARIABLES = {
 }
 
 # capdispatch's own dependencies and helpers, besides the backends' libraries.
-OWN = ("attrs", "pyyaml", "packaging", "rich", "argcomplete", "nvidia-ml-py", "numpy")
+OWN = ("attrs", "pyyaml", "packaging", "platformdirs", "rich", "argcomplete", "nvidia-ml-py", "numpy")
 
 
 def add_parser(sub):
