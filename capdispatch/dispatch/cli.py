@@ -18,7 +18,7 @@ EXTENSIONS = {
 
 # Subcommands in their own modules (capdispatch/dispatch/NAME.py): each has
 # add_parser(subparsers) and run(args) -> int.
-COMMANDS = ("bench_cmd", "catalog_cmd", "env_cmd", "verify_cmd")
+COMMANDS = ("bench_cmd", "catalog_cmd", "env_cmd", "lock_cmd", "verify_cmd")
 
 EPILOG = """\
 examples:
@@ -147,6 +147,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="an explicit choice that cannot run is an error (exit 3), not a downgrade")
     e.add_argument("--brief", action="store_true",
                    help="print the op x device matrix only, without the traces")
+    e.add_argument("--lock", metavar="FILE", help="compare with this lock file (default: $CAPDISPATCH_LOCK)")
     fmt(e); probe_opts(e)
 
     o = sub.add_parser("ops", help="the ops and their backends with what each needs",
@@ -291,8 +292,12 @@ def _cmd_explain(args) -> int:
              selection_origin="--set", libs=args.libs,
              settings={"mixed_group": args.mixed_group} if args.mixed_group else None,
              settings_origin="--mixed-group", log_warnings=False)
+    from .lock import check
+    drifts = check(p, args.lock, strict=args.strict, partial=bool(args.op or args.device))
+    obj = p.to_dict()
+    obj["warnings"] += [str(d) for d in drifts]
     if args.format == "json":
-        _emit(args, p.to_dict(), "")
+        _emit(args, obj, "")
     else:
         print(render_text(p, brief=args.brief), flush=True)
     # After the output, so that on a terminal the matrix is the first screen.

@@ -20,6 +20,7 @@ VARIABLES = {
     "CAPDISPATCH_SGLANG_DEVICES": "the SGLang plugin's simulated GPUs (sim:NAME,...)",
     "CAPDISPATCH_VERIFY": "what an unverified or failed canary does (above the policy's verify)",
     "CAPDISPATCH_CACHE_DIR": "where canary verdicts are cached (default: the user's cache directory)",
+    "CAPDISPATCH_LOCK": "a lock file explain and verify compare the decisions with",
     "CUDA_VISIBLE_DEVICES": "which GPUs cuda:N numbers, and in what order",
     "CUDA_DEVICE_ORDER": "PCI_BUS_ID makes CUDA's numbering match NVML's",
     "TRITON_INTERPRET": "1: Triton kernels run on the CPU under Triton's interpreter",

@@ -22,13 +22,15 @@ class Plan:
     ops: dict                 # op -> GroupResolution
     warnings: tuple
     libraries: dict           # dist -> description, as the decision saw them
-    inventory: dict = attrs.field(factory=dict)   # whose libraries: Inventory.to_dict() + note
+    inventory: object = attrs.field(default=None, eq=False)   # the Inventory the decision read
+    registry: object = attrs.field(default=None, eq=False)    # the registry it decided from
+    whose: dict = attrs.field(factory=dict)   # whose libraries, for people: Inventory.to_dict() + note
 
     def to_dict(self) -> dict:
         return {
             "schema": SCHEMA,
             "devices": [_device_dict(d, self.libraries) for d in self.devices],
-            "inventory": self.inventory,
+            "inventory": self.whose,
             "ops": {op: g.to_dict() for op, g in self.ops.items()},
             "warnings": list(self.warnings),
         }
@@ -80,8 +82,8 @@ def plan_in(ctx, devices, ops=None, *, via: str = "auto", assume_cuda: Optional[
     dists = sorted({r.dist for op in names for b in ctx.registry.backends(op)
                     for r in b.requires if hasattr(r, "dist")})
     libs_seen = {d: ctx.inventory.get(d).describe() for d in dists}
-    inventory = dict(ctx.inventory.to_dict(dists), note=inventory_note(specs, ctx.inventory))
-    return Plan(tuple(specs), groups, warnings, libs_seen, inventory)
+    whose = dict(ctx.inventory.to_dict(dists), note=inventory_note(specs, ctx.inventory))
+    return Plan(tuple(specs), groups, warnings, libs_seen, ctx.inventory, ctx.registry, whose)
 
 
 def _gib(n):
@@ -142,7 +144,7 @@ def matrix(p: Plan, *, color=None, width=None, ascii_only=None, stream=None,
     rows = [Row(op, tuple(Cell(r.backend + _sized(r), cell_kind(g, r)) for r in g.per_device.values()),
                 diverges=not g.uniform)
             for op, g in p.ops.items()]
-    caption = f"libraries: {p.inventory.get('whose', DEFAULT_WHOSE)}"
+    caption = f"libraries: {p.whose.get('whose', DEFAULT_WHOSE)}"
     if any(_sized(r) for g in p.ops.values() for r in g.per_device.values()):
         caption = ("+N sized: N size buckets run another backend (the trace lists them)\n"
                    + caption)
@@ -192,8 +194,8 @@ def render_text(p: Plan, *, brief: bool = False, color=None, stream=None) -> str
         out.append(matrix(p, color=color, stream=stream, ascii_only=sym is not UNICODE,
                           warnings_where=" on stderr"))
         if brief:
-            if p.inventory.get("note"):
-                out += wrap(f"note: {p.inventory['note']}", "")
+            if p.whose.get("note"):
+                out += wrap(f"note: {p.whose['note']}", "")
             return "\n".join(out)
         out.append("")
     for d in p.devices:
@@ -202,7 +204,7 @@ def render_text(p: Plan, *, brief: bool = False, color=None, stream=None) -> str
         out += wrap(f"features: {', '.join(feats) if feats else '(none)'}", "  ")
         for n in d.notes:
             out += wrap(f"note: {n}", "  ")
-    out += libraries_lines(p.libraries, p.inventory)
+    out += libraries_lines(p.libraries, p.whose)
     for op, g in p.ops.items():
         out.append("")
         tag = "" if len(p.devices) == 1 else ("  [uniform]" if g.uniform else "  [DIVERGES]")

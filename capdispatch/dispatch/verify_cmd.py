@@ -31,6 +31,8 @@ def add_parser(subparsers):
                    help="text for people (default) or JSON for programs")
     v.add_argument("--probe", choices=("auto", "torch", "nvml"), default="auto",
                    help="how to read a cuda:N device, as for explain")
+    v.add_argument("--lock", metavar="FILE",
+                   help="compare the decisions after verifying with this lock file (default: $CAPDISPATCH_LOCK)")
     return v
 
 
@@ -89,6 +91,8 @@ def run(args) -> int:
                           "passed": not failed}, indent=2))
     else:
         print(render(results))
+    from .lock import check_after_verify
+    check_after_verify(specs, ops, args)
     return EXIT_OK if not failed else EXIT_FAILED
 
 

@@ -151,7 +151,7 @@ def _plan(args, sglang_args) -> int:
                 for s in d.settings],
         ranks=[_rank(i, g, spec, d, release, kd) for i, (g, spec) in enumerate(zip(ids, specs))],
         knob_ops=list(kd.ops),
-        libraries=kd.plan.inventory if kd.plan is not None else None,
+        libraries=kd.plan.whose if kd.plan is not None else None,
         knobs=[{"kind": s.kind, "name": s.name, "ops": list(s.ops), "action": s.action,
                 "user": s.user, "wants": {v: list(ds) for v, ds in s.wants.items()},
                 "without": list(s.without), "why": s.why} for s in kd.settings],

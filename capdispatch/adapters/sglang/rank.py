@@ -85,6 +85,16 @@ def user_env(release, stash, environ=None) -> dict:
     return {n: environ[n] for n in release.route_env_names() if n in environ}
 
 
+def check_lock(d, env=None) -> tuple:
+    """This rank's decisions against the lock in CAPDISPATCH_LOCK (read now), if any: one
+    WARNING per difference; under CAPDISPATCH_STRICT=1 a difference refuses the launch
+    (capdispatch.LockDriftError)."""
+    import capdispatch as cd
+    if d.plan is None:
+        return ()
+    return cd.check_lock(d.plan, partial=True, env=env)
+
+
 def configure(server_args, gpu_id: int, *, env=None):
     """Everything a rank does before its model exists. Returns its state."""
     from . import archfacts, decide, proof, rig
@@ -102,6 +112,7 @@ def configure(server_args, gpu_id: int, *, env=None):
     d, proof_text = proof.verified(spec, decide_now, env=env)
     for w in d.warnings:
         log.warning("capdispatch: %s", w)
+    check_lock(d, env)
     mine = {op: row[spec.id] for op, row in d.choices.items()}
     key = device_key(spec, gpu_id)
     apply_routes(release, mine, spec, key, env, uenv)
