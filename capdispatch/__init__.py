@@ -18,6 +18,8 @@ _API = {
     "resolve": ("capdispatch.dispatch", "resolve"),
     "resolve_group": ("capdispatch.dispatch", "resolve_group"),
     "plan": ("capdispatch.dispatch", "plan"),
+    "matrix": ("capdispatch.dispatch", "matrix"),
+    "render_matrix": ("capdispatch.dispatch", "render_matrix"),
     "bind": ("capdispatch.dispatch", "bind"),
     "OpHandle": ("capdispatch.dispatch", "OpHandle"),
     "Resolution": ("capdispatch.dispatch", "Resolution"),

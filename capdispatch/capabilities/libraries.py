@@ -30,13 +30,16 @@ class LibraryFact:
     version: Optional[str]          # None: not installed (or assumed without a version)
     installed: bool
     assumed: bool = False
+    source: str = "this machine"    # "this machine", "assumed", or "profile NAME"
 
     def describe(self) -> str:
+        profile = self.source.startswith("profile ")
+        where = f" ({self.source[len('profile '):]})" if profile else ""
         if not self.installed:
-            return "not installed"
+            return f"not installed{where}"
         if self.version is None:
-            return "assumed (no version given)"
-        return f"{self.version}{' (assumed)' if self.assumed else ''}"
+            return f"installed, version not pinned{where}" if profile else "assumed (no version given)"
+        return f"{self.version}{' (assumed)' if self.assumed and not profile else where}"
 
 
 MAX_ASSUME = 200    # characters: a name and a version are far shorter
@@ -76,24 +79,83 @@ def parse_assume(text: str) -> tuple:
 
 @attrs.frozen
 class Inventory:
-    """Libraries of the machine a decision is for: this one's, plus assumptions."""
+    """Libraries of the machine a decision is for: this one's, or a profile's (the
+    whole inventory of a target machine), plus assumptions on top."""
 
-    assumed: tuple = ()    # ((name, version-or-None), ...)
+    assumed: tuple = ()     # ((name, version-or-None), ...)
+    profile: Optional[object] = None    # lib_profiles.Profile; None: this machine's
 
     @classmethod
-    def with_assumptions(cls, assume_libs=None) -> "Inventory":
-        return cls(assumed=tuple(parse_assume(a) if isinstance(a, str) else tuple(a)
-                                 for a in (assume_libs or ())))
+    def with_assumptions(cls, assume_libs=None, *, libs=None, known=None) -> "Inventory":
+        """KNOWN (distribution names): refuse any other name with a did-you-mean.
+        LIBS: a profile name (see lib_profiles.yaml) or None for this machine."""
+        from . import lib_profiles
+        profile = None
+        if libs is not None:
+            try:
+                profile = libs if isinstance(libs, lib_profiles.Profile) else lib_profiles.lookup(str(libs))
+            except lib_profiles.UnknownProfileError as exc:
+                raise AssumeLibError(f"--libs: {exc}") from None
+        assumed = tuple(parse_assume(a) if isinstance(a, str) else tuple(a) for a in (assume_libs or ()))
+        if known is not None:
+            # KNOWN may map import names to distributions ({"flash-mla": "sgl-flash-mla"}).
+            modules = dict(known) if isinstance(known, dict) else {}
+            dists = {d for d in (modules.values() if modules else known)} | lib_profiles.dists()
+            for name, _ in assumed:
+                if name not in dists and name in modules:
+                    raise AssumeLibError(f"--assume-lib {name!r} is an import name; the distribution "
+                                         f"that installs it is {modules[name]!r}: "
+                                         f"--assume-lib {modules[name]}")
+                _check_known(name, dists)
+        return cls(assumed=assumed, profile=profile)
+
+    @property
+    def whose(self) -> str:
+        """Whose libraries the decisions use, for people."""
+        base = f"the {self.profile.name} profile's" if self.profile else "this machine's"
+        return f"{base}, with assumptions" if self.assumed else base
+
+    @property
+    def local(self) -> bool:
+        """Only this machine's libraries, nothing assumed."""
+        return self.profile is None and not self.assumed
 
     def get(self, name: str) -> LibraryFact:
         name = canonicalize_name(name)
         for assumed_name, version in reversed(self.assumed):
             if assumed_name == name:
-                return LibraryFact(name, version, True, assumed=True)
+                return LibraryFact(name, version, True, assumed=True, source="assumed")
+        if self.profile is not None:
+            lib = self.profile.get(name)
+            # assumed: a profile describes another machine, so nothing is import-checked here.
+            return LibraryFact(name, lib.version if lib else None, lib is not None, assumed=True,
+                               source=f"profile {self.profile.name}")
         try:
             return LibraryFact(name, metadata.version(name), True)
         except metadata.PackageNotFoundError:
             return LibraryFact(name, None, False)
+
+    def to_dict(self, dists=()) -> dict:
+        return {"whose": self.whose, "profile": self.profile.name if self.profile else None,
+                "assumed": {n: v for n, v in self.assumed},
+                "versions": {d: self.get(d).describe() for d in dists}}
+
+
+def _check_known(name: str, known: set) -> None:
+    if name in known:
+        return
+    import difflib
+
+    from . import lib_profiles
+    profiles = {canonicalize_name(p): p for p in lib_profiles.names()}
+    if name in profiles:
+        raise AssumeLibError(f"--assume-lib {name!r} names a library profile, not a library: "
+                             f"use --libs {profiles[name]}")
+    close = [k for k in sorted(known) if k.startswith(name) or name in k] \
+        or difflib.get_close_matches(name, sorted(known), n=3, cutoff=0.5)
+    hint = f"; did you mean {', '.join(repr(c) for c in close[:3])}?" if close else ""
+    raise AssumeLibError(f"--assume-lib: unknown library {name!r}{hint} (libraries a backend "
+                         f"needs: {', '.join(sorted(known))})")
 
 
 @attrs.frozen

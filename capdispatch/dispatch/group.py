@@ -97,7 +97,8 @@ def resolve_group_in(ctx: Context, op: str, specs) -> GroupResolution:
     if mode == "warn":
         warnings.append(
             f"{op}: the group's devices choose different backends: {table} "
-            f"(mixed_group: warn, {mode_setting.origin}; mixed_group: uniform runs one kernel everywhere)")
+            f"(mixed_group: warn, {mode_setting.origin}; --mixed-group uniform, or mixed_group: uniform "
+            f"in a policy, runs one kernel everywhere)")
         return GroupResolution(op, per, False, mode, tuple(warnings))
     # uniform: per bucket, the first backend in the first device's order that every device can run.
     first = next(iter(per.values()))
@@ -148,9 +149,9 @@ def _uniform(r, bounds, common, origin):
 
 def resolve_group(op: str, devices, *, policy=None, selections=None, assume_libs=None,
                   strict: bool = False, registry=None, env=None, via: str = "auto",
-                  assume_cuda: Optional[str] = None) -> GroupResolution:
+                  assume_cuda: Optional[str] = None, libs=None) -> GroupResolution:
     ctx = context(policy=policy, selections=selections, assume_libs=assume_libs,
-                  strict=strict, registry=registry, env=env)
+                  strict=strict, registry=registry, env=env, libs=libs)
     specs = unique_ids([as_spec(d, via=via, assume_cuda=assume_cuda) for d in devices])
     g = resolve_group_in(ctx, op, specs)
     for w in g.warnings:

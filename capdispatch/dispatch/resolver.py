@@ -148,9 +148,32 @@ def known_device_names() -> dict:
     return dict(sorted(_catalog.known_names().items()))
 
 
+def library_names(registry) -> set:
+    """Every distribution some registered backend declares."""
+    return {r.dist for op in registry.ops for b in registry.backends(op)
+            for r in b.requires if hasattr(r, "dist")}
+
+
+def library_modules(registry) -> dict:
+    """Canonical import name (and distribution name) -> distribution, for every library
+    a registered backend declares: flash_mla -> sgl-flash-mla."""
+    from packaging.utils import canonicalize_name
+    out = {}
+    for op in registry.ops:
+        for b in registry.backends(op):
+            for r in b.requires:
+                if hasattr(r, "dist"):
+                    out[r.dist] = r.dist
+                    if getattr(r, "module", None):
+                        out.setdefault(canonicalize_name(r.module.split(".")[0]), r.dist)
+    return out
+
+
 def context(*, policy=None, selections=None, assume_libs=None, strict=False, registry=None,
-            env=None, selection_origin="selections=") -> Context:
+            env=None, selection_origin="selections=", libs=None, settings=None,
+            settings_origin="settings=") -> Context:
     """Read the environment and policies now, for the decisions about to be made.
+    LIBS: a library profile naming the target's software (None: this machine's).
 
     One Context holds one policy stack and one library inventory; every decision
     made with it (`plan_in`, `resolve_in`) sees the same assumptions."""
@@ -158,13 +181,14 @@ def context(*, policy=None, selections=None, assume_libs=None, strict=False, reg
     env = dict(os.environ if env is None else env)
     registry = registry or builtin()
     try:
-        inventory = Inventory.with_assumptions(assume_libs)
+        inventory = Inventory.with_assumptions(assume_libs, libs=libs, known=library_modules(registry))
     except AssumeLibError as exc:
         raise BadInput(str(exc)) from None
     try:
         stack = _policies.build(registry, policy=policy, selections=selections, env=env,
                                 known_devices=known_device_names(),
-                                selection_origin=selection_origin)
+                                selection_origin=selection_origin, settings=settings,
+                                settings_origin=settings_origin)
     except _policies.SelectionError as exc:
         raise BadInput(str(exc)) from None
     env_flag(env, "CAPDISPATCH_STRICT")   # a bad value is refused now, not at the first fallback
@@ -329,10 +353,10 @@ def as_spec(device, *, via="auto", assume_cuda=None) -> DeviceSpec:
 
 def resolve(op: str, device, *, policy=None, selections=None, assume_libs=None,
             strict: bool = False, registry=None, env=None, via: str = "auto",
-            assume_cuda: Optional[str] = None) -> Resolution:
+            assume_cuda: Optional[str] = None, libs=None) -> Resolution:
     """Decide which backend runs OP on DEVICE, with the whole trace."""
     ctx = context(policy=policy, selections=selections, assume_libs=assume_libs,
-                  strict=strict, registry=registry, env=env)
+                  strict=strict, registry=registry, env=env, libs=libs)
     res = resolve_in(ctx, op, as_spec(device, via=via, assume_cuda=assume_cuda))
     for w in res.warnings:
         log.warning(w)

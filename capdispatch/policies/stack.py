@@ -7,7 +7,7 @@ from typing import Optional
 import attrs
 
 from ..errors import CapdispatchError
-from .loader import PolicyError, PolicyFile, _did_you_mean, _show, load_default, load_file
+from .loader import MIXED_GROUP, ON_UNSUPPORTED, PolicyError, PolicyFile, _did_you_mean, _show, load_default, load_file
 
 
 @attrs.frozen
@@ -51,12 +51,16 @@ class PolicyStack:
     default: PolicyFile
     files: tuple = ()
     selections: tuple = ()
+    settings: tuple = ()      # ((key, Setting), ...): explicit flags, above every file
 
     @property
     def layers(self) -> tuple:
         return (self.default,) + tuple(self.files)
 
     def setting(self, key: str) -> Setting:
+        for k, explicit in reversed(self.settings):
+            if k == key:
+                return explicit
         for pf in reversed(self.layers):
             marked = getattr(pf, key)
             if marked is not None:
@@ -132,9 +136,29 @@ def parse_selections(items, origin: str, registry) -> list:
     return out
 
 
+SETTING_VALUES = {"mixed_group": MIXED_GROUP, "on_unsupported": ON_UNSUPPORTED}
+
+
+def parse_settings(settings, origin: str) -> tuple:
+    """{key: value} -> ((key, Setting), ...), checked like a policy file's values."""
+    out = []
+    for key, value in dict(settings or {}).items():
+        if key not in SETTING_VALUES:
+            raise SelectionError(f"{origin}: unknown setting {key!r}{_did_you_mean(key, SETTING_VALUES)} "
+                                 f"(valid: {', '.join(SETTING_VALUES)})")
+        valid = SETTING_VALUES[key]
+        if value not in valid:
+            raise SelectionError(f"{origin}: {key} {value!r} is not one of {', '.join(valid)}"
+                                 f"{_did_you_mean(str(value), valid)}")
+        out.append((key, Setting(value, origin)))
+    return tuple(out)
+
+
 def build(registry, *, policy=None, selections=None, env=None, known_devices=(),
-          selection_origin: str = "selections=") -> PolicyStack:
-    """The stack for one decision. ENV is read now (CAPDISPATCH_POLICY, CAPDISPATCH_SET)."""
+          selection_origin: str = "selections=", settings=None,
+          settings_origin: str = "settings=") -> PolicyStack:
+    """The stack for one decision. ENV is read now (CAPDISPATCH_POLICY, CAPDISPATCH_SET).
+    SETTINGS ({"mixed_group": "uniform"}) sit above every policy file."""
     env = os.environ if env is None else env
     if isinstance(policy, PolicyStack):
         stack = policy
@@ -164,4 +188,5 @@ def build(registry, *, policy=None, selections=None, env=None, known_devices=(),
         sels += parse_selections([env["CAPDISPATCH_SET"]], "CAPDISPATCH_SET", registry)
     if selections:
         sels += parse_selections(selections, selection_origin, registry)
-    return attrs.evolve(stack, selections=tuple(sels))
+    explicit = tuple(stack.settings) + parse_settings(settings, settings_origin)
+    return attrs.evolve(stack, selections=tuple(sels), settings=explicit)
