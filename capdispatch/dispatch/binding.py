@@ -10,11 +10,13 @@ class BackendLoadError(Unsatisfiable):
 
 
 def bind(op: str, device, backend=None, *, policy=None, selections=None, strict: bool = False,
-         env=None, registry=None):
+         env=None, registry=None, checks: bool = True):
     """Return the kernel that runs OP on DEVICE: no wrapper, no lookup at call time.
 
     With BACKEND given the choice is explicit and strict: if it cannot run here,
     this raises with the reasons instead of handing back something else.
+    ``checks=False`` binds the kernel without its argument validation (serving, where
+    the caller's shapes are known good): bad input is then undefined behaviour.
     """
     sel = dict(selections or {})
     if backend is not None:
@@ -26,10 +28,16 @@ def bind(op: str, device, backend=None, *, policy=None, selections=None, strict:
         log.warning(w)
     b = ctx.registry.backend(op, res.backend)
     try:
-        return b.load()
+        fn = b.load()
     except Exception as exc:
         raise BackendLoadError(f"{op}={res.backend} on {res.device.id}: loading {b.impl} failed: "
                                f"{type(exc).__name__}: {exc}") from exc
+    return fn if checks else _without_checks(fn)
+
+
+def _without_checks(fn):
+    from ..backends.torch_ops import without_checks   # imports torch: only when asked for
+    return without_checks(fn)
 
 
 class OpHandle:
