@@ -301,6 +301,19 @@ def test_no_import_on_the_launch_path():
     assert isinstance(SK.OUT_OF_RESOURCES, tuple) and SK.OUT_OF_RESOURCES
 
 
+def test_serving_passes_aligned_index_lists_to_the_libraries_as_they_are(monkeypatch):
+    """checks=False: an int32, contiguous, 64-aligned index list is not cleaned again (no
+    launch inside the graph); with checks every list is cleaned."""
+    from capdispatch.backends.decode_mla import external as ext
+    idx = torch.randint(-1, 100, (2, 1, 128), dtype=torch.int32)
+    calls = []
+    monkeypatch.setattr(ext, "_clean_ids_fn", lambda: (lambda i, cap, align: calls.append((cap, align)) or i))
+    assert ext._clean_ids(idx, 100, checks=False) is idx and calls == []
+    ext._clean_ids(idx, 100, checks=True)
+    ext._clean_ids(idx[..., :100], 100, checks=False)        # not 64-aligned: cleaned and padded
+    assert calls == [(100, 64), (100, 64)]
+
+
 # --------------------------------------------------------------------------- #
 # GPU-only libraries: schema and fake implementations, on the CPU
 # --------------------------------------------------------------------------- #

@@ -508,7 +508,7 @@ def test_backends_share_one_signature():
     for name, fname in srcs.items():
         with open(os.path.join(base, fname)) as f:
             pos, ndef, kwonly = _signature_from_source(f.read(), "fp8_paged_mqa_logits")
-        assert pos == want and kwonly == ["out"], (name, pos, kwonly)
+        assert pos == want and kwonly == ["out", "checks"], (name, pos, kwonly)
 
 
 # --------------------------------------------------------------------------- #
@@ -700,7 +700,7 @@ def test_registration():
     assert [b.name for b in reg.backends("indexer")] == ["deepgemm", "tilelang", "triton", "torch"]
     for b in reg.backends("indexer"):
         module, _, fn = b.impl.partition(":")
-        assert module.startswith("capdispatch.backends.indexer.") and fn == "fp8_paged_mqa_logits"
+        assert module.startswith("capdispatch.backends.indexer.") and fn == "op_fp8_paged_mqa_logits"
 
 
 def test_declarations_import_no_kernel_library():

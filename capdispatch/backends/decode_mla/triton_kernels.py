@@ -42,7 +42,7 @@ _LOG2E = 1.4426950408889634
 
 
 def _num_splits(dev, T, h, width):
-    key = (dev.type, dev.index, T, h, width)
+    key = _K.device_key(dev) + (T, h, width)
     n = _splits.get(key)
     if n is None:
         # The split decision uses the split-K tile: decode-sized calls run with it.

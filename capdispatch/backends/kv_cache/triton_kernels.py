@@ -215,6 +215,17 @@ assert FP8_MAX == 448.0 and SCALE_EPS == 1e-8
 INTERPRETED = not isinstance(_kv_quant_kernel, triton.runtime.jit.JITFunction)
 
 
+_capabilities: dict = {}   # device index -> compute capability, read once per card
+
+
+def _capability(device: torch.device) -> tuple:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    cc = _capabilities.get(index)
+    if cc is None:
+        cc = _capabilities[index] = torch.cuda.get_device_capability(index)
+    return cc
+
+
 def _check_device(t: torch.Tensor, native_fp8: bool) -> None:
     if t.device.type == "cpu":
         if not INTERPRETED:
@@ -222,7 +233,7 @@ def _check_device(t: torch.Tensor, native_fp8: bool) -> None:
                              "(CPU tensors only when imported with TRITON_INTERPRET=1)")
         return
     if native_fp8 and t.device.type == "cuda" and torch.version.hip is None:
-        cc = torch.cuda.get_device_capability(t.device)
+        cc = _capability(t.device)
         if cc < (8, 9):
             raise RuntimeError(
                 f"native-fp8 KV kernels need compute capability >= 8.9 (device has {cc[0]}.{cc[1]}); "

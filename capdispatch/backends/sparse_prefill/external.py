@@ -55,6 +55,7 @@ def _pad_heads(h: int) -> int:
 def flashmla_sparse(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None,
                     *, use_legacy=True, out=None, checks=True):
     """sparse_prefill via ``flash_mla.flash_mla_sparse_fwd``. Contract: reference.sparse_prefill."""
+    flash_mla = _flash_mla()
     q, kv2, idx2, attn_sink, topk_length, out = check_sparse_prefill_args(
         q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out, checks)
     s, h, _ = q.shape
@@ -77,7 +78,7 @@ def flashmla_sparse(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_leng
     idx = idx.contiguous().unsqueeze(1)
     if topk_length is not None:
         topk_length = topk_length.to(torch.int32)
-    o, max_logits, lse = _flash_mla().flash_mla_sparse_fwd(
+    o, max_logits, lse = flash_mla.flash_mla_sparse_fwd(
         q, kv2.unsqueeze(1).contiguous(), idx, float(sm_scale), D_V, attn_sink, topk_length,
         use_legacy=True, return_log2_lse=True)
     if not use_legacy:

@@ -392,6 +392,17 @@ def _combine_kernel(
 INTERPRETED = not isinstance(_sparse_mla_kernel, triton.runtime.jit.JITFunction)
 
 
+_capabilities: dict = {}   # device index -> compute capability, read once per card
+
+
+def _capability(device: torch.device) -> tuple:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    cc = _capabilities.get(index)
+    if cc is None:
+        cc = _capabilities[index] = torch.cuda.get_device_capability(index)
+    return cc
+
+
 def check_device(t: torch.Tensor, native_fp8: bool = False) -> None:
     if t.device.type == "cpu":
         if not INTERPRETED:
@@ -399,7 +410,7 @@ def check_device(t: torch.Tensor, native_fp8: bool = False) -> None:
                              "(CPU tensors only when imported with TRITON_INTERPRET=1)")
         return
     if native_fp8 and t.device.type == "cuda" and torch.version.hip is None:
-        cc = torch.cuda.get_device_capability(t.device)
+        cc = _capability(t.device)
         if cc < (8, 9):
             raise RuntimeError(f"native-fp8 attention needs compute capability >= 8.9 (device has "
                                f"{cc[0]}.{cc[1]}); use the uint8 (integer-decode) Triton backend")
@@ -415,14 +426,21 @@ def num_sms(device_index: int) -> int:
 _plans: dict = {}
 
 
+def device_key(device: torch.device) -> tuple:
+    """(type, index) of DEVICE, the current CUDA device's index for a bare "cuda"."""
+    if device.type == "cuda" and device.index is None:
+        return ("cuda", torch.cuda.current_device())
+    return (device.type, device.index)
+
+
 def _configs(device: torch.device, kind: str, tokens: int | None = None):
-    key = (device.type, device.index, kind, tokens)
+    key = device_key(device) + (kind, tokens)
     plan = _plans.get(key)
     if plan is None:
         if device.type != "cuda":
             plan = (INTERP_CONFIG,)
         else:
-            plan = configs_for(torch.cuda.get_device_capability(device), kind, tokens)
+            plan = configs_for(_capability(device), kind, tokens)
         _plans[key] = plan
     return plan
 
@@ -501,7 +519,7 @@ def launch_sparse_mla(*, kind, device, T, H, config=None, num_splits=1, **args):
             last = exc
             continue
         if i and config is None:      # later calls of this shape start from the one that fit
-            _plans[(device.type, device.index, kind, T)] = configs[i:]
+            _plans[device_key(device) + (kind, T)] = configs[i:]
         return cfg
     raise RuntimeError(f"no Triton configuration fits this device for {kind}: {last}")
 
