@@ -237,6 +237,10 @@ def host_facts(device):
         facts["triton"] = triton.__version__
     except ImportError:
         facts["triton"] = None
+    try:
+        facts["load_average"] = [round(x, 2) for x in os.getloadavg()]   # a shared host's noise
+    except OSError:
+        facts["load_average"] = None
     if device.type == "cuda":
         facts["gpu"] = torch.cuda.get_device_name(device)
         facts["cuda"] = torch.version.cuda
@@ -353,7 +357,7 @@ def report(meta, rows) -> str:
            f"{meta['date']}; host CPU {meta['cpu']} ({meta['cpu_count']} cpus, {meta['torch_threads']} torch thread(s)); Python {meta['python']}, "
            f"torch {meta['torch']}, triton {meta['triton']}" + (f", CUDA {meta.get('cuda')}" if gpu else "")
            + f"; device {meta['device']}; median of {meta['repeats']} blocks of {meta['iters']} eager calls; "
-           f"seed {meta['seed']}.", ""]
+           f"seed {meta['seed']}; load average at start {meta.get('load_average')}.", ""]
     if not gpu:
         out += ["Measured without a GPU: the torch backends compute synchronously on the CPU (small shapes, "
                 "see bench_overhead.py), so bound - bare is the custom-op and validation overhead; the "
