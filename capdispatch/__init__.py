@@ -20,6 +20,16 @@ _API = {
     "NoBackendError": ("capdispatch.dispatch", "NoBackendError"),
     "Unsatisfiable": ("capdispatch.dispatch", "Unsatisfiable"),
     "BadInput": ("capdispatch.dispatch", "BadInput"),
+    "verify_decisions": ("capdispatch.dispatch", "verify_decisions"),
+    "Verification": ("capdispatch.dispatch", "Verification"),
+    "lock": ("capdispatch.dispatch.lock", "freeze"),
+    "load_lock": ("capdispatch.dispatch.lock", "load"),
+    "compare_lock": ("capdispatch.dispatch.lock", "compare"),
+    "check_lock": ("capdispatch.dispatch.lock", "check"),
+    "Lock": ("capdispatch.dispatch.lock", "Lock"),
+    "Drift": ("capdispatch.dispatch.lock", "Drift"),
+    "LockError": ("capdispatch.dispatch.lock", "LockError"),
+    "LockDriftError": ("capdispatch.dispatch.lock", "LockDriftError"),
 }
 
 __all__ = sorted(_API)

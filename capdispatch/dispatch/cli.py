@@ -49,10 +49,17 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--assume-lib", action="append", default=[], metavar="NAME[==VERSION]")
     e.add_argument("--strict", action="store_true",
                    help="an explicit choice that cannot run is an error (exit 3), not a downgrade")
+    e.add_argument("--lock", metavar="FILE", help="compare with this lock file (default: $CAPDISPATCH_LOCK)")
     fmt(e); probe_opts(e)
+
+    from . import lock_cmd
+    lock_cmd.add_parser(sub)
 
     o = sub.add_parser("ops", help="the ops and their backends with what each needs")
     fmt(o)
+
+    from . import verify_cmd
+    verify_cmd.add_parser(sub)
 
     for name, (_, help_) in EXTENSIONS.items():
         x = sub.add_parser(name, help=help_, add_help=False)
@@ -117,6 +124,12 @@ def _run(args) -> int:
         return _cmd_explain(args)
     if args.cmd == "ops":
         return _cmd_ops(args)
+    if args.cmd == "verify":
+        from . import verify_cmd
+        return verify_cmd.run(args)
+    if args.cmd == "lock":
+        from . import lock_cmd
+        return lock_cmd.run(args)
     if args.cmd in EXTENSIONS:
         import importlib
         return importlib.import_module(EXTENSIONS[args.cmd][0]).main(args.rest)
@@ -159,7 +172,11 @@ def _cmd_explain(args) -> int:
     specs = _specs(args)
     p = plan(specs, args.op or None, policy=args.policy or None, selections=args.set_ or None,
              assume_libs=args.assume_lib, strict=args.strict, selection_origin="--set")
-    _emit(args, p.to_dict(), render_text(p))
+    from .lock import check
+    drifts = check(p, args.lock, strict=args.strict, partial=bool(args.op or args.device))
+    obj = p.to_dict()
+    obj["warnings"] += [str(d) for d in drifts]
+    _emit(args, obj, render_text(p))
     return EXIT_OK
 
 
@@ -178,6 +195,10 @@ def _cmd_ops(args) -> int:
             rows.append(f"      needs: {'; '.join(needs)}")
             obj["ops"][op.name]["backends"].append({"name": b.name, "summary": b.summary,
                                                     "impl": b.impl, "needs": needs})
+    obj["plugins"] = [p.to_dict() for p in reg.plugins]
+    for p in reg.plugins:
+        rows.append(f"plugin {p.name} ({p.value}): " + (f"added {', '.join(p.backends)}" if p.ok
+                                                        else f"SKIPPED: {p.message}"))
     _emit(args, obj, "\n".join(rows))
     return EXIT_OK
 
@@ -236,7 +257,7 @@ def _cmd_policy_show(args) -> int:
     stack = build(reg, policy=args.policy or None, known_devices=known_device_names())
     obj = {"schema": 1, "settings": {}, "ops": {}, "devices": [], "selections": []}
     lines = []
-    for key in ("mixed_group", "on_unsupported"):
+    for key in ("mixed_group", "on_unsupported", "verify"):
         s = stack.setting(key)
         obj["settings"][key] = {"value": s.value, "from": s.origin}
         lines.append(f"{key}: {s.value}    # {s.origin}")

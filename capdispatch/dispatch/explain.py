@@ -21,6 +21,8 @@ class Plan:
     ops: dict                 # op -> GroupResolution
     warnings: tuple
     libraries: dict           # dist -> description, as the decision saw them
+    inventory: object = attrs.field(default=None, eq=False)   # the Inventory the decision read
+    registry: object = attrs.field(default=None, eq=False)    # the registry it decided from
 
     def to_dict(self) -> dict:
         return {
@@ -55,7 +57,7 @@ def plan(devices, ops=None, *, policy=None, selections=None, assume_libs=None,
     dists = sorted({r.dist for op in names for b in ctx.registry.backends(op)
                     for r in b.requires if hasattr(r, "dist")})
     libs = {d: ctx.inventory.get(d).describe() for d in dists}
-    return Plan(tuple(specs), groups, warnings, libs)
+    return Plan(tuple(specs), groups, warnings, libs, ctx.inventory, ctx.registry)
 
 
 def _gib(n):
@@ -113,11 +115,12 @@ def render_text(p: Plan) -> str:
             for c in r.candidates:
                 mark = "✓" if c.ok else "✗"
                 bad = [ch for ch in c.checks if not ch.ok]
+                tag = f"  [{c.verification}]" if c.verification else ""
                 if c.ok:
-                    out.append(f"      {mark} {c.backend}")
+                    out.append(f"      {mark} {c.backend}{tag}")
                 else:
                     why = "; ".join(f"{ch.code}: need {ch.need}, found {ch.found}" for ch in bad)
-                    out.append(f"      {mark} {c.backend}: {why}")
+                    out.append(f"      {mark} {c.backend}: {why}{tag}")
     if p.warnings:
         out.append("")
         out.append(f"{len(p.warnings)} warning(s): see above on stderr")

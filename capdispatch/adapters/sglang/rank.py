@@ -85,9 +85,19 @@ def user_env(release, stash, environ=None) -> dict:
     return {n: environ[n] for n in release.route_env_names() if n in environ}
 
 
+def check_lock(d, env=None) -> tuple:
+    """This rank's decisions against the lock in CAPDISPATCH_LOCK (read now), if any: one
+    WARNING per difference; under CAPDISPATCH_STRICT=1 a difference refuses the launch
+    (capdispatch.LockDriftError)."""
+    import capdispatch as cd
+    if d.plan is None:
+        return ()
+    return cd.check_lock(d.plan, partial=True, env=env)
+
+
 def configure(server_args, gpu_id: int, *, env=None):
     """Everything a rank does before its model exists. Returns its state."""
-    from . import archfacts, decide, rig
+    from . import archfacts, decide, proof, rig
     release = _release()
     if release is None:
         return None
@@ -96,10 +106,13 @@ def configure(server_args, gpu_id: int, *, env=None):
     stash = _stash(server_args, release)
     ops = tuple(stash["ops"])
     uenv = user_env(release, stash, env)
-    d = decide.decide([spec], ops, release, selections=stash["selections"],
-                      selection_origin=stash["selection_origin"], env=env, user_env=uenv)
+    def decide_now(env):
+        return decide.decide([spec], ops, release, selections=stash["selections"],
+                             selection_origin=stash["selection_origin"], env=env, user_env=uenv)
+    d, proof_text = proof.verified(spec, decide_now, env=env)
     for w in d.warnings:
         log.warning("capdispatch: %s", w)
+    check_lock(d, env)
     mine = {op: row[spec.id] for op, row in d.choices.items()}
     key = device_key(spec, gpu_id)
     apply_routes(release, mine, spec, key, env, uenv)
@@ -109,8 +122,8 @@ def configure(server_args, gpu_id: int, *, env=None):
     _RANKS[gpu_id] = state
     facts = ", ".join(f"{n} {b!r} -> {a!r}" for n, b, a in changes) or "already this card's"
     what = decide.summary(d, settings=False) if ops else f"no op to decide ({stash['reason']})"
-    log.info("capdispatch: rank on %s (gpu_id %d): %s; SGLang's architecture facts: %s",
-             rig.describe(spec), gpu_id, what, facts)
+    log.info("capdispatch: rank on %s (gpu_id %d): %s; SGLang's architecture facts: %s%s",
+             rig.describe(spec), gpu_id, what, facts, f"; {proof_text}" if proof_text else "")
     return state
 
 
