@@ -131,10 +131,36 @@ def _lengths(x, name, b, dev):
     return x
 
 
+def _pool_2d_unchecked(pool, page_size):
+    if pool.dim() == 4:
+        n, bpp = pool.shape[0], pool.stride(0)
+        u8 = pool if pool.dtype == torch.uint8 else pool.view(torch.uint8)
+        return torch.as_strided(u8, (n, bpp), (bpp, 1)), pool.shape[1]
+    return (pool if pool.dtype == torch.uint8 else pool.view(torch.uint8)), page_size
+
+
+def _normalised(q, pool, indices, page_size, topk_length, attn_sink, extra_pool, extra_indices,
+                extra_page_size, extra_topk_length, out) -> DecodeArgs:
+    a = DecodeArgs()
+    a.q, a.idx, a.topk_length, a.attn_sink, a.out = q, indices, topk_length, attn_sink, out
+    a.pool, a.page_size = _pool_2d_unchecked(pool, page_size)
+    if extra_pool is None:
+        a.extra_pool = a.extra_idx = a.extra_page_size = a.extra_topk_length = None
+    else:
+        a.extra_pool, a.extra_page_size = _pool_2d_unchecked(extra_pool, extra_page_size)
+        a.extra_idx, a.extra_topk_length = extra_indices, extra_topk_length
+    return a
+
+
 def check_decode_args(q, pool, indices, page_size, sm_scale, topk_length, attn_sink,
-                      extra_pool, extra_indices, extra_page_size, extra_topk_length, out) -> DecodeArgs:
+                      extra_pool, extra_indices, extra_page_size, extra_topk_length, out,
+                      checks: bool = True) -> DecodeArgs:
     """Shape/dtype/device checks (never synchronises; token ids are not range-checked
-    here, out-of-range ids are masked by every backend)."""
+    here, out-of-range ids are masked by every backend). ``checks=False`` (serving,
+    inputs known good) only normalises the pools to their 2-D uint8 form."""
+    if not checks:
+        return _normalised(q, pool, indices, page_size, topk_length, attn_sink, extra_pool, extra_indices,
+                           extra_page_size, extra_topk_length, out)
     if not isinstance(q, torch.Tensor):
         raise ArgumentTypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
     if q.dim() != 4 or q.shape[3] != DIM:
@@ -201,10 +227,10 @@ def _gather(pool, page_size, idx, lengths, bsel):
 
 def decode_mla(q, pool, indices, page_size, sm_scale, topk_length=None, attn_sink=None,
                extra_pool=None, extra_indices=None, extra_page_size=None, extra_topk_length=None,
-               *, out=None):
+               *, out=None, checks=True):
     """Sparse MLA decode over the V4 fp8 pool; see the module docstring for the contract."""
     a = check_decode_args(q, pool, indices, page_size, sm_scale, topk_length, attn_sink,
-                          extra_pool, extra_indices, extra_page_size, extra_topk_length, out)
+                          extra_pool, extra_indices, extra_page_size, extra_topk_length, out, checks)
     b, s_q, h, _ = q.shape
     dev = q.device
     out = a.out if a.out is not None else torch.empty((b, s_q, h, DIM), dtype=torch.bfloat16, device=dev)
@@ -230,3 +256,9 @@ def decode_mla(q, pool, indices, page_size, sm_scale, topk_length=None, attn_sin
         out[tb, ts] = o.to(torch.bfloat16)
         lse[tb, :, ts] = torch.where(l_e == float("-inf"), float("inf"), l_e)
     return out, lse
+
+
+# Custom op (backends/torch_ops.py): what the registry binds.
+from .ops import decode_mla_op  # noqa: E402
+
+op_decode_mla = decode_mla_op("torch", decode_mla)

@@ -82,9 +82,22 @@ def pages_u8(kv_cache: torch.Tensor) -> torch.Tensor:
     return u8.as_strided((u8.shape[0], PAGE_BYTES), (s0, 1))
 
 
-def check_args(q, kv_cache, weights, context_lens, block_table, max_context_len) -> IndexerArgs:
+def _normalised(q, kv_cache, weights, context_lens, block_table, max_context_len) -> IndexerArgs:
+    u8 = kv_cache if kv_cache.dtype == torch.uint8 else kv_cache.view(torch.uint8)
+    s0 = u8.stride(0) if u8.shape[0] > 1 else PAGE_BYTES
+    B, next_n, H, _ = q.shape
+    return IndexerArgs(B, next_n, H, q if q.dtype == torch.uint8 else q.view(torch.uint8),
+                       u8.as_strided((u8.shape[0], PAGE_BYTES), (s0, 1)), weights, context_lens,
+                       context_lens.dim() == 2, block_table, max_context_len)
+
+
+def check_args(q, kv_cache, weights, context_lens, block_table, max_context_len,
+               checks: bool = True) -> IndexerArgs:
     """Validate one call (shapes, dtypes, devices, layouts); raise TypeError / ValueError naming
-    the argument. Never reads device memory (so never synchronises)."""
+    the argument. Never reads device memory (so never synchronises). ``checks=False``
+    (serving, inputs known good) only takes the normalised views."""
+    if not checks:
+        return _normalised(q, kv_cache, weights, context_lens, block_table, max_context_len)
     if not isinstance(q, torch.Tensor):
         raise ArgumentTypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
     if q.dtype not in _FP8_DTYPES:

@@ -123,7 +123,7 @@ def plan_steps(batch: int, next_n: int, heads: int, max_pages: int,
 def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
                          context_lens: torch.Tensor, block_table: torch.Tensor,
                          schedule_metadata=None, max_context_len: int | None = None,
-                         clean_logits: bool = False, *, out: torch.Tensor | None = None,
+                         clean_logits: bool = False, *, out: torch.Tensor | None = None, checks: bool = True,
                          work_bytes: int = DEFAULT_WORK_BYTES) -> torch.Tensor:
     """fp8 paged MQA logits (module doc). `schedule_metadata` is accepted and ignored
     (DeepGEMM's schedule); positions past a row's length are always written -inf.
@@ -131,7 +131,7 @@ def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch
     del schedule_metadata
     if max_context_len is None:
         raise ArgumentTypeError("max_context_len is required")
-    a = check_args(q, kv_cache, weights, context_lens, block_table, max_context_len)
+    a = check_args(q, kv_cache, weights, context_lens, block_table, max_context_len, checks)
     B, N, H, S = a.batch, a.next_n, a.heads, a.max_context_len
     dev = a.q_u8.device
     out = alloc_logits(B * N, S, dev, out)
@@ -206,3 +206,9 @@ def quantize_index_k(x: torch.Tensor) -> tuple:
     scale = torch.exp2(torch.ceil(torch.log2(amax / 448.0)))
     codes = (x / scale[..., None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
     return codes, scale
+
+
+# Custom op (backends/torch_ops.py): what the registry binds.
+from .ops import indexer_op  # noqa: E402
+
+op_fp8_paged_mqa_logits = indexer_op("torch", fp8_paged_mqa_logits)

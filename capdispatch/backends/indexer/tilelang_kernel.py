@@ -237,13 +237,13 @@ def plan_splits(rows: int, max_context_len: int, num_sms: int) -> int:
 
 
 def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedule_metadata=None,
-                         max_context_len=None, clean_logits=False, *, out=None):
+                         max_context_len=None, clean_logits=False, *, out=None, checks=True):
     """The indexer op with the TileLang kernel (CUDA only; contract: reference.py).
     `schedule_metadata` is ignored; positions past a row's length are written -inf."""
     del schedule_metadata, clean_logits
     if max_context_len is None:
         raise ArgumentTypeError("max_context_len is required")
-    a = check_args(q, kv_cache, weights, context_lens, block_table, max_context_len)
+    a = check_args(q, kv_cache, weights, context_lens, block_table, max_context_len, checks)
     dev = a.q_u8.device
     if dev.type != "cuda":
         raise ArgumentError(f"the TileLang indexer needs CUDA tensors, got {dev}")
@@ -280,3 +280,9 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedu
     if target is not result:
         result.copy_(target)
     return result
+
+
+# Custom op (backends/torch_ops.py): what the registry binds.
+from .ops import indexer_op  # noqa: E402
+
+op_fp8_paged_mqa_logits = indexer_op("tilelang", fp8_paged_mqa_logits)

@@ -158,10 +158,10 @@ def plan_splits(batch: int, max_context_len: int, num_sms: int) -> int:
     return -(-pages // splits) * PAGE_TOKENS
 
 
-def _launch(q, kv_cache, weights, context_lens, block_table, max_context_len, out, native_fp8):
+def _launch(q, kv_cache, weights, context_lens, block_table, max_context_len, out, native_fp8, checks=True):
     if max_context_len is None:
         raise ArgumentTypeError("max_context_len is required")
-    a = check_args(q, kv_cache, weights, context_lens, block_table, max_context_len)
+    a = check_args(q, kv_cache, weights, context_lens, block_table, max_context_len, checks)
     dev = a.q_u8.device
     if dev.type == "cpu" and not INTERPRETED:
         raise ArgumentError("the Triton indexer needs CUDA tensors (CPU tensors only when imported "
@@ -205,23 +205,29 @@ def _pow2(n: int) -> int:
 
 
 def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedule_metadata=None,
-                         max_context_len=None, clean_logits=False, *, out=None):
+                         max_context_len=None, clean_logits=False, *, out=None, checks=True):
     """The indexer op (contract: reference.fp8_paged_mqa_logits). Native fp8 where the
     device has it (cc >= 8.9), the uint8 codec elsewhere; `schedule_metadata` is ignored
     and positions past a row's length are written -inf whatever `clean_logits` says."""
     del schedule_metadata, clean_logits
-    return _launch(q, kv_cache, weights, context_lens, block_table, max_context_len, out, None)
+    return _launch(q, kv_cache, weights, context_lens, block_table, max_context_len, out, None, checks)
 
 
 def fp8_paged_mqa_logits_u8(q, kv_cache, weights, context_lens, block_table, schedule_metadata=None,
-                            max_context_len=None, clean_logits=False, *, out=None):
+                            max_context_len=None, clean_logits=False, *, out=None, checks=True):
     """The uint8-codec kernel on any device (SM80+; the interpreter)."""
     del schedule_metadata, clean_logits
-    return _launch(q, kv_cache, weights, context_lens, block_table, max_context_len, out, False)
+    return _launch(q, kv_cache, weights, context_lens, block_table, max_context_len, out, False, checks)
 
 
 def fp8_paged_mqa_logits_native(q, kv_cache, weights, context_lens, block_table, schedule_metadata=None,
-                                max_context_len=None, clean_logits=False, *, out=None):
+                                max_context_len=None, clean_logits=False, *, out=None, checks=True):
     """The native-fp8 kernel (cc >= 8.9, or the interpreter)."""
     del schedule_metadata, clean_logits
-    return _launch(q, kv_cache, weights, context_lens, block_table, max_context_len, out, True)
+    return _launch(q, kv_cache, weights, context_lens, block_table, max_context_len, out, True, checks)
+
+
+# Custom op (backends/torch_ops.py): what the registry binds.
+from .ops import indexer_op  # noqa: E402
+
+op_fp8_paged_mqa_logits = indexer_op("triton", fp8_paged_mqa_logits)

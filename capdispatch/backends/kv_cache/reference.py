@@ -83,8 +83,20 @@ def _index_1d(idx: torch.Tensor, name: str, n: int | None, device: torch.device)
     return idx.contiguous()
 
 
-def check_quant_args(k: torch.Tensor, pool: torch.Tensor, loc: torch.Tensor, page_size: int):
-    """Validate kv_quant arguments; return (k with unit inner stride, uint8 pool view, contiguous loc)."""
+def _as_u8(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
+
+
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def check_quant_args(k: torch.Tensor, pool: torch.Tensor, loc: torch.Tensor, page_size: int,
+                     checks: bool = True):
+    """Validate kv_quant arguments; return (k with unit inner stride, uint8 pool view, contiguous loc).
+    ``checks=False`` (serving, inputs known good) only normalises."""
+    if not checks:
+        return (k if k.stride(1) == 1 else k.contiguous()), _as_u8(pool), _contiguous(loc)
     u8 = _pool_as_u8(pool, page_size)
     if not isinstance(k, torch.Tensor):
         raise ArgumentTypeError(f"k must be a torch.Tensor, got {type(k).__name__}")
@@ -100,8 +112,12 @@ def check_quant_args(k: torch.Tensor, pool: torch.Tensor, loc: torch.Tensor, pag
     return k, u8, loc
 
 
-def check_dequant_args(pool: torch.Tensor, token_ids: torch.Tensor, page_size: int, out):
-    """Validate kv_dequant arguments; return (uint8 pool view, contiguous ids, out or None)."""
+def check_dequant_args(pool: torch.Tensor, token_ids: torch.Tensor, page_size: int, out,
+                       checks: bool = True):
+    """Validate kv_dequant arguments; return (uint8 pool view, contiguous ids, out or None).
+    ``checks=False`` (serving, inputs known good) only normalises."""
+    if not checks:
+        return _as_u8(pool), _contiguous(token_ids), out
     u8 = _pool_as_u8(pool, page_size)
     ids = _index_1d(token_ids, "token_ids", None, u8.device)
     n = ids.shape[0]
@@ -144,13 +160,15 @@ def _pow2_from_exponent_field(field: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------- #
 # Public ops
 # --------------------------------------------------------------------------- #
-def kv_quant(k: torch.Tensor, pool: torch.Tensor, loc: torch.Tensor, page_size: int) -> None:
+def kv_quant(k: torch.Tensor, pool: torch.Tensor, loc: torch.Tensor, page_size: int, *,
+             checks: bool = True) -> None:
     """Quantise bf16 K rows ``k`` [n, 512] and write them into ``pool`` at token slots ``loc``.
 
     Writes each token's 576 data bytes and 8 scale bytes (pad byte 0) in place;
     no other pool byte is touched. Duplicate slots in ``loc`` give an unspecified winner.
+    ``checks=False`` skips argument validation (check_quant_args).
     """
-    k, u8, loc = check_quant_args(k, pool, loc, page_size)
+    k, u8, loc = check_quant_args(k, pool, loc, page_size, checks)
     n = k.shape[0]
     if n == 0:
         return
@@ -181,13 +199,16 @@ def kv_dequant(
     token_ids: torch.Tensor,
     page_size: int,
     out: torch.Tensor | None = None,
+    *,
+    checks: bool = True,
 ) -> torch.Tensor:
     """Gather token slots ``token_ids`` from ``pool`` and dequantise them to bf16 [n, 1, 512].
 
     ``out`` (optional) must be bf16 [n, 1, 512] with a unit-stride last dim; any
     dim-0 stride is honoured (e.g. a slice of a larger workspace). Returns ``out``.
+    ``checks=False`` skips argument validation (check_dequant_args).
     """
-    u8, ids, out = check_dequant_args(pool, token_ids, page_size, out)
+    u8, ids, out = check_dequant_args(pool, token_ids, page_size, out, checks)
     n = ids.shape[0]
     if out is None:
         out = torch.empty((n, 1, DIM), dtype=torch.bfloat16, device=u8.device)
@@ -209,3 +230,10 @@ def kv_dequant(
 def new_pool(num_pages: int, page_size: int, device: torch.device | str | None = None) -> torch.Tensor:
     """Zero-filled uint8 pool [num_pages, bytes_per_page(page_size)]."""
     return torch.zeros((num_pages, bytes_per_page(page_size)), dtype=torch.uint8, device=device)
+
+
+# Custom ops (backends/torch_ops.py): what the registry binds.
+from .ops import kv_dequant_op, kv_quant_op  # noqa: E402
+
+op_kv_quant = kv_quant_op("torch", kv_quant)
+op_kv_dequant = kv_dequant_op("torch", kv_dequant)

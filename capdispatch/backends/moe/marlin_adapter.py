@@ -24,6 +24,8 @@ above, up clamped both sides, silu(gate) * up), the DSv4 contract.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ...errors import ArgumentError
@@ -40,6 +42,7 @@ MARLIN_KWARGS = ("hidden_states", "w1", "w2", "w1_scale", "w2_scale", "gating_ou
 _workspaces = {}
 
 
+@functools.cache   # imported once, on the first call
 def _sglang():
     from sglang.srt.layers.moe.fused_moe_triton.fused_marlin_moe import fused_marlin_moe
     return fused_marlin_moe
@@ -99,8 +102,9 @@ def prepare_marlin(weights) -> None:
     weights.layout = LAYOUT
 
 
-def moe_marlin(x, weights, topk_weights, topk_ids, out=None):
-    check_moe_args(x, weights, topk_weights, topk_ids, out)
+def moe_marlin(x, weights, topk_weights, topk_ids, out=None, *, checks=True):
+    if checks:
+        check_moe_args(x, weights, topk_weights, topk_ids, out)
     weights.require_layout(LAYOUT, "marlin_w4a16")
     fused_marlin_moe = _sglang()
     T = x.shape[0]
@@ -123,3 +127,9 @@ def moe_marlin(x, weights, topk_weights, topk_ids, out=None):
         return y
     out.copy_(y)
     return out
+
+
+# Custom ops (backends/torch_ops.py): what the registry binds.
+from .ops import moe_op  # noqa: E402
+
+op_moe_marlin = moe_op("marlin_w4a16", moe_marlin)

@@ -125,8 +125,10 @@ def check_moe_args(x, weights, topk_weights, topk_ids, out):
             raise ArgumentError(f"out is on {out.device}, x on {x.device}")
 
 
-def moe(x, weights, topk_weights, topk_ids, out=None, *, act_quant: Optional[str] = None):
-    check_moe_args(x, weights, topk_weights, topk_ids, out)
+def moe(x, weights, topk_weights, topk_ids, out=None, *, act_quant: Optional[str] = None,
+        checks: bool = True):
+    if checks:
+        check_moe_args(x, weights, topk_weights, topk_ids, out)
     weights.require_layout(CHECKPOINT, "torch")
     if act_quant not in (None, "mxfp8"):
         raise ArgumentError(f"act_quant must be None or 'mxfp8', got {act_quant!r}")
@@ -194,3 +196,9 @@ def random_routing(T, K, E, *, gen=None, device="cpu", mask_frac=0.0, scale=1.5)
         m = torch.rand(T, K, generator=gen) < mask_frac
         ids = torch.where(m, torch.full_like(ids, -1), ids)
     return w.float().to(device), ids.to(torch.int32).to(device)
+
+
+# Custom ops (backends/torch_ops.py): what the registry binds.
+from .ops import moe_op  # noqa: E402
+
+op_moe = moe_op("torch", moe)

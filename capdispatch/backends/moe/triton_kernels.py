@@ -185,7 +185,7 @@ def routing_tables(topk_ids: torch.Tensor, E: int, BM: int, force_torch: bool = 
 # --------------------------------------------------------------------------- #
 @triton.jit
 def _gemm1_swiglu_kernel(x_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, blk_expert_ptr, blk_start_ptr, blk_end_ptr,
-                         H, I, stride_x, limit,
+                         H, I, stride_x, limit: tl.float32,
                          TOPK: tl.constexpr, HAS_LIMIT: tl.constexpr, F32: tl.constexpr,
                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     pid_b = tl.program_id(0)
@@ -337,11 +337,13 @@ def _config(avg_rows: float, H: int, I: int, interpreted: bool) -> Tiles:
     return Tiles(128, 64, 64, 8, 3, 128, 64, 4, 3)
 
 
-def moe_w4a16(x, weights, topk_weights, topk_ids, out=None, *, force_torch_routing: bool = False,
+def moe_w4a16(x, weights, topk_weights, topk_ids, out=None, *, checks: bool = True,
+              force_torch_routing: bool = False,
               tiles: Tiles | None = None):
     """The ``moe`` op (contract: reference.py) with the Triton W4A16 kernels.
     ``tiles`` overrides the size-based choice (benchmarks/sweep_moe_triton.py uses it)."""
-    check_moe_args(x, weights, topk_weights, topk_ids, out)
+    if checks:
+        check_moe_args(x, weights, topk_weights, topk_ids, out)
     weights.require_layout(CHECKPOINT, "triton_w4a16")
     dev = x.device
     if dev.type == "cpu" and not INTERPRETED:
@@ -386,3 +388,9 @@ def moe_w4a16(x, weights, topk_weights, topk_ids, out=None, *, force_torch_routi
         _combine_kernel[(T, triton.cdiv(H, BNC))](routed, ids, out, H, out.stride(0), TOPK=K, BN=BNC,
                                                    EXACT_RNE=INTERPRETED, num_warps=4)
     return out
+
+
+# Custom ops (backends/torch_ops.py): what the registry binds.
+from .ops import moe_op  # noqa: E402
+
+op_moe_w4a16 = moe_op("triton_w4a16", moe_w4a16)

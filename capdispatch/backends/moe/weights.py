@@ -102,6 +102,17 @@ class MoeWeights:
         self.layout = CHECKPOINT
         self.aux = {}
 
+    @classmethod
+    def from_parts(cls, w13, w13_scale, w2, w2_scale, num_experts, hidden, intermediate, swiglu_limit,
+                   layout, aux_keys, aux):
+        """The record again from its parts (no checks: the parts came from one). The moe
+        custom ops take the parts, since a custom op's schema has no records (moe/ops.py)."""
+        w = cls.__new__(cls)
+        w.w13, w.w13_scale, w.w2, w.w2_scale = w13, w13_scale, w2, w2_scale
+        w.num_experts, w.hidden, w.intermediate = num_experts, hidden, intermediate
+        w.swiglu_limit, w.layout, w.aux = swiglu_limit, layout, dict(zip(aux_keys, aux))
+        return w
+
     # ------------------------------------------------------------------ #
     @property
     def device(self):

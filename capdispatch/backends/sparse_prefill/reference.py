@@ -62,12 +62,17 @@ def _as_tensor(x, name):
     return x
 
 
-def check_sparse_prefill_args(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out):
+def check_sparse_prefill_args(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out,
+                              checks: bool = True):
     """Shape/dtype/device checks shared by every backend (never synchronises).
 
     Returns (q, kv2d [s_kv, 512] view, idx2d [s, topk], attn_sink or None,
-    topk_length or None, out or None).
+    topk_length or None, out or None). ``checks=False`` (serving, inputs known good)
+    only takes the 2-D views.
     """
+    if not checks:
+        return (q, kv[:, 0, :] if kv.dim() == 3 else kv, indices[:, 0, :] if indices.dim() == 3 else indices,
+                attn_sink, topk_length, out)
     q, kv, indices = _as_tensor(q, "q"), _as_tensor(kv, "kv"), _as_tensor(indices, "indices")
     if q.dim() != 3 or q.shape[2] != DIM:
         raise ArgumentError(f"q must be [s, h, {DIM}], got shape {tuple(q.shape)}")
@@ -165,10 +170,10 @@ def attend_gathered(qc, kg, valid, sm_scale, attn_sink):
 
 
 def sparse_prefill(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None,
-                   *, use_legacy=True, out=None):
+                   *, use_legacy=True, out=None, checks=True):
     """Sparse attention over gathered top-k K/V rows; see the module docstring for the contract."""
     q, kv2, idx2, attn_sink, topk_length, out = check_sparse_prefill_args(
-        q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out)
+        q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out, checks)
     s, h, _ = q.shape
     topk = idx2.shape[1]
     n_kv = kv2.shape[0]
@@ -200,3 +205,9 @@ def sparse_prefill(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_lengt
             max_logits[start:end] = m
             lse[start:end] = torch.where(l_e == float("-inf"), float("inf"), l_e)
     return out, max_logits, lse
+
+
+# Custom op (backends/torch_ops.py): what the registry binds.
+from .ops import sparse_prefill_op  # noqa: E402
+
+op_sparse_prefill = sparse_prefill_op("torch", sparse_prefill)
