@@ -285,3 +285,13 @@ def kv_dequant_u8(pool: torch.Tensor, token_ids: torch.Tensor, page_size: int,
                   out: torch.Tensor | None = None) -> torch.Tensor:
     """kv_dequant with an integer e4m3fn decoder (no fp8 types; SM80/86 ok). Same contract as reference.kv_dequant."""
     return _launch_dequant(pool, token_ids, page_size, out, native_fp8=False)
+
+
+# Types of each kernel's runtime arguments (uint8 pool; the native variant passes it as
+# *fp8e4nv): what an offline compile for a GPUTarget needs (backends/compile_matrix.py).
+COMPILE_SIGNATURES = {
+    "_kv_quant_kernel": {"k_ptr": "*bf16", "pool_ptr": "*u8", "loc_ptr": "*i64", "n_tokens": "i32",
+                         "k_stride": "i32"},
+    "_kv_dequant_kernel": {"pool_ptr": "*u8", "ids_ptr": "*i32", "out_ptr": "*bf16", "n_tokens": "i32",
+                           "out_stride": "i32"},
+}
