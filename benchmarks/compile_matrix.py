@@ -30,7 +30,7 @@ def _cell(v) -> str:
     return "-" if v is None else str(v)
 
 
-def markdown(rows, seconds: float) -> str:
+def markdown(rows, seconds: float, cover: bool = False) -> str:
     import triton
     day = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     bad = [r for r in rows if not r.ok]
@@ -38,7 +38,11 @@ def markdown(rows, seconds: float) -> str:
         "# Triton compile matrix",
         "",
         f"Triton {triton.__version__}, {day}; offline compiles (`triton.compile` for a `GPUTarget`, no GPU), "
-        f"{len(rows)} rows in {seconds:.0f} s. Written by `python -m benchmarks.compile_matrix`.",
+        f"{len(rows)} rows in {seconds:.0f} s. Written by `python -m benchmarks.compile_matrix"
+        + (" --cover`: the covering set, each (kernel, variant) once on the tightest target that can "
+           "choose it (least opt-in shared memory, then lowest compute capability)." if cover else
+           "`: every target.")
+        ,
         "",
         "Each row is one kernel in one variant that the target's policy can choose: native-fp8 variants only "
         "where `fp8_e4m3` holds (cc >= 8.9), the attention tiles of `configs_for` for that compute "
@@ -88,7 +92,7 @@ def main(argv=None) -> int:
     rows = M.run(targets, progress=show, cover=a.cover)
     if a.out != "-":
         with open(a.out, "w") as f:
-            f.write(markdown(rows, time.perf_counter() - start))
+            f.write(markdown(rows, time.perf_counter() - start, a.cover))
     return 0 if all(r.ok for r in rows) else 1
 
 
