@@ -20,6 +20,7 @@ from ..device_scope import on_device
 __all__ = ["clean_ids", "TOPK_ALIGN"]
 
 TOPK_ALIGN = 64
+MAX_BLOCK = 1024      # ids per program at most
 
 
 @triton.jit
@@ -51,7 +52,7 @@ def clean_ids(idx: torch.Tensor, capacity: int, align: int = TOPK_ALIGN, *, out:
         src = src.contiguous()
     rows = src.shape[0]
     if rows and k_out:
-        block = min(1024, triton.next_power_of_2(k_out))
+        block = min(MAX_BLOCK, triton.next_power_of_2(k_out))
         with on_device(idx.device):
             _clean_ids_kernel[(rows, triton.cdiv(k_out, block))](
                 src, out, k, k_out, int(capacity), src.stride(0), BLOCK=block, num_warps=4)
@@ -60,3 +61,10 @@ def clean_ids(idx: torch.Tensor, capacity: int, align: int = TOPK_ALIGN, *, out:
 
 
 INTERPRETED = not isinstance(_clean_ids_kernel, triton.runtime.jit.JITFunction)
+
+
+# Types of the kernel's runtime arguments, for an offline compile (backends/compile_matrix.py).
+COMPILE_SIGNATURES = {
+    "_clean_ids_kernel": {"src_ptr": "*i32", "dst_ptr": "*i32", "K_IN": "i32", "K_OUT": "i32", "capacity": "i32",
+                          "stride_src": "i32"},
+}

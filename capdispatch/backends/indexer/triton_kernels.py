@@ -231,3 +231,13 @@ def fp8_paged_mqa_logits_native(q, kv_cache, weights, context_lens, block_table,
 from .ops import indexer_op  # noqa: E402
 
 op_fp8_paged_mqa_logits = indexer_op("triton", fp8_paged_mqa_logits)
+
+
+# Types of the kernel's runtime arguments (uint8 q and pool; the native variant passes
+# both as *fp8e4nv): what an offline compile for a GPUTarget needs (backends/compile_matrix.py).
+COMPILE_SIGNATURES = {
+    "_indexer_kernel": {"q_ptr": "*u8", "kv_ptr": "*u8", "w_ptr": "*fp32", "ctx_ptr": "*i32", "bt_ptr": "*i32",
+                        "out_ptr": "*fp32", "max_ctx": "i32", "tokens_per_split": "i32",
+                        "kv_page_stride": "i32", "w_stride": "i32", "ctx_stride": "i32", "bt_stride": "i32",
+                        "out_stride": "i32"},
+}

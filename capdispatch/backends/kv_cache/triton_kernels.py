@@ -310,3 +310,13 @@ op_kv_quant_fp8 = kv_quant_op("triton_fp8", kv_quant_fp8)
 op_kv_quant_u8 = kv_quant_op("triton_u8", kv_quant_u8)
 op_kv_dequant_fp8 = kv_dequant_op("triton_fp8", kv_dequant_fp8)
 op_kv_dequant_u8 = kv_dequant_op("triton_u8", kv_dequant_u8)
+
+
+# Types of each kernel's runtime arguments (uint8 pool; the native variant passes it as
+# *fp8e4nv): what an offline compile for a GPUTarget needs (backends/compile_matrix.py).
+COMPILE_SIGNATURES = {
+    "_kv_quant_kernel": {"k_ptr": "*bf16", "pool_ptr": "*u8", "loc_ptr": "*i64", "n_tokens": "i32",
+                         "k_stride": "i32"},
+    "_kv_dequant_kernel": {"pool_ptr": "*u8", "ids_ptr": "*i32", "out_ptr": "*bf16", "n_tokens": "i32",
+                           "out_stride": "i32"},
+}

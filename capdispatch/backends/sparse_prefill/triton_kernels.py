@@ -474,6 +474,14 @@ def compile_signature(kv_mode: int) -> dict:
                 qk_scale="fp32", blocks_per_split="i32", num_splits="i32")
 
 
+COMPILE_SIGNATURES = {
+    "_combine_kernel": dict(part_o_ptr="*fp32", part_lse_ptr="*fp32", sink_ptr="*fp32", out_ptr="*bf16",
+                            out_sb="i64", out_ss="i64", out_sh="i64", ml_ptr="*fp32", lse_ptr="*fp32",
+                            st_sb="i64", st_ss="i64", st_sh="i64", H="i32", H_pad="i32", DIV="i32",
+                            num_splits="i32"),
+}
+
+
 def compile_offline(cc: int, kv_mode: int, cfg: dict, *, extra: bool = False, num_splits: int = 1):
     """Compile ``_sparse_mla_kernel`` for CUDA compute capability ``cc`` (e.g. 86) without a
     GPU; returns (CompiledKernel, ptx). Raises what Triton raises (e.g. fp8e4nv below 8.9)."""
@@ -496,9 +504,7 @@ def compile_combine_offline(cc: int, block_h: int = COMBINE_BLOCK_H):
     """Compile ``_combine_kernel`` for compute capability ``cc`` without a GPU."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    sig = dict(part_o_ptr="*fp32", part_lse_ptr="*fp32", sink_ptr="*fp32", out_ptr="*bf16", out_sb="i64",
-               out_ss="i64", out_sh="i64", ml_ptr="*fp32", lse_ptr="*fp32", st_sb="i64", st_ss="i64",
-               st_sh="i64", H="i32", H_pad="i32", DIV="i32", num_splits="i32")
+    sig = dict(COMPILE_SIGNATURES["_combine_kernel"])
     consts = dict(HAS_SINK=True, STATS=2, SPLITS_P2=MAX_SPLITS, BLOCK_H=block_h, BLOCK_D=COMBINE_BLOCK_D,
                   ROUND=False)
     sig.update({k: "constexpr" for k in consts})
