@@ -42,6 +42,12 @@ def _parser():
     plan.add_argument("--assume-lib", action="append", default=[], metavar="NAME[==VERSION]",
                       help="treat a library as installed when deciding the attention and MoE ops "
                            "(e.g. flashinfer-python, sgl-flash-mla)")
+    plan.add_argument("--libs", metavar="PROFILE",
+                      help="plan with a library profile's versions instead of this machine's "
+                           "libraries (e.g. sglang-0.5.23; --assume-lib adds on top); "
+                           "`dispatch libs` lists the profiles")
+    plan.add_argument("--brief", action="store_true",
+                      help="print the op x rank matrix alone")
     plan.add_argument("--format", choices=("text", "json"), default="text",
                       help="text for people (default) or JSON for programs")
     return p
@@ -67,7 +73,7 @@ def main(argv=None) -> int:
 
 def _env_for(args) -> dict:
     """This process's environment plus the capdispatch flags a launch reads from
-    it (--policy, --strict, --device); --set and --assume-lib travel as
+    it (--policy, --strict, --device); --set, --assume-lib and --libs travel as
     records.PlanOptions, so every part of the plan gets them the same way."""
     env = dict(os.environ)
     if args.policy:
@@ -86,10 +92,10 @@ def _plan(args, sglang_args) -> int:
     from . import plan, render
     from .records import PlanOptions
     options = PlanOptions(selections=tuple(args.set_), selection_origin="--set",
-                          assume_libs=tuple(args.assume_lib), strict=args.strict)
+                          assume_libs=tuple(args.assume_lib), strict=args.strict, libs=args.libs)
     out = plan.build(tp=args.tp, sglang_args=sglang_args, options=options, env=_env_for(args))
     if args.format == "json":
         print(json.dumps(out, indent=2, default=str))
     else:
-        print(render.text(out))
+        print(render.text(out, brief=args.brief))
     return EXIT_OK

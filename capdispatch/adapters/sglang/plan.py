@@ -1,5 +1,5 @@
-"""What `dispatch sglang plan` shows, as data: one decision (decide.decide_launch)
-for the launch's GPUs, in the plan JSON schema (docs/sglang.md). No rendering here."""
+"""What `dispatch sglang plan` shows, as data: one decision (decide.decide_in with
+one Context: the plan's policies, selections and library inventory) for the launch's GPUs, in the plan JSON schema (docs/sglang.md). No rendering here."""
 from __future__ import annotations
 
 SCHEMA = 2
@@ -19,15 +19,58 @@ def _devices(ids, env):
     try:
         return rig.devices(ids, env=env, via="nvml")
     except cd.ProbeError as exc:
+        hint = exc.hint or "simulate them with --device sim:NAME[,sim:NAME...]"
         raise cd.BadInput(f"cannot read the launch's GPUs ({', '.join(f'cuda:{g}' for g in ids)}) "
-                          f"without initialising CUDA: {exc}; simulate them with --device "
-                          f"sim:NAME[,sim:NAME...]") from None
+                          f"without initialising CUDA: {exc.reason}; {hint}") from None
+
+
+def inventory(options, env):
+    """The library inventory of OPTIONS.libs (a profile) with OPTIONS.assume_libs on
+    top, or None for this machine's; a bad name is refused now, before SGLang runs."""
+    import capdispatch as cd
+    if options.libs is None:
+        return None
+    return cd.context(libs=options.libs, assume_libs=list(options.assume_libs) or None, env=env).inventory
+
+
+def decision(specs, release, inputs, *, libs, env):
+    """decide.decide_launch, with LIBS (an Inventory, or None: this machine's) in
+    the one Context every op, rank and settings row of the plan reads."""
+    import attrs
+
+    from . import decide
+    ctx = decide.context_of(release, inputs, env)
+    if libs is not None:
+        ctx = attrs.evolve(ctx, inventory=libs)
+    return decide.decide_in(ctx, specs, inputs.ops, release, env=env,
+                            explicit_fields=inputs.explicit_fields, field_values=inputs.field_values,
+                            user_env=inputs.user_env), ctx
+
+
+def inventory_dict(d, ctx) -> dict:
+    """Whose libraries the decision used, as `dispatch explain --format json` says it."""
+    if d.plan is not None:
+        return dict(d.plan.whose)
+    return dict(ctx.inventory.to_dict(), note="")
+
+
+def kind(res) -> str:
+    """How the matrix marks a resolution (capdispatch.dispatch.render.KINDS): first
+    preference, fallback, downgraded explicit choice, or changed by mixed_group: uniform."""
+    if res is None:
+        return "first"
+    if res.downgraded_from:
+        return "downgraded"
+    if res.source.startswith("mixed_group: uniform"):
+        return "uniform"
+    return "fallback" if res.fallback else "first"
 
 
 def op_dict(c) -> dict:
     """One op on one rank: what runs, how, and why."""
     res = c.resolution
     return {"backend": c.backend, "action": c.action, "routed": c.routed, "why": c.why,
+            "kind": kind(res),
             "setting": [s.label for s in c.setting] if c.setting else None,
             "source": res.source if res else None,
             "downgraded_from": res.downgraded_from if res else None}
@@ -50,6 +93,7 @@ def build(*, tp=None, sglang_args=None, options, env: dict) -> dict:
     from .records import LaunchInputs
     if tp is not None and tp < 1:
         raise cd.BadInput(f"--tp {tp}: expected an integer >= 1")
+    libs = inventory(options, env)
     k = knobs.load()
     installed = versions.installed()
     if sglang_args is not None and installed is None:
@@ -80,8 +124,9 @@ def build(*, tp=None, sglang_args=None, options, env: dict) -> dict:
         tp_size, layout, assumed = tp or (len(found) if found else 1), {}, True
     ids = rig.gpu_ids(tp_size=tp_size, **layout)
     specs = _devices(ids, env)
-    d = decide.decide_launch(specs, release, inputs, env=env)
+    d, ctx = decision(specs, release, inputs, libs=libs, env=env)
     out.update(
+        inventory=inventory_dict(d, ctx),
         model={"architecture": inputs.model, "assumed": assumed, "kv_cache_dtype": inputs.kv_cache_dtype},
         ops=list(inputs.ops), reason=inputs.reason, gpu_ids=ids,
         launch=[{"kind": s.setting.kind, "name": s.setting.name, "value": s.value,

@@ -45,13 +45,16 @@ class LaunchInputs:
 @attrs.frozen
 class PlanOptions:
     """capdispatch's own inputs of `dispatch sglang plan` (--set, --policy,
-    --assume-lib, --strict), carried into SGLang's in-process resolution on the
-    ServerArgs object so the plugin's launch step decides with them too."""
+    --assume-lib, --strict, --libs), carried into SGLang's in-process resolution on
+    the ServerArgs object so the plugin's launch step decides with them too.
+    LIBS names a library profile that replaces this machine's inventory in the
+    plan's decision (None: this machine's libraries)."""
     selections: tuple = ()
     selection_origin: str = "--set"
     policy: tuple = ()
     assume_libs: tuple = ()
     strict: bool = False
+    libs: Optional[str] = None
 
 
 @attrs.frozen

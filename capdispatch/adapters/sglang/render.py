@@ -3,9 +3,59 @@ gives the data) and the one-paragraph log lines of the launch and each rank."""
 from __future__ import annotations
 
 MARKS = {"routed": "routed", "kept": "kept  ", "reported": "report"}
+# The matrix's cell suffix per action, and its legend line.
+ACTION_TAGS = {"routed": ("(routed)", "(routed): capdispatch's kernel at SGLang's call site"),
+               "kept": ("(kept)", "(kept): SGLang's own kernel runs"),
+               "reported": ("(report)", "(report): decided and reported, not carried out")}
 
 
-def text(out) -> str:
+def whose(out) -> str:
+    return (out.get("inventory") or {}).get("whose", "this machine's")
+
+
+def matrix(out, *, color=None, width=None, ascii_only=None, stream=None) -> str:
+    """The op x rank table of plan OUT (plan.build): per cell the backend and what
+    SGLang does with it (routed / kept / report), fallbacks, downgrades and
+    divergent rows marked as `dispatch explain` marks them; whose libraries below."""
+    import capdispatch as cd
+    from capdispatch.dispatch import Cell, Row
+    ranks = out.get("ranks") or []
+    if not ranks:
+        return ""
+    cols = [f"rank {r['rank']}: cuda:{r['gpu_id']}\n{_short(r['device']['name'])}"
+            + (f", cc {r['device']['cc']}" if r["device"].get("cc") else "") for r in ranks]
+    rows, used = [], set()
+    for op in out["ops"]:
+        cs = [r["ops"][op] for r in ranks]
+        used.update(c["action"] for c in cs)
+        cells = tuple(Cell(f"{c['backend'] or 'sglang'} {ACTION_TAGS[c['action']][0]}", c["kind"])
+                      for c in cs)
+        rows.append(Row(op, cells, diverges=len({c["backend"] for c in cs}) > 1))
+    legend = [ACTION_TAGS[a][1] for a in ACTION_TAGS if a in used]
+    caption = "\n".join(legend + [f"libraries: {whose(out)}"
+                                  + (f"; {len(out['warnings'])} warning(s) below" if out["warnings"] else "")])
+    return cd.render_matrix(cols, rows, caption=caption, color=color, width=width,
+                            ascii_only=ascii_only, stream=stream)
+
+
+def _short(name: str) -> str:
+    for prefix in ("NVIDIA ", "GeForce "):
+        if name.startswith(prefix):
+            name = name[len(prefix):]
+    return name
+
+
+def _inventory_lines(out) -> list:
+    inv = out.get("inventory") or {}
+    lines = [f"libraries: {whose(out)}"]
+    if inv.get("note"):
+        lines.append(f"note: {inv['note']}")
+    return lines
+
+
+def text(out, *, brief: bool = False, color=None, stream=None) -> str:
+    """The plan for people: the op x rank matrix, then (unless BRIEF) the launch
+    settings, each rank's choices and the SGLang settings."""
     s = out["sglang"]
     head = f"SGLang {s['version']}"
     if not s["installed"]:
@@ -19,7 +69,13 @@ def text(out) -> str:
                                                    if m["assumed"] else "")
                  + f"; capdispatch ops: {', '.join(out['ops']) or 'none'} ({out['reason']})")
     lines.append(f"GPUs: {', '.join(f'cuda:{g}' for g in out['gpu_ids'])}")
+    lines += _inventory_lines(out)
     lines.append("")
+    table = matrix(out, color=color, stream=stream)
+    if brief:
+        return "\n".join([table] + _inventory_lines(out)[1:]) if table else "\n".join(lines).rstrip("\n")
+    if table:
+        lines += [table, ""]
     lines.append("launch (main process; every rank inherits it):")
     if not out["launch"]:
         lines.append("  nothing to set")
