@@ -453,3 +453,131 @@ def test_bind_without_torch_names_the_extra(clean_env, monkeypatch):
     monkeypatch.setattr(libraries.metadata, "version", version)
     with pytest.raises(cd.NoBackendError, match=re.escape("torch is not installed (pip install 'capdispatch[torch]')")):
         cd.bind("kv_dequant", "cpu")
+
+
+# --- dispatch sglang plan: the matrix and whose libraries ----------------------------------------
+
+SGLANG_DOC_CMD = ("dispatch sglang plan --device sim:rtx-5090,sim:rtx-3080,sim:rtx-3080 --tp 3 "
+                  "--libs sglang-0.5.23")
+
+
+@pytest.fixture
+def plan_cmd(dispatch, clean_env):
+    for k in ("CAPDISPATCH_SGLANG_DEVICES", "NO_COLOR", "FORCE_COLOR"):
+        clean_env.delenv(k, raising=False)
+
+    def run(*args):
+        return dispatch("sglang", "plan", *args)
+    return run
+
+
+def _without_local(monkeypatch, dist):
+    """This machine without DIST installed (its metadata lookup fails)."""
+    from capdispatch.capabilities import libraries
+    real = libraries.metadata.version
+
+    def version(name):
+        if libraries.canonicalize_name(name) == dist:
+            raise libraries.metadata.PackageNotFoundError(name)
+        return real(name)
+    monkeypatch.setattr(libraries.metadata, "version", version)
+
+
+def test_sglang_plan_doc_example_reproduces(plan_cmd):
+    from capdispatch.adapters.sglang import versions
+    rc, out, _ = plan_cmd(*SGLANG_DOC_CMD.split()[3:])
+    assert rc == 0
+    got, want = out.rstrip("\n").splitlines(), _doc_block("docs/sglang.md", SGLANG_DOC_CMD)
+    # Without SGLang installed the header says the plan uses its knob map; the rest is the same.
+    assert (got if versions.installed() else got[1:]) == (want if versions.installed() else want[1:])
+
+
+def test_sglang_plan_libs_replace_this_machines_libraries(plan_cmd, monkeypatch):
+    _without_local(monkeypatch, "flashinfer-python")
+    rc, out, _ = plan_cmd("--device", RIG, "--format", "json")
+    assert rc == 0
+    here = json.loads(out)
+    assert here["inventory"]["whose"] == "this machine's"
+    assert "--libs sglang-0.5.23" in here["inventory"]["note"]
+    assert here["ranks"][0]["ops"]["decode_mla"]["backend"] != "flashinfer_sparse_mla"
+    rc, out, _ = plan_cmd("--device", RIG, "--libs", "sglang-0.5.23", "--format", "json")
+    assert rc == 0
+    there = json.loads(out)
+    assert there["inventory"]["whose"] == "the sglang-0.5.23 profile's"
+    assert there["inventory"]["profile"] == "sglang-0.5.23" and there["inventory"]["note"] == ""
+    assert there["inventory"]["versions"]["flashinfer-python"] == "0.7.2 (sglang-0.5.23)"
+    # The ranks and the SGLang settings table read the same inventory.
+    assert there["ranks"][0]["ops"]["decode_mla"]["backend"] == "flashinfer_sparse_mla"
+    sm120 = next(s for s in there["sglang_settings"] if s["name"] == "SGLANG_SM120_FLASHMLA_BACKEND")
+    assert sm120["wants"] == {"flashinfer": ["cuda:0"]}
+    sm120_here = next(s for s in here["sglang_settings"] if s["name"] == "SGLANG_SM120_FLASHMLA_BACKEND")
+    assert "flashinfer" not in sm120_here["wants"]
+    # The same decisions as `dispatch explain --libs` for those cards.
+    import capdispatch as cd
+    p = cd.plan(RIG.split(","), libs="sglang-0.5.23", log_warnings=False)
+    for op in ("kv_dequant", "indexer", "sparse_prefill", "decode_mla", "moe"):
+        assert [r["ops"][op]["backend"] for r in there["ranks"]] == \
+            [r.backend for r in p.ops[op].per_device.values()], op
+
+
+def test_sglang_plan_assume_lib_adds_to_the_profile(plan_cmd):
+    rc, out, _ = plan_cmd("--device", RIG, "--libs", "sglang-0.5.23",
+                          "--assume-lib", "flashinfer-python==0.6.0", "--format", "json")
+    assert rc == 0
+    doc = json.loads(out)
+    assert doc["inventory"]["whose"] == "the sglang-0.5.23 profile's, with assumptions"
+    assert doc["inventory"]["assumed"] == {"flashinfer-python": "0.6.0"}
+    assert doc["ranks"][0]["ops"]["decode_mla"]["backend"] != "flashinfer_sparse_mla"
+
+
+def test_sglang_plan_unknown_profile_is_bad_input(plan_cmd):
+    rc, out, err = plan_cmd("--device", RIG, "--libs", "sglang-0.5.2")
+    assert rc == 2 and out == ""
+    assert "unknown library profile 'sglang-0.5.2'" in err and "sglang-0.5.23" in err
+    assert "Traceback" not in err
+
+
+def test_sglang_plan_header_says_whose_libraries(plan_cmd, monkeypatch):
+    _without_local(monkeypatch, "flashinfer-python")
+    rc, out, _ = plan_cmd("--device", RIG)
+    assert rc == 0
+    head = out.splitlines()[:5]
+    assert "libraries: this machine's" in head
+    assert any(line.startswith("note: simulated devices, but this machine's libraries") for line in head)
+    rc, out, _ = plan_cmd("--device", RIG, "--libs", "sglang-0.5.23")
+    assert "libraries: the sglang-0.5.23 profile's" in out.splitlines()[:5]
+    assert "note: simulated" not in out
+
+
+def test_sglang_plan_opens_with_the_matrix_and_brief_is_the_matrix_alone(plan_cmd):
+    rc, full, _ = plan_cmd("--device", RIG, "--libs", "sglang-0.5.23")
+    assert rc == 0
+    rc, brief, _ = plan_cmd("--device", RIG, "--libs", "sglang-0.5.23", "--brief")
+    assert rc == 0
+    lines = brief.splitlines()
+    assert "rank 0: cuda:0" in lines[0] and "RTX 5090, cc 12.0" in lines[1]
+    rows = {line.split()[0]: line for line in lines if line.startswith(" ") and line.split()
+            and line.split()[0] in ("kv_quant", "kv_dequant", "indexer", "decode_mla", "moe")}
+    assert "triton_u8 (routed)*" in rows["kv_dequant"] and "triton_fp8 (kept)" in rows["kv_dequant"]
+    assert "≠" in rows["kv_dequant"] and "≠" not in rows["kv_quant"]
+    assert "triton_w4a16 (report)*" in rows["moe"]
+    assert "(routed): capdispatch's kernel at SGLang's call site" in lines
+    assert "* fallback: the first preference cannot run on that device" in lines
+    assert lines[-1].startswith("libraries: the sglang-0.5.23 profile's")
+    assert not any(line.startswith(("rank 0: cuda:0 NVIDIA", "launch (", "warnings:")) for line in lines)
+    # The full plan opens with the same matrix, then the tables.
+    assert brief.strip("\n") in full
+    assert full.index(lines[0]) < full.index("launch (main process") < full.index("rank 0: cuda:0 NVIDIA")
+
+
+def test_sglang_plan_shows_the_probe_reason_and_hint(plan_cmd, monkeypatch):
+    import capdispatch as cd
+
+    def no_gpu(dev, via="auto", **kw):
+        raise cd.ProbeError(f"{dev}: NVML library not found: no NVIDIA driver is installed",
+                            "simulate it: --device sim:NAME")
+    monkeypatch.setattr(cd, "probe", no_gpu)
+    rc, out, err = plan_cmd("--device", "cuda:0")
+    assert rc == 2 and out == ""
+    assert "cuda:0: NVML library not found: no NVIDIA driver is installed; simulate it: --device sim:NAME" in err
+    assert "Traceback" not in err
