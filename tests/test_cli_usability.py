@@ -555,7 +555,7 @@ def test_sglang_plan_opens_with_the_matrix_and_brief_is_the_matrix_alone(plan_cm
     rc, brief, _ = plan_cmd("--device", RIG, "--libs", "sglang-0.5.23", "--brief")
     assert rc == 0
     lines = brief.splitlines()
-    assert "rank 0: cuda:0" in lines[0] and "RTX 5090, cc 12.0" in lines[1]
+    assert "cuda:0 (rank 0)" in lines[0] and "RTX 5090, cc 12.0" in lines[1]
     rows = {line.split()[0]: line for line in lines if line.startswith(" ") and line.split()
             and line.split()[0] in ("kv_quant", "kv_dequant", "indexer", "decode_mla", "moe")}
     assert "triton_u8 (routed)*" in rows["kv_dequant"] and "triton_fp8 (kept)" in rows["kv_dequant"]

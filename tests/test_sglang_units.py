@@ -419,6 +419,7 @@ def test_plan_json(env, capsys, monkeypatch):
     assert dq.pop("source").startswith("default.yaml:")
     assert dq == {
         "backend": "triton_u8", "action": "routed", "routed": True, "downgraded_from": None, "setting": None,
+        "kind": "fallback",
         "why": "SGLang's own dequantize_k_cache_paged_dsv4 cannot run there: needs fp8_e4m3 (cc >=8.9), has cc 8.6"}
     assert p["ranks"][1]["arch"]["device_sm"] == 86
     assert {x["name"]: x["action"] for x in p["launch"]} == {"kv_cache_dtype": "set", "SGLANG_DSV4_KV_LAYOUT": "set"}
@@ -698,13 +699,15 @@ def test_plan_shows_every_op_and_the_sglang_settings_per_rank(env, capsys, monke
     for r in p["ranks"]:
         assert list(r["ops"]) == p["ops"]
         for c in r["ops"].values():
-            assert set(c) == {"backend", "action", "routed", "why", "setting", "source", "downgraded_from"}
+            assert set(c) == {"backend", "action", "routed", "why", "setting", "source", "downgraded_from",
+                              "kind"}
+            assert c["kind"] in ("first", "fallback", "downgraded", "uniform")
             assert c["routed"] == (c["action"] == "routed") and c["why"]
     r2 = p["ranks"][2]["ops"]
     assert r2["decode_mla"]["backend"] == "triton" and r2["decode_mla"]["setting"] is None
     assert r2["moe"] == {"backend": "triton_w4a16", "action": "reported", "routed": False,
                          "why": r2["moe"]["why"], "setting": None, "source": r2["moe"]["source"],
-                         "downgraded_from": None}
+                         "downgraded_from": None, "kind": "fallback"}
     assert p["ranks"][1]["ops"]["moe"]["setting"] == ["moe_runner_backend=flashinfer_mxfp4"]
     assert p["ranks"][1]["ops"]["moe"]["action"] == "kept"
     mrb = next(x for x in p["sglang_settings"] if x["name"] == "moe_runner_backend")

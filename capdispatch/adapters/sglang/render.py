@@ -22,7 +22,7 @@ def matrix(out, *, color=None, width=None, ascii_only=None, stream=None) -> str:
     ranks = out.get("ranks") or []
     if not ranks:
         return ""
-    cols = [f"rank {r['rank']}: cuda:{r['gpu_id']}\n{_short(r['device']['name'])}"
+    cols = [f"cuda:{r['gpu_id']} (rank {r['rank']})\n{_short(r['device']['name'])}"
             + (f", cc {r['device']['cc']}" if r["device"].get("cc") else "") for r in ranks]
     rows, used = [], set()
     for op in out["ops"]:
