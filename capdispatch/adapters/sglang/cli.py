@@ -43,9 +43,9 @@ def _parser():
                       help="treat a library as installed when deciding the attention and MoE ops "
                            "(e.g. flashinfer-python, sgl-flash-mla)")
     plan.add_argument("--libs", metavar="PROFILE",
-                      help="plan with a library profile's versions instead of this machine's "
-                           "libraries (e.g. sglang-0.5.23; --assume-lib adds on top); "
-                           "`dispatch libs` lists the profiles")
+                      help="the target's whole library inventory from a profile (e.g. "
+                           "sglang-0.5.23: the versions SGLang 0.5.23 installs) instead of this "
+                           "machine's; --assume-lib adds to it")
     plan.add_argument("--brief", action="store_true",
                       help="print the op x rank matrix alone")
     plan.add_argument("--format", choices=("text", "json"), default="text",
