@@ -108,10 +108,16 @@ def user_env_conflicts(route, user_env) -> list:
     return [(n, user_env[n], v) for n, v in route.env if n in (user_env or {}) and not _same(user_env[n], v)]
 
 
-def route_choice(release, op: str, res, user_spoke: bool, spec=None, user_env=None):
+def route_choice(release, op: str, res, user_spoke: bool, spec=None, user_env=None, moe_launch=None,
+                 strict=False):
     """(routed, why, warning) for OP on the device RES was resolved for (SPEC: which site
     SGLang calls there); WARNING is None unless a user switch keeps a kernel that cannot run."""
     route = release.route(op, spec)
+    # --- moe: SGLang's method depends on the launch's moe_runner_backend (moe_plan.py) ---
+    if route is not None and route.native_by is not None:
+        from . import moe_plan
+        return moe_plan.route_choice(route, res, user_spoke, spec, moe_launch, strict)
+    # --- end moe ---
     if route is None:
         if release.routes_for(op):
             return False, f"SGLang calls no routable {op} site on this card", None
@@ -168,7 +174,8 @@ def resolved_ops(release, ops, ctx) -> tuple:
     out = []
     for op in ops:
         routes = release.routes_for(op)
-        if not routes or any(r.native is not None for r in routes) or _user_names(ctx, op):
+        if not routes or any(r.native is not None or r.native_by is not None for r in routes) \
+                or _user_names(ctx, op):
             out.append(op)
     return tuple(out)
 
@@ -180,7 +187,7 @@ def _context(*, policy=None, selections=None, selection_origin="selections=", en
 
 
 def choices_for(plan, release, ops, specs, *, selections=None, selection_origin="selections=",
-                policy=None, env=None, ids=None, user_env=None) -> dict:
+                policy=None, env=None, ids=None, user_env=None, moe_launch=None, strict=False) -> dict:
     """op -> {device id: OpChoice} from PLAN; IDS maps plan ids to reported ids;
     USER_ENV: the route environment names the user set (they keep SGLang's choice)."""
     ctx = _context(policy=policy, selections=selections, selection_origin=selection_origin, env=env)
@@ -189,7 +196,8 @@ def choices_for(plan, release, ops, specs, *, selections=None, selection_origin=
         g = plan.ops[op]
         row = {}
         for spec, (pid, res) in zip(specs, g.per_device.items()):
-            routed, why, warning = route_choice(release, op, res, _user_spoke(ctx, op, spec), spec, user_env)
+            routed, why, warning = route_choice(release, op, res, _user_spoke(ctx, op, spec), spec, user_env,
+                                                moe_launch, strict or ctx.strict_effective)
             did = (ids or {}).get(pid, pid)
             row[did] = OpChoice(op, did, res, routed, why, warning)
         out[op] = row
@@ -232,7 +240,7 @@ def settings_for(release, choices: dict, *, explicit_fields=(), env=None, field_
 
 def decide(specs, ops, release, *, selections=None, selection_origin="selections=", policy=None,
            strict: bool = False, env=None, explicit_fields=(), field_values=None,
-           user_env=None) -> Decision:
+           user_env=None, sglang_values=None) -> Decision:
     """Resolve OPS over SPECS as one group and derive routes and launch settings.
     Raises capdispatch.Unsatisfiable (strict downgrade, nothing runnable,
     mixed_group: error) and capdispatch.BadInput."""
@@ -240,6 +248,10 @@ def decide(specs, ops, release, *, selections=None, selection_origin="selections
     specs = tuple(specs)
     ctx = _context(policy=policy, selections=selections, selection_origin=selection_origin, env=env)
     active = resolved_ops(release, ops, ctx)
+    # moe: the launch's moe_runner_backend (SGLANG_VALUES: a rank's resolved record).
+    from .moe_plan import launch_value
+    moe_launch = launch_value(release, specs, explicit_fields=explicit_fields, field_values=field_values,
+                              sglang_values=sglang_values)
     plan, choices = None, {}
     if active:
         # Warnings ride in the plan; the caller logs them once, where it should.
@@ -247,7 +259,8 @@ def decide(specs, ops, release, *, selections=None, selection_origin="selections
                        selection_origin=selection_origin, strict=strict, env=env, log_warnings=False)
         choices = choices_for(plan, release, active, specs, selections=selections,
                               selection_origin=selection_origin, policy=policy, env=env,
-                              ids={p.id: s.id for p, s in zip(plan.devices, specs)}, user_env=user_env)
+                              ids={p.id: s.id for p, s in zip(plan.devices, specs)}, user_env=user_env,
+                              moe_launch=moe_launch, strict=strict)
     choices = {op: choices[op] if op in active else kept_choices(release, op, specs) for op in ops}
     settings, warnings = settings_for(release, choices, explicit_fields=explicit_fields, env=env,
                                       field_values=field_values)

@@ -95,6 +95,7 @@ class Route:
     why: str
     cc: Optional[SpecifierSet] = None   # the cards on which SGLang calls this site; None: every card
     env: tuple = ()                     # ((name, value), ...): set in the rank's own process to route
+    native_by: object = None            # moe_plan.NativeBy: `native` per launch value and card (moe)
 
     def calls_on(self, device) -> bool:
         """Does SGLang call this site on DEVICE (by its compute capability)?"""
@@ -282,6 +283,13 @@ def _release(d: dict, where: str, registry) -> Release:
                     None if cc_text is None else _spec(cc_text, f"{w}.cc"),
                     tuple((str(k), v) for k, v in env.items()))
         _check_backends(registry, row.op, (row.native,) if row.native else (), w)
+        if r.get("native_by") is not None:      # moe: SGLang's method depends on the launch's value
+            from .moe_plan import check_native_by
+            try:
+                row = attrs.evolve(row, native_by=check_native_by(r["native_by"], f"{w}.native_by", registry,
+                                                                  row.op))
+            except ValueError as exc:
+                raise KnobsError(str(exc)) from None
         clash = next((o for o in routes if o.target == row.target), None)
         if clash is not None:
             raise KnobsError(f"{w}: {row.target} is routed twice")

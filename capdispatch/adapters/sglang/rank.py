@@ -96,8 +96,11 @@ def configure(server_args, gpu_id: int, *, env=None):
     stash = _stash(server_args, release)
     ops = tuple(stash["ops"])
     uenv = user_env(release, stash, env)
+    from .moe_plan import record_values      # moe: the launch's moe_runner_backend, as resolved
+    svalues = record_values(server_args, release)
     d = decide.decide([spec], ops, release, selections=stash["selections"],
-                      selection_origin=stash["selection_origin"], env=env, user_env=uenv)
+                      selection_origin=stash["selection_origin"], env=env, user_env=uenv,
+                      sglang_values=svalues)
     for w in d.warnings:
         log.warning("capdispatch: %s", w)
     mine = {op: row[spec.id] for op, row in d.choices.items()}
@@ -105,7 +108,7 @@ def configure(server_args, gpu_id: int, *, env=None):
     apply_routes(release, mine, spec, key, env, uenv)
     state = {"gpu_id": gpu_id, "spec": spec, "ops": ops, "resolved": d.resolved, "key": key,
              "choices": mine, "stash": stash, "changes": changes, "release": release,
-             "agreed": None, "user_env": uenv, "env": env}
+             "agreed": None, "user_env": uenv, "env": env, "sglang_values": svalues}
     _RANKS[gpu_id] = state
     facts = ", ".join(f"{n} {b!r} -> {a!r}" for n, b, a in changes) or "already this card's"
     what = decide.summary(d, settings=False) if ops else f"no op to decide ({stash['reason']})"
@@ -128,8 +131,11 @@ def agree(state, group):
                   selections=stash["selections"] or None, selection_origin=stash["selection_origin"])
     rank = dist.get_rank(group)
     me = plan.devices[rank]
+    from .moe_plan import launch_value
     choices = decide.choices_for(plan, release, ops, plan.devices, selections=stash["selections"],
-                                 selection_origin=stash["selection_origin"], user_env=state["user_env"])
+                                 selection_origin=stash["selection_origin"], user_env=state["user_env"],
+                                 moe_launch=launch_value(release, plan.devices,
+                                                         sglang_values=state.get("sglang_values")))
     if rank == 0:   # each rank logged its own downgrades; the group's divergences once
         for g in plan.ops.values():
             own = {w for r in g.per_device.values() for w in r.warnings}
