@@ -122,7 +122,7 @@ def test_launch_sets_fields_and_environment_for_the_mixed_rig(launcher):
     assert c["fields"]["kv_cache_dtype"] == "fp8_e4m3" and c["fields"]["tp_size"] == 3
     assert c["declared"] == [{"kv_cache_dtype": "fp8_e4m3"}]
     assert c["env"] == {"SGLANG_DSV4_KV_LAYOUT": "v4"}
-    assert c["stash"]["ops"] == ["kv_quant", "kv_dequant", "indexer", "sparse_prefill", "decode_mla"]
+    assert c["stash"]["ops"] == ["kv_quant", "kv_dequant", "indexer", "sparse_prefill", "decode_mla", "moe"]
     assert c["stash"]["set"] == {"kv_cache_dtype": "fp8_e4m3", "SGLANG_DSV4_KV_LAYOUT": "v4"}
     assert c["stash"]["user_env"] == {}
     infos = _messages(c["logs"], "INFO")
@@ -176,7 +176,7 @@ def test_launch_mixed_group_error_refuses(launcher):
 def test_launch_without_nvml_sets_nothing_but_ranks_still_decide(launcher):
     c = launcher["by_name"]["no_nvml"]
     assert c["declared"] == [] and c["env"] == {"SGLANG_DSV4_KV_LAYOUT": None}
-    assert c["stash"]["ops"] == ["kv_quant", "kv_dequant", "indexer", "sparse_prefill", "decode_mla"]
+    assert c["stash"]["ops"] == ["kv_quant", "kv_dequant", "indexer", "sparse_prefill", "decode_mla", "moe"]
     (w,) = _messages(c["logs"], "WARNING")
     assert "cannot read the launch's GPUs cuda:0, cuda:1 without initialising CUDA" in w
 
@@ -236,15 +236,22 @@ def test_each_rank_decides_for_its_own_card(ranks):
     sm86 = {"kv_quant": None, "kv_dequant": kv,
             "indexer": "capdispatch.backends.indexer.triton_kernels.fp8_paged_mqa_logits",
             "sparse_prefill": "capdispatch.backends.sparse_prefill.triton_kernels.sparse_prefill",
-            "decode_mla": "capdispatch.backends.decode_mla.triton_kernels.decode_mla_u8"}
+            "decode_mla": "capdispatch.backends.decode_mla.triton_kernels.decode_mla_u8",
+            "moe": "capdispatch.backends.moe.triton_kernels.moe_w4a16"}
     # The 5090: FlashInfer's SM120 decode is SGLang's own (kept); DeepGEMM has no SM120
     # indexer (routed to capdispatch's TileLang kernel); SGLang calls no sparse-prefill
-    # site on SM120 (its extends go through the SM120 decode entry).
+    # site on SM120 (its extends go through the SM120 decode entry). MoE: this CPU
+    # launcher's own platform facts are no GPU's, so SGLang's DSv4 default stays
+    # moe_runner_backend=auto (Fp8MoEMethod, no MXFP4 kernel) and every rank is routed,
+    # the 5090 to capdispatch's FlashInfer SM120 adapter (tests/test_sglang_moe.py
+    # launches with device 0's SM120 facts, where the 5090 keeps SGLang's method).
     assert [s["routes"] for s in states] == [
         {"kv_quant": None, "kv_dequant": None,
          "indexer": "capdispatch.backends.indexer.tilelang_kernel.fp8_paged_mqa_logits",
-         "sparse_prefill": None, "decode_mla": None},
+         "sparse_prefill": None, "decode_mla": None,
+         "moe": "capdispatch.backends.moe.flashinfer_adapters.moe_cutlass_w4a8"},
         sm86, sm86]
+    assert all("moe_runner_backend=auto (as SGLang resolved it)" in s["choices"]["moe"]["why"] for s in states)
     assert states[0]["choices"]["sparse_prefill"]["why"] == "SGLang calls no routable sparse_prefill site on this card"
     assert states[1]["choices"]["decode_mla"]["why"].startswith(
         "SGLang's own flash_mla_with_kvcache cannot run there: needs ")

@@ -43,11 +43,11 @@ def _decide(env, release, ids=(0, 1, 2), **kw):
 
 def test_knob_map_loads_with_kv_rows(release):
     assert release is not None
-    assert {r.op for r in release.routes} == {"kv_quant", "kv_dequant", "indexer", "sparse_prefill", "decode_mla"}
+    assert {r.op for r in release.routes} == {"kv_quant", "kv_dequant", "indexer", "sparse_prefill", "decode_mla", "moe"}
     assert release.route("kv_dequant").native == "triton_fp8"
     assert release.route("kv_quant").native is None
     assert release.models["DeepseekV4ForCausalLM"].ops == ("kv_quant", "kv_dequant", "indexer", "sparse_prefill",
-                                                           "decode_mla")
+                                                           "decode_mla", "moe")
     assert {(s.kind, s.name) for s in release.settings} == {("field", "kv_cache_dtype"),
                                                             ("env", "SGLANG_DSV4_KV_LAYOUT")}
     # The site SGLang calls depends on the card: SM120 has its own decode and indexer entries.
@@ -169,7 +169,7 @@ def test_simulated_rig_bad_input(value, index, message):
 # --------------------------------------------------------------------------- decisions
 
 def test_applicable_ops(release):
-    dsv4 = ("kv_quant", "kv_dequant", "indexer", "sparse_prefill", "decode_mla")
+    dsv4 = ("kv_quant", "kv_dequant", "indexer", "sparse_prefill", "decode_mla", "moe")
     assert decide.applicable_ops(release, "DeepseekV4ForCausalLM", "auto")[0] == dsv4
     assert decide.applicable_ops(release, "DeepseekV4ForCausalLM", "fp8_e4m3")[0] == dsv4
     ops, why = decide.applicable_ops(release, "DeepseekV4ForCausalLM", "bfloat16")
@@ -454,10 +454,11 @@ def test_knob_map_rows_for_attention_and_moe(release):
     import capdispatch.backends.moe as moe
     assert decide.knob_ops(release, "DeepseekV4ForCausalLM") == KNOB_OPS
     assert decide.knob_ops(release, "LlamaForCausalLM") == ()
-    # One row per backend of every knob op; moe has no routed call site.
+    # One row per backend of every knob op; moe's one route is SGLang's per-layer method choice.
     from capdispatch.backends import builtin
     reg = builtin()
-    assert release.routes_for("moe") == ()
+    (mr,) = release.routes_for("moe")
+    assert mr.target.endswith("Fp8Config.get_quant_method") and mr.native_by is not None
     for op in KNOB_OPS:
         for b in reg.backends(op):
             assert release.knob(op, b.name) is not None, (op, b.name)
@@ -538,7 +539,7 @@ def test_knob_ops_per_rank_on_the_simulated_rig(env, release):
     assert "SM86" in why
     assert kd.choices["sparse_prefill"]["cuda:0"].why.startswith(
         "no SGLang setting runs capdispatch triton; and no call site of it is routed on this card")
-    assert "no call site of it is routed" in kd.choices["moe"]["cuda:2"].why
+    assert "the rank routes SGLang's get_quant_method to it" in kd.choices["moe"]["cuda:2"].why
     assert "SM80-89" in kd.choices["moe"]["cuda:2"].why
     # The launch: one value per SGLang name; a mixed rig splits, nothing is set.
     s = {x.name: x for x in kd.settings}
@@ -647,10 +648,11 @@ def test_plan_shows_the_knob_ops_and_where_no_sglang_setting_runs_them(env, caps
     assert "rank 2: cuda:2 NVIDIA GeForce RTX 3080, cc 8.6 (simulated)" in out
     flat = "\n".join(" ".join(line.split()) for line in out.splitlines())
     rank2 = flat.split("rank 2:")[1]
-    # The routed ops say what runs at SGLang's site; only moe keeps a knob row in the text.
+    # The routed ops say what runs at SGLang's site (moe included); none keeps a knob row in the text.
     assert "decode_mla triton routed SGLang's own flash_mla_with_kvcache cannot run there" in rank2
     assert "decode_mla triton no-knob" not in rank2
-    assert "moe triton_w4a16 no-knob no SGLang setting runs capdispatch triton_w4a16; and no call" in rank2
+    assert "moe triton_w4a16 routed SGLang's Mxfp4FlashinferTrtllmMoEMethod under moe_runner_backend=" in rank2
+    assert "moe triton_w4a16 no-knob" not in rank2
     assert "decode_mla flashmla kept SGLang's own flash_mla_with_kvcache kept" in flat
     assert "SGLang settings for indexer, sparse_prefill, decode_mla, moe (reported, not set" in out
     assert "split  moe_runner_backend  (SGLang takes one value per launch; cuda:0, cuda:1 need flashinfer_mxfp4; " \
