@@ -46,8 +46,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-H, D, PAGE = 64, 128, 64
-REL_TOL = 2.0 ** -10
+from capdispatch.calibrate import inputs as CI  # noqa: E402 (after the path insertion)
+
+H, D, PAGE = CI.INDEXER_HEADS, CI.INDEXER_DIM, CI.INDEXER_PAGE
+REL_TOL = CI.INDEXER_REL_TOL
 BACKENDS = ("torch", "triton", "triton_u8", "tilelang", "deepgemm")
 DECODE = [(64, 1, 16384), (128, 1, 4096), (8, 1, 65536), (64, 2, 16384)]       # (B, next_n, context)
 PREFILL = [(8192, 0), (4096, 28672)]                                            # (rows, start)
@@ -64,40 +66,26 @@ def make_inputs(kind, shape, gen, dev="cuda"):
     from capdispatch.backends.indexer import reference as R
     if kind == "decode":
         B, N, ctx = shape
-        lens = torch.randint(max(N, ctx // 2), ctx + 1, (B,), generator=gen, device=dev, dtype=torch.int32)
-        S = ctx
-        need = (lens + PAGE - 1) // PAGE
-        NB = -(-ctx // PAGE)
-        P = int(need.sum())
-        perm = torch.randperm(P, generator=gen, device=dev).int()
-        bt = torch.zeros(B, NB, dtype=torch.int32, device=dev)
-        off = 0
-        for b, n in enumerate(need.tolist()):
-            bt[b, :n] = perm[off:off + n]
-            off += n
-        rows = B * N
-        unique_pages = P
-        ctx_arg = lens
-        E = R.row_lengths(lens, N, S)
-    else:
-        rows, start = shape
-        N, B = 1, rows
-        S = (start + rows) // 4
-        NB = -(-S // PAGE)
-        P = NB
-        unique_pages = P
-        perm = torch.randperm(P, generator=gen, device=dev).int()
-        bt = perm[None, :].expand(rows, NB).contiguous()
-        ctx_arg = ((torch.arange(rows, device=dev) + start + 1) // 4).int()
-        E = R.row_lengths(ctx_arg, 1, S)
+        (q, kv, w, lens, bt, _, S, _), E = CI.indexer_decode_args(B, N, ctx, gen, dev)
+        P = kv.shape[0]
+        return dict(q=q, kv=kv, w=w, ctx=lens, bt=bt, S=S, rows=B * N, B=B, N=N, E=E,
+                    unique_pages=P, scored=int(E.sum()))
+    rows, start = shape
+    N, B = 1, rows
+    S = (start + rows) // 4
+    NB = -(-S // PAGE)
+    P = NB
+    perm = torch.randperm(P, generator=gen, device=dev).int()
+    bt = perm[None, :].expand(rows, NB).contiguous()
+    ctx_arg = ((torch.arange(rows, device=dev) + start + 1) // 4).int()
+    E = R.row_lengths(ctx_arg, 1, S)
     x = torch.randn(P, PAGE, D, generator=gen, device=dev)
     codes, scales = R.quantize_index_k(x)
     kv = R.pack_index_k(codes, scales)
     q = torch.randn(B, N, H, D, generator=gen, device=dev).to(torch.float8_e4m3fn)
     w = torch.randn(B * N, H, generator=gen, device=dev)
-    scored = int(E.sum())
     return dict(q=q, kv=kv, w=w, ctx=ctx_arg, bt=bt, S=S, rows=rows, B=B, N=N, E=E,
-                unique_pages=unique_pages, scored=scored)
+                unique_pages=P, scored=int(E.sum()))
 
 
 def traffic(c):
@@ -112,26 +100,11 @@ def traffic(c):
 
 def abs_sum(c):
     """A = s * sum_h |w| * sum_d |q k| per position: the reference on magnitudes."""
-    import torch
-    from capdispatch.backends.indexer import layout as L
-    from capdispatch.backends.indexer import reference as R
-    qa = (c["q"].view(torch.uint8) & 0x7F).view(torch.float8_e4m3fn)
-    pages = L.pages_u8(c["kv"]).clone()
-    pages[:, :L.SCALE_OFFSET] &= 0x7F
-    return R.fp8_paged_mqa_logits(qa, pages, c["w"].abs(), c["ctx"], c["bt"], None, c["S"])
+    return CI.indexer_abs_sum((c["q"], c["kv"], c["w"], c["ctx"], c["bt"], None, c["S"], False))
 
 
 def check(got, want, A, E, S, clean):
-    import torch
-    pos = torch.arange(S, device=got.device)
-    valid = pos[None, :] < E.reshape(-1, 1)
-    err = (got - want).abs()
-    bound = REL_TOL * A
-    ok = bool(((err <= bound) | ~valid).all())
-    if clean:
-        ok = ok and bool((got[~valid] == float("-inf")).all())
-    ratio = float(((err / A.clamp_min(1e-30)) * valid).nan_to_num(0.0).max())
-    return ok, float((err * valid).nan_to_num(0.0).max()), ratio
+    return CI.indexer_errors(got, want, A, E, S, clean)
 
 
 # --------------------------------------------------------------------------- #

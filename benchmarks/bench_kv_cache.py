@@ -32,6 +32,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from capdispatch.calibrate import inputs as CI  # noqa: E402 (after the path insertion)
+
 QUANT_BYTES_PER_TOKEN = 1024 + 8 + 584
 DEQUANT_BYTES_PER_TOKEN = 584 + 8 + 1024
 BACKENDS = ("torch", "triton_u8", "triton_fp8")
@@ -54,21 +56,10 @@ def _sglang_dequant():
 
 
 def rand_k(n, gen):
-    import torch
-
-    nope = torch.randn(n, 7, 64, generator=gen, device="cuda")
-    nope *= torch.exp2(torch.randint(-24, 25, (n, 7, 1), generator=gen, device="cuda").float())
-    rope = torch.randn(n, 64, generator=gen, device="cuda")
-    return torch.cat([nope.view(n, 448), rope], dim=1).bfloat16()
+    return CI.rand_k(n, gen, "cuda")
 
 
-def _same_bf16(a, b):
-    """Bit equality with NaN matched by class."""
-    import torch
-
-    a, b = a.reshape(-1).view(torch.int16), b.reshape(-1).view(torch.int16)
-    na, nb = (a & 0x7FFF) > 0x7F80, (b & 0x7FFF) > 0x7F80
-    return bool(((na == nb) & (na | (a == b))).all())
+_same_bf16 = CI.same_bf16
 
 
 def slots(pattern, n, num_pages, page_size, gen):

@@ -101,9 +101,8 @@ def _registry():
 
 
 def _weights_copy(w):
-    from capdispatch.backends.moe.weights import MoeWeights
-    return MoeWeights(w.w13.clone(), w.w13_scale.clone(), w.w2.clone(), w.w2_scale.clone(),
-                      swiglu_limit=w.swiglu_limit)
+    from capdispatch.calibrate.inputs import copy_weights
+    return copy_weights(w)
 
 
 def _available(name, allow_jit):

@@ -30,6 +30,12 @@ def _parse(text):
     ("ops:\n  kv_quant: !custom [torch]\n", 2, ["tag '!custom' is not allowed"]),
     ("- just\n- a list\n", 1, ["the policy must be a mapping"]),
     ("ops:\n  kv_quant: [torch\n", 3, ["malformed YAML"]),
+    # size buckets (more in test_buckets.py)
+    ("ops:\n  kv_quant:\n    - {rows: '<=8', prefer: [torch]}\n", 3, ["no catch-all bucket for rows above 8"]),
+    ("ops:\n  kv_quant:\n    - {rows: '<=8', prefer: [trition_u8]}\n    - {prefer: [torch]}\n", 3,
+     ["unknown backend 'trition_u8'", "did you mean 'triton_u8'"]),
+    ("devices:\n  - match: {cc: '8.6'}\n    ops:\n      kv_quant:\n        - {rows: '<=8', prefer: [torch]}\n"
+     "        - {rows: '<=4', prefer: [torch]}\n        - {prefer: [torch]}\n", 6, ['"<=4" is below']),
 ])
 def test_policy_errors(text, line, needles):
     with pytest.raises(PolicyError) as ei:

@@ -152,11 +152,24 @@ TRITON = Library("triton", ">=3.2", module="triton")
 
 
 @attrs.frozen
+class SizeArg:
+    """The problem size a policy may bucket an op on: the leading dimension of one
+    tensor argument, named in policies by KEY ("tokens" or "rows")."""
+    key: str
+    index: int              # the argument's position in the op's call
+    name: str               # its parameter name, for a call that passes it by keyword
+
+
+@attrs.frozen
 class Op:
     name: str
     summary: str
     signature: str
     reference: str          # the backend that defines the op's meaning
+    size: Optional[SizeArg] = None   # what size buckets test; None: the op takes no buckets
+    # Backends whose prepared inputs differ (MoE weight layouts) cannot share one call site
+    # across size buckets: backend name -> layout tag. Buckets keep the catch-all's layout.
+    layouts: Optional[dict] = attrs.field(default=None, eq=False)
 
 
 @attrs.frozen

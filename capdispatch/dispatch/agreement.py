@@ -38,7 +38,9 @@ def gather_specs(local: DeviceSpec, group=None) -> list:
 
 
 def digest(p: Plan) -> str:
-    body = {op: {d: r.backend for d, r in g.per_device.items()} for op, g in p.ops.items()}
+    # Size buckets are part of the decision: ranks must agree on them too.
+    body = {op: {d: r.backend if not r.buckets else [r.backend, [[b.upper, b.backend] for b in r.buckets]]
+                 for d, r in g.per_device.items()} for op, g in p.ops.items()}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 

@@ -1,6 +1,7 @@
 """Binding: the chosen backend's callable itself, for the hot path."""
 from __future__ import annotations
 
+from . import sized
 from .errors import Unsatisfiable
 from .resolver import as_spec, context, log, resolve_in
 
@@ -15,6 +16,11 @@ def bind(op: str, device, backend=None, *, policy=None, selections=None, strict:
 
     With BACKEND given the choice is explicit and strict: if it cannot run here,
     this raises with the reasons instead of handing back something else.
+
+    Where the policy gives OP size buckets whose winners differ, the result is a
+    dispatcher (see `sized.py`) whose only work is the bucket test on the leading
+    dimension of the op's size argument; where every bucket picks one kernel, the
+    kernel itself.
     """
     sel = dict(selections or {})
     if backend is not None:
@@ -24,12 +30,22 @@ def bind(op: str, device, backend=None, *, policy=None, selections=None, strict:
     res = resolve_in(ctx, op, as_spec(device))
     for w in res.warnings:
         log.warning(w)
-    b = ctx.registry.backend(op, res.backend)
-    try:
-        return b.load()
-    except Exception as exc:
-        raise BackendLoadError(f"{op}={res.backend} on {res.device.id}: loading {b.impl} failed: "
-                               f"{type(exc).__name__}: {exc}") from exc
+    loaded = {}
+
+    def load(name):
+        if name not in loaded:
+            b = ctx.registry.backend(op, name)
+            try:
+                loaded[name] = b.load()
+            except Exception as exc:
+                raise BackendLoadError(f"{op}={name} on {res.device.id}: loading {b.impl} failed: "
+                                       f"{type(exc).__name__}: {exc}") from exc
+        return loaded[name]
+
+    if not res.buckets or len({b.backend for b in res.buckets}) == 1:
+        return load(res.backend)
+    bounds, default, names = sized.table(res.buckets, load)
+    return sized.dispatcher(op, ctx.registry.ops[op].size, bounds, default, names)
 
 
 class OpHandle:

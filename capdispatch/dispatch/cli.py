@@ -58,6 +58,9 @@ def _parser() -> argparse.ArgumentParser:
         x = sub.add_parser(name, help=help_, add_help=False)
         x.add_argument("rest", nargs=argparse.REMAINDER)
 
+    from . import bench_cmd
+    bench_cmd.add_parser(sub)
+
     pol = sub.add_parser("policy", help="check or show policy files")
     psub = pol.add_subparsers(dest="policy_cmd", required=True, parser_class=_Parser)
     v = psub.add_parser("validate", help="check policy files; exit 2 on the first error")
@@ -117,6 +120,9 @@ def _run(args) -> int:
     if args.cmd in EXTENSIONS:
         import importlib
         return importlib.import_module(EXTENSIONS[args.cmd][0]).main(args.rest)
+    if args.cmd == "bench":
+        from . import bench_cmd
+        return bench_cmd.run(args)
     if args.cmd == "policy":
         return _cmd_policy_validate(args) if args.policy_cmd == "validate" else _cmd_policy_show(args)
     raise AssertionError(args.cmd)
@@ -203,6 +209,25 @@ def _cmd_policy_validate(args) -> int:
     return EXIT_OK
 
 
+def _op_obj(reg, op, pf, m) -> dict:
+    key = reg.ops[op].size.key if reg.ops[op].size else None
+    return {"backends": list(m.value), "from": f"{pf.path}:{m.line}",
+            "buckets": [{key: f"<={b.upper}" if b.upper is not None else "any", "upper": b.upper,
+                         "backends": list(b.backends), "from": f"{pf.path}:{b.line}"}
+                        for b in m.buckets]}
+
+
+def _op_lines(reg, op, pf, m, indent) -> list:
+    if not m.buckets:
+        return [f"{indent}{op}: [{', '.join(m.value)}]    # {pf.path}:{m.line}"]
+    key = reg.ops[op].size.key
+    out = [f"{indent}{op}:"]
+    for b in m.buckets:
+        bound = f"{key}: \"<={b.upper}\", " if b.upper is not None else ""
+        out.append(f"{indent}  - {{{bound}prefer: [{', '.join(b.backends)}]}}    # {pf.path}:{b.line}")
+    return out
+
+
 def _cmd_policy_show(args) -> int:
     from ..backends import builtin
     from ..policies import build
@@ -220,18 +245,20 @@ def _cmd_policy_show(args) -> int:
         for pf in reversed(stack.layers):
             if op in pf.ops:
                 m = pf.ops[op]
-                obj["ops"][op] = {"backends": list(m.value), "from": f"{pf.path}:{m.line}"}
-                lines.append(f"  {op}: [{', '.join(m.value)}]    # {pf.path}:{m.line}")
+                obj["ops"][op] = _op_obj(reg, op, pf, m)
+                lines += _op_lines(reg, op, pf, m, "  ")
                 break
     entries = [(pf, e) for pf in stack.layers for e in pf.devices]
     if entries:
         lines.append("devices:    # later entries win")
     for pf, e in entries:
         obj["devices"].append({"match": e.match, "from": f"{pf.path}:{e.line}",
-                               "ops": {op: list(m.value) for op, m in e.ops.items()}})
+                               "ops": {op: list(m.value) for op, m in e.ops.items()},
+                               "buckets": {op: _op_obj(reg, op, pf, m)["buckets"]
+                                           for op, m in e.ops.items() if m.buckets}})
         lines.append(f"  - match: {e.match}    # {pf.path}:{e.line}")
         for op, m in e.ops.items():
-            lines.append(f"      {op}: [{', '.join(m.value)}]    # {pf.path}:{m.line}")
+            lines += _op_lines(reg, op, pf, m, "      ")
     for s in stack.selections:
         obj["selections"].append({"op": s.op, "backend": s.backend, "from": s.origin})
         lines.append(f"selection: {s.op}={s.backend}    # {s.origin}")

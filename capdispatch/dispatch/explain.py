@@ -72,6 +72,21 @@ def device_line(d) -> str:
             f"(probed: {d.probe})")
 
 
+def _bucket_lines(r) -> list:
+    if not r.buckets:
+        return []
+    rows = []
+    for b in r.buckets:
+        flag = ""
+        if b.downgraded_from:
+            flag = f"  (downgraded from {b.downgraded_from})"
+        elif b.fallback:
+            flag = f"  (fallback from {b.wanted})"
+        rows.append((f"{r.size_key} {b.label(r.size_key)}", f"{b.backend}{flag}", b.source))
+    w1, w2 = max(len(a) for a, _, _ in rows), max(len(b) for _, b, _ in rows)
+    return ["      buckets:"] + [f"        {a:<{w1}} -> {b:<{w2}}  # {c}" for a, b, c in rows]
+
+
 def render_text(p: Plan) -> str:
     out = []
     for d in p.devices:
@@ -94,6 +109,7 @@ def render_text(p: Plan) -> str:
             flag = f"  ({'; '.join(flags)})" if flags else ""
             out.append(f"  {did} -> {r.backend}{flag}")
             out.append(f"      source: {r.source}")
+            out += _bucket_lines(r)
             for c in r.candidates:
                 mark = "✓" if c.ok else "✗"
                 bad = [ch for ch in c.checks if not ch.ok]

@@ -7,7 +7,7 @@ from typing import Optional
 import attrs
 
 from .errors import GroupDivergenceError, Unsatisfiable
-from .resolver import Context, Resolution, as_spec, context, resolve_in
+from .resolver import BucketResolution, Context, Resolution, as_spec, context, resolve_in
 
 log = logging.getLogger("capdispatch")
 
@@ -34,9 +34,45 @@ def unique_ids(specs) -> list:
     return out
 
 
-def _table(per_device) -> str:
-    return "; ".join(f"{d} ({r.device.name}, cc {r.device.cc_str}) -> {r.backend}"
-                     for d, r in per_device.items())
+def _bounds(per_device) -> list:
+    """Every finite bucket bound any device uses, ascending, then None (the catch-all)."""
+    return sorted({b.upper for r in per_device.values() for b in r.buckets if b.upper is not None}) + [None]
+
+
+def _bucket_at(r, upper):
+    """The bucket of R covering the sizes up to UPPER (a bound of the union): the first
+    whose own bound reaches it, the catch-all for None."""
+    for b in r.buckets:
+        if b.upper is None or (upper is not None and upper <= b.upper):
+            return b
+    return None     # no buckets: the whole resolution speaks
+
+
+def _pick(r, upper):
+    b = _bucket_at(r, upper)
+    return (b.backend, b.candidates, b.wanted) if b is not None else (r.backend, r.candidates, r.wanted)
+
+
+def _label(upper, lower, key) -> str:
+    if upper is not None:
+        return f"{key} <= {upper}"
+    return f"{key} > {lower}" if lower is not None else ""
+
+
+def _table(per_device, bounds=(None,), key=None) -> str:
+    parts = []
+    lower = None
+    for upper in bounds:
+        row = "; ".join(f"{d} ({r.device.name}, cc {r.device.cc_str}) -> {_pick(r, upper)[0]}"
+                        for d, r in per_device.items())
+        label = _label(upper, lower, key)
+        parts.append(f"[{label}] {row}" if label else row)
+        lower = upper
+    return " | ".join(parts)
+
+
+def _divergent(per_device, bounds) -> list:
+    return [u for u in bounds if len({_pick(r, u)[0] for r in per_device.values()}) > 1]
 
 
 def resolve_group_in(ctx: Context, op: str, specs) -> GroupResolution:
@@ -44,34 +80,68 @@ def resolve_group_in(ctx: Context, op: str, specs) -> GroupResolution:
     warnings = [w for r in per.values() for w in r.warnings]
     mode_setting = ctx.stack.setting("mixed_group")
     mode = mode_setting.value
-    chosen = {r.backend for r in per.values()}
-    if len(chosen) <= 1 or mode == "allow":
-        return GroupResolution(op, per, len(chosen) <= 1, mode, tuple(warnings))
+    size = ctx.registry.ops[op].size
+    key = size.key if size is not None else None
+    bounds = _bounds(per)
+    # A group agrees when, at every size, every device runs one backend.
+    diverging = _divergent(per, bounds)
+    if not diverging or mode == "allow":
+        return GroupResolution(op, per, not diverging, mode, tuple(warnings))
+    table = _table(per, bounds, key)
     if mode == "error":
         raise GroupDivergenceError(
-            f"{op}: the group's devices choose different backends ({_table(per)}) and "
+            f"{op}: the group's devices choose different backends ({table}) and "
             f"mixed_group is error ({mode_setting.origin})")
     if mode == "warn":
         warnings.append(
-            f"{op}: the group's devices choose different backends: {_table(per)} "
+            f"{op}: the group's devices choose different backends: {table} "
             f"(mixed_group: warn, {mode_setting.origin}; mixed_group: uniform runs one kernel everywhere)")
         return GroupResolution(op, per, False, mode, tuple(warnings))
-    # uniform: the first backend, in the first device's order, that every device can run.
+    # uniform: per bucket, the first backend in the first device's order that every device can run.
     first = next(iter(per.values()))
-    runnable = [{c.backend for c in r.candidates if c.ok} for r in per.values()]
-    common = next((c.backend for c in first.candidates if all(c.backend in ok for ok in runnable)), None)
-    if common is None:
-        raise Unsatisfiable(f"{op}: mixed_group is uniform ({mode_setting.origin}) but no backend "
-                            f"runs on every device: {_table(per)}")
+    common = {}
+    lower = None
+    for upper in bounds:
+        runnable = [{c.backend for c in _pick(r, upper)[1] if c.ok} for r in per.values()]
+        pick = next((c.backend for c in _pick(first, upper)[1]
+                     if all(c.backend in ok for ok in runnable)), None)
+        if pick is None:
+            where = _label(upper, lower, key)
+            raise Unsatisfiable(f"{op}: mixed_group is uniform ({mode_setting.origin}) but no backend "
+                                f"runs on every device{' for ' + where if where else ''}: {table}")
+        common[upper] = pick
+        lower = upper
     out = {}
     for d, r in per.items():
-        if r.backend == common:
-            out[d] = r
-        else:
-            out[d] = attrs.evolve(
-                r, backend=common, fallback=common != r.wanted,
-                source=f"mixed_group: uniform ({mode_setting.origin}); alone it would run {r.backend}")
+        out[d] = _uniform(r, bounds, common, mode_setting.origin)
     return GroupResolution(op, out, True, mode, tuple(warnings))
+
+
+def _uniform(r, bounds, common, origin):
+    """R with every bucket running COMMON's backend for it (the union of the group's bounds)."""
+    def note(alone):
+        return f"mixed_group: uniform ({origin}); alone it would run {alone}"
+    main = common[None]
+    if main == r.backend:
+        r2 = r
+    else:
+        r2 = attrs.evolve(r, backend=main, fallback=main != r.wanted, source=note(r.backend))
+    if len(bounds) == 1:
+        return r2
+    buckets, lower = [], None
+    for upper in bounds:
+        alone, cands, wanted = _pick(r, upper)
+        b = _bucket_at(r, upper)
+        pick = common[upper]
+        if b is None:
+            b = BucketResolution(None, None, r.backend, r.source, r.fallback, r.downgraded_from,
+                                 r.candidates, r.wanted)
+        b = attrs.evolve(b, lower=lower, upper=upper)
+        if pick != alone:
+            b = attrs.evolve(b, backend=pick, fallback=pick != wanted, source=note(alone))
+        buckets.append(b)
+        lower = upper
+    return attrs.evolve(r2, buckets=tuple(buckets))
 
 
 def resolve_group(op: str, devices, *, policy=None, selections=None, assume_libs=None,

@@ -8,7 +8,7 @@ from typing import Optional
 import attrs
 
 from .. import policies as _policies
-from ..backends import Facts, builtin
+from ..backends import Check, Facts, builtin
 from ..capabilities import DeviceSpec, Inventory, derive_features, probe
 from ..capabilities import catalog as _catalog
 from .errors import BadInput, NoBackendError, StrictFallbackError
@@ -29,21 +29,56 @@ class Candidate:
 
 
 @attrs.frozen
+class BucketResolution:
+    """The decision for one size bucket: sizes in (LOWER, UPPER] of the op's leading
+    dimension (LOWER None: from 1; UPPER None: the catch-all, every larger size)."""
+    lower: Optional[int]
+    upper: Optional[int]
+    backend: str
+    source: str
+    fallback: bool
+    downgraded_from: Optional[str]
+    candidates: tuple
+    wanted: str
+
+    def label(self, key: str) -> str:
+        if self.upper is not None:
+            return f"<={self.upper}"
+        return f">{self.lower}" if self.lower is not None else "any"
+
+    def to_dict(self, key: str) -> dict:
+        return {key: self.label(key), "upper": self.upper, "backend": self.backend,
+                "source": self.source, "fallback": self.fallback,
+                "downgraded_from": self.downgraded_from,
+                "candidates": [c.to_dict() for c in self.candidates]}
+
+
+@attrs.frozen
 class Resolution:
     op: str
     device: DeviceSpec
-    backend: str
+    backend: str             # the catch-all bucket's winner (every size when no buckets)
     source: str              # which layer of which file made the choice
     fallback: bool           # the winner is not the first preference of that layer
     downgraded_from: Optional[str]   # the explicit / user choice that could not run
     candidates: tuple
     wanted: str              # first preference of the layer that spoke
     warnings: tuple = ()
+    buckets: tuple = ()      # BucketResolution..., ascending, the last the catch-all; () if none
+    size_key: Optional[str] = None   # what the buckets measure ("tokens", "rows")
+
+    def backend_for(self, size: int) -> str:
+        """The backend that runs a problem of SIZE (the op's leading dimension)."""
+        for b in self.buckets:
+            if b.upper is None or size <= b.upper:
+                return b.backend
+        return self.backend
 
     def to_dict(self) -> dict:
         return {"backend": self.backend, "source": self.source, "fallback": self.fallback,
                 "downgraded_from": self.downgraded_from,
-                "candidates": [c.to_dict() for c in self.candidates]}
+                "candidates": [c.to_dict() for c in self.candidates],
+                "buckets": [b.to_dict(self.size_key) for b in self.buckets]}
 
 
 @attrs.frozen
@@ -97,18 +132,24 @@ def _check_op(ctx: Context, op: str) -> None:
                        f"(valid: {', '.join(ctx.registry.ops)})")
 
 
-def order(ctx: Context, op: str, device: DeviceSpec):
-    """(preference, candidate names): the speaking layer's list, then implicit fallbacks."""
-    pref = ctx.stack.preference(op, device)
+def _with_fallbacks(ctx: Context, op: str, first) -> list:
+    """FIRST, then the default policy's order, then registration order."""
     registered = [b.name for b in ctx.registry.backends(op)]
     default_list = list(ctx.stack.default.ops[op].value) if op in ctx.stack.default.ops else []
-    if pref is None:
-        pref = _policies.Preference(tuple(registered), "registration order", "default", False)
-    names = list(pref.backends)
+    names = list(first)
     for n in default_list + registered:
         if n not in names:
             names.append(n)
-    return pref, names
+    return names
+
+
+def order(ctx: Context, op: str, device: DeviceSpec):
+    """(preference, candidate names): the speaking layer's list, then implicit fallbacks."""
+    pref = ctx.stack.preference(op, device)
+    if pref is None:
+        registered = tuple(b.name for b in ctx.registry.backends(op))
+        pref = _policies.Preference(registered, "registration order", "default", False)
+    return pref, _with_fallbacks(ctx, op, pref.backends)
 
 
 def evaluate(ctx: Context, op: str, device: DeviceSpec, names, preferred) -> list:
@@ -125,29 +166,70 @@ def evaluate(ctx: Context, op: str, device: DeviceSpec, names, preferred) -> lis
     return out
 
 
-def resolve_in(ctx: Context, op: str, device: DeviceSpec) -> Resolution:
-    """One op on one device. Logs nothing: warnings ride in the result."""
-    _check_op(ctx, op)
-    pref, names = order(ctx, op, device)
-    candidates = evaluate(ctx, op, device, names, pref.backends)
+def _decide(ctx: Context, op: str, device: DeviceSpec, wanted_list, origin: str, user: bool,
+            candidates, where: str = ""):
+    """(winner, source, fallback, downgraded_from, warnings) for one preference list."""
     winner = next((c for c in candidates if c.ok), None)
     if winner is None:
         raise NoBackendError(op, device.id, candidates)
-    wanted = pref.backends[0]
+    wanted = wanted_list[0]
     fallback = winner.backend != wanted
-    source = pref.origin if winner.preferred else f"implicit fallback after {pref.origin}"
+    source = origin if winner.preferred else f"implicit fallback after {origin}"
     downgraded, warnings = None, ()
-    if fallback and pref.user:
+    if fallback and user:
         downgraded = wanted
         why = "; ".join(ch.message or f"{ch.code}: need {ch.need}, found {ch.found}"
                         for ch in candidates[0].checks if not ch.ok)
-        text = (f"{device.id} ({device.name}): {op}={wanted} was asked for ({pref.origin}) "
+        text = (f"{device.id} ({device.name}): {op}{where}={wanted} was asked for ({origin}) "
                 f"but cannot run: {why}; running {winner.backend} instead")
         if ctx.strict_effective:
             raise StrictFallbackError(f"strict: {text.replace('; running', '; would run')}")
         warnings = (text,)
-    return Resolution(op, device, winner.backend, source, fallback, downgraded,
-                      tuple(candidates), wanted, warnings)
+    return winner.backend, source, fallback, downgraded, warnings
+
+
+def _same_layout(op, catch_all: str, cand: Candidate) -> Candidate:
+    """In a size bucket, a backend whose prepared inputs (weight layout) differ from the
+    catch-all winner's cannot serve the same call site: a failed check, shown like any."""
+    if not op.layouts:
+        return cand
+    need, found = op.layouts.get(catch_all), op.layouts.get(cand.backend)
+    ok = need == found
+    check = Check("layout", f"{need} (the layout of {catch_all}, the catch-all's backend)", str(found), ok,
+                  "" if ok else f"{cand.backend} needs {op.name} inputs in layout {found}, the catch-all's "
+                                f"{catch_all} in {need}: one call site holds one layout")
+    return attrs.evolve(cand, ok=cand.ok and ok, checks=cand.checks + (check,))
+
+
+def resolve_in(ctx: Context, op: str, device: DeviceSpec) -> Resolution:
+    """One op on one device (each size bucket too). Logs nothing: warnings ride in the result."""
+    _check_op(ctx, op)
+    pref, names = order(ctx, op, device)
+    candidates = evaluate(ctx, op, device, names, pref.backends)
+    backend, source, fallback, downgraded, warnings = _decide(
+        ctx, op, device, pref.backends, pref.origin, pref.user, candidates)
+    size = ctx.registry.ops[op].size
+    key = size.key if size is not None else None
+    buckets, lower = [], None
+    if pref.buckets:
+        by_name = {c.backend: c for c in candidates}    # every check evaluated once
+        for bp in pref.buckets:
+            if bp.upper is None:      # the catch-all: the decision above
+                buckets.append(BucketResolution(lower, None, backend, source, fallback, downgraded,
+                                                tuple(candidates), pref.backends[0]))
+                break
+            bcands = tuple(_same_layout(ctx.registry.ops[op], backend,
+                                        attrs.evolve(by_name[n], preferred=n in bp.backends))
+                           for n in _with_fallbacks(ctx, op, bp.backends))
+            b_backend, b_source, b_fallback, b_down, b_warn = _decide(
+                ctx, op, device, bp.backends, bp.origin, pref.user, bcands,
+                where=f"[{key} <= {bp.upper}]")
+            buckets.append(BucketResolution(lower, bp.upper, b_backend, b_source, b_fallback,
+                                            b_down, bcands, bp.backends[0]))
+            warnings += b_warn
+            lower = bp.upper
+    return Resolution(op, device, backend, source, fallback, downgraded,
+                      tuple(candidates), pref.backends[0], warnings, tuple(buckets), key)
 
 
 def as_spec(device, *, via="auto", assume_cuda=None) -> DeviceSpec:

@@ -43,9 +43,30 @@ class Marked:
 
 
 @attrs.frozen
+class Bucket:
+    """One size bucket of an op's preference: sizes up to UPPER (inclusive) above the
+    previous bucket's bound; UPPER None is the catch-all."""
+    upper: Optional[int]
+    backends: tuple
+    line: int
+
+    def describe(self, key: str, lower: Optional[int] = None) -> str:
+        if self.upper is None:
+            return f"{key} > {lower}" if lower is not None else f"any {key}"
+        return f"{key} <= {self.upper}"
+
+
+@attrs.frozen
+class OpPreference(Marked):
+    """An op's preference in one layer. VALUE is the catch-all list (every size when
+    BUCKETS is empty); BUCKETS, when given, ascend by bound and end with the catch-all."""
+    buckets: tuple = ()
+
+
+@attrs.frozen
 class DeviceEntry:
     match: dict           # key -> str
-    ops: dict             # op -> Marked(list of backend names)
+    ops: dict             # op -> OpPreference
     line: int
 
     def matches(self, device) -> bool:
@@ -75,7 +96,7 @@ class PolicyFile:
     path: str
     mixed_group: Optional[Marked] = None
     on_unsupported: Optional[Marked] = None
-    ops: dict = attrs.field(factory=dict)          # op -> Marked(list)
+    ops: dict = attrs.field(factory=dict)          # op -> OpPreference
     devices: tuple = ()                            # DeviceEntry...
     builtin: bool = False
 
@@ -183,20 +204,88 @@ def _ops(r: _Reader, node, registry, what: str) -> dict:
         if op not in registry.ops:
             raise r.err(knode, f"unknown op {op!r}{_did_you_mean(op, registry.ops)} "
                                f"(valid: {', '.join(registry.ops)})")
-        names = []
-        for item in r.sequence(vnode, f"{what}.{op}"):
-            name = r.scalar(item, f"a backend of {op}")
-            valid = [b.name for b in registry.backends(op)]
-            if name not in valid:
-                raise r.err(item, f"unknown backend {name!r} for op {op}"
-                                  f"{_did_you_mean(name, valid)} (valid: {', '.join(valid)})")
-            if name in names:
-                raise r.err(item, f"backend {name!r} listed twice for op {op}")
-            names.append(name)
-        if not names:
-            raise r.err(vnode, f"{what}.{op}: the list is empty; name at least one backend")
-        out[op] = Marked(tuple(names), vnode.start_mark.line + 1)
+        items = r.sequence(vnode, f"{what}.{op}")
+        if any(isinstance(i, yaml.MappingNode) for i in items):
+            out[op] = _buckets(r, vnode, items, registry, op, f"{what}.{op}")
+        else:
+            out[op] = OpPreference(_names(r, vnode, items, registry, op, f"{what}.{op}"),
+                                   vnode.start_mark.line + 1)
     return out
+
+
+def _names(r: _Reader, node, items, registry, op: str, what: str) -> tuple:
+    names = []
+    valid = [b.name for b in registry.backends(op)]
+    for item in items:
+        name = r.scalar(item, f"a backend of {op}")
+        if name not in valid:
+            raise r.err(item, f"unknown backend {name!r} for op {op}"
+                              f"{_did_you_mean(name, valid)} (valid: {', '.join(valid)})")
+        if name in names:
+            raise r.err(item, f"backend {name!r} listed twice for op {op}")
+        names.append(name)
+    if not names:
+        raise r.err(node, f"{what}: the list is empty; name at least one backend")
+    return tuple(names)
+
+
+_BOUND = re.compile(r"<=\s*(\d+)")
+
+
+def _buckets(r: _Reader, node, items, registry, op: str, what: str) -> OpPreference:
+    """`- {tokens: "<=16", prefer: [...]}` ... `- {prefer: [...]}`: ascending bounds, one
+    catch-all, last."""
+    size = registry.ops[op].size
+    if size is None:
+        raise r.err(node, f"{what}: op {op} takes no size buckets; give a plain list of backends")
+    key = size.key
+    valid_keys = (key, "prefer")
+    buckets = []
+    for i, item in enumerate(items):
+        where = f"{what}[{i}]"
+        if not isinstance(item, yaml.MappingNode):
+            raise r.err(item, f"{where}: {r.scalar(item, where)!r} is a backend name in a list of "
+                              f"buckets; write every entry as a bucket, e.g. {{{key}: \"<=16\", "
+                              f"prefer: [...]}}, the last one {{prefer: [...]}}")
+        body = {}
+        for k, kn, vn in r.mapping(item, where):
+            if k not in valid_keys:
+                other = "tokens" if key == "rows" else "rows"
+                hint = (f"; {op} buckets on {key} (the leading dimension of its argument "
+                        f"{size.name!r})" if k == other else _did_you_mean(k, valid_keys))
+                raise r.err(kn, f"{where}: unknown key {k!r}{hint} (valid: {', '.join(valid_keys)})")
+            body[k] = vn
+        if "prefer" not in body:
+            raise r.err(item, f"{where}: needs 'prefer', the backends for this bucket in order")
+        prefer = _names(r, body["prefer"], r.sequence(body["prefer"], f"{where}.prefer"),
+                        registry, op, f"{where}.prefer")
+        upper = None
+        if key in body:
+            vn = body[key]
+            raw = r.scalar(vn, f"{where}.{key}")
+            m = _BOUND.fullmatch(str(raw).strip()) if isinstance(raw, str) else None
+            if m is None or int(m.group(1)) < 1:
+                raise r.err(vn, f"{where}.{key}: {raw!r} is not a bucket bound (valid: \"<=N\" with N a "
+                                f"whole number >= 1, e.g. \"<=16\"; leave {key} out for the catch-all)")
+            upper = int(m.group(1))
+        line = item.start_mark.line + 1
+        if buckets and buckets[-1].upper is None:
+            raise r.err(item, f"{where}: comes after the catch-all bucket (line {buckets[-1].line}), "
+                              f"so it would never apply; the catch-all (no {key}) goes last")
+        if upper is not None and buckets and upper <= buckets[-1].upper:
+            prev = buckets[-1]
+            how = "repeats" if upper == prev.upper else "is below"
+            raise r.err(vn, f"{where}.{key}: \"<={upper}\" {how} the bound of the bucket before it "
+                            f"(\"<={prev.upper}\", line {prev.line}); buckets go in increasing order of "
+                            f"their bounds, each taking the sizes above the previous bound")
+        buckets.append(Bucket(upper, prefer, line))
+    if not buckets:
+        raise r.err(node, f"{what}: the list is empty; name at least one backend")
+    if buckets[-1].upper is not None:
+        raise r.err(node, f"{what}: no catch-all bucket for {key} above {buckets[-1].upper}; "
+                          f"end the list with {{prefer: [...]}} (a bucket without {key})")
+    return OpPreference(buckets[-1].backends, buckets[-1].line,
+                        buckets=tuple(buckets) if len(buckets) > 1 else ())
 
 
 def _devices(r: _Reader, node, registry, known_devices):

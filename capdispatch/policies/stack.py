@@ -17,12 +17,26 @@ class Selection:
 
 
 @attrs.frozen
+class BucketPreference:
+    """One size bucket of the speaking layer: sizes up to UPPER (None: the catch-all)."""
+    upper: Optional[int]
+    backends: tuple
+    origin: str
+
+
+@attrs.frozen
 class Preference:
     """The preference list of the layer that speaks for an op on a device."""
     backends: tuple
     origin: str          # file:line and scope, for the trace
     kind: str            # "default" | "policy" | "device" | "selection"
     user: bool           # a fallback away from it is logged (or refused under strict)
+    buckets: tuple = ()  # BucketPreference..., ascending, the last the catch-all (BACKENDS)
+
+
+def _buckets(pf, m, scope: str = "") -> tuple:
+    return tuple(BucketPreference(b.upper, b.backends, f"{pf.path}:{b.line}{scope}")
+                 for b in getattr(m, "buckets", ()))
 
 
 @attrs.frozen
@@ -58,13 +72,15 @@ class PolicyStack:
                 for entry in reversed(pf.devices):
                     if op in entry.ops and entry.matches(device):
                         m = entry.ops[op]
-                        return Preference(m.value, f"{pf.path}:{m.line} (device {entry.describe()})",
-                                          "device", not pf.builtin)
+                        scope = f" (device {entry.describe()})"
+                        return Preference(m.value, f"{pf.path}:{m.line}{scope}",
+                                          "device", not pf.builtin, _buckets(pf, m, scope))
             for pf in reversed(files):
                 if op in pf.ops:
                     m = pf.ops[op]
                     return Preference(m.value, f"{pf.path}:{m.line}",
-                                      "default" if pf.builtin else "policy", not pf.builtin)
+                                      "default" if pf.builtin else "policy", not pf.builtin,
+                                      _buckets(pf, m))
         return None
 
 

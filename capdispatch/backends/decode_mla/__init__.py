@@ -6,7 +6,7 @@ semantics; see reference.py. Covers the main (SWA) pool, an optional extra (c4/c
 compressed) pool in the same V4 layout, per-batch top-k lengths and the attention
 sink. Declarations only: kernels are imported when bound.
 """
-from ..base import AnyFeature, Backend, Feature, Library, Op, TORCH, TRITON, TritonTarget
+from ..base import AnyFeature, Backend, Feature, Library, Op, SizeArg, TORCH, TRITON, TritonTarget
 
 _PKG = "capdispatch.backends.decode_mla"
 
@@ -21,7 +21,7 @@ OPS = (
        "[b,s_q,extra_topk], extra_page_size=None, extra_topk_length=None [b], *, out=None) "
        "-> (out [b,s_q,h,512] bf16, lse [b,h,s_q] fp32 natural log, sink not included, +inf and "
        "out 0 where no entry is valid); ids < 0, >= num_pages*page_size or past topk_length are masked",
-       reference="torch"),
+       reference="torch", size=SizeArg("tokens", 0, "q")),
 )
 
 _FLASHMLA = Library("sgl-flash-mla", ">=1.0", module="flash_mla")

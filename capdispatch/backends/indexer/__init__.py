@@ -4,7 +4,7 @@ Declarations only: the kernels live in reference.py (torch), triton_kernels.py,
 tilelang_kernel.py and deepgemm.py, and are imported when a backend is bound.
 Contract: reference.py's module docstring and docs/ops/indexer.md.
 """
-from ..base import AnyFeature, Backend, ComputeCapability, Library, Op, Platform, TORCH, TRITON, TritonTarget
+from ..base import AnyFeature, Backend, ComputeCapability, Library, Op, SizeArg, Platform, TORCH, TRITON, TritonTarget
 
 _PKG = "capdispatch.backends.indexer"
 
@@ -15,6 +15,7 @@ OP = Op(
     "indexer(q, kv_cache, weights, context_lens, block_table, schedule_metadata, max_context_len, "
     "clean_logits=False) -> Tensor",
     reference="torch",
+    size=SizeArg("tokens", 0, "q"),     # B: decode batch rows, or prefill query rows
 )
 
 # SGLang 0.5.23 pins tilelang==0.1.12; the kernel is lowered and tested with it.

@@ -3,17 +3,19 @@
 Declarations only: kernels live in reference.py (torch) and triton_kernels.py
 and are imported when bound.
 """
-from ..base import Backend, Feature, Op, TORCH, TRITON, TritonTarget
+from ..base import Backend, Feature, Op, SizeArg, TORCH, TRITON, TritonTarget
 
 _PKG = "capdispatch.backends.kv_cache"
 
 OPS = (
     Op("kv_quant",
        "bf16 K [n,512] -> V4 paged uint8 pool at token slots `loc` (448 fp8 e4m3 + 64 bf16 + 7 UE8M0 scales + pad)",
-       "kv_quant(k, pool, loc, page_size) -> None", reference="torch"),
+       "kv_quant(k, pool, loc, page_size) -> None", reference="torch",
+       size=SizeArg("rows", 0, "k")),
     Op("kv_dequant",
        "V4 paged uint8 pool, token ids -> bf16 [n,1,512]",
-       "kv_dequant(pool, token_ids, page_size, out=None) -> Tensor", reference="torch"),
+       "kv_dequant(pool, token_ids, page_size, out=None) -> Tensor", reference="torch",
+       size=SizeArg("rows", 1, "token_ids")),
 )
 
 

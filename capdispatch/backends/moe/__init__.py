@@ -11,7 +11,7 @@ Weights are a ``MoeWeights`` (weights.py); a backend whose kernel consumes a
 shuffled layout needs ``prepare(weights, backend)`` once after loading (in
 place, bytes per expert unchanged).
 """
-from ..base import Backend, ComputeCapability, Feature, Library, Op, Platform, TORCH, TRITON, TritonTarget
+from ..base import Backend, ComputeCapability, Feature, Library, Op, SizeArg, Platform, TORCH, TRITON, TritonTarget
 from .weights import LAYOUTS, LayoutError, MoeWeights, packed_bytes_per_expert, prepare
 
 __all__ = ["OPS", "register", "MoeWeights", "prepare", "packed_bytes_per_expert", "LayoutError",
@@ -23,7 +23,9 @@ OPS = (
     Op("moe",
        "routed experts: packed MXFP4 weights + E8M0 scales (never widened), clamped SwiGLU, "
        "weighted top-k sum; expert id -1 = masked (not local under EP)",
-       "moe(x, weights, topk_weights, topk_ids, out=None) -> Tensor", reference="torch"),
+       "moe(x, weights, topk_weights, topk_ids, out=None) -> Tensor", reference="torch",
+       size=SizeArg("tokens", 0, "x"),
+       layouts={name: layout for name, (layout, _) in LAYOUTS.items()}),
 )
 
 # 0.6.14: first release with the SM120 MXFP8 x MXFP4 CUTLASS MoE and the SM90

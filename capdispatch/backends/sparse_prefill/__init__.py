@@ -9,7 +9,7 @@ caches, not a bf16 K/V workspace, so they cannot serve this contract; on SM120 S
 runs extends through the paged kernel instead, which is the ``decode_mla`` op's
 ``flashinfer_sparse_mla`` backend (its extend path takes no split-K scratch).
 """
-from ..base import AnyFeature, Backend, Library, Op, TORCH, TRITON, TritonTarget
+from ..base import AnyFeature, Backend, Library, Op, SizeArg, TORCH, TRITON, TritonTarget
 
 _PKG = "capdispatch.backends.sparse_prefill"
 
@@ -23,7 +23,7 @@ OPS = (
        "-> (out [s,h,512] bf16, max_logits [s,h] fp32, lse [s,h] fp32); use_legacy=True: base-2 "
        "statistics, a query with no valid index gives out 0, max_logits -inf, lse +inf; "
        "use_legacy=False: natural log, lse +inf for such a query",
-       reference="torch"),
+       reference="torch", size=SizeArg("tokens", 0, "q")),
 )
 
 # SGLang 0.5.23 pins sgl-flash-mla==1.0.0 and imports it as flash_mla; the

@@ -1,0 +1,71 @@
+"""From timings to buckets: the fastest backend per size, an incumbent kept inside the
+noise band, adjacent sizes with one winner merged. Pure: no torch, no device.
+
+The stability law: with the previous calibration as incumbent, a size keeps its
+backend unless another is faster by more than the band, so re-measuring on the same
+card (each time within a factor sqrt(1 + noise) of the last) writes the same buckets.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import attrs
+
+
+@attrs.frozen
+class Choice:
+    size: int
+    winner: str
+    order: tuple          # winner first, then the others by time
+    times: dict           # backend -> ms, the backends whose output passed the check
+    kept: bool            # the incumbent, kept within the noise band though not the fastest
+
+
+@attrs.frozen
+class Run:
+    """Adjacent sizes with one winner: one bucket. UPPER None: the catch-all."""
+    upper: Optional[int]
+    winner: str
+    order: tuple
+    choices: tuple
+
+
+def choose(times: dict, noise: float, incumbent: Callable[[int], Optional[str]] = lambda s: None) -> list:
+    """TIMES: size -> {backend: ms}. The fastest backend wins a size unless the incumbent
+    for it is within NOISE (a fraction: 0.05 is 5%) of the fastest."""
+    out = []
+    for size in sorted(times):
+        t = times[size]
+        if not t:
+            raise ValueError(f"size {size}: no backend was measured")
+        fastest = min(t, key=lambda b: (t[b], b))
+        inc = incumbent(size)
+        keep = inc is not None and inc in t and inc != fastest and t[inc] <= t[fastest] * (1 + noise)
+        winner = inc if keep else fastest
+        rest = sorted((b for b in t if b != winner), key=lambda b: (t[b], b))
+        out.append(Choice(size, winner, (winner, *rest), dict(t), keep))
+    return out
+
+
+def merge(choices) -> list:
+    """Runs of adjacent sizes with one winner; the last run is the catch-all. Inside a
+    run the fallbacks go by their mean time relative to the fastest at each size."""
+    groups = []
+    for c in choices:
+        if groups and groups[-1][-1].winner == c.winner:
+            groups[-1].append(c)
+        else:
+            groups.append([c])
+    runs = []
+    for i, g in enumerate(groups):
+        names = {b for c in g for b in c.times}
+        winner = g[0].winner
+
+        def score(b):
+            ratios = [c.times[b] / min(c.times.values()) if b in c.times else math.inf for c in g]
+            return (sum(ratios) / len(ratios), b)
+        rest = sorted((b for b in names if b != winner), key=score)
+        upper = None if i == len(groups) - 1 else g[-1].size
+        runs.append(Run(upper, winner, (winner, *rest), tuple(g)))
+    return runs

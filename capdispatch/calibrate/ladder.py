@@ -1,0 +1,58 @@
+"""The sizes each op is calibrated at (its leading dimension) and how it is served there."""
+from __future__ import annotations
+
+# Decode-time ops: 1-4096 tokens (SGLang's decode batches and extends); prefill up to 16k
+# query tokens; the KV ops by rows (decode writes a batch's tokens, prefill gathers up to
+# a whole context).
+_DECODE = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+DEFAULT_SIZES = {
+    "decode_mla": _DECODE,
+    "indexer": _DECODE,
+    "moe": _DECODE,
+    "sparse_prefill": (256, 512, 1024, 2048, 4096, 8192, 16384),
+    "kv_quant": _DECODE + (16384,),
+    "kv_dequant": (64, 256, 1024, 4096, 16384, 65536, 262144),
+}
+
+# SGLang runs decode inside CUDA graphs for batches up to its --cuda-graph-max-bs; the
+# calibration times the decode-time ops that way up to this size, eagerly above it.
+GRAPH_MAX = 512
+_GRAPH_OPS = ("decode_mla", "indexer", "moe", "kv_quant")
+
+# Problem dimensions other than the bucketed one. "full" are DeepSeek-V4's (benchmarks/
+# use the same builders); "small" keeps the CPU path (torch, the Triton interpreter) to
+# seconds: shorter contexts, fewer experts, narrower MoE layers.
+PROFILES = {
+    "full": dict(swa_page=256, c4_page=64, c4_tokens=65536, prefill_kv=65536, prefill_topk=512,
+                 indexer_context=16384, kv_page=256, moe_experts=64, moe_hidden=4096,
+                 moe_intermediate=2048),
+    "small": dict(swa_page=64, c4_page=64, c4_tokens=1024, prefill_kv=1024, prefill_topk=64,
+                  indexer_context=256, kv_page=64, moe_experts=4, moe_hidden=256,
+                  moe_intermediate=128),
+}
+
+
+def served_in_graphs(op: str, size: int, platform: str) -> bool:
+    return platform == "cuda" and op in _GRAPH_OPS and size <= GRAPH_MAX
+
+
+class SizesError(ValueError):
+    pass
+
+
+def parse_sizes(text: str) -> tuple:
+    """'1,2,16' -> (1, 2, 16): whole numbers >= 1, ascending, no repeats."""
+    out = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if not part.isdigit() or int(part) < 1:
+            raise SizesError(f"--sizes: {part!r} is not a size (valid: whole numbers >= 1, "
+                             f"comma-separated, e.g. 1,16,256)")
+        out.append(int(part))
+    if not out:
+        raise SizesError("--sizes: no sizes given (e.g. 1,16,256)")
+    if sorted(set(out)) != out:
+        raise SizesError(f"--sizes: {text!r} must ascend without repeats (e.g. {','.join(map(str, sorted(set(out))))})")
+    return tuple(out)
