@@ -184,3 +184,66 @@ def test_routed_layer_at_dsv4_shapes_on_the_gpu(tmp_path):
         assert c["kernel"]["masked_routes"] == c["local_masked"], f"{msg} T={t}"
         assert c["rel_err"] <= 2e-3 and c["max_abs_over_max_ref"] <= 1e-2, f"{msg} T={t}: {c}"
     assert g["by_tokens"]["512"]["local_masked"] > 0      # EP2: about half the routes are the other rank's
+
+
+# ------------------------------------------------------------------ the moe route's data and decisions
+
+def _release():
+    from capdispatch.adapters.sglang import knobs
+    return knobs.load().releases[0]
+
+
+def test_knob_map_moe_route_is_checked_with_the_place_of_the_mistake(tmp_path):
+    from capdispatch.adapters.sglang import knobs
+    text = open(knobs.DEFAULT_PATH, encoding="utf-8").read()
+    cases = [("sm120: flashinfer_cutlass_w4a8, sm90:", "sm120: flashinfer_cutlas_w4a8, sm90:",
+              "native_by.values.flashinfer_mxfp4.sm120: unknown backend 'flashinfer_cutlas_w4a8' for moe"),
+             ("marlin: {sm90: marlin_w4a16,", "marlin: {hopper: marlin_w4a16,",
+              "native_by.values.marlin: 'hopper' is not a device family"),
+             ("            marlin: Mxfp4MarlinMoEMethod\n", "",
+              "native_by.methods: expected one SGLang method name per value")]
+    for old, new, message in cases:
+        assert old in text, old
+        p = tmp_path / "knobs.yaml"
+        p.write_text(text.replace(old, new, 1))
+        with pytest.raises(knobs.KnobsError) as err:
+            knobs.load(str(p))
+        assert message in str(err.value) and "releases[0].routes[" in str(err.value), str(err.value)
+
+
+def test_launch_value_user_then_device_0():
+    import capdispatch as cd
+    from capdispatch.adapters.sglang import moe_plan
+    rel = _release()
+    sm86, sm120 = cd.probe("sim:rtx-3080"), cd.probe("sim:rtx-5090")
+    v = moe_plan.launch_value(rel, [sm120, sm86])
+    assert (v.value, v.explicit) == ("flashinfer_mxfp4", False) and "device 0 (sim:rtx-5090" in v.origin
+    assert moe_plan.launch_value(rel, [sm86, sm120]).value == "auto"
+    v = moe_plan.launch_value(rel, [sm120], explicit_fields={"moe_runner_backend"},
+                              field_values={"moe_runner_backend": "marlin"})
+    assert (v.value, v.explicit) == ("marlin", True)
+    nb = moe_plan.route_of(rel).native_by
+    assert nb.native("marlin", sm86) is None and nb.native("marlin", sm120) == "marlin_w4a16"
+    assert nb.native("triton", sm120) is None and nb.method("flashinfer_mxfp4", sm86) == "Mxfp4FlashinferTrtllmMoEMethod"
+
+
+def test_explicit_value_that_cannot_run_warns_per_device_or_refuses_under_strict():
+    import capdispatch as cd
+    from capdispatch.adapters.sglang import decide
+    from capdispatch.adapters.sglang import rig
+    rel = _release()
+    specs = rig.devices([0, 1, 2], env={rig.SIM_ENV: RIG})
+    given = dict(explicit_fields={"moe_runner_backend"}, field_values={"moe_runner_backend": "flashinfer_mxfp4"})
+    d = decide.decide(specs, ("moe",), rel, env={}, **given)
+    row = d.choices["moe"]
+    assert [c.routed for c in row.values()] == [False, True, True]
+    warns = [w for w in d.warnings if "was set by the user" in w]
+    assert len(warns) == 2 and all("running capdispatch triton_w4a16 instead" in w for w in warns)
+    assert [w.split(": ", 1)[0] for w in warns] == ["moe on cuda:1", "moe on cuda:2"]
+    assert all("(NVIDIA GeForce RTX 3080; " in w for w in warns)
+    with pytest.raises(cd.Unsatisfiable, match=r"strict: moe on cuda:1: .*would run capdispatch triton_w4a16"):
+        decide.decide(specs, ("moe",), rel, env={"CAPDISPATCH_STRICT": "1"}, **given)
+    # Not the user's value (SGLang's own default): routed, and no warning.
+    d = decide.decide(specs, ("moe",), rel, env={})
+    assert [c.routed for c in d.choices["moe"].values()] == [False, True, True]
+    assert not [w for w in d.warnings if "was set by the user" in w]
