@@ -116,7 +116,7 @@ def route_choice(release, op: str, res, user_spoke: bool, spec=None, user_env=No
     # --- moe: SGLang's method depends on the launch's moe_runner_backend (moe_plan.py) ---
     if route is not None and route.native_by is not None:
         from . import moe_plan
-        return moe_plan.route_choice(route, res, user_spoke, spec, moe_launch, strict)
+        return moe_plan.route_choice(route, res, spec, moe_launch, strict)
     # --- end moe ---
     if route is None:
         if release.routes_for(op):

@@ -128,9 +128,10 @@ def _failed(candidate) -> str:
     return "; ".join(f"needs {ch.need}, has {ch.found}" for ch in candidate.checks if not ch.ok)
 
 
-def route_choice(route, res, user_spoke: bool, spec, launch: Optional[LaunchValue], strict: bool = False):
-    """(routed, why, warning) for moe on SPEC, resolved as RES. Raises
-    capdispatch.Unsatisfiable under STRICT where the user's value cannot run."""
+def route_choice(route, res, spec, launch: Optional[LaunchValue], strict: bool = False):
+    """(routed, why, warning) for moe on SPEC, resolved as RES (a capdispatch selection
+    included: where it names the kernel SGLang's method runs, that method is kept).
+    Raises capdispatch.Unsatisfiable under STRICT where the user's value cannot run."""
     import capdispatch as cd
     site = route.target.rsplit(".", 2)
     site = ".".join(site[-2:])
