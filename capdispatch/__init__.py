@@ -20,6 +20,8 @@ _API = {
     "NoBackendError": ("capdispatch.dispatch", "NoBackendError"),
     "Unsatisfiable": ("capdispatch.dispatch", "Unsatisfiable"),
     "BadInput": ("capdispatch.dispatch", "BadInput"),
+    "verify_decisions": ("capdispatch.dispatch", "verify_decisions"),
+    "Verification": ("capdispatch.dispatch", "Verification"),
 }
 
 __all__ = sorted(_API)

@@ -44,3 +44,9 @@ def clean_env(monkeypatch):
     for k in ("CAPDISPATCH_POLICY", "CAPDISPATCH_SET", "CAPDISPATCH_STRICT", "TRITON_INTERPRET"):
         monkeypatch.delenv(k, raising=False)
     return monkeypatch
+
+
+@pytest.fixture(autouse=True)
+def _private_verification_cache(tmp_path_factory, monkeypatch):
+    """Every test reads and writes canary verdicts in a cache of its own, never the user's."""
+    monkeypatch.setenv("CAPDISPATCH_CACHE_DIR", str(tmp_path_factory.mktemp("capdispatch-cache")))

@@ -54,6 +54,7 @@ def _exact_fp32_matmul():
 
 from capdispatch.backends import moe as M  # noqa: E402
 from capdispatch.backends.moe import reference as R  # noqa: E402
+from capdispatch.backends.moe.inputs import make_case  # noqa: E402
 from capdispatch.backends.moe.weights import (CHECKPOINT, LayoutError, MoeWeights,  # noqa: E402
                                               packed_bytes_per_expert, rewrite_per_expert_, swap_halves_)
 from capdispatch.backends.registry import Registry  # noqa: E402
@@ -98,14 +99,6 @@ def full_registry():
         M.register(reg)
     return reg
 
-
-def make_case(seed, *, E, H, I, K, T, device, mask_frac=0.25, limit=10.0, scale_lo=119, scale_hi=125):
-    gen = torch.Generator().manual_seed(seed)
-    w = R.random_weights(E, H, I, gen=gen, device=device, swiglu_limit=limit,
-                         scale_lo=scale_lo, scale_hi=scale_hi)
-    x = torch.randn(T, H, generator=gen).bfloat16().to(device)
-    tw, ids = R.random_routing(T, K, E, gen=gen, device=device, mask_frac=mask_frac)
-    return w, x, tw, ids
 
 
 def errors(got, want):

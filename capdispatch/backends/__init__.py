@@ -1,7 +1,8 @@
 """Ops and the backends that implement them, with what each backend needs."""
 from .base import (AnyFeature, Backend, Check, ComputeCapability, Facts, Feature, Library,
-                   Op, Platform, TritonTarget)
-from .registry import Registry, builtin
+                   Op, Platform, TORCH, TRITON, TritonTarget)
+from .plugins import PluginInfo
+from .registry import Registry, build, builtin
 
 __all__ = ["AnyFeature", "Backend", "Check", "ComputeCapability", "Facts", "Feature", "Library",
-           "Op", "Platform", "Registry", "TritonTarget", "builtin"]
+           "Op", "Platform", "PluginInfo", "Registry", "TORCH", "TRITON", "TritonTarget", "build", "builtin"]

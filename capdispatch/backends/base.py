@@ -170,6 +170,14 @@ class Op:
     # Backends whose prepared inputs differ (MoE weight layouts) cannot share one call site
     # across size buckets: backend name -> layout tag. Buckets keep the catch-all's layout.
     layouts: Optional[dict] = attrs.field(default=None, eq=False)
+    # "module:function" of the op's canary (a small canonical problem checked against
+    # the reference on the card), imported only when a backend is verified.
+    canary: str = ""
+
+    def load_canary(self):
+        import importlib
+        module, _, attr = self.canary.partition(":")
+        return getattr(importlib.import_module(module), attr)
 
 
 @attrs.frozen

@@ -1,7 +1,9 @@
 """The op and backend registry: tiny, explicit, traceable.
 
 Built-in op packages declare their backends in a `register(registry)` function
-that imports no kernel code; kernels are imported when a backend is bound.
+that imports no kernel code; kernels are imported when a backend is bound. Other
+packages add backends through the `capdispatch.backends` entry-point group
+(plugins.py), read when the registry is built.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ class Registry:
     def __init__(self):
         self.ops: dict = {}
         self._backends: dict = {}     # op -> {name: Backend}, in registration (default) order
+        self.plugins: list = []       # PluginInfo of every entry point read, loaded or skipped
 
     def add_op(self, op: Op) -> None:
         if op.name in self.ops:
@@ -53,12 +56,21 @@ class Registry:
 _builtin = None
 
 
+def build(*, plugins: bool = True, entry_points=None) -> Registry:
+    """A new registry: the built-in op packages, then (PLUGINS) the installed plugins
+    or the given ENTRY_POINTS (declarations only, no kernels)."""
+    from . import plugins as _plugins
+    reg = Registry()
+    for pkg in BUILTIN_OP_PACKAGES:
+        importlib.import_module(pkg).register(reg)
+    if plugins:
+        reg.plugins = _plugins.load(reg, entry_points)
+    return reg
+
+
 def builtin() -> Registry:
-    """The registry of capdispatch's own ops (declarations only, no kernels)."""
+    """The registry of this process: capdispatch's own ops and the installed plugins."""
     global _builtin
     if _builtin is None:
-        reg = Registry()
-        for pkg in BUILTIN_OP_PACKAGES:
-            importlib.import_module(pkg).register(reg)
-        _builtin = reg
+        _builtin = build()
     return _builtin

@@ -5,7 +5,8 @@ from .errors import (BadInput, GroupDivergenceError, NoBackendError, StrictFallb
 from .explain import Plan, plan
 from .group import GroupResolution, resolve_group
 from .resolver import Candidate, Resolution, resolve
+from .verify import Verification, verify_decisions
 
 __all__ = ["BadInput", "Candidate", "GroupDivergenceError", "GroupResolution", "NoBackendError",
            "OpHandle", "Plan", "Resolution", "StrictFallbackError", "Unsatisfiable", "bind",
-           "plan", "resolve", "resolve_group"]
+           "Verification", "plan", "resolve", "resolve_group", "verify_decisions"]

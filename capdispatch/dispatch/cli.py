@@ -54,6 +54,9 @@ def _parser() -> argparse.ArgumentParser:
     o = sub.add_parser("ops", help="the ops and their backends with what each needs")
     fmt(o)
 
+    from . import verify_cmd
+    verify_cmd.add_parser(sub)
+
     for name, (_, help_) in EXTENSIONS.items():
         x = sub.add_parser(name, help=help_, add_help=False)
         x.add_argument("rest", nargs=argparse.REMAINDER)
@@ -117,6 +120,9 @@ def _run(args) -> int:
         return _cmd_explain(args)
     if args.cmd == "ops":
         return _cmd_ops(args)
+    if args.cmd == "verify":
+        from . import verify_cmd
+        return verify_cmd.run(args)
     if args.cmd in EXTENSIONS:
         import importlib
         return importlib.import_module(EXTENSIONS[args.cmd][0]).main(args.rest)
@@ -178,6 +184,10 @@ def _cmd_ops(args) -> int:
             rows.append(f"      needs: {'; '.join(needs)}")
             obj["ops"][op.name]["backends"].append({"name": b.name, "summary": b.summary,
                                                     "impl": b.impl, "needs": needs})
+    obj["plugins"] = [p.to_dict() for p in reg.plugins]
+    for p in reg.plugins:
+        rows.append(f"plugin {p.name} ({p.value}): " + (f"added {', '.join(p.backends)}" if p.ok
+                                                        else f"SKIPPED: {p.message}"))
     _emit(args, obj, "\n".join(rows))
     return EXIT_OK
 
@@ -236,7 +246,7 @@ def _cmd_policy_show(args) -> int:
     stack = build(reg, policy=args.policy or None, known_devices=known_device_names())
     obj = {"schema": 1, "settings": {}, "ops": {}, "devices": [], "selections": []}
     lines = []
-    for key in ("mixed_group", "on_unsupported"):
+    for key in ("mixed_group", "on_unsupported", "verify"):
         s = stack.setting(key)
         obj["settings"][key] = {"value": s.value, "from": s.origin}
         lines.append(f"{key}: {s.value}    # {s.origin}")

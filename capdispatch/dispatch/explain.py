@@ -113,11 +113,12 @@ def render_text(p: Plan) -> str:
             for c in r.candidates:
                 mark = "✓" if c.ok else "✗"
                 bad = [ch for ch in c.checks if not ch.ok]
+                tag = f"  [{c.verification}]" if c.verification else ""
                 if c.ok:
-                    out.append(f"      {mark} {c.backend}")
+                    out.append(f"      {mark} {c.backend}{tag}")
                 else:
                     why = "; ".join(f"{ch.code}: need {ch.need}, found {ch.found}" for ch in bad)
-                    out.append(f"      {mark} {c.backend}: {why}")
+                    out.append(f"      {mark} {c.backend}: {why}{tag}")
     if p.warnings:
         out.append("")
         out.append(f"{len(p.warnings)} warning(s): see above on stderr")

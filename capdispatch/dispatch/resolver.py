@@ -23,9 +23,21 @@ class Candidate:
     checks: tuple
     preferred: bool          # named by the layer that spoke (not an implicit fallback)
 
+    @property
+    def verification(self) -> Optional[str]:
+        """'verified', 'failed' or 'not verified' on this card; None where the cache
+        was not read (simulated devices, `verify: off`)."""
+        for c in self.checks:
+            if c.code == "canary":
+                return "not verified" if c.found == "not verified" else "verified" if c.found.startswith("pass") \
+                    else "failed"
+        return None
+
     def to_dict(self) -> dict:
-        return {"backend": self.backend, "ok": self.ok,
-                "checks": [c.to_dict() for c in self.checks]}
+        d = {"backend": self.backend, "ok": self.ok, "checks": [c.to_dict() for c in self.checks]}
+        if self.verification is not None:
+            d["verification"] = self.verification
+        return d
 
 
 @attrs.frozen
@@ -89,6 +101,22 @@ class Context:
     inventory: Inventory
     env: dict
     strict: bool
+    cards: dict = attrs.field(factory=dict, eq=False)   # device id -> CardCache, read once
+
+    @property
+    def verify_mode(self) -> str:
+        """CAPDISPATCH_VERIFY when set, else the policy's `verify`."""
+        return self.env.get("CAPDISPATCH_VERIFY") or self.stack.setting("verify").value
+
+    def card(self, device: DeviceSpec):
+        """The device's canary verdicts, read from the cache once for this context
+        (None for simulated devices, or when the policy says `verify: off`)."""
+        if device.simulated or self.verify_mode == "off":
+            return None
+        if device.id not in self.cards:
+            from ..proof import open_card
+            self.cards[device.id] = open_card(device, inventory=self.inventory, env=self.env)
+        return self.cards[device.id]
 
     @property
     def strict_effective(self) -> bool:
@@ -122,6 +150,9 @@ def context(*, policy=None, selections=None, assume_libs=None, strict=False, reg
                                 selection_origin=selection_origin)
     except _policies.SelectionError as exc:
         raise BadInput(str(exc)) from None
+    verify = env.get("CAPDISPATCH_VERIFY")
+    if verify and verify not in _policies.VERIFY:
+        raise BadInput(f"CAPDISPATCH_VERIFY={verify!r} is not valid (valid: {', '.join(_policies.VERIFY)})")
     return Context(registry, stack, inventory, env, strict)
 
 
@@ -152,9 +183,25 @@ def order(ctx: Context, op: str, device: DeviceSpec):
     return pref, _with_fallbacks(ctx, op, pref.backends)
 
 
+def canary_check(verdict, mode: str, device: DeviceSpec, op: str, name: str) -> Check:
+    """The `canary` check: what the verification cache says of this backend on this card."""
+    need = "pass" if mode == "required" else "pass, or not verified (verify: warn)"
+    if verdict is None:
+        ok = mode != "required"
+        return Check("canary", need, "not verified", ok,
+                     "" if ok else f"{device.id}: {op}/{name} has not passed its canary on this card "
+                                   f"(verify: required; run `dispatch verify`)")
+    if verdict.passed:
+        when = f" ({verdict.at})" if verdict.at else ""
+        return Check("canary", need, f"pass{when}", True)
+    return Check("canary", need, verdict.describe(), False,
+                 f"{device.id}: {op}/{name} failed its canary on this card: {verdict.describe()}")
+
+
 def evaluate(ctx: Context, op: str, device: DeviceSpec, names, preferred) -> list:
     feats = derive_features(device)
     cheap = Facts(device, feats, ctx.inventory, ctx.env, check_imports=False)
+    card = ctx.card(device)
     out = []
     for name in names:
         backend = ctx.registry.backend(op, name)
@@ -162,6 +209,8 @@ def evaluate(ctx: Context, op: str, device: DeviceSpec, names, preferred) -> lis
         # Importing is the costly proof: only for a real device, only when all else holds.
         if all(c.ok for c in checks) and not device.simulated:
             checks = backend.evaluate(attrs.evolve(cheap, check_imports=True))
+        if card is not None:
+            checks = list(checks) + [canary_check(card.get(backend), ctx.verify_mode, device, op, name)]
         out.append(Candidate(name, all(c.ok for c in checks), tuple(checks), name in preferred))
     return out
 
@@ -185,6 +234,17 @@ def _decide(ctx: Context, op: str, device: DeviceSpec, wanted_list, origin: str,
         if ctx.strict_effective:
             raise StrictFallbackError(f"strict: {text.replace('; running', '; would run')}")
         warnings = (text,)
+    # A kernel that failed on this card is replaced loudly, whoever preferred it.
+    for c in candidates[:candidates.index(winner)]:
+        if downgraded == c.backend:
+            continue
+        failed = [ch for ch in c.checks if ch.code == "canary" and not ch.ok]
+        if failed:
+            what = ("has not passed its canary on this card (verify: required)"
+                    if failed[0].found == "not verified" else
+                    f"failed its canary on this card ({failed[0].found})")
+            warnings += (f"{device.id} ({device.name}): {op}{where}={c.backend} {what}; "
+                         f"running {winner.backend} instead",)
     return winner.backend, source, fallback, downgraded, warnings
 
 

@@ -17,7 +17,9 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
 MIXED_GROUP = ("allow", "warn", "uniform", "error")
 ON_UNSUPPORTED = ("downgrade", "error")
-TOP_KEYS = ("schema", "mixed_group", "on_unsupported", "ops", "devices")
+VERIFY = ("off", "warn", "required")
+SETTINGS = {"mixed_group": MIXED_GROUP, "on_unsupported": ON_UNSUPPORTED, "verify": VERIFY}
+TOP_KEYS = ("schema", "mixed_group", "on_unsupported", "verify", "ops", "devices")
 DEVICE_KEYS = ("match", "ops")
 MATCH_KEYS = ("id", "name", "cc")
 
@@ -96,6 +98,7 @@ class PolicyFile:
     path: str
     mixed_group: Optional[Marked] = None
     on_unsupported: Optional[Marked] = None
+    verify: Optional[Marked] = None
     ops: dict = attrs.field(factory=dict)          # op -> OpPreference
     devices: tuple = ()                            # DeviceEntry...
     builtin: bool = False
@@ -184,9 +187,11 @@ def parse(text: str, path: str, registry, *, known_devices=(), builtin: bool = F
             v = r.scalar(vnode, "schema")
             if v != 1:
                 raise r.err(vnode, f"schema {v!r} is not supported (valid: 1)")
-        elif key in ("mixed_group", "on_unsupported"):
-            valid = MIXED_GROUP if key == "mixed_group" else ON_UNSUPPORTED
+        elif key in SETTINGS:
+            valid = SETTINGS[key]
             v = r.scalar(vnode, key)
+            if key == "verify" and v is False:   # YAML 1.1 reads a bare `off` as false
+                v = "off"
             if v not in valid:
                 raise r.err(vnode, f"{key}: {v!r} is not valid{_did_you_mean(v, valid)} "
                                    f"(valid: {', '.join(valid)})")

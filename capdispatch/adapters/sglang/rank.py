@@ -87,7 +87,7 @@ def user_env(release, stash, environ=None) -> dict:
 
 def configure(server_args, gpu_id: int, *, env=None):
     """Everything a rank does before its model exists. Returns its state."""
-    from . import archfacts, decide, rig
+    from . import archfacts, decide, proof, rig
     release = _release()
     if release is None:
         return None
@@ -98,9 +98,12 @@ def configure(server_args, gpu_id: int, *, env=None):
     uenv = user_env(release, stash, env)
     from .moe_plan import record_values      # moe: the launch's moe_runner_backend, as resolved
     svalues = record_values(server_args, release)
-    d = decide.decide([spec], ops, release, selections=stash["selections"],
-                      selection_origin=stash["selection_origin"], env=env, user_env=uenv,
-                      sglang_values=svalues)
+
+    def decide_now(env):
+        return decide.decide([spec], ops, release, selections=stash["selections"],
+                             selection_origin=stash["selection_origin"], env=env, user_env=uenv,
+                             sglang_values=svalues)
+    d, proof_text = proof.verified(spec, decide_now, env=env)
     for w in d.warnings:
         log.warning("capdispatch: %s", w)
     mine = {op: row[spec.id] for op, row in d.choices.items()}
@@ -112,8 +115,8 @@ def configure(server_args, gpu_id: int, *, env=None):
     _RANKS[gpu_id] = state
     facts = ", ".join(f"{n} {b!r} -> {a!r}" for n, b, a in changes) or "already this card's"
     what = decide.summary(d, settings=False) if ops else f"no op to decide ({stash['reason']})"
-    log.info("capdispatch: rank on %s (gpu_id %d): %s; SGLang's architecture facts: %s",
-             rig.describe(spec), gpu_id, what, facts)
+    log.info("capdispatch: rank on %s (gpu_id %d): %s; SGLang's architecture facts: %s%s",
+             rig.describe(spec), gpu_id, what, facts, f"; {proof_text}" if proof_text else "")
     return state
 
 

@@ -16,6 +16,7 @@ OP = Op(
     "clean_logits=False) -> Tensor",
     reference="torch",
     size=SizeArg("tokens", 0, "q"),     # B: decode batch rows, or prefill query rows
+    canary=f"{_PKG}.canary:indexer",
 )
 
 # SGLang 0.5.23 pins tilelang==0.1.12; the kernel is lowered and tested with it.

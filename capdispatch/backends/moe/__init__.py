@@ -25,7 +25,8 @@ OPS = (
        "weighted top-k sum; expert id -1 = masked (not local under EP)",
        "moe(x, weights, topk_weights, topk_ids, out=None) -> Tensor", reference="torch",
        size=SizeArg("tokens", 0, "x"),
-       layouts={name: layout for name, (layout, _) in LAYOUTS.items()}),
+       layouts={name: layout for name, (layout, _) in LAYOUTS.items()},
+       canary=f"{_PKG}.canary:moe"),
 )
 
 # 0.6.14: first release with the SM120 MXFP8 x MXFP4 CUTLASS MoE and the SM90

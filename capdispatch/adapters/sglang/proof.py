@@ -1,0 +1,76 @@
+"""Per rank, before the model loads: prove the decided kernels on this rank's card.
+
+Each backend this rank decides is verified by its canary (in a child process) unless
+the verification cache already has a verdict for this card and software. A failure
+makes the rank decide again (the new decision reads the cache, so the failed kernel
+is rejected and the next candidate wins), and the new choice is verified in turn. At
+most VERIFY_BUDGET_S seconds are spent; what did not run by then stays unverified
+(and under `verify: required` cannot run). While verifying, decisions are made as
+under `verify: warn`, so that `required` can reach candidates nobody verified yet;
+the final decision is made with the policy as it is.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+log = logging.getLogger("capdispatch.sglang")
+
+VERIFY_BUDGET_S = 120.0
+
+
+def _decided(decision, spec) -> dict:
+    out = {}
+    for op, row in decision.choices.items():
+        c = row.get(spec.id)
+        if c is not None and c.backend is not None:
+            out[op] = c.backend
+    return out
+
+
+def verified(spec, decide, *, env=None, budget_s: float = VERIFY_BUDGET_S):
+    """(decision, log text or None). DECIDE(env) makes this rank's decision."""
+    import capdispatch as cd
+    if spec.simulated:               # a simulated rig has no card to prove anything on
+        return decide(env), None
+    base = dict(os.environ if env is None else env)
+    trial = env if base.get("CAPDISPATCH_VERIFY") else dict(base, CAPDISPATCH_VERIFY="warn")
+    t0 = time.monotonic()
+    decision = decide(trial)
+    failed, checked = [], set()
+    while True:
+        chosen = {op: b for op, b in _decided(decision, spec).items() if (op, b) not in checked}
+        if not chosen:
+            break
+        left = max(0.0, budget_s - (time.monotonic() - t0))
+        v = cd.verify_decisions(spec, chosen, budget_s=left, env=base)
+        if v.mode == "off":
+            return decide(env), None
+        checked.update((r.job.op, r.job.backend) for r in v.results)
+        failed += v.failed
+        if not v.failed:
+            break
+        decision = decide(trial)     # the cache now rejects what failed
+    if trial is not env or failed:
+        decision = decide(env)
+    final = _decided(decision, spec)
+    for r in failed:
+        log.warning("capdispatch: %s: %s=%s failed its canary on this card (%s); running %s instead",
+                    spec.id, r.job.op, r.job.backend, r.verdict.describe(), final.get(r.job.op))
+    return decision, _describe(spec, final, failed, base)
+
+
+def _describe(spec, final: dict, failed: list, env) -> str:
+    """'verified on this card: ...', what failed and what replaced it, what is unverified."""
+    from capdispatch.proof import lookup
+    ok, unverified = [], []
+    for op, b in final.items():
+        v = lookup(spec, op, b, env=env)
+        (ok if v is not None and v.passed else unverified).append(f"{op}={b}")
+    parts = ["verified on this card: " + ", ".join(ok)] if ok else []
+    parts += [f"{r.job.op}={r.job.backend} failed its canary on this card ({r.verdict.describe()}), "
+              f"replaced by {final.get(r.job.op)}" for r in failed]
+    if unverified:
+        parts.append("not verified within the time budget: " + ", ".join(unverified))
+    return "; ".join(parts) if parts else "nothing to verify"

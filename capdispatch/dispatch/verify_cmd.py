@@ -1,0 +1,110 @@
+"""`dispatch verify`: run each op's canary for the chosen (or every runnable) backend
+on each device, in child processes; a table of verdicts; exit 0 when all passed, 3 not."""
+from __future__ import annotations
+
+import json
+import sys
+
+EXIT_OK, EXIT_FAILED = 0, 3
+
+
+def add_parser(subparsers):
+    v = subparsers.add_parser("verify", help="run each chosen backend's canary on the card, in a child process")
+    v.add_argument("--device", action="append", default=[], metavar="DEV[,DEV...]",
+                   help="cuda:N or cpu (default: every local CUDA device, else cpu)")
+    v.add_argument("--op", action="append", default=[], metavar="OP")
+    v.add_argument("--backend", metavar="B", help="verify this backend (of each op that has it)")
+    v.add_argument("--all", action="store_true", dest="every",
+                   help="every candidate whose requirements hold, not only the chosen one")
+    v.add_argument("--timeout", type=float, default=120.0, metavar="S",
+                   help="seconds one canary may take, compile included (default 120)")
+    v.add_argument("--jobs", type=int, default=1, metavar="N",
+                   help="canaries at once, each in its own process (default 1)")
+    v.add_argument("--policy", action="append", default=[], metavar="FILE")
+    v.add_argument("--set", action="append", default=[], metavar="OP=BACKEND", dest="set_")
+    v.add_argument("--clear-cache", action="store_true",
+                   help="forget every cached verdict first")
+    v.add_argument("--format", choices=("text", "json"), default="text")
+    v.add_argument("--probe", choices=("auto", "torch", "nvml"), default="auto")
+    return v
+
+
+class _Progress:
+    """rich's progress bar on stderr, only when stderr is a terminal."""
+
+    def __init__(self, total: int):
+        self.bar = None
+        if sys.stderr.isatty() and total:
+            from rich.console import Console
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+            self.bar = Progress(TextColumn("{task.description}"), BarColumn(),
+                                TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
+                                console=Console(file=sys.stderr), transient=True)
+            self.task = self.bar.add_task("verifying", total=total)
+
+    def __enter__(self):
+        if self.bar:
+            self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.bar:
+            self.bar.__exit__(*exc)
+
+    def start(self, job):
+        if self.bar:
+            self.bar.update(self.task, description=f"{job.device.id} {job.op}/{job.backend}")
+
+    def done(self, result):
+        if self.bar:
+            self.bar.advance(self.task)
+
+
+def run(args) -> int:
+    from ..capabilities import local_devices
+    from .group import unique_ids
+    from .resolver import as_spec, context
+    from . import verify
+    if args.clear_cache:
+        from ..proof import clear
+        print(f"cleared {clear()}", file=sys.stderr)
+    ctx = context(policy=args.policy or None, selections=args.set_ or None, selection_origin="--set")
+    devs = [x.strip() for v in args.device for x in v.split(",") if x.strip()]
+    specs = unique_ids([as_spec(d, via=args.probe) for d in devs]) if devs else local_devices(via=args.probe)
+    for op in args.op:
+        from .resolver import _check_op
+        _check_op(ctx, op)
+    ops = args.op or list(ctx.registry.ops)
+    todo = verify.jobs(ctx, specs, ops, backend=args.backend, every=args.every)
+    with _Progress(len(todo)) as progress:
+        results = verify.run(ctx, todo, timeout=args.timeout, workers=max(1, args.jobs), on_start=progress.start, on_done=progress.done)
+    failed = [r for r in results if r.verdict is None or not r.verdict.passed]
+    if args.format == "json":
+        print(json.dumps({"schema": 1, "results": [r.to_dict() for r in results],
+                          "passed": not failed}, indent=2))
+    else:
+        print(render(results))
+    return EXIT_OK if not failed else EXIT_FAILED
+
+
+def render(results) -> str:
+    rows = [("op", "device", "backend", "verdict", "seconds")]
+    details = []
+    for r in results:
+        v = r.verdict
+        secs = "" if v is None else f"{v.seconds.get('wall', 0):.1f}"
+        rows.append((r.job.op, r.job.device.id, r.job.backend, "not run" if v is None else v.describe(), secs))
+        if v is not None and not v.passed and v.detail:
+            lines = v.detail.strip().splitlines()[:4]
+            details.append(f"{r.job.device.id} {r.job.op}/{r.job.backend} ({v.outcome}, seed {v.seed}):\n"
+                           + "\n".join(f"    {ln[:160]}" for ln in lines))
+    short = [(a, b, c, d if len(d) <= 90 else d[:87] + "...", e) for a, b, c, d, e in rows]
+    widths = [max(len(row[i]) for row in short) for i in range(4)]
+    out = ["  ".join(row[i].ljust(widths[i]) for i in range(4)) + "  " + row[4] for row in short]
+    n_bad = sum(1 for r in results if r.verdict is None or not r.verdict.passed)
+    out.append("")
+    out.append(f"{len(results) - n_bad} of {len(results)} passed")
+    if details:
+        out.append("")
+        out.extend(details)
+    return "\n".join(out)
