@@ -32,6 +32,7 @@ def run_cli():
         e.pop("CAPDISPATCH_POLICY", None)
         e.pop("CAPDISPATCH_SET", None)
         e.pop("CAPDISPATCH_STRICT", None)
+        e.pop("CAPDISPATCH_LOCK", None)
         e.update(env or {})
         p = subprocess.run([sys.executable, "-m", "capdispatch", *args], capture_output=True,
                            text=True, env=e, cwd=ROOT, timeout=120)
@@ -41,7 +42,7 @@ def run_cli():
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    for k in ("CAPDISPATCH_POLICY", "CAPDISPATCH_SET", "CAPDISPATCH_STRICT", "TRITON_INTERPRET"):
+    for k in ("CAPDISPATCH_POLICY", "CAPDISPATCH_SET", "CAPDISPATCH_STRICT", "CAPDISPATCH_LOCK", "TRITON_INTERPRET"):
         monkeypatch.delenv(k, raising=False)
     return monkeypatch
 

@@ -189,11 +189,11 @@ def _rank(sa, rank: int, gen, ckpt, run: bool = True, load: bool = False) -> dic
     from sglang.srt.layers.moe.utils import initialize_moe_config
     initialize_moe_config()
     st = hooks._RANKS[rank]
-    c = st["choices"]["moe"]
-    out = {"device": st["spec"].name, "backend": c.backend, "routed": c.routed, "why": c.why,
+    c = st.choices["moe"]
+    out = {"device": st.spec.name, "backend": c.backend, "routed": c.routed, "why": c.why,
            "route": None, "platform_is_sm120": bool(get_platform().is_sm120),
            "moe_runner_backend": str(get_exec().moe.moe_runner_backend), "logs": logs}
-    fn = routes.kernel("moe", st["key"])
+    fn = routes.kernel("moe", st.key)
     out["route"] = None if fn is None else f"{fn.__module__}.{fn.__name__}"
     layer = _layer(rank)
     method = layer.quant_method

@@ -121,17 +121,18 @@ def check_knob_names() -> list:
 
     for s in release.selects:
         field_value("select", s.field, s.value)
-    for k in release.knobs:
-        for s in k.sets or ():
-            if s.kind == "field":
-                field_value(f"knob {k.op}", s.name, s.value)
-            elif not hasattr(envs, s.name):
-                problems.append(f"knob {k.op}: {s.name} is not declared in sglang.srt.environ")
-            else:
-                try:
-                    getattr(envs, s.name).parse(s.value)
-                except Exception as exc:
-                    problems.append(f"knob {k.op}: {s.name}={s.value} does not parse: {exc}")
+    sglang_settings = [(f"entry {e.op}={e.backend}", s) for e in release.entries.values() for s in e.settings]
+    sglang_settings += [(f"route {r.name} runner", r.runner) for r in release.routes if r.runner]
+    for where, s in sglang_settings:
+        if s.kind == "field":
+            field_value(where, s.name, s.value)
+        elif not hasattr(envs, s.name):
+            problems.append(f"{where}: {s.name} is not declared in sglang.srt.environ")
+        else:
+            try:
+                getattr(envs, s.name).parse(s.value)
+            except Exception as exc:
+                problems.append(f"{where}: {s.name}={s.value} does not parse: {exc}")
     import inspect
 
     from capdispatch.adapters.sglang import routes
@@ -152,6 +153,8 @@ def check_knob_names() -> list:
         want, got = params(target), params(routes.CALLS[r.call])[1:]
         if want != got:
             problems.append(f"route {r.target}: SGLang's parameters {want} differ from {r.call}'s {got}")
+        if r.prepare:
+            resolves(r.prepare)
         for name, value in r.env:
             if not hasattr(envs, name):
                 problems.append(f"route {r.op}: {name} is not declared in sglang.srt.environ")
@@ -214,9 +217,20 @@ def _launch_case(case: dict, baseline: dict) -> dict:
         "fields": {f: resolution_result(sa, f) for f in FIELDS},
         "declared": [d for src, d in sa._resolved_overrides if src == "capdispatch"],
         "env": {k: os.environ.get(k) for k in KNOB_ENVS},
-        "stash": getattr(sa, "_capdispatch", None),
+        "stash": _inputs_json(getattr(sa, "_capdispatch", None)),
         "logs": logs,
     }
+
+
+def _inputs_json(inputs):
+    """The launcher's LaunchInputs record as plain JSON (None when it made none)."""
+    import attrs
+    if inputs is None:
+        return None
+    out = attrs.asdict(inputs, recurse=True)
+    out["ops"] = list(out["ops"])
+    out["explicit_fields"] = sorted(out["explicit_fields"])
+    return out
 
 
 def _cases(path) -> list:
@@ -290,14 +304,14 @@ def _rank(inp, gpu_id: int, tp_rank: int):
 def _state(gpu_id: int) -> dict:
     from capdispatch.adapters.sglang import rank, routes
     st = rank._RANKS[gpu_id]
-    out = {"device": st["spec"].to_dict(), "ops": list(st["ops"]),
-           "choices": {op: {"backend": c.backend, "routed": c.routed, "why": c.why}
-                       for op, c in st["choices"].items()},
+    out = {"device": st.spec.to_dict(), "ops": list(st.inputs.ops),
+           "choices": {op: {"backend": c.backend, "routed": c.routed, "action": c.action, "why": c.why}
+                       for op, c in st.choices.items()},
            "routes": {}}
-    for op in st["ops"]:
-        fn = routes.kernel(op, st["key"])
+    for op in st.inputs.ops:
+        fn = routes.kernel(op, st.key)
         out["routes"][op] = None if fn is None else f"{fn.__module__}.{fn.__name__}"
-    out["env"] = {n: os.environ.get(n) for n in st["release"].route_env_names()}
+    out["env"] = {n: os.environ.get(n) for n in st.release.route_env_names()}
     return out
 
 
@@ -353,7 +367,7 @@ def rank(inp, gpu_id: int, tp_rank: int, port=None, modes=()) -> None:
                 hooks.after_parallel_ready(None, server_args=sa, device="cpu", dist_port=port)
             except AgreementError as exc:
                 error = str(exc)
-            plan = hooks._RANKS[gpu_id]["agreed"]
+            plan = hooks._RANKS[gpu_id].agreed
             out["agreements"].append({
                 "policy": policy, "error": error, "logs": logs, "state": _state(gpu_id),
                 "group": None if plan is None or error else {

@@ -138,3 +138,55 @@ def test_device_spec_roundtrip():
     spec = cd.probe("sim:rtx-pro-6000")
     assert spec.cc == (12, 0) and spec.sm_count == 188
     assert cd.DeviceSpec.from_dict(json.loads(json.dumps(spec.to_dict()))) == spec
+
+
+# --------------------------------------------------------------------------- one context, in-memory policies
+
+def test_plan_in_uses_one_context_for_every_op(monkeypatch):
+    import capdispatch as cd
+    monkeypatch.delenv("CAPDISPATCH_SET", raising=False)
+    ctx = cd.context(assume_libs=["sgl-flash-mla==0.9.0"], selections=["moe=torch"], selection_origin="--set")
+    p = cd.plan_in(ctx, ["sim:h200"], ["decode_mla", "sparse_prefill", "moe"], log_warnings=False)
+    per = {op: g.per_device["sim:h200"] for op, g in p.ops.items()}
+    # The assumed (too old) FlashMLA reaches both FlashMLA ops; the selection reaches moe.
+    assert per["decode_mla"].backend == "triton_fp8" and per["sparse_prefill"].backend == "triton"
+    assert p.libraries["sgl-flash-mla"] == "0.9.0 (assumed)"
+    assert (per["moe"].backend, per["moe"].layer, per["moe"].user, per["moe"].source) == (
+        "torch", "selection", True, "--set")
+    assert (per["decode_mla"].layer, per["decode_mla"].user) == ("default", False)
+    # The same answer as plan() with the same inputs.
+    q = cd.plan(["sim:h200"], ["decode_mla", "sparse_prefill", "moe"], assume_libs=["sgl-flash-mla==0.9.0"],
+                selections=["moe=torch"], log_warnings=False)
+    assert {op: g.per_device["sim:h200"].backend for op, g in q.ops.items()} == {
+        op: r.backend for op, r in per.items()}
+
+
+def test_policy_from_dict_is_a_checked_user_policy(tmp_path):
+    import capdispatch as cd
+    pol = cd.policy_from_dict({"ops": {"moe": ["marlin_w4a16"]},
+                               "devices": [{"match": {"cc": ">=12.0,<13.0"}, "ops": {"moe": ["torch"]}}]},
+                              "sglang --moe-runner-backend x")
+    r = cd.resolve("moe", "sim:rtx-5090", policy=[pol], assume_libs=["sglang-kernel==0.4.10"])
+    assert (r.backend, r.source, r.layer, r.user) == ("torch", "sglang --moe-runner-backend x (device cc "
+                                                      ">=12.0,<13.0)", "device", True)
+    r = cd.resolve("moe", "sim:h200", policy=[pol], assume_libs=["sglang-kernel==0.4.10"])
+    assert (r.backend, r.source, r.layer) == ("marlin_w4a16", "sglang --moe-runner-backend x", "policy")
+    # Checked as a file is, named by its origin (it has no lines).
+    with pytest.raises(cd.PolicyError, match=r"^mine: unknown backend 'marlin' for op moe; did you mean "
+                                             r"'marlin_w4a16'\?"):
+        cd.policy_from_dict({"ops": {"moe": ["marlin"]}}, "mine")
+    with pytest.raises(cd.PolicyError, match=r"^mine: unknown key 'opz'"):
+        cd.policy_from_dict({"opz": {}}, "mine")
+    with pytest.raises(cd.PolicyError, match=r"^mine: expected a mapping"):
+        cd.policy_from_dict(["moe"], "mine")
+
+
+def test_load_marked_keeps_lines_and_refuses_other_tags():
+    from capdispatch.policies import PolicyError, load_marked
+    d = load_marked("a:\n  b: [1, 2]\n  c:\n    - x\n    - {y: 1}\n", "f.yaml")
+    assert d == {"a": {"b": [1, 2], "c": ["x", {"y": 1}]}}
+    assert (d.line_of("a"), d["a"].line_of("c"), d["a"]["c"].line_of(1)) == (2, 4, 5)
+    with pytest.raises(PolicyError, match=r"^f.yaml:2: .*key 'b' given twice \(first at line 1\)"):
+        load_marked("b: 1\nb: 2\n", "f.yaml")
+    with pytest.raises(PolicyError, match=r"^f.yaml:1: .*tag .* is not allowed"):
+        load_marked("a: !!python/object:os.system x\n", "f.yaml")

@@ -104,3 +104,36 @@ def test_attention_report_keeps_comparison_rows_apart(tmp_path):
     """, tmp_path)
     assert "| decode_mla | tokens=1 | flashmla (kernel as SGLang calls it) | 0.0300 | 0.0122 | | | output True |" in out
     assert "| decode_mla | tokens=1 | flashmla as SGLang calls it | triton_fp8 | 0.78 |" in out
+
+
+def test_bench_verify_reads_dispatch_verify_json():
+    """benchmarks/bench_verify.py reads what `dispatch verify --format json` writes: rows
+    built from capdispatch's own Result.to_dict, cold and warm matched per backend."""
+    sys.path.insert(0, BENCH)
+    try:
+        import bench_verify as bv
+    finally:
+        sys.path.remove(BENCH)
+    from capdispatch.capabilities import probe
+    from capdispatch.dispatch.verify import Job, Result
+    from capdispatch.proof import Verdict
+    dev = probe("cpu")
+
+    def body(walls):
+        res = [Result(Job(dev, "kv_dequant", b), Verdict("kv_dequant", b, "cpu", outcome,
+                      detail="" if outcome == "pass" else "CompilationError: fp8e4nv not supported\nmore",
+                      seconds={"load": w / 2, "run": w / 4, "wall": w}))
+               for b, outcome, w in walls]
+        return {"rc": 0, "wall": sum(w for _, _, w in walls), "body": {"schema": 1, "passed": False,
+                "results": [r.to_dict() for r in res]}}
+
+    cold = body([("triton_fp8", "compile", 9.0), ("torch", "pass", 2.0)])
+    warm = body([("triton_fp8", "compile", 3.0), ("torch", "pass", 1.5)])
+    table = bv.rows(cold, warm)
+    assert [(r["backend"], r["outcome"], r["cold_wall"], r["warm_wall"], r["compile_est"]) for r in table] == \
+        [("triton_fp8", "compile", 9.0, 3.0, 6.0), ("torch", "pass", 2.0, 1.5, 0.5)]
+    meta = {"device": "cpu", "card": "x", "date": "d", "versions": {"torch": "2"}, "cold": ["triton"],
+            "cold_wall": 11.0, "cold_rc": 3, "warm_wall": 4.5, "ops": "all"}
+    text = bv.render(meta, table)
+    assert "**11.0 s** (target 60 s: met); exit 3" in text
+    assert "| kv_dequant | triton_fp8 | compile: CompilationError: fp8e4nv not supported | 9.0 | 4.5 | 2.2 | 3.0 | 6.0 |" in text

@@ -2,7 +2,8 @@
 
 CPU (no CUDA): the torch reference runs on the CPU, the Triton kernel under the
 interpreter (TRITON_INTERPRET=1 set per test by the fixture below), TileLang's kernel
-is lowered to CUDA source for sm_86 / sm_90 / sm_120 (importorskip tilelang), and the
+is lowered to CUDA source for the target of each device from sm_80 to sm_120a and built
+with nvcc where it exists, checked against what each target can run (importorskip tilelang), and the
 DeepGEMM adapter is exercised against a stand-in module that enforces DeepGEMM's host
 checks. With CUDA (``gpu`` marker) the same comparisons run at DeepSeek-V4 shapes for
 every backend that runs there.
@@ -30,6 +31,7 @@ import inspect
 import math
 import os
 import random
+import re
 import sys
 import types
 
@@ -551,19 +553,148 @@ def _tilelang_kernel():
     return tilelang_kernel
 
 
-@pytest.mark.parametrize("arch", ["sm_86", "sm_90", "sm_120"])
-def test_tilelang_lowers_to_cuda(arch):
+# The devices the kernel is built for, by compute capability, and the TileLang/nvcc target
+# each must get: arch-specific (`a`) from SM90, where the kernel's wgmma (SM90) needs it and
+# the JIT builds for the card it runs on anyway.
+_TILELANG_DEVICES = [((8, 0), "sm_80"), ((8, 6), "sm_86"), ((8, 9), "sm_89"), ((9, 0), "sm_90a"),
+                     ((10, 0), "sm_100a"), ((12, 0), "sm_120a")]
+_CC_IDS = [f"cc{major}.{minor}" for (major, minor), _ in _TILELANG_DEVICES]
+
+
+@functools.lru_cache(maxsize=None)
+def _ptx_table():
+    import yaml
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "ptx_instructions.yaml")) as f:
+        table = yaml.safe_load(f)
+    assert table["schema"] == 1
+    return table["instructions"]
+
+
+def _target_accepts(rule: dict, target: str) -> bool:
+    m = re.fullmatch(r"sm_(\d+)([af]?)", target)
+    assert m, target
+    if "only" in rule:
+        return target in rule["only"]
+    return int(m.group(1)) >= rule["min_sm"]
+
+
+@functools.lru_cache(maxsize=None)
+def _tilelang_source(target: str) -> str:
+    """The kernel lowered for `target` (about 10 s each: lowered once per target per run)."""
+    return _tilelang_kernel().lower_cuda_source(target)
+
+
+def _nvcc_env(nvcc):
+    return dict(os.environ, PATH=os.path.dirname(nvcc) + os.pathsep + os.environ.get("PATH", ""))
+
+
+@functools.lru_cache(maxsize=None)
+def _tilelang_ptx(target: str) -> str:
+    """The lowered source built to PTX by nvcc for exactly `target`, as TileLang's JIT builds
+    it (-std=c++20, its templates and CUTLASS), then assembled by ptxas for that target."""
+    import subprocess
+    import tempfile
+    import tilelang.env as tenv
+    nvcc = _find_nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc not found (CUDA toolkit, or pip install nvidia-cuda-nvcc nvidia-cuda-cccl "
+                    "nvidia-cuda-runtime nvidia-cuda-crt nvidia-nvvm of one CUDA version)")
+    inc = os.path.join(os.path.dirname(os.path.dirname(nvcc)), "include")
+    with tempfile.TemporaryDirectory() as d:
+        cu, ptx, cubin = (os.path.join(d, "k" + ext) for ext in (".cu", ".ptx", ".cubin"))
+        with open(cu, "w") as f:
+            f.write(_tilelang_source(target))
+        cmd = [nvcc, "-ptx", "-std=c++20", "-w", "-O3", f"-arch={target}", "-I" + tenv.TILELANG_TEMPLATE_PATH,
+               "-I" + tenv.CUTLASS_INCLUDE_DIR, "-I" + inc, "-o", ptx, cu]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=_nvcc_env(nvcc))
+        assert p.returncode == 0, p.stderr[-3000:]
+        ptxas = _find_nvcc("ptxas")
+        assert ptxas, f"nvcc at {nvcc} but no ptxas"
+        p = subprocess.run([ptxas, f"-arch={target}", ptx, "-o", cubin], capture_output=True, text=True,
+                           timeout=600, env=_nvcc_env(nvcc))
+        assert p.returncode == 0, f"ptxas -arch={target}: {p.stderr[-3000:]}"
+        assert os.path.getsize(cubin) > 0
+        with open(ptx) as f:
+            return f.read()
+
+
+@pytest.mark.parametrize("cc,want", _TILELANG_DEVICES, ids=_CC_IDS)
+def test_tilelang_target_per_device(cc, want):
+    assert _tilelang_kernel().target_arch(*cc) == want
+
+
+@pytest.mark.parametrize("cc,_want", _TILELANG_DEVICES, ids=_CC_IDS)
+def test_tilelang_lowers_to_cuda(cc, _want):
     K = _tilelang_kernel()
-    src = K.lower_cuda_source(arch)
+    src = _tilelang_source(K.target_arch(*cc))
     assert "fp8_paged_mqa_logits_kernel" in src and "__global__" in src
-    if arch == "sm_86":
-        # No fp8 MMA exists on sm_86: the bytes are widened to fp16 and fp16 MMA runs.
+    if cc < (8, 9):
+        # No fp8 MMA exists below cc 8.9: the bytes are widened to fp16 and fp16 MMA runs.
         assert "kFloat8" not in src and "mma_sync<tl::DataType::kFloat16" in src
-        assert not K.native_fp8_for_arch(arch)
-    elif arch == "sm_90":
+        assert not K.native_fp8_for_arch(K.target_arch(*cc))
+    elif cc == (9, 0):
         assert "wgmma_ss<tl::DataType::kFloat8_e4m3" in src
     else:
         assert "mma_sync<tl::DataType::kFloat8_e4m3" in src and "wgmma" not in src
+
+
+@pytest.mark.parametrize("cc,_want", _TILELANG_DEVICES, ids=_CC_IDS)
+def test_tilelang_source_uses_only_what_its_target_runs(cc, _want):
+    """The CUDA source lowered for the device's target calls no wrapper of an instruction that
+    target cannot take (tests/ptx_instructions.yaml). A kernel built for `sm_90` that calls
+    wgmma compiles, and asserts on the device at its first launch (the H200 failure)."""
+    target = _tilelang_kernel().target_arch(*cc)
+    src = _tilelang_source(target)
+    bad = [f"{name} ({rule['source']})" for name, rule in _ptx_table().items()
+           if not _target_accepts(rule, target) and any(re.search(rx, src) for rx in rule["cuda"])]
+    assert not bad, f"source lowered for {target} uses what {target} cannot run: {bad}"
+
+
+@pytest.mark.parametrize("cc,_want", _TILELANG_DEVICES, ids=_CC_IDS)
+def test_tilelang_ptx_uses_only_what_its_target_runs(cc, _want):
+    """Built with nvcc for the device's target: ptxas accepts it, its PTX holds no instruction
+    the target cannot take, and no device-side assert (`__assertfail`: a CUTLASS / TileLang
+    template path compiled out for this target, such as wgmma without sm_90a). No GPU needed."""
+    K = _tilelang_kernel()
+    target = K.target_arch(*cc)
+    ptx = _tilelang_ptx(target)
+    bad = [name for name, rule in _ptx_table().items()
+           if not _target_accepts(rule, target) and re.search(rule["ptx"], ptx)]
+    assert not bad, f"PTX for {target} uses {bad}"
+    assert "__assertfail" not in ptx, f"PTX for {target} calls __assertfail: a template path is compiled out"
+    # The multiply is the one the variant means to run.
+    rules = _ptx_table()
+    if cc == (9, 0):
+        assert re.search(rules["wgmma"]["ptx"], ptx)
+    elif K.native_fp8_for_arch(target):
+        assert re.search(rules["mma.e4m3"]["ptx"], ptx)
+    else:
+        assert re.search(r"\bmma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.f16\.f16\.f32\b", ptx)
+
+
+def test_ptx_instruction_table_agrees_with_ptxas():
+    """Each entry of tests/ptx_instructions.yaml, assembled alone for every target it names or
+    excludes: ptxas accepts it exactly where the table says."""
+    import subprocess
+    import tempfile
+    ptxas = _find_nvcc("ptxas")
+    if ptxas is None:
+        pytest.skip("ptxas not found (CUDA toolkit)")
+    targets = ["sm_80", "sm_86", "sm_89", "sm_90", "sm_90a", "sm_100", "sm_100a", "sm_120", "sm_120a"]
+    wrong = []
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "probe.ptx")
+        for name, rule in _ptx_table().items():
+            for target in targets:
+                with open(path, "w") as f:
+                    f.write(f".version 9.0\n.target {target}\n.address_size 64\n"
+                            f".visible .entry probe() {{\n{rule['probe']}\nret;\n}}\n")
+                p = subprocess.run([ptxas, f"-arch={target}", path, "-o", os.path.join(d, "probe.cubin")],
+                                   capture_output=True, text=True, timeout=60)
+                if (p.returncode == 0) != _target_accepts(rule, target):
+                    wrong.append(f"{name} on {target}: ptxas {'accepts' if p.returncode == 0 else 'rejects'}"
+                                 f" ({p.stderr.strip()[:160]})")
+    assert not wrong, wrong
 
 
 def test_tilelang_lowers_mtp_and_2d_lengths():
@@ -877,40 +1008,14 @@ def test_triton_kernel_compiles_for_each_target(cc, native, next_n, want):
     assert ("e4m3" in ptx) == native
 
 
-def _find_nvcc():
-    """nvcc from PATH, CUDA_HOME, or the pip `nvidia-cuda-nvcc` package; None if absent."""
+def _find_nvcc(tool: str = "nvcc"):
+    """`tool` (nvcc, ptxas) from PATH, CUDA_HOME, or the pip `nvidia-cuda-nvcc` package; None if absent."""
     import shutil
-    cands = [shutil.which("nvcc"), os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")]
+    cands = [shutil.which(tool), os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", tool)]
     try:
         import nvidia
         for base in list(nvidia.__path__):
-            cands += [os.path.join(base, sub, "bin", "nvcc") for sub in ("cu13", "cu12", "cuda_nvcc")]
+            cands += [os.path.join(base, sub, "bin", tool) for sub in ("cu13", "cu12", "cuda_nvcc")]
     except ImportError:
         pass
     return next((c for c in cands if c and os.path.isfile(c)), None)
-
-
-@pytest.mark.parametrize("arch,nvcc_arch", [("sm_86", "sm_86"), ("sm_90", "sm_90a"), ("sm_120", "sm_120a")])
-def test_tilelang_source_compiles_with_nvcc(arch, nvcc_arch):
-    """The lowered CUDA source of each target builds to a cubin with the CUDA toolkit, as
-    TileLang's JIT would build it (-std=c++20, its templates and CUTLASS); no GPU needed."""
-    K = _tilelang_kernel()
-    import subprocess
-    import tempfile
-    import tilelang.env as tenv
-    nvcc = _find_nvcc()
-    if nvcc is None:
-        pytest.skip("nvcc not found (CUDA toolkit, or pip install nvidia-cuda-nvcc nvidia-cuda-cccl "
-                    "nvidia-cuda-runtime nvidia-cuda-crt nvidia-nvvm of one CUDA version)")
-    src = K.lower_cuda_source(arch)
-    inc = os.path.join(os.path.dirname(os.path.dirname(nvcc)), "include")
-    with tempfile.TemporaryDirectory() as d:
-        cu = os.path.join(d, "k.cu")
-        with open(cu, "w") as f:
-            f.write(src)
-        cmd = [nvcc, "-cubin", "-std=c++20", "-w", "-O3", f"-arch={nvcc_arch}", "-I" + tenv.TILELANG_TEMPLATE_PATH,
-               "-I" + tenv.CUTLASS_INCLUDE_DIR, "-I" + inc, "-o", os.path.join(d, "k.cubin"), cu]
-        env = dict(os.environ, PATH=os.path.dirname(nvcc) + os.pathsep + os.environ.get("PATH", ""))
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
-        assert p.returncode == 0, p.stderr[-3000:]
-        assert os.path.getsize(os.path.join(d, "k.cubin")) > 0

@@ -123,7 +123,7 @@ def test_launch_sets_fields_and_environment_for_the_mixed_rig(launcher):
     assert c["declared"] == [{"kv_cache_dtype": "fp8_e4m3"}]
     assert c["env"] == {"SGLANG_DSV4_KV_LAYOUT": "v4"}
     assert c["stash"]["ops"] == ["kv_quant", "kv_dequant", "indexer", "sparse_prefill", "decode_mla", "moe"]
-    assert c["stash"]["set"] == {"kv_cache_dtype": "fp8_e4m3", "SGLANG_DSV4_KV_LAYOUT": "v4"}
+    assert c["stash"]["applied"] == {"kv_cache_dtype": "fp8_e4m3", "SGLANG_DSV4_KV_LAYOUT": "v4"}
     assert c["stash"]["user_env"] == {}
     infos = _messages(c["logs"], "INFO")
     assert len(infos) == 1
@@ -142,7 +142,7 @@ def test_launch_never_overwrites_what_the_user_set(launcher):
     assert c["declared"] == []                                   # --kv-cache-dtype was the user's
     assert c["fields"]["kv_cache_dtype"] == "fp8_e4m3"
     assert c["env"] == {"SGLANG_DSV4_KV_LAYOUT": "v41"}          # the user's environment stands
-    assert c["stash"]["set"] == {}
+    assert c["stash"]["applied"] == {}
     warnings = _messages(c["logs"], "WARNING")
     assert any("SGLANG_DSV4_KV_LAYOUT=v41 was set by the user and is kept, but cuda:1, cuda:2 need "
                "SGLANG_DSV4_KV_LAYOUT=v4" in w for w in warnings)
@@ -151,12 +151,17 @@ def test_launch_never_overwrites_what_the_user_set(launcher):
 
 
 def test_launch_user_bf16_cache_means_no_kv_op(launcher):
+    """A bfloat16 KV cache: no KV or attention op; the experts are still decided."""
     c = launcher["by_name"]["bf16"]
     assert c["fields"]["kv_cache_dtype"] == "bfloat16"
     assert c["declared"] == [] and c["env"] == {"SGLANG_DSV4_KV_LAYOUT": None}
-    assert c["stash"]["ops"] == []
-    assert _messages(c["logs"]) == ["capdispatch: kv_cache_dtype=bfloat16: DeepseekV4ForCausalLM's "
-                                    "capdispatch ops run with auto or fp8_e4m3 only; nothing to decide at launch"]
+    assert c["stash"]["ops"] == ["moe"] and c["stash"]["applied"] == {}
+    (info,) = _messages(c["logs"], "INFO")
+    assert info.startswith("capdispatch: SGLang launch of kv_cache_dtype=bfloat16: DeepseekV4ForCausalLM's KV "
+                           "and attention ops run with auto or fp8_e4m3 only; moe runs with any on ")
+    assert "moe: SGLang's own kernel on cuda:0; capdispatch triton_w4a16 on cuda:1, cuda:2 (SGLang's " \
+           "Mxfp4FlashinferTrtllmMoEMethod under moe_runner_backend=flashinfer_mxfp4 (SGLang's DeepSeek-V4 " \
+           "default from device 0 (cuda:0, NVIDIA GeForce RTX 5090)) cannot run on this card" in info
 
 
 def test_launch_explicit_choice_downgraded_per_device_or_refused_under_strict(launcher):
@@ -251,6 +256,7 @@ def test_each_rank_decides_for_its_own_card(ranks):
          "sparse_prefill": None, "decode_mla": None,
          "moe": "capdispatch.backends.moe.flashinfer_adapters.moe_cutlass_w4a8"},
         sm86, sm86]
+    assert [s["choices"]["moe"]["action"] for s in states] == ["routed", "routed", "routed"]
     assert all("moe_runner_backend=auto (as SGLang resolved it)" in s["choices"]["moe"]["why"] for s in states)
     assert states[0]["choices"]["sparse_prefill"]["why"] == "SGLang calls no routable sparse_prefill site on this card"
     assert states[1]["choices"]["decode_mla"]["why"].startswith(
@@ -366,6 +372,24 @@ def test_plan_with_sglang_arguments_runs_sglangs_resolution(model):
     assert out["sglang_resolved"]["kv_cache_dtype"] == "fp8_e4m3"
     assert out["sglang_resolved"]["SGLANG_DSV4_KV_LAYOUT"] == "v4"
     assert [r["ops"]["kv_dequant"]["routed"] for r in out["ranks"]] == [False, True, True]
+    # The plan predicts SGLang's DeepSeek-V4 default from device 0 (the 5090: flashinfer_mxfp4):
+    # kept on the 5090, routed on the 3080s.
+    assert [r["ops"]["moe"]["action"] for r in out["ranks"]] == ["kept", "routed", "routed"]
+    assert [r["ops"]["moe"]["backend"] for r in out["ranks"]] == [
+        "flashinfer_cutlass_w4a8", "triton_w4a16", "triton_w4a16"]
+    # --assume-lib reaches the plugin's own launch step inside SGLang's resolution: an
+    # H200 with an older FlashMLA routes decode, so that step sets the V4 layout.
+    for lib, routed, layout in (("sgl-flash-mla==0.9.0", True, "v4"), ("sgl-flash-mla==1.0.0", False, None)):
+        p = subprocess.run([sys.executable, "-c", code, "sglang", "plan", "--device", "sim:h200",
+                            "--assume-lib", lib, "--format", "json", "--",
+                            *_argv(model["dsv4"], "--tp-size", "1")],
+                           env=_env(), text=True, capture_output=True, timeout=TIMEOUT)
+        assert p.returncode == 0, p.stderr[-3000:]
+        out = json.loads(p.stdout)
+        assert out["ranks"][0]["ops"]["decode_mla"]["routed"] is routed, lib
+        assert out["sglang_resolved"]["SGLANG_DSV4_KV_LAYOUT"] == layout, lib
+        attn = next(x for x in out["sglang_settings"] if x["name"] == "dsv4_attn_backend")
+        assert attn["wants"] == ({} if routed else {"flashmla": ["cuda:0"]}), lib
     bad = subprocess.run([sys.executable, "-c", code, "sglang", "plan", "--device", RIG, "--",
                           "--model-path", model["dsv4"], "--tp-size", "three"],
                          env=_env(), text=True, capture_output=True, timeout=TIMEOUT)

@@ -102,11 +102,15 @@ def test_explicit_user_value_downgraded_loudly_on_the_3080_ranks(seed_rig):
     assert not r0["routed"] and r0["method"] == "Mxfp4FlashinferCutlassMoEMethod" and not _warnings(r0)
     for r, dev in ((r1, "cuda:1"), (r2, "cuda:2")):
         assert r["routed"] and r["method"] == "CapdispatchMxfp4MoEMethod"
+        # One warning per rank: the flag is an explicit selection that cannot run there.
         (w,) = _warnings(r)
         assert dev in w and "NVIDIA GeForce RTX 3080" in w
-        assert "moe_runner_backend=flashinfer_mxfp4 was set by the user" in w
-        assert "Mxfp4FlashinferTrtllmMoEMethod cannot run" in w and "tcgen05" in w
-        assert "running capdispatch triton_w4a16 instead" in w
+        assert "was asked for (sglang --moe-runner-backend flashinfer_mxfp4) but cannot run" in w
+        assert "running triton_w4a16 instead" in w
+        # The rank's choice says which SGLang method could not run, and why.
+        assert r["why"].startswith("the explicit choice flashinfer_cutlass_w4a8 cannot run there")
+        assert "Mxfp4FlashinferTrtllmMoEMethod under moe_runner_backend=flashinfer_mxfp4 (set by the user" \
+            in r["why"] and "tcgen05" in r["why"]
 
 
 @needs_sglang
@@ -114,8 +118,10 @@ def test_explicit_user_value_refused_under_strict(seed_rig):
     r0, r1, r2 = seed_rig["modes"]["strict"]["ranks"]
     assert "error" not in r0 and not r0["routed"]
     for r, dev in ((r1, "cuda:1"), (r2, "cuda:2")):
-        assert r["error"].startswith("Unsatisfiable: strict: moe on " + dev), r["error"]
-        assert "would run capdispatch triton_w4a16" in r["error"]
+        assert r["error"].startswith(f"StrictFallbackError: strict: {dev} (NVIDIA GeForce RTX 3080): "
+                                     f"moe=flashinfer_cutlass_w4a8 was asked for (sglang --moe-runner-backend "
+                                     f"flashinfer_mxfp4)"), r["error"]
+        assert "would run triton_w4a16 instead" in r["error"]
 
 
 # ------------------------------------------------------------------ the plan (no SGLang model code)
@@ -237,11 +243,28 @@ def test_explicit_value_that_cannot_run_warns_per_device_or_refuses_under_strict
     d = decide.decide(specs, ("moe",), rel, env={}, **given)
     row = d.choices["moe"]
     assert [c.routed for c in row.values()] == [False, True, True]
-    warns = [w for w in d.warnings if "was set by the user" in w]
-    assert len(warns) == 2 and all("running capdispatch triton_w4a16 instead" in w for w in warns)
-    assert [w.split(": ", 1)[0] for w in warns] == ["moe on cuda:1", "moe on cuda:2"]
-    assert all("(NVIDIA GeForce RTX 3080; " in w for w in warns)
-    with pytest.raises(cd.Unsatisfiable, match=r"strict: moe on cuda:1: .*would run capdispatch triton_w4a16"):
+    # flashinfer_mxfp4 names a backend per family: an explicit selection, downgraded loudly
+    # (once per card, by the resolver) where it cannot run.
+    warns = [w for w in d.warnings if "was asked for (sglang --moe-runner-backend flashinfer_mxfp4)" in w]
+    assert [w.split(" ", 1)[0] for w in warns] == ["cuda:1", "cuda:2"]
+    assert all("running triton_w4a16 instead" in w for w in warns)
+    assert not [w for w in d.warnings if "was set by the user" in w]      # not said twice
+    with pytest.raises(cd.Unsatisfiable, match=r"strict: cuda:1 .*would run triton_w4a16"):
+        decide.decide(specs, ("moe",), rel, env={"CAPDISPATCH_STRICT": "1"}, **given)
+    # A value that names no capdispatch backend (Fp8MoEMethod: no MXFP4 kernel on any card):
+    # every rank is routed, each says so at WARNING, and strict refuses on the first.
+    given = dict(explicit_fields={"moe_runner_backend"}, field_values={"moe_runner_backend": "triton"})
+    d = decide.decide(specs, ("moe",), rel, env={}, **given)
+    assert [(c.routed, c.backend) for c in d.choices["moe"].values()] == [
+        (True, "flashinfer_cutlass_w4a8"), (True, "triton_w4a16"), (True, "triton_w4a16")]
+    warns = [w for w in d.warnings if "moe_runner_backend=triton was set by the user" in w]
+    assert warns[0] == ("moe_runner_backend=triton was set by the user and is kept, but cuda:0 needs "
+                        "moe_runner_backend=flashinfer_mxfp4")       # the SGLang-settings table's
+    warns = warns[1:]
+    assert [w.split(": ", 1)[0] for w in warns] == ["moe on cuda:0", "moe on cuda:1", "moe on cuda:2"]
+    assert "SGLang's Fp8MoEMethod cannot run on this card" in warns[1] and "(NVIDIA GeForce RTX 3080; " in warns[1]
+    assert "running capdispatch triton_w4a16 instead" in warns[1]
+    with pytest.raises(cd.Unsatisfiable, match=r"strict: moe on cuda:0: .*would run capdispatch flashinfer_cutlass_w4a8"):
         decide.decide(specs, ("moe",), rel, env={"CAPDISPATCH_STRICT": "1"}, **given)
     # Not the user's value (SGLang's own default): routed, and no warning.
     d = decide.decide(specs, ("moe",), rel, env={})

@@ -10,7 +10,7 @@ import os
 import pytest
 
 import capdispatch as cd
-from capdispatch.adapters.sglang import archfacts, decide, knobs, launch, rig, versions
+from capdispatch.adapters.sglang import archfacts, decide, knobs, launch, render, rig, versions
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 POL = os.path.join(HERE, "policies")
@@ -48,6 +48,7 @@ def test_knob_map_loads_with_kv_rows(release):
     assert release.route("kv_quant").native is None
     assert release.models["DeepseekV4ForCausalLM"].ops == ("kv_quant", "kv_dequant", "indexer", "sparse_prefill",
                                                            "decode_mla", "moe")
+    assert release.models["DeepseekV4ForCausalLM"].any_kv_cache_dtype == ("moe",)
     assert {(s.kind, s.name) for s in release.settings} == {("field", "kv_cache_dtype"),
                                                             ("env", "SGLANG_DSV4_KV_LAYOUT")}
     # The site SGLang calls depends on the card: SM120 has its own decode and indexer entries.
@@ -82,7 +83,7 @@ def _edited(tmp_path, old, new):
      ".env: expected a mapping of environment names to string values"),
     ("flash_mla_interface.flash_mla_sparse_fwd", "flash_mla_interface.flash_mla_with_kvcache",
      "flash_mla_with_kvcache is routed twice"),
-    ("- op: kv_dequant\n        target", "- op: kv_dequnt\n        target", "unknown op 'kv_dequnt'"),
+    ("        op: kv_dequant\n        target", "        op: kv_dequnt\n        target", "unknown op 'kv_dequnt'"),
     ("native: triton_fp8", "native: triton_fp9", "unknown backend 'triton_fp9' for kv_dequant"),
     ("value: v4", "value: v41\n      - ops: [kv_dequant]\n        env: SGLANG_DSV4_KV_LAYOUT\n        value: v4",
      "SGLANG_DSV4_KV_LAYOUT is set to 'v4' here and 'v41' in another row"),
@@ -90,8 +91,22 @@ def _edited(tmp_path, old, new):
     ("field: kv_cache_dtype\n", "field: kv_cache_dtype\n        env: X\n", "exactly one of 'field' or 'env'"),
 ])
 def test_knob_map_errors_name_the_problem(tmp_path, old, new, message):
-    with pytest.raises(knobs.KnobsError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(knobs.KnobsError, match=message.replace("(", r"\(").replace(")", r"\)")) as e:
         knobs.load(_edited(tmp_path, old, new))
+    # file:line, as the policy loader says it
+    assert str(e.value).startswith(f"{tmp_path / 'knobs.yaml'}:")
+
+
+def test_knob_map_errors_point_at_the_line(tmp_path):
+    path = _edited(tmp_path, "native: triton_fp8", "native: triton_fp9")
+    line = next(i for i, x in enumerate(open(path).read().splitlines(), 1) if "triton_fp9" in x)
+    with pytest.raises(knobs.KnobsError) as e:
+        knobs.load(path)
+    assert str(e.value).startswith(f"{path}:{line}: releases[0].routes[0]: unknown backend 'triton_fp9' "
+                                   f"for kv_dequant; did you mean 'triton_fp8'?")
+    path = _edited(tmp_path, "    hooks:\n", "    hooks:\n      rank: x\n")
+    with pytest.raises(knobs.KnobsError, match=r"knobs.yaml:\d+: .*key 'rank' given twice"):
+        knobs.load(path)
 
 
 # --------------------------------------------------------------------------- versions
@@ -173,7 +188,8 @@ def test_applicable_ops(release):
     assert decide.applicable_ops(release, "DeepseekV4ForCausalLM", "auto")[0] == dsv4
     assert decide.applicable_ops(release, "DeepseekV4ForCausalLM", "fp8_e4m3")[0] == dsv4
     ops, why = decide.applicable_ops(release, "DeepseekV4ForCausalLM", "bfloat16")
-    assert ops == () and "kv_cache_dtype=bfloat16" in why
+    # The experts run whatever the KV-cache dtype; the KV and attention ops need the fp8 pool.
+    assert ops == ("moe",) and "kv_cache_dtype=bfloat16" in why and "moe runs with any" in why
     assert decide.applicable_ops(release, "LlamaForCausalLM", "auto")[0] == ()
     assert decide.applicable_ops(release, None, "auto")[0] == ()
 
@@ -247,7 +263,7 @@ def test_a_rank_that_keeps_sglangs_indexer_undoes_the_launchers_device0_switches
     spec = cd.probe("sim:h200")
     res = cd.resolve("indexer", spec, assume_libs=["sgl-deep-gemm", "tilelang", "triton"])
     assert res.backend == "deepgemm"
-    choice = D.OpChoice("indexer", spec.id, res, False, "kept")
+    choice = D.OpChoice("indexer", spec.id, res, "kept", "kept")
     environ = {"SGLANG_FP8_PAGED_MQA_LOGITS_TORCH": "1", "SGLANG_OPT_USE_TILELANG_INDEXER": "1"}
     key = ("cpu", None)
     rank.apply_routes(release, {"indexer": choice}, spec, key, environ,
@@ -340,7 +356,7 @@ def test_sglang_flag_naming_a_backend_is_an_explicit_selection(tmp_path, env):
 
 
 def test_summary_names_devices_and_reasons(env, release):
-    text = decide.summary(_decide(env, release))
+    text = render.summary(_decide(env, release))
     assert "kv_dequant: SGLang's own kernel on cuda:0; capdispatch triton_u8 on cuda:1, cuda:2" in text
     assert "set env SGLANG_DSV4_KV_LAYOUT=v4 for cuda:1, cuda:2" in text
 
@@ -397,12 +413,12 @@ def test_plan_json(env, capsys, monkeypatch):
     rc, out, err = _plan(capsys, "--tp", "2", "--format", "json")
     assert rc == 0, err
     p = json.loads(out)
-    assert p["schema"] == 1 and p["gpu_ids"] == [0, 1] and p["sglang"]["in_range"]
+    assert p["schema"] == 2 and p["gpu_ids"] == [0, 1] and p["sglang"]["in_range"]
     assert [r["device"]["name"] for r in p["ranks"]] == ["NVIDIA GeForce RTX 5090", "NVIDIA GeForce RTX 3080"]
     dq = p["ranks"][1]["ops"]["kv_dequant"]
     assert dq.pop("source").startswith("default.yaml:")
     assert dq == {
-        "backend": "triton_u8", "routed": True, "downgraded_from": None,
+        "backend": "triton_u8", "action": "routed", "routed": True, "downgraded_from": None, "setting": None,
         "why": "SGLang's own dequantize_k_cache_paged_dsv4 cannot run there: needs fp8_e4m3 (cc >=8.9), has cc 8.6"}
     assert p["ranks"][1]["arch"]["device_sm"] == 86
     assert {x["name"]: x["action"] for x in p["launch"]} == {"kv_cache_dtype": "set", "SGLANG_DSV4_KV_LAYOUT": "set"}
@@ -437,38 +453,44 @@ LIBS = ("sgl-flash-mla", "flashinfer-python", "sgl-deep-gemm", "sglang", "sglang
 
 
 def _knobs(env, release, rig_=KNOB_RIG, libs=LIBS, values=None, **kw):
+    """The one decision over every op of DeepSeek-V4 (routed and setting ops alike)."""
     env[rig.SIM_ENV] = rig_
     specs = rig.devices(list(range(len(rig_.split(",")))), env=env)
     values = values or {}
-    return decide.decide_knobs(specs, decide.knob_ops(release, "DeepseekV4ForCausalLM"), release, env=env,
-                               explicit_fields=set(values), field_values=values,
-                               assume_libs=list(libs), **kw)
+    ops, _ = decide.applicable_ops(release, "DeepseekV4ForCausalLM", "auto")
+    return decide.decide(specs, ops, release, env=env, explicit_fields=set(values), field_values=values,
+                         assume_libs=list(libs), **kw)
 
 
 def _per_device(kd, op):
-    return {dev: (c.backend, [s.label for s in c.knob.sets] if c.knob.sets else None)
-            for dev, c in kd.choices[op].items()}
+    return {dev: (c.backend, [s.label for s in c.setting] or None) for dev, c in kd.choices[op].items()}
 
 
 def test_knob_map_rows_for_attention_and_moe(release):
     import capdispatch.backends.moe as moe
-    assert decide.knob_ops(release, "DeepseekV4ForCausalLM") == KNOB_OPS
-    assert decide.knob_ops(release, "LlamaForCausalLM") == ()
-    # One row per backend of every knob op; moe's one route is SGLang's per-layer method choice.
     from capdispatch.backends import builtin
+    assert release.models["DeepseekV4ForCausalLM"].ops[-1] == "moe"
+    # One entry per backend of every model op.
     reg = builtin()
+    # moe's one route is SGLang's per-layer method choice, whose kernel depends on the launch value.
     (mr,) = release.routes_for("moe")
-    assert mr.target.endswith("Fp8Config.get_quant_method") and mr.native_by is not None
-    for op in KNOB_OPS:
+    assert mr.name == "moe_layer" and mr.target.endswith("Fp8Config.get_quant_method")
+    assert mr.native is None and mr.native_by is not None and mr.native_by.field == "moe_runner_backend"
+    assert {b: release.entry("moe", b).routes for b in ("triton_w4a16", "torch")} == {
+        "triton_w4a16": ("moe_layer",), "torch": ("moe_layer",)}
+    for op in release.models["DeepseekV4ForCausalLM"].ops:
         for b in reg.backends(op):
-            assert release.knob(op, b.name) is not None, (op, b.name)
-    # The MoE rows agree with the op's own declaration of SGLang's runner values.
+            e = release.entry(op, b.name)
+            assert e is not None and e.kind in ("sglang", "route", "none"), (op, b.name)
+            # A route entry names sites of its own op; the others name none.
+            assert all(r in {x.name for x in release.routes_for(op)} for r in e.routes)
+            assert bool(e.routes) == (e.kind == "route") and (not e.settings or e.kind == "sglang")
+    # The MoE entries agree with the op's own declaration of SGLang's runner values.
     for backend, value in moe.SGLANG_RUNNER_BACKEND.items():
-        k = release.knob("moe", backend)
-        got = None if k.sets is None else [s.value for s in k.sets if s.name == "moe_runner_backend"][0]
+        e = release.entry("moe", backend)
+        got = None if e.kind != "sglang" else [s.value for s in e.settings if s.name == "moe_runner_backend"][0]
         assert got == value, backend
-    labels = {(k.op, b): (None if k.sets is None else [s.label for s in k.sets])
-              for k in release.knobs for b in k.backends}
+    labels = {k: (None if e.kind != "sglang" else [s.label for s in e.settings]) for k, e in release.entries.items()}
     assert labels[("sparse_prefill", "flashmla_sparse")] == [
         "dsv4_prefill_backend=flashmla_sparse", "env SGLANG_OPT_FLASHMLA_SPARSE_PREFILL=true"]
     assert labels[("decode_mla", "flashmla")] == ["dsv4_attn_backend=flashmla"]
@@ -477,10 +499,13 @@ def test_knob_map_rows_for_attention_and_moe(release):
     assert labels[("indexer", "deepgemm")] == [
         "env SGLANG_OPT_USE_TILELANG_INDEXER=false", "env SGLANG_OPT_USE_AITER_INDEXER=false",
         "env SGLANG_FP8_PAGED_MQA_LOGITS_TORCH=false"]
-    # capdispatch's own kernels: SGLang has no setting that runs them.
+    assert labels[("kv_dequant", "triton_fp8")] == []          # SGLang's default is this kernel
+    # capdispatch's own kernels: SGLang has no setting that runs them; routed or reported.
     for op, b in [("decode_mla", "triton"), ("decode_mla", "triton_fp8"), ("sparse_prefill", "triton"),
-                  ("indexer", "tilelang"), ("indexer", "triton"), ("moe", "triton_w4a16")]:
-        assert labels[(op, b)] is None, (op, b)
+                  ("indexer", "tilelang"), ("indexer", "triton"), ("kv_quant", "torch"),
+                  ("moe", "triton_w4a16"), ("moe", "torch")]:
+        assert labels[(op, b)] is None and release.entry(op, b).kind == "route", (op, b)
+    assert release.entry("decode_mla", "triton").routes == ("mla_decode", "mla_decode_sm120")
     sel = {(s.field, s.value): s for s in release.selects}
     assert sel[("moe_runner_backend", "marlin")].backend == "marlin_w4a16"
     assert sel[("dsv4_attn_backend", "flashmla")].backend == "flashmla"
@@ -493,8 +518,7 @@ def test_knob_map_rows_for_attention_and_moe(release):
 
 
 @pytest.mark.parametrize("old,new,message", [
-    ("        backends: [triton_w4a16, torch]\n", "        backends: [triton_w4a16]\n",
-     "no row for moe backend(s) torch"),
+    ("        torch: {route: [moe_layer]}\n", "", "no entry for moe backend(s) torch"),
     ("        backend: marlin_w4a16                      # Mxfp4MarlinMoEMethod\n",
      "        backend: marlin_w4a16\n        backends: {sm90: marlin_w4a16}\n",
      "selects[2]: give exactly one of 'backend' or 'backends'"),
@@ -502,9 +526,22 @@ def test_knob_map_rows_for_attention_and_moe(release):
      "expected a mapping of device families"),
     ("          sm90: flashinfer_cutlass_w4a16", "          sm90: flashinfer_cutlass_w4a61",
      "unknown backend 'flashinfer_cutlass_w4a61' for moe"),
-    ("        backend: deepgemm\n", "        backends: [deepgemm, tilelang]\n", "indexer=tilelang has two knob rows"),
-    ("          - {env: SGLANG_OPT_USE_AITER_INDEXER, value: \"false\"}\n",
-     "          - {value: \"false\"}\n", "give exactly one of 'field' or 'env'"),
+    ("        triton_u8: {route: [dequant_v4]}", "        triton_u8: {route: [dequant_v4], none: true}",
+     "give exactly one of 'sglang', 'route', 'none'"),
+    ("        triton_u8: {route: [dequant_v4]}", "        triton_u8: {route: [dequant_v5]}",
+     "unknown route 'dequant_v5'; did you mean 'dequant_v4'?"),
+    ("        triton_u8: {route: [dequant_v4]}", "        triton_u8: {route: [store_v4]}",
+     "route 'store_v4' is a kv_quant site, not a kv_dequant one"),
+    ("        triton_u8: {route: [dequant_v4]}", "        triton_u9: {route: [dequant_v4]}",
+     "unknown backend 'triton_u9' for kv_dequant"),
+    ("            - {env: SGLANG_OPT_USE_AITER_INDEXER, value: \"false\"}\n",
+     "            - {value: \"false\"}\n", "give exactly one of 'field' or 'env'"),
+    ("        triton_w4a16: {route: [moe_layer]}", "        triton_w4a16: {nope: true}",
+     "unknown key 'nope'; did you mean 'none'?"),
+    ("            marlin: {sm90: marlin_w4a16,", "            marlin: {sm90: marlin_w4a61,",
+     "native_by.values.marlin.sm90: unknown backend 'marlin_w4a61' for moe"),
+    ("        native_by:\n          field: moe_runner_backend\n", "        native_by:\n",
+     "native_by: missing 'field'"),
 ])
 def test_knob_rows_errors_name_the_problem(tmp_path, old, new, message):
     with pytest.raises(knobs.KnobsError, match=message.replace("(", r"\(").replace(")", r"\)")
@@ -514,7 +551,7 @@ def test_knob_rows_errors_name_the_problem(tmp_path, old, new, message):
 
 def test_knob_ops_per_rank_on_the_simulated_rig(env, release):
     kd = _knobs(env, release)
-    assert kd.ops == KNOB_OPS
+    assert set(KNOB_OPS) <= set(kd.resolved)
     assert _per_device(kd, "decode_mla") == {
         "cuda:0": ("flashinfer_sparse_mla", ["dsv4_attn_backend=flashmla",
                                              "env SGLANG_SM120_FLASHMLA_BACKEND=flashinfer"]),
@@ -532,17 +569,26 @@ def test_knob_ops_per_rank_on_the_simulated_rig(env, release):
         "cuda:0": ("flashinfer_cutlass_w4a8", ["moe_runner_backend=flashinfer_mxfp4"]),
         "cuda:1": ("flashinfer_cutlass_w4a16", ["moe_runner_backend=flashinfer_mxfp4"]),
         "cuda:2": ("triton_w4a16", None)}
-    # Where SGLang has no setting, the row names the call site the rank routes instead.
-    why = kd.choices["decode_mla"]["cuda:2"].why
-    assert why.startswith("no SGLang setting runs capdispatch triton; the rank routes SGLang's "
-                          "flash_mla_with_kvcache to it")
-    assert "SM86" in why
-    assert kd.choices["sparse_prefill"]["cuda:0"].why.startswith(
-        "no SGLang setting runs capdispatch triton; and no call site of it is routed on this card")
-    assert "the rank routes SGLang's get_quant_method to it" in kd.choices["moe"]["cuda:2"].why
-    assert "SM80-89" in kd.choices["moe"]["cuda:2"].why
+    # Where SGLang has no setting, the rank routes the call site it calls on the card,
+    # and the choice says which; where neither exists the choice is reported, with why.
+    c = kd.choices["decode_mla"]["cuda:2"]
+    assert c.action == "routed" and c.why.startswith("SGLang's own flash_mla_with_kvcache cannot run there")
+    assert {d: c.action for d, c in kd.choices["decode_mla"].items()} == {
+        "cuda:0": "kept", "cuda:1": "kept", "cuda:2": "routed"}
+    assert kd.choices["sparse_prefill"]["cuda:0"].why == "SGLang calls no routable sparse_prefill site on this card"
+    # MoE: SGLang's DeepSeek-V4 default (flashinfer_mxfp4, from device 0) builds a method
+    # per card; the 3080 has no kernel for its method, so its MoE layers are routed.
+    moe2 = kd.choices["moe"]["cuda:2"]
+    assert moe2.action == "routed" and moe2.why.startswith(
+        "SGLang's Mxfp4FlashinferTrtllmMoEMethod under moe_runner_backend=flashinfer_mxfp4 (SGLang's "
+        "DeepSeek-V4 default from device 0 (cuda:0, NVIDIA GeForce RTX 5090)) cannot run on this card")
+    assert "capdispatch triton_w4a16 runs at Fp8Config.get_quant_method instead" in moe2.why
+    assert {d: c.action for d, c in kd.choices["moe"].items()} == {
+        "cuda:0": "kept", "cuda:1": "kept", "cuda:2": "routed"}
+    assert kd.choices["moe"]["cuda:0"].why.startswith(
+        "SGLang's own Mxfp4FlashinferCutlassMoEMethod kept under moe_runner_backend=flashinfer_mxfp4")
     # The launch: one value per SGLang name; a mixed rig splits, nothing is set.
-    s = {x.name: x for x in kd.settings}
+    s = {x.name: x for x in kd.sglang}
     assert s["moe_runner_backend"].action == "split"
     assert s["moe_runner_backend"].wants == {"flashinfer_mxfp4": ("cuda:0", "cuda:1")}
     assert s["moe_runner_backend"].without == ("cuda:2",)
@@ -553,7 +599,7 @@ def test_knob_ops_per_rank_on_the_simulated_rig(env, release):
 
 def test_knob_ops_same_generation_rig_agrees(env, release):
     kd = _knobs(env, release, rig_="sim:h200,sim:h200")
-    s = {x.name: (x.action, x.wants) for x in kd.settings}
+    s = {x.name: (x.action, x.wants) for x in kd.sglang}
     assert s["moe_runner_backend"] == ("agree", {"flashinfer_mxfp4": ("cuda:0", "cuda:1")})
     assert s["dsv4_attn_backend"] == ("agree", {"flashmla": ("cuda:0", "cuda:1")})
     assert s["dsv4_prefill_backend"] == ("agree", {"flashmla_sparse": ("cuda:0", "cuda:1")})
@@ -561,8 +607,8 @@ def test_knob_ops_same_generation_rig_agrees(env, release):
     assert not kd.warnings
     # Only the RTX 3080: no SGLang setting runs any of its choices.
     kd = _knobs(env, release, rig_="sim:rtx-3080")
-    assert all(c.knob.sets is None for row in kd.choices.values() for c in row.values())
-    assert {x.action for x in kd.settings} == {"none"}
+    assert all(c.setting == () for row in kd.choices.values() for c in row.values())
+    assert {x.action for x in kd.sglang} == {"none"}
 
 
 def test_knob_flashinfer_mxfp4_is_an_explicit_selection_per_device_family(env, release):
@@ -580,7 +626,7 @@ def test_knob_flashinfer_mxfp4_is_an_explicit_selection_per_device_family(env, r
     assert c3.why.startswith("the explicit choice flashinfer_cutlass_w4a8 cannot run there")
     warned = [w for w in kd.warnings if "was asked for (sglang --moe-runner-backend flashinfer_mxfp4" in w]
     assert len(warned) == 1 and warned[0].startswith("cuda:3 (NVIDIA GeForce RTX 3080): moe=flashinfer_cutlass_w4a8")
-    s = {x.name: x for x in kd.settings}["moe_runner_backend"]
+    s = {x.name: x for x in kd.sglang}["moe_runner_backend"]
     assert (s.action, s.user) == ("kept", "flashinfer_mxfp4")
     # Under strict, the card where it cannot run stops the decision, naming the flag.
     with pytest.raises(cd.Unsatisfiable, match=r"cuda:1 .*sglang --moe-runner-backend flashinfer_mxfp4"):
@@ -594,7 +640,7 @@ def test_knob_explicit_sglang_values_honoured_downgraded_or_refused(env, release
     # Marlin runs on every card from cc 8.0: honoured everywhere, SGLang runs it.
     assert {d: (c.backend, c.resolution.downgraded_from) for d, c in kd.choices["moe"].items()} == {
         d: ("marlin_w4a16", None) for d in ("cuda:0", "cuda:1", "cuda:2")}
-    assert {x.name: (x.action, x.user) for x in kd.settings}["moe_runner_backend"] == ("kept", "marlin")
+    assert {x.name: (x.action, x.user) for x in kd.sglang}["moe_runner_backend"] == ("kept", "marlin")
     # FlashMLA needs wgmma/tcgen05: honoured on the H200, downgraded loudly on the others.
     assert {d: (c.backend, c.resolution.downgraded_from) for d, c in kd.choices["decode_mla"].items()} == {
         "cuda:0": ("flashinfer_sparse_mla", "flashmla"), "cuda:1": ("flashmla", None),
@@ -613,7 +659,7 @@ def test_knob_explicit_sglang_values_honoured_downgraded_or_refused(env, release
     # A value that names no backend (e.g. trtllm) is the user's, kept, and selects nothing.
     kd = _knobs(env, release, values={"dsv4_attn_backend": "trtllm"})
     assert all(c.resolution.downgraded_from is None for c in kd.choices["decode_mla"].values())
-    s = {x.name: x for x in kd.settings}["dsv4_attn_backend"]
+    s = {x.name: x for x in kd.sglang}["dsv4_attn_backend"]
     assert (s.action, s.user) == ("kept", "trtllm")
     assert any(w.startswith("dsv4_attn_backend=trtllm was set by the user and is kept, but cuda:0, cuda:1 need")
                for w in kd.warnings)
@@ -622,7 +668,7 @@ def test_knob_explicit_sglang_values_honoured_downgraded_or_refused(env, release
 def test_knob_user_environment_is_kept_and_conflicts_said(env, release):
     env["SGLANG_SM120_FLASHMLA_BACKEND"] = "triton"
     kd = _knobs(env, release)
-    s = {x.name: x for x in kd.settings}["SGLANG_SM120_FLASHMLA_BACKEND"]
+    s = {x.name: x for x in kd.sglang}["SGLANG_SM120_FLASHMLA_BACKEND"]
     assert (s.action, s.user) == ("kept", "triton")
     assert any("SGLANG_SM120_FLASHMLA_BACKEND=triton was set by the user and is kept, but cuda:0 needs "
                "SGLANG_SM120_FLASHMLA_BACKEND=flashinfer" in w for w in kd.warnings)
@@ -631,8 +677,11 @@ def test_knob_user_environment_is_kept_and_conflicts_said(env, release):
 def test_knob_flags_leave_the_kv_selections_alone(release):
     sels, origin = decide.flag_selections(release, {"moe_runner_backend": "flashinfer_mxfp4"})
     assert (sels, origin) == ([], "sglang command line")
-    assert [pf.path for pf in decide.flag_policy(release, {"moe_runner_backend": "flashinfer_mxfp4"})] == [
-        "sglang --moe-runner-backend flashinfer_mxfp4"]
+    [pf] = decide.flag_policy(release, {"moe_runner_backend": "flashinfer_mxfp4"})
+    assert pf.path == "sglang --moe-runner-backend flashinfer_mxfp4" and not pf.builtin
+    assert {e.describe(): e.ops["moe"].value for e in pf.devices} == {
+        "cc >=12.0,<13.0": ("flashinfer_cutlass_w4a8",), "cc >=10.0,<11.0": ("flashinfer_trtllm_w4a8",),
+        "cc >=9.0,<10.0": ("flashinfer_cutlass_w4a16",)}
     assert decide.flag_policy(release, {"moe_runner_backend": "marlin"}) == []
     sels, origin = decide.flag_selections(release, {"moe_runner_backend": "marlin",
                                                     "dsv4_attn_backend": "flashmla"})
@@ -640,7 +689,7 @@ def test_knob_flags_leave_the_kv_selections_alone(release):
     assert origin == "sglang --dsv4-attn-backend flashmla, --moe-runner-backend marlin"
 
 
-def test_plan_shows_the_knob_ops_and_where_no_sglang_setting_runs_them(env, capsys, monkeypatch):
+def test_plan_shows_every_op_and_the_sglang_settings_per_rank(env, capsys, monkeypatch):
     monkeypatch.delenv(rig.SIM_ENV, raising=False)
     libs = [a for lib in LIBS for a in ("--assume-lib", lib)]
     rc, out, err = _plan(capsys, "--device", KNOB_RIG, *libs)
@@ -648,27 +697,37 @@ def test_plan_shows_the_knob_ops_and_where_no_sglang_setting_runs_them(env, caps
     assert "rank 2: cuda:2 NVIDIA GeForce RTX 3080, cc 8.6 (simulated)" in out
     flat = "\n".join(" ".join(line.split()) for line in out.splitlines())
     rank2 = flat.split("rank 2:")[1]
-    # The routed ops say what runs at SGLang's site (moe included); none keeps a knob row in the text.
+    # One line per op per rank: routed, kept or reported, with why.
     assert "decode_mla triton routed SGLang's own flash_mla_with_kvcache cannot run there" in rank2
-    assert "decode_mla triton no-knob" not in rank2
-    assert "moe triton_w4a16 routed SGLang's Mxfp4FlashinferTrtllmMoEMethod under moe_runner_backend=" in rank2
-    assert "moe triton_w4a16 no-knob" not in rank2
+    assert "moe triton_w4a16 routed SGLang's Mxfp4FlashinferTrtllmMoEMethod under moe_runner_backend=" \
+           "flashinfer_mxfp4" in rank2
     assert "decode_mla flashmla kept SGLang's own flash_mla_with_kvcache kept" in flat
-    assert "SGLang settings for indexer, sparse_prefill, decode_mla, moe (reported, not set" in out
+    assert "moe flashinfer_cutlass_w4a16 kept SGLang's own Mxfp4FlashinferCutlassMoEMethod kept under " \
+           "moe_runner_backend=flashinfer_mxfp4" in flat
+    assert "SGLang settings each rank's choice needs (reported, not set" in out
     assert "split  moe_runner_backend  (SGLang takes one value per launch; cuda:0, cuda:1 need flashinfer_mxfp4; " \
            "cuda:2 needs a capdispatch kernel no SGLang setting runs)" in out
     rc, out, err = _plan(capsys, "--device", KNOB_RIG, *libs, "--format", "json")
     p = json.loads(out)
-    assert p["knob_ops"] == list(KNOB_OPS)
-    r2 = p["ranks"][2]["knob_ops"]
-    assert r2["decode_mla"]["backend"] == "triton" and r2["decode_mla"]["sglang"] is None
-    assert p["ranks"][1]["knob_ops"]["moe"]["sglang"] == ["moe_runner_backend=flashinfer_mxfp4"]
-    mrb = next(x for x in p["knobs"] if x["name"] == "moe_runner_backend")
+    assert "knob_ops" not in p and p["ops"][-1] == "moe"
+    for r in p["ranks"]:
+        assert list(r["ops"]) == p["ops"]
+        for c in r["ops"].values():
+            assert set(c) == {"backend", "action", "routed", "why", "setting", "source", "downgraded_from"}
+            assert c["routed"] == (c["action"] == "routed") and c["why"]
+    r2 = p["ranks"][2]["ops"]
+    assert r2["decode_mla"]["backend"] == "triton" and r2["decode_mla"]["setting"] is None
+    assert r2["moe"] == {"backend": "triton_w4a16", "action": "routed", "routed": True,
+                         "why": r2["moe"]["why"], "setting": None, "source": r2["moe"]["source"],
+                         "downgraded_from": None}
+    assert p["ranks"][1]["ops"]["moe"]["setting"] == ["moe_runner_backend=flashinfer_mxfp4"]
+    assert p["ranks"][1]["ops"]["moe"]["action"] == "kept"
+    mrb = next(x for x in p["sglang_settings"] if x["name"] == "moe_runner_backend")
     assert mrb == {"kind": "field", "name": "moe_runner_backend", "ops": ["moe"], "action": "split", "user": None,
                    "wants": {"flashinfer_mxfp4": ["cuda:0", "cuda:1"]}, "without": ["cuda:2"],
                    "why": mrb["why"]}
-    # mixed_group: error stops a launch for what the launch decides: the routed attention
-    # ops diverge on an RTX 5090 + H200 (e.g. the indexer: TileLang vs DeepGEMM).
+    # mixed_group: error stops a launch: the ops diverge on an RTX 5090 + H200 (e.g. the
+    # indexer: TileLang vs DeepGEMM).
     rc, out, err = _plan(capsys, "--device", "sim:rtx-5090,sim:h200", "--policy",
                          os.path.join(POL, "error.yaml"), *libs, "--format", "json")
     assert rc == 3 and "the group's devices choose different backends" in err and "mixed_group is error" in err

@@ -1,12 +1,15 @@
-"""Decisions: resolver, groups, binding, explain, the command line."""
+"""Decisions: resolver, groups, binding, explain, agreement, the command line."""
+from ..policies import PolicyError
+from .agreement import AgreementError, agree
 from .binding import OpHandle, bind
 from .errors import (BadInput, GroupDivergenceError, NoBackendError, StrictFallbackError,
                      Unsatisfiable)
-from .explain import Plan, plan
+from .explain import Plan, plan, plan_in
 from .group import GroupResolution, resolve_group
-from .resolver import Candidate, Resolution, resolve
+from .resolver import Candidate, Context, Resolution, context, policy_from_dict, resolve
 from .verify import Verification, verify_decisions
 
-__all__ = ["BadInput", "Candidate", "GroupDivergenceError", "GroupResolution", "NoBackendError",
-           "OpHandle", "Plan", "Resolution", "StrictFallbackError", "Unsatisfiable", "bind",
-           "Verification", "plan", "resolve", "resolve_group", "verify_decisions"]
+__all__ = ["AgreementError", "BadInput", "Candidate", "Context", "GroupDivergenceError",
+           "GroupResolution", "NoBackendError", "OpHandle", "Plan", "PolicyError", "Resolution",
+           "StrictFallbackError", "Unsatisfiable", "Verification", "agree", "bind", "context", "plan",
+           "plan_in", "policy_from_dict", "resolve", "resolve_group", "verify_decisions"]

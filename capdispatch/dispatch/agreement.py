@@ -14,7 +14,7 @@ import logging
 
 from ..capabilities import DeviceSpec
 from .errors import Unsatisfiable
-from .explain import Plan, plan
+from .explain import Plan, plan, plan_in
 
 log = logging.getLogger("capdispatch")
 
@@ -44,18 +44,21 @@ def digest(p: Plan) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
-def agree(local: DeviceSpec, ops=None, *, group=None, log_warnings: bool = None, **plan_kwargs) -> Plan:
+def agree(local: DeviceSpec, ops=None, *, group=None, log_warnings: bool = None, context=None,
+          **plan_kwargs) -> Plan:
     """Gather facts, resolve the group on every rank, check all ranks agree.
 
     A `mixed_group: error` divergence raises the same AgreementError on every rank.
     Warnings are logged by rank 0 only (one WARNING per divergent op for the group).
+    CONTEXT: an already built `capdispatch.context(...)` (then PLAN_KWARGS name no policy).
     """
     import torch.distributed as dist
     specs = gather_specs(local, group)
     rank = dist.get_rank(group)
     error = None
     try:
-        p = plan(specs, ops, log_warnings=False, **plan_kwargs)
+        p = (plan_in(context, specs, ops, log_warnings=False, **plan_kwargs) if context is not None
+             else plan(specs, ops, log_warnings=False, **plan_kwargs))
     except Unsatisfiable as exc:
         p, error = None, str(exc)
     # Everyone learns whether anyone failed, so all ranks stop together with one message.

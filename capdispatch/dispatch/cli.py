@@ -49,7 +49,11 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--assume-lib", action="append", default=[], metavar="NAME[==VERSION]")
     e.add_argument("--strict", action="store_true",
                    help="an explicit choice that cannot run is an error (exit 3), not a downgrade")
+    e.add_argument("--lock", metavar="FILE", help="compare with this lock file (default: $CAPDISPATCH_LOCK)")
     fmt(e); probe_opts(e)
+
+    from . import lock_cmd
+    lock_cmd.add_parser(sub)
 
     o = sub.add_parser("ops", help="the ops and their backends with what each needs")
     fmt(o)
@@ -123,6 +127,9 @@ def _run(args) -> int:
     if args.cmd == "verify":
         from . import verify_cmd
         return verify_cmd.run(args)
+    if args.cmd == "lock":
+        from . import lock_cmd
+        return lock_cmd.run(args)
     if args.cmd in EXTENSIONS:
         import importlib
         return importlib.import_module(EXTENSIONS[args.cmd][0]).main(args.rest)
@@ -165,7 +172,11 @@ def _cmd_explain(args) -> int:
     specs = _specs(args)
     p = plan(specs, args.op or None, policy=args.policy or None, selections=args.set_ or None,
              assume_libs=args.assume_lib, strict=args.strict, selection_origin="--set")
-    _emit(args, p.to_dict(), render_text(p))
+    from .lock import check
+    drifts = check(p, args.lock, strict=args.strict, partial=bool(args.op or args.device))
+    obj = p.to_dict()
+    obj["warnings"] += [str(d) for d in drifts]
+    _emit(args, obj, render_text(p))
     return EXIT_OK
 
 

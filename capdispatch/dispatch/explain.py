@@ -21,6 +21,8 @@ class Plan:
     ops: dict                 # op -> GroupResolution
     warnings: tuple
     libraries: dict           # dist -> description, as the decision saw them
+    inventory: object = attrs.field(default=None, eq=False)   # the Inventory the decision read
+    registry: object = attrs.field(default=None, eq=False)    # the registry it decided from
 
     def to_dict(self) -> dict:
         return {
@@ -45,6 +47,13 @@ def plan(devices, ops=None, *, policy=None, selections=None, assume_libs=None,
     (LOG_WARNINGS=False: the caller logs them, e.g. rank 0 of a distributed group)."""
     ctx = context(policy=policy, selections=selections, assume_libs=assume_libs, strict=strict,
                   env=env, registry=registry, selection_origin=selection_origin)
+    return plan_in(ctx, devices, ops, via=via, assume_cuda=assume_cuda, log_warnings=log_warnings)
+
+
+def plan_in(ctx, devices, ops=None, *, via: str = "auto", assume_cuda: Optional[str] = None,
+            log_warnings: bool = True) -> Plan:
+    """`plan` with an already built Context (`capdispatch.context(...)`): every op
+    of the plan reads the same policy stack, selections and library inventory."""
     specs = unique_ids([as_spec(d, via=via, assume_cuda=assume_cuda) for d in devices])
     names = list(ops) if ops else list(ctx.registry.ops)
     groups = {op: resolve_group_in(ctx, op, specs) for op in names}
@@ -55,7 +64,7 @@ def plan(devices, ops=None, *, policy=None, selections=None, assume_libs=None,
     dists = sorted({r.dist for op in names for b in ctx.registry.backends(op)
                     for r in b.requires if hasattr(r, "dist")})
     libs = {d: ctx.inventory.get(d).describe() for d in dists}
-    return Plan(tuple(specs), groups, warnings, libs)
+    return Plan(tuple(specs), groups, warnings, libs, ctx.inventory, ctx.registry)
 
 
 def _gib(n):

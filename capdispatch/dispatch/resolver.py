@@ -78,6 +78,8 @@ class Resolution:
     warnings: tuple = ()
     buckets: tuple = ()      # BucketResolution..., ascending, the last the catch-all; () if none
     size_key: Optional[str] = None   # what the buckets measure ("tokens", "rows")
+    layer: str = "default"   # the kind of that layer: "default" | "policy" | "device" | "selection"
+    user: bool = False       # that layer is the user's (a selection or a user policy file)
 
     def backend_for(self, size: int) -> str:
         """The backend that runs a problem of SIZE (the op's leading dimension)."""
@@ -136,7 +138,10 @@ def known_device_names() -> tuple:
 
 def context(*, policy=None, selections=None, assume_libs=None, strict=False, registry=None,
             env=None, selection_origin="selections=") -> Context:
-    """Read the environment and policies now, for the decisions about to be made."""
+    """Read the environment and policies now, for the decisions about to be made.
+
+    One Context holds one policy stack and one library inventory; every decision
+    made with it (`plan_in`, `resolve_in`) sees the same assumptions."""
     from ..capabilities.libraries import AssumeLibError
     env = dict(os.environ if env is None else env)
     registry = registry or builtin()
@@ -154,6 +159,12 @@ def context(*, policy=None, selections=None, assume_libs=None, strict=False, reg
     if verify and verify not in _policies.VERIFY:
         raise BadInput(f"CAPDISPATCH_VERIFY={verify!r} is not valid (valid: {', '.join(_policies.VERIFY)})")
     return Context(registry, stack, inventory, env, strict)
+
+
+def policy_from_dict(data, origin: str = "policy_from_dict", *, registry=None):
+    """An in-memory policy (the schema of a policy file, as Python data), checked
+    against the registry; pass it as `policy=` like a path. Raises PolicyError."""
+    return _policies.from_dict(data, origin, registry or builtin(), known_devices=known_device_names())
 
 
 def _check_op(ctx: Context, op: str) -> None:
@@ -289,7 +300,8 @@ def resolve_in(ctx: Context, op: str, device: DeviceSpec) -> Resolution:
             warnings += b_warn
             lower = bp.upper
     return Resolution(op, device, backend, source, fallback, downgraded,
-                      tuple(candidates), pref.backends[0], warnings, tuple(buckets), key)
+                      tuple(candidates), pref.backends[0], warnings, tuple(buckets), key,
+                      layer=pref.kind, user=pref.user)
 
 
 def as_spec(device, *, via="auto", assume_cuda=None) -> DeviceSpec:

@@ -26,6 +26,8 @@ def add_parser(subparsers):
                    help="forget every cached verdict first")
     v.add_argument("--format", choices=("text", "json"), default="text")
     v.add_argument("--probe", choices=("auto", "torch", "nvml"), default="auto")
+    v.add_argument("--lock", metavar="FILE",
+                   help="compare the decisions after verifying with this lock file (default: $CAPDISPATCH_LOCK)")
     return v
 
 
@@ -84,6 +86,8 @@ def run(args) -> int:
                           "passed": not failed}, indent=2))
     else:
         print(render(results))
+    from .lock import check_after_verify
+    check_after_verify(specs, ops, args)
     return EXIT_OK if not failed else EXIT_FAILED
 
 

@@ -33,9 +33,13 @@ class PolicyError(ValueError):
         super().__init__(f"{where}: {message}")
 
 
-def _did_you_mean(value: str, valid) -> str:
+def did_you_mean(value: str, valid) -> str:
+    """"; did you mean 'x'?" for the closest of VALID, or ""."""
     close = difflib.get_close_matches(str(value), list(valid), n=1, cutoff=0.5)
     return f"; did you mean {close[0]!r}?" if close else ""
+
+
+_did_you_mean = did_you_mean
 
 
 @attrs.frozen
@@ -170,6 +174,60 @@ _PLAIN_TAGS = tuple(f"tag:yaml.org,2002:{t}" for t in ("str", "int", "float", "b
 
 def _kind(node) -> str:
     return {"ScalarNode": "single value", "SequenceNode": "list", "MappingNode": "mapping"}[type(node).__name__]
+
+
+class MarkedMap(dict):
+    """A YAML mapping as a dict that knows its lines: `.line` (the mapping's own)
+    and `.lines[key]` (where each value starts)."""
+    line: int = 0
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.lines = {}
+
+    def line_of(self, key) -> int:
+        return self.lines.get(key, self.line)
+
+
+class MarkedList(list):
+    """A YAML sequence as a list that knows its lines: `.line`, `.lines[i]`."""
+    line: int = 0
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.lines = []
+
+    def line_of(self, i: int) -> int:
+        return self.lines[i] if 0 <= i < len(self.lines) else self.line
+
+
+def load_marked(text: str, path: str):
+    """Plain YAML (strings, numbers, booleans, null, lists, mappings; anchors and
+    aliases allowed) through the safe loader, as MarkedMap / MarkedList / scalars,
+    so a checker can say file:line. Duplicate keys and other tags are refused
+    with PolicyError(path, line, ...)."""
+    r = _Reader(path, text)
+    root = r.root()
+
+    def build(node, what):
+        line = node.start_mark.line + 1
+        if isinstance(node, yaml.MappingNode):
+            out = MarkedMap()
+            out.line = line
+            for key, _, vnode in r.mapping(node, what or "the document"):
+                out[key] = build(vnode, f"{what}.{key}" if what else key)
+                out.lines[key] = vnode.start_mark.line + 1
+            return out
+        if isinstance(node, yaml.SequenceNode):
+            r._check_tag(node, what or "the document")
+            out = MarkedList()
+            out.line = line
+            for i, item in enumerate(node.value):
+                out.append(build(item, f"{what}[{i}]"))
+                out.lines.append(item.start_mark.line + 1)
+            return out
+        return r.scalar(node, what or "the document")
+    return None if root is None else build(root, "")
 
 
 def parse(text: str, path: str, registry, *, known_devices=(), builtin: bool = False) -> PolicyFile:
@@ -344,3 +402,33 @@ def load_default(registry) -> PolicyFile:
     from importlib import resources
     text = resources.files("capdispatch.policies").joinpath("default.yaml").read_text("utf-8")
     return parse(text, "default.yaml", registry, builtin=True)
+
+
+def from_dict(data, origin: str, registry, *, known_devices=()) -> PolicyFile:
+    """An in-memory policy with the schema of a policy file (`ops`, `devices`,
+    `mixed_group`, `on_unsupported`, `verify`), checked as a file is. ORIGIN names it in
+    every trace and error (it has no lines), e.g. "sglang --moe-runner-backend X"."""
+    if not isinstance(data, dict):
+        raise PolicyError(origin, None, f"expected a mapping, got {type(data).__name__}")
+    try:
+        text = yaml.safe_dump(data, sort_keys=False)
+    except yaml.YAMLError as exc:
+        raise PolicyError(origin, None, f"not plain data: {exc}") from None
+    try:
+        pf = parse(text, origin, registry, known_devices=known_devices)
+    except PolicyError as exc:    # the lines of a dump mean nothing to the caller
+        raise PolicyError(origin, None, exc.bare) from None
+
+    def unmark(m):
+        if m is None:
+            return None
+        buckets = getattr(m, "buckets", ())
+        if buckets:
+            return attrs.evolve(m, line=0, buckets=tuple(attrs.evolve(b, line=0) for b in buckets))
+        return attrs.evolve(m, line=0)
+    return attrs.evolve(
+        pf, mixed_group=unmark(pf.mixed_group), on_unsupported=unmark(pf.on_unsupported),
+        verify=unmark(pf.verify),
+        ops={op: unmark(m) for op, m in pf.ops.items()},
+        devices=tuple(attrs.evolve(e, ops={op: unmark(m) for op, m in e.ops.items()}, line=0)
+                      for e in pf.devices))

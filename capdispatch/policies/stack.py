@@ -35,7 +35,7 @@ class Preference:
 
 
 def _buckets(pf, m, scope: str = "") -> tuple:
-    return tuple(BucketPreference(b.upper, b.backends, f"{pf.path}:{b.line}{scope}")
+    return tuple(BucketPreference(b.upper, b.backends, f"{_at(pf, b)}{scope}")
                  for b in getattr(m, "buckets", ()))
 
 
@@ -59,7 +59,7 @@ class PolicyStack:
         for pf in reversed(self.layers):
             marked = getattr(pf, key)
             if marked is not None:
-                return Setting(marked.value, f"{pf.path}:{marked.line}")
+                return Setting(marked.value, _at(pf, marked))
         raise KeyError(key)
 
     def preference(self, op: str, device) -> Optional[Preference]:
@@ -73,15 +73,20 @@ class PolicyStack:
                     if op in entry.ops and entry.matches(device):
                         m = entry.ops[op]
                         scope = f" (device {entry.describe()})"
-                        return Preference(m.value, f"{pf.path}:{m.line}{scope}",
+                        return Preference(m.value, f"{_at(pf, m)}{scope}",
                                           "device", not pf.builtin, _buckets(pf, m, scope))
             for pf in reversed(files):
                 if op in pf.ops:
                     m = pf.ops[op]
-                    return Preference(m.value, f"{pf.path}:{m.line}",
+                    return Preference(m.value, _at(pf, m),
                                       "default" if pf.builtin else "policy", not pf.builtin,
                                       _buckets(pf, m))
         return None
+
+
+def _at(pf: PolicyFile, marked) -> str:
+    # An in-memory policy (policy_from_dict) has no lines: its origin names it.
+    return f"{pf.path}:{marked.line}" if marked.line else pf.path
 
 
 class SelectionError(ValueError):

@@ -1,23 +1,37 @@
-"""The adapter's decisions, without SGLang: which ops a launch runs, what runs
-on each device, which SGLang call sites are routed, which launch settings fire.
-Launch, rank and the command line all decide through here."""
+"""The adapter's decisions, without SGLang: which ops a launch runs, what runs on
+each device and how (kept: SGLang's own kernel; routed: capdispatch's kernel at
+SGLang's call site; reported: neither exists), which launch settings fire, and
+which SGLang settings each device's choice needs.
+
+One pass: every op of the model is resolved once, with one capdispatch Context
+(one policy stack, one selection list, one library inventory), and everything
+the plan shows is derived from those resolutions. Launch, rank and the command
+line all decide through `decide`."""
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import attrs
 
 SOURCE = "capdispatch"
+ACTIONS = ("routed", "kept", "reported")
 
 
 @attrs.frozen
 class OpChoice:
     op: str
     device: str
-    resolution: object       # capdispatch Resolution
-    routed: bool             # a capdispatch kernel replaces SGLang's own at the call site
+    resolution: object       # capdispatch Resolution; None where no decision was needed
+    action: str              # "routed" | "kept" | "reported"
     why: str
+    setting: tuple = ()      # knobs.SglangSetting...: what SGLang needs to run this backend itself
     warning: Optional[str] = None   # to log: SGLang's kernel kept where it cannot run (a user switch)
+
+    @property
+    def routed(self) -> bool:
+        """A capdispatch kernel replaces SGLang's own at the call site."""
+        return self.action == "routed"
 
     @property
     def backend(self):
@@ -26,11 +40,25 @@ class OpChoice:
 
 
 @attrs.frozen
-class SettingChoice:
+class LaunchSetting:
+    """A knobs.yaml `settings` row that fires for the group: set unless the user set it."""
     setting: object          # knobs.Setting
     action: str              # "set" | "kept" (the user set it)
     value: str               # what is in force
     devices: tuple           # the devices that made the row fire
+
+
+@attrs.frozen
+class SglangName:
+    """One SGLang setting over the group: the value each device's choice needs."""
+    kind: str                # "field" | "env"
+    name: str
+    ops: tuple
+    wants: dict              # value -> (device, ...)
+    without: tuple           # devices running one of `ops` with no SGLang setting for it
+    user: Optional[str]      # the user's value, when the user set it
+    action: str              # "agree" | "split" | "none" | "kept"
+    why: str
 
 
 @attrs.frozen
@@ -40,7 +68,8 @@ class Decision:
     devices: tuple           # DeviceSpecs in group order
     plan: object             # capdispatch Plan over `resolved` (None when empty)
     choices: dict            # op -> {device id: OpChoice}
-    settings: tuple
+    settings: tuple          # LaunchSetting...
+    sglang: tuple            # SglangName...: reported, never set
     warnings: tuple          # to log: downgrades, divergences, user settings kept against a need
 
 
@@ -53,8 +82,10 @@ def applicable_ops(release, model_arch: Optional[str], kv_cache_dtype: Optional[
         return (), f"{model_arch} runs no capdispatch op"
     dtype = kv_cache_dtype or "auto"
     if dtype not in model.kv_cache_dtypes:
-        return (), (f"kv_cache_dtype={dtype}: {model_arch}'s capdispatch ops run with "
-                    f"{' or '.join(model.kv_cache_dtypes)} only")
+        ops = tuple(op for op in model.ops if op in model.any_kv_cache_dtype)
+        return ops, (f"kv_cache_dtype={dtype}: {model_arch}'s KV and attention ops run with "
+                     f"{' or '.join(model.kv_cache_dtypes)} only"
+                     + (f"; {', '.join(ops)} run{'s' if len(ops) == 1 else ''} with any" if ops else ""))
     return tuple(model.ops), f"{model_arch} with kv_cache_dtype={dtype}"
 
 
@@ -75,21 +106,40 @@ def flag_selections(release, explicit: dict):
     return picked, origin
 
 
-def flag_policy(release, explicit: dict):
-    """The explicit selections of SGLang flags whose value means a different
-    backend per device family (e.g. --moe-runner-backend flashinfer_mxfp4), as
-    in-memory user policy files: per family its backend, elsewhere the first
-    listed (which cannot run there: downgraded loudly, refused under strict)."""
-    from capdispatch.policies.loader import DeviceEntry, Marked, PolicyFile
-    out = []
-    for s in release.selects:
-        if s.backend or s.field not in explicit or str(explicit[s.field]) != s.value:
-            continue
-        entries = tuple(DeviceEntry({"cc": f">={fam[2:-1]}.0,<{int(fam[2:-1]) + 1}.0"},
-                                    {s.op: Marked((b,), 0)}, 0) for fam, b in s.backends)
-        out.append(PolicyFile(f"sglang {_flag(s)}", ops={s.op: Marked((s.backends[0][1],), 0)},
-                              devices=entries))
-    return out
+def flag_policy(release, explicit: dict) -> list:
+    """The explicit selections of SGLang flags whose value means a different backend
+    per device family (e.g. --moe-runner-backend flashinfer_mxfp4), as in-memory user
+    policies (`capdispatch.policy_from_dict`)."""
+    import capdispatch as cd
+    return [cd.policy_from_dict(s.policy(), f"sglang {_flag(s)}") for s in release.selects
+            if not s.backend and s.field in explicit and str(explicit[s.field]) == s.value]
+
+
+def context_for(release, *, selections=None, selection_origin="selections=", policy=(),
+                field_values=None, assume_libs=(), strict=False, env=None):
+    """The one capdispatch Context a decision reads: the policy files given, the
+    policies of SGLang flags, the selections given plus those of SGLang flags, the
+    library inventory with ASSUME_LIBS, and ENV (CAPDISPATCH_POLICY/SET/STRICT)."""
+    import capdispatch as cd
+    field_values = field_values or {}
+    flags, forigin = flag_selections(release, field_values)
+    sels = list(selections or [])
+    origin = selection_origin
+    for f in flags:
+        if f not in sels:
+            sels.append(f)
+            origin = forigin if not selections else f"{selection_origin}, {forigin}"
+    given = [] if not policy else ([policy] if isinstance(policy, (str, os.PathLike)) else list(policy))
+    pols = given + flag_policy(release, field_values)
+    return cd.context(policy=pols or None, selections=sels or None, selection_origin=origin,
+                      assume_libs=list(assume_libs or ()) or None, strict=strict, env=env)
+
+
+def context_of(release, inputs, env=None):
+    """context_for from a LaunchInputs record."""
+    return context_for(release, selections=inputs.selections, selection_origin=inputs.selection_origin,
+                       policy=inputs.policy, field_values=inputs.field_values,
+                       assume_libs=inputs.assume_libs, strict=inputs.strict, env=env)
 
 
 def _failed(candidate) -> str:
@@ -108,21 +158,10 @@ def user_env_conflicts(route, user_env) -> list:
     return [(n, user_env[n], v) for n, v in route.env if n in (user_env or {}) and not _same(user_env[n], v)]
 
 
-def route_choice(release, op: str, res, user_spoke: bool, spec=None, user_env=None, moe_launch=None,
-                 strict=False):
-    """(routed, why, warning) for OP on the device RES was resolved for (SPEC: which site
-    SGLang calls there); WARNING is None unless a user switch keeps a kernel that cannot run."""
-    route = release.route(op, spec)
-    # --- moe: SGLang's method depends on the launch's moe_runner_backend (moe_plan.py) ---
-    if route is not None and route.native_by is not None:
-        from . import moe_plan
-        return moe_plan.route_choice(route, res, spec, moe_launch, strict)
-    # --- end moe ---
-    if route is None:
-        if release.routes_for(op):
-            return False, f"SGLang calls no routable {op} site on this card", None
-        return False, "no SGLang call site to route", None
-    site = route.target.rsplit(".", 1)[-1]
+def route_choice(route, op: str, res, user_env=None):
+    """(routed, why, warning) for OP at ROUTE (the site SGLang calls on the device RES
+    was resolved for); WARNING is None unless a user switch keeps a kernel that cannot run."""
+    site = route.site
     conflicts = user_env_conflicts(route, user_env)
     if conflicts:
         said = ", ".join(f"{n}={u}" for n, u, _ in conflicts)
@@ -132,10 +171,10 @@ def route_choice(release, op: str, res, user_spoke: bool, spec=None, user_env=No
             f"; SGLang's default {site} cannot run there ({_failed(native)}), and capdispatch "
             f"would run {res.backend}" if cannot else "")
         return False, why, why if cannot else None
-    if user_spoke and res.downgraded_from:
+    if res.user and res.downgraded_from:
         return True, (f"the explicit choice {res.downgraded_from} cannot run there (see the warning); "
                       f"capdispatch {res.backend} runs at {site} instead"), None
-    if user_spoke:
+    if res.user:
         return True, f"explicit choice ({res.source}): capdispatch {res.backend} runs at {site}", None
     if route.native is None:
         return False, f"SGLang's own {site} kept ({route.why})", None
@@ -152,9 +191,43 @@ def route_choice(release, op: str, res, user_spoke: bool, spec=None, user_env=No
     return True, f"capdispatch {res.backend} runs at {site} ({res.source})", None
 
 
-def _user_spoke(ctx, op: str, spec) -> bool:
-    from capdispatch.dispatch.resolver import order
-    return order(ctx, op, spec)[0].user
+def _no_site_why(entry, res) -> tuple:
+    """(action, why) for an op with no call site SGLang calls on this card."""
+    if entry is not None and entry.kind == "sglang":
+        labels = ", ".join(s.label for s in entry.settings) or "its defaults"
+        text = f"SGLang runs it itself under {labels} ({entry.why})"
+        action = "kept"
+    else:
+        why = entry.why if entry is not None else "the knob map has no entry for it"
+        text = f"no SGLang setting runs capdispatch {res.backend} and no call site of it is routed: {why}"
+        action = "reported"
+    if res.downgraded_from:
+        text = f"the explicit choice {res.downgraded_from} cannot run there (see the warning); {text}"
+    elif res.user:
+        text = f"explicit choice ({res.source}); {text}"
+    return action, text
+
+
+def choose(release, op: str, res, spec, user_env=None, moe_launch=None, strict=False) -> OpChoice:
+    """How the resolution RES of OP on SPEC is carried out inside SGLang. MOE_LAUNCH
+    (moe_plan.LaunchValue): the launch's moe_runner_backend, which picks SGLang's MoE
+    method on each card; STRICT: a user value that cannot run there is refused."""
+    entry = release.entry(op, res.backend)
+    setting = entry.settings if entry is not None and entry.kind == "sglang" else ()
+    route = release.route(op, spec)
+    warning = None
+    if route is not None and route.native_by is not None:
+        from . import moe_plan
+        routed, why, warning = moe_plan.route_choice(route, res, spec, moe_launch, strict)
+        action = "routed" if routed else "kept"
+    elif route is not None:
+        routed, why, warning = route_choice(route, op, res, user_env)
+        action = "routed" if routed else "kept"
+    elif release.routes_for(op):
+        action, why = "kept", f"SGLang calls no routable {op} site on this card"
+    else:
+        action, why = _no_site_why(entry, res)
+    return OpChoice(op, spec.id, res, action, why, setting, warning)
 
 
 def _user_names(ctx, op: str) -> bool:
@@ -167,10 +240,11 @@ def _user_names(ctx, op: str) -> bool:
 
 
 def resolved_ops(release, ops, ctx) -> tuple:
-    """The ops whose capdispatch decision changes what runs: a routable site
-    whose SGLang kernel has requirements (`native`) always, one whose SGLang
-    kernel runs everywhere only when the user asked for a capdispatch backend.
-    Device-independent, so every rank of a group derives the same list."""
+    """The ops whose capdispatch decision changes what runs: every op but one whose
+    call sites all keep an SGLang kernel that runs everywhere (`native: null`),
+    unless the user asked for a capdispatch backend of it (a site whose SGLang kernel
+    depends on a launch setting, `native_by`, is decided). Device-independent, so
+    every rank of a group derives the same list."""
     out = []
     for op in ops:
         routes = release.routes_for(op)
@@ -180,26 +254,18 @@ def resolved_ops(release, ops, ctx) -> tuple:
     return tuple(out)
 
 
-def _context(*, policy=None, selections=None, selection_origin="selections=", env=None):
-    from capdispatch.dispatch.resolver import context
-    return context(policy=policy, selections=selections or None, env=env,
-                   selection_origin=selection_origin)
-
-
-def choices_for(plan, release, ops, specs, *, selections=None, selection_origin="selections=",
-                policy=None, env=None, ids=None, user_env=None, moe_launch=None, strict=False) -> dict:
+def choices_for(plan, release, ops, specs, *, ids=None, user_env=None, moe_launch=None,
+                strict=False) -> dict:
     """op -> {device id: OpChoice} from PLAN; IDS maps plan ids to reported ids;
-    USER_ENV: the route environment names the user set (they keep SGLang's choice)."""
-    ctx = _context(policy=policy, selections=selections, selection_origin=selection_origin, env=env)
+    USER_ENV: the route environment names the user set (they keep SGLang's choice);
+    MOE_LAUNCH, STRICT: as for choose."""
     out = {}
     for op in ops:
-        g = plan.ops[op]
         row = {}
-        for spec, (pid, res) in zip(specs, g.per_device.items()):
-            routed, why, warning = route_choice(release, op, res, _user_spoke(ctx, op, spec), spec, user_env,
-                                                moe_launch, strict or ctx.strict_effective)
+        for spec, (pid, res) in zip(specs, plan.ops[op].per_device.items()):
+            c = choose(release, op, res, spec, user_env, moe_launch, strict)
             did = (ids or {}).get(pid, pid)
-            row[did] = OpChoice(op, did, res, routed, why, warning)
+            row[did] = attrs.evolve(c, device=did)
         out[op] = row
     return out
 
@@ -208,15 +274,14 @@ def kept_choices(release, op: str, specs) -> dict:
     """An op capdispatch was not asked to decide: SGLang's own kernel everywhere."""
     def why(spec):
         route = release.route(op, spec)
-        site = route.target.rsplit(".", 1)[-1] if route else op
+        site = route.site if route else op
         return f"SGLang's own {site} kept ({route.why if route else 'no call site to route'})"
-    return {s.id: OpChoice(op, s.id, None, False, why(s)) for s in specs}
+    return {s.id: OpChoice(op, s.id, None, "kept", why(s)) for s in specs}
 
 
 def settings_for(release, choices: dict, *, explicit_fields=(), env=None, field_values=None):
     """The launch settings that fire, and whether the user's value stands. Returns
-    (SettingChoice..., warnings)."""
-    import os
+    (LaunchSetting..., warnings)."""
     env = os.environ if env is None else env
     field_values = field_values or {}
     out, warnings = [], []
@@ -228,182 +293,38 @@ def settings_for(release, choices: dict, *, explicit_fields=(), env=None, field_
         devices = tuple(dict.fromkeys(c.device for c in hits))
         user = (s.name in explicit_fields) if s.kind == "field" else (s.name in env)
         if not user:
-            out.append(SettingChoice(s, "set", s.value, devices))
+            out.append(LaunchSetting(s, "set", s.value, devices))
             continue
         value = str(field_values.get(s.name)) if s.kind == "field" else env[s.name]
-        out.append(SettingChoice(s, "kept", value, devices))
+        out.append(LaunchSetting(s, "kept", value, devices))
         if value.lower() != s.value.lower():
             warnings.append(f"{s.name}={value} was set by the user and is kept, but "
                             f"{', '.join(devices)} need {s.name}={s.value} ({s.why})")
     return tuple(out), warnings
 
 
-def decide(specs, ops, release, *, selections=None, selection_origin="selections=", policy=None,
-           strict: bool = False, env=None, explicit_fields=(), field_values=None,
-           user_env=None, sglang_values=None) -> Decision:
-    """Resolve OPS over SPECS as one group and derive routes and launch settings.
-    Raises capdispatch.Unsatisfiable (strict downgrade, nothing runnable,
-    mixed_group: error) and capdispatch.BadInput."""
-    import capdispatch as cd
-    specs = tuple(specs)
-    ctx = _context(policy=policy, selections=selections, selection_origin=selection_origin, env=env)
-    active = resolved_ops(release, ops, ctx)
-    # moe: the launch's moe_runner_backend (SGLANG_VALUES: a rank's resolved record).
-    from .moe_plan import launch_value
-    moe_launch = launch_value(release, specs, explicit_fields=explicit_fields, field_values=field_values,
-                              sglang_values=sglang_values)
-    plan, choices = None, {}
-    if active:
-        # Warnings ride in the plan; the caller logs them once, where it should.
-        plan = cd.plan(list(specs), list(active), policy=policy, selections=selections or None,
-                       selection_origin=selection_origin, strict=strict, env=env, log_warnings=False)
-        choices = choices_for(plan, release, active, specs, selections=selections,
-                              selection_origin=selection_origin, policy=policy, env=env,
-                              ids={p.id: s.id for p, s in zip(plan.devices, specs)}, user_env=user_env,
-                              moe_launch=moe_launch, strict=strict)
-    choices = {op: choices[op] if op in active else kept_choices(release, op, specs) for op in ops}
-    settings, warnings = settings_for(release, choices, explicit_fields=explicit_fields, env=env,
-                                      field_values=field_values)
-    warnings = list(warnings) + [f"{c.op} on {c.device}: {c.warning}" for row in choices.values()
-                                 for c in row.values() if c.warning]
-    return Decision(tuple(ops), active, specs, plan, choices, settings,
-                    tuple(plan.warnings if plan else ()) + tuple(warnings))
+def _need(ds) -> str:
+    return f"{', '.join(ds)} need{'s' if len(ds) == 1 else ''}"
 
 
-def summary(d: Decision, *, settings: bool = True) -> str:
-    """One paragraph for a log line: per op, which devices run what and why
-    (and, for a launch, the settings)."""
-    parts = []
-    for op, row in d.choices.items():
-        kept = [c.device for c in row.values() if not c.routed]
-        text = [f"SGLang's own kernel on {', '.join(kept)}"] if kept else []
-        by = {}
-        for c in row.values():
-            if c.routed:
-                by.setdefault(c.backend, []).append(c)
-        for backend, cs in by.items():
-            text.append(f"capdispatch {backend} on {', '.join(c.device for c in cs)} ({cs[0].why})")
-        parts.append(f"{op}: {'; '.join(text)}")
-    for s in d.settings if settings else ():
-        if s.action == "kept":
-            parts.append(f"kept the user's {s.setting.name}={s.value}")
-        elif s.setting.routed:
-            parts.append(f"set {s.setting.label} for {', '.join(s.devices)} ({s.setting.why})")
-        else:
-            parts.append(f"set {s.setting.label} ({s.setting.why})")
-    return "; ".join(parts)
-
-
-# --------------------------------------------------------------------------- knob ops
-
-@attrs.frozen
-class KnobChoice:
-    op: str
-    device: str
-    resolution: object       # capdispatch Resolution
-    knob: object             # knobs.Knob: the SGLang settings that run it, or sets=None
-    why: str
-
-    @property
-    def backend(self):
-        return self.resolution.backend
-
-
-@attrs.frozen
-class KnobSetting:
-    """One SGLang name over the group: the value each device's backend needs."""
-    kind: str                # "field" | "env"
-    name: str
-    ops: tuple
-    wants: dict              # value -> (device, ...)
-    without: tuple           # devices running one of `ops` where SGLang has no setting for it
-    user: Optional[str]      # the user's value, when the user set it
-    action: str              # "agree" | "split" | "none" | "kept"
-    why: str
-
-
-@attrs.frozen
-class KnobDecision:
-    ops: tuple
-    devices: tuple
-    plan: object
-    choices: dict            # op -> {device id: KnobChoice}
-    settings: tuple          # KnobSetting...
-    warnings: tuple
-
-
-def knob_ops(release, model_arch: Optional[str]) -> tuple:
-    model = release.models.get(model_arch or "")
-    return tuple(model.knob_ops) if model else ()
-
-
-def _knob_why(knob, res, route=None) -> str:
-    if knob is None:
-        return "the knob map has no row for it"
-    if knob.sets is None:
-        how = (f"the rank routes SGLang's {route.target.rsplit('.', 1)[-1]} to it" if route is not None
-               else "and no call site of it is routed on this card")
-        text = f"no SGLang setting runs capdispatch {res.backend}; {how}: {knob.why}"
-    else:
-        text = f"SGLang runs it under {', '.join(s.label for s in knob.sets)} ({knob.why})"
-    if res.downgraded_from:
-        text = f"the explicit choice {res.downgraded_from} cannot run there (see the warning); {text}"
-    elif res.source and res.source.startswith("sglang --"):
-        text = f"explicit choice ({res.source}); {text}"
-    return text
-
-
-def decide_knobs(specs, ops, release, *, selections=None, selection_origin="selections=", policy=None,
-                 strict: bool = False, env=None, explicit_fields=(), field_values=None,
-                 assume_libs=None) -> KnobDecision:
-    """Resolve the knob ops over SPECS as one group and say, per device, which
-    SGLang settings run the chosen backend (or that none does), and per SGLang
-    name what the group needs. Reported, not set. An SGLang flag the user set
-    whose value names a backend is an explicit selection (FIELD_VALUES)."""
-    import os
-
-    import capdispatch as cd
+def sglang_settings(release, choices: dict, *, explicit_fields=(), env=None, field_values=None):
+    """Per SGLang name the entries of the decided ops use: the value each device's
+    choice needs, and whether the user set it. Returns (SglangName..., warnings)."""
     env = os.environ if env is None else env
     field_values = field_values or {}
-    specs = tuple(specs)
-    ops = tuple(ops)
-    if not ops:
-        return KnobDecision((), specs, None, {}, (), ())
-    given = [] if policy is None else ([policy] if isinstance(policy, (str, os.PathLike)) else list(policy))
-    flags, forigin = flag_selections(release, field_values)
-    sels = list(selections or [])
-    origin = selection_origin
-    for f in flags:
-        if f not in sels:
-            sels.append(f)
-            origin = forigin if not selections else f"{selection_origin}, {forigin}"
-    pol = given + flag_policy(release, field_values)
-    plan = cd.plan(list(specs), list(ops), policy=pol or None, selections=sels or None,
-                   selection_origin=origin, strict=strict, env=env, assume_libs=assume_libs, log_warnings=False)
-    ids = {p.id: s.id for p, s in zip(plan.devices, specs)}
-    choices = {}
-    for op in ops:
-        row = {}
-        for spec, (pid, res) in zip(specs, plan.ops[op].per_device.items()):
-            knob = release.knob(op, res.backend)
-            did = ids.get(pid, pid)
-            row[did] = KnobChoice(op, did, res, knob, _knob_why(knob, res, release.route(op, spec)))
-        choices[op] = row
-    settings, warnings = [], []
-    names = {}
-    for k in release.knobs:
-        if k.op in ops:
-            for s in k.sets or ():
-                names.setdefault((s.kind, s.name), []).append(k)
-    for (kind, name), rows in names.items():
-        rops = tuple(dict.fromkeys(k.op for k in rows))
+    out, warnings = [], []
+    for kind, name in release.sglang_names(tuple(choices)):
+        rops = tuple(op for op in choices
+                     if any(s.kind == kind and s.name == name for (o, _), e in release.entries.items()
+                            if o == op for s in e.settings))
         wants, without = {}, []
         for op in rops:
             for c in choices[op].values():
-                if c.knob is None or c.knob.sets is None:
-                    without.append(c.device)
+                if c.resolution is None:
                     continue
-                for s in c.knob.sets:
+                if not c.setting:
+                    without.append(c.device)
+                for s in c.setting:
                     if (s.kind, s.name) == (kind, name):
                         wants.setdefault(s.value, []).append(c.device)
         wants = {v: tuple(dict.fromkeys(d)) for v, d in wants.items()}
@@ -415,10 +336,8 @@ def decide_knobs(specs, ops, release, *, selections=None, selection_origin="sele
             user = env[name]
         if user is not None:
             action = "kept"
-            others = [d for v, ds in wants.items() if v.lower() != user.lower() for d in ds]
-            if others:
-                text = "; ".join(f"{', '.join(ds)} need{'s' if len(ds) == 1 else ''} {name}={v}"
-                                 for v, ds in wants.items() if v.lower() != user.lower())
+            if any(v.lower() != user.lower() for v in wants):
+                text = "; ".join(f"{_need(ds)} {name}={v}" for v, ds in wants.items() if v.lower() != user.lower())
                 warnings.append(f"{name}={user} was set by the user and is kept, but {text}")
         elif not wants:
             action = "none"
@@ -426,16 +345,71 @@ def decide_knobs(specs, ops, release, *, selections=None, selection_origin="sele
             action = "agree"
         else:
             action = "split"
-        def need(ds):
-            return f"{', '.join(ds)} need{'s' if len(ds) == 1 else ''}"
         if action == "none":
             why = f"no device runs a backend SGLang selects with {name}"
         elif action == "split":
             why = ("SGLang takes one value per launch; "
-                   + "; ".join(f"{need(ds)} {v}" for v, ds in wants.items())
-                   + (f"; {need(without)} a capdispatch kernel no SGLang setting runs"
-                      if without else ""))
+                   + "; ".join(f"{_need(ds)} {v}" for v, ds in wants.items())
+                   + (f"; {_need(without)} a capdispatch kernel no SGLang setting runs" if without else ""))
         else:
-            why = "; ".join(f"{need(ds)} {v}" for v, ds in wants.items())
-        settings.append(KnobSetting(kind, name, rops, wants, without, user, action, why))
-    return KnobDecision(ops, specs, plan, choices, tuple(settings), tuple(plan.warnings) + tuple(warnings))
+            why = "; ".join(f"{_need(ds)} {v}" for v, ds in wants.items())
+        out.append(SglangName(kind, name, rops, wants, without, user, action, why))
+    return tuple(out), warnings
+
+
+def moe_launch_of(release, specs, *, explicit_fields=(), field_values=None, moe_launch=None):
+    """The launch's moe_runner_backend (moe_plan.LaunchValue): MOE_LAUNCH where the
+    caller has SGLang's resolved value (a rank), else the user's, else SGLang's
+    DeepSeek-V4 default for device 0 of SPECS."""
+    from . import moe_plan
+    if moe_launch is not None:
+        return moe_launch
+    return moe_plan.launch_value(release, specs, explicit_fields=explicit_fields, field_values=field_values)
+
+
+def decide_in(ctx, specs, ops, release, *, env=None, explicit_fields=(), field_values=None,
+              user_env=None, moe_launch=None) -> Decision:
+    """Resolve OPS over SPECS as one group with the Context CTX, once, and derive
+    from those resolutions what runs where, the launch settings and the SGLang
+    settings. MOE_LAUNCH: SGLang's resolved moe_runner_backend, where known (see
+    moe_launch_of). Raises capdispatch.Unsatisfiable (strict downgrade, nothing
+    runnable, mixed_group: error, strict refusal of a user moe_runner_backend that
+    cannot run on a card) and capdispatch.BadInput."""
+    import capdispatch as cd
+    specs = tuple(specs)
+    ops = tuple(ops)
+    active = resolved_ops(release, ops, ctx)
+    plan, choices = None, {}
+    if active:
+        # Warnings ride in the plan; the caller logs them once, where it should.
+        plan = cd.plan_in(ctx, list(specs), list(active), log_warnings=False)
+        launch = moe_launch_of(release, specs, explicit_fields=explicit_fields, field_values=field_values,
+                               moe_launch=moe_launch)
+        choices = choices_for(plan, release, active, specs,
+                              ids={p.id: s.id for p, s in zip(plan.devices, specs)}, user_env=user_env,
+                              moe_launch=launch, strict=ctx.strict_effective)
+    choices = {op: choices[op] if op in active else kept_choices(release, op, specs) for op in ops}
+    kw = dict(explicit_fields=explicit_fields, env=ctx.env if env is None else env, field_values=field_values)
+    settings, w1 = settings_for(release, choices, **kw)
+    names, w2 = sglang_settings(release, choices, **kw)
+    warnings = list(w1) + list(w2) + [f"{c.op} on {c.device}: {c.warning}" for row in choices.values()
+                                      for c in row.values() if c.warning]
+    return Decision(ops, active, specs, plan, choices, settings, names,
+                    tuple(dict.fromkeys(tuple(plan.warnings if plan else ()) + tuple(warnings))))
+
+
+def decide(specs, ops, release, *, selections=None, selection_origin="selections=", policy=(),
+           strict: bool = False, env=None, explicit_fields=(), field_values=None,
+           user_env=None, assume_libs=(), moe_launch=None) -> Decision:
+    """decide_in with the Context built here (context_for) from the same inputs."""
+    ctx = context_for(release, selections=selections, selection_origin=selection_origin, policy=policy,
+                      field_values=field_values, assume_libs=assume_libs, strict=strict, env=env)
+    return decide_in(ctx, specs, ops, release, env=env, explicit_fields=explicit_fields,
+                     field_values=field_values, user_env=user_env, moe_launch=moe_launch)
+
+
+def decide_launch(specs, release, inputs, *, env=None, moe_launch=None) -> Decision:
+    """decide for a LaunchInputs record (MOE_LAUNCH: as for decide_in)."""
+    return decide_in(context_of(release, inputs, env), specs, inputs.ops, release, env=env,
+                     explicit_fields=inputs.explicit_fields, field_values=inputs.field_values,
+                     user_env=inputs.user_env, moe_launch=moe_launch)

@@ -1,6 +1,7 @@
-"""The knob map (knobs.yaml): which SGLang setting each capdispatch decision
-drives, per SGLang release range. Loading checks the shape and the op and
-backend names; tests check the SGLang names against the installed package."""
+"""The knob map (knobs.yaml): how each capdispatch decision is carried out inside
+SGLang, per SGLang release range. Loading checks the shape and the op, backend
+and route names, with errors that name the file and line; tests check the
+SGLang names against the installed package."""
 from __future__ import annotations
 
 import functools
@@ -12,6 +13,7 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 DEFAULT_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "knobs.yaml")
+ENTRY_KINDS = ("sglang", "route", "none")
 
 
 class KnobsError(ValueError):
@@ -25,6 +27,7 @@ def _label(kind: str, name: str, value: str) -> str:
 
 @attrs.frozen
 class Setting:
+    """A launch-time setting, the same for every rank (knobs.yaml `settings`)."""
     ops: tuple
     backends: Optional[tuple]     # None: any backend
     routed: bool
@@ -32,6 +35,18 @@ class Setting:
     name: str
     value: str
     why: str
+
+    @property
+    def label(self) -> str:
+        return _label(self.kind, self.name, self.value)
+
+
+@attrs.frozen
+class SglangSetting:
+    """One SGLang name and the value an entry or a route needs."""
+    kind: str                     # "field" | "env"
+    name: str
+    value: str
 
     @property
     def label(self) -> str:
@@ -58,6 +73,19 @@ class Select:
         fam = family(device)
         return next((b for f, b in self.backends if f == fam), self.backends[0][1])
 
+    def policy(self) -> dict:
+        """As policy data (`capdispatch.policy_from_dict`): per family its backend, elsewhere
+        the first listed (which cannot run there: downgraded loudly, refused under strict)."""
+        return {"ops": {self.op: [self.backends[0][1]]},
+                "devices": [{"match": {"cc": _family_range(fam)}, "ops": {self.op: [b]}}
+                            for fam, b in self.backends]}
+
+
+def _family_range(fam: str) -> str:
+    """'sm120' -> '>=12.0,<13.0'."""
+    major = int(fam[2:]) // 10
+    return f">={major}.0,<{major + 1}.0"
+
 
 def family(device) -> Optional[str]:
     """'sm90', 'sm100', 'sm120', ... (compute-capability major x 10), None without a cc."""
@@ -66,24 +94,17 @@ def family(device) -> Optional[str]:
 
 
 @attrs.frozen
-class KnobSet:
-    kind: str                     # "field" | "env"
-    name: str
-    value: str
-
-    @property
-    def label(self) -> str:
-        return _label(self.kind, self.name, self.value)
-
-
-@attrs.frozen
-class Knob:
-    """The SGLang settings under which SGLang runs BACKENDS of OP itself, or
-    sets=None: SGLang has no setting that runs them (a route would be needed)."""
+class Entry:
+    """How capdispatch's choice of BACKEND for OP runs inside SGLang: SGLang's own
+    kernel under `settings` (kind "sglang"), capdispatch's kernel at one of `routes`
+    (kind "route"), or neither (kind "none": the decision is reported)."""
     op: str
-    backends: tuple
-    sets: Optional[tuple]         # KnobSet..., or None
-    why: str
+    backend: str
+    kind: str                     # "sglang" | "route" | "none"
+    settings: tuple = ()          # SglangSetting... (kind "sglang")
+    routes: tuple = ()            # route names (kind "route")
+    why: str = ""
+    line: int = 0
 
 
 @attrs.frozen
@@ -95,7 +116,14 @@ class Route:
     why: str
     cc: Optional[SpecifierSet] = None   # the cards on which SGLang calls this site; None: every card
     env: tuple = ()                     # ((name, value), ...): set in the rank's own process to route
-    native_by: object = None            # moe_plan.NativeBy: `native` per launch value and card (moe)
+    name: str = ""
+    runner: Optional[SglangSetting] = None   # the SGLang setting under which `native` runs here
+    prepare: Optional[str] = None             # "module:function": weight preparation at load time
+    native_by: object = None                  # moe_plan.NativeBy: `native` per launch value and card
+
+    @property
+    def site(self) -> str:
+        return self.target.rsplit(".", 1)[-1]
 
     def calls_on(self, device) -> bool:
         """Does SGLang call this site on DEVICE (by its compute capability)?"""
@@ -109,7 +137,7 @@ class Route:
 class Model:
     ops: tuple
     kv_cache_dtypes: tuple
-    knob_ops: tuple = ()          # decided and reported through `knobs`; not routed
+    any_kv_cache_dtype: tuple = ()    # ops that run whatever the KV-cache dtype
 
 
 @attrs.frozen
@@ -121,7 +149,7 @@ class Release:
     selects: tuple
     routes: tuple
     arch: dict
-    knobs: tuple = ()
+    entries: dict = attrs.field(factory=dict)    # (op, backend) -> Entry
 
     def route(self, op: str, device=None) -> Optional[Route]:
         """The site SGLang calls for OP on DEVICE (the first route of OP without one)."""
@@ -135,8 +163,13 @@ class Release:
         """Every environment name a route sets (the launcher records the user's values)."""
         return tuple(dict.fromkeys(n for r in self.routes for n, _ in r.env))
 
-    def knob(self, op: str, backend: str) -> Optional[Knob]:
-        return next((k for k in self.knobs if k.op == op and backend in k.backends), None)
+    def entry(self, op: str, backend: Optional[str]) -> Optional[Entry]:
+        return self.entries.get((op, backend))
+
+    def sglang_names(self, ops) -> tuple:
+        """(kind, name) of every SGLang setting the entries of OPS name, in file order."""
+        return tuple(dict.fromkeys((s.kind, s.name) for (op, _), e in self.entries.items()
+                                   if op in ops for s in e.settings))
 
 
 @attrs.frozen
@@ -155,175 +188,268 @@ class Knobs:
         return next((r for r in self.releases if r.spec.contains(v, prereleases=True)), None)
 
 
-def _need(d: dict, key: str, where: str, kind=None):
-    if not isinstance(d, dict) or key not in d:
-        raise KnobsError(f"{where}: missing {key!r}")
-    value = d[key]
-    if kind is not None and not isinstance(value, kind):
-        raise KnobsError(f"{where}.{key}: expected {getattr(kind, '__name__', kind)}, got {value!r}")
-    return value
+class _Checker:
+    """Errors as `file:line: where: what`, from the line-marked document."""
+
+    def __init__(self, path: str, registry):
+        self.path, self.registry = path, registry
+
+    def err(self, node, where: str, message: str, key=None) -> KnobsError:
+        line = 0
+        if node is not None:
+            line = node.line_of(key) if key is not None and hasattr(node, "line_of") else getattr(node, "line", 0)
+        at = f"{self.path}:{line}" if line else self.path
+        return KnobsError(f"{at}: {where}: {message}")
+
+    def need(self, d, key: str, where: str, kind=None):
+        if not isinstance(d, dict):
+            raise self.err(d, where, f"expected a mapping, got {d!r}")
+        if key not in d:
+            raise self.err(d, where, f"missing {key!r}")
+        value = d[key]
+        if kind is not None and not isinstance(value, kind):
+            raise self.err(d, f"{where}.{key}", f"expected {getattr(kind, '__name__', kind)}, got {value!r}",
+                           key)
+        return value
+
+    def only(self, d, keys, where: str) -> None:
+        from capdispatch.policies import did_you_mean
+        for k in d:
+            if k not in keys:
+                raise self.err(d, where, f"unknown key {k!r}{did_you_mean(k, keys)} "
+                                         f"(valid: {', '.join(keys)})", k)
+
+    def spec(self, d, key, where: str) -> SpecifierSet:
+        text = d[key]
+        try:
+            return SpecifierSet(str(text))
+        except InvalidSpecifier:
+            raise self.err(d, f"{where}.{key}", f"{text!r} is not a version range "
+                                                f"(e.g. '>=0.5.23,<0.5.24')", key) from None
+
+    def names(self, d, key, where: str) -> tuple:
+        value = d[key]
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
+            raise self.err(d, f"{where}.{key}", f"expected a name or a list of names, got {value!r}", key)
+        return tuple(items)
+
+    def op(self, node, op: str, where: str, key=None) -> None:
+        from capdispatch.policies import did_you_mean
+        if op not in self.registry.ops:
+            raise self.err(node, where, f"unknown op {op!r}{did_you_mean(op, self.registry.ops)} "
+                                        f"(valid: {', '.join(self.registry.ops)})", key)
+
+    def backends(self, node, op: str, backends, where: str, key=None) -> None:
+        from capdispatch.policies import did_you_mean
+        self.op(node, op, where, key)
+        valid = [b.name for b in self.registry.backends(op)]
+        for b in backends or ():
+            if b not in valid:
+                raise self.err(node, where, f"unknown backend {b!r} for {op}{did_you_mean(b, valid)} "
+                                            f"(valid: {', '.join(valid)})", key)
+
+    def setting(self, x, where: str) -> SglangSetting:
+        if not isinstance(x, dict):
+            raise self.err(None, where, f"expected {{field|env: NAME, value: V}}, got {x!r}")
+        kinds = [k for k in ("field", "env") if k in x]
+        if len(kinds) != 1:
+            raise self.err(x, where, "give exactly one of 'field' or 'env'")
+        self.only(x, ("field", "env", "value"), where)
+        return SglangSetting(kinds[0], str(x[kinds[0]]), str(self.need(x, "value", where)))
 
 
-def _spec(text, where: str) -> SpecifierSet:
-    try:
-        return SpecifierSet(str(text))
-    except InvalidSpecifier:
-        raise KnobsError(f"{where}: {text!r} is not a version range (e.g. '>=0.5.23,<0.5.24')") from None
-
-
-def _names(value, where: str) -> tuple:
-    items = [value] if isinstance(value, str) else value
-    if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
-        raise KnobsError(f"{where}: expected a name or a list of names, got {value!r}")
-    return tuple(items)
-
-
-def _check_backends(registry, op: str, backends, where: str) -> None:
-    if op not in registry.ops:
-        raise KnobsError(f"{where}: unknown op {op!r} (valid: {', '.join(registry.ops)})")
-    valid = [b.name for b in registry.backends(op)]
-    for b in backends or ():
-        if b not in valid:
-            raise KnobsError(f"{where}: unknown backend {b!r} for {op} (valid: {', '.join(valid)})")
-
-
-def _release(d: dict, where: str, registry) -> Release:
-    spec = _spec(_need(d, "sglang", where), f"{where}.sglang")
-    hooks = _need(d, "hooks", where, dict)
+def _release(c: _Checker, d, where: str) -> Release:
+    spec = c.spec(d, "sglang", where) if "sglang" in d else c.need(d, "sglang", where)
+    hooks = c.need(d, "hooks", where, dict)
     for key in ("resolution_step", "rank", "group", "tp_group"):
-        _need(hooks, key, f"{where}.hooks", str)
+        c.need(hooks, key, f"{where}.hooks", str)
     models = {}
-    for arch, m in (_need(d, "models", where, dict)).items():
+    for arch, m in c.need(d, "models", where, dict).items():
         w = f"{where}.models.{arch}"
-        ops = _names(_need(m, "ops", w), f"{w}.ops")
+        c.only(m, ("ops", "kv_cache_dtypes", "any_kv_cache_dtype"), w)
+        c.need(m, "ops", w)
+        ops = c.names(m, "ops", w)
         for op in ops:
-            _check_backends(registry, op, (), w)
-        knob_ops = _names(m.get("knob_ops") or [], f"{w}.knob_ops")
-        for op in knob_ops:
-            _check_backends(registry, op, (), w)
-        models[arch] = Model(ops, _names(_need(m, "kv_cache_dtypes", w), f"{w}.kv_cache_dtypes"),
-                             knob_ops)
+            c.op(m, op, f"{w}.ops", "ops")
+        anyd = c.names(m, "any_kv_cache_dtype", w) if "any_kv_cache_dtype" in m else ()
+        for op in anyd:
+            if op not in ops:
+                raise c.err(m, f"{w}.any_kv_cache_dtype", f"{op!r} is not one of the model's ops",
+                            "any_kv_cache_dtype")
+        c.need(m, "kv_cache_dtypes", w)
+        models[arch] = Model(ops, c.names(m, "kv_cache_dtypes", w), anyd)
     settings, seen = [], {}
-    for i, s in enumerate(d.get("settings") or ()):
+    rows = d.get("settings") or []
+    for i, s in enumerate(rows):
         w = f"{where}.settings[{i}]"
-        ops = _names(_need(s, "ops", w), f"{w}.ops")
+        c.need(s, "ops", w)
+        ops = c.names(s, "ops", w)
         raw = s.get("backends", "*")
-        backends = None if raw == "*" else _names(raw, f"{w}.backends")
+        backends = None if raw == "*" else c.names(s, "backends", w)
         for op in ops:
-            _check_backends(registry, op, backends, w)
+            c.backends(s, op, backends, w)
         kinds = [k for k in ("field", "env") if k in s]
         if len(kinds) != 1:
-            raise KnobsError(f"{w}: give exactly one of 'field' or 'env'")
+            raise c.err(s, w, "give exactly one of 'field' or 'env'")
         kind = kinds[0]
         row = Setting(ops, backends, bool(s.get("routed", False)), kind, str(s[kind]),
-                      str(_need(s, "value", w)), str(s.get("why", "")))
+                      str(c.need(s, "value", w)), str(s.get("why", "")))
         key = (kind, row.name)
         if key in seen and seen[key] != row.value:
-            raise KnobsError(f"{w}: {row.name} is set to {row.value!r} here and {seen[key]!r} in another row")
+            raise c.err(s, w, f"{row.name} is set to {row.value!r} here and {seen[key]!r} in another row",
+                        "value")
         seen[key] = row.value
         settings.append(row)
     selects = []
-    for i, s in enumerate(d.get("selects") or ()):
+    for i, s in enumerate(d.get("selects") or []):
         w = f"{where}.selects[{i}]"
         if ("backend" in s) == ("backends" in s):
-            raise KnobsError(f"{w}: give exactly one of 'backend' or 'backends'")
+            raise c.err(s, w, "give exactly one of 'backend' or 'backends'")
         per = s.get("backends")
         if per is not None:
             if not isinstance(per, dict) or not per or not all(
                     isinstance(f, str) and f.startswith("sm") and f[2:].isdigit() for f in per):
-                raise KnobsError(f"{w}.backends: expected a mapping of device families "
-                                 f"(sm90, sm100, sm120, ...) to backends, got {per!r}")
+                raise c.err(s, f"{w}.backends", f"expected a mapping of device families "
+                                                f"(sm90, sm100, sm120, ...) to backends, got {dict(per)!r}",
+                            "backends")
             per = tuple((f, str(b)) for f, b in per.items())
-        row = Select(str(_need(s, "field", w)), str(_need(s, "value", w)), str(_need(s, "op", w)),
+        row = Select(str(c.need(s, "field", w)), str(c.need(s, "value", w)), str(c.need(s, "op", w)),
                      None if per else str(s["backend"]), per or ())
-        _check_backends(registry, row.op, row.names, w)
+        c.backends(s, row.op, row.names, w, "backends" if per else "backend")
         if any(o.field == row.field and o.value == row.value for o in selects):
-            raise KnobsError(f"{w}: {row.field}={row.value} is mapped twice")
+            raise c.err(s, w, f"{row.field}={row.value} is mapped twice")
         selects.append(row)
-    knob_rows = []
-    for i, k in enumerate(d.get("knobs") or ()):
-        w = f"{where}.knobs[{i}]"
-        if ("backend" in k) == ("backends" in k):
-            raise KnobsError(f"{w}: give exactly one of 'backend' or 'backends'")
-        op = str(_need(k, "op", w))
-        backends = _names(k["backend"] if "backend" in k else k["backends"], f"{w}.backends")
-        _check_backends(registry, op, backends, w)
-        raw = _need(k, "set", w)
-        sets = None
-        if raw is not None:
-            if not isinstance(raw, list) or not raw:
-                raise KnobsError(f"{w}.set: expected a list of {{field|env, value}}, or null (no knob)")
-            sets = []
-            for j, x in enumerate(raw):
-                kinds = [kk for kk in ("field", "env") if kk in (x if isinstance(x, dict) else {})]
-                if len(kinds) != 1:
-                    raise KnobsError(f"{w}.set[{j}]: give exactly one of 'field' or 'env'")
-                sets.append(KnobSet(kinds[0], str(x[kinds[0]]), str(_need(x, "value", f"{w}.set[{j}]"))))
-            sets = tuple(sets)
-        for b in backends:
-            if any(b in o.backends for o in knob_rows if o.op == op):
-                raise KnobsError(f"{w}: {op}={b} has two knob rows")
-        knob_rows.append(Knob(op, backends, sets, str(k.get("why", ""))))
-    for arch_name, m in models.items():
-        for op in m.knob_ops:
-            covered = {b for k in knob_rows if k.op == op for b in k.backends}
-            missing = [b.name for b in registry.backends(op) if b.name not in covered]
-            if missing:
-                raise KnobsError(f"{where}.knobs: no row for {op} backend(s) {', '.join(missing)} "
-                                 f"(a knob op needs one row per backend; `set: null` where SGLang has none)")
     routes = []
-    for i, r in enumerate(d.get("routes") or ()):
+    for i, r in enumerate(d.get("routes") or []):
         w = f"{where}.routes[{i}]"
-        cc_text = r.get("cc")
+        c.only(r, ("name", "op", "target", "call", "native", "cc", "env", "why", "runner", "prepare",
+                   "native_by"), w)
         env = r.get("env") or {}
         if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):
-            raise KnobsError(f"{w}.env: expected a mapping of environment names to string values, got {env!r}")
-        row = Route(str(_need(r, "op", w)), _need(r, "target", w, str), _need(r, "call", w, str),
+            raise c.err(r, f"{w}.env", f"expected a mapping of environment names to string values, "
+                                       f"got {dict(env) if isinstance(env, dict) else env!r}", "env")
+        prepare = r.get("prepare")
+        if prepare is not None and (not isinstance(prepare, str) or prepare.count(":") != 1):
+            raise c.err(r, f"{w}.prepare", f"expected 'module:function', got {prepare!r}", "prepare")
+        runner = c.setting(r["runner"], f"{w}.runner") if r.get("runner") is not None else None
+        c.need(r, "op", w)
+        c.op(r, str(r["op"]), w, "op")
+        row = Route(str(r["op"]), c.need(r, "target", w, str), c.need(r, "call", w, str),
                     r.get("native"), str(r.get("why", "")),
-                    None if cc_text is None else _spec(cc_text, f"{w}.cc"),
-                    tuple((str(k), v) for k, v in env.items()))
-        _check_backends(registry, row.op, (row.native,) if row.native else (), w)
+                    None if r.get("cc") is None else c.spec(r, "cc", w),
+                    tuple((str(k), v) for k, v in env.items()), str(c.need(r, "name", w, str)),
+                    runner, prepare)
+        c.backends(r, row.op, (row.native,) if row.native else (), w, "native")
         if r.get("native_by") is not None:      # moe: SGLang's method depends on the launch's value
             from .moe_plan import check_native_by
             try:
-                row = attrs.evolve(row, native_by=check_native_by(r["native_by"], f"{w}.native_by", registry,
-                                                                  row.op))
+                nb = check_native_by(r["native_by"], f"{w}.native_by", c.registry, row.op)
             except ValueError as exc:
-                raise KnobsError(str(exc)) from None
-        clash = next((o for o in routes if o.target == row.target), None)
-        if clash is not None:
-            raise KnobsError(f"{w}: {row.target} is routed twice")
+                at, _, what = str(exc).partition(": ")
+                raise c.err(r, at, what, "native_by") from None
+            row = attrs.evolve(row, native_by=nb)
+        if any(o.target == row.target for o in routes):
+            raise c.err(r, w, f"{row.target} is routed twice", "target")
+        if any(o.name == row.name for o in routes):
+            raise c.err(r, w, f"route name {row.name!r} is used twice", "name")
         routes.append(row)
-    arch = _need(d, "arch", where, dict)
+    by_name = {r.name: r for r in routes}
+    entries = {}
+    table = d.get("backends") or {}
+    if not isinstance(table, dict):
+        raise c.err(d, f"{where}.backends", "expected a mapping of op -> backend -> entry", "backends")
+    for op, per in table.items():
+        w = f"{where}.backends.{op}"
+        c.op(table, op, w, op)
+        if not isinstance(per, dict):
+            raise c.err(table, w, "expected a mapping of backend -> entry", op)
+        for backend, e in per.items():
+            we = f"{w}.{backend}"
+            c.backends(per, op, (backend,), we, backend)
+            if not isinstance(e, dict):
+                raise c.err(per, we, f"expected a mapping with one of {', '.join(ENTRY_KINDS)}, got {e!r}",
+                            backend)
+            c.only(e, ENTRY_KINDS + ("why",), we)
+            kinds = [k for k in ENTRY_KINDS if k in e]
+            if len(kinds) != 1:
+                raise c.err(e, we, f"give exactly one of {', '.join(map(repr, ENTRY_KINDS))} "
+                                   f"(SGLang's own settings, a route, or none)")
+            kind = kinds[0]
+            sets, names = (), ()
+            if kind == "sglang":
+                raw = e["sglang"]
+                if not isinstance(raw, list):
+                    raise c.err(e, f"{we}.sglang", f"expected a list of {{field|env, value}} ([] when "
+                                                   f"SGLang's default runs it), got {raw!r}", "sglang")
+                sets = tuple(c.setting(x, f"{we}.sglang[{j}]") for j, x in enumerate(raw))
+            elif kind == "route":
+                c.need(e, "route", we)
+                names = c.names(e, "route", we)
+                for n in names:
+                    if n not in by_name:
+                        from capdispatch.policies import did_you_mean
+                        raise c.err(e, f"{we}.route", f"unknown route {n!r}{did_you_mean(n, by_name)} "
+                                                      f"(valid: {', '.join(by_name)})", "route")
+                    if by_name[n].op != op:
+                        raise c.err(e, f"{we}.route", f"route {n!r} is a {by_name[n].op} site, "
+                                                      f"not a {op} one", "route")
+            elif e["none"] is not True:
+                raise c.err(e, f"{we}.none", f"expected true, got {e['none']!r}", "none")
+            entries[(op, backend)] = Entry(op, backend, kind, sets, names, str(e.get("why", "")),
+                                           per.line_of(backend))
+    for arch_name, m in models.items():
+        for op in m.ops:
+            missing = [b.name for b in c.registry.backends(op) if (op, b.name) not in entries]
+            if missing:
+                raise c.err(table, f"{where}.backends.{op}",
+                            f"no entry for {op} backend(s) {', '.join(missing)} (every backend of a "
+                            f"model op needs one: sglang, route or none)", op if op in table else None)
+    arch = c.need(d, "arch", where, dict)
     for key in ("module", "probes", "platform", "globals", "jit_arch"):
-        _need(arch, key, f"{where}.arch")
+        c.need(arch, key, f"{where}.arch")
     facts = set(arch["probes"]) | {"sm", "cc"}
     for fact, probe in arch["platform"].items():
         if probe not in facts:
-            raise KnobsError(f"{where}.arch.platform.{fact}: {probe!r} is not a probe or sm/cc")
+            raise c.err(arch["platform"], f"{where}.arch.platform.{fact}", f"{probe!r} is not a probe or sm/cc",
+                        fact)
     for i, g in enumerate(arch["globals"]):
         if g.get("fact") not in facts:
-            raise KnobsError(f"{where}.arch.globals[{i}]: fact {g.get('fact')!r} is not a probe or sm/cc")
-    return Release(spec, dict(hooks), models, tuple(settings), tuple(selects), tuple(routes), dict(arch),
-                   tuple(knob_rows))
+            raise c.err(g, f"{where}.arch.globals[{i}]", f"fact {g.get('fact')!r} is not a probe or sm/cc")
+    return Release(spec, dict(hooks), models, tuple(settings), tuple(selects), tuple(routes),
+                   _plain(arch), entries)
+
+
+def _plain(x):
+    """Marked containers as plain dicts and lists (the arch table travels to SGLang code)."""
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_plain(v) for v in x]
+    return x
 
 
 @functools.lru_cache(maxsize=4)
 def load(path: Optional[str] = None) -> Knobs:
     """Parse and check the knob map (the packaged knobs.yaml by default)."""
-    import yaml
-
-    from ...backends import builtin
+    from capdispatch.backends import builtin
+    from capdispatch.policies import PolicyError, load_marked
     path = path or DEFAULT_PATH
     try:
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except (OSError, yaml.YAMLError) as exc:
-        raise KnobsError(f"{path}: cannot read the knob map: {exc}") from None
+            text = f.read()
+    except OSError as exc:
+        raise KnobsError(f"{path}: cannot read the knob map: {exc.strerror}") from None
+    try:
+        data = load_marked(text, path)
+    except PolicyError as exc:
+        raise KnobsError(str(exc)) from None
+    c = _Checker(path, builtin())
     if not isinstance(data, dict) or data.get("schema") != 1:
-        raise KnobsError(f"{path}: expected a mapping with 'schema: 1'")
-    tested = _spec(_need(data, "tested", path), f"{path}: tested")
-    registry = builtin()
-    releases = tuple(_release(r, f"{path}: releases[{i}]", registry)
-                     for i, r in enumerate(_need(data, "releases", path, list)))
-    return Knobs(path, tested, releases, str(data["tested"]))
+        raise c.err(data if isinstance(data, dict) else None, "the knob map", "expected a mapping with 'schema: 1'",
+                    "schema")
+    c.need(data, "tested", "the knob map")
+    tested = c.spec(data, "tested", "the knob map")
+    releases = c.need(data, "releases", "the knob map", list)
+    return Knobs(path, tested, tuple(_release(c, r, f"releases[{i}]") for i, r in enumerate(releases)),
+                 str(data["tested"]))

@@ -4,7 +4,8 @@ SGLang's fields and environment only where the user did not, say what was set.
 Runs as a wrapper of one resolution step (register_resolution_hook): the
 environment is set before the step, so SGLang's DeepSeek-V4 defaults read it;
 fields are declared after it, so they are the last word unless the user spoke.
-What was decided rides to every scheduler process on the record (STASH).
+What the launch asks (records.LaunchInputs) rides to every scheduler process on
+the record (STASH), so each rank decides from the same inputs.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import os
 log = logging.getLogger("capdispatch.sglang")
 
 STASH = "_capdispatch"      # a bookkeeping attribute: pickled with the record
+OPTIONS = "_capdispatch_plan"   # records.PlanOptions, set by `dispatch sglang plan` only
 
 
 def explicit_fields(launch_command) -> set:
@@ -75,9 +77,10 @@ def gpu_ids_of(cfg) -> list:
                        dp_attention=bool(cfg.enable_dp_attention) or cfg.attn_dp_size > 1)
 
 
-def record_facts(server_args, release, read):
-    """(stash, explicit fields, their values) for a record; READ(field) gives a value."""
+def record_inputs(server_args, release, read, *, user_env=None):
+    """The LaunchInputs of a record; READ(field) gives a field's value."""
     from . import decide
+    from .records import LaunchInputs
     explicit = explicit_fields(server_args.launch_command)
     values = {}
     for f in explicit:
@@ -86,71 +89,75 @@ def record_facts(server_args, release, read):
         except AttributeError:
             pass
     arch = model_arch(server_args)
-    ops, reason = decide.applicable_ops(release, arch, read("kv_cache_dtype"))
-    sels, origin = decide.flag_selections(release, values)
-    stash = {"schema": 1, "model": arch, "ops": list(ops), "reason": reason,
-             "selections": sels, "selection_origin": origin, "set": {}, "devices": []}
-    return stash, explicit, values
+    dtype = read("kv_cache_dtype")
+    ops, reason = decide.applicable_ops(release, arch, dtype)
+    opts = getattr(server_args, OPTIONS, None)
+    extra = {} if opts is None else dict(
+        selections=opts.selections, selection_origin=opts.selection_origin, policy=opts.policy,
+        assume_libs=opts.assume_libs, strict=opts.strict)
+    return LaunchInputs(arch, None if dtype is None else str(dtype), ops, reason, frozenset(explicit),
+                        values, user_env, **extra)
 
 
 def prepare(server_args, release, *, env=None):
     """Before the step: what applies, the group decision, the environment.
     Returns the Decision, or None when there is nothing to decide here."""
-    from capdispatch.capabilities import ProbeError
+    import attrs
+    import capdispatch as cd
     from sglang.srt.arg_groups.overrides import resolving_view
 
     from . import decide, rig
     env = os.environ if env is None else env
     cfg = resolving_view(server_args)
-    stash, explicit, values = record_facts(server_args, release, lambda f: getattr(cfg, f))
     # Before SGLang's own DeepSeek-V4 defaults set any of them (on SM120 it turns
     # its TileLang and torch indexer switches on): what the user set, for the ranks.
-    stash["user_env"] = {n: env[n] for n in release.route_env_names() if n in env}
-    setattr(server_args, STASH, stash)
-    ops, reason = stash["ops"], stash["reason"]
-    if not ops:
-        log.info("capdispatch: %s; nothing to decide at launch", reason)
+    user_env = {n: env[n] for n in release.route_env_names() if n in env}
+    inputs = record_inputs(server_args, release, lambda f: getattr(cfg, f), user_env=user_env)
+    setattr(server_args, STASH, inputs)
+    if not inputs.ops:
+        log.info("capdispatch: %s; nothing to decide at launch", inputs.reason)
         return None
     ids = gpu_ids_of(cfg)
     try:
         specs = rig.devices(ids, env=env, via="nvml")
-    except ProbeError as exc:
+    except cd.ProbeError as exc:
         log.warning("capdispatch: cannot read the launch's GPUs %s without initialising CUDA (%s); "
                     "launch-time settings skipped, each rank still decides for its own card",
                     ", ".join(f"cuda:{g}" for g in ids), exc)
         return None
-    d = decide.decide(specs, ops, release, selections=stash["selections"],
-                      selection_origin=stash["selection_origin"], env=env,
-                      explicit_fields=explicit, field_values=values, user_env=stash["user_env"])
+    d = decide.decide_launch(specs, release, inputs, env=env)
     for s in d.settings:
         if s.action == "set" and s.setting.kind == "env":
             env[s.setting.name] = s.setting.value
-    stash["devices"] = [rig.describe(s) for s in specs]
+    setattr(server_args, STASH, attrs.evolve(inputs, devices=tuple(rig.describe(s) for s in specs)))
     return d
 
 
 def finish(server_args, release, d) -> None:
     """After the step: declare the fields, log the summary."""
+    import attrs
     from sglang.srt.arg_groups.overrides import declare_resolution, resolution_result
 
-    from . import decide, rig
-    stash = getattr(server_args, STASH)
+    from . import decide, render, rig
+    inputs = getattr(server_args, STASH)
     dtype = resolution_result(server_args, "kv_cache_dtype")
-    ops, reason = decide.applicable_ops(release, stash["model"], dtype)
-    stash["reason"] = reason
-    if not ops:
-        stash["ops"] = []
+    ops, reason = decide.applicable_ops(release, inputs.model, dtype)
+    inputs = attrs.evolve(inputs, kv_cache_dtype=None if dtype is None else str(dtype), reason=reason,
+                          ops=tuple(op for op in inputs.ops if op in ops))
+    if not inputs.ops:
+        setattr(server_args, STASH, inputs)
         log.info("capdispatch: SGLang resolved %s; capdispatch's ops do not run", reason)
         return
     fields = {s.setting.name: s.setting.value for s in d.settings
               if s.action == "set" and s.setting.kind == "field"}
     if fields:
         declare_resolution(server_args, decide.SOURCE, **fields)
-    stash["set"] = {s.setting.name: s.value for s in d.settings if s.action == "set"}
+    inputs = attrs.evolve(inputs, applied={s.setting.name: s.value for s in d.settings if s.action == "set"})
+    setattr(server_args, STASH, inputs)
     for w in d.warnings:
         log.warning("capdispatch: %s", w)
-    log.info("capdispatch: SGLang launch of %s on %s: %s", stash["reason"],
-             "; ".join(rig.describe(s) for s in d.devices), decide.summary(d))
+    log.info("capdispatch: SGLang launch of %s on %s: %s", inputs.reason,
+             "; ".join(rig.describe(s) for s in d.devices), render.summary(d))
 
 
 def resolution_hook(server_args, previous) -> None:

@@ -102,18 +102,15 @@ def route_of(release):
     return next((r for r in release.routes if getattr(r, "native_by", None) is not None), None)
 
 
-def launch_value(release, specs, *, explicit_fields=(), field_values=None,
-                 sglang_values=None) -> Optional[LaunchValue]:
-    """What SGLang's launch runs: SGLANG_VALUES (a rank: the record SGLang resolved),
-    else the user's value, else SGLang's DeepSeek-V4 default for device 0 (MXFP4
-    experts, no all-to-all backend: the case its default rule covers)."""
+def launch_value(release, specs, *, explicit_fields=(), field_values=None) -> Optional[LaunchValue]:
+    """What SGLang's launch runs before SGLang resolved it (the launcher, `dispatch
+    sglang plan`): the user's value, else SGLang's DeepSeek-V4 default for device 0
+    (MXFP4 experts, no all-to-all backend: the case its default rule covers). A rank
+    reads SGLang's resolved value instead (record_value)."""
     route = route_of(release)
     if route is None:
         return None
     nb = route.native_by
-    if sglang_values and nb.field in sglang_values:
-        v = sglang_values[nb.field]
-        return v if isinstance(v, LaunchValue) else LaunchValue(str(v), "as SGLang resolved it", False)
     given = (field_values or {}).get(nb.field)
     if nb.field in set(explicit_fields or ()) and given is not None and str(given) != "auto":
         return LaunchValue(str(given), f"set by the user (--{nb.field.replace('_', '-')})", True)
@@ -133,30 +130,34 @@ def route_choice(route, res, spec, launch: Optional[LaunchValue], strict: bool =
     included: where it names the kernel SGLang's method runs, that method is kept).
     Raises capdispatch.Unsatisfiable under STRICT where the user's value cannot run."""
     import capdispatch as cd
-    site = route.target.rsplit(".", 2)
-    site = ".".join(site[-2:])
+    site = ".".join(route.target.rsplit(".", 2)[-2:])
+    if res.downgraded_from:     # the resolver warned (or refused under strict) already
+        said = f"the explicit choice {res.downgraded_from} cannot run there (see the warning); "
+    elif res.user:
+        said = f"explicit choice ({res.source}); "
+    else:
+        said = ""
     if launch is None:
-        return True, f"capdispatch {res.backend} runs at {site} (the launch's {route.native_by.field} is unknown)", None
+        return True, (f"{said}capdispatch {res.backend} runs at {site} (the launch's "
+                      f"{route.native_by.field} is unknown)"), None
     nb = route.native_by
     setting = f"{nb.field}={launch.value} ({launch.origin})"
     method = nb.method(launch.value, spec)
     native = nb.native(launch.value, spec)
     cand = next((c for c in res.candidates if c.backend == native), None) if native else None
     if native is not None and res.backend == native:
-        return False, (f"SGLang's own {method} kept under {setting}: it runs {native}'s kernel, "
+        return False, (f"{said}SGLang's own {method} kept under {setting}: it runs {native}'s kernel, "
                        f"and this card has what that needs"), None
     if native is not None and cand is not None and cand.ok:
         # SGLang's method could run; the decision (explicit choice, mixed_group: uniform) is another.
-        return True, (f"capdispatch {res.backend} ({res.source}) runs at {site} in place of SGLang's "
+        return True, (f"{said}capdispatch {res.backend} ({res.source}) runs at {site} in place of SGLang's "
                       f"{method} under {setting}"), None
     cannot = (_failed(cand) if cand is not None else nb.reason(launch.value)) or "no kernel for this card"
     what = f"{native}'s kernel" if native else "no MXFP4 kernel here"
-    why = (f"SGLang's {method} under {setting} cannot run on this card ({what}: {cannot}); "
+    why = (f"{said}SGLang's {method} under {setting} cannot run on this card ({what}: {cannot}); "
            f"capdispatch {res.backend} runs at {site} instead, with its weights prepared at load")
-    if res.downgraded_from:
-        why += f" (the explicit choice {res.downgraded_from} cannot run there either; see the warning)"
     warning = None
-    if launch.explicit:
+    if launch.explicit and not res.downgraded_from:
         warning = (f"{nb.field}={launch.value} was set by the user, but SGLang's {method} cannot run on "
                    f"this card ({spec.name}; {what}: {cannot}); running capdispatch {res.backend} instead")
         if strict:
@@ -164,20 +165,20 @@ def route_choice(route, res, spec, launch: Optional[LaunchValue], strict: bool =
     return True, why, warning
 
 
-def record_values(server_args, release) -> dict:
+def record_value(server_args, release, explicit_fields=()) -> Optional[LaunchValue]:
     """A rank: the launch's value as SGLang resolved it on the record, and whether
-    the user set it (parsed from the record's launch command, as the launcher does)."""
+    the user set it (EXPLICIT_FIELDS: the fields of the launch command, as the
+    launcher recorded them); None where the record holds no resolved value."""
     from sglang.srt.arg_groups.overrides import resolution_result
 
-    from .launch import explicit_fields
     route = route_of(release)
     if route is None:
-        return {}
+        return None
     field = route.native_by.field
     try:
         value = str(resolution_result(server_args, field))
     except Exception:       # an unresolved record: the launcher did not run SGLang's resolution
-        return {}
-    explicit = field in explicit_fields(getattr(server_args, "launch_command", None)) and value != "auto"
+        return None
+    explicit = field in set(explicit_fields or ()) and value != "auto"
     origin = f"set by the user (--{field.replace('_', '-')})" if explicit else "as SGLang resolved it"
-    return {field: LaunchValue(value, origin, explicit)}
+    return LaunchValue(value, origin, explicit)

@@ -13,7 +13,7 @@ import pkgutil
 
 log = logging.getLogger("capdispatch.sglang")
 
-_RANKS: dict = {}     # gpu_id -> state of this process's rank (never another GPU's)
+_RANKS: dict = {}     # gpu_id -> RankState of this process's rank (never another GPU's)
 
 
 def device_key(spec, gpu_id: int):
@@ -26,15 +26,15 @@ def _release():
     return knobs.load().release(versions.installed() or "")
 
 
-def _stash(server_args, release) -> dict:
+def _inputs(server_args, release):
+    """The launcher's LaunchInputs, or (its plugin was not loaded there) the record's own."""
     from . import launch
-    stash = getattr(server_args, launch.STASH, None)
-    if stash is not None:
-        return stash
-    # The launcher did not decide (its plugin was not loaded there): read the record.
+    inputs = getattr(server_args, launch.STASH, None)
+    if inputs is not None:
+        return inputs
     from sglang.srt.arg_groups.overrides import resolution_result
-    stash, _, _ = launch.record_facts(server_args, release, lambda f: resolution_result(server_args, f))
-    return stash
+    return launch.record_inputs(server_args, release, lambda f: resolution_result(server_args, f),
+                                user_env=None)
 
 
 def apply_routes(release, choices: dict, spec, key, environ=None, user_env=None) -> list:
@@ -75,86 +75,96 @@ def apply_routes(release, choices: dict, spec, key, environ=None, user_env=None)
     return routed
 
 
-def user_env(release, stash, environ=None) -> dict:
+def user_env(release, inputs, environ=None) -> dict:
     """The route switches the user set: recorded by the launcher before SGLang's own
     defaults ran; without its record, whatever this process inherited counts."""
     import os
-    if "user_env" in stash:
-        return dict(stash["user_env"])
+    if inputs.user_env is not None:
+        return dict(inputs.user_env)
     environ = os.environ if environ is None else environ
     return {n: environ[n] for n in release.route_env_names() if n in environ}
 
 
+def check_lock(d, env=None) -> tuple:
+    """This rank's decisions against the lock in CAPDISPATCH_LOCK (read now), if any: one
+    WARNING per difference; under CAPDISPATCH_STRICT=1 a difference refuses the launch
+    (capdispatch.LockDriftError)."""
+    import capdispatch as cd
+    if d.plan is None:
+        return ()
+    return cd.check_lock(d.plan, partial=True, env=env)
+
+
 def configure(server_args, gpu_id: int, *, env=None):
-    """Everything a rank does before its model exists. Returns its state."""
-    from . import archfacts, decide, proof, rig
+    """Everything a rank does before its model exists. Returns its RankState."""
+    import attrs
+
+    from . import archfacts, decide, moe_plan, proof, render, rig
+    from .records import RankState
     release = _release()
     if release is None:
         return None
     spec = rig.device(gpu_id, env=env, via="auto")
     changes = archfacts.correct(spec, release.arch)
-    stash = _stash(server_args, release)
-    ops = tuple(stash["ops"])
-    uenv = user_env(release, stash, env)
-    from .moe_plan import record_values      # moe: the launch's moe_runner_backend, as resolved
-    svalues = record_values(server_args, release)
+    inputs = _inputs(server_args, release)
+    inputs = attrs.evolve(inputs, user_env=user_env(release, inputs, env))
+    moe_launch = moe_plan.record_value(server_args, release, inputs.explicit_fields)
 
     def decide_now(env):
-        return decide.decide([spec], ops, release, selections=stash["selections"],
-                             selection_origin=stash["selection_origin"], env=env, user_env=uenv,
-                             sglang_values=svalues)
+        return decide.decide_launch([spec], release, inputs, env=env, moe_launch=moe_launch)
     d, proof_text = proof.verified(spec, decide_now, env=env)
     for w in d.warnings:
         log.warning("capdispatch: %s", w)
+    check_lock(d, env)
     mine = {op: row[spec.id] for op, row in d.choices.items()}
     key = device_key(spec, gpu_id)
-    apply_routes(release, mine, spec, key, env, uenv)
-    state = {"gpu_id": gpu_id, "spec": spec, "ops": ops, "resolved": d.resolved, "key": key,
-             "choices": mine, "stash": stash, "changes": changes, "release": release,
-             "agreed": None, "user_env": uenv, "env": env, "sglang_values": svalues}
+    apply_routes(release, mine, spec, key, env, inputs.user_env)
+    state = RankState(gpu_id, spec, key, inputs, release, d.resolved, mine, tuple(changes), env,
+                      moe_launch=moe_launch)
     _RANKS[gpu_id] = state
     facts = ", ".join(f"{n} {b!r} -> {a!r}" for n, b, a in changes) or "already this card's"
-    what = decide.summary(d, settings=False) if ops else f"no op to decide ({stash['reason']})"
+    what = render.summary(d, settings=False) if inputs.ops else f"no op to decide ({inputs.reason})"
     log.info("capdispatch: rank on %s (gpu_id %d): %s; SGLang's architecture facts: %s%s",
              rig.describe(spec), gpu_id, what, facts, f"; {proof_text}" if proof_text else "")
     return state
 
 
 def agree(state, group):
-    """Gather every rank's card over GROUP, resolve the group on every rank, and
-    re-route this rank if the group decision differs (mixed_group: uniform).
-    A mixed_group: error divergence raises the same AgreementError on every rank."""
+    """Gather every rank's card over GROUP, resolve the group on every rank (one
+    Context, the rank's own inputs), and re-route this rank if the group decision
+    differs (mixed_group: uniform). A mixed_group: error divergence raises the same
+    AgreementError on every rank. Returns the group Plan."""
+    import attrs
+    import capdispatch as cd
     import torch.distributed as dist
-    from capdispatch.dispatch.agreement import agree as _agree
 
     from . import decide
-    stash, release = state["stash"], state["release"]
-    ops = list(state["resolved"])      # the same on every rank: derived from settings, not cards
-    plan = _agree(state["spec"], ops, group=group, log_warnings=False,
-                  selections=stash["selections"] or None, selection_origin=stash["selection_origin"])
+    release, inputs = state.release, state.inputs
+    ops = list(state.resolved)      # the same on every rank: derived from settings, not cards
+    ctx = decide.context_of(release, inputs, state.env)
+    plan = cd.agree(state.spec, ops, group=group, log_warnings=False, context=ctx)
     rank = dist.get_rank(group)
     me = plan.devices[rank]
-    from .moe_plan import launch_value
-    choices = decide.choices_for(plan, release, ops, plan.devices, selections=stash["selections"],
-                                 selection_origin=stash["selection_origin"], user_env=state["user_env"],
-                                 moe_launch=launch_value(release, plan.devices,
-                                                         sglang_values=state.get("sglang_values")))
+    launch = decide.moe_launch_of(release, plan.devices, explicit_fields=inputs.explicit_fields,
+                                  field_values=inputs.field_values, moe_launch=state.moe_launch)
+    choices = decide.choices_for(plan, release, ops, plan.devices, user_env=inputs.user_env,
+                                 moe_launch=launch, strict=ctx.strict_effective)
     if rank == 0:   # each rank logged its own downgrades; the group's divergences once
         for g in plan.ops.values():
             own = {w for r in g.per_device.values() for w in r.warnings}
             for w in g.warnings:
                 if w not in own:
                     log.warning("capdispatch: %s", w)
-    mine = dict(state["choices"])
-    mine.update({op: row[me.id] for op, row in choices.items()})
-    before = {op: (c.backend, c.routed) for op, c in state["choices"].items()}
-    after = {op: (c.backend, c.routed) for op, c in mine.items()}
+    mine = dict(state.choices)
+    mine.update({op: attrs.evolve(row[me.id], device=state.spec.id) for op, row in choices.items()})
+    before = {op: (c.backend, c.action) for op, c in state.choices.items()}
+    after = {op: (c.backend, c.action) for op, c in mine.items()}
     if before != after:
-        apply_routes(release, mine, state["spec"], state["key"], state["env"], state["user_env"])
+        apply_routes(release, mine, state.spec, state.key, state.env, inputs.user_env)
         log.info("capdispatch: rank %s after agreement with %d rank(s): %s", me.id,
                  len(plan.devices), "; ".join(f"{op}: {before[op][0]} -> {c.backend} ({c.why})"
                                               for op, c in mine.items() if before[op] != after[op]))
-    state["choices"], state["agreed"] = mine, plan
+    _RANKS[state.gpu_id] = attrs.evolve(state, choices=mine, agreed=plan)
     return plan
 
 
@@ -167,7 +177,7 @@ def after_parallel_ready(result, *args, **kwargs):
     """AFTER init_parallel_runtime(*, server_args, device, dist_port)."""
     from sglang.srt.runtime_context import get_device
     state = _RANKS.get(get_device().gpu_id)
-    if state is None or not state["resolved"]:
+    if state is None or not state.resolved:
         return
-    group = pkgutil.resolve_name(state["release"].hooks["tp_group"])()
+    group = pkgutil.resolve_name(state.release.hooks["tp_group"])()
     agree(state, group.cpu_group)

@@ -68,10 +68,9 @@ def simulated_rig(env=None) -> Optional[list]:
 
 def _spec(dev: str, origin: str, *, via: str):
     import capdispatch as cd
-    from capdispatch.capabilities import UnknownDeviceError
     try:
         return cd.probe(dev, via=via)
-    except UnknownDeviceError as exc:
+    except cd.UnknownDeviceError as exc:
         raise cd.BadInput(f"{origin}: {exc}") from None
 
 

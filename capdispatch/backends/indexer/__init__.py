@@ -21,18 +21,23 @@ OP = Op(
 
 # SGLang 0.5.23 pins tilelang==0.1.12; the kernel is lowered and tested with it.
 _TILELANG = Library("tilelang", ">=0.1.12", module="tilelang")
-# The DeepGEMM SGLang installs (and pins, 0.2.3.post2); the module is `deep_gemm`.
+# The DeepGEMM SGLang installs (and pins, 0.2.3.post2); the module is `deep_gemm`. Its _C.so
+# is built against one torch: 0.2.3.post2 and 0.2.5 do not load with torch 2.11 (undefined
+# symbol c10::cuda::CUDAErrorLogCapture). The import check rejects it there; a canary on the
+# card decides what requirements cannot see.
 _DEEPGEMM = Library("sgl-deep-gemm", ">=0.2.3", module="deep_gemm")
 
 BACKENDS = (
     # Registration order is the default order: fastest first (docs/ops/indexer.md).
     Backend("indexer", "deepgemm", f"{_PKG}.deepgemm:fp8_paged_mqa_logits",
             requires=(TORCH, _DEEPGEMM, Platform("cuda"), AnyFeature(("wgmma", "tcgen05"))),
-            summary="DeepGEMM fp8_paged_mqa_logits (SM90 wgmma / SM100 tcgen05 kernels; JIT needs the CUDA toolkit)"),
+            summary="DeepGEMM fp8_paged_mqa_logits (SM90 wgmma / SM100 tcgen05 kernels; JIT needs the CUDA toolkit; "
+                    "its _C.so loads only with the torch it was built for: not torch 2.11)"),
     Backend("indexer", "tilelang", f"{_PKG}.tilelang_kernel:fp8_paged_mqa_logits",
             requires=(TORCH, _TILELANG, Platform("cuda"), ComputeCapability(">=8.0")),
             summary="capdispatch's TileLang kernel: fp8 MMA from cc 8.9 (wgmma on SM90), fp16 MMA over "
-                    "integer-widened fp8 below (JIT needs the CUDA toolkit)"),
+                    "integer-widened fp8 below; JIT-built for the card's arch-specific target from SM90 "
+                    "(sm_90a: wgmma needs it), needs the CUDA toolkit"),
     Backend("indexer", "triton", f"{_PKG}.triton_kernels:fp8_paged_mqa_logits",
             requires=(TORCH, TRITON, TritonTarget("8.0")),
             summary="Triton: native fp8 dot from cc 8.9, uint8 views widened to fp16 with integer ops below"),

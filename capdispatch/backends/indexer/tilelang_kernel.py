@@ -10,16 +10,19 @@ Positions at or past the row's length are written -inf and so is the rest of the
 split: the whole [rows, max_context_len] result is written. Page ids are read only
 for pages below the row's length.
 
+The JIT target is arch-specific from SM90 (`target_arch`: sm_90a, sm_100a, sm_120a): the
+SM90 multiply is wgmma, which only sm_90a code may use.
+
 Two variants, picked per target (`native_fp8_for_arch`):
-* native (cc >= 8.9: sm_89, sm_90 -> wgmma, sm_100, sm_120 -> fp8 mma.sync): q and
+* native (cc >= 8.9: sm_89; sm_90a -> wgmma; sm_100a, sm_120a -> fp8 mma.sync): q and
   the pages are passed as float8_e4m3fn buffers and T.gemm multiplies fp8 directly;
 * uint8 (sm_80 / sm_86, which have no fp8 MMA): the bytes are widened to float16 with
   integer operations on their way into shared memory (exact for every e4m3fn value)
   and T.gemm runs in float16 with float32 accumulation.
 
 `lower_cuda_source(arch)` lowers the kernel to CUDA C++ for any of these targets with
-no GPU present (the seed's TileLang indexer failed to lower for sm_120: a regression
-test lowers this one for sm_86, sm_90 and sm_120). Running it needs a CUDA device and
+no GPU present; the tests lower it for every device's target (sm_80 .. sm_120a), build it
+with nvcc, and check its PTX against what each target can run. Running it needs a CUDA device and
 a CUDA toolkit for TileLang's JIT; kernels are compiled once per (device arch, next_n,
 context-length form, variant) and cached.
 
@@ -39,7 +42,7 @@ import tilelang.language as T
 from .layout import HEAD_DIM, PAGE_BYTES, PAGE_TOKENS, alloc_logits, check_args
 
 __all__ = ["fp8_paged_mqa_logits", "build_kernel", "lower_cuda_source", "native_fp8_for_arch",
-           "compile_kernel", "plan_splits", "PASS_CONFIGS", "THREADS"]
+           "compile_kernel", "target_arch", "plan_splits", "PASS_CONFIGS", "THREADS"]
 
 THREADS = 128
 NUM_STAGES = 2
@@ -177,7 +180,7 @@ def _target(arch: str):
 
 def lower_cuda_source(arch: str, *, next_n: int = 1, ctx_2d: bool = False, native_fp8=None,
                       heads: int = 64) -> str:
-    """Lower the kernel for `arch` (e.g. 'sm_86', 'sm_90', 'sm_120') to CUDA C++ source;
+    """Lower the kernel for `arch` (e.g. 'sm_86', 'sm_90a', 'sm_120a') to CUDA C++ source;
     needs no GPU. `native_fp8=None` picks the variant the backend runs on that arch."""
     if native_fp8 is None:
         native_fp8 = native_fp8_for_arch(arch)
@@ -195,11 +198,21 @@ def compile_kernel(arch: str, next_n: int, ctx_2d: bool, native_fp8: bool, heads
     return tilelang.compile(func, target=_target(arch), pass_configs=PASS_CONFIGS)
 
 
+def target_arch(major: int, minor: int) -> str:
+    """The TileLang target the kernel is JIT-built for on a device of compute capability
+    major.minor: arch-specific from SM90 ('sm_90a', 'sm_100a', 'sm_120a').
+
+    The fp8 T.gemm lowers to wgmma on SM90, and wgmma exists only in sm_90a code: built for
+    plain sm_90, CUTLASS compiles the wgmma path to a device-side assert (`wgmma.fence without
+    CUTE_ARCH_MMA_SM90A_ENABLED`) that fires at the first launch and poisons the CUDA context.
+    The JIT builds for the card it runs on, so the arch-specific target costs no portability."""
+    return f"sm_{major}{minor}a" if major >= 9 else f"sm_{major}{minor}"
+
+
 @functools.lru_cache(maxsize=None)
 def _device_facts(index: int) -> tuple:
     props = torch.cuda.get_device_properties(index)
-    arch = f"sm_{props.major}{props.minor}"
-    return arch, props.multi_processor_count
+    return target_arch(props.major, props.minor), props.multi_processor_count
 
 
 _SPLITS: dict = {}

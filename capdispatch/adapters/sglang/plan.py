@@ -1,0 +1,97 @@
+"""What `dispatch sglang plan` shows, as data: one decision (decide.decide_launch)
+for the launch's GPUs, in the plan JSON schema (docs/sglang.md). No rendering here."""
+from __future__ import annotations
+
+SCHEMA = 2
+PLATFORM_FACTS = ("is_sm90", "is_sm100", "is_sm120", "is_blackwell", "device_sm")
+
+
+def newest(k) -> str:
+    """No SGLang here: plan with the knob map's newest tested release."""
+    from packaging.version import Version
+    return str(max(Version(s.version) for r in k.releases for s in r.spec if s.operator in (">=", "==")))
+
+
+def _devices(ids, env):
+    import capdispatch as cd
+
+    from . import rig
+    try:
+        return rig.devices(ids, env=env, via="nvml")
+    except cd.ProbeError as exc:
+        raise cd.BadInput(f"cannot read the launch's GPUs ({', '.join(f'cuda:{g}' for g in ids)}) "
+                          f"without initialising CUDA: {exc}; simulate them with --device "
+                          f"sim:NAME[,sim:NAME...]") from None
+
+
+def op_dict(c) -> dict:
+    """One op on one rank: what runs, how, and why."""
+    res = c.resolution
+    return {"backend": c.backend, "action": c.action, "routed": c.routed, "why": c.why,
+            "setting": [s.label for s in c.setting] if c.setting else None,
+            "source": res.source if res else None,
+            "downgraded_from": res.downgraded_from if res else None}
+
+
+def rank_dict(i, gpu_id, spec, d, release) -> dict:
+    from . import archfacts
+    facts = archfacts.facts(spec, release.arch)
+    platform = {f: facts[src] for f, src in release.arch["platform"].items() if f in PLATFORM_FACTS}
+    return {"rank": i, "gpu_id": gpu_id, "device": spec.to_dict(),
+            "ops": {op: op_dict(row[spec.id]) for op, row in d.choices.items()}, "arch": platform}
+
+
+def build(*, tp=None, sglang_args=None, options, env: dict) -> dict:
+    """The plan for a launch. OPTIONS: records.PlanOptions; ENV: the environment a
+    launch would see (CAPDISPATCH_POLICY, CAPDISPATCH_STRICT, the simulated rig)."""
+    import capdispatch as cd
+
+    from . import decide, knobs, rig, versions
+    from .records import LaunchInputs
+    if tp is not None and tp < 1:
+        raise cd.BadInput(f"--tp {tp}: expected an integer >= 1")
+    k = knobs.load()
+    installed = versions.installed()
+    if sglang_args is not None and installed is None:
+        raise cd.BadInput("SGLang arguments were given after `--` but SGLang is not installed; "
+                          "install it, or plan without `-- ...` (a DeepSeek-V4 launch with defaults)")
+    version = installed or newest(k)
+    verdict = versions.check(version, knobs=k)
+    out = {"schema": SCHEMA, "sglang": {"version": version, "installed": installed is not None,
+                                        "tested": verdict.tested, "in_range": verdict.ok}}
+    if not verdict.ok:
+        out.update(note=verdict.message, launch=[], ranks=[], sglang_settings=[], warnings=[])
+        return out
+    release = k.release(version)
+    fields = None
+    if sglang_args is not None:
+        from . import sglang_run
+        run = sglang_run.run(sglang_args, release, env, options, tp=tp)
+        inputs, tp_size, layout, fields = run.inputs, run.tp_size, run.layout, run.fields
+        assumed = False
+    else:
+        arch = next(iter(release.models))
+        ops, reason = decide.applicable_ops(release, arch, "auto")
+        inputs = LaunchInputs(arch, "auto", ops, reason, frozenset(), {},
+                              {n: env[n] for n in release.route_env_names() if n in env},
+                              options.selections, options.selection_origin, options.policy,
+                              options.assume_libs, options.strict)
+        found = rig.simulated_rig(env)
+        tp_size, layout, assumed = tp or (len(found) if found else 1), {}, True
+    ids = rig.gpu_ids(tp_size=tp_size, **layout)
+    specs = _devices(ids, env)
+    d = decide.decide_launch(specs, release, inputs, env=env)
+    out.update(
+        model={"architecture": inputs.model, "assumed": assumed, "kv_cache_dtype": inputs.kv_cache_dtype},
+        ops=list(inputs.ops), reason=inputs.reason, gpu_ids=ids,
+        launch=[{"kind": s.setting.kind, "name": s.setting.name, "value": s.value,
+                 "wants": s.setting.value, "action": s.action, "why": s.setting.why,
+                 "devices": list(s.devices)} for s in d.settings],
+        ranks=[rank_dict(i, g, spec, d, release) for i, (g, spec) in enumerate(zip(ids, specs))],
+        sglang_settings=[{"kind": s.kind, "name": s.name, "ops": list(s.ops), "action": s.action,
+                          "user": s.user, "wants": {v: list(ds) for v, ds in s.wants.items()},
+                          "without": list(s.without), "why": s.why} for s in d.sglang],
+        warnings=list(d.warnings))
+    if fields is not None:
+        out["sglang_resolved"] = fields
+    return out

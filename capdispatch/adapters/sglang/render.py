@@ -1,0 +1,93 @@
+"""The adapter's decisions as text for people: `dispatch sglang plan` (plan.build
+gives the data) and the one-paragraph log lines of the launch and each rank."""
+from __future__ import annotations
+
+MARKS = {"routed": "routed", "kept": "kept  ", "reported": "report"}
+
+
+def text(out) -> str:
+    s = out["sglang"]
+    head = f"SGLang {s['version']}"
+    if not s["installed"]:
+        head += " (not installed: planning with its knob map)"
+    lines = [f"{head}; tested range {s['tested']}"]
+    if not s["in_range"]:
+        lines.append(out["note"])
+        return "\n".join(lines)
+    m = out["model"]
+    lines.append(f"model: {m['architecture']}" + (" (assumed; pass `-- SGLANG ARGS` to plan a real launch)"
+                                                   if m["assumed"] else "")
+                 + f"; capdispatch ops: {', '.join(out['ops']) or 'none'} ({out['reason']})")
+    lines.append(f"GPUs: {', '.join(f'cuda:{g}' for g in out['gpu_ids'])}")
+    lines.append("")
+    lines.append("launch (main process; every rank inherits it):")
+    if not out["launch"]:
+        lines.append("  nothing to set")
+    for x in out["launch"]:
+        label = f"{x['name']}={x['value']}" if x["kind"] == "field" else f"env {x['name']}={x['value']}"
+        if x["action"] == "kept" and x["value"] == x["wants"]:
+            lines.append(f"  kept  {label}  (set by the user; capdispatch wants the same)")
+        elif x["action"] == "kept":
+            lines.append(f"  kept  {label}  (set by the user; capdispatch wants {x['wants']} for "
+                         f"{', '.join(x['devices'])}: {x['why']})")
+        else:
+            lines.append(f"  set   {label}  ({x['why']})")
+    for r in out["ranks"]:
+        dev = r["device"]
+        how = "simulated" if dev["probe"] == "sim" else f"probed: {dev['probe']}"
+        lines.append("")
+        lines.append(f"rank {r['rank']}: cuda:{r['gpu_id']} {dev['name']}, cc {dev['cc']} ({how})")
+        width = max((len(op) for op in r["ops"]), default=0)
+        bwidth = max([10] + [len(c["backend"] or "-") for c in r["ops"].values()])
+        for op, c in r["ops"].items():
+            lines.append(f"  {op:<{width}}  {c['backend'] or '-':<{bwidth}}  {MARKS[c['action']]}  {c['why']}")
+        facts = " ".join(f"{k}={v}" for k, v in r["arch"].items())
+        lines.append(f"  architecture facts set for this rank: {facts}")
+    if out.get("sglang_settings"):
+        lines.append("")
+        lines.append("SGLang settings each rank's choice needs (reported, not set; SGLang takes one "
+                     "value per launch):")
+        for x in out["sglang_settings"]:
+            label = x["name"] if x["kind"] == "field" else f"env {x['name']}"
+            if x["action"] == "kept":
+                head = f"kept   {label}={x['user']}  (set by the user)"
+            elif x["action"] == "agree":
+                head = f"agree  {label}={next(iter(x['wants']))}"
+            elif x["action"] == "split":
+                head = f"split  {label}"
+            else:
+                head = f"none   {label}"
+            lines.append(f"  {head}  ({x['why']})")
+    if out.get("sglang_resolved"):
+        lines.append("")
+        lines.append("SGLang resolved: " + ", ".join(f"{k}={v}" for k, v in out["sglang_resolved"].items()))
+    if out["warnings"]:
+        lines.append("")
+        lines.append("warnings:")
+        lines += [f"  {w}" for w in out["warnings"]]
+    return "\n".join(lines)
+
+
+def summary(d, *, settings: bool = True) -> str:
+    """One paragraph for a log line: per op, which devices run what and why
+    (and, for a launch, the settings)."""
+    parts = []
+    for op, row in d.choices.items():
+        kept = [c.device for c in row.values() if c.action == "kept"]
+        text = [f"SGLang's own kernel on {', '.join(kept)}"] if kept else []
+        by = {}
+        for c in row.values():
+            if c.action != "kept":
+                by.setdefault((c.action, c.backend), []).append(c)
+        for (action, backend), cs in by.items():
+            verb = "capdispatch" if action == "routed" else "decided (reported, not carried out)"
+            text.append(f"{verb} {backend} on {', '.join(c.device for c in cs)} ({cs[0].why})")
+        parts.append(f"{op}: {'; '.join(text)}")
+    for s in d.settings if settings else ():
+        if s.action == "kept":
+            parts.append(f"kept the user's {s.setting.name}={s.value}")
+        elif s.setting.routed:
+            parts.append(f"set {s.setting.label} for {', '.join(s.devices)} ({s.setting.why})")
+        else:
+            parts.append(f"set {s.setting.label} ({s.setting.why})")
+    return "; ".join(parts)

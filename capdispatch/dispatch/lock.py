@@ -1,0 +1,478 @@
+"""Lock files: the decisions of a plan frozen per device, and what differs from them now.
+
+A lock is YAML (written with `yaml.safe_dump`, read with the safe loader, line marks kept
+for errors), schema 1:
+
+    schema: 1
+    capdispatch: 0.1.0                 # the version that wrote it
+    written: '2026-12-01T19:40:00Z'
+    inputs: {policy: [...], set: [...], assume_lib: [...]}   # what the decision was told
+    devices:
+      - id: cuda:0
+        name: NVIDIA H200
+        cc: '9.0'
+        uuid: GPU-...                  # null where the probe gives none
+        ops:
+          indexer:
+            backend: tilelang
+            libraries: {tilelang: 0.1.12, torch: 2.11.0}    # the backend's, null: not installed
+            verified: pass             # | "failed: <class ...>" | "not verified"
+            buckets:                   # only where a policy gives size buckets: each bucket's
+            - {upper: 64, backend: triton}     # backend, ascending; upper null: the catch-all
+            - {upper: null, backend: tilelang}
+
+`compare(plan, lock)` gives one `Drift` per difference: a backend, a library version of the
+backend both choose, a card (name, compute capability, UUID), a device or op on one side
+only. `check(plan, path)` loads the lock named by PATH or CAPDISPATCH_LOCK (read at each
+call), logs each drift as one WARNING line and, under strict, raises LockDriftError.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from typing import Optional
+
+import attrs
+import yaml
+
+from .errors import BadInput, Unsatisfiable
+
+log = logging.getLogger("capdispatch")
+
+SCHEMA = 1
+ENV_LOCK = "CAPDISPATCH_LOCK"
+NOT_VERIFIED = "not verified"
+
+HEADER = """\
+# capdispatch lock file: which backend runs each op on each device, with the versions of
+# the libraries it needs and its canary state on that card, as decided when it was written.
+# Written by `dispatch lock -o FILE`. Compared with today's decisions by
+# `dispatch lock --check FILE`, `dispatch explain --lock FILE`, and CAPDISPATCH_LOCK=FILE
+# (explain, verify, the SGLang plugin): each difference is one WARNING line; under strict
+# (--strict, CAPDISPATCH_STRICT=1) a difference is an error. Edit with care: schema 1.
+"""
+
+
+class LockError(BadInput):
+    """A lock file that cannot be read or does not follow the schema (exit 2)."""
+
+    def __init__(self, path: str, line: Optional[int], message: str):
+        self.path, self.line = path, line
+        where = f"{path}:{line}" if line else path
+        super().__init__(f"{where}: {message}")
+
+
+class LockDriftError(Unsatisfiable):
+    """Today's decisions differ from the lock and strict is in force (exit 3)."""
+
+    def __init__(self, path: str, drifts):
+        self.path, self.drifts = path, tuple(drifts)
+        lines = [f"strict: {len(self.drifts)} difference(s) from the lock {path}:"]
+        lines += [f"  {d}" for d in self.drifts]
+        super().__init__("\n".join(lines))
+
+
+@attrs.frozen
+class LockedOp:
+    backend: str
+    libraries: Optional[dict]  # dist -> version (None: not installed), of every backend it runs;
+                               # None: not recorded (a hand-written lock), not compared
+    verified: str             # "pass", "failed: ...", "not verified"
+    buckets: tuple = ()       # ((upper or None, backend), ...) where a policy gives size buckets
+    line: Optional[int] = attrs.field(default=None, eq=False)
+
+    def to_dict(self) -> dict:
+        d = {"backend": self.backend}
+        if self.libraries is not None:
+            d["libraries"] = dict(self.libraries)
+        d["verified"] = self.verified
+        if self.buckets:
+            d["buckets"] = [{"upper": u, "backend": b} for u, b in self.buckets]
+        return d
+
+
+@attrs.frozen
+class LockedDevice:
+    id: str
+    name: str
+    cc: Optional[str]
+    uuid: Optional[str]
+    ops: dict                 # op -> LockedOp
+    line: Optional[int] = attrs.field(default=None, eq=False)
+
+
+@attrs.frozen
+class Lock:
+    devices: tuple            # LockedDevice, in group order
+    capdispatch: str = ""
+    written: str = ""
+    inputs: dict = attrs.field(factory=dict)
+    path: Optional[str] = attrs.field(default=None, eq=False)
+
+    def device(self, device_id: str) -> Optional[LockedDevice]:
+        return next((d for d in self.devices if d.id == device_id), None)
+
+    def to_dict(self) -> dict:
+        return {
+            "schema": SCHEMA, "capdispatch": self.capdispatch, "written": self.written,
+            "inputs": {k: list(v) for k, v in self.inputs.items()},
+            "devices": [{"id": d.id, "name": d.name, "cc": d.cc, "uuid": d.uuid,
+                         "ops": {op: o.to_dict() for op, o in d.ops.items()}}
+                        for d in self.devices],
+        }
+
+    def dumps(self) -> str:
+        return HEADER + yaml.safe_dump(self.to_dict(), sort_keys=False, default_flow_style=False,
+                                       allow_unicode=True)
+
+    def write(self, path) -> None:
+        """Write atomically (a temporary file in the same directory, then renamed)."""
+        import tempfile
+        path = os.fspath(path)
+        d = os.path.dirname(os.path.abspath(path))
+        try:
+            fd, tmp = tempfile.mkstemp(dir=d, prefix=".capdispatch-lock-", suffix=".part")
+        except OSError as exc:
+            raise BadInput(f"cannot write the lock {path}: {exc.strerror or exc} (in {d})") from None
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                fh.write(self.dumps())
+            os.replace(tmp, path)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+
+
+@attrs.frozen
+class Drift:
+    kind: str                 # "backend" | "buckets" | "library" | "card" | "device" | "op"
+    device: str
+    op: Optional[str]
+    locked: str
+    now: str
+    where: str                # file:line of the locked value
+
+    def __str__(self) -> str:
+        subject = f"{self.device} {self.op}" if self.op else self.device
+        return (f"lock drift: {subject}: {self.kind} was {self.locked} ({self.where}), "
+                f"now {self.now}")
+
+
+# --------------------------------------------------------------------------- #
+# Freezing a plan
+# --------------------------------------------------------------------------- #
+def _backend_dists(registry, op: str, backend: str) -> list:
+    b = registry.backend(op, backend)
+    return list(dict.fromkeys(r.dist for r in b.requires if hasattr(r, "dist")))
+
+
+def _verification(spec, op: str, backend: str, plan, env) -> str:
+    if spec.simulated:
+        return NOT_VERIFIED
+    from ..proof import lookup
+    verdict = lookup(spec, op, backend, registry=plan.registry, inventory=plan.inventory, env=env)
+    if verdict is None:
+        return NOT_VERIFIED
+    return "pass" if verdict.passed else f"failed: {verdict.describe()}"
+
+
+def _versions(plan, op: str, backends) -> dict:
+    from ..backends import builtin
+    from ..capabilities import Inventory
+    inventory = plan.inventory or Inventory()
+    registry = plan.registry or builtin()
+    dists = dict.fromkeys(d for b in dict.fromkeys(backends) for d in _backend_dists(registry, op, b))
+    return {dist: inventory.get(dist).version for dist in dists}
+
+
+def _buckets(r) -> tuple:
+    return tuple((b.upper, b.backend) for b in r.buckets)
+
+
+def _runs(r) -> list:
+    """Every backend a resolution runs: the catch-all's and each size bucket's."""
+    return [r.backend] + [b.backend for b in r.buckets]
+
+
+def _bucket_text(buckets, key) -> str:
+    return ", ".join(f"{key or 'size'} <= {u}: {b}" if u is not None else f"rest: {b}" for u, b in buckets)
+
+
+def freeze(plan, *, inputs=None, env=None, now=None) -> Lock:
+    """The lock of PLAN: per device and op the backend, its libraries' versions and its
+    canary state on that card (from the verification cache; simulated: not verified)."""
+    from .. import __version__
+    devices = []
+    for spec in plan.devices:
+        ops = {}
+        for op, g in plan.ops.items():
+            r = g.per_device[spec.id]
+            ops[op] = LockedOp(r.backend, _versions(plan, op, _runs(r)),
+                               _verification(spec, op, r.backend, plan, env), _buckets(r))
+        devices.append(LockedDevice(spec.id, spec.name, spec.cc_str, spec.uuid, ops))
+    when = now or datetime.datetime.now(datetime.timezone.utc)
+    inputs = {k: list(v or ()) for k, v in (inputs or {}).items()}
+    return Lock(tuple(devices), __version__, when.strftime("%Y-%m-%dT%H:%M:%SZ"), inputs)
+
+
+# --------------------------------------------------------------------------- #
+# Reading a lock file
+# --------------------------------------------------------------------------- #
+_PLAIN_TAGS = tuple(f"tag:yaml.org,2002:{t}" for t in ("str", "int", "float", "bool", "null", "map", "seq"))
+_KINDS = {"ScalarNode": "single value", "SequenceNode": "list", "MappingNode": "mapping"}
+
+
+class _Reader:
+    def __init__(self, path: str, text: str):
+        self.path, self.text = path, text
+        self._loader = None
+
+    def err(self, node, message: str) -> LockError:
+        line = node if isinstance(node, int) or node is None else node.start_mark.line + 1
+        return LockError(self.path, line, message)
+
+    def root(self):
+        self._loader = yaml.SafeLoader(self.text)
+        try:
+            return self._loader.get_single_node()
+        except yaml.MarkedYAMLError as exc:
+            mark = exc.problem_mark or exc.context_mark
+            raise LockError(self.path, mark.line + 1 if mark else None,
+                            f"malformed YAML: {exc.problem or exc.context}") from None
+        except yaml.YAMLError as exc:
+            raise LockError(self.path, None, f"malformed YAML: {exc}") from None
+
+    def _tag(self, node, what):
+        if node.tag not in _PLAIN_TAGS:
+            raise self.err(node, f"{what}: tag {node.tag!r} is not allowed (a lock file is plain YAML)")
+
+    def scalar(self, node, what: str, types=(str,), null: bool = False):
+        self._tag(node, what)
+        if not isinstance(node, yaml.ScalarNode):
+            raise self.err(node, f"{what} must be a single value, not a {_KINDS[type(node).__name__]}")
+        value = self._loader.construct_object(node, deep=True)
+        if value is None and null:
+            return None
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and str in types:
+            value = node.value      # a version such as 2.11 or an id read as a number: keep the text
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            names = " or ".join({str: "a string", int: "an integer"}.get(t, t.__name__) for t in types)
+            raise self.err(node, f"{what} must be {names}{' or null' if null else ''}, found {value!r}")
+        return value
+
+    def mapping(self, node, what: str, required=(), optional=()) -> dict:
+        self._tag(node, what)
+        if not isinstance(node, yaml.MappingNode):
+            raise self.err(node, f"{what} must be a mapping, not a {_KINDS[type(node).__name__]}")
+        out = {}
+        for k, v in node.value:
+            key = self.scalar(k, f"a key of {what}")
+            if key in out:
+                raise self.err(k, f"{what}: key {key!r} given twice (first at line {out[key][0].start_mark.line + 1})")
+            if (required or optional) and key not in required + optional:
+                from ..policies.loader import _did_you_mean
+                valid = required + optional
+                raise self.err(k, f"{what}: unknown key {key!r}{_did_you_mean(key, valid)} "
+                                  f"(valid: {', '.join(valid)})")
+            out[key] = (k, v)
+        missing = [k for k in required if k not in out]
+        if missing:
+            raise self.err(node, f"{what}: missing {', '.join(repr(m) for m in missing)}")
+        return out
+
+    def sequence(self, node, what: str) -> list:
+        self._tag(node, what)
+        if not isinstance(node, yaml.SequenceNode):
+            raise self.err(node, f"{what} must be a list, not a {_KINDS[type(node).__name__]}")
+        return list(node.value)
+
+
+def _line(node) -> int:
+    return node.start_mark.line + 1
+
+
+def parse(text: str, path: str = "<lock>", registry=None) -> Lock:
+    """Parse a lock document; names of ops and backends are checked against REGISTRY
+    (the built-in one by default)."""
+    from ..backends import builtin
+    registry = registry or builtin()
+    r = _Reader(path, text)
+    root = r.root()
+    if root is None:
+        raise LockError(path, None, "empty file: a lock needs `schema: 1` and `devices:`")
+    top = r.mapping(root, "the lock", required=("schema", "devices"),
+                    optional=("capdispatch", "written", "inputs"))
+    schema = r.scalar(top["schema"][1], "schema", types=(int,))
+    if schema != SCHEMA:
+        raise r.err(top["schema"][1], f"schema {schema!r} is not supported (valid: {SCHEMA}); "
+                                      f"write the lock again with this capdispatch")
+    written = r.scalar(top["written"][1], "written") if "written" in top else ""
+    version = r.scalar(top["capdispatch"][1], "capdispatch") if "capdispatch" in top else ""
+    inputs = {}
+    if "inputs" in top:
+        for key, (_, v) in r.mapping(top["inputs"][1], "inputs",
+                                     optional=("policy", "set", "assume_lib")).items():
+            inputs[key] = [r.scalar(x, f"inputs.{key} entry") for x in r.sequence(v, f"inputs.{key}")]
+    devices, seen = [], {}
+    for dnode in r.sequence(top["devices"][1], "devices"):
+        d = r.mapping(dnode, "a device", required=("id", "name", "ops"), optional=("cc", "uuid"))
+        did = r.scalar(d["id"][1], "device id")
+        if did in seen:
+            raise r.err(d["id"][1], f"device {did!r} is listed twice (first at line {seen[did]})")
+        seen[did] = _line(d["id"][1])
+        name = r.scalar(d["name"][1], f"{did}: name")
+        cc = r.scalar(d["cc"][1], f"{did}: cc", null=True) if "cc" in d else None
+        uuid = r.scalar(d["uuid"][1], f"{did}: uuid", null=True) if "uuid" in d else None
+        ops = {}
+        for op, (knode, onode) in r.mapping(d["ops"][1], f"{did}: ops").items():
+            if op not in registry.ops:
+                from ..policies.loader import _did_you_mean
+                raise r.err(knode, f"{did}: unknown op {op!r}{_did_you_mean(op, registry.ops)} "
+                                   f"(valid: {', '.join(registry.ops)})")
+            o = r.mapping(onode, f"{did} {op}", required=("backend",),
+                          optional=("libraries", "verified", "buckets"))
+            names = [b.name for b in registry.backends(op)]
+
+            def backend_of(node, what):
+                name = r.scalar(node, what)
+                if name not in names:
+                    from ..policies.loader import _did_you_mean
+                    raise r.err(node, f"{what}: unknown backend {name!r}"
+                                      f"{_did_you_mean(name, names)} (valid: {', '.join(names)})")
+                return name
+            backend = backend_of(o["backend"][1], f"{did} {op}: backend")
+            buckets = []
+            if "buckets" in o:
+                for bnode in r.sequence(o["buckets"][1], f"{did} {op}: buckets"):
+                    b = r.mapping(bnode, f"{did} {op}: a bucket", required=("upper", "backend"))
+                    upper = r.scalar(b["upper"][1], f"{did} {op}: bucket upper", types=(int,), null=True)
+                    buckets.append((upper, backend_of(b["backend"][1], f"{did} {op}: bucket backend")))
+            libs = None          # not recorded: not compared
+            if "libraries" in o:
+                libs = {}
+                for dist, (_, vnode) in r.mapping(o["libraries"][1], f"{did} {op}: libraries").items():
+                    libs[dist] = r.scalar(vnode, f"{did} {op}: libraries.{dist}", null=True)
+            verified = r.scalar(o["verified"][1], f"{did} {op}: verified") if "verified" in o else NOT_VERIFIED
+            ops[op] = LockedOp(backend, libs, verified, tuple(buckets), _line(o["backend"][1]))
+        devices.append(LockedDevice(did, name, cc, uuid, ops, _line(d["id"][1])))
+    return Lock(tuple(devices), version, written, inputs, path)
+
+
+def load(path, registry=None) -> Lock:
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except FileNotFoundError:
+        raise LockError(path, None, "no such lock file (write one with `dispatch lock -o FILE`)") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise LockError(path, None, f"cannot be read: {getattr(exc, 'strerror', None) or exc}") from None
+    return parse(text, path, registry)
+
+
+# --------------------------------------------------------------------------- #
+# Comparing
+# --------------------------------------------------------------------------- #
+def _card(name, cc, uuid) -> str:
+    return f"{name} cc {cc or '?'}" + (f" {uuid}" if uuid else "")
+
+
+def compare(plan, lock: Lock, *, partial: bool = False) -> tuple:
+    """Every difference between PLAN's decisions and LOCK's, in device and op order.
+    PARTIAL: PLAN covers only some of the lock's devices and ops (one SGLang rank):
+    what PLAN does not decide is not a difference."""
+    where = lock.path or "<lock>"
+    out = []
+    for spec in plan.devices:
+        ld = lock.device(spec.id)
+        if ld is None:
+            out.append(Drift("device", spec.id, None, "not in the lock",
+                             _card(spec.name, spec.cc_str, spec.uuid), where))
+            continue
+        at = f"{where}:{ld.line}" if ld.line else where
+        uuid_differs = ld.uuid and spec.uuid and ld.uuid != spec.uuid
+        if ld.name != spec.name or (ld.cc or None) != spec.cc_str or uuid_differs:
+            out.append(Drift("card", spec.id, None, _card(ld.name, ld.cc, ld.uuid),
+                             _card(spec.name, spec.cc_str, spec.uuid), at))
+        for op, g in plan.ops.items():
+            r = g.per_device[spec.id]
+            lo = ld.ops.get(op)
+            if lo is None:
+                if not partial:
+                    out.append(Drift("op", spec.id, op, "not in the lock", r.backend, at))
+                continue
+            oat = f"{where}:{lo.line}" if lo.line else where
+            if lo.backend != r.backend:
+                out.append(Drift("backend", spec.id, op, lo.backend, r.backend, oat))
+                continue
+            if lo.buckets != _buckets(r):
+                key = r.size_key
+                out.append(Drift("buckets", spec.id, op, _bucket_text(lo.buckets, key) or "no buckets",
+                                 _bucket_text(_buckets(r), key) or "no buckets", oat))
+                continue
+            if lo.libraries is None:
+                continue
+            now = _versions(plan, op, _runs(r))
+            for dist in dict.fromkeys(list(lo.libraries) + list(now)):
+                was, is_ = lo.libraries.get(dist, "absent"), now.get(dist, "absent")
+                if was != is_:
+                    out.append(Drift("library", spec.id, op, f"{dist} {was or 'not installed'}",
+                                     f"{dist} {is_ or 'not installed'}", oat))
+        if not partial:
+            for op in ld.ops:
+                if op not in plan.ops:
+                    out.append(Drift("op", spec.id, op, ld.ops[op].backend, "not decided", at))
+    if not partial:
+        now_ids = {s.id for s in plan.devices}
+        for ld in lock.devices:
+            if ld.id not in now_ids:
+                at = f"{where}:{ld.line}" if ld.line else where
+                out.append(Drift("device", ld.id, None, _card(ld.name, ld.cc, ld.uuid), "not in the group", at))
+    return tuple(out)
+
+
+def lock_path(path=None, env=None) -> Optional[str]:
+    """PATH, else CAPDISPATCH_LOCK (read now), else None."""
+    if path:
+        return os.fspath(path)
+    env = os.environ if env is None else env
+    return env.get(ENV_LOCK) or None
+
+
+def strict_in(env=None) -> bool:
+    env = os.environ if env is None else env
+    return env.get("CAPDISPATCH_STRICT", "") not in ("", "0")
+
+
+def check(plan, path=None, *, strict: bool = False, partial: bool = False, env=None,
+          registry=None, log_drift: bool = True) -> tuple:
+    """Compare PLAN with the lock at PATH (default: CAPDISPATCH_LOCK; none: nothing to do).
+    Each drift is logged as one WARNING; under STRICT or CAPDISPATCH_STRICT=1 any drift
+    raises LockDriftError. A malformed lock raises LockError."""
+    path = lock_path(path, env)
+    if path is None:
+        return ()
+    lock = load(path, registry or plan.registry)
+    drifts = compare(plan, lock, partial=partial)
+    if log_drift:
+        for d in drifts:
+            log.warning("%s", d)
+    if drifts and (strict or strict_in(env)):
+        raise LockDriftError(path, drifts)
+    return drifts
+
+
+def check_after_verify(specs, ops, args) -> tuple:
+    """`dispatch verify --lock FILE` (or CAPDISPATCH_LOCK): decide again, with the verdicts
+    just recorded, and compare with the lock; under CAPDISPATCH_STRICT=1 drift exits 3."""
+    path = lock_path(getattr(args, "lock", None))
+    if path is None:
+        return ()
+    from .explain import plan
+    p = plan(specs, ops, policy=args.policy or None, selections=args.set_ or None,
+             selection_origin="--set", log_warnings=False)
+    return check(p, path, partial=bool(args.op or getattr(args, "device", None)))

@@ -1,0 +1,85 @@
+"""`dispatch lock`: write today's decisions to a lock file, or compare them with one.
+
+    dispatch lock [--device D[,D...]]... [--op OP]... [--policy FILE]... [--set OP=B]...
+                  [--assume-lib NAME[==VER]]... [-o FILE]
+    dispatch lock --check FILE [same options]
+
+Writing: exit 0 (the lock goes to -o FILE, or stdout). Checking: exit 0 when today's
+decisions match the lock, 3 when anything differs (one WARNING line per difference);
+the devices and ops default to those of the lock. Bad input,
+a malformed lock included: exit 2 with file:line.
+"""
+from __future__ import annotations
+
+import sys
+
+EXIT_OK, EXIT_DRIFT = 0, 3
+
+
+def add_parser(subparsers):
+    p = subparsers.add_parser("lock", help="write the decisions to a lock file, or compare with one")
+    p.add_argument("--device", action="append", default=[], metavar="DEV[,DEV...]",
+                   help="cuda:N, cpu or sim:NAME (default: every local CUDA device, else cpu)")
+    p.add_argument("--op", action="append", default=[], metavar="OP")
+    p.add_argument("--policy", action="append", default=[], metavar="FILE")
+    p.add_argument("--set", action="append", default=[], metavar="OP=BACKEND", dest="set_")
+    p.add_argument("--assume-lib", action="append", default=[], metavar="NAME[==VERSION]")
+    p.add_argument("--strict", action="store_true",
+                   help="an explicit choice that cannot run is an error (exit 3), not a downgrade")
+    out = p.add_mutually_exclusive_group()
+    out.add_argument("-o", "--output", metavar="FILE", help="where to write the lock (default: stdout)")
+    out.add_argument("--check", metavar="FILE",
+                     help="compare today's decisions with FILE only: exit 0 same, 3 drift")
+    p.add_argument("--probe", choices=("auto", "torch", "nvml"), default="auto",
+                   help="how to read a cuda:N device (auto: NVML unless CUDA is already initialised)")
+    p.add_argument("--assume-cuda", metavar="VER", help="CUDA toolkit version to assume for simulated devices")
+    return p
+
+
+def _specs(args, locked=None):
+    from ..capabilities import ProbeError, local_devices
+    from .errors import BadInput
+    from .group import unique_ids
+    from .resolver import as_spec
+    devs = [x.strip() for v in args.device for x in v.split(",") if x.strip()]
+    if devs:
+        return unique_ids([as_spec(d, via=args.probe, assume_cuda=args.assume_cuda) for d in devs])
+    if locked is None:
+        return local_devices(via=args.probe)
+    # Checking: the lock's own devices; a CUDA device that is gone is a difference, not an error.
+    specs = []
+    for d in locked.devices:
+        try:
+            specs.append(as_spec(d.id.partition("#")[0], via=args.probe, assume_cuda=args.assume_cuda))
+        except (BadInput, ProbeError):
+            if not d.id.startswith("cuda:"):
+                raise
+    return unique_ids(specs)
+
+
+def run(args) -> int:
+    from . import lock as L
+    from .explain import plan
+    locked = L.load(args.check) if args.check else None
+    ops = args.op or (list(dict.fromkeys(op for d in locked.devices for op in d.ops)) if locked else None)
+    p = plan(_specs(args, locked), ops, policy=args.policy or None, selections=args.set_ or None,
+             assume_libs=args.assume_lib, strict=args.strict, selection_origin="--set")
+    if locked is not None:
+        drifts = L.compare(p, locked, partial=bool(args.op or args.device))
+        for d in drifts:
+            L.log.warning("%s", d)
+        n = sum(len(d.ops) for d in locked.devices)
+        if drifts:
+            print(f"{args.check}: {len(drifts)} difference(s) from the lock", file=sys.stderr)
+            return EXIT_DRIFT
+        print(f"{args.check}: today's decisions match the lock ({len(locked.devices)} device(s), "
+              f"{n} decision(s))")
+        return EXIT_OK
+    lk = L.freeze(p, inputs={"policy": args.policy, "set": args.set_, "assume_lib": args.assume_lib})
+    if args.output:
+        lk.write(args.output)
+        n = sum(len(d.ops) for d in lk.devices)
+        print(f"wrote {args.output}: {len(lk.devices)} device(s), {n} decision(s)", file=sys.stderr)
+    else:
+        sys.stdout.write(lk.dumps())
+    return EXIT_OK

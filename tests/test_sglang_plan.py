@@ -1,0 +1,144 @@
+"""`dispatch sglang plan` decides once: for any simulated rig and any --assume-lib
+set, every op of every rank is the resolution capdispatch itself gives for those
+inputs, and the rank table and the SGLang settings table name the same backend
+per device and op. None of this needs SGLang installed."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import capdispatch as cd
+
+RIG_ENV = "CAPDISPATCH_SGLANG_DEVICES"
+CARDS = ("sim:rtx-5090", "sim:rtx-3080", "sim:h200", "sim:rtx-pro-6000", "sim:sm_86", "sim:b200",
+         "sim:rtx-4090", "sim:a100", "sim:sm_120", "sim:h100", "sim:l40s")
+# Versions that satisfy the backends' requirements, and versions that do not:
+# the plan must follow them everywhere, whatever is installed here.
+LIBS = ("sgl-flash-mla==1.0.0", "sgl-flash-mla==0.9.0", "flashinfer-python==0.7.2",
+        "flashinfer-python==0.6.0", "tilelang==0.1.12", "tilelang==0.1.0", "sgl-deep-gemm==0.2.3.post2",
+        "sgl-deep-gemm==0.1.0", "sglang-kernel==0.4.10", "sglang-kernel==0.3.0")
+
+
+def _label(kind, name, value):
+    return f"{name}={value}" if kind == "field" else f"env {name}={value}"
+
+
+def _plan(argv):
+    from capdispatch.adapters.sglang import cli
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = cli.main(["plan", *argv, "--format", "json"])
+    return rc, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for k in ("CAPDISPATCH_POLICY", "CAPDISPATCH_SET", "CAPDISPATCH_STRICT", RIG_ENV,
+              "SGLANG_DSV4_KV_LAYOUT", "SGLANG_SM120_FLASHMLA_BACKEND", "SGLANG_OPT_USE_TILELANG_INDEXER",
+              "SGLANG_OPT_USE_AITER_INDEXER", "SGLANG_FP8_PAGED_MQA_LOGITS_TORCH",
+              "SGLANG_OPT_FLASHMLA_SPARSE_PREFILL"):
+        monkeypatch.delenv(k, raising=False)
+
+
+def check_one_decision(rig, libs, extra=()):
+    argv = ["--device", ",".join(rig), *[a for lib in libs for a in ("--assume-lib", lib)], *extra]
+    rc, out, err = _plan(argv)
+    assert rc == 0, err
+    p = json.loads(out)
+    ranks = p["ranks"]
+    assert [r["device"]["name"] for r in ranks] == [cd.probe(d).name for d in rig]
+    sels = [extra[i + 1] for i, a in enumerate(extra) if a == "--set"]
+    pols = [extra[i + 1] for i, a in enumerate(extra) if a == "--policy"]
+    # 1. Every decided op of every rank is capdispatch's own resolution for the same
+    #    inputs (--assume-lib and --set reach the rank table).
+    ops = p["ops"]
+    ref = cd.plan(list(rig), ops, assume_libs=list(libs) or None, selections=sels or None,
+                  policy=pols or None, log_warnings=False)
+    for r, (pid, _) in zip(ranks, zip(ref.devices, rig)):
+        for op in ops:
+            c = r["ops"][op]
+            if c["backend"] is not None:
+                assert c["backend"] == ref.ops[op].per_device[pid.id].backend, (r["rank"], op, libs)
+    # 2. The settings table is the rank table's settings, device by device.
+    from capdispatch.adapters.sglang import knobs
+    release = knobs.load().release(p["sglang"]["version"])
+    table = {(x["kind"], x["name"]): x for x in p["sglang_settings"]}
+    for r in ranks:
+        dev = f"cuda:{r['gpu_id']}"
+        for op, c in r["ops"].items():
+            entry = release.entry(op, c["backend"])
+            want = [s.label for s in entry.settings] if entry is not None and entry.kind == "sglang" else []
+            assert (c["setting"] or []) == want, (dev, op, c["backend"])
+            for s in (entry.settings if entry is not None and entry.kind == "sglang" else ()):
+                row = table[(s.kind, s.name)]
+                assert op in row["ops"] and dev in row["wants"].get(s.value, []), (dev, op, s.label, row)
+    for (kind, name), row in table.items():
+        for value, devs in row["wants"].items():
+            for dev in devs:
+                r = ranks[[f"cuda:{x['gpu_id']}" for x in ranks].index(dev)]
+                assert any(_label(kind, name, value) in (r["ops"][op]["setting"] or []) for op in row["ops"]), \
+                    (dev, name, value)
+        for dev in row["without"]:
+            r = ranks[[f"cuda:{x['gpu_id']}" for x in ranks].index(dev)]
+            assert any(r["ops"][op]["backend"] is not None and r["ops"][op]["setting"] is None
+                       for op in row["ops"]), (dev, name)
+    # 3. Every rank reports every op, moe included, with the final schema.
+    for r in ranks:
+        assert list(r["ops"]) == ops and "moe" in ops
+        for c in r["ops"].values():
+            assert c["action"] in ("routed", "kept", "reported") and c["routed"] == (c["action"] == "routed")
+            assert c["why"]
+    return p
+
+
+def test_the_reported_contradiction_cannot_happen(clean_env):
+    """An H200 planned for a machine with an older FlashMLA than this one: the rank
+    table and the settings table both say FlashMLA does not run there."""
+    p = check_one_decision(["sim:h200"], ["sgl-flash-mla==0.9.0"])
+    ops = p["ranks"][0]["ops"]
+    assert ops["decode_mla"]["backend"] == "triton_fp8" and ops["decode_mla"]["routed"]
+    assert "needs sgl-flash-mla>=1.0, has 0.9.0 (assumed)" in ops["decode_mla"]["why"]
+    attn = next(x for x in p["sglang_settings"] if x["name"] == "dsv4_attn_backend")
+    assert attn["wants"] == {} and attn["without"] == ["cuda:0"]
+    p = check_one_decision(["sim:h200"], ["sgl-flash-mla==1.0.0"])
+    assert p["ranks"][0]["ops"]["decode_mla"]["backend"] == "flashmla"
+    attn = next(x for x in p["sglang_settings"] if x["name"] == "dsv4_attn_backend")
+    assert attn["wants"] == {"flashmla": ["cuda:0"]}
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rig=st.lists(st.sampled_from(CARDS), min_size=1, max_size=4),
+       libs=st.lists(st.sampled_from(LIBS), max_size=5, unique=True))
+def test_rank_and_settings_tables_agree_for_any_rig_and_libraries(clean_env, rig, libs):
+    check_one_decision(rig, libs)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rig=st.lists(st.sampled_from(CARDS), min_size=1, max_size=3),
+       libs=st.lists(st.sampled_from(LIBS), max_size=4, unique=True),
+       sel=st.sampled_from(["decode_mla=flashmla", "moe=marlin_w4a16", "indexer=tilelang",
+                            "sparse_prefill=flashmla_sparse", "moe=triton_w4a16", "kv_quant=torch"]))
+def test_set_reaches_every_part_of_the_plan(clean_env, rig, libs, sel):
+    check_one_decision(rig, libs, ("--set", sel))
+
+
+def test_policy_and_environment_reach_every_part_of_the_plan(clean_env, monkeypatch, tmp_path):
+    pol = tmp_path / "p.yaml"
+    pol.write_text("schema: 1\nops:\n  moe: [marlin_w4a16]\n  decode_mla: [triton]\n")
+    p = check_one_decision(["sim:h200", "sim:rtx-3080"], ["sglang-kernel==0.4.10"], ("--policy", str(pol)))
+    for r in p["ranks"]:
+        assert r["ops"]["moe"]["backend"] == "marlin_w4a16"
+        assert r["ops"]["moe"]["setting"] == ["moe_runner_backend=marlin"]
+        assert r["ops"]["decode_mla"]["backend"] == "triton" and r["ops"]["decode_mla"]["routed"]
+    row = next(x for x in p["sglang_settings"] if x["name"] == "moe_runner_backend")
+    assert row["action"] == "agree" and row["wants"] == {"marlin": ["cuda:0", "cuda:1"]}
+    monkeypatch.setenv("CAPDISPATCH_SET", "moe=torch")
+    p = json.loads(_plan(["--device", "sim:h200", "--assume-lib", "sglang-kernel==0.4.10"])[1])
+    assert p["ranks"][0]["ops"]["moe"]["backend"] == "torch"
+    assert p["ranks"][0]["ops"]["moe"]["action"] == "routed"
+    assert next(x for x in p["sglang_settings"] if x["name"] == "moe_runner_backend")["without"] == ["cuda:0"]
