@@ -284,7 +284,8 @@ def tune(op, inputs, shape, want, args):
             for cfg in TUNE_CONFIGS:
                 # Every call kind (prefill, decode, decode_split) gets this one configuration.
                 K._configs = lambda device, kind, tokens=None, cfg=cfg: (cfg,)
-                K._chosen.clear()
+                K._plans.clear()
+                DK._splits.clear()
                 try:
                     got = fn(*inputs)
                     ok = _check(op, got, want)[0]
@@ -306,7 +307,8 @@ def tune(op, inputs, shape, want, args):
                       + (" (in graphs)" if args.graphs else ""))
     finally:
         K._configs = saved
-        K._chosen.clear()
+        K._plans.clear()
+        DK._splits.clear()
     return out
 
 

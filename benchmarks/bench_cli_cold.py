@@ -1,9 +1,11 @@
 """Cold `dispatch explain` on simulated devices: wall time of a fresh process.
 
-    python benchmarks/bench_cli_cold.py [--runs 21] [--out benchmarks/results]
+    python benchmarks/bench_cli_cold.py [--runs 21] [--out DIR | --file PATH]
 
 Each run starts a new interpreter (nothing cached), explains the seed's mixed
 rig for every op, and is timed with a monotonic host clock. Target: median <= 0.5 s.
+The result goes to a new file, DIR/cli_cold_<UTC timestamp>.json (DIR: benchmarks/results),
+or to PATH: a measurement never rewrites an earlier one.
 """
 from __future__ import annotations
 
@@ -23,9 +25,11 @@ ARGS = ["explain", "--device", "sim:rtx-5090,sim:rtx-3080,sim:rtx-3080", "--assu
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--runs", type=int, default=21)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", type=int, default=21, help="timed runs (default 21)")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"),
+                    help="folder for a new timestamped result file (default benchmarks/results)")
+    ap.add_argument("--file", help="write the result to this path instead")
     a = ap.parse_args()
     cmd = [sys.executable, "-m", "capdispatch", *ARGS]
     subprocess.run(cmd, capture_output=True, check=True)   # warm the OS file cache only
@@ -48,11 +52,17 @@ def main() -> int:
         "versions": {d: _v(d) for d in ("capdispatch", "attrs", "PyYAML", "packaging")},
         "date": _dt.date.today().isoformat(),
     }
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "cli_cold.json"), "w") as fh:
+    path = a.file or result_path(a.out)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "x") as fh:      # "x": an existing result is never overwritten
         json.dump(res, fh, indent=2)
     print(json.dumps(res, indent=2))
     return 0 if med <= 0.5 else 1
+
+
+def result_path(folder: str, now=None) -> str:
+    now = now or _dt.datetime.now(_dt.timezone.utc)
+    return os.path.join(folder, f"cli_cold_{now.strftime('%Y%m%dT%H%M%SZ')}.json")
 
 
 def _v(dist):

@@ -108,9 +108,23 @@ def test_group_api_modes(clean_env):
 
 
 def test_bind_returns_the_kernel_itself(clean_env):
+    """The custom op itself (kv_quant's OpOverload), or for ops with an out= variant the
+    module-level function that calls one of its two custom ops."""
+    import torch
     from capdispatch.backends.kv_cache import reference
-    assert cd.bind("kv_dequant", "cpu") is reference.kv_dequant
-    assert cd.bind("kv_quant", "cpu", backend="torch") is reference.kv_quant
+    assert cd.bind("kv_dequant", "cpu") is reference.op_kv_dequant
+    fn = cd.bind("kv_quant", "cpu", backend="torch")
+    assert fn is reference.op_kv_quant is torch.ops.capdispatch.kv_quant_torch.default
+    assert reference.op_kv_dequant.functional is torch.ops.capdispatch.kv_dequant_torch.default
+    assert reference.op_kv_dequant.with_out is torch.ops.capdispatch.kv_dequant_torch_out.default
+
+
+def test_bind_without_checks(clean_env):
+    from capdispatch.backends.kv_cache import reference
+    fn = cd.bind("kv_dequant", "cpu", checks=False)
+    assert fn is not reference.op_kv_dequant and fn.functional is reference.op_kv_dequant.functional
+    q = cd.bind("kv_quant", "cpu", checks=False)
+    assert q.keywords == {"checks": False} and q.func is reference.op_kv_quant
 
 
 def test_bind_explicit_backend_that_cannot_run_raises(clean_env):
@@ -121,7 +135,7 @@ def test_bind_explicit_backend_that_cannot_run_raises(clean_env):
 def test_bind_triton_on_cpu_under_interpreter(clean_env):
     clean_env.setenv("TRITON_INTERPRET", "1")
     fn = cd.bind("kv_dequant", "cpu", backend="triton_u8")
-    assert fn.__name__ == "kv_dequant_u8"
+    assert fn.__name__ == "kv_dequant_triton_u8"
 
 
 def test_op_handle_binds_per_device(clean_env):
@@ -131,7 +145,7 @@ def test_op_handle_binds_per_device(clean_env):
     pool = torch.randint(0, 255, (2, layout.bytes_per_page(4)), dtype=torch.uint8)
     out = h(pool, torch.tensor([0, 5]), 4)
     assert out.shape == (2, 1, 512)
-    assert h._by_device == {("cpu", None): reference.kv_dequant}
+    assert h._by_device == {("cpu", None): reference.op_kv_dequant}
 
 
 def test_device_spec_roundtrip():

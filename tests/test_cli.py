@@ -57,7 +57,7 @@ def test_mixed_rig_diverges_with_one_warning(run_cli):
     assert rc == 0, err
     g = doc["ops"]["kv_dequant"]
     assert g["uniform"] is False
-    assert list(g["per_device"]) == ["sim:rtx-5090", "sim:rtx-3080", "sim:rtx-3080#2"]
+    assert list(g["per_device"]) == ["sim:rtx-5090", "sim:rtx-3080@1", "sim:rtx-3080@2"]
     assert [r["backend"] for r in g["per_device"].values()] == ["triton_fp8", "triton_u8", "triton_u8"]
     warnings = [line for line in err.splitlines() if line.startswith("WARNING")]
     assert len(warnings) == 1 and "kv_dequant" in warnings[0], err
@@ -194,3 +194,33 @@ def test_ops_and_devices_commands(run_cli):
     d = json.loads(out)["devices"][0]
     assert d["cc"] == "9.0" and d["sm_count"] == 132 and d["smem_optin_per_block"] == 232448
     assert {"wgmma", "tma", "fp8_e4m3", "bf16"} <= set(d["features"]) and "tcgen05" not in d["features"]
+
+
+def test_policy_show_output_validates(run_cli, tmp_path):
+    rc, out, err = run_cli("policy", "show", "--policy", os.path.join(POL, "device_scoped.yaml"))
+    assert rc == 0, err
+    shown = tmp_path / "shown.yaml"
+    shown.write_text(out)
+    rc, out, err = run_cli("policy", "validate", str(shown))
+    assert rc == 0 and out.strip().endswith("shown.yaml: ok"), err
+
+
+@pytest.mark.parametrize("args,needle", [
+    (("explain", "--device", "cuda:\u00b2"), "a CUDA device is cuda:N"),
+    (("explain", "--device", "sim:\udcff"), "unknown simulated device"),
+    (("explain", "--device", "sim:rtx-3080", "--policy", "/proc/self/environ"), "(U+0000) is not allowed"),
+    (("explain", "--device", "sim:rtx-3080", "--assume-cuda", "cuda13"), "expected a CUDA toolkit version"),
+])
+def test_bad_values_exit_2_in_a_real_process(run_cli, args, needle):
+    rc, out, err = run_cli(*args)
+    assert rc == 2 and needle in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_strict_variable_words_through_the_cli(run_cli):
+    args = ("explain", "--device", "sim:rtx-3080", "--assume-lib", "triton", "--op", "kv_dequant")
+    env = {"CAPDISPATCH_SET": "kv_dequant=triton_fp8"}
+    assert run_cli(*args, env={**env, "CAPDISPATCH_STRICT": "false"})[0] == 0
+    assert run_cli(*args, env={**env, "CAPDISPATCH_STRICT": "yes"})[0] == 3
+    rc, _, err = run_cli(*args, env={**env, "CAPDISPATCH_STRICT": "maybe"})
+    assert rc == 2 and "CAPDISPATCH_STRICT='maybe'" in err

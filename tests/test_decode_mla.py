@@ -521,7 +521,7 @@ def test_clean_ids_errors():
 def test_bind_on_cpu():
     import capdispatch as cd
     fn = cd.bind("decode_mla", "cpu", backend="triton", registry=registry())
-    assert fn.__name__ == "decode_mla_u8"
+    assert fn.__name__ == "decode_mla_triton" and fn is _tk().op_decode_mla_u8
 
 
 # --------------------------------------------------------------------------- #

@@ -451,7 +451,7 @@ def test_backends_share_one_signature():
     for name, fname in srcs.items():
         with open(os.path.join(base, fname)) as f:
             pos, ndef, kwonly = _signature_from_source(f.read(), "fp8_paged_mqa_logits")
-        assert pos == want and kwonly == ["out"], (name, pos, kwonly)
+        assert pos == want and kwonly == ["out", "checks"], (name, pos, kwonly)
 
 
 # --------------------------------------------------------------------------- #
@@ -772,7 +772,7 @@ def test_registration():
     assert [b.name for b in reg.backends("indexer")] == ["deepgemm", "tilelang", "triton", "torch"]
     for b in reg.backends("indexer"):
         module, _, fn = b.impl.partition(":")
-        assert module.startswith("capdispatch.backends.indexer.") and fn == "fp8_paged_mqa_logits"
+        assert module.startswith("capdispatch.backends.indexer.") and fn == "op_fp8_paged_mqa_logits"
 
 
 def test_declarations_import_no_kernel_library():
@@ -843,7 +843,8 @@ def test_recommended_policy(tmp_path, device, want):
 def test_bind_triton_on_cpu():
     import capdispatch as cd
     fn = cd.bind("indexer", "cpu", backend="triton", registry=registry(), env={"TRITON_INTERPRET": "1"})
-    assert fn.__name__ == "fp8_paged_mqa_logits" and fn.__module__.endswith("indexer.triton_kernels")
+    from capdispatch.backends.indexer import triton_kernels
+    assert fn.__name__ == "indexer_triton" and fn is triton_kernels.op_fp8_paged_mqa_logits
 
 
 # --------------------------------------------------------------------------- #

@@ -99,3 +99,158 @@ def test_a_user_file_beats_the_defaults_device_entries(tmp_path):
     assert "device cc <8.9" in build(builtin(), env={}).preference("indexer", spec).origin
     pref = build(builtin(), policy=str(p), env={}).preference("indexer", spec)
     assert pref.backends == ("torch",) and pref.user
+
+
+def _all_devices():
+    import capdispatch as cd
+    from capdispatch.capabilities import catalog
+    from capdispatch.dispatch.group import unique_ids
+    specs = [cd.probe(f"sim:{n}") for n in catalog.names()] + [cd.probe("cpu")]
+    return specs + unique_ids([cd.probe("sim:rtx-3080"), cd.probe("sim:rtx-3080")])
+
+
+@pytest.mark.parametrize("texts", [
+    [],
+    ["ops: {indexer: [torch]}\n"],
+    ["verify: off\n", "verify: required\n"],
+    ["mixed_group: uniform\ndevices:\n  - match: {name: geforce-rtx-3080}\n    ops: {moe: [torch]}\n",
+     "on_unsupported: error\nops: {kv_quant: [torch]}\ndevices:\n"
+     "  - match: {cc: '>=12.0,<13.0'}\n    ops: {indexer: [triton], kv_dequant: [torch, triton_u8]}\n"
+     "  - match: {id: 'sim:rtx-3080@1'}\n    ops: {kv_quant: [triton_u8]}\n"
+     "  - match: {name: NVIDIA GeForce RTX 5090, cc: '12.0'}\n    ops: {decode_mla: [torch]}\n"],
+    ["ops:\n  decode_mla:\n    - {tokens: '<=16', prefer: [triton_fp8, flashmla]}\n"
+     "    - {prefer: [flashmla, triton]}\n"
+     "devices:\n  - match: {cc: '8.6'}\n    ops:\n      kv_dequant:\n"
+     "        - {rows: '<=4096', prefer: [triton_u8]}\n        - {prefer: [torch]}\n"],
+])
+def test_policy_show_round_trips(tmp_path, texts):
+    """`policy show` is a policy file: loaded alone it gives the same effective policy."""
+    from capdispatch.policies.show import merged
+    paths = []
+    for i, t in enumerate(texts):
+        p = tmp_path / f"p{i}.yaml"
+        p.write_text(t)
+        paths.append(str(p))
+    reg = builtin()
+    known = known_device_names()
+    stack = build(reg, policy=paths, env={}, known_devices=known)
+    _, text = merged(stack, reg)
+    shown = tmp_path / "shown.yaml"
+    shown.write_text(text)
+    again = build(reg, policy=str(shown), env={}, known_devices=known)
+    for key in ("mixed_group", "on_unsupported", "verify"):
+        assert again.setting(key).value == stack.setting(key).value
+    for spec in _all_devices():
+        for op in reg.ops:
+            a, b = stack.preference(op, spec), again.preference(op, spec)
+            assert a.backends == b.backends, (op, spec.id, a.origin, b.origin)
+            assert [(x.upper, x.backends) for x in a.buckets] == \
+                [(x.upper, x.backends) for x in b.buckets], (op, spec.id)
+    # Shown twice is the same text, but for the origins in comments.
+    _, text2 = merged(again, reg)
+    strip = lambda t: [ln.split("    #")[0] for ln in t.splitlines() if not ln.startswith("#")]
+    assert strip(text2) == strip(text)
+
+
+def test_alias_and_driver_names_match_what_they_validate():
+    import capdispatch as cd
+    for name in ("geforce-rtx-3080", "rtx-3080", "NVIDIA GeForce RTX 3080", "RTX-3080"):
+        pf = _parse(f"devices:\n  - match: {{name: {name}}}\n    ops: {{kv_quant: [torch]}}\n")
+        assert pf.devices[0].matches(cd.probe("sim:rtx-3080")), name
+        assert pf.devices[0].matches(cd.probe("sim:geforce-rtx-3080")), name
+        assert pf.devices[0].matches(cd.probe("sim:NVIDIA GeForce RTX 3080")), name
+        assert not pf.devices[0].matches(cd.probe("sim:rtx-3090")), name
+    # A real card's facts: matched through its driver name to the catalog key.
+    real = cd.DeviceSpec(id="cuda:0", name="NVIDIA GeForce RTX 3080", platform="cuda", cc="8.6",
+                         probe="nvml", catalog_key="rtx-3080")
+    assert _parse("devices:\n  - match: {name: geforce-rtx-3080}\n").devices[0].matches(real)
+    assert cd.probe("sim:NVIDIA GeForce RTX 5090").id == "sim:rtx-5090"
+
+
+def test_repeated_cards_are_named_by_position_and_matched_consistently():
+    import capdispatch as cd
+    from capdispatch.dispatch.group import unique_ids
+    specs = unique_ids([cd.probe(d) for d in ("sim:rtx-5090", "sim:rtx-3080", "sim:rtx-3080")])
+    assert [s.id for s in specs] == ["sim:rtx-5090", "sim:rtx-3080@1", "sim:rtx-3080@2"]
+    every = _parse("devices:\n  - match: {id: 'sim:rtx-3080'}\n    ops: {kv_quant: [torch]}\n")
+    one = _parse("devices:\n  - match: {id: 'sim:rtx-3080@2'}\n    ops: {kv_quant: [torch]}\n")
+    assert [every.devices[0].matches(s) for s in specs] == [False, True, True]
+    assert [one.devices[0].matches(s) for s in specs] == [False, False, True]
+    # The same card in another group position is another copy; ids of unique cards never change.
+    assert [s.id for s in unique_ids([cd.probe("sim:rtx-3080"), cd.probe("sim:h200")])] == \
+        ["sim:rtx-3080", "sim:h200"]
+    # A distributed group names ranks: `cuda:1` still matches rank 1's card.
+    ranked = cd.DeviceSpec(id="rank1:cuda:1", name="x", platform="cuda", cc="9.0", probe="nvml")
+    assert _parse("devices:\n  - match: {id: 'cuda:1'}\n").devices[0].matches(ranked)
+    assert _parse("devices:\n  - match: {id: 'rank1:cuda:1'}\n").devices[0].matches(ranked)
+    assert not _parse("devices:\n  - match: {id: 'rank0:cuda:1'}\n").devices[0].matches(ranked)
+
+
+@pytest.mark.parametrize("value,on", [("1", True), ("true", True), ("YES", True), (" on ", True),
+                                      ("0", False), ("false", False), ("No", False), ("off", False),
+                                      ("", False)])
+def test_strict_variable_words(value, on):
+    import capdispatch as cd
+    env = {"CAPDISPATCH_STRICT": value, "CAPDISPATCH_SET": "kv_quant=triton_fp8"}
+    if on:
+        with pytest.raises(cd.StrictFallbackError):
+            cd.resolve("kv_quant", "sim:rtx-3080", assume_libs=["triton"], env=env)
+    else:
+        assert cd.resolve("kv_quant", "sim:rtx-3080", assume_libs=["triton"], env=env).backend == "triton_u8"
+
+
+def test_strict_variable_junk_is_refused():
+    import capdispatch as cd
+    with pytest.raises(cd.BadInput, match=r"CAPDISPATCH_STRICT='maybe' is not a yes/no value.*true"):
+        cd.resolve("kv_quant", "sim:rtx-3080", env={"CAPDISPATCH_STRICT": "maybe"})
+
+
+@pytest.mark.parametrize("make,needle", [
+    (lambda d: d, "it is a directory"),
+    (lambda d: d / "absent.yaml", "No such file"),
+    (lambda d: str(d / "a\0b.yaml"), "NUL byte"),
+    (lambda d: str(d) + "/\ud800.yaml", "not valid in this file system's encoding"),
+    (lambda d: "/proc/self/environ", "is not allowed in YAML"),
+])
+def test_paths_that_are_not_policy_files(tmp_path, make, needle):
+    with pytest.raises(PolicyError, match=needle):
+        load_file(make(tmp_path), builtin())
+
+
+def test_undecodable_and_huge_files(tmp_path):
+    p = tmp_path / "bin.yaml"
+    p.write_bytes(b"ops:\n  kv_quant: [torch]\n\xff\xfe\x00\n")
+    with pytest.raises(PolicyError) as ei:
+        load_file(p, builtin())
+    assert ei.value.line == 3 and "not UTF-8" in str(ei.value) and "0xff" in str(ei.value)
+    big = tmp_path / "big.yaml"
+    big.write_text("# x\n" * 300_000)
+    with pytest.raises(PolicyError, match="larger than 1024 KiB"):
+        load_file(big, builtin())
+
+
+def test_every_error_is_a_capdispatch_error():
+    import capdispatch as cd
+    from capdispatch.adapters.sglang.knobs import KnobsError
+    from capdispatch.backends.moe import LayoutError
+    from capdispatch.backends.registry import RegistryError
+    from capdispatch.calibrate.ladder import SizesError
+    from capdispatch.capabilities import AssumeCudaError
+    from capdispatch.capabilities.libraries import AssumeLibError
+    from capdispatch.dispatch.agreement import AgreementError
+    from capdispatch.dispatch.binding import BackendLoadError
+    for cls, base in [(cd.BadInput, ValueError), (PolicyError, ValueError), (cd.SelectionError, ValueError),
+                      (cd.UnknownDeviceError, ValueError), (AssumeLibError, ValueError),
+                      (AssumeCudaError, ValueError), (RegistryError, ValueError),
+                      (LayoutError, ValueError), (KnobsError, ValueError),
+                      (cd.ProbeError, RuntimeError), (cd.Unsatisfiable, RuntimeError),
+                      (cd.NoBackendError, cd.Unsatisfiable), (cd.StrictFallbackError, cd.Unsatisfiable),
+                      (cd.GroupDivergenceError, cd.Unsatisfiable), (AgreementError, cd.Unsatisfiable),
+                      (BackendLoadError, cd.Unsatisfiable), (SizesError, ValueError),
+                      (cd.ArgumentError, ValueError), (cd.ArgumentTypeError, TypeError),
+                      (cd.UnsupportedDeviceError, RuntimeError)]:
+        assert issubclass(cls, cd.CapdispatchError) and issubclass(cls, base), cls
+    # A kernel's own argument check raises under the root too.
+    from capdispatch.backends.kv_cache.layout import bytes_per_page
+    with pytest.raises(cd.ArgumentError):
+        bytes_per_page(0)

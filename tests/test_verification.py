@@ -78,7 +78,7 @@ def test_broken_plugins_break_nothing_and_are_named(tmp_path):
     assert names == ["triton_fp8", "triton_u8", "torch", *PLUGS]
     # The duplicate plugin's backend did not replace the built-in one.
     torch_b = next(b for b in obj["ops"]["kv_dequant"]["backends"] if b["name"] == "torch")
-    assert torch_b["impl"] == "capdispatch.backends.kv_cache.reference:kv_dequant"
+    assert torch_b["impl"] == "capdispatch.backends.kv_cache.reference:op_kv_dequant"
 
 
 def test_broken_kernels_are_caught_and_replaced(tmp_path, plugin_registry, caplog):

@@ -116,6 +116,7 @@ class Library:
     dist: str
     spec: str = ""
     module: Optional[str] = None
+    extra: Optional[str] = None     # capdispatch's extra that installs it, for the message
 
     def __attrs_post_init__(self):
         SpecifierSet(self.spec)
@@ -127,6 +128,8 @@ class Library:
         msg = ""
         if not ok:
             msg = f"{self.dist} is not installed"
+            if self.extra:
+                msg += f" (pip install 'capdispatch[{self.extra}]')"
         elif self.spec and fact.version is not None:
             try:
                 ok = Version(fact.version) in SpecifierSet(self.spec, prereleases=True)
@@ -136,7 +139,7 @@ class Library:
                 msg = f"{self.dist} {fact.version} is outside {self.spec}"
         found = fact.describe()
         if ok and self.module and f.check_imports and not fact.assumed:
-            imp = import_check(self.module)
+            imp = import_check(self.module, env=f.env)
             if not imp.ok:
                 ok, msg = False, f"import {self.module} failed: {imp.error}"
                 found = f"{found}, import failed"
@@ -147,8 +150,8 @@ class Library:
 # The requirements every kernel package shares, declared once so a minimum moves in
 # one place: torch for every backend, Triton (its interpreter included) for the
 # portable kernels.
-TORCH = Library("torch", ">=2.4", module="torch")
-TRITON = Library("triton", ">=3.2", module="triton")
+TORCH = Library("torch", ">=2.4", module="torch", extra="torch")
+TRITON = Library("triton", ">=3.2", module="triton", extra="triton")
 
 
 @attrs.frozen

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import CapdispatchError
+
 STAT_ATOL = 1e-3     # softmax statistics (max logits, lse) in fp32: absolute
 
 
-class Mismatch(AssertionError):
+class Mismatch(CapdispatchError, AssertionError):
     """An output differs from the reference beyond its tolerance."""
 
     def __init__(self, message: str, *, max_err: float | None = None, where: str = "",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 
+from ..errors import CapdispatchError
 from .base import Backend, Op
 
 BUILTIN_OP_PACKAGES = (
@@ -20,7 +21,7 @@ BUILTIN_OP_PACKAGES = (
 )
 
 
-class RegistryError(ValueError):
+class RegistryError(CapdispatchError, ValueError):
     pass
 
 

@@ -12,6 +12,8 @@ from typing import Callable, Optional
 
 import attrs
 
+from ..errors import ArgumentError
+
 
 @attrs.frozen
 class Choice:
@@ -38,7 +40,7 @@ def choose(times: dict, noise: float, incumbent: Callable[[int], Optional[str]] 
     for size in sorted(times):
         t = times[size]
         if not t:
-            raise ValueError(f"size {size}: no backend was measured")
+            raise ArgumentError(f"size {size}: no backend was measured")
         fastest = min(t, key=lambda b: (t[b], b))
         inc = incumbent(size)
         keep = inc is not None and inc in t and inc != fastest and t[inc] <= t[fastest] * (1 + noise)

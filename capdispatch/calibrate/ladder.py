@@ -1,6 +1,8 @@
 """The sizes each op is calibrated at (its leading dimension) and how it is served there."""
 from __future__ import annotations
 
+from ..errors import CapdispatchError
+
 # Decode-time ops: 1-4096 tokens (SGLang's decode batches and extends); prefill up to 16k
 # query tokens; the KV ops by rows (decode writes a batch's tokens, prefill gathers up to
 # a whole context).
@@ -36,7 +38,7 @@ def served_in_graphs(op: str, size: int, platform: str) -> bool:
     return platform == "cuda" and op in _GRAPH_OPS and size <= GRAPH_MAX
 
 
-class SizesError(ValueError):
+class SizesError(CapdispatchError, ValueError):
     pass
 
 
@@ -47,7 +49,7 @@ def parse_sizes(text: str) -> tuple:
         part = part.strip()
         if not part:
             continue
-        if not part.isdigit() or int(part) < 1:
+        if not (part.isascii() and part.isdigit() and len(part) <= 9) or int(part) < 1:
             raise SizesError(f"--sizes: {part!r} is not a size (valid: whole numbers >= 1, "
                              f"comma-separated, e.g. 1,16,256)")
         out.append(int(part))

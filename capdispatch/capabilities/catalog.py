@@ -6,11 +6,12 @@ import functools
 import re
 from typing import Optional
 
+from ..errors import CapdispatchError
 from . import _data
 from .spec import DeviceSpec
 
 
-class UnknownDeviceError(ValueError):
+class UnknownDeviceError(CapdispatchError, ValueError):
     """A device name that is neither in the catalog nor a bare architecture."""
 
 
@@ -30,17 +31,35 @@ def names() -> list:
 
 @functools.lru_cache(maxsize=None)
 def _aliases() -> dict:
+    """Every name that means a catalog entry, lower case: key, aliases, driver name."""
     out = {}
     for key, body in _entries().items():
         out[key] = key
         for alias in body.get("aliases") or ():
             out[str(alias).lower()] = key
+        if body.get("name"):
+            out.setdefault(str(body["name"]).lower(), key)
     return out
 
 
+def known_names() -> dict:
+    """Lower-case name (key, alias or driver name) -> catalog key."""
+    return dict(_aliases())
+
+
+def canonical_key(name: str) -> Optional[str]:
+    """The catalog key NAME means (key, alias or driver name, any case), else None."""
+    try:
+        return lookup(name)["key"]
+    except UnknownDeviceError:
+        return None
+
+
 def lookup(name: str) -> dict:
-    """The catalog entry for NAME (key or alias, case-insensitive)."""
-    norm = name.strip().lower()
+    """The catalog entry for NAME (key, alias or driver name; case-insensitive)."""
+    if not isinstance(name, str):
+        raise UnknownDeviceError(f"a simulated device name is text, not {type(name).__name__}")
+    norm = " ".join(name.split()).lower()
     aliases = _aliases()
     key = aliases.get(norm) or aliases.get(norm.replace("_", "-"))
     if key is None:
@@ -48,11 +67,12 @@ def lookup(name: str) -> dict:
         if m and f"sm_{m.group(1)}" in aliases:
             key = f"sm_{m.group(1)}"
     if key is None:
-        close = difflib.get_close_matches(norm, list(aliases), n=3, cutoff=0.5)
+        close = difflib.get_close_matches(norm[:100], list(aliases), n=3, cutoff=0.5)
         hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+        shown = ascii(name) if len(name) <= 80 else ascii(name[:60]) + f"... ({len(name)} characters)"
         raise UnknownDeviceError(
-            f"unknown simulated device {name!r}{hint} "
-            f"(known: {', '.join(names())})"
+            f"unknown simulated device {shown}{hint} "
+            f"(known: {', '.join(names())}; their aliases and driver names also work)"
         )
     return _entries()[key]
 
@@ -73,7 +93,7 @@ def arch_entry(cc: tuple) -> Optional[dict]:
 def simulate(name: str, *, cuda: Optional[str] = None) -> DeviceSpec:
     entry = lookup(name)
     return DeviceSpec(
-        id=f"sim:{name}",
+        id=f"sim:{entry['key']}",   # one id per card model, whichever name was given
         name=entry.get("name") or entry["key"],
         platform="cuda",
         vendor="NVIDIA",

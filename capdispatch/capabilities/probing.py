@@ -10,30 +10,98 @@ import platform as _platform
 import sys
 from typing import Optional
 
+from ..errors import CapdispatchError
 from . import catalog
 from .spec import DeviceSpec
 
 
-class ProbeError(RuntimeError):
-    """A real device could not be probed (no driver, no such index, ...)."""
+class ProbeError(CapdispatchError, RuntimeError):
+    """A real device could not be probed (no driver, no such index, ...).
+    `reason` is the message without the advice `hint` that follows it."""
+
+    def __init__(self, reason: str, hint: str = ""):
+        super().__init__(f"{reason}; {hint}" if hint else reason)
+        self.reason, self.hint = reason, hint
+
+
+SIM_HINT = ("to plan for a GPU this machine does not have, simulate it: --device sim:NAME "
+            "(`dispatch catalog` lists the names)")
+
+
+def nvml_failure(exc) -> str:
+    """Why NVML could not start, in words, with what to do."""
+    kind = type(exc).__name__
+    if isinstance(exc, ImportError):
+        return "NVML bindings not installed (pip install nvidia-ml-py, or capdispatch[nvml])"
+    if kind == "NVMLError_LibraryNotFound":
+        return "NVML library (libnvidia-ml.so.1) not found: no NVIDIA driver is installed"
+    if kind == "NVMLError_DriverNotLoaded":
+        return "the NVIDIA driver is not loaded (nvidia-smi says more)"
+    if kind == "NVMLError_NoPermission":
+        return "no permission to open the NVIDIA device files"
+    if kind == "NVMLError_LibRmVersionMismatch":
+        return "the NVML library and the loaded kernel driver differ in version (reboot, or reload the driver)"
+    return f"NVML could not start: {exc}"
+
+
+def _torch_failure() -> str:
+    """Why torch sees no CUDA device, without initialising CUDA where it can be avoided."""
+    from importlib import metadata
+    try:
+        version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return "torch is not installed"
+    if torch_cuda_version() is None:
+        return f"torch {version} is a CPU build"
+    return f"torch {version} (CUDA {torch_cuda_version()}) sees no CUDA device"
+
+
+class AssumeCudaError(CapdispatchError, ValueError):
+    """A bad --assume-cuda value."""
+
+
+MAX_INDEX_DIGITS = 6     # no host has a million GPUs; longer is a typo or junk
+
+
+def _shown(text) -> str:
+    return ascii(text) if len(text) <= 80 else f"{ascii(text[:60])}... ({len(text)} characters)"
 
 
 def parse_device(text: str) -> tuple:
     """'cuda:1' -> ('cuda', '1'); 'sim:rtx-3080' -> ('sim', 'rtx-3080'); 'cpu' -> ('cpu', '')."""
+    if not isinstance(text, str):
+        raise catalog.UnknownDeviceError(
+            f"bad device {text!r}: expected a string cuda:N, cpu or sim:NAME, or a DeviceSpec")
     text = text.strip()
     if text == "cpu":
         return ("cpu", "")
     if text == "cuda":
         return ("cuda", "0")
     kind, sep, rest = text.partition(":")
-    if sep and kind in ("cuda", "sim") and rest:
-        if kind == "cuda" and not rest.isdigit():
+    if sep and kind in ("cuda", "sim") and rest.strip():
+        if kind == "cuda" and not (rest.isascii() and rest.isdigit()
+                                   and len(rest) <= MAX_INDEX_DIGITS):
             raise catalog.UnknownDeviceError(
-                f"bad device {text!r}: a CUDA device is cuda:N with N a non-negative integer")
-        return (kind, rest)
+                f"bad device {_shown(text)}: a CUDA device is cuda:N with N a device index "
+                f"(0, 1, ...; `dispatch devices` lists them)")
+        return (kind, rest.strip())
+    if sep and kind == "sim":
+        raise catalog.UnknownDeviceError(
+            f"bad device {_shown(text)}: sim: needs a NAME (one of {', '.join(catalog.names())})")
     raise catalog.UnknownDeviceError(
-        f"bad device {text!r}: expected cuda:N, cpu, or sim:NAME "
+        f"bad device {_shown(text)}: expected cuda:N, cpu, or sim:NAME "
         f"(NAME one of {', '.join(catalog.names())})")
+
+
+def check_assume_cuda(value: Optional[str]) -> Optional[str]:
+    """--assume-cuda: a CUDA toolkit version such as 12.8 or 13.0 (None: not given)."""
+    if value is None:
+        return None
+    import re
+    if not isinstance(value, str) or not re.fullmatch(r"\d{1,2}\.\d{1,2}(\.\d{1,3})?", value.strip(), re.ASCII):
+        raise AssumeCudaError(f"bad --assume-cuda {_shown(str(value))}: expected a CUDA toolkit "
+                              f"version such as 12.8 or 13.0")
+    return value.strip()
 
 
 def probe(device, *, via: str = "auto", assume_cuda: Optional[str] = None) -> DeviceSpec:
@@ -44,22 +112,34 @@ def probe(device, *, via: str = "auto", assume_cuda: Optional[str] = None) -> De
     if kind == "cpu":
         return probe_cpu()
     if kind == "sim":
-        return catalog.simulate(rest, cuda=assume_cuda)
-    index = int(rest)
+        return catalog.simulate(rest, cuda=check_assume_cuda(assume_cuda))
+    try:
+        return _probe_cuda(int(rest), via)
+    except ProbeError as exc:
+        raise ProbeError(exc.reason, SIM_HINT) from None
+
+
+def _probe_cuda(index: int, via: str) -> DeviceSpec:
     if via == "torch" or (via == "auto" and _torch_cuda_initialized()):
         return probe_torch(index)
     if via in ("nvml", "auto"):
         try:
             return probe_nvml(index)
-        except ProbeError:
+        except ProbeError as exc:
             if via == "nvml":
                 raise
-    return probe_torch(index)
+            nvml_why = str(exc)
+        try:
+            return probe_torch(index)
+        except ProbeError as exc:
+            raise ProbeError(f"cuda:{index}: cannot read it: NVML: {nvml_why.partition(': ')[2]}; "
+                             f"torch: {str(exc).partition(': ')[2]}") from None
+    raise ValueError(f"probe via {via!r}: expected auto, torch or nvml")
 
 
-def probe_cpu() -> DeviceSpec:
+def probe_cpu(notes=()) -> DeviceSpec:
     return DeviceSpec(id="cpu", name=_platform.processor() or _platform.machine() or "cpu",
-                      platform="cpu", probe="cpu")
+                      platform="cpu", probe="cpu", notes=tuple(notes))
 
 
 def _torch_cuda_initialized() -> bool:
@@ -111,11 +191,25 @@ def cuda_from_version_text(text: str) -> Optional[str]:
     return m.group(1) if m else None
 
 
-def probe_torch(index: int) -> DeviceSpec:
-    import torch
+def _torch_cannot_have_cuda() -> bool:
+    # Installed metadata says: no torch, or a CPU build. Then importing it (seconds) cannot help.
+    from importlib import metadata
+    try:
+        metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return True
+    return "torch" not in sys.modules and torch_cuda_version() is None
 
+
+def probe_torch(index: int) -> DeviceSpec:
+    if _torch_cannot_have_cuda():
+        raise ProbeError(f"cuda:{index}: {_torch_failure()}")
+    try:
+        import torch
+    except ImportError:
+        raise ProbeError(f"cuda:{index}: torch is not installed") from None
     if not torch.cuda.is_available():
-        raise ProbeError(f"cuda:{index}: torch sees no CUDA device (torch {torch.__version__})")
+        raise ProbeError(f"cuda:{index}: {_torch_failure()}")
     count = torch.cuda.device_count()
     if index >= count:
         raise ProbeError(f"cuda:{index}: no such device; torch sees {count} (cuda:0..cuda:{count - 1})")
@@ -172,11 +266,11 @@ def probe_nvml(index: int) -> DeviceSpec:
     try:
         import pynvml as nvml
     except ImportError as exc:
-        raise ProbeError(f"cuda:{index}: NVML bindings not installed (pip install nvidia-ml-py): {exc}")
+        raise ProbeError(f"cuda:{index}: {nvml_failure(exc)}")
     try:
         nvml.nvmlInit()
     except nvml.NVMLError as exc:
-        raise ProbeError(f"cuda:{index}: NVML could not start: {exc}")
+        raise ProbeError(f"cuda:{index}: {nvml_failure(exc)}")
     try:
         handle, notes = _visible_to_physical(index, nvml)
         name = nvml.nvmlDeviceGetName(handle)
@@ -213,34 +307,62 @@ def probe_nvml(index: int) -> DeviceSpec:
     )
 
 
+def _nvml_count() -> int:
+    """Visible devices by NVML; ProbeError (with the reason) when NVML cannot start."""
+    try:
+        import pynvml as nvml
+    except ImportError as exc:
+        raise ProbeError(nvml_failure(exc))
+    try:
+        nvml.nvmlInit()
+    except Exception as exc:   # NVMLError subclasses, or a broken binding
+        raise ProbeError(nvml_failure(exc))
+    try:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        total = nvml.nvmlDeviceGetCount()
+        return total if visible is None else sum(1 for _ in _iter_visible(visible, total))
+    except nvml.NVMLError as exc:
+        raise ProbeError(f"NVML query failed: {exc}")
+    finally:
+        try:
+            nvml.nvmlShutdown()
+        except nvml.NVMLError:
+            pass
+
+
 def local_devices(*, via: str = "auto") -> list:
-    """Every local CUDA device (without initialising CUDA when NVML works), else cpu."""
-    count = 0
+    """Every local CUDA device (without initialising CUDA when NVML works), else cpu
+    with notes saying why. VIA 'nvml' or 'torch' is an explicit way: if it cannot
+    run, or finds no device, ProbeError says why."""
+    why = []
     if via == "nvml" or (via == "auto" and not _torch_cuda_initialized()):
         try:
-            import pynvml as nvml
-            nvml.nvmlInit()
-            try:
-                visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-                total = nvml.nvmlDeviceGetCount()
-                count = total if visible is None else sum(
-                    1 for _ in _iter_visible(visible, total))
-            finally:
-                nvml.nvmlShutdown()
-            via_used = "nvml"
-        except Exception:  # no driver, no bindings: ask torch below
-            via_used = "torch"
-    else:
-        via_used = "torch"
-    if via_used == "torch":
+            count = _nvml_count()
+        except ProbeError as exc:
+            if via == "nvml":
+                raise ProbeError(f"--probe nvml: {exc}", SIM_HINT) from None
+            why.append(f"NVML: {exc}")
+        else:
+            if count:
+                return [probe(f"cuda:{i}", via="nvml") for i in range(count)]
+            if via == "nvml":
+                raise ProbeError(f"--probe nvml: NVML sees no visible NVIDIA device "
+                                 f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})",
+                                 SIM_HINT)
+            why.append("NVML: no visible NVIDIA device")
+    count = 0
+    if not _torch_cannot_have_cuda():
         try:
             import torch
             count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        except ImportError:
-            count = 0
-    if count == 0:
-        return [probe_cpu()]
-    return [probe(f"cuda:{i}", via=via_used) for i in range(count)]
+        except Exception as exc:   # a torch that fails to import is a fact, not a crash
+            why.append(f"torch failed to import: {type(exc).__name__}: {exc}")
+    if count:
+        return [probe(f"cuda:{i}", via="torch") for i in range(count)]
+    why.append(f"torch: {_torch_failure()}")
+    if via == "torch":
+        raise ProbeError(f"--probe torch: {_torch_failure()}", SIM_HINT)
+    return [probe_cpu(notes=[f"no CUDA device found ({'; '.join(why)}); {SIM_HINT}"])]
 
 
 def _iter_visible(visible: str, total: int):

@@ -27,10 +27,11 @@ def add_parser(subparsers):
     b.add_argument("--profile", choices=("full", "small"), default=None,
                    help="problem dimensions besides the size: DeepSeek-V4's (full; the default on CUDA) "
                         "or small ones for the CPU (the default there)")
-    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
     b.add_argument("--warmup", type=float, default=25.0, help="CUDA: do_bench warm-up, ms")
     b.add_argument("--rep", type=float, default=100.0, help="CUDA: do_bench measuring time, ms")
-    b.add_argument("--format", choices=("text", "json"), default="text")
+    b.add_argument("--format", choices=("text", "json"), default="text",
+                   help="text for people (default) or JSON for programs")
     return b
 
 

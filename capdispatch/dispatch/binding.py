@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from . import sized
+from ..errors import ArgumentTypeError
 from .errors import Unsatisfiable
 from .resolver import as_spec, context, log, resolve_in
 
@@ -11,11 +12,13 @@ class BackendLoadError(Unsatisfiable):
 
 
 def bind(op: str, device, backend=None, *, policy=None, selections=None, strict: bool = False,
-         env=None, registry=None):
+         env=None, registry=None, checks: bool = True):
     """Return the kernel that runs OP on DEVICE: no wrapper, no lookup at call time.
 
     With BACKEND given the choice is explicit and strict: if it cannot run here,
     this raises with the reasons instead of handing back something else.
+    ``checks=False`` binds the kernel without its argument validation (serving, where
+    the caller's shapes are known good): bad input is then undefined behaviour.
 
     Where the policy gives OP size buckets whose winners differ, the result is a
     dispatcher (see `sized.py`) whose only work is the bucket test on the leading
@@ -36,16 +39,22 @@ def bind(op: str, device, backend=None, *, policy=None, selections=None, strict:
         if name not in loaded:
             b = ctx.registry.backend(op, name)
             try:
-                loaded[name] = b.load()
+                fn = b.load()
             except Exception as exc:
                 raise BackendLoadError(f"{op}={name} on {res.device.id}: loading {b.impl} failed: "
                                        f"{type(exc).__name__}: {exc}") from exc
+            loaded[name] = fn if checks else _without_checks(fn)
         return loaded[name]
 
     if not res.buckets or len({b.backend for b in res.buckets}) == 1:
         return load(res.backend)
     bounds, default, names = sized.table(res.buckets, load)
     return sized.dispatcher(op, ctx.registry.ops[op].size, bounds, default, names)
+
+
+def _without_checks(fn):
+    from ..backends.torch_ops import without_checks   # imports torch: only when asked for
+    return without_checks(fn)
 
 
 class OpHandle:
@@ -65,7 +74,7 @@ class OpHandle:
             dev = getattr(a, "device", None)
             if dev is not None:
                 return dev
-        raise TypeError(f"{self.op}: no tensor argument to take the device from")
+        raise ArgumentTypeError(f"{self.op}: no tensor argument to take the device from")
 
     def __call__(self, *args, **kwargs):
         dev = self._device_of(args, kwargs)

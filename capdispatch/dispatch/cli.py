@@ -1,9 +1,11 @@
+# PYTHON_ARGCOMPLETE_OK
 """The `dispatch` command. Exit codes: 0 decided; 2 bad input; 3 unsatisfiable."""
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 import sys
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_UNSAT = 0, 2, 3
@@ -14,66 +16,163 @@ EXTENSIONS = {
     "sglang": ("capdispatch.adapters.sglang.cli", "what the SGLang adapter would set for a launch"),
 }
 
+# Subcommands in their own modules (capdispatch/dispatch/NAME.py): each has
+# add_parser(subparsers) and run(args) -> int.
+COMMANDS = ("bench_cmd", "catalog_cmd", "env_cmd", "lock_cmd", "verify_cmd")
+
+EPILOG = """\
+examples:
+  dispatch explain --device sim:rtx-5090,sim:rtx-3080,sim:rtx-3080 --assume-lib triton --brief
+  dispatch explain --device sim:rtx-5090,sim:h200 --libs sglang-0.5.23
+  dispatch devices                      this machine's GPUs (NVML: CUDA stays uninitialised)
+  dispatch catalog                      the GPUs that sim:NAME can simulate
+  dispatch env                          a report to paste into a bug report
+  dispatch sglang plan --device sim:rtx-5090,sim:rtx-3080 --libs sglang-0.5.23
+
+exit codes: 0 decided; 2 bad input (unknown device, op, backend, library, bad policy
+file); 3 unsatisfiable (under --strict an explicit choice that cannot run, no runnable
+backend, a mixed_group: error divergence).
+shell completion: eval "$(register-python-argcomplete dispatch)" (pip install 'capdispatch[completion]')
+"""
+
+EXPLAIN_EPILOG = """\
+examples:
+  dispatch explain --device sim:rtx-3080 --assume-lib triton --op kv_dequant
+      one op on one card: triton_u8, and why not triton_fp8 (fp8 needs cc 8.9)
+  dispatch explain --device sim:rtx-5090,sim:rtx-3080,sim:rtx-3080 --assume-lib triton
+      a mixed rig: the op x device matrix, then each op's trace
+  dispatch explain --device sim:rtx-5090,sim:rtx-3080 --mixed-group uniform --brief
+      one kernel on every card of the group, matrix only
+  dispatch explain --device sim:rtx-5090,sim:h200,sim:rtx-3080 --libs sglang-0.5.23
+      plan for a machine with SGLang 0.5.23's libraries, not this one's
+  dispatch explain --device sim:rtx-3080 --set kv_dequant=triton_fp8 --strict
+      an explicit choice that cannot run: exit 3 with the reason
+
+matrix marks: * fallback (the first preference cannot run), ! downgraded (an explicit
+choice cannot run), = changed by mixed_group: uniform, and an op whose devices differ
+is flagged. Colour on a terminal; plain when piped or NO_COLOR is set.
+"""
+
+DEVICES_EPILOG = """\
+examples:
+  dispatch devices                                 every local GPU (NVML), else cpu and why
+  dispatch devices --probe nvml                    NVML only: exit 2, with the reason, if it cannot
+  dispatch devices --device sim:rtx-5090,sim:h200 --format json
+"""
+
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *a, **kw):
+        # Raw: the epilogs' examples keep their lines; a one-line description is filled here.
+        kw.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+        desc = kw.get("description")
+        if desc and "\n" not in desc:
+            import textwrap
+            kw["description"] = textwrap.fill(desc, 88)
+        super().__init__(*a, **kw)
+
     def error(self, message):
         self.print_usage(sys.stderr)
         print(f"dispatch: error: {message}", file=sys.stderr)
         raise SystemExit(EXIT_BAD_INPUT)
 
 
+def version() -> str:
+    """capdispatch's version: the installed distribution's, else the package's own."""
+    from importlib import metadata
+    try:
+        return metadata.version("capdispatch")
+    except metadata.PackageNotFoundError:
+        from .. import __version__
+        return __version__
+
+
+DEVICE_HELP = ("cuda:N, cpu or sim:NAME (NAME from `dispatch catalog`, or sm_86, sm_90, ...); "
+               "repeat the flag or use commas; all given devices form one group")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="dispatch", description="Which kernel runs each op on each GPU, and why.")
-    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    from . import completion
+    p = _Parser(prog="dispatch", description="Which kernel runs each op on each GPU, and why.",
+                epilog=EPILOG)
+    p.add_argument("--version", action="version", version=f"capdispatch {version()}",
+                   help="print capdispatch's version and exit")
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser, metavar="COMMAND")
 
     def fmt(sp):
-        sp.add_argument("--format", choices=("text", "json"), default="text")
+        sp.add_argument("--format", choices=("text", "json"), default="text",
+                        help="text for people (default) or JSON for programs")
 
     def probe_opts(sp):
         sp.add_argument("--probe", choices=("auto", "torch", "nvml"), default="auto",
-                        help="how to read a cuda:N device (auto: NVML unless CUDA is already initialised)")
+                        help="how to read a cuda:N device (auto: NVML unless CUDA is already "
+                             "initialised; nvml / torch: only that way, exit 2 if it cannot)")
         sp.add_argument("--assume-cuda", metavar="VER",
-                        help="CUDA toolkit version to assume for simulated devices")
+                        help="CUDA toolkit version to assume for simulated devices, e.g. 12.8")
 
-    d = sub.add_parser("devices", help="the devices and their facts and features")
-    d.add_argument("--device", action="append", default=[], metavar="DEV[,DEV...]")
+    d = sub.add_parser("devices", help="the devices and their facts and features",
+                       description="The devices and their facts, features and how they were read.",
+                       epilog=DEVICES_EPILOG)
+    completion.devices(d.add_argument("--device", action="append", default=[], metavar="DEV[,DEV...]",
+                                      help=DEVICE_HELP + " (default: every local CUDA device, else cpu)"))
     fmt(d); probe_opts(d)
 
-    e = sub.add_parser("explain", help="decide every op for a group of devices, with the trace")
-    e.add_argument("--device", action="append", default=[], metavar="DEV[,DEV...]",
-                   help="cuda:N, cpu or sim:NAME; all given devices form one group "
-                        "(default: every local CUDA device, else cpu)")
-    e.add_argument("--op", action="append", default=[], metavar="OP")
-    e.add_argument("--policy", action="append", default=[], metavar="FILE")
-    e.add_argument("--set", action="append", default=[], metavar="OP=BACKEND", dest="set_")
-    e.add_argument("--assume-lib", action="append", default=[], metavar="NAME[==VERSION]")
+    e = sub.add_parser("explain", help="decide every op for a group of devices, with the trace",
+                       description="Decide every op for a group of devices: the op x device matrix, "
+                                   "then each op's trace (every candidate, every check).",
+                       epilog=EXPLAIN_EPILOG)
+    completion.devices(e.add_argument("--device", action="append", default=[], metavar="DEV[,DEV...]",
+                                      help=DEVICE_HELP + " (default: every local CUDA device, else cpu)"))
+    completion.ops(e.add_argument("--op", action="append", default=[], metavar="OP[,OP...]",
+                                  help="decide only these ops (default: all; `dispatch ops` lists them)"))
+    e.add_argument("--policy", action="append", default=[], metavar="FILE",
+                   help="a policy file, layered above the built-in default and $CAPDISPATCH_POLICY; "
+                        "repeat for more (later wins)")
+    completion.selections(e.add_argument(
+        "--set", action="append", default=[], metavar="OP=BACKEND", dest="set_",
+        help="an explicit choice, above every policy (commas for several)"))
+    completion.libraries(e.add_argument(
+        "--assume-lib", action="append", default=[], metavar="NAME[==VERSION]",
+        help="treat a library as installed on the target (at VERSION), e.g. triton or "
+             "flashinfer-python==0.7.2; an unknown name is refused"))
+    completion.profiles(e.add_argument(
+        "--libs", metavar="PROFILE",
+        help="the target's whole library inventory from a profile (e.g. sglang-0.5.23: the "
+             "versions SGLang 0.5.23 installs) instead of this machine's; --assume-lib adds to it"))
+    e.add_argument("--mixed-group", choices=("allow", "warn", "uniform", "error"),
+                   help="what a group whose devices choose different backends does, above every "
+                        "policy file: allow, warn (default), uniform (one kernel every device can "
+                        "run), error (exit 3)")
     e.add_argument("--strict", action="store_true",
                    help="an explicit choice that cannot run is an error (exit 3), not a downgrade")
+    e.add_argument("--brief", action="store_true",
+                   help="print the op x device matrix only, without the traces")
     e.add_argument("--lock", metavar="FILE", help="compare with this lock file (default: $CAPDISPATCH_LOCK)")
     fmt(e); probe_opts(e)
 
-    from . import lock_cmd
-    lock_cmd.add_parser(sub)
-
-    o = sub.add_parser("ops", help="the ops and their backends with what each needs")
+    o = sub.add_parser("ops", help="the ops and their backends with what each needs",
+                       description="The ops and their backends, fastest first, with what each needs.")
     fmt(o)
 
-    from . import verify_cmd
-    verify_cmd.add_parser(sub)
-
     for name, (_, help_) in EXTENSIONS.items():
-        x = sub.add_parser(name, help=help_, add_help=False)
-        x.add_argument("rest", nargs=argparse.REMAINDER)
+        # `dispatch NAME ...` goes straight to the extension's own parser (see main).
+        sub.add_parser(name, help=help_ + f" (`dispatch {name} --help`)", add_help=False)
 
-    from . import bench_cmd
-    bench_cmd.add_parser(sub)
+    import importlib
+    for mod in COMMANDS:
+        m = importlib.import_module(f"{__package__}.{mod}")
+        m.add_parser(sub).set_defaults(run=m.run)
 
-    pol = sub.add_parser("policy", help="check or show policy files")
+    pol = sub.add_parser("policy", help="check or show policy files",
+                         description="Check or show policy files.",
+                         epilog="examples:\n  dispatch policy validate my-rig.yaml\n"
+                                "  dispatch policy show --policy my-rig.yaml\n")
     psub = pol.add_subparsers(dest="policy_cmd", required=True, parser_class=_Parser)
     v = psub.add_parser("validate", help="check policy files; exit 2 on the first error")
-    v.add_argument("files", nargs="+", metavar="FILE")
+    v.add_argument("files", nargs="+", metavar="FILE", help="policy files to check")
     s = psub.add_parser("show", help="the merged policy, with where each value came from")
-    s.add_argument("--policy", action="append", default=[], metavar="FILE")
+    s.add_argument("--policy", action="append", default=[], metavar="FILE",
+                   help="a policy file to layer above the default; repeat for more")
     fmt(s)
     return p
 
@@ -93,21 +192,33 @@ def _setup_logging():
     log.setLevel(logging.INFO)
 
 
-def main(argv=None) -> int:
-    from ..capabilities import ProbeError, UnknownDeviceError
-    from ..policies import PolicyError
-    from .errors import BadInput, Unsatisfiable
+def _safe_streams():
+    # A character the output's encoding lacks (PYTHONIOENCODING=ascii) is escaped, not a crash.
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.reconfigure(errors="backslashreplace")
+        except (AttributeError, ValueError, OSError):
+            pass
 
-    args = _parser().parse_args(argv)
-    _setup_logging()
+
+def main(argv=None) -> int:
+    from .errors import run_guarded
+
+    _safe_streams()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in EXTENSIONS:
+        import importlib
+        return importlib.import_module(EXTENSIONS[argv[0]][0]).main(argv[1:])
+    parser = _parser()
+    if "_ARGCOMPLETE" in os.environ:
+        from . import completion
+        completion.autocomplete(parser)
     try:
-        return _run(args)
-    except (BadInput, PolicyError, UnknownDeviceError, ProbeError) as exc:
-        print(f"dispatch: error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except Unsatisfiable as exc:
-        print(f"dispatch: unsatisfiable: {exc}", file=sys.stderr)
-        return EXIT_UNSAT
+        args = parser.parse_args(argv)
+    except SystemExit as exc:    # --help, or a usage error already printed: return its code
+        return exc.code if isinstance(exc.code, int) else EXIT_BAD_INPUT
+    _setup_logging()
+    return run_guarded("dispatch", lambda: _run(args))
 
 
 def _emit(args, obj, text):
@@ -118,24 +229,14 @@ def _emit(args, obj, text):
 
 
 def _run(args) -> int:
+    if getattr(args, "run", None) is not None:
+        return args.run(args)
     if args.cmd == "devices":
         return _cmd_devices(args)
     if args.cmd == "explain":
         return _cmd_explain(args)
     if args.cmd == "ops":
         return _cmd_ops(args)
-    if args.cmd == "verify":
-        from . import verify_cmd
-        return verify_cmd.run(args)
-    if args.cmd == "lock":
-        from . import lock_cmd
-        return lock_cmd.run(args)
-    if args.cmd in EXTENSIONS:
-        import importlib
-        return importlib.import_module(EXTENSIONS[args.cmd][0]).main(args.rest)
-    if args.cmd == "bench":
-        from . import bench_cmd
-        return bench_cmd.run(args)
     if args.cmd == "policy":
         return _cmd_policy_validate(args) if args.policy_cmd == "validate" else _cmd_policy_show(args)
     raise AssertionError(args.cmd)
@@ -152,31 +253,50 @@ def _specs(args):
 
 
 def _cmd_devices(args) -> int:
-    from ..capabilities import derive_features
-    from .explain import _device_dict, device_line
+    from ..backends import builtin
+    from ..capabilities import Inventory, derive_features
+    from .explain import _device_dict, device_line, libraries_lines
+    from .render import wrap
+    from .resolver import library_names
     specs = _specs(args)
     text = []
     for d in specs:
-        text.append(device_line(d))
-        text.append(f"  features: {', '.join(sorted(derive_features(d))) or '(none)'}")
+        text += wrap(device_line(d), "")
+        text += wrap(f"features: {', '.join(sorted(derive_features(d))) or '(none)'}", "  ")
         for n in d.notes:
-            text.append(f"  note: {n}")
+            text += wrap(f"note: {n}", "  ")
+    inv = Inventory()
+    inventory = inv.to_dict(sorted(library_names(builtin())))
+    text += libraries_lines(inventory["versions"], inventory)
     _emit(args, {"schema": 1, "devices": [
-        {k: v for k, v in _device_dict(d, None).items() if k != "libraries"} for d in specs]},
-        "\n".join(text))
+        {k: v for k, v in _device_dict(d, None).items() if k != "libraries"} for d in specs],
+        "inventory": inventory}, "\n".join(text))
     return EXIT_OK
 
 
 def _cmd_explain(args) -> int:
+    from .errors import BadInput
     from .explain import plan, render_text
+    ops = _devices_arg(args.op)
+    if args.op and not ops:
+        raise BadInput(f"--op {' '.join(args.op)!r} names no op (valid: see `dispatch ops`)")
     specs = _specs(args)
-    p = plan(specs, args.op or None, policy=args.policy or None, selections=args.set_ or None,
-             assume_libs=args.assume_lib, strict=args.strict, selection_origin="--set")
+    p = plan(specs, ops or None, policy=args.policy or None,
+             selections=args.set_ or None, assume_libs=args.assume_lib, strict=args.strict,
+             selection_origin="--set", libs=args.libs,
+             settings={"mixed_group": args.mixed_group} if args.mixed_group else None,
+             settings_origin="--mixed-group", log_warnings=False)
     from .lock import check
     drifts = check(p, args.lock, strict=args.strict, partial=bool(args.op or args.device))
     obj = p.to_dict()
     obj["warnings"] += [str(d) for d in drifts]
-    _emit(args, obj, render_text(p))
+    if args.format == "json":
+        _emit(args, obj, "")
+    else:
+        print(render_text(p, brief=args.brief), flush=True)
+    # After the output, so that on a terminal the matrix is the first screen.
+    for w in p.warnings:
+        logging.getLogger("capdispatch").warning(w)
     return EXIT_OK
 
 
@@ -184,15 +304,16 @@ def _cmd_ops(args) -> int:
     from ..backends import builtin
     reg = builtin()
     rows, obj = [], {"schema": 1, "ops": {}}
+    from .render import wrap
     for op in reg.ops.values():
-        rows.append(f"{op.name}: {op.signature}")
-        rows.append(f"  {op.summary}")
+        rows += wrap(f"{op.name}: {op.signature}", "", hang="    ")
+        rows += wrap(op.summary, "  ")
         obj["ops"][op.name] = {"signature": op.signature, "summary": op.summary,
                                "reference": op.reference, "backends": []}
         for b in reg.backends(op.name):
             needs = [_describe_req(r) for r in b.requires]
-            rows.append(f"  - {b.name}: {b.summary}")
-            rows.append(f"      needs: {'; '.join(needs)}")
+            rows += wrap(f"- {b.name}: {b.summary}", "  ")
+            rows += wrap(f"needs: {'; '.join(needs)}", "      ")
             obj["ops"][op.name]["backends"].append({"name": b.name, "summary": b.summary,
                                                     "impl": b.impl, "needs": needs})
     obj["plugins"] = [p.to_dict() for p in reg.plugins]
@@ -225,65 +346,20 @@ def _cmd_policy_validate(args) -> int:
     from ..policies import load_file
     from .resolver import known_device_names
     for f in args.files:
-        load_file(f, builtin(), known_devices=known_device_names())
-        print(f"{f}: ok")
+        pf = load_file(f, builtin(), known_devices=known_device_names())
+        print(f"{pf.path}: ok")
     return EXIT_OK
-
-
-def _op_obj(reg, op, pf, m) -> dict:
-    key = reg.ops[op].size.key if reg.ops[op].size else None
-    return {"backends": list(m.value), "from": f"{pf.path}:{m.line}",
-            "buckets": [{key: f"<={b.upper}" if b.upper is not None else "any", "upper": b.upper,
-                         "backends": list(b.backends), "from": f"{pf.path}:{b.line}"}
-                        for b in m.buckets]}
-
-
-def _op_lines(reg, op, pf, m, indent) -> list:
-    if not m.buckets:
-        return [f"{indent}{op}: [{', '.join(m.value)}]    # {pf.path}:{m.line}"]
-    key = reg.ops[op].size.key
-    out = [f"{indent}{op}:"]
-    for b in m.buckets:
-        bound = f"{key}: \"<={b.upper}\", " if b.upper is not None else ""
-        out.append(f"{indent}  - {{{bound}prefer: [{', '.join(b.backends)}]}}    # {pf.path}:{b.line}")
-    return out
 
 
 def _cmd_policy_show(args) -> int:
     from ..backends import builtin
     from ..policies import build
+    from ..policies.show import merged
     from .resolver import known_device_names
     reg = builtin()
     stack = build(reg, policy=args.policy or None, known_devices=known_device_names())
-    obj = {"schema": 1, "settings": {}, "ops": {}, "devices": [], "selections": []}
-    lines = []
-    for key in ("mixed_group", "on_unsupported", "verify"):
-        s = stack.setting(key)
-        obj["settings"][key] = {"value": s.value, "from": s.origin}
-        lines.append(f"{key}: {s.value}    # {s.origin}")
-    lines.append("ops:")
-    for op in reg.ops:
-        for pf in reversed(stack.layers):
-            if op in pf.ops:
-                m = pf.ops[op]
-                obj["ops"][op] = _op_obj(reg, op, pf, m)
-                lines += _op_lines(reg, op, pf, m, "  ")
-                break
-    entries = [(pf, e) for pf in stack.layers for e in pf.devices]
-    if entries:
-        lines.append("devices:    # later entries win")
-    for pf, e in entries:
-        obj["devices"].append({"match": e.match, "from": f"{pf.path}:{e.line}",
-                               "ops": {op: list(m.value) for op, m in e.ops.items()},
-                               "buckets": {op: _op_obj(reg, op, pf, m)["buckets"]
-                                           for op, m in e.ops.items() if m.buckets}})
-        lines.append(f"  - match: {e.match}    # {pf.path}:{e.line}")
-        for op, m in e.ops.items():
-            lines += _op_lines(reg, op, pf, m, "      ")
-    for s in stack.selections:
-        obj["selections"].append({"op": s.op, "backend": s.backend, "from": s.origin})
-        lines.append(f"selection: {s.op}={s.backend}    # {s.origin}")
-    _emit(args, obj, "\n".join(lines))
+    obj, text = merged(stack, reg)
+    _emit(args, obj, text)
     return EXIT_OK
 
 

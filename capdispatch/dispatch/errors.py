@@ -1,12 +1,14 @@
 """Errors of a decision. BadInput -> exit 2; Unsatisfiable -> exit 3."""
 from __future__ import annotations
 
+from ..errors import CapdispatchError
 
-class BadInput(ValueError):
+
+class BadInput(CapdispatchError, ValueError):
     """Unknown op, device or backend; a bad flag value."""
 
 
-class Unsatisfiable(RuntimeError):
+class Unsatisfiable(CapdispatchError, RuntimeError):
     """Nothing can run, or a strict choice cannot run, or a group may not diverge."""
 
 
@@ -27,3 +29,60 @@ class StrictFallbackError(Unsatisfiable):
 
 class GroupDivergenceError(Unsatisfiable):
     pass
+
+
+EXIT_OK, EXIT_BAD_INPUT, EXIT_UNSAT, EXIT_INTERNAL = 0, 2, 3, 1
+
+
+def exit_code(exc: BaseException) -> int:
+    """The command line's exit code for an error: 3 unsatisfiable, 2 any other of ours."""
+    if isinstance(exc, Unsatisfiable):
+        return EXIT_UNSAT
+    if isinstance(exc, CapdispatchError):
+        return EXIT_BAD_INPUT
+    return EXIT_INTERNAL
+
+
+def _say(text: str) -> None:
+    """One line to stderr, whatever the terminal can encode (lone surrogates from
+    argv or file names included)."""
+    import sys
+    enc = getattr(sys.stderr, "encoding", None) or "utf-8"
+    try:
+        text = text.encode(enc, "backslashreplace").decode(enc)
+    except LookupError:
+        text = text.encode("ascii", "backslashreplace").decode("ascii")
+    print(text, file=sys.stderr)
+
+
+def run_guarded(prog: str, fn) -> int:
+    """Run a command body; turn our errors into one line and an exit code.
+
+    An exception that is not ours is a bug: one line saying so and how to
+    report it (the traceback with CAPDISPATCH_DEBUG=1), exit 1.
+    """
+    import os
+    import sys
+    try:
+        return fn()
+    except CapdispatchError as exc:
+        kind = "unsatisfiable" if isinstance(exc, Unsatisfiable) else "error"
+        _say(f"{prog}: {kind}: {exc}")
+        return exit_code(exc)
+    except KeyboardInterrupt:
+        _say(f"{prog}: interrupted")
+        return 130
+    except BrokenPipeError:
+        # The reader went away (`dispatch explain | head`): nothing more to say.
+        try:
+            sys.stdout = open(os.devnull, "w")
+        except OSError:
+            pass
+        return EXIT_OK
+    except Exception as exc:
+        if os.environ.get("CAPDISPATCH_DEBUG", "").strip().lower() in ("1", "true", "yes", "on"):
+            raise
+        _say(f"{prog}: internal error: {type(exc).__name__}: {exc}\n"
+             f"  this is a bug in capdispatch; please report it with the command line and the "
+             f"output of `dispatch env` (CAPDISPATCH_DEBUG=1 shows the traceback)")
+        return EXIT_INTERNAL

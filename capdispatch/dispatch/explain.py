@@ -13,6 +13,7 @@ from .resolver import as_spec, context
 log = logging.getLogger("capdispatch")
 
 SCHEMA = 1
+DEFAULT_WHOSE = "this machine's"
 
 
 @attrs.frozen
@@ -23,11 +24,13 @@ class Plan:
     libraries: dict           # dist -> description, as the decision saw them
     inventory: object = attrs.field(default=None, eq=False)   # the Inventory the decision read
     registry: object = attrs.field(default=None, eq=False)    # the registry it decided from
+    whose: dict = attrs.field(factory=dict)   # whose libraries, for people: Inventory.to_dict() + note
 
     def to_dict(self) -> dict:
         return {
             "schema": SCHEMA,
             "devices": [_device_dict(d, self.libraries) for d in self.devices],
+            "inventory": self.whose,
             "ops": {op: g.to_dict() for op, g in self.ops.items()},
             "warnings": list(self.warnings),
         }
@@ -40,13 +43,28 @@ def _device_dict(d, libraries) -> dict:
             "cuda": d.cuda, "probe": d.probe, "notes": list(d.notes)}
 
 
+def inventory_note(specs, inventory) -> str:
+    """What to say when simulated devices are planned with this machine's libraries."""
+    if not inventory.local or not any(s.simulated for s in specs):
+        return ""
+    from ..capabilities import lib_profiles
+    names = lib_profiles.names()
+    example = f"--libs {names[0]}" if names else "--libs PROFILE"
+    return ("simulated devices, but this machine's libraries: a library missing here counts as "
+            f"missing there; name the target's software with {example} or --assume-lib NAME[==VERSION]")
+
+
 def plan(devices, ops=None, *, policy=None, selections=None, assume_libs=None,
          strict: bool = False, env=None, via: str = "auto", assume_cuda: Optional[str] = None,
-         registry=None, selection_origin: str = "selections=", log_warnings: bool = True) -> Plan:
+         registry=None, selection_origin: str = "selections=", log_warnings: bool = True,
+         libs=None, settings=None, settings_origin: str = "settings=") -> Plan:
     """Resolve OPS (default: all) over DEVICES as one group; log its warnings once
-    (LOG_WARNINGS=False: the caller logs them, e.g. rank 0 of a distributed group)."""
+    (LOG_WARNINGS=False: the caller logs them, e.g. rank 0 of a distributed group).
+    LIBS names a library profile for the target's software; SETTINGS
+    ({"mixed_group": "uniform"}) sit above every policy file."""
     ctx = context(policy=policy, selections=selections, assume_libs=assume_libs, strict=strict,
-                  env=env, registry=registry, selection_origin=selection_origin)
+                  env=env, registry=registry, selection_origin=selection_origin, libs=libs,
+                  settings=settings, settings_origin=settings_origin)
     return plan_in(ctx, devices, ops, via=via, assume_cuda=assume_cuda, log_warnings=log_warnings)
 
 
@@ -63,12 +81,21 @@ def plan_in(ctx, devices, ops=None, *, via: str = "auto", assume_cuda: Optional[
             log.warning(w)
     dists = sorted({r.dist for op in names for b in ctx.registry.backends(op)
                     for r in b.requires if hasattr(r, "dist")})
-    libs = {d: ctx.inventory.get(d).describe() for d in dists}
-    return Plan(tuple(specs), groups, warnings, libs, ctx.inventory, ctx.registry)
+    libs_seen = {d: ctx.inventory.get(d).describe() for d in dists}
+    whose = dict(ctx.inventory.to_dict(dists), note=inventory_note(specs, ctx.inventory))
+    return Plan(tuple(specs), groups, warnings, libs_seen, ctx.inventory, ctx.registry, whose)
 
 
 def _gib(n):
-    return f"{n / 2**30:.1f} GiB" if n else "?"
+    return f"{n / 2**30:.1f} GiB" if n else "memory ?"
+
+
+def cuda_text(d) -> str:
+    if d.cuda:
+        return f"CUDA {d.cuda}"
+    if d.simulated:
+        return "CUDA unknown (simulated; --assume-cuda VER)"
+    return "CUDA unknown (no CUDA build of torch found)"
 
 
 def device_line(d) -> str:
@@ -76,9 +103,70 @@ def device_line(d) -> str:
         return f"{d.id}  {d.name}  (probed: {d.probe})"
     smem = f"{d.smem_optin_per_block // 1024} KiB opt-in smem" if d.smem_optin_per_block else "opt-in smem ?"
     sms = f"{d.sm_count} SMs" if d.sm_count else "SMs ?"
-    cuda = f"CUDA {d.cuda}" if d.cuda else "CUDA ?"
-    return (f"{d.id}  {d.name}  cc {d.cc_str}, {sms}, {smem}, {_gib(d.memory)}, {cuda}  "
-            f"(probed: {d.probe})")
+    how = "  (simulated)" if d.simulated and d.cuda else "" if d.simulated else f"  (probed: {d.probe})"
+    return f"{d.id}  {d.name}  cc {d.cc_str}, {sms}, {smem}, {_gib(d.memory)}, {cuda_text(d)}{how}"
+
+
+def libraries_lines(libraries: dict, inventory: dict) -> list:
+    from .render import wrap
+    whose = inventory.get("whose", DEFAULT_WHOSE)
+    said = f" ({inventory['profile']})" if inventory.get("profile") else None
+    text = f"libraries ({whose}): " + ", ".join(
+        f"{k} {v.replace(said, '') if said else v}" for k, v in libraries.items())
+    out = wrap(text, "")
+    if inventory.get("note"):
+        out += wrap(f"note: {inventory['note']}", "")
+    return out
+
+
+def short_name(name: str) -> str:
+    for prefix in ("NVIDIA ", "GeForce "):
+        if name.startswith(prefix):
+            name = name[len(prefix):]
+    return name
+
+
+def cell_kind(g, r) -> str:
+    if r.downgraded_from:
+        return "downgraded"
+    if g.mode == "uniform" and r.source.startswith("mixed_group: uniform"):
+        return "uniform"
+    return "fallback" if r.fallback else "first"
+
+
+def matrix(p: Plan, *, color=None, width=None, ascii_only=None, stream=None,
+           warnings_where: str = "") -> str:
+    """The op x device table of plan P: the backend per cell, fallbacks and
+    divergences marked (see render.KINDS), whose libraries in the caption."""
+    from .render import Cell, Row, render_matrix
+    cols = [f"{d.id}\n{short_name(d.name)}" + (f", cc {d.cc_str}" if d.cc_str else "")
+            for d in p.devices]
+    rows = [Row(op, tuple(Cell(r.backend + _sized(r), cell_kind(g, r)) for r in g.per_device.values()),
+                diverges=not g.uniform)
+            for op, g in p.ops.items()]
+    caption = f"libraries: {p.whose.get('whose', DEFAULT_WHOSE)}"
+    if any(_sized(r) for g in p.ops.values() for r in g.per_device.values()):
+        caption = ("+N sized: N size buckets run another backend (the trace lists them)\n"
+                   + caption)
+    if p.warnings:
+        caption += f"; {len(p.warnings)} warning(s){warnings_where}"
+    return render_matrix(cols, rows, caption=caption, color=color, width=width,
+                         ascii_only=ascii_only, stream=stream)
+
+
+def _sized(r) -> str:
+    """' +N sized' when N size buckets of R run another backend than its catch-all."""
+    n = sum(1 for b in r.buckets if b.backend != r.backend)
+    return f" +{n} sized" if n else ""
+
+
+def _same_trace(a, b) -> bool:
+    def key(r):
+        return (r.backend, r.source, r.fallback, r.downgraded_from,
+                tuple((b.lower, b.upper, b.backend, b.source) for b in r.buckets),
+                tuple((c.backend, c.ok, tuple((ch.code, ch.need, ch.found, ch.ok) for ch in c.checks))
+                      for c in r.candidates))
+    return key(a) == key(b)
 
 
 def _bucket_lines(r) -> list:
@@ -96,39 +184,64 @@ def _bucket_lines(r) -> list:
     return ["      buckets:"] + [f"        {a:<{w1}} -> {b:<{w2}}  # {c}" for a, b, c in rows]
 
 
-def render_text(p: Plan) -> str:
+def render_text(p: Plan, *, brief: bool = False, color=None, stream=None) -> str:
+    """For people: the matrix (several ops or devices, or BRIEF), then unless BRIEF
+    the devices, whose libraries, and each op's trace, wrapped at 100 columns."""
+    from .render import UNICODE, symbols, wrap
+    sym = symbols(stream)
     out = []
+    if brief or len(p.devices) > 1 or len(p.ops) > 1:
+        out.append(matrix(p, color=color, stream=stream, ascii_only=sym is not UNICODE,
+                          warnings_where=" on stderr"))
+        if brief:
+            if p.whose.get("note"):
+                out += wrap(f"note: {p.whose['note']}", "")
+            return "\n".join(out)
+        out.append("")
     for d in p.devices:
-        out.append(device_line(d))
+        out += wrap(device_line(d), "")
         feats = sorted(derive_features(d))
-        out.append(f"  features: {', '.join(feats) if feats else '(none)'}")
+        out += wrap(f"features: {', '.join(feats) if feats else '(none)'}", "  ")
         for n in d.notes:
-            out.append(f"  note: {n}")
-    out.append("  libraries: " + ", ".join(f"{k} {v}" for k, v in p.libraries.items()))
+            out += wrap(f"note: {n}", "  ")
+    out += libraries_lines(p.libraries, p.whose)
     for op, g in p.ops.items():
         out.append("")
         tag = "" if len(p.devices) == 1 else ("  [uniform]" if g.uniform else "  [DIVERGES]")
         out.append(f"{op}{tag}")
+        shown = []
         for did, r in g.per_device.items():
             flags = []
             if r.downgraded_from:
                 flags.append(f"downgraded from {r.downgraded_from}")
             elif r.fallback:
                 flags.append(f"fallback from {r.wanted}")
+            twin = next((t for t, tr in shown if _same_trace(tr, r)), None)
+            if twin is not None:
+                flags.append(f"same trace as {twin}")
             flag = f"  ({'; '.join(flags)})" if flags else ""
-            out.append(f"  {did} -> {r.backend}{flag}")
-            out.append(f"      source: {r.source}")
+            out += wrap(f"{did} {sym.arrow} {r.backend}{flag}", "  ", hang="    ")
+            if twin is not None:
+                continue
+            shown.append((did, r))
+            out.append(f"      source: {r.source}")    # a file:line locator stays whole
             out += _bucket_lines(r)
             for c in r.candidates:
-                mark = "✓" if c.ok else "✗"
+                mark = sym.ok if c.ok else sym.bad
                 bad = [ch for ch in c.checks if not ch.ok]
                 tag = f"  [{c.verification}]" if c.verification else ""
                 if c.ok:
                     out.append(f"      {mark} {c.backend}{tag}")
+                elif len(bad) == 1:
+                    ch = bad[0]
+                    out += wrap(f"{mark} {c.backend}: {ch.code}: need {ch.need}, found {ch.found}{tag}",
+                                "      ", hang="    ")
                 else:
-                    why = "; ".join(f"{ch.code}: need {ch.need}, found {ch.found}" for ch in bad)
-                    out.append(f"      {mark} {c.backend}: {why}{tag}")
+                    out.append(f"      {mark} {c.backend}:{tag}")
+                    for ch in bad:
+                        out += wrap(f"{ch.code}: need {ch.need}, found {ch.found}", "          ",
+                                    hang="    ")
     if p.warnings:
         out.append("")
-        out.append(f"{len(p.warnings)} warning(s): see above on stderr")
+        out.append(f"{len(p.warnings)} warning(s), on stderr")
     return "\n".join(out)

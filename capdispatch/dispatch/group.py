@@ -1,6 +1,7 @@
 """Group decisions (a TP group): resolve each device on its own facts, then compare."""
 from __future__ import annotations
 
+import collections
 import logging
 from typing import Optional
 
@@ -26,12 +27,13 @@ class GroupResolution:
 
 
 def unique_ids(specs) -> list:
-    """A group may hold the same card twice; give later copies '#<position>'."""
-    seen, out = set(), []
-    for i, s in enumerate(specs):
-        out.append(s if s.id not in seen else s.with_id(f"{s.id}#{i}"))
-        seen.add(s.id)
-    return out
+    """A group may hold the same card more than once: every copy of a repeated id
+    becomes ID@N, N its position in the group (its TP rank), so each copy keeps the
+    same name whatever else is in the group. A policy's `id: ID` still matches every
+    copy; `id: ID@N` the copy at position N."""
+    specs = list(specs)
+    counts = collections.Counter(s.id for s in specs)
+    return [s.with_id(f"{s.id}@{i}") if counts[s.id] > 1 else s for i, s in enumerate(specs)]
 
 
 def _bounds(per_device) -> list:
@@ -95,7 +97,8 @@ def resolve_group_in(ctx: Context, op: str, specs) -> GroupResolution:
     if mode == "warn":
         warnings.append(
             f"{op}: the group's devices choose different backends: {table} "
-            f"(mixed_group: warn, {mode_setting.origin}; mixed_group: uniform runs one kernel everywhere)")
+            f"(mixed_group: warn, {mode_setting.origin}; --mixed-group uniform, or mixed_group: uniform "
+            f"in a policy, runs one kernel everywhere)")
         return GroupResolution(op, per, False, mode, tuple(warnings))
     # uniform: per bucket, the first backend in the first device's order that every device can run.
     first = next(iter(per.values()))
@@ -146,9 +149,9 @@ def _uniform(r, bounds, common, origin):
 
 def resolve_group(op: str, devices, *, policy=None, selections=None, assume_libs=None,
                   strict: bool = False, registry=None, env=None, via: str = "auto",
-                  assume_cuda: Optional[str] = None) -> GroupResolution:
+                  assume_cuda: Optional[str] = None, libs=None) -> GroupResolution:
     ctx = context(policy=policy, selections=selections, assume_libs=assume_libs,
-                  strict=strict, registry=registry, env=env)
+                  strict=strict, registry=registry, env=env, libs=libs)
     specs = unique_ids([as_spec(d, via=via, assume_cuda=assume_cuda) for d in devices])
     g = resolve_group_in(ctx, op, specs)
     for w in g.warnings:

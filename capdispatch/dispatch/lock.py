@@ -236,15 +236,22 @@ class _Reader:
         return LockError(self.path, line, message)
 
     def root(self):
-        self._loader = yaml.SafeLoader(self.text)
         try:
+            self._loader = yaml.SafeLoader(self.text)
             return self._loader.get_single_node()
         except yaml.MarkedYAMLError as exc:
             mark = exc.problem_mark or exc.context_mark
             raise LockError(self.path, mark.line + 1 if mark else None,
                             f"malformed YAML: {exc.problem or exc.context}") from None
+        except yaml.reader.ReaderError as exc:
+            c = chr(exc.character) if isinstance(exc.character, int) else str(exc.character)
+            raise LockError(self.path, self.text.count("\n", 0, exc.position) + 1,
+                            f"character {ascii(c)} is not allowed in YAML (a lock file is UTF-8 "
+                            f"text without control characters)") from None
         except yaml.YAMLError as exc:
             raise LockError(self.path, None, f"malformed YAML: {exc}") from None
+        except RecursionError:
+            raise LockError(self.path, None, "malformed lock file: nested too deeply to read") from None
 
     def _tag(self, node, what):
         if node.tag not in _PLAIN_TAGS:
@@ -254,7 +261,11 @@ class _Reader:
         self._tag(node, what)
         if not isinstance(node, yaml.ScalarNode):
             raise self.err(node, f"{what} must be a single value, not a {_KINDS[type(node).__name__]}")
-        value = self._loader.construct_object(node, deep=True)
+        try:
+            value = self._loader.construct_object(node, deep=True)
+        except (ValueError, TypeError, OverflowError, ArithmeticError, yaml.YAMLError) as exc:
+            raise self.err(node, f"{what}: {node.value[:60]!r} cannot be read "
+                                 f"({type(exc).__name__}); quote it to give text") from None
         if value is None and null:
             return None
         if isinstance(value, (int, float)) and not isinstance(value, bool) and str in types:
@@ -307,7 +318,7 @@ def parse(text: str, path: str = "<lock>", registry=None) -> Lock:
     top = r.mapping(root, "the lock", required=("schema", "devices"),
                     optional=("capdispatch", "written", "inputs"))
     schema = r.scalar(top["schema"][1], "schema", types=(int,))
-    if schema != SCHEMA:
+    if type(schema) is not int or schema != SCHEMA:   # `schema: true` is not 1
         raise r.err(top["schema"][1], f"schema {schema!r} is not supported (valid: {SCHEMA}); "
                                       f"write the lock again with this capdispatch")
     written = r.scalar(top["written"][1], "written") if "written" in top else ""
@@ -363,15 +374,19 @@ def parse(text: str, path: str = "<lock>", registry=None) -> Lock:
 
 
 def load(path, registry=None) -> Lock:
-    path = os.fspath(path)
+    from ..policies.loader import PolicyError, read_text
     try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
-    except FileNotFoundError:
-        raise LockError(path, None, "no such lock file (write one with `dispatch lock -o FILE`)") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise LockError(path, None, f"cannot be read: {getattr(exc, 'strerror', None) or exc}") from None
-    return parse(text, path, registry)
+        exists = os.path.lexists(path)
+    except (TypeError, ValueError):
+        exists = True     # let read_text name the problem (NUL byte, not a path)
+    if not exists:
+        raise LockError(os.fsdecode(path) if isinstance(path, (str, bytes)) else str(path), None,
+                        "no such lock file (write one with `dispatch lock -o FILE`)")
+    try:
+        text = read_text(path)     # bounded, UTF-8, every failure named
+    except PolicyError as exc:
+        raise LockError(exc.file, exc.line, exc.bare.replace("policy file", "lock file")) from None
+    return parse(text, os.fsdecode(os.fspath(path)), registry)
 
 
 # --------------------------------------------------------------------------- #
@@ -444,8 +459,9 @@ def lock_path(path=None, env=None) -> Optional[str]:
 
 
 def strict_in(env=None) -> bool:
+    from .resolver import env_flag
     env = os.environ if env is None else env
-    return env.get("CAPDISPATCH_STRICT", "") not in ("", "0")
+    return env_flag(env, "CAPDISPATCH_STRICT")
 
 
 def check(plan, path=None, *, strict: bool = False, partial: bool = False, env=None,

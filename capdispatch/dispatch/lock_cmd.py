@@ -20,10 +20,14 @@ def add_parser(subparsers):
     p = subparsers.add_parser("lock", help="write the decisions to a lock file, or compare with one")
     p.add_argument("--device", action="append", default=[], metavar="DEV[,DEV...]",
                    help="cuda:N, cpu or sim:NAME (default: every local CUDA device, else cpu)")
-    p.add_argument("--op", action="append", default=[], metavar="OP")
-    p.add_argument("--policy", action="append", default=[], metavar="FILE")
-    p.add_argument("--set", action="append", default=[], metavar="OP=BACKEND", dest="set_")
-    p.add_argument("--assume-lib", action="append", default=[], metavar="NAME[==VERSION]")
+    p.add_argument("--op", action="append", default=[], metavar="OP",
+                   help="lock only this op (repeatable; default: all)")
+    p.add_argument("--policy", action="append", default=[], metavar="FILE",
+                   help="a policy file, as for explain (repeatable)")
+    p.add_argument("--set", action="append", default=[], metavar="OP=BACKEND", dest="set_",
+                   help="an explicit choice, as for explain")
+    p.add_argument("--assume-lib", action="append", default=[], metavar="NAME[==VERSION]",
+                   help="treat a library as installed (at VERSION), as for explain")
     p.add_argument("--strict", action="store_true",
                    help="an explicit choice that cannot run is an error (exit 3), not a downgrade")
     out = p.add_mutually_exclusive_group()

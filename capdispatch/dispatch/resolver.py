@@ -123,22 +123,57 @@ class Context:
     @property
     def strict_effective(self) -> bool:
         return self.strict or self.stack.setting("on_unsupported").value == "error" \
-            or self.env.get("CAPDISPATCH_STRICT", "") not in ("", "0")
+            or env_flag(self.env, "CAPDISPATCH_STRICT")
 
 
-def known_device_names() -> tuple:
-    names = set()
-    for key in _catalog.names():
-        entry = _catalog.lookup(key)
-        names.add(key)
-        names.add(str(entry.get("name", "")).lower())
-        names.update(str(a).lower() for a in entry.get("aliases") or ())
-    return tuple(sorted(n for n in names if n))
+FLAG_ON = ("1", "true", "yes", "on")
+FLAG_OFF = ("", "0", "false", "no", "off")
+
+
+def env_flag(env, name: str) -> bool:
+    """A yes/no environment variable: 1/true/yes/on, or 0/false/no/off/empty (any case)."""
+    raw = env.get(name, "")
+    value = raw.strip().lower()
+    if value in FLAG_ON:
+        return True
+    if value in FLAG_OFF:
+        return False
+    raise BadInput(f"{name}={ascii(raw) if len(raw) <= 40 else ascii(raw[:40]) + '...'} is not "
+                   f"a yes/no value (valid: {', '.join(FLAG_ON)} to turn it on; "
+                   f"{', '.join(v for v in FLAG_OFF if v)} or empty to leave it off)")
+
+
+def known_device_names() -> dict:
+    """Every name a policy's `match: {name: ...}` may use (lower case) -> its catalog key."""
+    return dict(sorted(_catalog.known_names().items()))
+
+
+def library_names(registry) -> set:
+    """Every distribution some registered backend declares."""
+    return {r.dist for op in registry.ops for b in registry.backends(op)
+            for r in b.requires if hasattr(r, "dist")}
+
+
+def library_modules(registry) -> dict:
+    """Canonical import name (and distribution name) -> distribution, for every library
+    a registered backend declares: flash_mla -> sgl-flash-mla."""
+    from packaging.utils import canonicalize_name
+    out = {}
+    for op in registry.ops:
+        for b in registry.backends(op):
+            for r in b.requires:
+                if hasattr(r, "dist"):
+                    out[r.dist] = r.dist
+                    if getattr(r, "module", None):
+                        out.setdefault(canonicalize_name(r.module.split(".")[0]), r.dist)
+    return out
 
 
 def context(*, policy=None, selections=None, assume_libs=None, strict=False, registry=None,
-            env=None, selection_origin="selections=") -> Context:
+            env=None, selection_origin="selections=", libs=None, settings=None,
+            settings_origin="settings=") -> Context:
     """Read the environment and policies now, for the decisions about to be made.
+    LIBS: a library profile naming the target's software (None: this machine's).
 
     One Context holds one policy stack and one library inventory; every decision
     made with it (`plan_in`, `resolve_in`) sees the same assumptions."""
@@ -146,15 +181,17 @@ def context(*, policy=None, selections=None, assume_libs=None, strict=False, reg
     env = dict(os.environ if env is None else env)
     registry = registry or builtin()
     try:
-        inventory = Inventory.with_assumptions(assume_libs)
+        inventory = Inventory.with_assumptions(assume_libs, libs=libs, known=library_modules(registry))
     except AssumeLibError as exc:
         raise BadInput(str(exc)) from None
     try:
         stack = _policies.build(registry, policy=policy, selections=selections, env=env,
                                 known_devices=known_device_names(),
-                                selection_origin=selection_origin)
+                                selection_origin=selection_origin, settings=settings,
+                                settings_origin=settings_origin)
     except _policies.SelectionError as exc:
         raise BadInput(str(exc)) from None
+    env_flag(env, "CAPDISPATCH_STRICT")   # a bad value is refused now, not at the first fallback
     verify = env.get("CAPDISPATCH_VERIFY")
     if verify and verify not in _policies.VERIFY:
         raise BadInput(f"CAPDISPATCH_VERIFY={verify!r} is not valid (valid: {', '.join(_policies.VERIFY)})")
@@ -305,19 +342,21 @@ def resolve_in(ctx: Context, op: str, device: DeviceSpec) -> Resolution:
 
 
 def as_spec(device, *, via="auto", assume_cuda=None) -> DeviceSpec:
-    from ..capabilities import UnknownDeviceError
+    from ..capabilities import AssumeCudaError, UnknownDeviceError
+    if via not in ("auto", "torch", "nvml"):
+        raise BadInput(f"probe {via!r} is not valid (valid: auto, torch, nvml)")
     try:
         return probe(device, via=via, assume_cuda=assume_cuda)
-    except UnknownDeviceError as exc:
+    except (UnknownDeviceError, AssumeCudaError) as exc:
         raise BadInput(str(exc)) from None
 
 
 def resolve(op: str, device, *, policy=None, selections=None, assume_libs=None,
             strict: bool = False, registry=None, env=None, via: str = "auto",
-            assume_cuda: Optional[str] = None) -> Resolution:
+            assume_cuda: Optional[str] = None, libs=None) -> Resolution:
     """Decide which backend runs OP on DEVICE, with the whole trace."""
     ctx = context(policy=policy, selections=selections, assume_libs=assume_libs,
-                  strict=strict, registry=registry, env=env)
+                  strict=strict, registry=registry, env=env, libs=libs)
     res = resolve_in(ctx, op, as_spec(device, via=via, assume_cuda=assume_cuda))
     for w in res.warnings:
         log.warning(w)

@@ -6,6 +6,8 @@ graph the size is static, so the bucket is fixed when the graph is captured.
 """
 from __future__ import annotations
 
+from ..errors import ArgumentTypeError
+
 
 def table(buckets, load):
     """((upper, fn), ...), default fn from BucketResolutions (ascending, the last the
@@ -36,7 +38,7 @@ def dispatcher(op: str, size, bounds, default, names):
         try:
             return kwargs[name]
         except KeyError:
-            raise TypeError(f"{op}: missing its size argument {name!r} (position {index}), whose "
+            raise ArgumentTypeError(f"{op}: missing its size argument {name!r} (position {index}), whose "
                             f"leading dimension picks the size bucket") from None
 
     if len(bounds) == 1:                         # the common case: small sizes, then the rest

@@ -12,7 +12,8 @@ def add_parser(subparsers):
     v = subparsers.add_parser("verify", help="run each chosen backend's canary on the card, in a child process")
     v.add_argument("--device", action="append", default=[], metavar="DEV[,DEV...]",
                    help="cuda:N or cpu (default: every local CUDA device, else cpu)")
-    v.add_argument("--op", action="append", default=[], metavar="OP")
+    v.add_argument("--op", action="append", default=[], metavar="OP",
+                   help="verify only this op (repeatable; default: all)")
     v.add_argument("--backend", metavar="B", help="verify this backend (of each op that has it)")
     v.add_argument("--all", action="store_true", dest="every",
                    help="every candidate whose requirements hold, not only the chosen one")
@@ -20,12 +21,16 @@ def add_parser(subparsers):
                    help="seconds one canary may take, compile included (default 120)")
     v.add_argument("--jobs", type=int, default=1, metavar="N",
                    help="canaries at once, each in its own process (default 1)")
-    v.add_argument("--policy", action="append", default=[], metavar="FILE")
-    v.add_argument("--set", action="append", default=[], metavar="OP=BACKEND", dest="set_")
+    v.add_argument("--policy", action="append", default=[], metavar="FILE",
+                   help="a policy file, as for explain (repeatable)")
+    v.add_argument("--set", action="append", default=[], metavar="OP=BACKEND", dest="set_",
+                   help="an explicit choice, as for explain")
     v.add_argument("--clear-cache", action="store_true",
                    help="forget every cached verdict first")
-    v.add_argument("--format", choices=("text", "json"), default="text")
-    v.add_argument("--probe", choices=("auto", "torch", "nvml"), default="auto")
+    v.add_argument("--format", choices=("text", "json"), default="text",
+                   help="text for people (default) or JSON for programs")
+    v.add_argument("--probe", choices=("auto", "torch", "nvml"), default="auto",
+                   help="how to read a cuda:N device, as for explain")
     v.add_argument("--lock", metavar="FILE",
                    help="compare the decisions after verifying with this lock file (default: $CAPDISPATCH_LOCK)")
     return v

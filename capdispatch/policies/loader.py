@@ -15,6 +15,8 @@ import attrs
 import yaml
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
+from ..errors import CapdispatchError
+
 MIXED_GROUP = ("allow", "warn", "uniform", "error")
 ON_UNSUPPORTED = ("downgrade", "error")
 VERIFY = ("off", "warn", "required")
@@ -22,9 +24,17 @@ SETTINGS = {"mixed_group": MIXED_GROUP, "on_unsupported": ON_UNSUPPORTED, "verif
 TOP_KEYS = ("schema", "mixed_group", "on_unsupported", "verify", "ops", "devices")
 DEVICE_KEYS = ("match", "ops")
 MATCH_KEYS = ("id", "name", "cc")
+MAX_BYTES = 1 << 20          # a policy is a few dozen lines; refuse more than 1 MiB unread
+MAX_DEPTH = 64               # nesting beyond any valid policy (whose deepest value is 5 levels in)
+
+# A device id in a policy: cuda:N, cpu or sim:NAME; `@N` names the copy at group
+# position N when a card is given twice; `rankN:` the rank of a distributed group.
+_ID = re.compile(r"(rank\d+:)?(cuda:\d+|cpu|sim:[A-Za-z0-9_.-]+)(@\d+)?", re.ASCII)
+# A compute capability ("8.6") or a range of them (">=8.9,<13.0", "!=9.0", "==12.*").
+_CC_CLAUSE = re.compile(r"\s*(==|!=|<=|>=|<|>|~=)?\s*\d{1,3}(\.\d{1,3})?(\.\*)?\s*", re.ASCII)
 
 
-class PolicyError(ValueError):
+class PolicyError(CapdispatchError, ValueError):
     """A policy that cannot be used, with where and why."""
 
     def __init__(self, file: str, line: Optional[int], message: str):
@@ -35,11 +45,44 @@ class PolicyError(ValueError):
 
 def did_you_mean(value: str, valid) -> str:
     """"; did you mean 'x'?" for the closest of VALID, or ""."""
-    close = difflib.get_close_matches(str(value), list(valid), n=1, cutoff=0.5)
+    close = difflib.get_close_matches(str(value)[:200], list(valid), n=1, cutoff=0.5)
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
 _did_you_mean = did_you_mean
+
+
+def _show(value, limit: int = 80) -> str:
+    """VALUE as an error message quotes it: repr, cut to LIMIT characters."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit - 5]}...{text[-4:]} ({len(text)} characters)"
+
+
+def _char(c) -> str:
+    """A character YAML refused, as a message shows it ('\\x00', U+FFFE)."""
+    c = chr(c) if isinstance(c, int) else str(c)
+    return repr(c) if c.isprintable() else f"{ascii(c)} (U+{ord(c[:1] or chr(0)):04X})"
+
+
+def cc_spec(text: str) -> Optional[SpecifierSet]:
+    """'8.6' -> ==8.6; '>=8.9,<13' -> that range; None when TEXT is neither."""
+    text = str(text).strip()
+    if not text or not all(_CC_CLAUSE.fullmatch(part) for part in text.split(",")):
+        return None
+    spec = text if text[0] in "<>=!~" else f"=={text}"
+    try:
+        return SpecifierSet(spec)
+    except InvalidSpecifier:
+        return None
+
+
+def id_forms(device_id: str) -> set:
+    """The ids a policy may use for a device: its own, and without `@N` / `rankN:`."""
+    m = _ID.fullmatch(device_id)
+    if not m:
+        return {device_id}
+    rank, base, copy = m.group(1) or "", m.group(2), m.group(3) or ""
+    return {device_id, base, base + copy, rank + base}
 
 
 @attrs.frozen
@@ -71,25 +114,26 @@ class OpPreference(Marked):
 
 @attrs.frozen
 class DeviceEntry:
-    match: dict           # key -> str
+    match: dict           # key -> str, as written
     ops: dict             # op -> OpPreference
     line: int
+    catalog_key: Optional[str] = None   # the catalog entry a `name` match names, if any
 
     def matches(self, device) -> bool:
         for key, want in self.match.items():
             if key == "id":
-                if device.id != want:
+                if want not in id_forms(device.id):
                     return False
             elif key == "name":
-                w = want.lower()
-                if w not in (device.name.lower(), (device.catalog_key or "").lower()):
+                w = want.strip().lower()
+                by_key = self.catalog_key is not None and device.catalog_key == self.catalog_key
+                if not by_key and w not in (device.name.lower(), (device.catalog_key or "").lower()):
                     return False
             elif key == "cc":
-                if device.cc is None:
+                spec = cc_spec(want)
+                if device.cc is None or spec is None:
                     return False
-                from packaging.version import Version
-                spec = want if want[0] in "<>=!~" else f"=={want}"
-                if Version(device.cc_str) not in SpecifierSet(spec):
+                if device.cc_str not in spec:
                     return False
         return True
 
@@ -119,17 +163,27 @@ class _Reader:
         return PolicyError(self.path, line, message)
 
     def root(self):
-        loader = yaml.SafeLoader(self.text)
         try:
+            loader = yaml.SafeLoader(self.text)
             node = loader.get_single_node()
-            self._loader = loader
-            return node
         except yaml.MarkedYAMLError as exc:
             mark = exc.problem_mark or exc.context_mark
             line = mark.line + 1 if mark else None
-            raise PolicyError(self.path, line, f"malformed YAML: {exc.problem or exc.context}")
+            raise PolicyError(self.path, line, f"malformed YAML: {exc.problem or exc.context}") from None
+        except yaml.reader.ReaderError as exc:
+            line = self.text.count("\n", 0, exc.position) + 1
+            raise PolicyError(self.path, line,
+                              f"character {_char(exc.character)} is not allowed in YAML (policy files "
+                              f"are UTF-8 text without control characters)") from None
         except yaml.YAMLError as exc:
-            raise PolicyError(self.path, None, f"malformed YAML: {exc}")
+            raise PolicyError(self.path, None, f"malformed YAML: {exc}") from None
+        except RecursionError:
+            raise PolicyError(self.path, None, f"malformed policy: nested too deeply to read "
+                                               f"(a policy is at most {MAX_DEPTH} levels deep)") from None
+        self._loader = loader
+        if node is not None:
+            _check_depth(self, node)
+        return node
 
     def scalar(self, node, what: str):
         self._check_tag(node, what)
@@ -138,7 +192,24 @@ class _Reader:
         try:
             return self._loader.construct_object(node, deep=True)
         except yaml.YAMLError as exc:
-            raise self.err(node, f"{what}: {exc}")
+            raise self.err(node, f"{what}: {exc}") from None
+        except (ValueError, TypeError, OverflowError, ArithmeticError) as exc:
+            # Implicit int/float resolution accepts text that int()/float() then refuse
+            # ("0x_", "._", a 5,000-digit number).
+            kind = node.tag.rpartition(":")[2]
+            raise self.err(node, f"{what}: {_show(node.value)} reads as a YAML {kind} but is not "
+                                 f"one ({type(exc).__name__}); quote it to give text") from None
+
+    def nonempty_text(self, node, what: str, example: str) -> str:
+        """A scalar that must be non-empty text (a number is taken as written)."""
+        value = self.scalar(node, what)
+        if isinstance(value, bool) or value is None or isinstance(value, (list, dict)):
+            raise self.err(node, f"{what}: {_show(node.value if value is not None else value)} is "
+                                 f"not text (give {example})")
+        out = node.value if isinstance(value, (int, float)) else str(value)
+        if not out.strip():
+            raise self.err(node, f"{what} is empty (give {example})")
+        return out
 
     def mapping(self, node, what: str) -> list:
         if not isinstance(node, yaml.MappingNode):
@@ -164,9 +235,32 @@ class _Reader:
         return list(node.value)
 
     def _check_tag(self, node, what):
-        if node.tag not in _PLAIN_TAGS:
-            raise self.err(node, f"{what}: tag {node.tag!r} is not allowed (policy files are "
-                                 f"plain YAML: strings, numbers, booleans, lists and mappings)")
+        if node.tag in _PLAIN_TAGS:
+            return
+        implicit = tuple(f"tag:yaml.org,2002:{t}" for t in ("timestamp", "merge", "value"))
+        if isinstance(node, yaml.ScalarNode) and node.style is None and node.tag in implicit:
+            kind = node.tag.rpartition(":")[2]
+            raise self.err(node, f"{what}: {_show(node.value)} reads as a YAML {kind}; quote it "
+                                 f"to give text (policy files hold strings, numbers, booleans, "
+                                 f"lists and mappings)")
+        raise self.err(node, f"{what}: tag {_show(node.tag)} is not allowed (policy files are "
+                             f"plain YAML: strings, numbers, booleans, lists and mappings)")
+
+
+def _check_depth(r: _Reader, root) -> None:
+    """Refuse nesting deeper than any policy needs, before anything walks the tree."""
+    stack, seen = [(root, 1)], set()
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise r.err(node, f"nested {MAX_DEPTH} levels deep; a policy is at most 5 "
+                              f"(ops -> op -> list, devices -> entry -> ops -> op -> list)")
+        if isinstance(node, yaml.ScalarNode) or id(node) in seen:
+            continue
+        seen.add(id(node))   # an alias repeats a node already walked
+        children = node.value if isinstance(node, yaml.SequenceNode) else \
+            [n for kv in node.value for n in kv]
+        stack.extend((c, depth + 1) for c in children)
 
 
 _PLAIN_TAGS = tuple(f"tag:yaml.org,2002:{t}" for t in ("str", "int", "float", "bool", "null", "map", "seq"))
@@ -232,6 +326,15 @@ def load_marked(text: str, path: str):
 
 def parse(text: str, path: str, registry, *, known_devices=(), builtin: bool = False) -> PolicyFile:
     """Parse and check one policy document against REGISTRY's ops and backends."""
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise PolicyError(path, text.count(b"\n", 0, exc.start) + 1,
+                              f"not UTF-8 text (byte {text[exc.start]:#04x} at offset {exc.start}); "
+                              f"policy files are UTF-8 YAML") from None
+    if not isinstance(text, str):
+        raise PolicyError(str(path), None, f"a policy is YAML text, not a {type(text).__name__}")
     r = _Reader(path, text)
     root = r.root()
     if root is None:
@@ -243,15 +346,17 @@ def parse(text: str, path: str, registry, *, known_devices=(), builtin: bool = F
                                f"(valid: {', '.join(TOP_KEYS)})")
         if key == "schema":
             v = r.scalar(vnode, "schema")
-            if v != 1:
-                raise r.err(vnode, f"schema {v!r} is not supported (valid: 1)")
+            if type(v) is not int or v != 1:   # bool is an int subclass: `schema: true` is not 1
+                raise r.err(vnode, f"schema {_show(vnode.value)[1:-1] if v is not None else '(empty)'} "
+                                   f"is not supported (valid: 1)")
         elif key in SETTINGS:
             valid = SETTINGS[key]
             v = r.scalar(vnode, key)
             if key == "verify" and v is False:   # YAML 1.1 reads a bare `off` as false
                 v = "off"
-            if v not in valid:
-                raise r.err(vnode, f"{key}: {v!r} is not valid{_did_you_mean(v, valid)} "
+            if not isinstance(v, str) or v not in valid:
+                shown = _show(vnode.value) if v is not None else "empty"
+                raise r.err(vnode, f"{key}: {shown} is not valid{_did_you_mean(vnode.value, valid)} "
                                    f"(valid: {', '.join(valid)})")
             fields[key] = Marked(v, vnode.start_mark.line + 1)
         elif key == "ops":
@@ -265,8 +370,12 @@ def _ops(r: _Reader, node, registry, what: str) -> dict:
     out = {}
     for op, knode, vnode in r.mapping(node, what):
         if op not in registry.ops:
-            raise r.err(knode, f"unknown op {op!r}{_did_you_mean(op, registry.ops)} "
+            raise r.err(knode, f"unknown op {_show(op)}{_did_you_mean(op, registry.ops)} "
                                f"(valid: {', '.join(registry.ops)})")
+        if isinstance(vnode, yaml.ScalarNode) and vnode.tag.endswith(":null"):
+            valid = [b.name for b in registry.backends(op)]
+            raise r.err(vnode, f"{what}.{op} is empty; name at least one backend "
+                               f"(valid: {', '.join(valid)})")
         items = r.sequence(vnode, f"{what}.{op}")
         if any(isinstance(i, yaml.MappingNode) for i in items):
             out[op] = _buckets(r, vnode, items, registry, op, f"{what}.{op}")
@@ -281,9 +390,10 @@ def _names(r: _Reader, node, items, registry, op: str, what: str) -> tuple:
     valid = [b.name for b in registry.backends(op)]
     for item in items:
         name = r.scalar(item, f"a backend of {op}")
-        if name not in valid:
-            raise r.err(item, f"unknown backend {name!r} for op {op}"
-                              f"{_did_you_mean(name, valid)} (valid: {', '.join(valid)})")
+        if not isinstance(name, str) or name not in valid:
+            shown = _show(item.value) if name is not None else "an empty entry"
+            raise r.err(item, f"unknown backend {shown} for op {op}"
+                              f"{_did_you_mean(item.value, valid)} (valid: {', '.join(valid)})")
         if name in names:
             raise r.err(item, f"backend {name!r} listed twice for op {op}")
         names.append(name)
@@ -292,7 +402,7 @@ def _names(r: _Reader, node, items, registry, op: str, what: str) -> tuple:
     return tuple(names)
 
 
-_BOUND = re.compile(r"<=\s*(\d+)")
+_BOUND = re.compile(r"<=\s*(\d{1,12})", re.ASCII)
 
 
 def _buckets(r: _Reader, node, items, registry, op: str, what: str) -> OpPreference:
@@ -307,7 +417,7 @@ def _buckets(r: _Reader, node, items, registry, op: str, what: str) -> OpPrefere
     for i, item in enumerate(items):
         where = f"{what}[{i}]"
         if not isinstance(item, yaml.MappingNode):
-            raise r.err(item, f"{where}: {r.scalar(item, where)!r} is a backend name in a list of "
+            raise r.err(item, f"{where}: {_show(r.scalar(item, where))} is a backend name in a list of "
                               f"buckets; write every entry as a bucket, e.g. {{{key}: \"<=16\", "
                               f"prefer: [...]}}, the last one {{prefer: [...]}}")
         body = {}
@@ -328,7 +438,7 @@ def _buckets(r: _Reader, node, items, registry, op: str, what: str) -> OpPrefere
             raw = r.scalar(vn, f"{where}.{key}")
             m = _BOUND.fullmatch(str(raw).strip()) if isinstance(raw, str) else None
             if m is None or int(m.group(1)) < 1:
-                raise r.err(vn, f"{where}.{key}: {raw!r} is not a bucket bound (valid: \"<=N\" with N a "
+                raise r.err(vn, f"{where}.{key}: {_show(raw)} is not a bucket bound (valid: \"<=N\" with N a "
                                 f"whole number >= 1, e.g. \"<=16\"; leave {key} out for the catch-all)")
             upper = int(m.group(1))
         line = item.start_mark.line + 1
@@ -361,41 +471,91 @@ def _devices(r: _Reader, node, registry, known_devices):
                                 f"(valid: {', '.join(DEVICE_KEYS)})")
         if "match" not in body:
             raise r.err(item, f"{where}: needs a 'match' (by id, name or cc)")
-        match = {}
+        match, catalog_key = {}, None
         for key, kn, vn in r.mapping(body["match"][1], f"{where}.match"):
             if key not in MATCH_KEYS:
-                raise r.err(kn, f"{where}.match: unknown key {key!r}{_did_you_mean(key, MATCH_KEYS)} "
+                raise r.err(kn, f"{where}.match: unknown key {_show(key)}{_did_you_mean(key, MATCH_KEYS)} "
                                 f"(valid: {', '.join(MATCH_KEYS)})")
-            value = str(r.scalar(vn, f"{where}.match.{key}"))
-            if key == "cc":
-                spec = value if value[:1] in "<>=!~" else f"=={value}"
-                try:
-                    SpecifierSet(spec)
-                except InvalidSpecifier:
-                    raise r.err(vn, f"{where}.match.cc: {value!r} is not a compute capability "
-                                    f"or range (e.g. \"8.6\", \">=8.9\", \">=12.0,<13.0\")")
-            if key == "name" and known_devices and value.lower() not in known_devices:
-                raise r.err(vn, f"{where}.match.name: unknown device {value!r}"
-                                f"{_did_you_mean(value.lower(), known_devices)} "
-                                f"(a catalog key such as rtx-5090, or the name the driver reports)")
-            if key == "id" and not re.fullmatch(r"cuda:\d+|cpu|sim:[\w.#-]+", value):
-                raise r.err(vn, f"{where}.match.id: {value!r} is not a device id "
-                                f"(valid: cuda:N, cpu, sim:NAME)")
+            example = {"cc": 'a compute capability or range, e.g. "8.6", ">=8.9", ">=12.0,<13.0"',
+                       "name": "a catalog key such as rtx-5090, or the name the driver reports",
+                       "id": "a device id: cuda:N, cpu or sim:NAME"}[key]
+            value = r.nonempty_text(vn, f"{where}.match.{key}", example).strip()
+            if key == "cc" and cc_spec(value) is None:
+                raise r.err(vn, f"{where}.match.cc: {_show(value)} is not a compute capability "
+                                f"or range (e.g. \"8.6\", \">=8.9\", \">=12.0,<13.0\")")
+            if key == "name" and known_devices:
+                if value.lower() not in known_devices:
+                    raise r.err(vn, f"{where}.match.name: unknown device {_show(value)}"
+                                    f"{_did_you_mean(value.lower(), known_devices)} "
+                                    f"(a catalog key such as rtx-5090, or the name the driver reports)")
+                if isinstance(known_devices, dict):
+                    catalog_key = known_devices[value.lower()]
+            if key == "id" and not _ID.fullmatch(value):
+                hint = ""
+                if "#" in value:
+                    hint = "; a card given twice is named by its group position, sim:NAME@N"
+                raise r.err(vn, f"{where}.match.id: {_show(value)} is not a device id{hint} "
+                                f"(valid: cuda:N, cpu, sim:NAME, each optionally with @N, the "
+                                f"position of a card given more than once)")
             match[key] = value
         if not match:
             raise r.err(body["match"][1], f"{where}.match is empty; match by id, name or cc")
         ops = _ops(r, body["ops"][1], registry, f"{where}.ops") if "ops" in body else {}
-        yield DeviceEntry(match=match, ops=ops, line=item.start_mark.line + 1)
+        yield DeviceEntry(match=match, ops=ops, line=item.start_mark.line + 1,
+                          catalog_key=catalog_key)
 
 
 def load_file(path, registry, *, known_devices=()) -> PolicyFile:
-    path = os.fspath(path)
+    """Read and check one policy file: at most MAX_BYTES of UTF-8 YAML."""
+    return parse(read_text(path), _display(path), registry, known_devices=known_devices)
+
+
+def _display(path) -> str:
+    """PATH as messages print it: undecodable bytes and control characters escaped."""
     try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
+        text = os.fsdecode(path) if isinstance(path, (str, bytes, os.PathLike)) else repr(path)
+    except (TypeError, ValueError):
+        text = repr(path)
+    if text.isprintable():
+        try:
+            text.encode("utf-8")
+            return text
+        except UnicodeEncodeError:
+            pass
+    return ascii(text)[1:-1]
+
+
+def read_text(path) -> str:
+    """The text of policy file PATH; every way of failing is a PolicyError naming it."""
+    shown = _display(path)
+    try:
+        path = os.fspath(path)
+    except TypeError:
+        raise PolicyError(shown, None, f"a policy is a file path, not a {type(path).__name__}") from None
+    if isinstance(path, str) and "\0" in path or isinstance(path, bytes) and b"\0" in path:
+        raise PolicyError(shown, None, "cannot read policy file: the path contains a NUL byte")
+    try:
+        if isinstance(path, str):
+            os.fsencode(path)
+    except UnicodeError:
+        raise PolicyError(shown, None, "cannot read policy file: the path is not valid in "
+                                       "this file system's encoding") from None
+    if os.path.isdir(path):
+        raise PolicyError(shown, None, "cannot read policy file: it is a directory (give a .yaml file)")
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(MAX_BYTES + 1)
     except OSError as exc:
-        raise PolicyError(path, None, f"cannot read policy file: {exc.strerror}")
-    return parse(text, path, registry, known_devices=known_devices)
+        raise PolicyError(shown, None, f"cannot read policy file: {exc.strerror or exc}") from None
+    if len(data) > MAX_BYTES:
+        raise PolicyError(shown, None, f"policy file is larger than {MAX_BYTES // 1024} KiB; "
+                                       f"a policy is a short YAML file")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise PolicyError(shown, line, f"not UTF-8 text (byte {data[exc.start]:#04x} at offset "
+                                       f"{exc.start}); policy files are UTF-8 YAML") from None
 
 
 def load_default(registry) -> PolicyFile:

@@ -6,7 +6,8 @@ from typing import Optional
 
 import attrs
 
-from .loader import PolicyError, PolicyFile, _did_you_mean, load_default, load_file
+from ..errors import CapdispatchError
+from .loader import MIXED_GROUP, ON_UNSUPPORTED, PolicyError, PolicyFile, _did_you_mean, _show, load_default, load_file
 
 
 @attrs.frozen
@@ -50,12 +51,16 @@ class PolicyStack:
     default: PolicyFile
     files: tuple = ()
     selections: tuple = ()
+    settings: tuple = ()      # ((key, Setting), ...): explicit flags, above every file
 
     @property
     def layers(self) -> tuple:
         return (self.default,) + tuple(self.files)
 
     def setting(self, key: str) -> Setting:
+        for k, explicit in reversed(self.settings):
+            if k == key:
+                return explicit
         for pf in reversed(self.layers):
             marked = getattr(pf, key)
             if marked is not None:
@@ -89,49 +94,92 @@ def _at(pf: PolicyFile, marked) -> str:
     return f"{pf.path}:{marked.line}" if marked.line else pf.path
 
 
-class SelectionError(ValueError):
+class SelectionError(CapdispatchError, ValueError):
     pass
 
 
 def parse_selections(items, origin: str, registry) -> list:
     """'op=backend' strings (or a mapping) -> Selections, checked against the registry."""
+    if isinstance(items, str):
+        items = [items]
     if isinstance(items, dict):
         pairs = list(items.items())
     else:
+        try:
+            items = list(items)
+        except TypeError:
+            raise SelectionError(f"{origin}: expected a mapping op -> backend or a list of "
+                                 f"'op=backend' strings, got {type(items).__name__}") from None
         pairs = []
         for item in items:
-            for part in str(item).split(","):
+            if not isinstance(item, str):
+                raise SelectionError(f"{origin}: {_show(item)} is not an 'op=backend' string")
+            for part in item.split(","):
                 part = part.strip()
                 if not part:
                     continue
                 op, sep, backend = part.partition("=")
                 if not sep or not op.strip() or not backend.strip():
-                    raise SelectionError(f"{origin}: {part!r} is not OP=BACKEND")
+                    raise SelectionError(f"{origin}: {_show(part)} is not OP=BACKEND "
+                                         f"(e.g. kv_dequant=triton_u8)")
                 pairs.append((op.strip(), backend.strip()))
     out = []
     for op, backend in pairs:
-        if op not in registry.ops:
-            raise SelectionError(f"{origin}: unknown op {op!r}{_did_you_mean(op, registry.ops)} "
+        if not isinstance(op, str) or op not in registry.ops:
+            raise SelectionError(f"{origin}: unknown op {_show(op)}{_did_you_mean(op, registry.ops)} "
                                  f"(valid: {', '.join(registry.ops)})")
         valid = [b.name for b in registry.backends(op)]
-        if backend not in valid:
-            raise SelectionError(f"{origin}: unknown backend {backend!r} for op {op}"
+        if not isinstance(backend, str) or backend not in valid:
+            raise SelectionError(f"{origin}: unknown backend {_show(backend)} for op {op}"
                                  f"{_did_you_mean(backend, valid)} (valid: {', '.join(valid)})")
         out.append(Selection(op, backend, origin))
     return out
 
 
+SETTING_VALUES = {"mixed_group": MIXED_GROUP, "on_unsupported": ON_UNSUPPORTED}
+
+
+def parse_settings(settings, origin: str) -> tuple:
+    """{key: value} -> ((key, Setting), ...), checked like a policy file's values."""
+    out = []
+    for key, value in dict(settings or {}).items():
+        if key not in SETTING_VALUES:
+            raise SelectionError(f"{origin}: unknown setting {key!r}{_did_you_mean(key, SETTING_VALUES)} "
+                                 f"(valid: {', '.join(SETTING_VALUES)})")
+        valid = SETTING_VALUES[key]
+        if value not in valid:
+            raise SelectionError(f"{origin}: {key} {value!r} is not one of {', '.join(valid)}"
+                                 f"{_did_you_mean(str(value), valid)}")
+        out.append((key, Setting(value, origin)))
+    return tuple(out)
+
+
 def build(registry, *, policy=None, selections=None, env=None, known_devices=(),
-          selection_origin: str = "selections=") -> PolicyStack:
-    """The stack for one decision. ENV is read now (CAPDISPATCH_POLICY, CAPDISPATCH_SET)."""
+          selection_origin: str = "selections=", settings=None,
+          settings_origin: str = "settings=") -> PolicyStack:
+    """The stack for one decision. ENV is read now (CAPDISPATCH_POLICY, CAPDISPATCH_SET).
+    SETTINGS ({"mixed_group": "uniform"}) sit above every policy file."""
     env = os.environ if env is None else env
     if isinstance(policy, PolicyStack):
         stack = policy
     else:
         files = []
-        env_paths = [p for p in env.get("CAPDISPATCH_POLICY", "").split(os.pathsep) if p]
-        given = [] if policy is None else ([policy] if isinstance(policy, (str, os.PathLike, PolicyFile)) else list(policy))
-        for item in env_paths + given:
+        env_paths = [p for p in env.get("CAPDISPATCH_POLICY", "").split(os.pathsep) if p.strip()]
+        for p in env_paths:
+            try:
+                files.append(load_file(p, registry, known_devices=known_devices))
+            except PolicyError as exc:
+                raise PolicyError(exc.file, exc.line, f"{exc.bare} (from CAPDISPATCH_POLICY)") from None
+        if policy is None:
+            given = []
+        elif isinstance(policy, (str, bytes, os.PathLike, PolicyFile)):
+            given = [policy]
+        elif isinstance(policy, (list, tuple)):
+            given = list(policy)
+        else:
+            raise PolicyError(f"policy={type(policy).__name__}", None,
+                              "expected a path, a PolicyFile or PolicyStack, or a list of paths")
+        for item in given:
             files.append(item if isinstance(item, PolicyFile)
                          else load_file(item, registry, known_devices=known_devices))
         stack = PolicyStack(default=load_default(registry), files=tuple(files))
@@ -140,4 +188,5 @@ def build(registry, *, policy=None, selections=None, env=None, known_devices=(),
         sels += parse_selections([env["CAPDISPATCH_SET"]], "CAPDISPATCH_SET", registry)
     if selections:
         sels += parse_selections(selections, selection_origin, registry)
-    return attrs.evolve(stack, selections=tuple(sels))
+    explicit = tuple(stack.settings) + parse_settings(settings, settings_origin)
+    return attrs.evolve(stack, selections=tuple(sels), settings=explicit)

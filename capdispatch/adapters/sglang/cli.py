@@ -33,21 +33,22 @@ def _parser():
                       help="the node's GPUs as CUDA numbers them (entry N is cuda:N): cuda:N or "
                            "sim:NAME, e.g. sim:rtx-5090,sim:rtx-3080,sim:rtx-3080 (default: "
                            "$CAPDISPATCH_SGLANG_DEVICES, else the local GPUs via NVML)")
-    plan.add_argument("--policy", action="append", default=[], metavar="FILE")
-    plan.add_argument("--set", action="append", default=[], metavar="OP=BACKEND", dest="set_")
+    plan.add_argument("--policy", action="append", default=[], metavar="FILE",
+                      help="a capdispatch policy file, as the plugin's CAPDISPATCH_POLICY; repeat for more")
+    plan.add_argument("--set", action="append", default=[], metavar="OP=BACKEND", dest="set_",
+                      help="an explicit capdispatch choice, as CAPDISPATCH_SET (commas for several)")
     plan.add_argument("--strict", action="store_true",
                       help="an explicit choice that cannot run is an error (exit 3)")
     plan.add_argument("--assume-lib", action="append", default=[], metavar="NAME[==VERSION]",
                       help="treat a library as installed when deciding the attention and MoE ops "
                            "(e.g. flashinfer-python, sgl-flash-mla)")
-    plan.add_argument("--format", choices=("text", "json"), default="text")
+    plan.add_argument("--format", choices=("text", "json"), default="text",
+                      help="text for people (default) or JSON for programs")
     return p
 
 
 def main(argv=None) -> int:
     import capdispatch as cd
-
-    from .knobs import KnobsError
     argv = list(sys.argv[1:] if argv is None else argv)
     sglang_args = None
     if "--" in argv:
@@ -56,12 +57,12 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     try:
         return _plan(args, sglang_args)
-    except (cd.BadInput, cd.PolicyError, cd.UnknownDeviceError, cd.ProbeError, KnobsError) as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
     except cd.Unsatisfiable as exc:
         print(f"{PROG}: unsatisfiable: {exc}", file=sys.stderr)
         return EXIT_UNSAT
+    except cd.CapdispatchError as exc:   # bad input of any kind (KnobsError included)
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
 
 
 def _env_for(args) -> dict:

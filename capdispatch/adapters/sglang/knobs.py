@@ -12,11 +12,13 @@ import attrs
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
+import capdispatch as cd
+
 DEFAULT_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "knobs.yaml")
 ENTRY_KINDS = ("sglang", "route", "none")
 
 
-class KnobsError(ValueError):
+class KnobsError(cd.CapdispatchError, ValueError):
     pass
 
 

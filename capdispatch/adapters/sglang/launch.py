@@ -123,7 +123,7 @@ def prepare(server_args, release, *, env=None):
     except cd.ProbeError as exc:
         log.warning("capdispatch: cannot read the launch's GPUs %s without initialising CUDA (%s); "
                     "launch-time settings skipped, each rank still decides for its own card",
-                    ", ".join(f"cuda:{g}" for g in ids), exc)
+                    ", ".join(f"cuda:{g}" for g in ids), getattr(exc, "reason", exc))
         return None
     d = decide.decide_launch(specs, release, inputs, env=env)
     for s in d.settings:

@@ -55,11 +55,12 @@ class MoePrepared:
 
 
 def backend_name(kernel) -> str:
-    """The registered moe backend whose function KERNEL is."""
+    """The registered moe backend whose function KERNEL is: its implementation, or the
+    bound custom op `bind` returns for it (named ``moe_<backend>``)."""
     from capdispatch.backends import builtin
     impl = f"{kernel.__module__}:{kernel.__name__}"
     for b in builtin().backends(OP):
-        if b.impl == impl:
+        if b.impl == impl or kernel.__name__ == f"{OP}_{b.name}":
             return b.name
     raise LookupError(f"{impl} is not a registered {OP} backend")
 

@@ -35,23 +35,23 @@ def register(registry) -> None:
         registry.add_op(op)
     # Registration order is the default order: fastest first.
     registry.add_backend(Backend(
-        "decode_mla", "flashmla", f"{_PKG}.external:flashmla",
+        "decode_mla", "flashmla", f"{_PKG}.external:op_flashmla",
         requires=(TORCH, _FLASHMLA, AnyFeature(("wgmma", "tcgen05"))),
         summary="FlashMLA sparse fp8 decode (legacy V4-format kernels: SM90a wgmma, SM100 tcgen05)"))
     registry.add_backend(Backend(
-        "decode_mla", "flashinfer_sparse_mla", f"{_PKG}.external:flashinfer_sparse_mla",
+        "decode_mla", "flashinfer_sparse_mla", f"{_PKG}.external:op_flashinfer_sparse_mla",
         requires=(TORCH, _FLASHINFER, Feature("sm120_block_scaled_mma")),
         summary="FlashInfer SM120 sparse MLA (block-scaled MMA); split-K scratch only for <= 64 tokens"))
     registry.add_backend(Backend(
-        "decode_mla", "triton_fp8", f"{_PKG}.triton_kernels:decode_mla_fp8",
+        "decode_mla", "triton_fp8", f"{_PKG}.triton_kernels:op_decode_mla_fp8",
         requires=(TORCH, TRITON, TritonTarget("8.0"), Feature("fp8_e4m3")),
         summary="Triton with native fp8 loads (Triton admits fp8e4nv from cc 8.9)"))
     registry.add_backend(Backend(
-        "decode_mla", "triton", f"{_PKG}.triton_kernels:decode_mla_u8",
+        "decode_mla", "triton", f"{_PKG}.triton_kernels:op_decode_mla_u8",
         requires=(TORCH, TRITON, TritonTarget("8.0")),
         summary="Triton, pool read through uint8 with an integer e4m3 decode (any CUDA card from SM80); "
                 "split-K only for <= 64 tokens"))
     registry.add_backend(Backend(
-        "decode_mla", "torch", f"{_PKG}.reference:decode_mla",
+        "decode_mla", "torch", f"{_PKG}.reference:op_decode_mla",
         requires=(TORCH,),
         summary="torch reference, chunked over tokens (runs anywhere)"))

@@ -14,11 +14,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ...errors import ArgumentError, ArgumentTypeError
 from ..device_scope import on_device
 
 __all__ = ["clean_ids", "TOPK_ALIGN"]
 
 TOPK_ALIGN = 64
+MAX_BLOCK = 1024      # ids per program at most
 
 
 @triton.jit
@@ -36,21 +38,21 @@ def clean_ids(idx: torch.Tensor, capacity: int, align: int = TOPK_ALIGN, *, out:
     -1 and each list is padded with -1 to k' = k rounded up to a multiple of ALIGN.
     OUT, when given, must be a contiguous int32 tensor of that shape."""
     if idx.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"index ids must be int32 or int64, got {idx.dtype}")
+        raise ArgumentTypeError(f"index ids must be int32 or int64, got {idx.dtype}")
     k = idx.shape[-1]
     k_out = k + (-k) % align
     shape = tuple(idx.shape[:-1]) + (k_out,)
     if out is None:
         out = torch.empty(shape, dtype=torch.int32, device=idx.device)
     elif tuple(out.shape) != shape or out.dtype != torch.int32 or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous int32 tensor of shape {shape}, "
+        raise ArgumentError(f"out must be a contiguous int32 tensor of shape {shape}, "
                          f"got {out.dtype} {tuple(out.shape)}")
     src = idx.reshape(-1, max(k, 1))
     if src.stride(-1) != 1:
         src = src.contiguous()
     rows = src.shape[0]
     if rows and k_out:
-        block = min(1024, triton.next_power_of_2(k_out))
+        block = min(MAX_BLOCK, triton.next_power_of_2(k_out))
         with on_device(idx.device):
             _clean_ids_kernel[(rows, triton.cdiv(k_out, block))](
                 src, out, k, k_out, int(capacity), src.stride(0), BLOCK=block, num_warps=4)
@@ -59,3 +61,10 @@ def clean_ids(idx: torch.Tensor, capacity: int, align: int = TOPK_ALIGN, *, out:
 
 
 INTERPRETED = not isinstance(_clean_ids_kernel, triton.runtime.jit.JITFunction)
+
+
+# Types of the kernel's runtime arguments, for an offline compile (backends/compile_matrix.py).
+COMPILE_SIGNATURES = {
+    "_clean_ids_kernel": {"src_ptr": "*i32", "dst_ptr": "*i32", "K_IN": "i32", "K_OUT": "i32", "capacity": "i32",
+                          "stride_src": "i32"},
+}

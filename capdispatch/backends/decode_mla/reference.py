@@ -46,6 +46,7 @@ import math
 
 import torch
 
+from ...errors import ArgumentError, ArgumentTypeError
 from ..kv_cache.layout import TOKEN_BYTES, min_bytes_per_page
 from ..kv_cache.reference import kv_dequant
 from ..sparse_prefill.reference import DIM, GATHER_BUDGET, attend_gathered
@@ -63,37 +64,37 @@ def pool_2d(pool, page_size, name="pool"):
     size is taken from the view; a page_size argument must then agree).
     """
     if not isinstance(pool, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(pool).__name__}")
+        raise ArgumentTypeError(f"{name} must be a torch.Tensor, got {type(pool).__name__}")
     if pool.dim() == 4:
         if pool.shape[2] != 1 or pool.shape[3] != TOKEN_BYTES or pool.element_size() != 1:
-            raise ValueError(f"a 4-D {name} must be a 1-byte view [num_pages, page_size, 1, {TOKEN_BYTES}], "
+            raise ArgumentError(f"a 4-D {name} must be a 1-byte view [num_pages, page_size, 1, {TOKEN_BYTES}], "
                              f"got shape {tuple(pool.shape)} dtype {pool.dtype}")
         ps = int(pool.shape[1])
         if page_size is not None and int(page_size) != ps:
-            raise ValueError(f"{name} is a view with page size {ps}, but page_size={page_size}")
+            raise ArgumentError(f"{name} is a view with page size {ps}, but page_size={page_size}")
         if pool.stride(3) != 1 or pool.stride(1) != TOKEN_BYTES:
-            raise ValueError(f"{name} view must have token stride {TOKEN_BYTES} and unit byte stride, "
+            raise ArgumentError(f"{name} view must have token stride {TOKEN_BYTES} and unit byte stride, "
                              f"got strides {pool.stride()}")
         n, bpp = int(pool.shape[0]), int(pool.stride(0))
         need = pool.storage_offset() + max(n, 1) * bpp
         if pool.untyped_storage().nbytes() < need:
-            raise ValueError(f"{name}'s storage is smaller than num_pages x page stride ({need} bytes)")
+            raise ArgumentError(f"{name}'s storage is smaller than num_pages x page stride ({need} bytes)")
         u8 = torch.as_strided(pool.view(torch.uint8) if pool.dtype != torch.uint8 else pool,
                               (n, bpp), (bpp, 1))
         page_size = ps
     elif pool.dim() == 2:
         if page_size is None:
-            raise ValueError(f"{name} is 2-D: page_size is required")
+            raise ArgumentError(f"{name} is 2-D: page_size is required")
         if not pool.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
+            raise ArgumentError(f"{name} must be contiguous")
         u8 = pool if pool.dtype == torch.uint8 else pool.view(torch.uint8)
     else:
-        raise ValueError(f"{name} must be [num_pages, bytes_per_page] or [num_pages, page_size, 1, "
+        raise ArgumentError(f"{name} must be [num_pages, bytes_per_page] or [num_pages, page_size, 1, "
                          f"{TOKEN_BYTES}], got shape {tuple(pool.shape)}")
     if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
-        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+        raise ArgumentError(f"page_size must be a positive int, got {page_size!r}")
     if u8.shape[1] < min_bytes_per_page(page_size):
-        raise ValueError(f"{name} rows hold {u8.shape[1]} bytes but page_size={page_size} needs "
+        raise ArgumentError(f"{name} rows hold {u8.shape[1]} bytes but page_size={page_size} needs "
                          f">= {min_bytes_per_page(page_size)}")
     return u8, page_size
 
@@ -106,13 +107,13 @@ class DecodeArgs:
 
 def _index3(idx, name, b, s_q, dev):
     if not isinstance(idx, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(idx).__name__}")
+        raise ArgumentTypeError(f"{name} must be a torch.Tensor, got {type(idx).__name__}")
     if idx.dim() != 3 or idx.shape[0] != b or idx.shape[1] != s_q:
-        raise ValueError(f"{name} must be [{b}, {s_q}, topk], got shape {tuple(idx.shape)}")
+        raise ArgumentError(f"{name} must be [{b}, {s_q}, topk], got shape {tuple(idx.shape)}")
     if idx.dtype not in _INDEX_DTYPES:
-        raise TypeError(f"{name} must be int32 or int64, got {idx.dtype}")
+        raise ArgumentTypeError(f"{name} must be int32 or int64, got {idx.dtype}")
     if idx.device != dev:
-        raise ValueError(f"{name} is on {idx.device}, q is on {dev}")
+        raise ArgumentError(f"{name} is on {idx.device}, q is on {dev}")
     return idx
 
 
@@ -120,66 +121,92 @@ def _lengths(x, name, b, dev):
     if x is None:
         return None
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        raise ArgumentTypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() != 1 or x.shape[0] != b:
-        raise ValueError(f"{name} must be [{b}], got shape {tuple(x.shape)}")
+        raise ArgumentError(f"{name} must be [{b}], got shape {tuple(x.shape)}")
     if x.dtype not in _INDEX_DTYPES:
-        raise TypeError(f"{name} must be int32 or int64, got {x.dtype}")
+        raise ArgumentTypeError(f"{name} must be int32 or int64, got {x.dtype}")
     if x.device != dev:
-        raise ValueError(f"{name} is on {x.device}, q is on {dev}")
+        raise ArgumentError(f"{name} is on {x.device}, q is on {dev}")
     return x
 
 
+def _pool_2d_unchecked(pool, page_size):
+    if pool.dim() == 4:
+        n, bpp = pool.shape[0], pool.stride(0)
+        u8 = pool if pool.dtype == torch.uint8 else pool.view(torch.uint8)
+        return torch.as_strided(u8, (n, bpp), (bpp, 1)), pool.shape[1]
+    return (pool if pool.dtype == torch.uint8 else pool.view(torch.uint8)), page_size
+
+
+def _normalised(q, pool, indices, page_size, topk_length, attn_sink, extra_pool, extra_indices,
+                extra_page_size, extra_topk_length, out) -> DecodeArgs:
+    a = DecodeArgs()
+    a.q, a.idx, a.topk_length, a.attn_sink, a.out = q, indices, topk_length, attn_sink, out
+    a.pool, a.page_size = _pool_2d_unchecked(pool, page_size)
+    if extra_pool is None:
+        a.extra_pool = a.extra_idx = a.extra_page_size = a.extra_topk_length = None
+    else:
+        a.extra_pool, a.extra_page_size = _pool_2d_unchecked(extra_pool, extra_page_size)
+        a.extra_idx, a.extra_topk_length = extra_indices, extra_topk_length
+    return a
+
+
 def check_decode_args(q, pool, indices, page_size, sm_scale, topk_length, attn_sink,
-                      extra_pool, extra_indices, extra_page_size, extra_topk_length, out) -> DecodeArgs:
+                      extra_pool, extra_indices, extra_page_size, extra_topk_length, out,
+                      checks: bool = True) -> DecodeArgs:
     """Shape/dtype/device checks (never synchronises; token ids are not range-checked
-    here, out-of-range ids are masked by every backend)."""
+    here, out-of-range ids are masked by every backend). ``checks=False`` (serving,
+    inputs known good) only normalises the pools to their 2-D uint8 form."""
+    if not checks:
+        return _normalised(q, pool, indices, page_size, topk_length, attn_sink, extra_pool, extra_indices,
+                           extra_page_size, extra_topk_length, out)
     if not isinstance(q, torch.Tensor):
-        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+        raise ArgumentTypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
     if q.dim() != 4 or q.shape[3] != DIM:
-        raise ValueError(f"q must be [b, s_q, h, {DIM}], got shape {tuple(q.shape)}")
+        raise ArgumentError(f"q must be [b, s_q, h, {DIM}], got shape {tuple(q.shape)}")
     if q.dtype != torch.bfloat16:
-        raise TypeError(f"q must be bfloat16, got {q.dtype}")
+        raise ArgumentTypeError(f"q must be bfloat16, got {q.dtype}")
     if not isinstance(sm_scale, (float, int)) or isinstance(sm_scale, bool) or not math.isfinite(sm_scale):
-        raise TypeError(f"sm_scale must be a finite Python float, got {sm_scale!r}")
+        raise ArgumentTypeError(f"sm_scale must be a finite Python float, got {sm_scale!r}")
     b, s_q, h, _ = q.shape
     dev = q.device
     a = DecodeArgs()
     a.q = q
     a.pool, a.page_size = pool_2d(pool, page_size, "pool")
     if a.pool.device != dev:
-        raise ValueError(f"pool is on {a.pool.device}, q is on {dev}")
+        raise ArgumentError(f"pool is on {a.pool.device}, q is on {dev}")
     a.idx = _index3(indices, "indices", b, s_q, dev)
     a.topk_length = _lengths(topk_length, "topk_length", b, dev)
     if attn_sink is not None:
         if not isinstance(attn_sink, torch.Tensor):
-            raise TypeError(f"attn_sink must be a torch.Tensor, got {type(attn_sink).__name__}")
+            raise ArgumentTypeError(f"attn_sink must be a torch.Tensor, got {type(attn_sink).__name__}")
         if attn_sink.dim() != 1 or attn_sink.shape[0] != h or attn_sink.dtype != torch.float32:
-            raise ValueError(f"attn_sink must be float32 [{h}], got {attn_sink.dtype} {tuple(attn_sink.shape)}")
+            raise ArgumentError(f"attn_sink must be float32 [{h}], got {attn_sink.dtype} {tuple(attn_sink.shape)}")
         if attn_sink.device != dev:
-            raise ValueError(f"attn_sink is on {attn_sink.device}, q is on {dev}")
+            raise ArgumentError(f"attn_sink is on {attn_sink.device}, q is on {dev}")
     a.attn_sink = attn_sink
     if (extra_pool is None) != (extra_indices is None):
-        raise ValueError("extra_pool and extra_indices must be given together")
+        raise ArgumentError("extra_pool and extra_indices must be given together")
     if extra_pool is None:
         if extra_topk_length is not None or extra_page_size is not None:
-            raise ValueError("extra_topk_length / extra_page_size need extra_pool and extra_indices")
+            raise ArgumentError("extra_topk_length / extra_page_size need extra_pool and extra_indices")
         a.extra_pool = a.extra_idx = a.extra_page_size = a.extra_topk_length = None
     else:
         a.extra_pool, a.extra_page_size = pool_2d(extra_pool, extra_page_size, "extra_pool")
         if a.extra_pool.device != dev:
-            raise ValueError(f"extra_pool is on {a.extra_pool.device}, q is on {dev}")
+            raise ArgumentError(f"extra_pool is on {a.extra_pool.device}, q is on {dev}")
         a.extra_idx = _index3(extra_indices, "extra_indices", b, s_q, dev)
         a.extra_topk_length = _lengths(extra_topk_length, "extra_topk_length", b, dev)
     if out is not None:
         if not isinstance(out, torch.Tensor):
-            raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+            raise ArgumentTypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
         if tuple(out.shape) != (b, s_q, h, DIM) or out.dtype != torch.bfloat16:
-            raise ValueError(f"out must be bfloat16 [{b}, {s_q}, {h}, {DIM}], got {out.dtype} {tuple(out.shape)}")
+            raise ArgumentError(f"out must be bfloat16 [{b}, {s_q}, {h}, {DIM}], got {out.dtype} {tuple(out.shape)}")
         if out.device != dev:
-            raise ValueError(f"out is on {out.device}, q is on {dev}")
+            raise ArgumentError(f"out is on {out.device}, q is on {dev}")
         if out.numel() and out.stride(3) != 1:
-            raise ValueError(f"out's last dim must be unit-stride, got strides {out.stride()}")
+            raise ArgumentError(f"out's last dim must be unit-stride, got strides {out.stride()}")
     a.out = out
     return a
 
@@ -200,10 +227,10 @@ def _gather(pool, page_size, idx, lengths, bsel):
 
 def decode_mla(q, pool, indices, page_size, sm_scale, topk_length=None, attn_sink=None,
                extra_pool=None, extra_indices=None, extra_page_size=None, extra_topk_length=None,
-               *, out=None):
+               *, out=None, checks=True):
     """Sparse MLA decode over the V4 fp8 pool; see the module docstring for the contract."""
     a = check_decode_args(q, pool, indices, page_size, sm_scale, topk_length, attn_sink,
-                          extra_pool, extra_indices, extra_page_size, extra_topk_length, out)
+                          extra_pool, extra_indices, extra_page_size, extra_topk_length, out, checks)
     b, s_q, h, _ = q.shape
     dev = q.device
     out = a.out if a.out is not None else torch.empty((b, s_q, h, DIM), dtype=torch.bfloat16, device=dev)
@@ -229,3 +256,9 @@ def decode_mla(q, pool, indices, page_size, sm_scale, topk_length=None, attn_sin
         out[tb, ts] = o.to(torch.bfloat16)
         lse[tb, :, ts] = torch.where(l_e == float("-inf"), float("inf"), l_e)
     return out, lse
+
+
+# Custom op (backends/torch_ops.py): what the registry binds.
+from .ops import decode_mla_op  # noqa: E402
+
+op_decode_mla = decode_mla_op("torch", decode_mla)

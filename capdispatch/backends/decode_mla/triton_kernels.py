@@ -34,11 +34,29 @@ __all__ = ["decode_mla_u8", "decode_mla_fp8", "INTERPRETED"]
 INTERPRETED = _K.INTERPRETED
 
 
+# (device type, device index, tokens, heads, index entries) -> split-K factor: the split
+# plan is a search, done once per shape and device.
+_splits: dict = {}
+
+_LOG2E = 1.4426950408889634
+
+
+def _num_splits(dev, T, h, width):
+    key = _K.device_key(dev) + (T, h, width)
+    n = _splits.get(key)
+    if n is None:
+        # The split decision uses the split-K tile: decode-sized calls run with it.
+        cfg = _K._configs(dev, "decode_split", T)[0]
+        n = _splits[key] = _K.decode_splits(dev, T, h, width, block_h=cfg["BLOCK_H"], block_n=cfg["BLOCK_N"])
+    return n
+
+
 def _launch(q, pool, indices, page_size, sm_scale, topk_length, attn_sink, extra_pool, extra_indices,
-            extra_page_size, extra_topk_length, out, native_fp8, config=None, num_splits=None):
+            extra_page_size, extra_topk_length, out, native_fp8, config=None, num_splits=None, checks=True):
     a = check_decode_args(q, pool, indices, page_size, sm_scale, topk_length, attn_sink,
-                          extra_pool, extra_indices, extra_page_size, extra_topk_length, out)
-    _K.check_device(q, native_fp8)
+                          extra_pool, extra_indices, extra_page_size, extra_topk_length, out, checks)
+    if checks:
+        _K.check_device(q, native_fp8)
     b, s_q, h, _ = q.shape
     dev = q.device
     out = a.out if a.out is not None else torch.empty((b, s_q, h, DIM), dtype=torch.bfloat16, device=dev)
@@ -59,9 +77,10 @@ def _launch(q, pool, indices, page_size, sm_scale, topk_length, attn_sink, extra
     epool_arg = epool.view(torch.float8_e4m3fn) if native_fp8 else epool
     width = idx.shape[2] + (eidx.shape[2] if has_extra else 0)
     if num_splits is None:
-        # The split decision uses the split-K tile: decode-sized calls run with it.
-        cfg = config or _K._configs(dev, "decode_split", T)[0]
-        num_splits = _K.decode_splits(dev, T, h, width, block_h=cfg["BLOCK_H"], block_n=cfg["BLOCK_N"])
+        if config is None:
+            num_splits = _num_splits(dev, T, h, width)
+        else:
+            num_splits = _K.decode_splits(dev, T, h, width, block_h=config["BLOCK_H"], block_n=config["BLOCK_N"])
     dummy = lse
     with on_device(dev):
         _K.launch_sparse_mla(
@@ -77,7 +96,7 @@ def _launch(q, pool, indices, page_size, sm_scale, topk_length, attn_sink, extra
             sink_ptr=a.attn_sink if a.attn_sink is not None else dummy,
             out_ptr=out, out_sb=out.stride(0), out_ss=out.stride(1), out_sh=out.stride(2),
             ml_ptr=dummy, lse_ptr=lse, st_sb=lse.stride(0), st_ss=lse.stride(2), st_sh=lse.stride(1),
-            DIV=s_q, LEN_DIV=s_q, qk_scale=float(sm_scale) * 1.4426950408889634,
+            DIV=s_q, LEN_DIV=s_q, qk_scale=sm_scale * _LOG2E,
             KV_MODE=2 if native_fp8 else 1,
             PAGE_SIZE=a.page_size, BYTES_PER_PAGE=a.pool.shape[1],
             PAGE_SIZE2=a.extra_page_size if has_extra else 1,
@@ -91,15 +110,22 @@ def _launch(q, pool, indices, page_size, sm_scale, topk_length, attn_sink, extra
 
 def decode_mla_u8(q, pool, indices, page_size, sm_scale, topk_length=None, attn_sink=None,
                   extra_pool=None, extra_indices=None, extra_page_size=None, extra_topk_length=None,
-                  *, out=None):
+                  *, out=None, checks=True):
     """decode_mla with an integer e4m3 decoder (no fp8 types; SM80/86 ok). Contract: reference.decode_mla."""
     return _launch(q, pool, indices, page_size, sm_scale, topk_length, attn_sink, extra_pool, extra_indices,
-                   extra_page_size, extra_topk_length, out, native_fp8=False)
+                   extra_page_size, extra_topk_length, out, native_fp8=False, checks=checks)
 
 
 def decode_mla_fp8(q, pool, indices, page_size, sm_scale, topk_length=None, attn_sink=None,
                    extra_pool=None, extra_indices=None, extra_page_size=None, extra_topk_length=None,
-                   *, out=None):
+                   *, out=None, checks=True):
     """decode_mla with Triton's native fp8 conversion (cc >= 8.9). Contract: reference.decode_mla."""
     return _launch(q, pool, indices, page_size, sm_scale, topk_length, attn_sink, extra_pool, extra_indices,
-                   extra_page_size, extra_topk_length, out, native_fp8=True)
+                   extra_page_size, extra_topk_length, out, native_fp8=True, checks=checks)
+
+
+# Custom ops (backends/torch_ops.py): what the registry binds.
+from .ops import decode_mla_op  # noqa: E402
+
+op_decode_mla_fp8 = decode_mla_op("triton_fp8", decode_mla_fp8)
+op_decode_mla_u8 = decode_mla_op("triton", decode_mla_u8)

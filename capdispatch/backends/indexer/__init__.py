@@ -29,19 +29,19 @@ _DEEPGEMM = Library("sgl-deep-gemm", ">=0.2.3", module="deep_gemm")
 
 BACKENDS = (
     # Registration order is the default order: fastest first (docs/ops/indexer.md).
-    Backend("indexer", "deepgemm", f"{_PKG}.deepgemm:fp8_paged_mqa_logits",
+    Backend("indexer", "deepgemm", f"{_PKG}.deepgemm:op_fp8_paged_mqa_logits",
             requires=(TORCH, _DEEPGEMM, Platform("cuda"), AnyFeature(("wgmma", "tcgen05"))),
             summary="DeepGEMM fp8_paged_mqa_logits (SM90 wgmma / SM100 tcgen05 kernels; JIT needs the CUDA toolkit; "
                     "its _C.so loads only with the torch it was built for: not torch 2.11)"),
-    Backend("indexer", "tilelang", f"{_PKG}.tilelang_kernel:fp8_paged_mqa_logits",
+    Backend("indexer", "tilelang", f"{_PKG}.tilelang_kernel:op_fp8_paged_mqa_logits",
             requires=(TORCH, _TILELANG, Platform("cuda"), ComputeCapability(">=8.0")),
             summary="capdispatch's TileLang kernel: fp8 MMA from cc 8.9 (wgmma on SM90), fp16 MMA over "
                     "integer-widened fp8 below; JIT-built for the card's arch-specific target from SM90 "
                     "(sm_90a: wgmma needs it), needs the CUDA toolkit"),
-    Backend("indexer", "triton", f"{_PKG}.triton_kernels:fp8_paged_mqa_logits",
+    Backend("indexer", "triton", f"{_PKG}.triton_kernels:op_fp8_paged_mqa_logits",
             requires=(TORCH, TRITON, TritonTarget("8.0")),
             summary="Triton: native fp8 dot from cc 8.9, uint8 views widened to fp16 with integer ops below"),
-    Backend("indexer", "torch", f"{_PKG}.reference:fp8_paged_mqa_logits",
+    Backend("indexer", "torch", f"{_PKG}.reference:op_fp8_paged_mqa_logits",
             requires=(TORCH,),
             summary="torch reference, 1024 query rows at a time, index-K gathered a few pages at a time"),
 )

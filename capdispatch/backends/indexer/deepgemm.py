@@ -27,6 +27,7 @@ import torch
 
 import deep_gemm
 
+from ...errors import ArgumentTypeError
 from .layout import PAGE_TOKENS, TOKEN_BYTES, alloc_logits, check_args
 from .reference import row_lengths
 
@@ -55,11 +56,11 @@ def paged_mqa_logits_metadata(context_lens: torch.Tensor, next_n: int = 1) -> to
 
 
 def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedule_metadata=None,
-                         max_context_len=None, clean_logits=False, *, out=None):
+                         max_context_len=None, clean_logits=False, *, out=None, checks=True):
     """The indexer op through DeepGEMM (SM90 wgmma / SM100 tcgen05 kernels)."""
     if max_context_len is None:
-        raise TypeError("max_context_len is required")
-    a = check_args(q, kv_cache, weights, context_lens, block_table, max_context_len)
+        raise ArgumentTypeError("max_context_len is required")
+    a = check_args(q, kv_cache, weights, context_lens, block_table, max_context_len, checks)
     B, N, S = a.batch, a.next_n, a.max_context_len
     P = a.pages.shape[0]
     kv4 = a.pages.as_strided((P, PAGE_TOKENS, 1, TOKEN_BYTES),
@@ -78,3 +79,10 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedu
         out.copy_(logits)
         return out
     return logits
+
+
+# Custom op (backends/torch_ops.py): what the registry binds. DeepGEMM returns its
+# logits with padded rows, and the fake says so (no copy to a contiguous tensor).
+from .ops import indexer_op, padded_fake  # noqa: E402
+
+op_fp8_paged_mqa_logits = indexer_op("deepgemm", fp8_paged_mqa_logits, fake=padded_fake)

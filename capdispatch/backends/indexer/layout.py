@@ -21,6 +21,8 @@ from typing import NamedTuple
 
 import torch
 
+from ...errors import ArgumentError, ArgumentTypeError
+
 __all__ = [
     "PAGE_TOKENS", "HEAD_DIM", "NUM_HEADS", "TOKEN_BYTES", "PAGE_BYTES", "SCALE_OFFSET",
     "QUERY_CHUNK", "IndexerArgs", "check_args", "alloc_logits", "pages_u8",
@@ -56,9 +58,9 @@ def pages_u8(kv_cache: torch.Tensor) -> torch.Tensor:
     [P, 64, 132], or [P, 8448] (any dtype of 1-byte elements; pages need not be adjacent,
     but each page's 8448 bytes must be)."""
     if not isinstance(kv_cache, torch.Tensor):
-        raise TypeError(f"kv_cache must be a torch.Tensor, got {type(kv_cache).__name__}")
+        raise ArgumentTypeError(f"kv_cache must be a torch.Tensor, got {type(kv_cache).__name__}")
     if kv_cache.element_size() != 1:
-        raise TypeError(f"kv_cache must hold bytes (uint8 / fp8 views), got {kv_cache.dtype}")
+        raise ArgumentTypeError(f"kv_cache must hold bytes (uint8 / fp8 views), got {kv_cache.dtype}")
     shape = tuple(kv_cache.shape)
     ok_shape = (
         (kv_cache.dim() == 4 and shape[1:] == (PAGE_TOKENS, 1, TOKEN_BYTES))
@@ -66,83 +68,96 @@ def pages_u8(kv_cache: torch.Tensor) -> torch.Tensor:
         or (kv_cache.dim() == 2 and shape[1] == PAGE_BYTES)
     )
     if not ok_shape:
-        raise ValueError(
+        raise ArgumentError(
             f"kv_cache must be [num_pages, 64, 1, 132], [num_pages, 64, 132] or [num_pages, 8448] bytes, "
             f"got shape {shape}")
     u8 = kv_cache if kv_cache.dtype == torch.uint8 else kv_cache.view(torch.uint8)
     if u8.shape[0] > 0 and not u8[0].is_contiguous():
-        raise ValueError("kv_cache pages must be contiguous inside (8448 adjacent bytes per page)")
+        raise ArgumentError("kv_cache pages must be contiguous inside (8448 adjacent bytes per page)")
     s0 = u8.stride(0) if u8.shape[0] > 1 else PAGE_BYTES
     if s0 < PAGE_BYTES or s0 % 4:
-        raise ValueError(f"kv_cache page stride must be >= 8448 bytes and a multiple of 4, got {s0}")
+        raise ArgumentError(f"kv_cache page stride must be >= 8448 bytes and a multiple of 4, got {s0}")
     if u8.storage_offset() % 4:
-        raise ValueError("kv_cache must start at a 4-byte aligned offset (the float32 scales are read in place)")
+        raise ArgumentError("kv_cache must start at a 4-byte aligned offset (the float32 scales are read in place)")
     return u8.as_strided((u8.shape[0], PAGE_BYTES), (s0, 1))
 
 
-def check_args(q, kv_cache, weights, context_lens, block_table, max_context_len) -> IndexerArgs:
+def _normalised(q, kv_cache, weights, context_lens, block_table, max_context_len) -> IndexerArgs:
+    u8 = kv_cache if kv_cache.dtype == torch.uint8 else kv_cache.view(torch.uint8)
+    s0 = u8.stride(0) if u8.shape[0] > 1 else PAGE_BYTES
+    B, next_n, H, _ = q.shape
+    return IndexerArgs(B, next_n, H, q if q.dtype == torch.uint8 else q.view(torch.uint8),
+                       u8.as_strided((u8.shape[0], PAGE_BYTES), (s0, 1)), weights, context_lens,
+                       context_lens.dim() == 2, block_table, max_context_len)
+
+
+def check_args(q, kv_cache, weights, context_lens, block_table, max_context_len,
+               checks: bool = True) -> IndexerArgs:
     """Validate one call (shapes, dtypes, devices, layouts); raise TypeError / ValueError naming
-    the argument. Never reads device memory (so never synchronises)."""
+    the argument. Never reads device memory (so never synchronises). ``checks=False``
+    (serving, inputs known good) only takes the normalised views."""
+    if not checks:
+        return _normalised(q, kv_cache, weights, context_lens, block_table, max_context_len)
     if not isinstance(q, torch.Tensor):
-        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+        raise ArgumentTypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
     if q.dtype not in _FP8_DTYPES:
-        raise TypeError(f"q must be float8_e4m3fn (or its uint8 bits), got {q.dtype}")
+        raise ArgumentTypeError(f"q must be float8_e4m3fn (or its uint8 bits), got {q.dtype}")
     if q.dim() != 4 or q.shape[3] != HEAD_DIM:
-        raise ValueError(f"q must be [batch, next_n, heads, {HEAD_DIM}], got shape {tuple(q.shape)}")
+        raise ArgumentError(f"q must be [batch, next_n, heads, {HEAD_DIM}], got shape {tuple(q.shape)}")
     if not q.is_contiguous():
-        raise ValueError("q must be contiguous")
+        raise ArgumentError("q must be contiguous")
     B, next_n, H, _ = q.shape
     if next_n < 1 or H < 1:
-        raise ValueError(f"q has next_n={next_n}, heads={H}; both must be >= 1")
+        raise ArgumentError(f"q has next_n={next_n}, heads={H}; both must be >= 1")
     dev = q.device
     pages = pages_u8(kv_cache)
 
     if not isinstance(weights, torch.Tensor):
-        raise TypeError(f"weights must be a torch.Tensor, got {type(weights).__name__}")
+        raise ArgumentTypeError(f"weights must be a torch.Tensor, got {type(weights).__name__}")
     if weights.dtype != torch.float32:
-        raise TypeError(f"weights must be float32, got {weights.dtype}")
+        raise ArgumentTypeError(f"weights must be float32, got {weights.dtype}")
     if tuple(weights.shape) != (B * next_n, H):
-        raise ValueError(f"weights must be [batch*next_n, heads] = [{B * next_n}, {H}], got {tuple(weights.shape)}")
+        raise ArgumentError(f"weights must be [batch*next_n, heads] = [{B * next_n}, {H}], got {tuple(weights.shape)}")
     if weights.numel() and weights.stride(1) != 1:
-        raise ValueError("weights must have unit stride over heads")
+        raise ArgumentError("weights must have unit stride over heads")
 
     if not isinstance(context_lens, torch.Tensor):
-        raise TypeError(f"context_lens must be a torch.Tensor, got {type(context_lens).__name__}")
+        raise ArgumentTypeError(f"context_lens must be a torch.Tensor, got {type(context_lens).__name__}")
     if context_lens.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"context_lens must be int32 or int64, got {context_lens.dtype}")
+        raise ArgumentTypeError(f"context_lens must be int32 or int64, got {context_lens.dtype}")
     if context_lens.dim() == 1 and context_lens.shape[0] == B:
         ctx_2d = False
     elif context_lens.dim() == 2 and tuple(context_lens.shape) == (B, next_n):
         ctx_2d = True
     else:
-        raise ValueError(
+        raise ArgumentError(
             f"context_lens must be [batch] = [{B}] or [batch, next_n] = [{B}, {next_n}], "
             f"got {tuple(context_lens.shape)}")
     if ctx_2d and next_n > 1 and context_lens.stride(1) != 1:
-        raise ValueError("2-D context_lens must have unit stride over next_n")
+        raise ArgumentError("2-D context_lens must have unit stride over next_n")
 
     if not isinstance(block_table, torch.Tensor):
-        raise TypeError(f"block_table must be a torch.Tensor, got {type(block_table).__name__}")
+        raise ArgumentTypeError(f"block_table must be a torch.Tensor, got {type(block_table).__name__}")
     if block_table.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"block_table must be int32 or int64, got {block_table.dtype}")
+        raise ArgumentTypeError(f"block_table must be int32 or int64, got {block_table.dtype}")
     if block_table.dim() != 2 or block_table.shape[0] != B:
-        raise ValueError(f"block_table must be [batch, max_blocks] = [{B}, *], got {tuple(block_table.shape)}")
+        raise ArgumentError(f"block_table must be [batch, max_blocks] = [{B}, *], got {tuple(block_table.shape)}")
     if block_table.shape[1] > 1 and block_table.stride(1) != 1:
-        raise ValueError("block_table must have unit stride over blocks")
+        raise ArgumentError("block_table must have unit stride over blocks")
 
     if isinstance(max_context_len, bool) or not isinstance(max_context_len, int):
         try:
             import operator
             max_context_len = operator.index(max_context_len)
         except TypeError:
-            raise TypeError(f"max_context_len must be an int, got {type(max_context_len).__name__}") from None
+            raise ArgumentTypeError(f"max_context_len must be an int, got {type(max_context_len).__name__}") from None
     if max_context_len < 0:
-        raise ValueError(f"max_context_len must be >= 0, got {max_context_len}")
+        raise ArgumentError(f"max_context_len must be >= 0, got {max_context_len}")
 
     for name, t in (("kv_cache", pages), ("weights", weights), ("context_lens", context_lens),
                     ("block_table", block_table)):
         if t.device != dev:
-            raise ValueError(f"{name} is on {t.device} but q is on {dev}")
+            raise ArgumentError(f"{name} is on {t.device} but q is on {dev}")
     q_u8 = q if q.dtype == torch.uint8 else q.view(torch.uint8)
     return IndexerArgs(B, next_n, H, q_u8, pages, weights, context_lens, ctx_2d, block_table,
                        int(max_context_len))
@@ -153,13 +168,13 @@ def alloc_logits(rows: int, max_context_len: int, device, out=None) -> torch.Ten
     if out is None:
         return torch.empty((rows, max_context_len), dtype=torch.float32, device=device)
     if not isinstance(out, torch.Tensor):
-        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+        raise ArgumentTypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
     if out.dtype != torch.float32:
-        raise TypeError(f"out must be float32, got {out.dtype}")
+        raise ArgumentTypeError(f"out must be float32, got {out.dtype}")
     if tuple(out.shape) != (rows, max_context_len):
-        raise ValueError(f"out must be [{rows}, {max_context_len}], got {tuple(out.shape)}")
+        raise ArgumentError(f"out must be [{rows}, {max_context_len}], got {tuple(out.shape)}")
     if out.device != torch.device(device):
-        raise ValueError(f"out is on {out.device}, expected {device}")
+        raise ArgumentError(f"out is on {out.device}, expected {device}")
     if max_context_len > 1 and out.stride(1) != 1:
-        raise ValueError("out must have unit stride over positions")
+        raise ArgumentError("out must have unit stride over positions")
     return out

@@ -37,6 +37,7 @@ from typing import NamedTuple
 
 import torch
 
+from ...errors import ArgumentError, ArgumentTypeError
 from .layout import (
     HEAD_DIM, PAGE_BYTES, PAGE_TOKENS, QUERY_CHUNK, SCALE_OFFSET, alloc_logits, check_args,
 )
@@ -122,15 +123,15 @@ def plan_steps(batch: int, next_n: int, heads: int, max_pages: int,
 def fp8_paged_mqa_logits(q: torch.Tensor, kv_cache: torch.Tensor, weights: torch.Tensor,
                          context_lens: torch.Tensor, block_table: torch.Tensor,
                          schedule_metadata=None, max_context_len: int | None = None,
-                         clean_logits: bool = False, *, out: torch.Tensor | None = None,
+                         clean_logits: bool = False, *, out: torch.Tensor | None = None, checks: bool = True,
                          work_bytes: int = DEFAULT_WORK_BYTES) -> torch.Tensor:
     """fp8 paged MQA logits (module doc). `schedule_metadata` is accepted and ignored
     (DeepGEMM's schedule); positions past a row's length are always written -inf.
     Returns float32 [batch * next_n, max_context_len] (`out` if given)."""
     del schedule_metadata
     if max_context_len is None:
-        raise TypeError("max_context_len is required")
-    a = check_args(q, kv_cache, weights, context_lens, block_table, max_context_len)
+        raise ArgumentTypeError("max_context_len is required")
+    a = check_args(q, kv_cache, weights, context_lens, block_table, max_context_len, checks)
     B, N, H, S = a.batch, a.next_n, a.heads, a.max_context_len
     dev = a.q_u8.device
     out = alloc_logits(B * N, S, dev, out)
@@ -189,7 +190,7 @@ def pack_index_k(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         values = values.view(torch.uint8)
     P = values.shape[0]
     if tuple(values.shape) != (P, PAGE_TOKENS, HEAD_DIM) or tuple(scales.shape) != (P, PAGE_TOKENS):
-        raise ValueError(f"values must be [P, 64, 128] and scales [P, 64], got {tuple(values.shape)}, "
+        raise ArgumentError(f"values must be [P, 64, 128] and scales [P, 64], got {tuple(values.shape)}, "
                          f"{tuple(scales.shape)}")
     pool = torch.empty((P, PAGE_BYTES), dtype=torch.uint8, device=values.device)
     pool[:, :SCALE_OFFSET] = values.reshape(P, SCALE_OFFSET)
@@ -205,3 +206,9 @@ def quantize_index_k(x: torch.Tensor) -> tuple:
     scale = torch.exp2(torch.ceil(torch.log2(amax / 448.0)))
     codes = (x / scale[..., None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
     return codes, scale
+
+
+# Custom op (backends/torch_ops.py): what the registry binds.
+from .ops import indexer_op  # noqa: E402
+
+op_fp8_paged_mqa_logits = indexer_op("torch", fp8_paged_mqa_logits)

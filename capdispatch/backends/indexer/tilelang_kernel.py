@@ -39,6 +39,7 @@ import torch
 import tilelang
 import tilelang.language as T
 
+from ...errors import ArgumentError, ArgumentTypeError
 from .layout import HEAD_DIM, PAGE_BYTES, PAGE_TOKENS, alloc_logits, check_args
 
 __all__ = ["fp8_paged_mqa_logits", "build_kernel", "lower_cuda_source", "native_fp8_for_arch",
@@ -64,7 +65,7 @@ def native_fp8_for_arch(arch: str) -> bool:
     """'sm_86' -> False, 'sm_89' / 'sm_90' / 'sm_90a' / 'sm_120' -> True (fp8 MMA from cc 8.9)."""
     m = re.fullmatch(r"sm_(\d+)(\d)[af]?", arch)
     if not m:
-        raise ValueError(f"arch must look like sm_86 / sm_90a / sm_120, got {arch!r}")
+        raise ArgumentError(f"arch must look like sm_86 / sm_90a / sm_120, got {arch!r}")
     return (int(m.group(1)), int(m.group(2))) >= (8, 9)
 
 
@@ -236,18 +237,18 @@ def plan_splits(rows: int, max_context_len: int, num_sms: int) -> int:
 
 
 def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedule_metadata=None,
-                         max_context_len=None, clean_logits=False, *, out=None):
+                         max_context_len=None, clean_logits=False, *, out=None, checks=True):
     """The indexer op with the TileLang kernel (CUDA only; contract: reference.py).
     `schedule_metadata` is ignored; positions past a row's length are written -inf."""
     del schedule_metadata, clean_logits
     if max_context_len is None:
-        raise TypeError("max_context_len is required")
-    a = check_args(q, kv_cache, weights, context_lens, block_table, max_context_len)
+        raise ArgumentTypeError("max_context_len is required")
+    a = check_args(q, kv_cache, weights, context_lens, block_table, max_context_len, checks)
     dev = a.q_u8.device
     if dev.type != "cuda":
-        raise ValueError(f"the TileLang indexer needs CUDA tensors, got {dev}")
+        raise ArgumentError(f"the TileLang indexer needs CUDA tensors, got {dev}")
     if a.pages.shape[0] > 1 and a.pages.stride(0) != PAGE_BYTES:
-        raise ValueError("the TileLang indexer needs the index-K pages packed (page stride 8448 bytes)")
+        raise ArgumentError("the TileLang indexer needs the index-K pages packed (page stride 8448 bytes)")
     B, N, H, S = a.batch, a.next_n, a.heads, a.max_context_len
     rows = B * N
     result = alloc_logits(rows, S, dev, out)
@@ -279,3 +280,9 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedu
     if target is not result:
         result.copy_(target)
     return result
+
+
+# Custom op (backends/torch_ops.py): what the registry binds.
+from .ops import indexer_op  # noqa: E402
+
+op_fp8_paged_mqa_logits = indexer_op("tilelang", fp8_paged_mqa_logits)

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...errors import ArgumentError, ArgumentTypeError, UnsupportedDeviceError
 from ..device_scope import on_device
 from .layout import HEAD_DIM, PAGE_TOKENS, SCALE_OFFSET, alloc_logits, check_args
 
@@ -157,24 +158,24 @@ def plan_splits(batch: int, max_context_len: int, num_sms: int) -> int:
     return -(-pages // splits) * PAGE_TOKENS
 
 
-def _launch(q, kv_cache, weights, context_lens, block_table, max_context_len, out, native_fp8):
+def _launch(q, kv_cache, weights, context_lens, block_table, max_context_len, out, native_fp8, checks=True):
     if max_context_len is None:
-        raise TypeError("max_context_len is required")
-    a = check_args(q, kv_cache, weights, context_lens, block_table, max_context_len)
+        raise ArgumentTypeError("max_context_len is required")
+    a = check_args(q, kv_cache, weights, context_lens, block_table, max_context_len, checks)
     dev = a.q_u8.device
     if dev.type == "cpu" and not INTERPRETED:
-        raise ValueError("the Triton indexer needs CUDA tensors (CPU tensors only when imported "
+        raise ArgumentError("the Triton indexer needs CUDA tensors (CPU tensors only when imported "
                          "with TRITON_INTERPRET=1)")
     if native_fp8 is None:
         native_fp8 = _native_fp8_default(dev)
     elif native_fp8 and dev.type == "cuda" and torch.version.hip is None:
         cc = _device_facts(dev.index if dev.index is not None else torch.cuda.current_device())[1]
         if cc < (8, 9):
-            raise RuntimeError(f"native-fp8 indexer kernel needs compute capability >= 8.9 "
+            raise UnsupportedDeviceError(f"native-fp8 indexer kernel needs compute capability >= 8.9 "
                                f"(device has {cc[0]}.{cc[1]}); use fp8_paged_mqa_logits_u8")
     H = a.heads
     if H & (H - 1) or not 16 <= H * _pow2(a.next_n) or H > 128:
-        raise ValueError(f"the Triton indexer needs a power-of-two head count <= 128 "
+        raise ArgumentError(f"the Triton indexer needs a power-of-two head count <= 128 "
                          f"(next_n_pad * heads >= 16), got heads={H}")
     B, N, S = a.batch, a.next_n, a.max_context_len
     out = alloc_logits(B * N, S, dev, out)
@@ -204,23 +205,39 @@ def _pow2(n: int) -> int:
 
 
 def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedule_metadata=None,
-                         max_context_len=None, clean_logits=False, *, out=None):
+                         max_context_len=None, clean_logits=False, *, out=None, checks=True):
     """The indexer op (contract: reference.fp8_paged_mqa_logits). Native fp8 where the
     device has it (cc >= 8.9), the uint8 codec elsewhere; `schedule_metadata` is ignored
     and positions past a row's length are written -inf whatever `clean_logits` says."""
     del schedule_metadata, clean_logits
-    return _launch(q, kv_cache, weights, context_lens, block_table, max_context_len, out, None)
+    return _launch(q, kv_cache, weights, context_lens, block_table, max_context_len, out, None, checks)
 
 
 def fp8_paged_mqa_logits_u8(q, kv_cache, weights, context_lens, block_table, schedule_metadata=None,
-                            max_context_len=None, clean_logits=False, *, out=None):
+                            max_context_len=None, clean_logits=False, *, out=None, checks=True):
     """The uint8-codec kernel on any device (SM80+; the interpreter)."""
     del schedule_metadata, clean_logits
-    return _launch(q, kv_cache, weights, context_lens, block_table, max_context_len, out, False)
+    return _launch(q, kv_cache, weights, context_lens, block_table, max_context_len, out, False, checks)
 
 
 def fp8_paged_mqa_logits_native(q, kv_cache, weights, context_lens, block_table, schedule_metadata=None,
-                                max_context_len=None, clean_logits=False, *, out=None):
+                                max_context_len=None, clean_logits=False, *, out=None, checks=True):
     """The native-fp8 kernel (cc >= 8.9, or the interpreter)."""
     del schedule_metadata, clean_logits
-    return _launch(q, kv_cache, weights, context_lens, block_table, max_context_len, out, True)
+    return _launch(q, kv_cache, weights, context_lens, block_table, max_context_len, out, True, checks)
+
+
+# Custom op (backends/torch_ops.py): what the registry binds.
+from .ops import indexer_op  # noqa: E402
+
+op_fp8_paged_mqa_logits = indexer_op("triton", fp8_paged_mqa_logits)
+
+
+# Types of the kernel's runtime arguments (uint8 q and pool; the native variant passes
+# both as *fp8e4nv): what an offline compile for a GPUTarget needs (backends/compile_matrix.py).
+COMPILE_SIGNATURES = {
+    "_indexer_kernel": {"q_ptr": "*u8", "kv_ptr": "*u8", "w_ptr": "*fp32", "ctx_ptr": "*i32", "bt_ptr": "*i32",
+                        "out_ptr": "*fp32", "max_ctx": "i32", "tokens_per_split": "i32",
+                        "kv_page_stride": "i32", "w_stride": "i32", "ctx_stride": "i32", "bt_stride": "i32",
+                        "out_stride": "i32"},
+}

@@ -25,14 +25,14 @@ def register(registry) -> None:
     # Registration order is the default order: fastest first.
     for op in ("kv_quant", "kv_dequant"):
         registry.add_backend(Backend(
-            op, "triton_fp8", f"{_PKG}.triton_kernels:{op}_fp8",
+            op, "triton_fp8", f"{_PKG}.triton_kernels:op_{op}_fp8",
             requires=(TORCH, TRITON, TritonTarget("8.0"), Feature("fp8_e4m3")),
             summary="Triton with native fp8 e4m3 types (Triton admits fp8e4nv from cc 8.9)"))
         registry.add_backend(Backend(
-            op, "triton_u8", f"{_PKG}.triton_kernels:{op}_u8",
+            op, "triton_u8", f"{_PKG}.triton_kernels:op_{op}_u8",
             requires=(TORCH, TRITON, TritonTarget("8.0")),
             summary="Triton over uint8 views, fp8 coded with integer operations (any CUDA card Triton supports)"))
         registry.add_backend(Backend(
-            op, "torch", f"{_PKG}.reference:{op}",
+            op, "torch", f"{_PKG}.reference:op_{op}",
             requires=(TORCH,),
             summary="torch reference (runs anywhere)"))

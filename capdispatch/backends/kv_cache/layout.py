@@ -19,6 +19,8 @@ at slot ``loc % P``.
 
 from __future__ import annotations
 
+from ...errors import ArgumentError, ArgumentTypeError
+
 DIM_NOPE = 448  # fp8-quantised part of a K row
 DIM_ROPE = 64  # raw bf16 part of a K row
 DIM = DIM_NOPE + DIM_ROPE  # 512 values per K row
@@ -39,9 +41,9 @@ UE8M0_BIAS = 127  # scale = 2 ** (byte - UE8M0_BIAS)
 
 def _check_page_size(page_size: int) -> int:
     if isinstance(page_size, bool) or not isinstance(page_size, int):
-        raise TypeError(f"page_size must be an int, got {type(page_size).__name__}")
+        raise ArgumentTypeError(f"page_size must be an int, got {type(page_size).__name__}")
     if page_size < 1:
-        raise ValueError(f"page_size must be >= 1, got {page_size}")
+        raise ArgumentError(f"page_size must be >= 1, got {page_size}")
     return page_size
 
 

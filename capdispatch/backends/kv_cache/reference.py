@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from ...errors import ArgumentError, ArgumentTypeError
 from .layout import (
     DATA_BYTES,
     DIM,
@@ -52,16 +53,16 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 def _pool_as_u8(pool: torch.Tensor, page_size: int) -> torch.Tensor:
     """Reinterpret the pool's bytes as uint8 [num_pages, page_bytes] and check its size."""
     if not isinstance(pool, torch.Tensor):
-        raise TypeError(f"pool must be a torch.Tensor, got {type(pool).__name__}")
+        raise ArgumentTypeError(f"pool must be a torch.Tensor, got {type(pool).__name__}")
     if pool.dim() != 2:
-        raise ValueError(f"pool must be 2-D [num_pages, bytes_per_page], got shape {tuple(pool.shape)}")
+        raise ArgumentError(f"pool must be 2-D [num_pages, bytes_per_page], got shape {tuple(pool.shape)}")
     if not pool.is_contiguous():
-        raise ValueError("pool must be contiguous")
+        raise ArgumentError("pool must be contiguous")
     # The pool may be exposed with another dtype (e.g. bf16) over the same bytes.
     u8 = pool if pool.dtype == torch.uint8 else pool.view(torch.uint8)
     need = min_bytes_per_page(page_size)
     if u8.shape[1] < need:
-        raise ValueError(
+        raise ArgumentError(
             f"pool rows hold {u8.shape[1]} bytes but page_size={page_size} needs >= {need} "
             f"(layout.bytes_per_page gives {bytes_per_page(page_size)})"
         )
@@ -70,51 +71,67 @@ def _pool_as_u8(pool: torch.Tensor, page_size: int) -> torch.Tensor:
 
 def _index_1d(idx: torch.Tensor, name: str, n: int | None, device: torch.device) -> torch.Tensor:
     if not isinstance(idx, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(idx).__name__}")
+        raise ArgumentTypeError(f"{name} must be a torch.Tensor, got {type(idx).__name__}")
     if idx.dim() != 1:
-        raise ValueError(f"{name} must be 1-D, got shape {tuple(idx.shape)}")
+        raise ArgumentError(f"{name} must be 1-D, got shape {tuple(idx.shape)}")
     if idx.dtype not in _INDEX_DTYPES:
-        raise TypeError(f"{name} must be int32 or int64, got {idx.dtype}")
+        raise ArgumentTypeError(f"{name} must be int32 or int64, got {idx.dtype}")
     if n is not None and idx.shape[0] != n:
-        raise ValueError(f"{name} has {idx.shape[0]} entries, expected {n}")
+        raise ArgumentError(f"{name} has {idx.shape[0]} entries, expected {n}")
     if idx.device != device:
-        raise ValueError(f"{name} is on {idx.device}, pool is on {device}")
+        raise ArgumentError(f"{name} is on {idx.device}, pool is on {device}")
     return idx.contiguous()
 
 
-def check_quant_args(k: torch.Tensor, pool: torch.Tensor, loc: torch.Tensor, page_size: int):
-    """Validate kv_quant arguments; return (k with unit inner stride, uint8 pool view, contiguous loc)."""
+def _as_u8(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
+
+
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def check_quant_args(k: torch.Tensor, pool: torch.Tensor, loc: torch.Tensor, page_size: int,
+                     checks: bool = True):
+    """Validate kv_quant arguments; return (k with unit inner stride, uint8 pool view, contiguous loc).
+    ``checks=False`` (serving, inputs known good) only normalises."""
+    if not checks:
+        return (k if k.stride(1) == 1 else k.contiguous()), _as_u8(pool), _contiguous(loc)
     u8 = _pool_as_u8(pool, page_size)
     if not isinstance(k, torch.Tensor):
-        raise TypeError(f"k must be a torch.Tensor, got {type(k).__name__}")
+        raise ArgumentTypeError(f"k must be a torch.Tensor, got {type(k).__name__}")
     if k.dim() != 2 or k.shape[1] != DIM:
-        raise ValueError(f"k must be [n, {DIM}], got shape {tuple(k.shape)}")
+        raise ArgumentError(f"k must be [n, {DIM}], got shape {tuple(k.shape)}")
     if k.dtype != torch.bfloat16:
-        raise TypeError(f"k must be bfloat16, got {k.dtype}")
+        raise ArgumentTypeError(f"k must be bfloat16, got {k.dtype}")
     if k.device != u8.device:
-        raise ValueError(f"k is on {k.device}, pool is on {u8.device}")
+        raise ArgumentError(f"k is on {k.device}, pool is on {u8.device}")
     if k.shape[0] > 0 and k.stride(1) != 1:
         k = k.contiguous()
     loc = _index_1d(loc, "loc", k.shape[0], u8.device)
     return k, u8, loc
 
 
-def check_dequant_args(pool: torch.Tensor, token_ids: torch.Tensor, page_size: int, out):
-    """Validate kv_dequant arguments; return (uint8 pool view, contiguous ids, out or None)."""
+def check_dequant_args(pool: torch.Tensor, token_ids: torch.Tensor, page_size: int, out,
+                       checks: bool = True):
+    """Validate kv_dequant arguments; return (uint8 pool view, contiguous ids, out or None).
+    ``checks=False`` (serving, inputs known good) only normalises."""
+    if not checks:
+        return _as_u8(pool), _contiguous(token_ids), out
     u8 = _pool_as_u8(pool, page_size)
     ids = _index_1d(token_ids, "token_ids", None, u8.device)
     n = ids.shape[0]
     if out is not None:
         if not isinstance(out, torch.Tensor):
-            raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+            raise ArgumentTypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
         if tuple(out.shape) != (n, 1, DIM):
-            raise ValueError(f"out must have shape ({n}, 1, {DIM}), got {tuple(out.shape)}")
+            raise ArgumentError(f"out must have shape ({n}, 1, {DIM}), got {tuple(out.shape)}")
         if out.dtype != torch.bfloat16:
-            raise TypeError(f"out must be bfloat16, got {out.dtype}")
+            raise ArgumentTypeError(f"out must be bfloat16, got {out.dtype}")
         if out.device != u8.device:
-            raise ValueError(f"out is on {out.device}, pool is on {u8.device}")
+            raise ArgumentError(f"out is on {out.device}, pool is on {u8.device}")
         if n > 0 and out.stride(2) != 1:
-            raise ValueError(f"out's last dim must be unit-stride, got strides {out.stride()}")
+            raise ArgumentError(f"out's last dim must be unit-stride, got strides {out.stride()}")
     return u8, ids, out
 
 
@@ -143,13 +160,15 @@ def _pow2_from_exponent_field(field: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------- #
 # Public ops
 # --------------------------------------------------------------------------- #
-def kv_quant(k: torch.Tensor, pool: torch.Tensor, loc: torch.Tensor, page_size: int) -> None:
+def kv_quant(k: torch.Tensor, pool: torch.Tensor, loc: torch.Tensor, page_size: int, *,
+             checks: bool = True) -> None:
     """Quantise bf16 K rows ``k`` [n, 512] and write them into ``pool`` at token slots ``loc``.
 
     Writes each token's 576 data bytes and 8 scale bytes (pad byte 0) in place;
     no other pool byte is touched. Duplicate slots in ``loc`` give an unspecified winner.
+    ``checks=False`` skips argument validation (check_quant_args).
     """
-    k, u8, loc = check_quant_args(k, pool, loc, page_size)
+    k, u8, loc = check_quant_args(k, pool, loc, page_size, checks)
     n = k.shape[0]
     if n == 0:
         return
@@ -180,13 +199,16 @@ def kv_dequant(
     token_ids: torch.Tensor,
     page_size: int,
     out: torch.Tensor | None = None,
+    *,
+    checks: bool = True,
 ) -> torch.Tensor:
     """Gather token slots ``token_ids`` from ``pool`` and dequantise them to bf16 [n, 1, 512].
 
     ``out`` (optional) must be bf16 [n, 1, 512] with a unit-stride last dim; any
     dim-0 stride is honoured (e.g. a slice of a larger workspace). Returns ``out``.
+    ``checks=False`` skips argument validation (check_dequant_args).
     """
-    u8, ids, out = check_dequant_args(pool, token_ids, page_size, out)
+    u8, ids, out = check_dequant_args(pool, token_ids, page_size, out, checks)
     n = ids.shape[0]
     if out is None:
         out = torch.empty((n, 1, DIM), dtype=torch.bfloat16, device=u8.device)
@@ -208,3 +230,10 @@ def kv_dequant(
 def new_pool(num_pages: int, page_size: int, device: torch.device | str | None = None) -> torch.Tensor:
     """Zero-filled uint8 pool [num_pages, bytes_per_page(page_size)]."""
     return torch.zeros((num_pages, bytes_per_page(page_size)), dtype=torch.uint8, device=device)
+
+
+# Custom ops (backends/torch_ops.py): what the registry binds.
+from .ops import kv_dequant_op, kv_quant_op  # noqa: E402
+
+op_kv_quant = kv_quant_op("torch", kv_quant)
+op_kv_dequant = kv_dequant_op("torch", kv_dequant)

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...errors import ArgumentError, UnsupportedDeviceError
 from ..device_scope import on_device
 from .layout import DATA_BYTES, DIM, DIM_NOPE, FP8_MAX, SCALE_BYTES, SCALE_EPS, TILE
 from .reference import check_dequant_args, check_quant_args
@@ -215,25 +216,37 @@ assert FP8_MAX == 448.0 and SCALE_EPS == 1e-8
 INTERPRETED = not isinstance(_kv_quant_kernel, triton.runtime.jit.JITFunction)
 
 
+_capabilities: dict = {}   # device index -> compute capability, read once per card
+
+
+def _capability(device: torch.device) -> tuple:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    cc = _capabilities.get(index)
+    if cc is None:
+        cc = _capabilities[index] = torch.cuda.get_device_capability(index)
+    return cc
+
+
 def _check_device(t: torch.Tensor, native_fp8: bool) -> None:
     if t.device.type == "cpu":
         if not INTERPRETED:
-            raise ValueError("Triton KV-cache kernels need CUDA tensors "
+            raise ArgumentError("Triton KV-cache kernels need CUDA tensors "
                              "(CPU tensors only when imported with TRITON_INTERPRET=1)")
         return
     if native_fp8 and t.device.type == "cuda" and torch.version.hip is None:
-        cc = torch.cuda.get_device_capability(t.device)
+        cc = _capability(t.device)
         if cc < (8, 9):
-            raise RuntimeError(
+            raise UnsupportedDeviceError(
                 f"native-fp8 KV kernels need compute capability >= 8.9 (device has {cc[0]}.{cc[1]}); "
                 "use kv_quant_u8 / kv_dequant_u8"
             )
 
 
-def _launch_quant(k, pool, loc, page_size, native_fp8):
-    k, u8, loc = check_quant_args(k, pool, loc, page_size)
+def _launch_quant(k, pool, loc, page_size, native_fp8, checks):
+    k, u8, loc = check_quant_args(k, pool, loc, page_size, checks)
     n = k.shape[0]
-    _check_device(u8, native_fp8)
+    if checks:
+        _check_device(u8, native_fp8)
     if n == 0:
         return
     dst = u8.view(torch.float8_e4m3fn) if native_fp8 else u8
@@ -246,10 +259,11 @@ def _launch_quant(k, pool, loc, page_size, native_fp8):
         )
 
 
-def _launch_dequant(pool, token_ids, page_size, out, native_fp8):
-    u8, ids, out = check_dequant_args(pool, token_ids, page_size, out)
+def _launch_dequant(pool, token_ids, page_size, out, native_fp8, checks):
+    u8, ids, out = check_dequant_args(pool, token_ids, page_size, out, checks)
     n = ids.shape[0]
-    _check_device(u8, native_fp8)
+    if checks:
+        _check_device(u8, native_fp8)
     if out is None:
         out = torch.empty((n, 1, DIM), dtype=torch.bfloat16, device=u8.device)
     if n == 0:
@@ -265,23 +279,44 @@ def _launch_dequant(pool, token_ids, page_size, out, native_fp8):
     return out
 
 
-def kv_quant_fp8(k: torch.Tensor, pool: torch.Tensor, loc: torch.Tensor, page_size: int) -> None:
+def kv_quant_fp8(k: torch.Tensor, pool: torch.Tensor, loc: torch.Tensor, page_size: int, *,
+                 checks: bool = True) -> None:
     """kv_quant with Triton's native fp8 conversion (cc >= 8.9). Same contract as reference.kv_quant."""
-    _launch_quant(k, pool, loc, page_size, native_fp8=True)
+    _launch_quant(k, pool, loc, page_size, True, checks)
 
 
-def kv_quant_u8(k: torch.Tensor, pool: torch.Tensor, loc: torch.Tensor, page_size: int) -> None:
+def kv_quant_u8(k: torch.Tensor, pool: torch.Tensor, loc: torch.Tensor, page_size: int, *,
+                checks: bool = True) -> None:
     """kv_quant with an integer e4m3fn encoder (no fp8 types; SM80/86 ok). Same contract as reference.kv_quant."""
-    _launch_quant(k, pool, loc, page_size, native_fp8=False)
+    _launch_quant(k, pool, loc, page_size, False, checks)
 
 
 def kv_dequant_fp8(pool: torch.Tensor, token_ids: torch.Tensor, page_size: int,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, *, checks: bool = True) -> torch.Tensor:
     """kv_dequant with Triton's native fp8 conversion (cc >= 8.9). Same contract as reference.kv_dequant."""
-    return _launch_dequant(pool, token_ids, page_size, out, native_fp8=True)
+    return _launch_dequant(pool, token_ids, page_size, out, True, checks)
 
 
 def kv_dequant_u8(pool: torch.Tensor, token_ids: torch.Tensor, page_size: int,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, *, checks: bool = True) -> torch.Tensor:
     """kv_dequant with an integer e4m3fn decoder (no fp8 types; SM80/86 ok). Same contract as reference.kv_dequant."""
-    return _launch_dequant(pool, token_ids, page_size, out, native_fp8=False)
+    return _launch_dequant(pool, token_ids, page_size, out, False, checks)
+
+
+# Custom ops (backends/torch_ops.py): what the registry binds.
+from .ops import kv_dequant_op, kv_quant_op  # noqa: E402
+
+op_kv_quant_fp8 = kv_quant_op("triton_fp8", kv_quant_fp8)
+op_kv_quant_u8 = kv_quant_op("triton_u8", kv_quant_u8)
+op_kv_dequant_fp8 = kv_dequant_op("triton_fp8", kv_dequant_fp8)
+op_kv_dequant_u8 = kv_dequant_op("triton_u8", kv_dequant_u8)
+
+
+# Types of each kernel's runtime arguments (uint8 pool; the native variant passes it as
+# *fp8e4nv): what an offline compile for a GPUTarget needs (backends/compile_matrix.py).
+COMPILE_SIGNATURES = {
+    "_kv_quant_kernel": {"k_ptr": "*bf16", "pool_ptr": "*u8", "loc_ptr": "*i64", "n_tokens": "i32",
+                         "k_stride": "i32"},
+    "_kv_dequant_kernel": {"pool_ptr": "*u8", "ids_ptr": "*i32", "out_ptr": "*bf16", "n_tokens": "i32",
+                           "out_stride": "i32"},
+}

@@ -34,8 +34,11 @@ the routing kernel and never reads a weight.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from ...errors import ArgumentError
 from .reference import check_moe_args
 from .weights import rewrite_per_expert_, swap_halves_
 
@@ -60,6 +63,7 @@ TRTLLM_KWARGS = ("topk_ids", "routing_bias", "hidden_states", "hidden_states_sca
                  "routed_scaling_factor", "routing_method_type", "do_finalize", "output")
 
 
+@functools.cache   # imported once, on the first call
 def _fi():
     import flashinfer
     from flashinfer import fused_moe
@@ -68,13 +72,13 @@ def _fi():
 
 def _require_cuda(weights, backend):
     if weights.device.type != "cuda":
-        raise ValueError(f"{backend} needs CUDA weights, these are on {weights.device}")
+        raise ArgumentError(f"{backend} needs CUDA weights, these are on {weights.device}")
 
 
 def _check_shapes(weights, backend):
     H, I = weights.hidden, weights.intermediate
     if H % 128 or I % 128:
-        raise ValueError(f"{backend} needs hidden and intermediate sizes that are multiples of 128 "
+        raise ArgumentError(f"{backend} needs hidden and intermediate sizes that are multiples of 128 "
                          f"(H={H}, I={I})")
     _require_cuda(weights, backend)
 
@@ -105,8 +109,9 @@ def prepare_cutlass_w4a8(weights) -> None:
     weights.layout = LAYOUT_SM120
 
 
-def moe_cutlass_w4a8(x, weights, topk_weights, topk_ids, out=None):
-    check_moe_args(x, weights, topk_weights, topk_ids, out)
+def moe_cutlass_w4a8(x, weights, topk_weights, topk_ids, out=None, *, checks=True):
+    if checks:
+        check_moe_args(x, weights, topk_weights, topk_ids, out)
     weights.require_layout(LAYOUT_SM120, "flashinfer_cutlass_w4a8")
     flashinfer, fm = _fi()
     out = _out(x, out)
@@ -151,8 +156,9 @@ def prepare_cutlass_w4a16(weights) -> None:
     weights.layout = LAYOUT_SM90
 
 
-def moe_cutlass_w4a16(x, weights, topk_weights, topk_ids, out=None):
-    check_moe_args(x, weights, topk_weights, topk_ids, out)
+def moe_cutlass_w4a16(x, weights, topk_weights, topk_ids, out=None, *, checks=True):
+    if checks:
+        check_moe_args(x, weights, topk_weights, topk_ids, out)
     weights.require_layout(LAYOUT_SM90, "flashinfer_cutlass_w4a16")
     _, fm = _fi()
     out = _out(x, out)
@@ -206,6 +212,7 @@ def prepare_trtllm_w4a8(weights) -> None:
     weights.layout = LAYOUT_TRTLLM
 
 
+@functools.cache   # imported once, on the first call
 def _topk_method():
     try:
         from flashinfer.fused_moe import RoutingMethodType
@@ -214,8 +221,9 @@ def _topk_method():
     return int(RoutingMethodType.TopK)
 
 
-def moe_trtllm_w4a8(x, weights, topk_weights, topk_ids, out=None):
-    check_moe_args(x, weights, topk_weights, topk_ids, out)
+def moe_trtllm_w4a8(x, weights, topk_weights, topk_ids, out=None, *, checks=True):
+    if checks:
+        check_moe_args(x, weights, topk_weights, topk_ids, out)
     weights.require_layout(LAYOUT_TRTLLM, "flashinfer_trtllm_w4a8")
     flashinfer, fm = _fi()
     out = _out(x, out)
@@ -248,3 +256,11 @@ def moe_trtllm_w4a8(x, weights, topk_weights, topk_ids, out=None):
         output=out,
     )
     return out
+
+
+# Custom ops (backends/torch_ops.py): what the registry binds.
+from .ops import moe_op  # noqa: E402
+
+op_moe_cutlass_w4a8 = moe_op("flashinfer_cutlass_w4a8", moe_cutlass_w4a8)
+op_moe_trtllm_w4a8 = moe_op("flashinfer_trtllm_w4a8", moe_trtllm_w4a8)
+op_moe_cutlass_w4a16 = moe_op("flashinfer_cutlass_w4a16", moe_cutlass_w4a16)

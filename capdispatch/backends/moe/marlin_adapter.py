@@ -24,8 +24,11 @@ above, up clamped both sides, silu(gate) * up), the DSv4 contract.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from ...errors import ArgumentError
 from .reference import check_moe_args
 
 __all__ = ["prepare_marlin", "moe_marlin", "MARLIN_KWARGS"]
@@ -39,6 +42,7 @@ MARLIN_KWARGS = ("hidden_states", "w1", "w2", "w1_scale", "w2_scale", "gating_ou
 _workspaces = {}
 
 
+@functools.cache   # imported once, on the first call
 def _sglang():
     from sglang.srt.layers.moe.fused_moe_triton.fused_marlin_moe import fused_marlin_moe
     return fused_marlin_moe
@@ -63,10 +67,10 @@ def prepare_marlin(weights) -> None:
     repack, permute_scales, process_scales = _prep_fns()
     E, H, I = weights.num_experts, weights.hidden, weights.intermediate
     if H % 128 or I % 64:
-        raise ValueError(f"marlin_w4a16 needs H % 128 == 0 and I % 64 == 0 (H={H}, I={I}); "
+        raise ArgumentError(f"marlin_w4a16 needs H % 128 == 0 and I % 64 == 0 (H={H}, I={I}); "
                          "SGLang pads, this preparer keeps the packed size and refuses")
     if weights.device.type != "cuda":
-        raise ValueError(f"marlin_w4a16 needs CUDA weights, these are on {weights.device}")
+        raise ArgumentError(f"marlin_w4a16 needs CUDA weights, these are on {weights.device}")
     perm = torch.empty(0, dtype=torch.int32, device=weights.device)
 
     def weight(name, size_n, size_k):
@@ -98,8 +102,9 @@ def prepare_marlin(weights) -> None:
     weights.layout = LAYOUT
 
 
-def moe_marlin(x, weights, topk_weights, topk_ids, out=None):
-    check_moe_args(x, weights, topk_weights, topk_ids, out)
+def moe_marlin(x, weights, topk_weights, topk_ids, out=None, *, checks=True):
+    if checks:
+        check_moe_args(x, weights, topk_weights, topk_ids, out)
     weights.require_layout(LAYOUT, "marlin_w4a16")
     fused_marlin_moe = _sglang()
     T = x.shape[0]
@@ -122,3 +127,9 @@ def moe_marlin(x, weights, topk_weights, topk_ids, out=None):
         return y
     out.copy_(y)
     return out
+
+
+# Custom ops (backends/torch_ops.py): what the registry binds.
+from .ops import moe_op  # noqa: E402
+
+op_moe_marlin = moe_op("marlin_w4a16", moe_marlin)

@@ -34,6 +34,7 @@ from typing import Optional
 
 import torch
 
+from ...errors import ArgumentError, ArgumentTypeError
 from .weights import CHECKPOINT, GROUP, MoeWeights
 
 __all__ = ["moe", "check_moe_args", "dequant_rows", "swiglu", "mxfp8_qdq", "random_weights",
@@ -100,41 +101,43 @@ def mxfp8_qdq(a: torch.Tensor) -> torch.Tensor:
 
 def check_moe_args(x, weights, topk_weights, topk_ids, out):
     if not isinstance(weights, MoeWeights):
-        raise TypeError(f"weights must be a MoeWeights, got {type(weights).__name__}")
+        raise ArgumentTypeError(f"weights must be a MoeWeights, got {type(weights).__name__}")
     if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16:
-        raise TypeError(f"x must be a bf16 tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+        raise ArgumentTypeError(f"x must be a bf16 tensor, got {getattr(x, 'dtype', type(x).__name__)}")
     if x.dim() != 2 or x.shape[1] != weights.hidden:
-        raise ValueError(f"x must be [T, {weights.hidden}], got {tuple(x.shape)}")
+        raise ArgumentError(f"x must be [T, {weights.hidden}], got {tuple(x.shape)}")
     if topk_ids.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+        raise ArgumentTypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
     if topk_weights.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise TypeError(f"topk_weights must be floating, got {topk_weights.dtype}")
+        raise ArgumentTypeError(f"topk_weights must be floating, got {topk_weights.dtype}")
     if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape:
-        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} "
+        raise ArgumentError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} "
                          f"must both be [T={x.shape[0]}, K]")
     for name, t in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
         if t.device != weights.device:
-            raise ValueError(f"{name} is on {t.device}, weights on {weights.device}")
+            raise ArgumentError(f"{name} is on {t.device}, weights on {weights.device}")
     if out is not None:
         if out.dtype != torch.bfloat16:
-            raise TypeError(f"out must be bf16, got {out.dtype}")
+            raise ArgumentTypeError(f"out must be bf16, got {out.dtype}")
         if tuple(out.shape) != tuple(x.shape):
-            raise ValueError(f"out must be {tuple(x.shape)}, got {tuple(out.shape)}")
+            raise ArgumentError(f"out must be {tuple(x.shape)}, got {tuple(out.shape)}")
         if out.device != x.device:
-            raise ValueError(f"out is on {out.device}, x on {x.device}")
+            raise ArgumentError(f"out is on {out.device}, x on {x.device}")
 
 
-def moe(x, weights, topk_weights, topk_ids, out=None, *, act_quant: Optional[str] = None):
-    check_moe_args(x, weights, topk_weights, topk_ids, out)
+def moe(x, weights, topk_weights, topk_ids, out=None, *, act_quant: Optional[str] = None,
+        checks: bool = True):
+    if checks:
+        check_moe_args(x, weights, topk_weights, topk_ids, out)
     weights.require_layout(CHECKPOINT, "torch")
     if act_quant not in (None, "mxfp8"):
-        raise ValueError(f"act_quant must be None or 'mxfp8', got {act_quant!r}")
+        raise ArgumentError(f"act_quant must be None or 'mxfp8', got {act_quant!r}")
     T, H = x.shape
     K = topk_ids.shape[1]
     I, E, L = weights.intermediate, weights.num_experts, weights.swiglu_limit
     flat = topk_ids.reshape(-1).long()
     if bool(((flat < -1) | (flat >= E)).any()):
-        raise ValueError(f"topk_ids must lie in [-1, {E}); got min {int(flat.min())}, max {int(flat.max())}")
+        raise ArgumentError(f"topk_ids must lie in [-1, {E}); got min {int(flat.min())}, max {int(flat.max())}")
     routed = torch.zeros(T * K, H, dtype=torch.float32, device=x.device)   # masked rows stay 0
     routes = (flat >= 0).nonzero().flatten()
     if routes.numel():
@@ -193,3 +196,9 @@ def random_routing(T, K, E, *, gen=None, device="cpu", mask_frac=0.0, scale=1.5)
         m = torch.rand(T, K, generator=gen) < mask_frac
         ids = torch.where(m, torch.full_like(ids, -1), ids)
     return w.float().to(device), ids.to(torch.int32).to(device)
+
+
+# Custom ops (backends/torch_ops.py): what the registry binds.
+from .ops import moe_op  # noqa: E402
+
+op_moe = moe_op("torch", moe)

@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...errors import ArgumentError
 from ..device_scope import on_device
 from .reference import check_moe_args
 from .weights import CHECKPOINT
@@ -184,7 +185,7 @@ def routing_tables(topk_ids: torch.Tensor, E: int, BM: int, force_torch: bool = 
 # --------------------------------------------------------------------------- #
 @triton.jit
 def _gemm1_swiglu_kernel(x_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, blk_expert_ptr, blk_start_ptr, blk_end_ptr,
-                         H, I, stride_x, limit,
+                         H, I, stride_x, limit: tl.float32,
                          TOPK: tl.constexpr, HAS_LIMIT: tl.constexpr, F32: tl.constexpr,
                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     pid_b = tl.program_id(0)
@@ -336,21 +337,23 @@ def _config(avg_rows: float, H: int, I: int, interpreted: bool) -> Tiles:
     return Tiles(128, 64, 64, 8, 3, 128, 64, 4, 3)
 
 
-def moe_w4a16(x, weights, topk_weights, topk_ids, out=None, *, force_torch_routing: bool = False,
+def moe_w4a16(x, weights, topk_weights, topk_ids, out=None, *, checks: bool = True,
+              force_torch_routing: bool = False,
               tiles: Tiles | None = None):
     """The ``moe`` op (contract: reference.py) with the Triton W4A16 kernels.
     ``tiles`` overrides the size-based choice (benchmarks/sweep_moe_triton.py uses it)."""
-    check_moe_args(x, weights, topk_weights, topk_ids, out)
+    if checks:
+        check_moe_args(x, weights, topk_weights, topk_ids, out)
     weights.require_layout(CHECKPOINT, "triton_w4a16")
     dev = x.device
     if dev.type == "cpu" and not INTERPRETED:
-        raise ValueError("Triton MoE kernels need CUDA tensors (CPU tensors only when imported with "
+        raise ArgumentError("Triton MoE kernels need CUDA tensors (CPU tensors only when imported with "
                          "TRITON_INTERPRET=1)")
     T, H = x.shape
     K = topk_ids.shape[1]
     E, I = weights.num_experts, weights.intermediate
     if H % 64 or I % 64:
-        raise ValueError(f"triton_w4a16 needs H and I to be multiples of 64 (H={H}, I={I})")
+        raise ArgumentError(f"triton_w4a16 needs H and I to be multiples of 64 (H={H}, I={I})")
     if out is None:
         out = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
     if T == 0:
@@ -358,7 +361,7 @@ def moe_w4a16(x, weights, topk_weights, topk_ids, out=None, *, force_torch_routi
     if x.stride(1) != 1:
         x = x.contiguous()
     if out.stride(1) != 1:
-        raise ValueError("out must have unit stride along H")
+        raise ArgumentError("out must have unit stride along H")
     ids = topk_ids.contiguous()
     tw = topk_weights.contiguous()
     R = T * K
@@ -385,3 +388,9 @@ def moe_w4a16(x, weights, topk_weights, topk_ids, out=None, *, force_torch_routi
         _combine_kernel[(T, triton.cdiv(H, BNC))](routed, ids, out, H, out.stride(0), TOPK=K, BN=BNC,
                                                    EXACT_RNE=INTERPRETED, num_warps=4)
     return out
+
+
+# Custom ops (backends/torch_ops.py): what the registry binds.
+from .ops import moe_op  # noqa: E402
+
+op_moe_w4a16 = moe_op("triton_w4a16", moe_w4a16)

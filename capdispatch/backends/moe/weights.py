@@ -28,6 +28,8 @@ from __future__ import annotations
 import importlib
 from typing import Optional
 
+from ...errors import ArgumentError, ArgumentTypeError, CapdispatchError
+
 GROUP = 32                 # MXFP4 block: one E8M0 scale per 32 weights
 CHECKPOINT = "checkpoint"  # layout tag of unprepared weights
 
@@ -52,7 +54,7 @@ def packed_bytes_per_expert(hidden: int, intermediate: int) -> int:
     return n // 2 + n // GROUP
 
 
-class LayoutError(ValueError):
+class LayoutError(CapdispatchError, ValueError):
     """Weights are not in the layout the called backend consumes."""
 
 
@@ -67,14 +69,14 @@ class MoeWeights:
 
         def u8(name, t):
             if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+                raise ArgumentTypeError(f"{name} must be a tensor, got {type(t).__name__}")
             if t.dtype in (torch.int8, getattr(torch, "float8_e8m0fnu", None)):
                 t = t.view(torch.uint8)        # reinterpretation, no copy
             if t.dtype != torch.uint8:
-                raise TypeError(f"{name} must hold packed bytes (uint8/int8/float8_e8m0fnu), got {t.dtype}: "
+                raise ArgumentTypeError(f"{name} must hold packed bytes (uint8/int8/float8_e8m0fnu), got {t.dtype}: "
                                 "MXFP4 weights and E8M0 scales are never stored widened")
             if t.dim() != 3 or not t.is_contiguous():
-                raise ValueError(f"{name} must be a contiguous 3-D tensor, got shape {tuple(t.shape)}")
+                raise ArgumentError(f"{name} must be a contiguous 3-D tensor, got shape {tuple(t.shape)}")
             return t
 
         w13, w13_scale, w2, w2_scale = (u8("w13", w13), u8("w13_scale", w13_scale),
@@ -85,20 +87,31 @@ class MoeWeights:
                 "w2": (E, H, I // 2), "w2_scale": (E, H, I // GROUP)}
         for name, t in (("w13", w13), ("w13_scale", w13_scale), ("w2", w2), ("w2_scale", w2_scale)):
             if tuple(t.shape) != want[name]:
-                raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {want[name]} "
+                raise ArgumentError(f"{name} has shape {tuple(t.shape)}, expected {want[name]} "
                                  f"(E={E}, H={H}, I={I})")
         if two_i % 2 or H % GROUP or I % GROUP:
-            raise ValueError(f"H={H} and I={I} must be multiples of {GROUP}")
+            raise ArgumentError(f"H={H} and I={I} must be multiples of {GROUP}")
         devices = {t.device for t in (w13, w13_scale, w2, w2_scale)}
         if len(devices) != 1:
-            raise ValueError(f"weights live on several devices: {sorted(map(str, devices))}")
+            raise ArgumentError(f"weights live on several devices: {sorted(map(str, devices))}")
         if swiglu_limit is not None and not float(swiglu_limit) > 0:
-            raise ValueError(f"swiglu_limit must be positive or None, got {swiglu_limit}")
+            raise ArgumentError(f"swiglu_limit must be positive or None, got {swiglu_limit}")
         self.w13, self.w13_scale, self.w2, self.w2_scale = w13, w13_scale, w2, w2_scale
         self.num_experts, self.hidden, self.intermediate = E, H, I
         self.swiglu_limit = None if swiglu_limit is None else float(swiglu_limit)
         self.layout = CHECKPOINT
         self.aux = {}
+
+    @classmethod
+    def from_parts(cls, w13, w13_scale, w2, w2_scale, num_experts, hidden, intermediate, swiglu_limit,
+                   layout, aux_keys, aux):
+        """The record again from its parts (no checks: the parts came from one). The moe
+        custom ops take the parts, since a custom op's schema has no records (moe/ops.py)."""
+        w = cls.__new__(cls)
+        w.w13, w.w13_scale, w.w2, w.w2_scale = w13, w13_scale, w2, w2_scale
+        w.num_experts, w.hidden, w.intermediate = num_experts, hidden, intermediate
+        w.swiglu_limit, w.layout, w.aux = swiglu_limit, layout, dict(zip(aux_keys, aux))
+        return w
 
     # ------------------------------------------------------------------ #
     @property
@@ -147,7 +160,7 @@ def prepare(weights: MoeWeights, backend: str) -> MoeWeights:
     try:
         layout, fn = LAYOUTS[backend]
     except KeyError:
-        raise ValueError(f"unknown moe backend {backend!r}; known: {', '.join(LAYOUTS)}") from None
+        raise ArgumentError(f"unknown moe backend {backend!r}; known: {', '.join(LAYOUTS)}") from None
     if weights.layout == layout:
         return weights
     if weights.layout != CHECKPOINT:
@@ -185,7 +198,7 @@ def rewrite_per_expert_(t, fn):
         new = fn(t[e:e + 1])
         nb = new.numel() * new.element_size()
         if nb != per:
-            raise ValueError(f"layout rewrite changed an expert's size: {per} -> {nb} bytes")
+            raise ArgumentError(f"layout rewrite changed an expert's size: {per} -> {nb} bytes")
         if shape is None:
             shape, dtype = tuple(new.shape), new.dtype
         flat[e].copy_(new.contiguous().view(-1).view(flat.dtype))

@@ -36,15 +36,15 @@ def register(registry) -> None:
         registry.add_op(op)
     # Registration order is the default order: fastest first.
     registry.add_backend(Backend(
-        "sparse_prefill", "flashmla_sparse", f"{_PKG}.external:flashmla_sparse",
+        "sparse_prefill", "flashmla_sparse", f"{_PKG}.external:op_flashmla_sparse",
         requires=(TORCH, _FLASHMLA, AnyFeature(("wgmma", "tcgen05"))),
         summary="FlashMLA sparse prefill (legacy kernels: SM90a wgmma, SM100 tcgen05), as SGLang calls it"))
     registry.add_backend(Backend(
-        "sparse_prefill", "triton", f"{_PKG}.triton_kernels:sparse_prefill",
+        "sparse_prefill", "triton", f"{_PKG}.triton_kernels:op_sparse_prefill",
         requires=(TORCH, TRITON, TritonTarget("8.0")),
         summary="Triton: one program per (query, head block), bf16 tensor-core dots, online softmax, "
                 "no scratch (any CUDA card from SM80)"))
     registry.add_backend(Backend(
-        "sparse_prefill", "torch", f"{_PKG}.reference:sparse_prefill",
+        "sparse_prefill", "torch", f"{_PKG}.reference:op_sparse_prefill",
         requires=(TORCH,),
         summary="torch reference, chunked over queries (runs anywhere)"))

@@ -26,8 +26,11 @@ declared requirements are tested on simulated devices.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from ...errors import ArgumentError
 from .reference import D_V, LN2, check_sparse_prefill_args
 
 __all__ = ["flashmla_sparse"]
@@ -35,21 +38,27 @@ __all__ = ["flashmla_sparse"]
 TOPK_ALIGN = 128
 
 
+@functools.cache
+def _flash_mla():
+    """flash_mla, imported on the first call (defining the custom op below needs no library)."""
+    import flash_mla
+    return flash_mla
+
+
 def _pad_heads(h: int) -> int:
     if h <= 64:
         return 64
     if h <= 128:
         return 128
-    raise ValueError(f"FlashMLA sparse prefill supports at most 128 query heads per call, got {h}")
+    raise ArgumentError(f"FlashMLA sparse prefill supports at most 128 query heads per call, got {h}")
 
 
 def flashmla_sparse(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None,
-                    *, use_legacy=True, out=None):
+                    *, use_legacy=True, out=None, checks=True):
     """sparse_prefill via ``flash_mla.flash_mla_sparse_fwd``. Contract: reference.sparse_prefill."""
-    import flash_mla
-
+    flash_mla = _flash_mla()
     q, kv2, idx2, attn_sink, topk_length, out = check_sparse_prefill_args(
-        q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out)
+        q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out, checks)
     s, h, _ = q.shape
     hp = _pad_heads(h)
     if hp != h:
@@ -83,3 +92,10 @@ def flashmla_sparse(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_leng
         out.copy_(o)
         o = out
     return o, max_logits, lse
+
+
+# Custom op (backends/torch_ops.py): what the registry binds. Defining it needs no
+# library, so its schema and fake implementation trace anywhere.
+from .ops import sparse_prefill_op  # noqa: E402
+
+op_flashmla_sparse = sparse_prefill_op("flashmla_sparse", flashmla_sparse)

@@ -43,6 +43,8 @@ import math
 
 import torch
 
+from ...errors import ArgumentError, ArgumentTypeError
+
 __all__ = ["sparse_prefill", "check_sparse_prefill_args", "DIM", "LOG2E", "LN2"]
 
 DIM = 512            # head dim of q and of the shared K/V latent (448 nope + 64 rope)
@@ -56,78 +58,83 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 
 def _as_tensor(x, name):
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        raise ArgumentTypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     return x
 
 
-def check_sparse_prefill_args(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out):
+def check_sparse_prefill_args(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out,
+                              checks: bool = True):
     """Shape/dtype/device checks shared by every backend (never synchronises).
 
     Returns (q, kv2d [s_kv, 512] view, idx2d [s, topk], attn_sink or None,
-    topk_length or None, out or None).
+    topk_length or None, out or None). ``checks=False`` (serving, inputs known good)
+    only takes the 2-D views.
     """
+    if not checks:
+        return (q, kv[:, 0, :] if kv.dim() == 3 else kv, indices[:, 0, :] if indices.dim() == 3 else indices,
+                attn_sink, topk_length, out)
     q, kv, indices = _as_tensor(q, "q"), _as_tensor(kv, "kv"), _as_tensor(indices, "indices")
     if q.dim() != 3 or q.shape[2] != DIM:
-        raise ValueError(f"q must be [s, h, {DIM}], got shape {tuple(q.shape)}")
+        raise ArgumentError(f"q must be [s, h, {DIM}], got shape {tuple(q.shape)}")
     if q.dtype != torch.bfloat16:
-        raise TypeError(f"q must be bfloat16, got {q.dtype}")
+        raise ArgumentTypeError(f"q must be bfloat16, got {q.dtype}")
     s, h, _ = q.shape
     if kv.dim() == 3:
         if kv.shape[1] != 1 or kv.shape[2] != DIM:
-            raise ValueError(f"kv must be [s_kv, 1, {DIM}] (h_kv = 1), got shape {tuple(kv.shape)}")
+            raise ArgumentError(f"kv must be [s_kv, 1, {DIM}] (h_kv = 1), got shape {tuple(kv.shape)}")
         kv2 = kv[:, 0, :]
     elif kv.dim() == 2 and kv.shape[1] == DIM:
         kv2 = kv
     else:
-        raise ValueError(f"kv must be [s_kv, 1, {DIM}], got shape {tuple(kv.shape)}")
+        raise ArgumentError(f"kv must be [s_kv, 1, {DIM}], got shape {tuple(kv.shape)}")
     if kv.dtype != torch.bfloat16:
-        raise TypeError(f"kv must be bfloat16, got {kv.dtype}")
+        raise ArgumentTypeError(f"kv must be bfloat16, got {kv.dtype}")
     if int(d_v) != D_V:
-        raise ValueError(f"d_v must be {D_V} (the only value FlashMLA's sparse prefill supports), got {d_v}")
+        raise ArgumentError(f"d_v must be {D_V} (the only value FlashMLA's sparse prefill supports), got {d_v}")
     if not isinstance(sm_scale, (float, int)) or isinstance(sm_scale, bool) or not math.isfinite(sm_scale):
-        raise TypeError(f"sm_scale must be a finite Python float, got {sm_scale!r}")
+        raise ArgumentTypeError(f"sm_scale must be a finite Python float, got {sm_scale!r}")
     if indices.dim() == 3:
         if indices.shape[1] != 1:
-            raise ValueError(f"indices must be [s, 1, topk] (h_kv = 1), got shape {tuple(indices.shape)}")
+            raise ArgumentError(f"indices must be [s, 1, topk] (h_kv = 1), got shape {tuple(indices.shape)}")
         idx2 = indices[:, 0, :]
     elif indices.dim() == 2:
         idx2 = indices
     else:
-        raise ValueError(f"indices must be [s, 1, topk], got shape {tuple(indices.shape)}")
+        raise ArgumentError(f"indices must be [s, 1, topk], got shape {tuple(indices.shape)}")
     if idx2.shape[0] != s:
-        raise ValueError(f"indices has {idx2.shape[0]} rows, q has {s} queries")
+        raise ArgumentError(f"indices has {idx2.shape[0]} rows, q has {s} queries")
     if idx2.dtype not in _INDEX_DTYPES:
-        raise TypeError(f"indices must be int32 or int64, got {idx2.dtype}")
+        raise ArgumentTypeError(f"indices must be int32 or int64, got {idx2.dtype}")
     dev = q.device
     for t, name in ((kv, "kv"), (indices, "indices")):
         if t.device != dev:
-            raise ValueError(f"{name} is on {t.device}, q is on {dev}")
+            raise ArgumentError(f"{name} is on {t.device}, q is on {dev}")
     if attn_sink is not None:
         attn_sink = _as_tensor(attn_sink, "attn_sink")
         if attn_sink.dim() != 1 or attn_sink.shape[0] != h:
-            raise ValueError(f"attn_sink must be [{h}], got shape {tuple(attn_sink.shape)}")
+            raise ArgumentError(f"attn_sink must be [{h}], got shape {tuple(attn_sink.shape)}")
         if attn_sink.dtype != torch.float32:
-            raise TypeError(f"attn_sink must be float32, got {attn_sink.dtype}")
+            raise ArgumentTypeError(f"attn_sink must be float32, got {attn_sink.dtype}")
         if attn_sink.device != dev:
-            raise ValueError(f"attn_sink is on {attn_sink.device}, q is on {dev}")
+            raise ArgumentError(f"attn_sink is on {attn_sink.device}, q is on {dev}")
     if topk_length is not None:
         topk_length = _as_tensor(topk_length, "topk_length")
         if topk_length.dim() != 1 or topk_length.shape[0] != s:
-            raise ValueError(f"topk_length must be [{s}], got shape {tuple(topk_length.shape)}")
+            raise ArgumentError(f"topk_length must be [{s}], got shape {tuple(topk_length.shape)}")
         if topk_length.dtype not in _INDEX_DTYPES:
-            raise TypeError(f"topk_length must be int32 or int64, got {topk_length.dtype}")
+            raise ArgumentTypeError(f"topk_length must be int32 or int64, got {topk_length.dtype}")
         if topk_length.device != dev:
-            raise ValueError(f"topk_length is on {topk_length.device}, q is on {dev}")
+            raise ArgumentError(f"topk_length is on {topk_length.device}, q is on {dev}")
     if out is not None:
         out = _as_tensor(out, "out")
         if tuple(out.shape) != (s, h, D_V):
-            raise ValueError(f"out must have shape ({s}, {h}, {D_V}), got {tuple(out.shape)}")
+            raise ArgumentError(f"out must have shape ({s}, {h}, {D_V}), got {tuple(out.shape)}")
         if out.dtype != torch.bfloat16:
-            raise TypeError(f"out must be bfloat16, got {out.dtype}")
+            raise ArgumentTypeError(f"out must be bfloat16, got {out.dtype}")
         if out.device != dev:
-            raise ValueError(f"out is on {out.device}, q is on {dev}")
+            raise ArgumentError(f"out is on {out.device}, q is on {dev}")
         if out.numel() and out.stride(2) != 1:
-            raise ValueError(f"out's last dim must be unit-stride, got strides {out.stride()}")
+            raise ArgumentError(f"out's last dim must be unit-stride, got strides {out.stride()}")
     return q, kv2, idx2, attn_sink, topk_length, out
 
 
@@ -163,10 +170,10 @@ def attend_gathered(qc, kg, valid, sm_scale, attn_sink):
 
 
 def sparse_prefill(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None,
-                   *, use_legacy=True, out=None):
+                   *, use_legacy=True, out=None, checks=True):
     """Sparse attention over gathered top-k K/V rows; see the module docstring for the contract."""
     q, kv2, idx2, attn_sink, topk_length, out = check_sparse_prefill_args(
-        q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out)
+        q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out, checks)
     s, h, _ = q.shape
     topk = idx2.shape[1]
     n_kv = kv2.shape[0]
@@ -198,3 +205,9 @@ def sparse_prefill(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_lengt
             max_logits[start:end] = m
             lse[start:end] = torch.where(l_e == float("-inf"), float("inf"), l_e)
     return out, max_logits, lse
+
+
+# Custom op (backends/torch_ops.py): what the registry binds.
+from .ops import sparse_prefill_op  # noqa: E402
+
+op_sparse_prefill = sparse_prefill_op("torch", sparse_prefill)

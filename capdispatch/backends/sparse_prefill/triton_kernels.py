@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ...errors import ArgumentError, UnsupportedDeviceError
 from ..device_scope import on_device
 from . import reference as R
 
@@ -94,7 +95,7 @@ def configs_for(cc, kind: str, tokens: int | None = None) -> tuple:
     ``kind``, best first: the measured table for that capability, else the portable one;
     with ``tokens``, without the entries whose ``max_tokens`` is below it."""
     if kind not in KINDS:
-        raise ValueError(f"unknown kernel kind {kind!r}; valid: {', '.join(KINDS)}")
+        raise ArgumentError(f"unknown kernel kind {kind!r}; valid: {', '.join(KINDS)}")
     table = MEASURED_CONFIGS.get(tuple(cc), PORTABLE_CONFIGS)[kind]
     if tokens is None:
         return table
@@ -279,7 +280,7 @@ def _sparse_mla_kernel(
     out_ptr, out_sb, out_ss, out_sh,
     ml_ptr, lse_ptr, st_sb, st_ss, st_sh,
     part_o_ptr, part_lse_ptr,                       # split-K scratch [T, H_pad, S, 512], [T, H_pad, S]
-    H, H_pad, DIV, LEN_DIV, qk_scale, blocks_per_split, num_splits,
+    H, H_pad, DIV, LEN_DIV, qk_scale: tl.float32, blocks_per_split, num_splits,
     KV_MODE: tl.constexpr, PAGE_SIZE: tl.constexpr, BYTES_PER_PAGE: tl.constexpr,
     PAGE_SIZE2: tl.constexpr, BYTES_PER_PAGE2: tl.constexpr,
     HAS_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_LEN2: tl.constexpr, HAS_SINK: tl.constexpr,
@@ -392,16 +393,27 @@ def _combine_kernel(
 INTERPRETED = not isinstance(_sparse_mla_kernel, triton.runtime.jit.JITFunction)
 
 
+_capabilities: dict = {}   # device index -> compute capability, read once per card
+
+
+def _capability(device: torch.device) -> tuple:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    cc = _capabilities.get(index)
+    if cc is None:
+        cc = _capabilities[index] = torch.cuda.get_device_capability(index)
+    return cc
+
+
 def check_device(t: torch.Tensor, native_fp8: bool = False) -> None:
     if t.device.type == "cpu":
         if not INTERPRETED:
-            raise ValueError("Triton attention kernels need CUDA tensors "
+            raise ArgumentError("Triton attention kernels need CUDA tensors "
                              "(CPU tensors only when imported with TRITON_INTERPRET=1)")
         return
     if native_fp8 and t.device.type == "cuda" and torch.version.hip is None:
-        cc = torch.cuda.get_device_capability(t.device)
+        cc = _capability(t.device)
         if cc < (8, 9):
-            raise RuntimeError(f"native-fp8 attention needs compute capability >= 8.9 (device has "
+            raise UnsupportedDeviceError(f"native-fp8 attention needs compute capability >= 8.9 (device has "
                                f"{cc[0]}.{cc[1]}); use the uint8 (integer-decode) Triton backend")
 
 
@@ -410,23 +422,43 @@ def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-_chosen: dict = {}    # (device, kind, key) -> index of the first config that compiled
+# (device type, device index, kind, tokens) -> the configurations to try, the last one
+# that fit this device first. Keyed by the device index: never answers for another card.
+_plans: dict = {}
+
+
+def device_key(device: torch.device) -> tuple:
+    """(type, index) of DEVICE, the current CUDA device's index for a bare "cuda"."""
+    if device.type == "cuda" and device.index is None:
+        return ("cuda", torch.cuda.current_device())
+    return (device.type, device.index)
 
 
 def _configs(device: torch.device, kind: str, tokens: int | None = None):
-    if device.type != "cuda":
-        return (INTERP_CONFIG,)
-    return configs_for(torch.cuda.get_device_capability(device), kind, tokens)
+    key = device_key(device) + (kind, tokens)
+    plan = _plans.get(key)
+    if plan is None:
+        if device.type != "cuda":
+            plan = (INTERP_CONFIG,)
+        else:
+            plan = configs_for(_capability(device), kind, tokens)
+        _plans[key] = plan
+    return plan
 
 
-def _out_of_resources():
+def _out_of_resources_errors() -> tuple:
+    """Triton's OutOfResources exception classes (where this Triton keeps them), looked up once."""
+    import importlib
     errs = []
     for mod, name in (("triton.runtime.errors", "OutOfResources"), ("triton.runtime.autotuner", "OutOfResources")):
         try:
-            errs.append(getattr(__import__(mod, fromlist=[name]), name))
+            errs.append(getattr(importlib.import_module(mod), name))
         except (ImportError, AttributeError):
             pass
     return tuple(dict.fromkeys(errs)) or (RuntimeError,)
+
+
+OUT_OF_RESOURCES = _out_of_resources_errors()
 
 
 # Offline compile support (tests and tuning: no GPU needed). Kernel argument types and
@@ -440,6 +472,14 @@ def compile_signature(kv_mode: int) -> dict:
                 ml_ptr="*fp32", lse_ptr="*fp32", st_sb="i64", st_ss="i64", st_sh="i64",
                 part_o_ptr="*fp32", part_lse_ptr="*fp32", H="i32", H_pad="i32", DIV="i32", LEN_DIV="i32",
                 qk_scale="fp32", blocks_per_split="i32", num_splits="i32")
+
+
+COMPILE_SIGNATURES = {
+    "_combine_kernel": dict(part_o_ptr="*fp32", part_lse_ptr="*fp32", sink_ptr="*fp32", out_ptr="*bf16",
+                            out_sb="i64", out_ss="i64", out_sh="i64", ml_ptr="*fp32", lse_ptr="*fp32",
+                            st_sb="i64", st_ss="i64", st_sh="i64", H="i32", H_pad="i32", DIV="i32",
+                            num_splits="i32"),
+}
 
 
 def compile_offline(cc: int, kv_mode: int, cfg: dict, *, extra: bool = False, num_splits: int = 1):
@@ -464,9 +504,7 @@ def compile_combine_offline(cc: int, block_h: int = COMBINE_BLOCK_H):
     """Compile ``_combine_kernel`` for compute capability ``cc`` without a GPU."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    sig = dict(part_o_ptr="*fp32", part_lse_ptr="*fp32", sink_ptr="*fp32", out_ptr="*bf16", out_sb="i64",
-               out_ss="i64", out_sh="i64", ml_ptr="*fp32", lse_ptr="*fp32", st_sb="i64", st_ss="i64",
-               st_sh="i64", H="i32", H_pad="i32", DIV="i32", num_splits="i32")
+    sig = dict(COMPILE_SIGNATURES["_combine_kernel"])
     consts = dict(HAS_SINK=True, STATS=2, SPLITS_P2=MAX_SPLITS, BLOCK_H=block_h, BLOCK_D=COMBINE_BLOCK_D,
                   ROUND=False)
     sig.update({k: "constexpr" for k in consts})
@@ -477,26 +515,20 @@ def compile_combine_offline(cc: int, block_h: int = COMBINE_BLOCK_H):
 def launch_sparse_mla(*, kind, device, T, H, config=None, num_splits=1, **args):
     """Launch ``_sparse_mla_kernel`` (and the combine kernel when split) over T tokens x H
     heads, trying configurations until one fits the device; the choice is cached per
-    (device, kind, key). ``args`` are the kernel's arguments by name (minus the grid-
+    (device, kind, tokens). ``args`` are the kernel's arguments by name (minus the grid-
     and config-dependent ones)."""
     configs = (config,) if config is not None else _configs(device, kind, T)
-    # The list depends on T only through max_tokens entries: its first entry tells them apart.
-    key = (str(device), kind, args.get("KV_MODE"), args.get("HAS_EXTRA"), num_splits > 1,
-           tuple(sorted(configs[0].items())) if configs else None)
-    start = _chosen.get(key, 0) if config is None else 0
-    errors = _out_of_resources()
     last = None
-    for i in range(start, len(configs)):
-        cfg = configs[i]
+    for i, cfg in enumerate(configs):
         try:
             _run(device, T, H, cfg, num_splits, args)
-        except errors as exc:   # does not fit this device: try a smaller tile
+        except OUT_OF_RESOURCES as exc:   # does not fit this device: try a smaller tile
             last = exc
             continue
-        if config is None:
-            _chosen[key] = i
+        if i and config is None:      # later calls of this shape start from the one that fit
+            _plans[device_key(device) + (kind, T)] = configs[i:]
         return cfg
-    raise RuntimeError(f"no Triton configuration fits this device for {kind}: {last}")
+    raise UnsupportedDeviceError(f"no Triton configuration fits this device for {kind}: {last}")
 
 
 def _run(device, T, H, cfg, num_splits, args):
@@ -568,12 +600,13 @@ def decode_splits(device: torch.device, T: int, H: int, total_index_entries: int
 # Public op
 # --------------------------------------------------------------------------- #
 def sparse_prefill(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None,
-                   *, use_legacy=True, out=None):
+                   *, use_legacy=True, out=None, checks=True):
     """Triton sparse prefill; same contract as reference.sparse_prefill (SGLang's
     ``flash_mla_sparse_fwd``). No scratch memory: one program per (query, head block)."""
     q, kv2, idx2, attn_sink, topk_length, out = R.check_sparse_prefill_args(
-        q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out)
-    check_device(q)
+        q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out, checks)
+    if checks:
+        check_device(q)
     s, h, _ = q.shape
     dev = q.device
     if out is None:
@@ -601,9 +634,15 @@ def sparse_prefill(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_lengt
             sink_ptr=attn_sink if attn_sink is not None else dummy,
             out_ptr=out, out_sb=out.stride(0), out_ss=0, out_sh=out.stride(1),
             ml_ptr=max_logits, lse_ptr=lse, st_sb=h, st_ss=0, st_sh=1,
-            DIV=1, LEN_DIV=1, qk_scale=float(sm_scale) * R.LOG2E,
+            DIV=1, LEN_DIV=1, qk_scale=sm_scale * R.LOG2E,
             KV_MODE=0, PAGE_SIZE=1, BYTES_PER_PAGE=1, PAGE_SIZE2=1, BYTES_PER_PAGE2=1,
             HAS_LEN=topk_length is not None, HAS_EXTRA=False, HAS_LEN2=False,
             HAS_SINK=attn_sink is not None, STATS=0 if use_legacy else 1,
         )
     return out, max_logits, lse
+
+
+# Custom op (backends/torch_ops.py): what the registry binds.
+from .ops import sparse_prefill_op  # noqa: E402
+
+op_sparse_prefill = sparse_prefill_op("triton", sparse_prefill)

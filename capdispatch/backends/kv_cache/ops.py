@@ -1,0 +1,66 @@
+"""kv_quant / kv_dequant as torch custom ops (naming and rationale: backends/torch_ops.py).
+
+``kv_quant_<backend>(k, pool!, loc, page_size, *, checks=True) -> ()`` mutates the pool;
+``kv_dequant_<backend>(pool, token_ids, page_size, *, checks=True) -> Tensor`` is
+functional and ``kv_dequant_<backend>_out(..., out!, checks=True) -> ()`` writes ``out``.
+The bound ``kv_dequant`` keeps the op contract's ``out=None`` and picks one of the two.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..torch_ops import CHECKS, define, op_name, pair_unchecked
+from .layout import DIM
+
+__all__ = ["kv_quant_op", "kv_dequant_op"]
+
+
+def _quant_fake(k, pool, loc, page_size, *, checks=True):
+    return None
+
+
+def _dequant_fake(pool, token_ids, page_size, *, checks=True):
+    return pool.new_empty((token_ids.shape[0], 1, DIM), dtype=torch.bfloat16)
+
+
+def _dequant_out_fake(pool, token_ids, page_size, *, out, checks=True):
+    return None
+
+
+def kv_quant_op(backend: str, impl):
+    """``capdispatch::kv_quant_<backend>`` (its OpOverload is what binds) running
+    IMPL(k, pool, loc, page_size, *, checks)."""
+    op = define(op_name("kv_quant", backend),
+                f"(Tensor k, Tensor(a!) pool, Tensor loc, int page_size, *, {CHECKS}) -> ()",
+                impl, _quant_fake)
+    return pair_unchecked(op, functools.partial(op, checks=False))
+
+
+def kv_dequant_op(backend: str, impl):
+    """The bound kv_dequant(pool, token_ids, page_size, out=None) for IMPL (same signature
+    plus ``*, checks``)."""
+    functional = define(op_name("kv_dequant", backend),
+                        f"(Tensor pool, Tensor token_ids, int page_size, *, {CHECKS}) -> Tensor",
+                        impl, _dequant_fake)
+
+    def _out_impl(pool, token_ids, page_size, *, out, checks=True):
+        impl(pool, token_ids, page_size, out, checks=checks)
+
+    with_out = define(op_name("kv_dequant", backend, out=True),
+                      f"(Tensor pool, Tensor token_ids, int page_size, *, Tensor(a!) out, {CHECKS}) -> ()",
+                      _out_impl, _dequant_out_fake)
+
+    def bound(checks):
+        def kv_dequant(pool, token_ids, page_size, out=None):
+            if out is None:
+                return functional(pool, token_ids, page_size, checks=checks)
+            with_out(pool, token_ids, page_size, out=out, checks=checks)
+            return out
+        kv_dequant.__qualname__ = kv_dequant.__name__ = op_name("kv_dequant", backend)
+        kv_dequant.__doc__ = impl.__doc__
+        kv_dequant.functional, kv_dequant.with_out = functional, with_out
+        return kv_dequant
+
+    return pair_unchecked(bound(True), bound(False))

@@ -1,0 +1,66 @@
+"""Library profiles: the inventory of a serving stack, kept as data (lib_profiles.yaml)."""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import attrs
+from packaging.utils import canonicalize_name
+
+from ..errors import CapdispatchError
+from . import _data
+
+
+class UnknownProfileError(CapdispatchError, ValueError):
+    """A --libs name that is not a profile."""
+
+
+@attrs.frozen
+class ProfileLib:
+    name: str                   # canonical distribution name
+    version: Optional[str]      # None: installed by the stack without a pin
+    via: Optional[str] = None   # the listed library that brings an unpinned one
+
+
+@attrs.frozen
+class Profile:
+    name: str
+    summary: str
+    stack: str                  # the requirement the profile describes, e.g. sglang==0.5.23
+    libraries: tuple            # ProfileLib, in file order
+
+    def get(self, dist: str) -> Optional[ProfileLib]:
+        dist = canonicalize_name(dist)
+        return next((lib for lib in self.libraries if lib.name == dist), None)
+
+
+@functools.lru_cache(maxsize=None)   # static package data
+def profiles() -> dict:
+    out = {}
+    for name, body in (_data.load("lib_profiles.yaml").get("profiles") or {}).items():
+        libs = tuple(ProfileLib(canonicalize_name(k), None if v.get("version") is None
+                                else str(v["version"]), v.get("via"))
+                     for k, v in (body.get("libraries") or {}).items())
+        out[name] = Profile(name, str(body.get("summary", "")), str(body.get("stack", "")), libs)
+    return out
+
+
+def names() -> list:
+    return sorted(profiles())
+
+
+def lookup(name: str) -> Profile:
+    import difflib
+    by_lower = {k.lower(): v for k, v in profiles().items()}
+    found = by_lower.get(name.strip().lower())
+    if found is None:
+        close = difflib.get_close_matches(name.strip(), names(), n=3, cutoff=0.5)
+        hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+        raise UnknownProfileError(f"unknown library profile {name!r}{hint} "
+                                  f"(known: {', '.join(names())})")
+    return found
+
+
+def dists() -> set:
+    """Every distribution some profile lists."""
+    return {lib.name for p in profiles().values() for lib in p.libraries}

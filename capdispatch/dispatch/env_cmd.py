@@ -1,0 +1,155 @@
+"""`dispatch env`: one report to paste into a bug report.
+
+capdispatch's version, Python, the platform, the NVIDIA driver and each card
+(through NVML, which never initialises CUDA), torch's CUDA build (from its
+metadata: torch is not imported), every library a backend declares with its
+version (metadata, no import), and every environment variable capdispatch reads.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import sys
+
+# Every variable capdispatch reads, with what it does; tests check this list
+# against the package's source.
+VARIABLES = {
+    "CAPDISPATCH_POLICY": "policy files, os.pathsep-separated, layered below --policy",
+    "CAPDISPATCH_SET": "explicit choices OP=BACKEND[,...], above every policy",
+    "CAPDISPATCH_STRICT": "1: an explicit choice that cannot run is an error",
+    "CAPDISPATCH_SGLANG_DEVICES": "the SGLang plugin's simulated GPUs (sim:NAME,...)",
+    "CAPDISPATCH_VERIFY": "what an unverified or failed canary does (above the policy's verify)",
+    "CAPDISPATCH_CACHE_DIR": "where canary verdicts are cached (default: the user's cache directory)",
+    "CAPDISPATCH_LOCK": "a lock file explain and verify compare the decisions with",
+    "CAPDISPATCH_IMPORT_TIMEOUT": "seconds a library's import may take on a real device (default 60)",
+    "CAPDISPATCH_DEBUG": "1: an internal error shows its traceback",
+    "CUDA_VISIBLE_DEVICES": "which GPUs cuda:N numbers, and in what order",
+    "CUDA_DEVICE_ORDER": "PCI_BUS_ID makes CUDA's numbering match NVML's",
+    "TRITON_INTERPRET": "1: Triton kernels run on the CPU under Triton's interpreter",
+    "NO_COLOR": "set: no colour in the matrix",
+    "FORCE_COLOR": "set: colour in the matrix even when piped",
+}
+
+# capdispatch's own dependencies and helpers, besides the backends' libraries.
+OWN = ("attrs", "pyyaml", "packaging", "platformdirs", "rich", "argcomplete", "nvidia-ml-py", "numpy")
+
+
+def add_parser(sub):
+    p = sub.add_parser("env", help="a report of versions, driver, cards, libraries and variables "
+                                   "to paste into a bug report",
+                       description=__doc__.split("\n\n", 1)[1].strip(),
+                       epilog="examples:\n  dispatch env\n  dispatch env --format json > env.json\n")
+    p.add_argument("--format", choices=("text", "json"), default="text",
+                   help="text for people (default) or JSON for programs")
+    return p
+
+
+def _version(dist: str):
+    from importlib import metadata
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _nvml() -> dict:
+    """Driver and cards through NVML, or why NVML cannot say."""
+    from ..capabilities.probing import nvml_failure
+    try:
+        import pynvml as nvml
+    except ImportError as exc:
+        return {"ok": False, "error": nvml_failure(exc), "cards": []}
+    try:
+        nvml.nvmlInit()
+    except Exception as exc:   # NVMLError subclasses, or a broken binding
+        return {"ok": False, "error": nvml_failure(exc), "cards": []}
+
+    def text(v):
+        return v.decode() if isinstance(v, bytes) else str(v)
+    out = {"ok": True, "error": None, "cards": []}
+    try:
+        out["driver"] = text(nvml.nvmlSystemGetDriverVersion())
+        cuda = nvml.nvmlSystemGetCudaDriverVersion()
+        out["cuda_driver"] = f"{cuda // 1000}.{cuda % 1000 // 10}"
+        for i in range(nvml.nvmlDeviceGetCount()):
+            h = nvml.nvmlDeviceGetHandleByIndex(i)
+            major, minor = nvml.nvmlDeviceGetCudaComputeCapability(h)
+            out["cards"].append({"index": i, "name": text(nvml.nvmlDeviceGetName(h)),
+                                 "cc": f"{major}.{minor}", "memory": nvml.nvmlDeviceGetMemoryInfo(h).total,
+                                 "uuid": text(nvml.nvmlDeviceGetUUID(h))})
+    except nvml.NVMLError as exc:
+        out.update(ok=False, error=f"NVML query failed: {exc}")
+    finally:
+        try:
+            nvml.nvmlShutdown()
+        except nvml.NVMLError:
+            pass
+    return out
+
+
+def report(env=None) -> dict:
+    from ..backends import builtin
+    from ..capabilities.probing import torch_cuda_version
+    from .cli import version
+    from .resolver import library_names
+    env = os.environ if env is None else env
+    backend_libs = sorted(library_names(builtin()))
+    variables = {k: env.get(k) for k in VARIABLES}
+    variables.update({k: v for k, v in sorted(env.items())
+                      if k.startswith("CAPDISPATCH_") and k not in VARIABLES})
+    return {
+        "schema": 1,
+        "capdispatch": {"version": version(), "location": os.path.dirname(os.path.dirname(__file__))},
+        "python": {"version": platform.python_version(), "implementation": platform.python_implementation(),
+                   "executable": sys.executable},
+        "platform": {"system": platform.platform(), "machine": platform.machine()},
+        "torch": {"version": _version("torch"), "cuda_build": torch_cuda_version()},
+        "nvml": _nvml(),
+        "libraries": {d: _version(d) for d in backend_libs},
+        "own": {d: _version(d) for d in OWN},
+        "variables": variables,
+        "unknown_variables": sorted(k for k in env if k.startswith("CAPDISPATCH_") and k not in VARIABLES),
+    }
+
+
+def _text(r) -> str:
+    def v(x):
+        return "not installed" if x is None else x
+    lines = [f"capdispatch {r['capdispatch']['version']}  ({r['capdispatch']['location']})",
+             f"Python {r['python']['version']} ({r['python']['implementation']})  {r['python']['executable']}",
+             f"platform: {r['platform']['system']}"]
+    t = r["torch"]
+    if t["version"] is None:
+        lines.append("torch: not installed")
+    else:
+        lines.append(f"torch: {t['version']}, CUDA build {t['cuda_build'] or 'none (CPU build)'}")
+    n = r["nvml"]
+    if n.get("driver"):
+        lines.append(f"NVIDIA driver {n['driver']} (CUDA driver API {n['cuda_driver']})")
+    if not n["ok"]:
+        lines.append(f"NVML: {n['error']}")
+    if n["cards"]:
+        lines.append("cards (NVML, bus order):")
+        for c in n["cards"]:
+            lines.append(f"  {c['index']}: {c['name']}, cc {c['cc']}, {c['memory'] / 2**30:.1f} GiB, {c['uuid']}")
+    elif n["ok"]:
+        lines.append("cards: none")
+    lines.append("libraries the backends declare (package metadata; nothing imported):")
+    width = max(len(k) for k in r["libraries"])
+    lines += [f"  {k:<{width}}  {v(x)}" for k, x in r["libraries"].items()]
+    lines.append("capdispatch's own dependencies:")
+    width = max(len(k) for k in r["own"])
+    lines += [f"  {k:<{width}}  {v(x)}" for k, x in r["own"].items()]
+    lines.append("environment variables capdispatch reads:")
+    width = max(len(k) for k in r["variables"])
+    lines += [f"  {k:<{width}}  {'(unset)' if x is None else repr(x)}" for k, x in r["variables"].items()]
+    if r["unknown_variables"]:
+        lines.append(f"  note: capdispatch reads none of {', '.join(r['unknown_variables'])} (a typo?)")
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    import json
+    r = report()
+    print(json.dumps(r, indent=2) if args.format == "json" else _text(r))
+    return 0

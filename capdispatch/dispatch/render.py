@@ -1,0 +1,148 @@
+"""Terminal rendering: the op x device matrix, symbols that fit the output's encoding,
+and wrapping. `rich` is imported only when a matrix is drawn."""
+from __future__ import annotations
+
+import io
+import os
+import sys
+import textwrap
+from typing import Optional, Sequence
+
+import attrs
+
+WIDTH = 100    # traces wrap here; the matrix uses the terminal's width, else this
+
+# Cell kinds, each with a mark (after the backend name), a colour, and a legend line.
+KINDS = {
+    "first": ("", "green", None),
+    "fallback": ("*", "yellow", "* fallback: the first preference cannot run on that device"),
+    "downgraded": ("!", "bold red", "! downgraded: an explicit choice cannot run there (see warnings)"),
+    "uniform": ("=", "cyan", "= changed by mixed_group: uniform (alone the device would run another)"),
+    "routed": ("^", "magenta", "^ routed: capdispatch's kernel serves SGLang's call site there"),
+    "none": ("", "dim", None),
+}
+
+
+@attrs.frozen
+class Cell:
+    text: str
+    kind: str = "first"      # a key of KINDS
+
+
+@attrs.frozen
+class Row:
+    label: str
+    cells: tuple             # Cell per column
+    diverges: bool = False   # the group's devices run different backends
+
+
+@attrs.frozen
+class Symbols:
+    ok: str
+    bad: str
+    arrow: str
+    differs: str
+
+
+UNICODE = Symbols("✓", "✗", "->", "≠")
+ASCII = Symbols("+", "x", "->", "!=")
+
+
+def encodes(text: str, stream=None) -> bool:
+    """Whether STREAM's encoding (default: stdout's) can write TEXT."""
+    enc = getattr(stream if stream is not None else sys.stdout, "encoding", None) or "ascii"
+    try:
+        text.encode(enc)
+    except (UnicodeEncodeError, LookupError):
+        return False
+    return True
+
+
+def symbols(stream=None) -> Symbols:
+    return UNICODE if encodes("✓✗≠─│", stream) else ASCII
+
+
+def use_color(stream=None, env=None) -> bool:
+    """Colour only on a terminal, never under NO_COLOR (https://no-color.org) or TERM=dumb;
+    FORCE_COLOR turns it on anywhere."""
+    env = os.environ if env is None else env
+    if env.get("NO_COLOR"):
+        return False
+    if env.get("FORCE_COLOR"):
+        return True
+    stream = stream if stream is not None else sys.stdout
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty()) and env.get("TERM") != "dumb"
+
+
+def terminal_width(stream=None) -> int:
+    stream = stream if stream is not None else sys.stdout
+    try:
+        if stream.isatty():
+            return max(60, os.get_terminal_size(stream.fileno()).columns)
+    except (AttributeError, OSError, ValueError):
+        pass
+    return WIDTH
+
+
+def render_matrix(columns: Sequence[str], rows: Sequence[Row], *, title: str = "",
+                  caption: str = "", corner: str = "op", color: Optional[bool] = None,
+                  width: Optional[int] = None, ascii_only: Optional[bool] = None,
+                  stream=None) -> str:
+    """A table: one row per op, one column per device (COLUMNS: header text, may hold
+    newlines), a mark per cell kind, divergent rows flagged, a legend of the marks used.
+    COLOR / ASCII_ONLY / WIDTH default to what STREAM (stdout) supports."""
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    color = use_color(stream) if color is None else color
+    ascii_only = (not encodes("─│≠", stream)) if ascii_only is None else ascii_only
+    sym = ASCII if ascii_only else UNICODE
+    width = terminal_width(stream) if width is None else width
+    # Never fold a backend name: a table wider than the terminal stays whole.
+    natural = max(len(corner), *(len(r.label) + 2 for r in rows)) + 4
+    for i, c in enumerate(columns):
+        natural += 3 + max([len(x) for x in c.split("\n")]
+                           + [len(r.cells[i].text) + 1 for r in rows if i < len(r.cells)])
+    width = max(width, natural)
+    table = Table(title=title or None, title_justify="left", caption=None,
+                  box=box.ASCII2 if ascii_only else box.SIMPLE_HEAVY, show_lines=False,
+                  pad_edge=False, header_style="bold" if color else "", title_style="bold" if color else "",
+                  safe_box=True)
+    table.add_column(corner, no_wrap=True, style="bold" if color else "")
+    for c in columns:
+        table.add_column(c, overflow="fold")
+    used = set()
+    for row in rows:
+        label = Text(row.label + (f" {sym.differs}" if row.diverges else ""),
+                     style="yellow" if (color and row.diverges) else "")
+        cells = []
+        for cell in row.cells:
+            mark, style, _ = KINDS[cell.kind]
+            used.add(cell.kind)
+            cells.append(Text(cell.text + mark, style=style if color else ""))
+        table.add_row(label, *cells)
+    legend = [KINDS[k][2] for k in KINDS if k in used and KINDS[k][2]]
+    if any(r.diverges for r in rows):
+        legend.append(f"{sym.differs} the group's devices run different backends for that op")
+    buf = io.StringIO()
+    console = Console(file=buf, width=width, force_terminal=color, no_color=not color,
+                      color_system="standard" if color else None, highlight=False,
+                      emoji=False, legacy_windows=False, soft_wrap=False)
+    console.print(table)
+    for line in legend + ([caption] if caption else []):
+        console.print(Text(line, style="dim" if color else ""), overflow="fold")
+    lines = [line.rstrip() for line in buf.getvalue().splitlines()]
+    while lines and not lines[0]:
+        lines.pop(0)
+    return "\n".join(line for i, line in enumerate(lines)
+                     if line or (i and lines[i - 1] and i + 1 < len(lines)))
+
+
+def wrap(text: str, indent: str, *, hang: str = "  ", width: int = WIDTH) -> list:
+    """TEXT as lines of at most WIDTH columns: the first with INDENT, the rest with
+    INDENT + HANG; a word longer than a line is broken."""
+    return textwrap.wrap(text, width=width, initial_indent=indent, subsequent_indent=indent + hang,
+                         break_on_hyphens=False, break_long_words=True) or [indent]
