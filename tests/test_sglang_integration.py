@@ -159,8 +159,9 @@ def test_launch_user_bf16_cache_means_no_kv_op(launcher):
     (info,) = _messages(c["logs"], "INFO")
     assert info.startswith("capdispatch: SGLang launch of kv_cache_dtype=bfloat16: DeepseekV4ForCausalLM's KV "
                            "and attention ops run with auto or fp8_e4m3 only; moe runs with any on ")
-    assert "moe: SGLang's own kernel on cuda:0; decided (reported, not carried out) triton_w4a16 on cuda:1, " \
-           "cuda:2" in info
+    assert "moe: SGLang's own kernel on cuda:0; capdispatch triton_w4a16 on cuda:1, cuda:2 (SGLang's " \
+           "Mxfp4FlashinferTrtllmMoEMethod under moe_runner_backend=flashinfer_mxfp4 (SGLang's DeepSeek-V4 " \
+           "default from device 0 (cuda:0, NVIDIA GeForce RTX 5090)) cannot run on this card" in info
 
 
 def test_launch_explicit_choice_downgraded_per_device_or_refused_under_strict(launcher):
@@ -236,21 +237,27 @@ def test_each_rank_decides_for_its_own_card(ranks):
     assert [s["device"]["name"] for s in states] == ["NVIDIA GeForce RTX 5090", "NVIDIA GeForce RTX 3080",
                                                       "NVIDIA GeForce RTX 3080"]
     assert [s["choices"]["kv_dequant"]["backend"] for s in states] == ["triton_fp8", "triton_u8", "triton_u8"]
-    kv = "capdispatch.backends.kv_cache.triton_kernels.kv_dequant_u8"
+    kv = "capdispatch.backends.kv_cache.ops.kv_dequant_triton_u8"
     sm86 = {"kv_quant": None, "kv_dequant": kv,
-            "indexer": "capdispatch.backends.indexer.triton_kernels.fp8_paged_mqa_logits",
-            "sparse_prefill": "capdispatch.backends.sparse_prefill.triton_kernels.sparse_prefill",
-            "decode_mla": "capdispatch.backends.decode_mla.triton_kernels.decode_mla_u8", "moe": None}
+            "indexer": "capdispatch.backends.indexer.ops.indexer_triton",
+            "sparse_prefill": "capdispatch.backends.sparse_prefill.ops.sparse_prefill_triton",
+            "decode_mla": "capdispatch.backends.decode_mla.ops.decode_mla_triton",
+            "moe": "capdispatch.backends.moe.ops.moe_triton_w4a16"}
     # The 5090: FlashInfer's SM120 decode is SGLang's own (kept); DeepGEMM has no SM120
     # indexer (routed to capdispatch's TileLang kernel); SGLang calls no sparse-prefill
-    # site on SM120 (its extends go through the SM120 decode entry).
+    # site on SM120 (its extends go through the SM120 decode entry). MoE: this CPU
+    # launcher's own platform facts are no GPU's, so SGLang's DSv4 default stays
+    # moe_runner_backend=auto (Fp8MoEMethod, no MXFP4 kernel) and every rank is routed,
+    # the 5090 to capdispatch's FlashInfer SM120 adapter (tests/test_sglang_moe.py
+    # launches with device 0's SM120 facts, where the 5090 keeps SGLang's method).
     assert [s["routes"] for s in states] == [
         {"kv_quant": None, "kv_dequant": None,
-         "indexer": "capdispatch.backends.indexer.tilelang_kernel.fp8_paged_mqa_logits",
-         "sparse_prefill": None, "decode_mla": None, "moe": None},
+         "indexer": "capdispatch.backends.indexer.ops.indexer_tilelang",
+         "sparse_prefill": None, "decode_mla": None,
+         "moe": "capdispatch.backends.moe.ops.moe_flashinfer_cutlass_w4a8"},
         sm86, sm86]
-    # The experts: SGLang's own FlashInfer runner on the 5090; reported on the 3080s.
-    assert [s["choices"]["moe"]["action"] for s in states] == ["kept", "reported", "reported"]
+    assert [s["choices"]["moe"]["action"] for s in states] == ["routed", "routed", "routed"]
+    assert all("moe_runner_backend=auto (as SGLang resolved it)" in s["choices"]["moe"]["why"] for s in states)
     assert states[0]["choices"]["sparse_prefill"]["why"] == "SGLang calls no routable sparse_prefill site on this card"
     assert states[1]["choices"]["decode_mla"]["why"].startswith(
         "SGLang's own flash_mla_with_kvcache cannot run there: needs ")
@@ -309,7 +316,7 @@ def test_ranks_mixed_group_uniform_reroutes_the_fast_card(ranks):
     after = [r["agreements"][2] for r in ranks]
     assert all(a["error"] is None for a in after)
     assert {a["state"]["choices"]["kv_dequant"]["backend"] for a in after} == {"triton_u8"}
-    assert after[0]["state"]["routes"]["kv_dequant"].endswith("kv_dequant_u8")
+    assert after[0]["state"]["routes"]["kv_dequant"].endswith("kv_cache.ops.kv_dequant_triton_u8")
     (info,) = [m for lv, m in after[0]["logs"] if lv == "INFO"]
     assert "after agreement with 3 rank(s): kv_dequant: triton_fp8 -> triton_u8" in info
 
@@ -319,7 +326,7 @@ def test_ranks_mixed_group_uniform_reroutes_the_fast_card(ranks):
 def test_kv_dequant_route_matches_sglangs_reference_under_the_triton_interpreter(launcher):
     # cuda:1 (RTX 3080): SGLang's fp8 Triton kernel cannot run; the route runs capdispatch's triton_u8.
     r = _run("kv", launcher["record"], 1, 1, env={"CAPDISPATCH_SGLANG_DEVICES": RIG, "TRITON_INTERPRET": "1"})
-    assert r["state"]["routes"]["kv_dequant"].endswith("triton_kernels.kv_dequant_u8")
+    assert r["state"]["routes"]["kv_dequant"].endswith("kv_cache.ops.kv_dequant_triton_u8")
     assert r["backend_binding_routed"] and r["backend_binding_is_source"]
     for c in r["dequant"]:
         msg = f"seed {r['seed']} (KV_TEST_SEED replays): {c}"
@@ -337,8 +344,8 @@ def test_kv_routes_for_an_explicit_choice_match_sglangs_reference(launcher):
            "CAPDISPATCH_SET": "kv_dequant=torch,kv_quant=torch"}
     r = _run("kv", launcher["record"], 0, 0, env=env)
     routes = r["state"]["routes"]
-    assert (routes["kv_quant"], routes["kv_dequant"]) == ("capdispatch.backends.kv_cache.reference.kv_quant",
-                                                          "capdispatch.backends.kv_cache.reference.kv_dequant")
+    assert (routes["kv_quant"], routes["kv_dequant"]) == ("torch._ops.capdispatch.kv_quant_torch.default",
+                                                          "capdispatch.backends.kv_cache.ops.kv_dequant_torch")
     for c in r["dequant"]:          # every byte random, including NaN codes and overflowing scales
         assert c["identical"] and c["backend_binding_identical"] and c["out_slice_identical"], \
             f"seed {r['seed']}: {c}"
@@ -365,7 +372,11 @@ def test_plan_with_sglang_arguments_runs_sglangs_resolution(model):
     assert out["sglang_resolved"]["kv_cache_dtype"] == "fp8_e4m3"
     assert out["sglang_resolved"]["SGLANG_DSV4_KV_LAYOUT"] == "v4"
     assert [r["ops"]["kv_dequant"]["routed"] for r in out["ranks"]] == [False, True, True]
-    assert [r["ops"]["moe"]["action"] for r in out["ranks"]] == ["kept", "reported", "reported"]
+    # The plan predicts SGLang's DeepSeek-V4 default from device 0 (the 5090: flashinfer_mxfp4):
+    # kept on the 5090, routed on the 3080s.
+    assert [r["ops"]["moe"]["action"] for r in out["ranks"]] == ["kept", "routed", "routed"]
+    assert [r["ops"]["moe"]["backend"] for r in out["ranks"]] == [
+        "flashinfer_cutlass_w4a8", "triton_w4a16", "triton_w4a16"]
     # --assume-lib reaches the plugin's own launch step inside SGLang's resolution: an
     # H200 with an older FlashMLA routes decode, so that step sets the V4 layout.
     for lib, routed, layout in (("sgl-flash-mla==0.9.0", True, "v4"), ("sgl-flash-mla==1.0.0", False, None)):
@@ -400,9 +411,9 @@ def test_attention_routes_on_an_sm86_rank_run_capdispatchs_kernels_at_sglangs_ca
     r = _run("attn", launcher["record"], 1, 1, env={"CAPDISPATCH_SGLANG_DEVICES": RIG, "TRITON_INTERPRET": "1"})
     msg = f"seed {r['seed']} (KV_TEST_SEED replays)"
     routes = r["state"]["routes"]
-    assert routes["decode_mla"].endswith("decode_mla.triton_kernels.decode_mla_u8")
-    assert routes["sparse_prefill"].endswith("sparse_prefill.triton_kernels.sparse_prefill")
-    assert routes["indexer"].endswith("indexer.triton_kernels.fp8_paged_mqa_logits")
+    assert routes["decode_mla"].endswith("decode_mla.ops.decode_mla_triton")
+    assert routes["sparse_prefill"].endswith("sparse_prefill.ops.sparse_prefill_triton")
+    assert routes["indexer"].endswith("indexer.ops.indexer_triton")
     d = r["decode"]
     assert "error" not in d, f"{msg}: {d}"
     assert d["routed"] and d["finite"] and d["shape"] == [3, 1, 6, 512], f"{msg}: {d}"
@@ -433,8 +444,8 @@ def test_attention_routes_on_an_sm120_rank_for_an_explicit_choice(launcher):
     r = _run("attn", launcher["record"], 0, 0, env=env)
     msg = f"seed {r['seed']}"
     routes = r["state"]["routes"]
-    assert routes["decode_mla"] == "capdispatch.backends.decode_mla.reference.decode_mla"
-    assert routes["indexer"] == "capdispatch.backends.indexer.reference.fp8_paged_mqa_logits"
+    assert routes["decode_mla"] == "capdispatch.backends.decode_mla.ops.decode_mla_torch"
+    assert routes["indexer"] == "capdispatch.backends.indexer.ops.indexer_torch"
     assert routes["sparse_prefill"] is None and "prefill" not in r
     d, ix = r["decode"], r["indexer"]
     assert "error" not in d and "error" not in ix, f"{msg}: {d} {ix}"

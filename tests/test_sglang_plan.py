@@ -140,5 +140,5 @@ def test_policy_and_environment_reach_every_part_of_the_plan(clean_env, monkeypa
     monkeypatch.setenv("CAPDISPATCH_SET", "moe=torch")
     p = json.loads(_plan(["--device", "sim:h200", "--assume-lib", "sglang-kernel==0.4.10"])[1])
     assert p["ranks"][0]["ops"]["moe"]["backend"] == "torch"
-    assert p["ranks"][0]["ops"]["moe"]["action"] == "reported"
+    assert p["ranks"][0]["ops"]["moe"]["action"] == "routed"
     assert next(x for x in p["sglang_settings"] if x["name"] == "moe_runner_backend")["without"] == ["cuda:0"]

@@ -43,7 +43,7 @@ def _decide(env, release, ids=(0, 1, 2), **kw):
 
 def test_knob_map_loads_with_kv_rows(release):
     assert release is not None
-    assert {r.op for r in release.routes} == {"kv_quant", "kv_dequant", "indexer", "sparse_prefill", "decode_mla"}
+    assert {r.op for r in release.routes} == {"kv_quant", "kv_dequant", "indexer", "sparse_prefill", "decode_mla", "moe"}
     assert release.route("kv_dequant").native == "triton_fp8"
     assert release.route("kv_quant").native is None
     assert release.models["DeepseekV4ForCausalLM"].ops == ("kv_quant", "kv_dequant", "indexer", "sparse_prefill",
@@ -473,7 +473,12 @@ def test_knob_map_rows_for_attention_and_moe(release):
     assert release.models["DeepseekV4ForCausalLM"].ops[-1] == "moe"
     # One entry per backend of every model op.
     reg = builtin()
-    assert release.routes_for("moe") == ()
+    # moe's one route is SGLang's per-layer method choice, whose kernel depends on the launch value.
+    (mr,) = release.routes_for("moe")
+    assert mr.name == "moe_layer" and mr.target.endswith("Fp8Config.get_quant_method")
+    assert mr.native is None and mr.native_by is not None and mr.native_by.field == "moe_runner_backend"
+    assert {b: release.entry("moe", b).routes for b in ("triton_w4a16", "torch")} == {
+        "triton_w4a16": ("moe_layer",), "torch": ("moe_layer",)}
     for op in release.models["DeepseekV4ForCausalLM"].ops:
         for b in reg.backends(op):
             e = release.entry(op, b.name)
@@ -498,9 +503,9 @@ def test_knob_map_rows_for_attention_and_moe(release):
     assert labels[("kv_dequant", "triton_fp8")] == []          # SGLang's default is this kernel
     # capdispatch's own kernels: SGLang has no setting that runs them; routed or reported.
     for op, b in [("decode_mla", "triton"), ("decode_mla", "triton_fp8"), ("sparse_prefill", "triton"),
-                  ("indexer", "tilelang"), ("indexer", "triton"), ("kv_quant", "torch")]:
+                  ("indexer", "tilelang"), ("indexer", "triton"), ("kv_quant", "torch"),
+                  ("moe", "triton_w4a16"), ("moe", "torch")]:
         assert labels[(op, b)] is None and release.entry(op, b).kind == "route", (op, b)
-    assert release.entry("moe", "triton_w4a16").kind == "none"
     assert release.entry("decode_mla", "triton").routes == ("mla_decode", "mla_decode_sm120")
     sel = {(s.field, s.value): s for s in release.selects}
     assert sel[("moe_runner_backend", "marlin")].backend == "marlin_w4a16"
@@ -514,7 +519,7 @@ def test_knob_map_rows_for_attention_and_moe(release):
 
 
 @pytest.mark.parametrize("old,new,message", [
-    ("        torch:\n          none: true\n          why: *no_moe_runner\n", "", "no entry for moe backend(s) torch"),
+    ("        torch: {route: [moe_layer]}\n", "", "no entry for moe backend(s) torch"),
     ("        backend: marlin_w4a16                      # Mxfp4MarlinMoEMethod\n",
      "        backend: marlin_w4a16\n        backends: {sm90: marlin_w4a16}\n",
      "selects[2]: give exactly one of 'backend' or 'backends'"),
@@ -532,8 +537,12 @@ def test_knob_map_rows_for_attention_and_moe(release):
      "unknown backend 'triton_u9' for kv_dequant"),
     ("            - {env: SGLANG_OPT_USE_AITER_INDEXER, value: \"false\"}\n",
      "            - {value: \"false\"}\n", "give exactly one of 'field' or 'env'"),
-    ("        triton_w4a16:\n          none: true\n", "        triton_w4a16:\n          nope: true\n",
+    ("        triton_w4a16: {route: [moe_layer]}", "        triton_w4a16: {nope: true}",
      "unknown key 'nope'; did you mean 'none'?"),
+    ("            marlin: {sm90: marlin_w4a16,", "            marlin: {sm90: marlin_w4a61,",
+     "native_by.values.marlin.sm90: unknown backend 'marlin_w4a61' for moe"),
+    ("        native_by:\n          field: moe_runner_backend\n", "        native_by:\n",
+     "native_by: missing 'field'"),
 ])
 def test_knob_rows_errors_name_the_problem(tmp_path, old, new, message):
     with pytest.raises(knobs.KnobsError, match=message.replace("(", r"\(").replace(")", r"\)")
@@ -568,12 +577,17 @@ def test_knob_ops_per_rank_on_the_simulated_rig(env, release):
     assert {d: c.action for d, c in kd.choices["decode_mla"].items()} == {
         "cuda:0": "kept", "cuda:1": "kept", "cuda:2": "routed"}
     assert kd.choices["sparse_prefill"]["cuda:0"].why == "SGLang calls no routable sparse_prefill site on this card"
+    # MoE: SGLang's DeepSeek-V4 default (flashinfer_mxfp4, from device 0) builds a method
+    # per card; the 3080 has no kernel for its method, so its MoE layers are routed.
     moe2 = kd.choices["moe"]["cuda:2"]
-    assert moe2.action == "reported" and "no call site of it is routed" in moe2.why and "SM80-89" in moe2.why
+    assert moe2.action == "routed" and moe2.why.startswith(
+        "SGLang's Mxfp4FlashinferTrtllmMoEMethod under moe_runner_backend=flashinfer_mxfp4 (SGLang's "
+        "DeepSeek-V4 default from device 0 (cuda:0, NVIDIA GeForce RTX 5090)) cannot run on this card")
+    assert "capdispatch triton_w4a16 runs at Fp8Config.get_quant_method instead" in moe2.why
     assert {d: c.action for d, c in kd.choices["moe"].items()} == {
-        "cuda:0": "kept", "cuda:1": "kept", "cuda:2": "reported"}
+        "cuda:0": "kept", "cuda:1": "kept", "cuda:2": "routed"}
     assert kd.choices["moe"]["cuda:0"].why.startswith(
-        "SGLang runs it itself under moe_runner_backend=flashinfer_mxfp4")
+        "SGLang's own Mxfp4FlashinferCutlassMoEMethod kept under moe_runner_backend=flashinfer_mxfp4")
     # The launch: one value per SGLang name; a mixed rig splits, nothing is set.
     s = {x.name: x for x in kd.sglang}
     assert s["moe_runner_backend"].action == "split"
@@ -686,10 +700,11 @@ def test_plan_shows_every_op_and_the_sglang_settings_per_rank(env, capsys, monke
     rank2 = flat.split("rank 2:")[1]
     # One line per op per rank: routed, kept or reported, with why.
     assert "decode_mla triton routed SGLang's own flash_mla_with_kvcache cannot run there" in rank2
-    assert "moe triton_w4a16 report no SGLang setting runs capdispatch triton_w4a16 and no call site" in rank2
+    assert "moe triton_w4a16 routed SGLang's Mxfp4FlashinferTrtllmMoEMethod under moe_runner_backend=" \
+           "flashinfer_mxfp4" in rank2
     assert "decode_mla flashmla kept SGLang's own flash_mla_with_kvcache kept" in flat
-    assert "moe flashinfer_cutlass_w4a16 kept SGLang runs it itself under moe_runner_backend=flashinfer_mxfp4" \
-        in flat
+    assert "moe flashinfer_cutlass_w4a16 kept SGLang's own Mxfp4FlashinferCutlassMoEMethod kept under " \
+           "moe_runner_backend=flashinfer_mxfp4" in flat
     assert "SGLang settings each rank's choice needs (reported, not set" in out
     assert "split  moe_runner_backend  (SGLang takes one value per launch; cuda:0, cuda:1 need flashinfer_mxfp4; " \
            "cuda:2 needs a capdispatch kernel no SGLang setting runs)" in out
@@ -705,7 +720,7 @@ def test_plan_shows_every_op_and_the_sglang_settings_per_rank(env, capsys, monke
             assert c["routed"] == (c["action"] == "routed") and c["why"]
     r2 = p["ranks"][2]["ops"]
     assert r2["decode_mla"]["backend"] == "triton" and r2["decode_mla"]["setting"] is None
-    assert r2["moe"] == {"backend": "triton_w4a16", "action": "reported", "routed": False,
+    assert r2["moe"] == {"backend": "triton_w4a16", "action": "routed", "routed": True,
                          "why": r2["moe"]["why"], "setting": None, "source": r2["moe"]["source"],
                          "downgraded_from": None, "kind": "fallback"}
     assert p["ranks"][1]["ops"]["moe"]["setting"] == ["moe_runner_backend=flashinfer_mxfp4"]

@@ -208,13 +208,19 @@ def _no_site_why(entry, res) -> tuple:
     return action, text
 
 
-def choose(release, op: str, res, spec, user_env=None) -> OpChoice:
-    """How the resolution RES of OP on SPEC is carried out inside SGLang."""
+def choose(release, op: str, res, spec, user_env=None, moe_launch=None, strict=False) -> OpChoice:
+    """How the resolution RES of OP on SPEC is carried out inside SGLang. MOE_LAUNCH
+    (moe_plan.LaunchValue): the launch's moe_runner_backend, which picks SGLang's MoE
+    method on each card; STRICT: a user value that cannot run there is refused."""
     entry = release.entry(op, res.backend)
     setting = entry.settings if entry is not None and entry.kind == "sglang" else ()
     route = release.route(op, spec)
     warning = None
-    if route is not None:
+    if route is not None and route.native_by is not None:
+        from . import moe_plan
+        routed, why, warning = moe_plan.route_choice(route, res, spec, moe_launch, strict)
+        action = "routed" if routed else "kept"
+    elif route is not None:
         routed, why, warning = route_choice(route, op, res, user_env)
         action = "routed" if routed else "kept"
     elif release.routes_for(op):
@@ -236,24 +242,28 @@ def _user_names(ctx, op: str) -> bool:
 def resolved_ops(release, ops, ctx) -> tuple:
     """The ops whose capdispatch decision changes what runs: every op but one whose
     call sites all keep an SGLang kernel that runs everywhere (`native: null`),
-    unless the user asked for a capdispatch backend of it. Device-independent, so
+    unless the user asked for a capdispatch backend of it (a site whose SGLang kernel
+    depends on a launch setting, `native_by`, is decided). Device-independent, so
     every rank of a group derives the same list."""
     out = []
     for op in ops:
         routes = release.routes_for(op)
-        if not routes or any(r.native is not None for r in routes) or _user_names(ctx, op):
+        if not routes or any(r.native is not None or r.native_by is not None for r in routes) \
+                or _user_names(ctx, op):
             out.append(op)
     return tuple(out)
 
 
-def choices_for(plan, release, ops, specs, *, ids=None, user_env=None) -> dict:
+def choices_for(plan, release, ops, specs, *, ids=None, user_env=None, moe_launch=None,
+                strict=False) -> dict:
     """op -> {device id: OpChoice} from PLAN; IDS maps plan ids to reported ids;
-    USER_ENV: the route environment names the user set (they keep SGLang's choice)."""
+    USER_ENV: the route environment names the user set (they keep SGLang's choice);
+    MOE_LAUNCH, STRICT: as for choose."""
     out = {}
     for op in ops:
         row = {}
         for spec, (pid, res) in zip(specs, plan.ops[op].per_device.items()):
-            c = choose(release, op, res, spec, user_env)
+            c = choose(release, op, res, spec, user_env, moe_launch, strict)
             did = (ids or {}).get(pid, pid)
             row[did] = attrs.evolve(c, device=did)
         out[op] = row
@@ -347,12 +357,24 @@ def sglang_settings(release, choices: dict, *, explicit_fields=(), env=None, fie
     return tuple(out), warnings
 
 
+def moe_launch_of(release, specs, *, explicit_fields=(), field_values=None, moe_launch=None):
+    """The launch's moe_runner_backend (moe_plan.LaunchValue): MOE_LAUNCH where the
+    caller has SGLang's resolved value (a rank), else the user's, else SGLang's
+    DeepSeek-V4 default for device 0 of SPECS."""
+    from . import moe_plan
+    if moe_launch is not None:
+        return moe_launch
+    return moe_plan.launch_value(release, specs, explicit_fields=explicit_fields, field_values=field_values)
+
+
 def decide_in(ctx, specs, ops, release, *, env=None, explicit_fields=(), field_values=None,
-              user_env=None) -> Decision:
+              user_env=None, moe_launch=None) -> Decision:
     """Resolve OPS over SPECS as one group with the Context CTX, once, and derive
     from those resolutions what runs where, the launch settings and the SGLang
-    settings. Raises capdispatch.Unsatisfiable (strict downgrade, nothing runnable,
-    mixed_group: error) and capdispatch.BadInput."""
+    settings. MOE_LAUNCH: SGLang's resolved moe_runner_backend, where known (see
+    moe_launch_of). Raises capdispatch.Unsatisfiable (strict downgrade, nothing
+    runnable, mixed_group: error, strict refusal of a user moe_runner_backend that
+    cannot run on a card) and capdispatch.BadInput."""
     import capdispatch as cd
     specs = tuple(specs)
     ops = tuple(ops)
@@ -361,8 +383,11 @@ def decide_in(ctx, specs, ops, release, *, env=None, explicit_fields=(), field_v
     if active:
         # Warnings ride in the plan; the caller logs them once, where it should.
         plan = cd.plan_in(ctx, list(specs), list(active), log_warnings=False)
+        launch = moe_launch_of(release, specs, explicit_fields=explicit_fields, field_values=field_values,
+                               moe_launch=moe_launch)
         choices = choices_for(plan, release, active, specs,
-                              ids={p.id: s.id for p, s in zip(plan.devices, specs)}, user_env=user_env)
+                              ids={p.id: s.id for p, s in zip(plan.devices, specs)}, user_env=user_env,
+                              moe_launch=launch, strict=ctx.strict_effective)
     choices = {op: choices[op] if op in active else kept_choices(release, op, specs) for op in ops}
     kw = dict(explicit_fields=explicit_fields, env=ctx.env if env is None else env, field_values=field_values)
     settings, w1 = settings_for(release, choices, **kw)
@@ -375,16 +400,16 @@ def decide_in(ctx, specs, ops, release, *, env=None, explicit_fields=(), field_v
 
 def decide(specs, ops, release, *, selections=None, selection_origin="selections=", policy=(),
            strict: bool = False, env=None, explicit_fields=(), field_values=None,
-           user_env=None, assume_libs=()) -> Decision:
+           user_env=None, assume_libs=(), moe_launch=None) -> Decision:
     """decide_in with the Context built here (context_for) from the same inputs."""
     ctx = context_for(release, selections=selections, selection_origin=selection_origin, policy=policy,
                       field_values=field_values, assume_libs=assume_libs, strict=strict, env=env)
     return decide_in(ctx, specs, ops, release, env=env, explicit_fields=explicit_fields,
-                     field_values=field_values, user_env=user_env)
+                     field_values=field_values, user_env=user_env, moe_launch=moe_launch)
 
 
-def decide_launch(specs, release, inputs, *, env=None) -> Decision:
-    """decide for a LaunchInputs record."""
+def decide_launch(specs, release, inputs, *, env=None, moe_launch=None) -> Decision:
+    """decide for a LaunchInputs record (MOE_LAUNCH: as for decide_in)."""
     return decide_in(context_of(release, inputs, env), specs, inputs.ops, release, env=env,
                      explicit_fields=inputs.explicit_fields, field_values=inputs.field_values,
-                     user_env=inputs.user_env)
+                     user_env=inputs.user_env, moe_launch=moe_launch)

@@ -121,6 +121,7 @@ class Route:
     name: str = ""
     runner: Optional[SglangSetting] = None   # the SGLang setting under which `native` runs here
     prepare: Optional[str] = None             # "module:function": weight preparation at load time
+    native_by: object = None                  # moe_plan.NativeBy: `native` per launch value and card
 
     @property
     def site(self) -> str:
@@ -324,7 +325,8 @@ def _release(c: _Checker, d, where: str) -> Release:
     routes = []
     for i, r in enumerate(d.get("routes") or []):
         w = f"{where}.routes[{i}]"
-        c.only(r, ("name", "op", "target", "call", "native", "cc", "env", "why", "runner", "prepare"), w)
+        c.only(r, ("name", "op", "target", "call", "native", "cc", "env", "why", "runner", "prepare",
+                   "native_by"), w)
         env = r.get("env") or {}
         if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):
             raise c.err(r, f"{w}.env", f"expected a mapping of environment names to string values, "
@@ -341,6 +343,14 @@ def _release(c: _Checker, d, where: str) -> Release:
                     tuple((str(k), v) for k, v in env.items()), str(c.need(r, "name", w, str)),
                     runner, prepare)
         c.backends(r, row.op, (row.native,) if row.native else (), w, "native")
+        if r.get("native_by") is not None:      # moe: SGLang's method depends on the launch's value
+            from .moe_plan import check_native_by
+            try:
+                nb = check_native_by(r["native_by"], f"{w}.native_by", c.registry, row.op)
+            except ValueError as exc:
+                at, _, what = str(exc).partition(": ")
+                raise c.err(r, at, what, "native_by") from None
+            row = attrs.evolve(row, native_by=nb)
         if any(o.target == row.target for o in routes):
             raise c.err(r, w, f"{row.target} is routed twice", "target")
         if any(o.name == row.name for o in routes):

@@ -99,7 +99,7 @@ def configure(server_args, gpu_id: int, *, env=None):
     """Everything a rank does before its model exists. Returns its RankState."""
     import attrs
 
-    from . import archfacts, decide, proof, render, rig
+    from . import archfacts, decide, moe_plan, proof, render, rig
     from .records import RankState
     release = _release()
     if release is None:
@@ -108,9 +108,10 @@ def configure(server_args, gpu_id: int, *, env=None):
     changes = archfacts.correct(spec, release.arch)
     inputs = _inputs(server_args, release)
     inputs = attrs.evolve(inputs, user_env=user_env(release, inputs, env))
+    moe_launch = moe_plan.record_value(server_args, release, inputs.explicit_fields)
 
     def decide_now(env):
-        return decide.decide_launch([spec], release, inputs, env=env)
+        return decide.decide_launch([spec], release, inputs, env=env, moe_launch=moe_launch)
     d, proof_text = proof.verified(spec, decide_now, env=env)
     for w in d.warnings:
         log.warning("capdispatch: %s", w)
@@ -118,7 +119,8 @@ def configure(server_args, gpu_id: int, *, env=None):
     mine = {op: row[spec.id] for op, row in d.choices.items()}
     key = device_key(spec, gpu_id)
     apply_routes(release, mine, spec, key, env, inputs.user_env)
-    state = RankState(gpu_id, spec, key, inputs, release, d.resolved, mine, tuple(changes), env)
+    state = RankState(gpu_id, spec, key, inputs, release, d.resolved, mine, tuple(changes), env,
+                      moe_launch=moe_launch)
     _RANKS[gpu_id] = state
     facts = ", ".join(f"{n} {b!r} -> {a!r}" for n, b, a in changes) or "already this card's"
     what = render.summary(d, settings=False) if inputs.ops else f"no op to decide ({inputs.reason})"
@@ -143,7 +145,10 @@ def agree(state, group):
     plan = cd.agree(state.spec, ops, group=group, log_warnings=False, context=ctx)
     rank = dist.get_rank(group)
     me = plan.devices[rank]
-    choices = decide.choices_for(plan, release, ops, plan.devices, user_env=inputs.user_env)
+    launch = decide.moe_launch_of(release, plan.devices, explicit_fields=inputs.explicit_fields,
+                                  field_values=inputs.field_values, moe_launch=state.moe_launch)
+    choices = decide.choices_for(plan, release, ops, plan.devices, user_env=inputs.user_env,
+                                 moe_launch=launch, strict=ctx.strict_effective)
     if rank == 0:   # each rank logged its own downgrades; the group's divergences once
         for g in plan.ops.values():
             own = {w for r in g.per_device.values() for w in r.warnings}

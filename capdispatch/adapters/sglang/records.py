@@ -70,6 +70,7 @@ class RankState:
     changes: tuple               # SGLang architecture facts corrected: (what, before, after)
     env: Optional[dict] = None   # the process environment the rank reads and switches (None: os.environ)
     agreed: object = None        # the group Plan after agreement
+    moe_launch: object = None    # moe_plan.LaunchValue: the launch's moe_runner_backend, as SGLang resolved it
 
 
 @attrs.frozen

@@ -123,9 +123,21 @@ def indexer_logits(original, q_fp8, kvcache_fp8, weight, seq_lens, page_table, d
     return fn(q_fp8, kvcache_fp8, weight, seq_lens, page_table, None, max_seq_len, clean_logits)
 
 
+def moe_quant_method(original, self, layer, prefix):
+    """AROUND Fp8Config.get_quant_method(self, layer, prefix) -> the layer's quant
+    method. Where this process's device (the one the layer's parameters are being
+    created on) routes moe, an MXFP4 expert layer gets capdispatch's method bound to
+    that device's kernel (moe_method.py); everything else gets SGLang's own choice."""
+    from .moe_method import make, new_tensor_key
+    key = new_tensor_key()
+    fn = _KERNELS.get("moe", {}).get(key)
+    method = None if fn is None else make(self, layer, prefix, fn, key)
+    return original(self, layer, prefix) if method is None else method
+
+
 CALLS = {"dequant_v4": dequant_v4, "store_v4": store_v4, "mla_decode": mla_decode,
          "mla_decode_sm120": mla_decode_sm120, "mla_sparse_prefill": mla_sparse_prefill,
-         "indexer_logits": indexer_logits}
+         "indexer_logits": indexer_logits, "moe_quant_method": moe_quant_method}
 
 
 def kernel(op: str, device_key):

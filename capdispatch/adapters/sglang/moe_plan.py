@@ -1,0 +1,184 @@
+"""Which ranks' MoE layers are routed, and why (no SGLang, no torch here).
+
+SGLang takes one `moe_runner_backend` for the whole launch: the user's, or
+its DeepSeek-V4 default, decided from device 0's architecture. Each rank then
+builds the method SGLang picks for that value on ITS card (knobs.yaml, the moe
+route's `native_by`). Where that method's kernel (the capdispatch backend with
+the same requirements) runs on the card, SGLang's own method is kept; where it
+cannot, or where the value has no MXFP4 method at all, the rank's MoE layers
+are routed to the capdispatch backend decided for the card. A value the user
+set that cannot run on a rank is said at WARNING (an error under strict).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import attrs
+
+OTHER = "other"        # a device family, or a value, not listed
+
+
+@attrs.frozen
+class NativeBy:
+    """The moe route's `native_by` block of knobs.yaml, checked."""
+    field: str
+    default: tuple            # ((family, value), ...): SGLang's default, by device 0's family
+    values: tuple             # ((value, ((family, backend or None), ...)), ...)
+    methods: tuple            # ((value, name or ((family, name), ...)), ...): what SGLang builds
+    why: tuple = ()           # ((value, text), ...): why a None backend cannot run
+
+    def _lookup(self, rows, key, fallback=None):
+        d = dict(rows)
+        return d.get(key, d.get(OTHER, fallback))
+
+    def default_for(self, device) -> str:
+        return self._lookup(self.default, _family(device), "auto")
+
+    def native(self, value: str, device) -> Optional[str]:
+        """The capdispatch backend SGLang's method for VALUE runs on DEVICE (None: none)."""
+        return self._lookup(self._lookup(self.values, value, ()), _family(device))
+
+    def method(self, value: str, device=None) -> str:
+        m = self._lookup(self.methods, value, "its method")
+        return m if isinstance(m, str) else self._lookup(m, _family(device), "its method")
+
+    def reason(self, value: str) -> str:
+        return self._lookup(self.why, value, "")
+
+
+@attrs.frozen
+class LaunchValue:
+    """The launch's moe_runner_backend and where it comes from."""
+    value: str
+    origin: str
+    explicit: bool            # the user set it
+
+
+def _family(device) -> Optional[str]:
+    cc = getattr(device, "cc", None)
+    return None if not cc or getattr(device, "platform", "cuda") != "cuda" else f"sm{cc[0] * 10}"
+
+
+def check_native_by(raw, where: str, registry, op: str = "moe") -> NativeBy:
+    """Parse the `native_by` block; ValueError with WHERE on a bad shape or name."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}: expected a mapping with field, default, values, methods")
+    for key in ("field", "default", "values", "methods"):
+        if key not in raw:
+            raise ValueError(f"{where}: missing {key!r}")
+    valid = {b.name for b in registry.backends(op)}
+
+    def fams(d, w, check_backend):
+        if not isinstance(d, dict) or not d:
+            raise ValueError(f"{w}: expected a mapping of device families (sm90, sm120, ..., {OTHER})")
+        out = []
+        for fam, v in d.items():
+            if fam != OTHER and not (isinstance(fam, str) and fam.startswith("sm") and fam[2:].isdigit()):
+                raise ValueError(f"{w}: {fam!r} is not a device family (sm90, sm100, sm120, ..., {OTHER})")
+            if check_backend and v is not None and v not in valid:
+                raise ValueError(f"{w}.{fam}: unknown backend {v!r} for {op} (valid: {', '.join(sorted(valid))})")
+            out.append((fam, None if v is None else str(v)))
+        return tuple(out)
+
+    values = raw["values"]
+    if not isinstance(values, dict) or not values:
+        raise ValueError(f"{where}.values: expected a mapping of {raw['field']} values to device families")
+    methods = raw["methods"]
+    if not isinstance(methods, dict) or set(methods) != set(values):
+        raise ValueError(f"{where}.methods: expected one SGLang method name per value of `values` "
+                         f"({', '.join(map(str, values))})")
+    why = raw.get("why") or {}
+    if not isinstance(why, dict):
+        raise ValueError(f"{where}.why: expected a mapping of values to text")
+    return NativeBy(str(raw["field"]), fams(raw["default"], f"{where}.default", False),
+                    tuple((str(v), fams(f, f"{where}.values.{v}", True)) for v, f in values.items()),
+                    tuple((str(v), fams(m, f"{where}.methods.{v}", False) if isinstance(m, dict) else str(m))
+                          for v, m in methods.items()),
+                    tuple((str(v), " ".join(str(t).split())) for v, t in why.items()))
+
+
+def route_of(release):
+    """The moe route (the one with `native_by`), or None."""
+    return next((r for r in release.routes if getattr(r, "native_by", None) is not None), None)
+
+
+def launch_value(release, specs, *, explicit_fields=(), field_values=None) -> Optional[LaunchValue]:
+    """What SGLang's launch runs before SGLang resolved it (the launcher, `dispatch
+    sglang plan`): the user's value, else SGLang's DeepSeek-V4 default for device 0
+    (MXFP4 experts, no all-to-all backend: the case its default rule covers). A rank
+    reads SGLang's resolved value instead (record_value)."""
+    route = route_of(release)
+    if route is None:
+        return None
+    nb = route.native_by
+    given = (field_values or {}).get(nb.field)
+    if nb.field in set(explicit_fields or ()) and given is not None and str(given) != "auto":
+        return LaunchValue(str(given), f"set by the user (--{nb.field.replace('_', '-')})", True)
+    if not specs:
+        return None
+    d0 = specs[0]
+    return LaunchValue(nb.default_for(d0), f"SGLang's DeepSeek-V4 default from device 0 ({d0.id}, {d0.name})",
+                       False)
+
+
+def _failed(candidate) -> str:
+    return "; ".join(f"needs {ch.need}, has {ch.found}" for ch in candidate.checks if not ch.ok)
+
+
+def route_choice(route, res, spec, launch: Optional[LaunchValue], strict: bool = False):
+    """(routed, why, warning) for moe on SPEC, resolved as RES (a capdispatch selection
+    included: where it names the kernel SGLang's method runs, that method is kept).
+    Raises capdispatch.Unsatisfiable under STRICT where the user's value cannot run."""
+    import capdispatch as cd
+    site = ".".join(route.target.rsplit(".", 2)[-2:])
+    if res.downgraded_from:     # the resolver warned (or refused under strict) already
+        said = f"the explicit choice {res.downgraded_from} cannot run there (see the warning); "
+    elif res.user:
+        said = f"explicit choice ({res.source}); "
+    else:
+        said = ""
+    if launch is None:
+        return True, (f"{said}capdispatch {res.backend} runs at {site} (the launch's "
+                      f"{route.native_by.field} is unknown)"), None
+    nb = route.native_by
+    setting = f"{nb.field}={launch.value} ({launch.origin})"
+    method = nb.method(launch.value, spec)
+    native = nb.native(launch.value, spec)
+    cand = next((c for c in res.candidates if c.backend == native), None) if native else None
+    if native is not None and res.backend == native:
+        return False, (f"{said}SGLang's own {method} kept under {setting}: it runs {native}'s kernel, "
+                       f"and this card has what that needs"), None
+    if native is not None and cand is not None and cand.ok:
+        # SGLang's method could run; the decision (explicit choice, mixed_group: uniform) is another.
+        return True, (f"{said}capdispatch {res.backend} ({res.source}) runs at {site} in place of SGLang's "
+                      f"{method} under {setting}"), None
+    cannot = (_failed(cand) if cand is not None else nb.reason(launch.value)) or "no kernel for this card"
+    what = f"{native}'s kernel" if native else "no MXFP4 kernel here"
+    why = (f"{said}SGLang's {method} under {setting} cannot run on this card ({what}: {cannot}); "
+           f"capdispatch {res.backend} runs at {site} instead, with its weights prepared at load")
+    warning = None
+    if launch.explicit and not res.downgraded_from:
+        warning = (f"{nb.field}={launch.value} was set by the user, but SGLang's {method} cannot run on "
+                   f"this card ({spec.name}; {what}: {cannot}); running capdispatch {res.backend} instead")
+        if strict:
+            raise cd.Unsatisfiable(f"strict: moe on {spec.id}: {warning.replace('; running', '; would run')}")
+    return True, why, warning
+
+
+def record_value(server_args, release, explicit_fields=()) -> Optional[LaunchValue]:
+    """A rank: the launch's value as SGLang resolved it on the record, and whether
+    the user set it (EXPLICIT_FIELDS: the fields of the launch command, as the
+    launcher recorded them); None where the record holds no resolved value."""
+    from sglang.srt.arg_groups.overrides import resolution_result
+
+    route = route_of(release)
+    if route is None:
+        return None
+    field = route.native_by.field
+    try:
+        value = str(resolution_result(server_args, field))
+    except Exception:       # an unresolved record: the launcher did not run SGLang's resolution
+        return None
+    explicit = field in set(explicit_fields or ()) and value != "auto"
+    origin = f"set by the user (--{field.replace('_', '-')})" if explicit else "as SGLang resolved it"
+    return LaunchValue(value, origin, explicit)
