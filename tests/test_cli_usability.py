@@ -560,7 +560,7 @@ def test_sglang_plan_opens_with_the_matrix_and_brief_is_the_matrix_alone(plan_cm
             and line.split()[0] in ("kv_quant", "kv_dequant", "indexer", "decode_mla", "moe")}
     assert "triton_u8 (routed)*" in rows["kv_dequant"] and "triton_fp8 (kept)" in rows["kv_dequant"]
     assert "≠" in rows["kv_dequant"] and "≠" not in rows["kv_quant"]
-    assert "triton_w4a16 (report)*" in rows["moe"]
+    assert "triton_w4a16 (routed)*" in rows["moe"]
     assert "(routed): capdispatch's kernel at SGLang's call site" in lines
     assert "* fallback: the first preference cannot run on that device" in lines
     assert lines[-1].startswith("libraries: the sglang-0.5.23 profile's")
