@@ -48,6 +48,15 @@ _API = {
     "Drift": ("capdispatch.dispatch.lock", "Drift"),
     "LockError": ("capdispatch.dispatch.lock", "LockError"),
     "LockDriftError": ("capdispatch.dispatch.lock", "LockDriftError"),
+    # For adapters and plugins: the registry of declarations, the MoE weight record and its
+    # one-time preparation, the matrix's cells, the did-you-mean helper of every error.
+    "registry": ("capdispatch.backends", "builtin"),
+    "MoeWeights": ("capdispatch.backends.moe", "MoeWeights"),
+    "prepare_moe_weights": ("capdispatch.backends.moe", "prepare"),
+    "Cell": ("capdispatch.dispatch", "Cell"),
+    "Row": ("capdispatch.dispatch", "Row"),
+    "did_you_mean": ("capdispatch.policies", "did_you_mean"),
+    "load_marked": ("capdispatch.policies", "load_marked"),
 }
 
 __all__ = sorted(_API)

@@ -215,7 +215,7 @@ class _Checker:
         return value
 
     def only(self, d, keys, where: str) -> None:
-        from capdispatch.policies import did_you_mean
+        from capdispatch import did_you_mean
         for k in d:
             if k not in keys:
                 raise self.err(d, where, f"unknown key {k!r}{did_you_mean(k, keys)} "
@@ -237,13 +237,13 @@ class _Checker:
         return tuple(items)
 
     def op(self, node, op: str, where: str, key=None) -> None:
-        from capdispatch.policies import did_you_mean
+        from capdispatch import did_you_mean
         if op not in self.registry.ops:
             raise self.err(node, where, f"unknown op {op!r}{did_you_mean(op, self.registry.ops)} "
                                         f"(valid: {', '.join(self.registry.ops)})", key)
 
     def backends(self, node, op: str, backends, where: str, key=None) -> None:
-        from capdispatch.policies import did_you_mean
+        from capdispatch import did_you_mean
         self.op(node, op, where, key)
         valid = [b.name for b in self.registry.backends(op)]
         for b in backends or ():
@@ -390,7 +390,7 @@ def _release(c: _Checker, d, where: str) -> Release:
                 names = c.names(e, "route", we)
                 for n in names:
                     if n not in by_name:
-                        from capdispatch.policies import did_you_mean
+                        from capdispatch import did_you_mean
                         raise c.err(e, f"{we}.route", f"unknown route {n!r}{did_you_mean(n, by_name)} "
                                                       f"(valid: {', '.join(by_name)})", "route")
                     if by_name[n].op != op:
@@ -434,8 +434,8 @@ def _plain(x):
 @functools.lru_cache(maxsize=4)
 def load(path: Optional[str] = None) -> Knobs:
     """Parse and check the knob map (the packaged knobs.yaml by default)."""
-    from capdispatch.backends import builtin
-    from capdispatch.policies import PolicyError, load_marked
+    import capdispatch as cd
+    PolicyError, load_marked = cd.PolicyError, cd.load_marked
     path = path or DEFAULT_PATH
     try:
         with open(path, encoding="utf-8") as f:
@@ -446,7 +446,7 @@ def load(path: Optional[str] = None) -> Knobs:
         data = load_marked(text, path)
     except PolicyError as exc:
         raise KnobsError(str(exc)) from None
-    c = _Checker(path, builtin())
+    c = _Checker(path, cd.registry())
     if not isinstance(data, dict) or data.get("schema") != 1:
         raise c.err(data if isinstance(data, dict) else None, "the knob map", "expected a mapping with 'schema: 1'",
                     "schema")

@@ -57,9 +57,9 @@ class MoePrepared:
 def backend_name(kernel) -> str:
     """The registered moe backend whose function KERNEL is: its implementation, or the
     bound custom op `bind` returns for it (named ``moe_<backend>``)."""
-    from capdispatch.backends import builtin
+    import capdispatch as cd
     impl = f"{kernel.__module__}:{kernel.__name__}"
-    for b in builtin().backends(OP):
+    for b in cd.registry().backends(OP):
         if b.impl == impl or kernel.__name__ == f"{OP}_{b.name}":
             return b.name
     raise LookupError(f"{impl} is not a registered {OP} backend")
@@ -145,7 +145,8 @@ class CapdispatchMxfp4MoEMethod:
         return requested_method
 
     def process_weights_after_loading(self, layer) -> MoePrepared:
-        from capdispatch.backends.moe import MoeWeights, prepare
+        import capdispatch as cd
+        MoeWeights, prepare = cd.MoeWeights, cd.prepare_moe_weights
         limit = self.moe_runner_config.swiglu_limit if self.moe_runner_config is not None else None
         w = MoeWeights(layer.w13_weight.data, layer.w13_weight_scale_inv.data,
                        layer.w2_weight.data, layer.w2_weight_scale_inv.data,

@@ -18,7 +18,7 @@ def matrix(out, *, color=None, width=None, ascii_only=None, stream=None) -> str:
     SGLang does with it (routed / kept / report), fallbacks, downgrades and
     divergent rows marked as `dispatch explain` marks them; whose libraries below."""
     import capdispatch as cd
-    from capdispatch.dispatch import Cell, Row
+    Cell, Row = cd.Cell, cd.Row
     ranks = out.get("ranks") or []
     if not ranks:
         return ""

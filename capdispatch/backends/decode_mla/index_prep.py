@@ -1,11 +1,9 @@
 """Index lists for the external decode kernels (FlashMLA, FlashInfer SM120), in one launch.
 
 Both libraries treat only -1 as masked, bound-check nothing else and tile top-k by 64.
-The adapters used to clean an index tensor with five or six small torch ops (cast,
-two comparisons, and, where, pad); inside a CUDA graph at decode sizes those launches
-cost about as much as the attention kernel itself (H200, 2026-11-29: FlashMLA through
-the adapter 46.5 us at 1 token against the Triton kernel's 21.8 us). This kernel does
-cast, bound check and padding in one pass.
+Cleaning an index tensor with small torch ops (cast, two comparisons, and, where, pad)
+costs five or six launches, about as much as the attention kernel itself inside a CUDA
+graph at decode sizes. This kernel does cast, bound check and padding in one pass.
 This module imports triton at import time; the adapters import it when they run.
 """
 from __future__ import annotations

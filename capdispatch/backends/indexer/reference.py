@@ -19,8 +19,8 @@ Memory: queries are scored at most QUERY_CHUNK (1024) rows at a time and the ind
 pages of a chunk are gathered and decoded a few pages at a time (`plan_steps`), so
 the transient memory is bounded by the chunk and the step, never by the context
 length; only the result itself ([rows, max_context_len] float32) grows with it.
-The seed's torch fallback gathered a whole chunk's index-K and widened it to float
-in one piece (1024 x 32768 x 128 x 4 bytes = 16 GiB at 32k tokens) and ran out of memory.
+Gathering a whole chunk's index-K and widening it to float in one piece would need
+1024 x 32768 x 128 x 4 bytes = 16 GiB at 32k tokens.
 
 fp8 is decoded with integer operations through a 256-entry float32 table built from
 the e4m3fn definition in pure Python (no torch fp8 dtype is needed), so every code,

@@ -10,7 +10,7 @@ intermediate I; SGLang 0.5.23 ``Fp8Config`` fp4-experts path):
   w2         uint8 [E, H, I/2]
   w2_scale   uint8 [E, H, I/32]
 
-Memory discipline (issue 5): nothing here ever holds a dequantised or float32
+Memory discipline: nothing here ever holds a dequantised or float32
 copy. ``prepare(weights, backend)`` rewrites the packed bytes into the layout a
 backend consumes, once, after loading, one expert at a time and IN PLACE (the
 same storage, at most one expert's bytes of scratch), so the bytes held per
