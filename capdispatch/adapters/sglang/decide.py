@@ -116,10 +116,11 @@ def flag_policy(release, explicit: dict) -> list:
 
 
 def context_for(release, *, selections=None, selection_origin="selections=", policy=(),
-                field_values=None, assume_libs=(), strict=False, env=None):
+                field_values=None, assume_libs=(), strict=False, env=None, libs=None):
     """The one capdispatch Context a decision reads: the policy files given, the
     policies of SGLang flags, the selections given plus those of SGLang flags, the
-    library inventory with ASSUME_LIBS, and ENV (CAPDISPATCH_POLICY/SET/STRICT)."""
+    library inventory (LIBS: a profile instead of this machine's) with ASSUME_LIBS,
+    and ENV (CAPDISPATCH_POLICY/SET/STRICT)."""
     import capdispatch as cd
     field_values = field_values or {}
     flags, forigin = flag_selections(release, field_values)
@@ -132,14 +133,14 @@ def context_for(release, *, selections=None, selection_origin="selections=", pol
     given = [] if not policy else ([policy] if isinstance(policy, (str, os.PathLike)) else list(policy))
     pols = given + flag_policy(release, field_values)
     return cd.context(policy=pols or None, selections=sels or None, selection_origin=origin,
-                      assume_libs=list(assume_libs or ()) or None, strict=strict, env=env)
+                      assume_libs=list(assume_libs or ()) or None, libs=libs, strict=strict, env=env)
 
 
 def context_of(release, inputs, env=None):
     """context_for from a LaunchInputs record."""
     return context_for(release, selections=inputs.selections, selection_origin=inputs.selection_origin,
                        policy=inputs.policy, field_values=inputs.field_values,
-                       assume_libs=inputs.assume_libs, strict=inputs.strict, env=env)
+                       assume_libs=inputs.assume_libs, strict=inputs.strict, env=env, libs=inputs.libs)
 
 
 def _failed(candidate) -> str:

@@ -94,7 +94,7 @@ def record_inputs(server_args, release, read, *, user_env=None):
     opts = getattr(server_args, OPTIONS, None)
     extra = {} if opts is None else dict(
         selections=opts.selections, selection_origin=opts.selection_origin, policy=opts.policy,
-        assume_libs=opts.assume_libs, strict=opts.strict)
+        assume_libs=opts.assume_libs, libs=opts.libs, strict=opts.strict)
     return LaunchInputs(arch, None if dtype is None else str(dtype), ops, reason, frozenset(explicit),
                         values, user_env, **extra)
 

@@ -40,6 +40,7 @@ class LaunchInputs:
     applied: dict = attrs.field(factory=dict)    # what the launcher set: name -> value
     devices: tuple = ()                          # the launcher's view of the GPUs (descriptions)
     schema: int = 1
+    libs: Optional[str] = None                   # a library profile (dispatch sglang plan --libs)
 
 
 @attrs.frozen
