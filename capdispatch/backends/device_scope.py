@@ -12,9 +12,20 @@ import contextlib
 
 import torch
 
-__all__ = ["on_device"]
+__all__ = ["capability", "on_device"]
+
+_capabilities: dict = {}   # CUDA device index -> compute capability, read once per card
 
 
 def on_device(device: torch.device):
     """A context that makes DEVICE current for the launches inside it (no-op off CUDA)."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def capability(device: torch.device) -> tuple:
+    """DEVICE's compute capability, read once per card (never another card's)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    cc = _capabilities.get(index)
+    if cc is None:
+        cc = _capabilities[index] = torch.cuda.get_device_capability(index)
+    return cc

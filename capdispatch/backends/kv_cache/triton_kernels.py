@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ...errors import ArgumentError, UnsupportedDeviceError
-from ..device_scope import on_device
+from ..device_scope import capability as _capability, on_device
 from .layout import DATA_BYTES, DIM, DIM_NOPE, FP8_MAX, SCALE_BYTES, SCALE_EPS, TILE
 from .reference import check_dequant_args, check_quant_args
 
@@ -216,15 +216,6 @@ assert FP8_MAX == 448.0 and SCALE_EPS == 1e-8
 INTERPRETED = not isinstance(_kv_quant_kernel, triton.runtime.jit.JITFunction)
 
 
-_capabilities: dict = {}   # device index -> compute capability, read once per card
-
-
-def _capability(device: torch.device) -> tuple:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    cc = _capabilities.get(index)
-    if cc is None:
-        cc = _capabilities[index] = torch.cuda.get_device_capability(index)
-    return cc
 
 
 def _check_device(t: torch.Tensor, native_fp8: bool) -> None:

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from ...errors import ArgumentError, UnsupportedDeviceError
-from ..device_scope import on_device
+from ..device_scope import capability as _capability, on_device
 from . import reference as R
 
 __all__ = ["sparse_prefill", "launch_sparse_mla", "configs_for", "INTERPRETED"]
@@ -393,15 +393,6 @@ def _combine_kernel(
 INTERPRETED = not isinstance(_sparse_mla_kernel, triton.runtime.jit.JITFunction)
 
 
-_capabilities: dict = {}   # device index -> compute capability, read once per card
-
-
-def _capability(device: torch.device) -> tuple:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    cc = _capabilities.get(index)
-    if cc is None:
-        cc = _capabilities[index] = torch.cuda.get_device_capability(index)
-    return cc
 
 
 def check_device(t: torch.Tensor, native_fp8: bool = False) -> None:
