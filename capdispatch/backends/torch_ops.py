@@ -27,7 +27,8 @@ import warnings
 
 import torch
 
-__all__ = ["NAMESPACE", "op_name", "define", "defined", "CHECKS", "pair_unchecked", "without_checks"]
+__all__ = ["NAMESPACE", "op_name", "define", "defined", "CHECKS", "pair_unchecked", "without_checks",
+           "named_bound"]
 
 NAMESPACE = "capdispatch"
 # Every op's schema ends in this keyword: argument validation, on by default; bound
@@ -68,6 +69,15 @@ def define(name: str, schema: str, impl, fake):
 def defined() -> dict:
     """name -> OpOverload of every capdispatch op defined so far in this process."""
     return dict(_ops)
+
+
+def named_bound(fn, op: str, backend: str, impl, functional, with_out):
+    """FN, the bound function of OP=BACKEND with the contract's signature, named like
+    its custom op, documented by IMPL and carrying both OpOverloads."""
+    fn.__qualname__ = fn.__name__ = op_name(op, backend)
+    fn.__doc__ = impl.__doc__
+    fn.functional, fn.with_out = functional, with_out
+    return fn
 
 
 def pair_unchecked(bound, unchecked):

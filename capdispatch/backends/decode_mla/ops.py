@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..torch_ops import CHECKS, define, op_name, pair_unchecked
+from ..torch_ops import CHECKS, define, op_name, pair_unchecked, named_bound
 
 __all__ = ["decode_mla_op"]
 
@@ -59,9 +59,6 @@ def decode_mla_op(backend: str, impl):
             lse = with_out(q, pool, indices, page_size, sm_scale, topk_length, attn_sink, extra_pool,
                            extra_indices, extra_page_size, extra_topk_length, out=out, checks=checks)
             return out, lse
-        decode_mla.__qualname__ = decode_mla.__name__ = op_name("decode_mla", backend)
-        decode_mla.__doc__ = impl.__doc__
-        decode_mla.functional, decode_mla.with_out = functional, with_out
-        return decode_mla
+        return named_bound(decode_mla, "decode_mla", backend, impl, functional, with_out)
 
     return pair_unchecked(bound(True), bound(False))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ...errors import ArgumentTypeError
-from ..torch_ops import CHECKS, define, op_name, pair_unchecked
+from ..torch_ops import CHECKS, define, op_name, pair_unchecked, named_bound
 
 __all__ = ["indexer_op"]
 
@@ -65,9 +65,6 @@ def indexer_op(backend: str, impl, fake=contiguous_fake):
             with_out(q, kv_cache, weights, context_lens, block_table, schedule_metadata, max_context_len,
                      clean_logits, out=out, checks=checks)
             return out
-        indexer.__qualname__ = indexer.__name__ = op_name("indexer", backend)
-        indexer.__doc__ = impl.__doc__
-        indexer.functional, indexer.with_out = functional, with_out
-        return indexer
+        return named_bound(indexer, "indexer", backend, impl, functional, with_out)
 
     return pair_unchecked(bound(True), bound(False))

@@ -11,7 +11,7 @@ import functools
 
 import torch
 
-from ..torch_ops import CHECKS, define, op_name, pair_unchecked
+from ..torch_ops import CHECKS, define, op_name, pair_unchecked, named_bound
 from .layout import DIM
 
 __all__ = ["kv_quant_op", "kv_dequant_op"]
@@ -58,9 +58,6 @@ def kv_dequant_op(backend: str, impl):
                 return functional(pool, token_ids, page_size, checks=checks)
             with_out(pool, token_ids, page_size, out=out, checks=checks)
             return out
-        kv_dequant.__qualname__ = kv_dequant.__name__ = op_name("kv_dequant", backend)
-        kv_dequant.__doc__ = impl.__doc__
-        kv_dequant.functional, kv_dequant.with_out = functional, with_out
-        return kv_dequant
+        return named_bound(kv_dequant, "kv_dequant", backend, impl, functional, with_out)
 
     return pair_unchecked(bound(True), bound(False))

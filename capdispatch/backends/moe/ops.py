@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ...errors import ArgumentTypeError
-from ..torch_ops import CHECKS, define, op_name, pair_unchecked
+from ..torch_ops import CHECKS, define, op_name, pair_unchecked, named_bound
 from .weights import MoeWeights
 
 __all__ = ["moe_op"]
@@ -70,9 +70,6 @@ def moe_op(backend: str, impl):
                      weights.num_experts, weights.hidden, weights.intermediate, weights.swiglu_limit,
                      weights.layout, list(aux), list(aux.values()), out=out, checks=checks)
             return out
-        moe.__qualname__ = moe.__name__ = op_name("moe", backend)
-        moe.__doc__ = impl.__doc__
-        moe.functional, moe.with_out = functional, with_out
-        return moe
+        return named_bound(moe, "moe", backend, impl, functional, with_out)
 
     return pair_unchecked(bound(True), bound(False))

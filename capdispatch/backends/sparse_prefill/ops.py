@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..torch_ops import CHECKS, define, op_name, pair_unchecked
+from ..torch_ops import CHECKS, define, op_name, pair_unchecked, named_bound
 
 __all__ = ["sparse_prefill_op"]
 
@@ -57,9 +57,6 @@ def sparse_prefill_op(backend: str, impl):
             max_logits, lse = with_out(q, kv, indices, sm_scale, d_v, attn_sink, topk_length,
                                        use_legacy=use_legacy, out=out, checks=checks)
             return out, max_logits, lse
-        sparse_prefill.__qualname__ = sparse_prefill.__name__ = op_name("sparse_prefill", backend)
-        sparse_prefill.__doc__ = impl.__doc__
-        sparse_prefill.functional, sparse_prefill.with_out = functional, with_out
-        return sparse_prefill
+        return named_bound(sparse_prefill, "sparse_prefill", backend, impl, functional, with_out)
 
     return pair_unchecked(bound(True), bound(False))
