@@ -58,6 +58,11 @@ def _launch(model_dir: str, mode: str):
     from sglang.srt.plugins import load_plugins
     from sglang.srt.runtime_context import override_platform
     from sglang.srt.server_args import prepare_server_args
+    from importlib.metadata import entry_points
+    if not [e for e in entry_points(group="sglang.srt.plugins") if e.name == "capdispatch"]:
+        raise SystemExit("capdispatch's SGLang plugin is not registered in this environment: it is an "
+                         "entry point, so capdispatch must be installed (pip install --no-deps -e .), "
+                         "not only importable")
     load_plugins()
     argv = ["--model-path", model_dir, "--skip-tokenizer-init", "--device", "cuda",
             "--tp-size", str(EP), "--ep-size", str(EP)]

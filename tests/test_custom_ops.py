@@ -163,12 +163,39 @@ def test_import_capdispatch_defines_no_op_and_imports_no_torch():
 
 
 @pytest.mark.parametrize("op,backend,module,attr,direct,interp", CPU_PARAMS)
+def test_eager_calls_skip_the_dispatcher_traced_calls_use_the_op(op, backend, module, attr, direct, interp):
+    """Eagerly the bound function runs the kernel function (no capdispatch op reaches the
+    dispatcher: the profiler records none); under a dispatch mode (what fake tensors,
+    make_fx and export use) the call goes through its custom op."""
+    fn = getattr(kernel_module(module), attr)
+    gen, _ = new_gen()
+    args, kwargs, _ = op_cases.case(op, gen)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn(*args, **kwargs)
+    names = {e.name for e in prof.events()}
+    assert not [n for n in names if n.startswith("capdispatch::")], sorted(names)
+
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    args, kwargs, _ = op_cases.case(op, gen)
+    with Record():
+        fn(*args, **kwargs)
+    assert f"capdispatch.{op}_{backend}.default" in seen, seen[:5]
+
+
+@pytest.mark.parametrize("op,backend,module,attr,direct,interp", CPU_PARAMS)
 def test_names_and_declared_mutations(op, backend, module, attr, direct, interp):
     fn = getattr(kernel_module(module), attr)
     ns = torch.ops.capdispatch
+    assert fn.__name__ == f"{op}_{backend}"
     if op == "kv_quant":
-        ops = {fn: "pool"}
-        assert fn is getattr(ns, f"kv_quant_{backend}").default
+        assert fn.functional is getattr(ns, f"kv_quant_{backend}").default and fn.with_out is None
+        ops = {fn.functional: "pool"}
     else:
         assert fn.__name__ == f"{op}_{backend}"
         assert fn.functional is getattr(ns, f"{op}_{backend}").default

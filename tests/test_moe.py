@@ -334,6 +334,23 @@ def test_reference_masked_routes_read_nothing():
         R.moe(x, w, tw, bad)
 
 
+
+@pytest.mark.parametrize("act_quant", [None, "mxfp8"])
+def test_reference_capture_path_is_the_same_function(act_quant):
+    """The CUDA-graph form of the reference (every expert over every token, masked by the
+    routing weights) equals the route loop the eager reference runs, masks included."""
+    seed = new_seed()
+    w, x, tw, ids = make_case(seed, **SMALL, T=9, device="cpu", mask_frac=0.3)
+    ids[0] = -1
+    expert = R._expert_fn(w, act_quant)
+    routes = R.sum_over_routes(x, tw, ids, w.num_experts, expert)
+    dense = R.sum_over_experts(x, tw, ids, w.num_experts, expert)
+    assert bool((routes != 0).any()), f"seed={seed}: the test data gave an all-zero output"
+    nrm, mx = errors(dense, routes.double())
+    assert nrm < 1e-6 and mx < 1e-5, f"seed={seed}: {nrm:.2e} {mx:.2e}"
+    assert bool((dense[0] == 0).all()), f"seed={seed}: a fully masked token got output"
+
+
 # --------------------------------------------------------------------------- #
 # Backends against the reference (CPU: torch and Triton under the interpreter)
 # --------------------------------------------------------------------------- #

@@ -4,7 +4,9 @@ Triton (and any launcher that reads the current device) launches on the *current
 CUDA device, not the tensors' device: on a mixed box a call with tensors on cuda:1
 from a thread whose current device is cuda:0 would launch on the wrong card. Every
 backend launch goes through ``on_device(tensor.device)``. CPU tensors (the Triton
-interpreter) need no scope.
+interpreter) need no scope, and neither does a launch on the device that is already
+current, which is every launch in a serving process (one device per rank): there the
+scope is one index comparison rather than a device switch and back.
 """
 from __future__ import annotations
 
@@ -12,14 +14,26 @@ import contextlib
 
 import torch
 
-__all__ = ["capability", "on_device"]
+__all__ = ["capability", "cdiv", "on_device"]
 
 _capabilities: dict = {}   # CUDA device index -> compute capability, read once per card
 
 
+_NO_SCOPE = contextlib.nullcontext()
+
+
 def on_device(device: torch.device):
-    """A context that makes DEVICE current for the launches inside it (no-op off CUDA)."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    """A context that makes DEVICE current for the launches inside it (no-op off CUDA
+    and when DEVICE is current already)."""
+    if device.type != "cuda" or device.index is None or device.index == torch.cuda.current_device():
+        return _NO_SCOPE
+    return torch.cuda.device(device)
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for launch grids: plain integer arithmetic on the host
+    (``triton.cdiv`` goes through Triton's constexpr-function call, a few us a launch)."""
+    return -(-a // b)
 
 
 def capability(device: torch.device) -> tuple:

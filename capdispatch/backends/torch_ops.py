@@ -18,6 +18,11 @@ is functionalised by Inductor (declared mutations, no "mutated inputs" CUDA-grap
 and captures in CUDA graphs. ``torch.library.custom_op`` would do the same with an
 autograd layer that costs about 5x more host time per call.
 
+Eager calls skip the dispatcher: a bound function runs the kernel function itself unless
+something traces the call (``tracing()``: torch.compile, export, make_fx, fake tensors),
+and then it calls the custom op, which runs the same kernel function. The dispatcher
+costs several microseconds a call, which a decode step pays once per layer and op.
+
 This module imports torch: only kernel modules import it, when a backend is bound,
 so ``import capdispatch`` stays torch-free.
 """
@@ -28,7 +33,7 @@ import warnings
 import torch
 
 __all__ = ["NAMESPACE", "op_name", "define", "defined", "CHECKS", "pair_unchecked", "without_checks",
-           "named_bound"]
+           "named_bound", "tracing"]
 
 NAMESPACE = "capdispatch"
 # Every op's schema ends in this keyword: argument validation, on by default; bound
@@ -64,6 +69,12 @@ def define(name: str, schema: str, impl, fake):
         _schemas[name] = schema
         have = _ops[name] = getattr(getattr(torch.ops, NAMESPACE), name).default
     return have
+
+
+def tracing() -> bool:
+    """Whether the current call is traced rather than run: under torch.compile (Dynamo
+    folds this to True) or under any dispatch mode (fake tensors, make_fx, export)."""
+    return torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
 
 
 def defined() -> dict:

@@ -3,6 +3,7 @@ on each device, in child processes; a table of verdicts; exit 0 when all passed,
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 EXIT_OK, EXIT_FAILED = 0, 3
@@ -19,8 +20,9 @@ def add_parser(subparsers):
                    help="every candidate whose requirements hold, not only the chosen one")
     v.add_argument("--timeout", type=float, default=120.0, metavar="S",
                    help="seconds one canary may take, compile included (default 120)")
-    v.add_argument("--jobs", type=int, default=1, metavar="N",
-                   help="canaries at once, each in its own process (default 1)")
+    v.add_argument("--jobs", type=int, default=None, metavar="N",
+                   help="canaries at once, each in its own process (default: the CPU count, "
+                        "at most 8; a canary's time is mostly its process start and compile)")
     v.add_argument("--policy", action="append", default=[], metavar="FILE",
                    help="a policy file, as for explain (repeatable)")
     v.add_argument("--set", action="append", default=[], metavar="OP=BACKEND", dest="set_",
@@ -84,7 +86,7 @@ def run(args) -> int:
     ops = args.op or list(ctx.registry.ops)
     todo = verify.jobs(ctx, specs, ops, backend=args.backend, every=args.every)
     with _Progress(len(todo)) as progress:
-        results = verify.run(ctx, todo, timeout=args.timeout, workers=max(1, args.jobs), on_start=progress.start, on_done=progress.done)
+        results = verify.run(ctx, todo, timeout=args.timeout, workers=default_jobs() if args.jobs is None else max(1, args.jobs), on_start=progress.start, on_done=progress.done)
     failed = [r for r in results if r.verdict is None or not r.verdict.passed]
     if args.format == "json":
         print(json.dumps({"schema": 1, "results": [r.to_dict() for r in results],
@@ -117,3 +119,9 @@ def render(results) -> str:
         out.append("")
         out.extend(details)
     return "\n".join(out)
+
+
+def default_jobs() -> int:
+    """Canaries at once when --jobs is not given: each child spends most of its time
+    importing torch and compiling on the CPU, so the CPU count bounds the gain."""
+    return max(1, min(8, os.cpu_count() or 1))

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ...errors import ArgumentError, ArgumentTypeError
-from ..device_scope import on_device
+from ..device_scope import cdiv, on_device
 
 __all__ = ["clean_ids", "TOPK_ALIGN"]
 
@@ -52,7 +52,7 @@ def clean_ids(idx: torch.Tensor, capacity: int, align: int = TOPK_ALIGN, *, out:
     if rows and k_out:
         block = min(MAX_BLOCK, triton.next_power_of_2(k_out))
         with on_device(idx.device):
-            _clean_ids_kernel[(rows, triton.cdiv(k_out, block))](
+            _clean_ids_kernel[(rows, cdiv(k_out, block))](
                 src, out, k, k_out, int(capacity), src.stride(0), BLOCK=block, num_warps=4)
     return out
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..torch_ops import CHECKS, define, op_name, pair_unchecked, named_bound
+from ..torch_ops import CHECKS, define, op_name, pair_unchecked, named_bound, tracing
 
 __all__ = ["decode_mla_op"]
 
@@ -53,6 +53,9 @@ def decode_mla_op(backend: str, impl):
     def bound(checks):
         def decode_mla(q, pool, indices, page_size, sm_scale, topk_length=None, attn_sink=None, extra_pool=None,
                        extra_indices=None, extra_page_size=None, extra_topk_length=None, *, out=None):
+            if not tracing():
+                return impl(q, pool, indices, page_size, sm_scale, topk_length, attn_sink, extra_pool,
+                            extra_indices, extra_page_size, extra_topk_length, out=out, checks=checks)
             if out is None:
                 return functional(q, pool, indices, page_size, sm_scale, topk_length, attn_sink, extra_pool,
                                   extra_indices, extra_page_size, extra_topk_length, checks=checks)

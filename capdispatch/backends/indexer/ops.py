@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ...errors import ArgumentTypeError
-from ..torch_ops import CHECKS, define, op_name, pair_unchecked, named_bound
+from ..torch_ops import CHECKS, define, op_name, pair_unchecked, named_bound, tracing
 
 __all__ = ["indexer_op"]
 
@@ -59,6 +59,9 @@ def indexer_op(backend: str, impl, fake=contiguous_fake):
     def bound(checks):
         def indexer(q, kv_cache, weights, context_lens, block_table, schedule_metadata=None, max_context_len=None,
                     clean_logits=False, *, out=None):
+            if not tracing():
+                return impl(q, kv_cache, weights, context_lens, block_table, schedule_metadata, max_context_len,
+                            clean_logits, out=out, checks=checks)
             if out is None:
                 return functional(q, kv_cache, weights, context_lens, block_table, schedule_metadata,
                                   max_context_len, clean_logits, checks=checks)

@@ -7,11 +7,9 @@ The bound ``kv_dequant`` keeps the op contract's ``out=None`` and picks one of t
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from ..torch_ops import CHECKS, define, op_name, pair_unchecked, named_bound
+from ..torch_ops import CHECKS, define, op_name, pair_unchecked, named_bound, tracing
 from .layout import DIM
 
 __all__ = ["kv_quant_op", "kv_dequant_op"]
@@ -30,12 +28,20 @@ def _dequant_out_fake(pool, token_ids, page_size, *, out, checks=True):
 
 
 def kv_quant_op(backend: str, impl):
-    """``capdispatch::kv_quant_<backend>`` (its OpOverload is what binds) running
-    IMPL(k, pool, loc, page_size, *, checks)."""
+    """The bound kv_quant(k, pool, loc, page_size) for IMPL(k, pool, loc, page_size, *, checks);
+    ``capdispatch::kv_quant_<backend>`` is its ``.functional`` (it mutates ``pool``)."""
     op = define(op_name("kv_quant", backend),
                 f"(Tensor k, Tensor(a!) pool, Tensor loc, int page_size, *, {CHECKS}) -> ()",
                 impl, _quant_fake)
-    return pair_unchecked(op, functools.partial(op, checks=False))
+
+    def bound(checks):
+        def kv_quant(k, pool, loc, page_size):
+            if not tracing():
+                return impl(k, pool, loc, page_size, checks=checks)
+            return op(k, pool, loc, page_size, checks=checks)
+        return named_bound(kv_quant, "kv_quant", backend, impl, op, None)
+
+    return pair_unchecked(bound(True), bound(False))
 
 
 def kv_dequant_op(backend: str, impl):
@@ -54,6 +60,8 @@ def kv_dequant_op(backend: str, impl):
 
     def bound(checks):
         def kv_dequant(pool, token_ids, page_size, out=None):
+            if not tracing():
+                return impl(pool, token_ids, page_size, out, checks=checks)
             if out is None:
                 return functional(pool, token_ids, page_size, checks=checks)
             with_out(pool, token_ids, page_size, out=out, checks=checks)

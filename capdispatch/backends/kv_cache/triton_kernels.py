@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ...errors import ArgumentError, UnsupportedDeviceError
-from ..device_scope import capability as _capability, on_device
+from ..device_scope import cdiv, capability as _capability, on_device
 from .layout import DATA_BYTES, DIM, DIM_NOPE, FP8_MAX, SCALE_BYTES, SCALE_EPS, TILE
 from .reference import check_dequant_args, check_quant_args
 
@@ -243,7 +243,7 @@ def _launch_quant(k, pool, loc, page_size, native_fp8, checks):
     dst = u8.view(torch.float8_e4m3fn) if native_fp8 else u8
     T = QUANT_TOKENS_PER_PROG
     with on_device(u8.device):
-        _kv_quant_kernel[(triton.cdiv(n, T),)](
+        _kv_quant_kernel[(cdiv(n, T),)](
             k, dst, loc, n, k.stride(0),
             PAGE_SIZE=page_size, BYTES_PER_PAGE=u8.shape[1],
             NATIVE_FP8=native_fp8, TOKENS=T, num_warps=QUANT_NUM_WARPS,
@@ -262,7 +262,7 @@ def _launch_dequant(pool, token_ids, page_size, out, native_fp8, checks):
     src = u8.view(torch.float8_e4m3fn) if native_fp8 else u8
     T = DEQUANT_TOKENS_PER_PROG
     with on_device(u8.device):
-        _kv_dequant_kernel[(triton.cdiv(n, T),)](
+        _kv_dequant_kernel[(cdiv(n, T),)](
             src, ids, out, n, out.stride(0),
             PAGE_SIZE=page_size, BYTES_PER_PAGE=u8.shape[1],
             NATIVE_FP8=native_fp8, TOKENS=T, num_warps=DEQUANT_NUM_WARPS,

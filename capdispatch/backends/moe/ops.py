@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ...errors import ArgumentTypeError
-from ..torch_ops import CHECKS, define, op_name, pair_unchecked, named_bound
+from ..torch_ops import CHECKS, define, op_name, pair_unchecked, named_bound, tracing
 from .weights import MoeWeights
 
 __all__ = ["moe_op"]
@@ -60,6 +60,8 @@ def moe_op(backend: str, impl):
         def moe(x, weights, topk_weights, topk_ids, out=None):
             if checks and not isinstance(weights, MoeWeights):
                 raise ArgumentTypeError(f"weights must be a MoeWeights, got {type(weights).__name__}")
+            if not tracing():
+                return impl(x, weights, topk_weights, topk_ids, out, checks=checks)
             aux = weights.aux
             if out is None:
                 return functional(x, weights.w13, weights.w13_scale, weights.w2, weights.w2_scale, topk_weights,

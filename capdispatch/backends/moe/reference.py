@@ -125,6 +125,56 @@ def check_moe_args(x, weights, topk_weights, topk_ids, out):
             raise ArgumentError(f"out is on {out.device}, x on {x.device}")
 
 
+
+def _expert_fn(weights, act_quant):
+    I, L = weights.intermediate, weights.swiglu_limit
+
+    def expert(a, e):
+        if act_quant:
+            a = mxfp8_qdq(a)
+        g = _matmul_dequant(a, weights.w13[e, :I], weights.w13_scale[e, :I])
+        u = _matmul_dequant(a, weights.w13[e, I:], weights.w13_scale[e, I:])
+        h = swiglu(g, u, L)
+        del g, u
+        h = mxfp8_qdq(h) if act_quant else h.bfloat16().float()
+        return _matmul_dequant(h, weights.w2[e], weights.w2_scale[e])
+    return expert
+
+
+def sum_over_routes(x, topk_weights, topk_ids, E, expert):
+    """Each expert over the routes sent to it (host reads which experts and how many)."""
+    T, H = x.shape
+    K = topk_ids.shape[1]
+    flat = topk_ids.reshape(-1).long()
+    if bool(((flat < -1) | (flat >= E)).any()):
+        raise ArgumentError(f"topk_ids must lie in [-1, {E}); got min {int(flat.min())}, "
+                            f"max {int(flat.max())}")
+    tw = topk_weights.reshape(-1).float()
+    routed = torch.zeros(T * K, H, dtype=torch.float32, device=x.device)   # masked rows stay 0
+    routes = (flat >= 0).nonzero().flatten()
+    if routes.numel():
+        ids_sorted, order = torch.sort(flat[routes], stable=True)
+        routes = routes[order]
+        experts, counts = torch.unique_consecutive(ids_sorted, return_counts=True)
+        start = 0
+        for e, c in zip(experts.tolist(), counts.tolist()):
+            r = routes[start:start + c]
+            start += c
+            routed[r] = expert(x[r // K].float(), e) * tw[r].unsqueeze(1)
+    return routed.view(T, K, H).sum(dim=1)
+
+
+def sum_over_experts(x, topk_weights, topk_ids, E, expert):
+    """Every expert over every token, masked by the routing weights: no host reads, so a
+    CUDA graph can hold it (the route loop's cannot). Same function, E/K times the work."""
+    T, H = x.shape
+    y = torch.zeros(T, H, dtype=torch.float32, device=x.device)
+    xf, tw = x.float(), topk_weights.float()
+    for e in range(E):
+        y += expert(xf, e) * torch.where(topk_ids == e, tw, 0.0).sum(dim=1, keepdim=True)
+    return y
+
+
 def moe(x, weights, topk_weights, topk_ids, out=None, *, act_quant: Optional[str] = None,
         checks: bool = True):
     if checks:
@@ -132,34 +182,12 @@ def moe(x, weights, topk_weights, topk_ids, out=None, *, act_quant: Optional[str
     weights.require_layout(CHECKPOINT, "torch")
     if act_quant not in (None, "mxfp8"):
         raise ArgumentError(f"act_quant must be None or 'mxfp8', got {act_quant!r}")
-    T, H = x.shape
-    K = topk_ids.shape[1]
-    I, E, L = weights.intermediate, weights.num_experts, weights.swiglu_limit
-    flat = topk_ids.reshape(-1).long()
-    if bool(((flat < -1) | (flat >= E)).any()):
-        raise ArgumentError(f"topk_ids must lie in [-1, {E}); got min {int(flat.min())}, max {int(flat.max())}")
-    routed = torch.zeros(T * K, H, dtype=torch.float32, device=x.device)   # masked rows stay 0
-    routes = (flat >= 0).nonzero().flatten()
-    if routes.numel():
-        ids_sorted, order = torch.sort(flat[routes], stable=True)
-        routes = routes[order]
-        experts, counts = torch.unique_consecutive(ids_sorted, return_counts=True)
-        tw = topk_weights.reshape(-1).float()
-        start = 0
-        for e, c in zip(experts.tolist(), counts.tolist()):
-            r = routes[start:start + c]
-            start += c
-            a = x[r // K].float()
-            if act_quant:
-                a = mxfp8_qdq(a)
-            g = _matmul_dequant(a, weights.w13[e, :I], weights.w13_scale[e, :I])
-            u = _matmul_dequant(a, weights.w13[e, I:], weights.w13_scale[e, I:])
-            h = swiglu(g, u, L)
-            del g, u
-            h = mxfp8_qdq(h) if act_quant else h.bfloat16().float()
-            o = _matmul_dequant(h, weights.w2[e], weights.w2_scale[e])
-            routed[r] = o * tw[r].unsqueeze(1)
-    y = routed.view(T, K, H).sum(dim=1)
+    E = weights.num_experts
+    expert = _expert_fn(weights, act_quant)
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        y = sum_over_experts(x, topk_weights, topk_ids, E, expert)
+    else:
+        y = sum_over_routes(x, topk_weights, topk_ids, E, expert)
     if out is None:
         return y.bfloat16()
     out.copy_(y)

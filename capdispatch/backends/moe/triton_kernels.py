@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from ...errors import ArgumentError
-from ..device_scope import on_device
+from ..device_scope import cdiv, on_device
 from .reference import check_moe_args
 from .weights import CHECKPOINT
 
@@ -139,7 +139,7 @@ def _routing_kernel(ids_ptr, sorted_ptr, blk_expert_ptr, blk_start_ptr, blk_end_
 
 
 def max_blocks(R: int, E: int, BM: int) -> int:
-    return triton.cdiv(R, BM) + E
+    return cdiv(R, BM) + E
 
 
 def routing_tables(topk_ids: torch.Tensor, E: int, BM: int, force_torch: bool = False):
@@ -376,16 +376,16 @@ def moe_w4a16(x, weights, topk_weights, topk_ids, out=None, *, checks: bool = Tr
         h = _alloc((R, I), torch.bfloat16, dev)           # rows of masked routes: never written/read
         routed = _alloc((R, H), torch.float32, dev)
         limit = weights.swiglu_limit
-        _gemm1_swiglu_kernel[(MAXB, triton.cdiv(I, BN1))](
+        _gemm1_swiglu_kernel[(MAXB, cdiv(I, BN1))](
             x, weights.w13, weights.w13_scale, h, sorted_routes, be, bs, bend,
             H, I, x.stride(0), float(limit) if limit is not None else 0.0,
             TOPK=K, HAS_LIMIT=limit is not None, F32=INTERPRETED, BM=BM, BN=BN1, BK=BK1, num_warps=W1,
             num_stages=S1)
-        _gemm2_kernel[(MAXB, triton.cdiv(H, BN2))](
+        _gemm2_kernel[(MAXB, cdiv(H, BN2))](
             h, weights.w2, weights.w2_scale, tw, routed, sorted_routes, be, bs, bend,
             H, I, F32=INTERPRETED, BM=BM, BN=BN2, BK=BK2, num_warps=W2, num_stages=S2)
         BNC = 1024 if H >= 1024 else triton.next_power_of_2(H)
-        _combine_kernel[(T, triton.cdiv(H, BNC))](routed, ids, out, H, out.stride(0), TOPK=K, BN=BNC,
+        _combine_kernel[(T, cdiv(H, BNC))](routed, ids, out, H, out.stride(0), TOPK=K, BN=BNC,
                                                    EXACT_RNE=INTERPRETED, num_warps=4)
     return out
 

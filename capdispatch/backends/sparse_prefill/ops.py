@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..torch_ops import CHECKS, define, op_name, pair_unchecked, named_bound
+from ..torch_ops import CHECKS, define, op_name, pair_unchecked, named_bound, tracing
 
 __all__ = ["sparse_prefill_op"]
 
@@ -51,6 +51,9 @@ def sparse_prefill_op(backend: str, impl):
     def bound(checks):
         def sparse_prefill(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None, *,
                            use_legacy=True, out=None):
+            if not tracing():
+                return impl(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, use_legacy=use_legacy,
+                            out=out, checks=checks)
             if out is None:
                 return functional(q, kv, indices, sm_scale, d_v, attn_sink, topk_length,
                                   use_legacy=use_legacy, checks=checks)

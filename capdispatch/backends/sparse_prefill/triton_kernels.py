@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from ...errors import ArgumentError, UnsupportedDeviceError
-from ..device_scope import capability as _capability, on_device
+from ..device_scope import cdiv, capability as _capability, on_device
 from . import reference as R
 
 __all__ = ["sparse_prefill", "launch_sparse_mla", "configs_for", "INTERPRETED"]
@@ -525,7 +525,7 @@ def launch_sparse_mla(*, kind, device, T, H, config=None, num_splits=1, **args):
 def _run(device, T, H, cfg, num_splits, args):
     num_splits = min(num_splits, MAX_SPLITS)
     bh, bn = cfg["BLOCK_H"], cfg["BLOCK_N"]
-    n_hb = triton.cdiv(H, bh)
+    n_hb = cdiv(H, bh)
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if num_splits == 1:
         _sparse_mla_kernel[(T, n_hb, 1)](
@@ -533,9 +533,9 @@ def _run(device, T, H, cfg, num_splits, args):
             blocks_per_split=0, num_splits=1, SPLIT=False, BLOCK_H=bh, BLOCK_N=bn, DOT_F32=INTERPRETED,
             **launch)
         return
-    total_blocks = triton.cdiv(args["n_idx"], bn) + (triton.cdiv(args["n_idx2"], bn) if args["HAS_EXTRA"] else 0)
-    per = triton.cdiv(max(total_blocks, 1), num_splits)
-    splits = triton.cdiv(max(total_blocks, 1), per)
+    total_blocks = cdiv(args["n_idx"], bn) + (cdiv(args["n_idx2"], bn) if args["HAS_EXTRA"] else 0)
+    per = cdiv(max(total_blocks, 1), num_splits)
+    splits = cdiv(max(total_blocks, 1), per)
     h_pad = n_hb * bh
     part_o = torch.empty((T, h_pad, splits, 512), dtype=torch.float32, device=device)
     part_lse = torch.empty((T, h_pad, splits), dtype=torch.float32, device=device)
@@ -545,7 +545,7 @@ def _run(device, T, H, cfg, num_splits, args):
         **launch)
     fin = {k: args[k] for k in ("sink_ptr", "out_ptr", "out_sb", "out_ss", "out_sh", "ml_ptr", "lse_ptr",
                                 "st_sb", "st_ss", "st_sh", "DIV", "HAS_SINK", "STATS")}
-    _combine_kernel[(T, triton.cdiv(H, COMBINE_BLOCK_H), 512 // COMBINE_BLOCK_D)](
+    _combine_kernel[(T, cdiv(H, COMBINE_BLOCK_H), 512 // COMBINE_BLOCK_D)](
         part_o, part_lse, **fin, H=H, H_pad=h_pad, num_splits=splits,
         SPLITS_P2=MAX_SPLITS, BLOCK_H=COMBINE_BLOCK_H, BLOCK_D=COMBINE_BLOCK_D, ROUND=INTERPRETED,
         num_warps=COMBINE_WARPS)
@@ -580,11 +580,11 @@ def decode_splits(device: torch.device, T: int, H: int, total_index_entries: int
     otherwise leave the GPU idle (fewer than ~2 programs per SM); see plan_splits."""
     if device.type != "cuda" or T > DECODE_MAX_TOKENS or T == 0:
         return 1
-    programs = T * triton.cdiv(H, block_h)
+    programs = T * cdiv(H, block_h)
     sms = num_sms(device.index if device.index is not None else torch.cuda.current_device())
     if programs >= 2 * sms:
         return 1
-    return plan_splits(programs, triton.cdiv(max(total_index_entries, 1), block_n), sms)
+    return plan_splits(programs, cdiv(max(total_index_entries, 1), block_n), sms)
 
 
 # --------------------------------------------------------------------------- #
