@@ -7,8 +7,8 @@ torch._dynamo.explain finds 0 graph breaks, torch.compile(fullgraph=True) gives 
 outputs bit for bit, and the bound call equals the kernel function called directly.
 Backends of GPU-only libraries (FlashMLA, FlashInfer, DeepGEMM, TileLang, SGLang's
 Marlin): schema, and their fake implementations traced under FakeTensorMode / make_fx.
-GPU (marked gpu; written for the H200, not run on a CPU-only machine): eager, CUDA
-graph, compile fullgraph and Inductor reduce-overhead with no CUDA-graph skip.
+GPU (marked gpu; run on an H200 on 2026-12-01, every backend whose library loaded there):
+eager, CUDA graph, compile fullgraph and Inductor reduce-overhead with no CUDA-graph skip.
 """
 from __future__ import annotations
 
