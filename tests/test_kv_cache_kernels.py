@@ -588,9 +588,13 @@ def _codec_kernels():
     import triton
     import triton.language as tl
 
-    # Triton resolves callees through module globals (not closures).
-    global _ENC, _DEC
-    _ENC, _DEC = _tk()._f32_to_e4m3fn_bits, _tk()._e4m3fn_bits_to_f32
+    from capdispatch.backends.triton_common.env import jit_module
+
+    # Triton resolves callees through module globals (not closures). The codec is the
+    # toolbox's (the KV, attention and indexer kernels decode with it), built as these are.
+    global _ENC, _DEC, _DEC16
+    codec = jit_module("codec")
+    _ENC, _DEC, _DEC16 = codec.f32_to_e4m3fn_bits, codec.e4m3fn_bits_to_f32, codec.e4m3fn_bits_to_f16
 
     @triton.jit
     def encode_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
@@ -604,7 +608,13 @@ def _codec_kernels():
         m = o < n
         tl.store(y_ptr + o, _DEC(tl.load(c_ptr + o, mask=m)), mask=m)
 
-    return encode_kernel, decode_kernel
+    @triton.jit
+    def decode16_kernel(c_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = o < n
+        tl.store(y_ptr + o, _DEC16(tl.load(c_ptr + o, mask=m)), mask=m)
+
+    return encode_kernel, decode_kernel, decode16_kernel
 
 
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=_interp, id="interp"),
@@ -615,7 +625,7 @@ def test_u8_codec_exhaustive(device):
     the decoder on all 256 codes, against the pure-Python IEEE reference."""
     seed = new_seed()
     gen = torch.Generator().manual_seed(seed)
-    encode_kernel, decode_kernel = _codec_kernels()
+    encode_kernel, decode_kernel, decode16_kernel = _codec_kernels()
     allbf = torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float()
     x = torch.cat([
         allbf[allbf.abs() <= 448],
@@ -641,6 +651,13 @@ def test_u8_codec_exhaustive(device):
             assert math.isnan(v), f"code 0x{c:02x} -> {v}, want NaN"
         else:
             assert F.f32_bits(v) == F.f32_bits(w), f"code 0x{c:02x} -> {v!r}, want {w!r}"
+    h = torch.full((256,), 1000.0, dtype=torch.float16, device=device)   # poisoned: no e4m3 value
+    decode16_kernel[(1,)](codes.to(device), h, 256, BLOCK=256)
+    for c, (v, w) in enumerate(zip(h.cpu().float().tolist(), f.cpu().tolist())):
+        if math.isnan(w):
+            assert math.isnan(v), f"float16 decode: code 0x{c:02x} -> {v}, want NaN"
+        else:
+            assert F.f32_bits(v) == F.f32_bits(w), f"float16 decode: code 0x{c:02x} -> {v!r}, want {w!r}"
 
 
 # --------------------------------------------------------------------------- #

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from ...errors import ArgumentError, ArgumentTypeError
+from ...errors import ArgumentError
+from ..arg_checks import dtype_in, index_dtype, same_device, tensor, unit_last_stride
 from .layout import (
     DATA_BYTES,
     DIM,
@@ -44,16 +45,13 @@ __all__ = [
     "check_dequant_args",
 ]
 
-_INDEX_DTYPES = (torch.int32, torch.int64)
-
 
 # --------------------------------------------------------------------------- #
 # Argument checks (shared with triton_kernels.py)
 # --------------------------------------------------------------------------- #
 def _pool_as_u8(pool: torch.Tensor, page_size: int) -> torch.Tensor:
     """Reinterpret the pool's bytes as uint8 [num_pages, page_bytes] and check its size."""
-    if not isinstance(pool, torch.Tensor):
-        raise ArgumentTypeError(f"pool must be a torch.Tensor, got {type(pool).__name__}")
+    tensor(pool, "pool")
     if pool.dim() != 2:
         raise ArgumentError(f"pool must be 2-D [num_pages, bytes_per_page], got shape {tuple(pool.shape)}")
     if not pool.is_contiguous():
@@ -70,16 +68,13 @@ def _pool_as_u8(pool: torch.Tensor, page_size: int) -> torch.Tensor:
 
 
 def _index_1d(idx: torch.Tensor, name: str, n: int | None, device: torch.device) -> torch.Tensor:
-    if not isinstance(idx, torch.Tensor):
-        raise ArgumentTypeError(f"{name} must be a torch.Tensor, got {type(idx).__name__}")
+    tensor(idx, name)
     if idx.dim() != 1:
         raise ArgumentError(f"{name} must be 1-D, got shape {tuple(idx.shape)}")
-    if idx.dtype not in _INDEX_DTYPES:
-        raise ArgumentTypeError(f"{name} must be int32 or int64, got {idx.dtype}")
+    index_dtype(idx, name)
     if n is not None and idx.shape[0] != n:
         raise ArgumentError(f"{name} has {idx.shape[0]} entries, expected {n}")
-    if idx.device != device:
-        raise ArgumentError(f"{name} is on {idx.device}, pool is on {device}")
+    same_device(idx, name, device, "pool")
     return idx.contiguous()
 
 
@@ -98,14 +93,11 @@ def check_quant_args(k: torch.Tensor, pool: torch.Tensor, loc: torch.Tensor, pag
     if not checks:
         return (k if k.stride(1) == 1 else k.contiguous()), _as_u8(pool), _contiguous(loc)
     u8 = _pool_as_u8(pool, page_size)
-    if not isinstance(k, torch.Tensor):
-        raise ArgumentTypeError(f"k must be a torch.Tensor, got {type(k).__name__}")
+    tensor(k, "k")
     if k.dim() != 2 or k.shape[1] != DIM:
         raise ArgumentError(f"k must be [n, {DIM}], got shape {tuple(k.shape)}")
-    if k.dtype != torch.bfloat16:
-        raise ArgumentTypeError(f"k must be bfloat16, got {k.dtype}")
-    if k.device != u8.device:
-        raise ArgumentError(f"k is on {k.device}, pool is on {u8.device}")
+    dtype_in(k, "k", (torch.bfloat16,))
+    same_device(k, "k", u8.device, "pool")
     if k.shape[0] > 0 and k.stride(1) != 1:
         k = k.contiguous()
     loc = _index_1d(loc, "loc", k.shape[0], u8.device)
@@ -122,16 +114,12 @@ def check_dequant_args(pool: torch.Tensor, token_ids: torch.Tensor, page_size: i
     ids = _index_1d(token_ids, "token_ids", None, u8.device)
     n = ids.shape[0]
     if out is not None:
-        if not isinstance(out, torch.Tensor):
-            raise ArgumentTypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+        tensor(out, "out")
         if tuple(out.shape) != (n, 1, DIM):
             raise ArgumentError(f"out must have shape ({n}, 1, {DIM}), got {tuple(out.shape)}")
-        if out.dtype != torch.bfloat16:
-            raise ArgumentTypeError(f"out must be bfloat16, got {out.dtype}")
-        if out.device != u8.device:
-            raise ArgumentError(f"out is on {out.device}, pool is on {u8.device}")
-        if n > 0 and out.stride(2) != 1:
-            raise ArgumentError(f"out's last dim must be unit-stride, got strides {out.stride()}")
+        dtype_in(out, "out", (torch.bfloat16,))
+        same_device(out, "out", u8.device, "pool")
+        unit_last_stride(out, "out")
     return u8, ids, out
 
 

@@ -8,7 +8,7 @@ constexpr:
   capability >= 8.9 on NVIDIA GPUs).
 * ``*_u8``: the host passes only uint8 pool views; e4m3fn encode/decode are
   bit manipulations (integer ops plus one exact float32 add / float16 widening,
-  see the codec functions), so no fp8 type is ever emitted and the kernel
+  see triton_common/codec.py), so no fp8 type is ever emitted and the kernel
   compiles on SM80/SM86, where Triton rejects fp8e4nv.
 
 Both are bit-identical to the torch backend (reference.py) for finite inputs.
@@ -25,18 +25,24 @@ import torch
 import triton
 import triton.language as tl
 
-from ...errors import ArgumentError, UnsupportedDeviceError
-from ..device_scope import cdiv, capability as _capability, on_device
-from .layout import DATA_BYTES, DIM, DIM_NOPE, FP8_MAX, SCALE_BYTES, SCALE_EPS, TILE
+from ..device_scope import cdiv, on_device
+from ..triton_common.env import check_device, interpreted, jit_module
+from .layout import DATA_BYTES, DIM, DIM_NOPE, FP8_MAX, NUM_TILES, SCALE_BYTES, SCALE_EPS, TILE
 from .reference import check_dequant_args, check_quant_args
 
 __all__ = ["kv_quant_fp8", "kv_quant_u8", "kv_dequant_fp8", "kv_dequant_u8"]
 
 # Layout constants as Triton constexpr globals (module-level constexprs are allowed in kernels).
 _DIM_NOPE = tl.constexpr(DIM_NOPE)
-_DATA_BYTES = tl.constexpr(DATA_BYTES)
-_SCALE_BYTES = tl.constexpr(SCALE_BYTES)
+_NUM_TILES = tl.constexpr(NUM_TILES)
 _SCALE_EPS = tl.constexpr(SCALE_EPS)
+
+# The toolbox's codec and pool-row helpers (triton_common), built the way these kernels are.
+_f32_to_e4m3fn_bits = jit_module("codec").f32_to_e4m3fn_bits
+_rows = jit_module("v4_rows")
+_row_tiles = _rows.row_tiles
+_token_bases = _rows.token_bases
+_load_rows = _rows.load_rows
 
 # Tokens per program and warps, tuned on an H200 at 262144 tokens, page size 256,
 # random slots (T in 4..32 x warps in 2..16; 16 x 4 best or within 1% for all four).
@@ -47,61 +53,15 @@ DEQUANT_NUM_WARPS = 4
 
 
 # --------------------------------------------------------------------------- #
-# Bit-level e4m3fn codec (no fp8 types anywhere, so it builds for SM80/SM86)
-# --------------------------------------------------------------------------- #
-@triton.jit
-def _f32_to_e4m3fn_bits(y):
-    """float32 with |y| <= 448 -> e4m3fn code (int32, 0..255), round-to-nearest-even.
-
-    Exact for every such float32, subnormal codes and the carry into the next
-    binade included; 448 -> 0x7E; the sign of zero is kept. |y| > 448 and
-    non-finite y are out of contract (the quant kernel never produces them).
-
-    Within the binade [2**E, 2**(E+1)) (E clamped below at -6, the subnormal
-    range) e4m3 values are spaced 2**(E-3), which is exactly the float32 ulp of
-    2**(E+20). So |y| + 2**(E+20) lets the FPU's own RNE round |y| onto the e4m3
-    grid; the difference of the bit patterns is |y| in grid steps q (8..16 for
-    normals, 0..8 below 2**-6), and code = q + 8 * (E + 6) (q == 16 carries into
-    the next exponent by itself). Integer ops plus this one exact float add.
-    """
-    u = y.to(tl.int32, bitcast=True)
-    eb = tl.maximum(u & 0x7F800000, 121 << 23)  # bits of 2**max(E, -6)
-    magic = eb + (20 << 23)  # bits of 2**(E + 20)
-    s = tl.abs(y) + magic.to(tl.float32, bitcast=True)
-    code = (s.to(tl.int32, bitcast=True) - magic) + ((eb >> 20) - (121 << 3))
-    return code | ((u >> 24) & 0x80)  # sign bit -> bit 7
-
-
-@triton.jit
-def _e4m3fn_bits_to_f32(c):
-    """e4m3fn code (integer tensor, values 0..255) -> float32, exact for all 256 codes.
-
-    The code's 7 magnitude bits placed at bit 7 of a float16 (5-bit exponent, bias
-    15) give the same value times 2**-8 for normals and subnormals alike; the
-    float16 -> float32 conversion is exact in hardware (subnormals included).
-    0x7F / 0xFF -> NaN; 0x80 -> -0.0 (sign set with bit operations, never negation,
-    which loses -0.0 in the Triton interpreter).
-    """
-    c = c.to(tl.int32)
-    h = ((c << 7) & 0x3F80) | ((c << 8) & 0x8000)
-    v = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
-    return tl.where((c & 0x7F) == 0x7F, float("nan"), v)
-
-
-# --------------------------------------------------------------------------- #
 # Kernels
 # --------------------------------------------------------------------------- #
 @triton.jit
-def _token_bases(pid, n_tokens, loc_ptr, TOKENS: tl.constexpr, PAGE_SIZE: tl.constexpr,
+def _program_tokens(pid, n_tokens, loc_ptr, TOKENS: tl.constexpr, PAGE_SIZE: tl.constexpr,
                  BYTES_PER_PAGE: tl.constexpr):
     tok = pid.to(tl.int64) * TOKENS + tl.arange(0, TOKENS).to(tl.int64)
     tmask = tok < n_tokens
     loc = tl.load(loc_ptr + tok, mask=tmask, other=0).to(tl.int64)
-    page = loc // PAGE_SIZE
-    slot = loc % PAGE_SIZE
-    page_base = page * BYTES_PER_PAGE
-    data_base = page_base + slot * _DATA_BYTES
-    scale_base = page_base + PAGE_SIZE * _DATA_BYTES + slot * _SCALE_BYTES
+    data_base, scale_base = _token_bases(loc, PAGE_SIZE, BYTES_PER_PAGE)
     return tok, tmask, data_base, scale_base
 
 
@@ -117,13 +77,11 @@ def _kv_quant_kernel(
     NATIVE_FP8: tl.constexpr,
     TOKENS: tl.constexpr,
 ):
-    tok, tmask, data_base, scale_base = _token_bases(
+    tok, tmask, data_base, scale_base = _program_tokens(
         tl.program_id(0), n_tokens, loc_ptr, TOKENS, PAGE_SIZE, BYTES_PER_PAGE)
-    tile = tl.arange(0, 8)  # 7 nope tiles + the rope tail as tile 7
-    inner = tl.arange(0, 64)
-    col = tile[:, None] * 64 + inner[None, :]  # [8, 64] = 0..511
-    is_nope = (tile < 7)[None, :, None]
-    is_rope = (tile == 7)[None, :, None]
+    tile, col = _row_tiles()  # [8], [8, 64] = 0..511: 7 nope tiles + the rope tail as tile 7
+    is_nope = (tile < _NUM_TILES)[None, :, None]
+    is_rope = (tile == _NUM_TILES)[None, :, None]
     tm3 = tmask[:, None, None]
 
     # One contiguous 1024-byte row per token.
@@ -156,7 +114,7 @@ def _kv_quant_kernel(
 
     # All 8 scale bytes of a token (7 exponents + pad byte 0) in one store op.
     pool_u8 = pool_ptr.to(tl.pointer_type(tl.uint8))
-    sbyte = tl.where(tile[None, :] < 7, e + 127, 0).to(tl.uint8)
+    sbyte = tl.where(tile[None, :] < _NUM_TILES, e + 127, 0).to(tl.uint8)
     tl.store(pool_u8 + scale_base[:, None] + tile[None, :], sbyte, mask=tmask[:, None])
 
 
@@ -172,36 +130,12 @@ def _kv_dequant_kernel(
     NATIVE_FP8: tl.constexpr,
     TOKENS: tl.constexpr,
 ):
-    tok, tmask, data_base, scale_base = _token_bases(
+    tok, tmask, data_base, scale_base = _program_tokens(
         tl.program_id(0), n_tokens, ids_ptr, TOKENS, PAGE_SIZE, BYTES_PER_PAGE)
-    tile = tl.arange(0, 8)
-    inner = tl.arange(0, 64)
-    col = tile[:, None] * 64 + inner[None, :]
-    is_nope = (tile < 7)[None, :, None]
-    is_rope = (tile == 7)[None, :, None]
-    tm3 = tmask[:, None, None]
-
-    nope_off = data_base[:, None, None] + col[None, :, :]
-    if NATIVE_FP8:
-        v = tl.load(pool_ptr + nope_off, mask=tm3 & is_nope, other=0.0).to(tl.float32)
-    else:
-        v = _e4m3fn_bits_to_f32(tl.load(pool_ptr + nope_off, mask=tm3 & is_nope, other=0))
-
-    # All 8 scale bytes in one load (the pad byte is ignored: tile 7 is rope).
-    pool_u8 = pool_ptr.to(tl.pointer_type(tl.uint8))
-    sb = tl.load(pool_u8 + scale_base[:, None] + tile[None, :], mask=tmask[:, None], other=0)
-    # 2**(byte-127) from the exponent bits: byte 0 -> 0.0, 255 -> inf (SGLang's torch reference).
-    scale = (sb.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-    nope = (v * scale[:, :, None]).to(tl.bfloat16)
-
-    pool_bf16 = pool_ptr.to(tl.pointer_type(tl.bfloat16))
-    # (col - 448 is 0..63 on tile 7; other tiles are masked off)
-    rope_off = ((data_base + _DIM_NOPE) >> 1)[:, None, None] + (col - _DIM_NOPE)[None, :, :]
-    rope = tl.load(pool_bf16 + rope_off, mask=tm3 & is_rope, other=0.0)
-
+    _, col = _row_tiles()
+    out = _load_rows(pool_ptr, data_base, scale_base, tmask, NATIVE_FP8)
     # One contiguous 1024-byte row per token.
-    out = tl.where(is_rope, rope, nope)
-    tl.store(out_ptr + tok[:, None, None] * out_stride + col[None, :, :], out, mask=tm3)
+    tl.store(out_ptr + tok[:, None, None] * out_stride + col[None, :, :], out, mask=tmask[:, None, None])
 
 
 # The kernels hard-code the layout; keep them honest if layout.py ever changes.
@@ -212,25 +146,12 @@ assert FP8_MAX == 448.0 and SCALE_EPS == 1e-8
 # --------------------------------------------------------------------------- #
 # Host side
 # --------------------------------------------------------------------------- #
-# triton.jit picks the interpreter at decoration time (TRITON_INTERPRET=1 at import).
-INTERPRETED = not isinstance(_kv_quant_kernel, triton.runtime.jit.JITFunction)
-
-
+INTERPRETED = interpreted(_kv_quant_kernel)
 
 
 def _check_device(t: torch.Tensor, native_fp8: bool) -> None:
-    if t.device.type == "cpu":
-        if not INTERPRETED:
-            raise ArgumentError("Triton KV-cache kernels need CUDA tensors "
-                             "(CPU tensors only when imported with TRITON_INTERPRET=1)")
-        return
-    if native_fp8 and t.device.type == "cuda" and torch.version.hip is None:
-        cc = _capability(t.device)
-        if cc < (8, 9):
-            raise UnsupportedDeviceError(
-                f"native-fp8 KV kernels need compute capability >= 8.9 (device has {cc[0]}.{cc[1]}); "
-                "use kv_quant_u8 / kv_dequant_u8"
-            )
+    check_device(t, interpreted=INTERPRETED, kernels="Triton KV-cache kernels", native_fp8=native_fp8,
+                 instead="use kv_quant_u8 / kv_dequant_u8")
 
 
 def _launch_quant(k, pool, loc, page_size, native_fp8, checks):
