@@ -6,11 +6,13 @@ Imported by the ops' reference modules, which import torch: never by ``import ca
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..errors import ArgumentError, ArgumentTypeError
 
-__all__ = ["INDEX_DTYPES", "tensor", "dtype_in", "index_dtype", "same_device", "unit_last_stride"]
+__all__ = ["INDEX_DTYPES", "tensor", "dtype_in", "index_dtype", "same_device", "unit_last_stride", "finite_float"]
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -50,3 +52,10 @@ def unit_last_stride(t: torch.Tensor, name: str) -> torch.Tensor:
     if t.numel() and t.stride(-1) != 1:
         raise ArgumentError(f"{name}'s last dim must be unit-stride, got strides {t.stride()}")
     return t
+
+
+def finite_float(x, name: str):
+    """X, raising unless it is a finite Python float (or int): a scale read on the host."""
+    if not isinstance(x, (float, int)) or isinstance(x, bool) or not math.isfinite(x):
+        raise ArgumentTypeError(f"{name} must be a finite Python float, got {x!r}")
+    return x

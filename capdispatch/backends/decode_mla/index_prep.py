@@ -12,8 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ...errors import ArgumentError, ArgumentTypeError
+from ...errors import ArgumentError
+from ..arg_checks import index_dtype
 from ..device_scope import cdiv, on_device
+from ..triton_common.env import interpreted
 
 __all__ = ["clean_ids", "TOPK_ALIGN"]
 
@@ -35,8 +37,7 @@ def clean_ids(idx: torch.Tensor, capacity: int, align: int = TOPK_ALIGN, *, out:
     """int32 [..., k'] copy of the integer ids IDX [..., k]: ids outside [0, capacity) become
     -1 and each list is padded with -1 to k' = k rounded up to a multiple of ALIGN.
     OUT, when given, must be a contiguous int32 tensor of that shape."""
-    if idx.dtype not in (torch.int32, torch.int64):
-        raise ArgumentTypeError(f"index ids must be int32 or int64, got {idx.dtype}")
+    index_dtype(idx, "index ids")
     k = idx.shape[-1]
     k_out = k + (-k) % align
     shape = tuple(idx.shape[:-1]) + (k_out,)
@@ -58,7 +59,7 @@ def clean_ids(idx: torch.Tensor, capacity: int, align: int = TOPK_ALIGN, *, out:
 
 
 
-INTERPRETED = not isinstance(_clean_ids_kernel, triton.runtime.jit.JITFunction)
+INTERPRETED = interpreted(_clean_ids_kernel)
 
 
 # Types of the kernel's runtime arguments, for an offline compile (backends/compile_matrix.py).

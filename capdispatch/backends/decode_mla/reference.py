@@ -42,19 +42,15 @@ within ``GATHER_BUDGET`` elements, whatever the number of tokens.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from ...errors import ArgumentError, ArgumentTypeError
+from ...errors import ArgumentError
+from ..arg_checks import dtype_in, finite_float, index_dtype, same_device, tensor, unit_last_stride
 from ..kv_cache.layout import TOKEN_BYTES, min_bytes_per_page
 from ..kv_cache.reference import kv_dequant
 from ..sparse_prefill.reference import DIM, GATHER_BUDGET, attend_gathered
 
 __all__ = ["decode_mla", "check_decode_args", "pool_2d", "DecodeArgs"]
-
-_INDEX_DTYPES = (torch.int32, torch.int64)
-
 
 def pool_2d(pool, page_size, name="pool"):
     """The pool as uint8 [num_pages, bytes_per_page] and its page size.
@@ -63,8 +59,7 @@ def pool_2d(pool, page_size, name="pool"):
     [num_pages, page_size, 1, 584] whose page stride is bytes_per_page (its page
     size is taken from the view; a page_size argument must then agree).
     """
-    if not isinstance(pool, torch.Tensor):
-        raise ArgumentTypeError(f"{name} must be a torch.Tensor, got {type(pool).__name__}")
+    tensor(pool, name)
     if pool.dim() == 4:
         if pool.shape[2] != 1 or pool.shape[3] != TOKEN_BYTES or pool.element_size() != 1:
             raise ArgumentError(f"a 4-D {name} must be a 1-byte view [num_pages, page_size, 1, {TOKEN_BYTES}], "
@@ -106,29 +101,21 @@ class DecodeArgs:
 
 
 def _index3(idx, name, b, s_q, dev):
-    if not isinstance(idx, torch.Tensor):
-        raise ArgumentTypeError(f"{name} must be a torch.Tensor, got {type(idx).__name__}")
+    tensor(idx, name)
     if idx.dim() != 3 or idx.shape[0] != b or idx.shape[1] != s_q:
         raise ArgumentError(f"{name} must be [{b}, {s_q}, topk], got shape {tuple(idx.shape)}")
-    if idx.dtype not in _INDEX_DTYPES:
-        raise ArgumentTypeError(f"{name} must be int32 or int64, got {idx.dtype}")
-    if idx.device != dev:
-        raise ArgumentError(f"{name} is on {idx.device}, q is on {dev}")
-    return idx
+    index_dtype(idx, name)
+    return same_device(idx, name, dev, "q")
 
 
 def _lengths(x, name, b, dev):
     if x is None:
         return None
-    if not isinstance(x, torch.Tensor):
-        raise ArgumentTypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    tensor(x, name)
     if x.dim() != 1 or x.shape[0] != b:
         raise ArgumentError(f"{name} must be [{b}], got shape {tuple(x.shape)}")
-    if x.dtype not in _INDEX_DTYPES:
-        raise ArgumentTypeError(f"{name} must be int32 or int64, got {x.dtype}")
-    if x.device != dev:
-        raise ArgumentError(f"{name} is on {x.device}, q is on {dev}")
-    return x
+    index_dtype(x, name)
+    return same_device(x, name, dev, "q")
 
 
 def _pool_2d_unchecked(pool, page_size):
@@ -161,30 +148,24 @@ def check_decode_args(q, pool, indices, page_size, sm_scale, topk_length, attn_s
     if not checks:
         return _normalised(q, pool, indices, page_size, topk_length, attn_sink, extra_pool, extra_indices,
                            extra_page_size, extra_topk_length, out)
-    if not isinstance(q, torch.Tensor):
-        raise ArgumentTypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+    tensor(q, "q")
     if q.dim() != 4 or q.shape[3] != DIM:
         raise ArgumentError(f"q must be [b, s_q, h, {DIM}], got shape {tuple(q.shape)}")
-    if q.dtype != torch.bfloat16:
-        raise ArgumentTypeError(f"q must be bfloat16, got {q.dtype}")
-    if not isinstance(sm_scale, (float, int)) or isinstance(sm_scale, bool) or not math.isfinite(sm_scale):
-        raise ArgumentTypeError(f"sm_scale must be a finite Python float, got {sm_scale!r}")
+    dtype_in(q, "q", (torch.bfloat16,))
+    finite_float(sm_scale, "sm_scale")
     b, s_q, h, _ = q.shape
     dev = q.device
     a = DecodeArgs()
     a.q = q
     a.pool, a.page_size = pool_2d(pool, page_size, "pool")
-    if a.pool.device != dev:
-        raise ArgumentError(f"pool is on {a.pool.device}, q is on {dev}")
+    same_device(a.pool, "pool", dev, "q")
     a.idx = _index3(indices, "indices", b, s_q, dev)
     a.topk_length = _lengths(topk_length, "topk_length", b, dev)
     if attn_sink is not None:
-        if not isinstance(attn_sink, torch.Tensor):
-            raise ArgumentTypeError(f"attn_sink must be a torch.Tensor, got {type(attn_sink).__name__}")
+        tensor(attn_sink, "attn_sink")
         if attn_sink.dim() != 1 or attn_sink.shape[0] != h or attn_sink.dtype != torch.float32:
             raise ArgumentError(f"attn_sink must be float32 [{h}], got {attn_sink.dtype} {tuple(attn_sink.shape)}")
-        if attn_sink.device != dev:
-            raise ArgumentError(f"attn_sink is on {attn_sink.device}, q is on {dev}")
+        same_device(attn_sink, "attn_sink", dev, "q")
     a.attn_sink = attn_sink
     if (extra_pool is None) != (extra_indices is None):
         raise ArgumentError("extra_pool and extra_indices must be given together")
@@ -194,19 +175,15 @@ def check_decode_args(q, pool, indices, page_size, sm_scale, topk_length, attn_s
         a.extra_pool = a.extra_idx = a.extra_page_size = a.extra_topk_length = None
     else:
         a.extra_pool, a.extra_page_size = pool_2d(extra_pool, extra_page_size, "extra_pool")
-        if a.extra_pool.device != dev:
-            raise ArgumentError(f"extra_pool is on {a.extra_pool.device}, q is on {dev}")
+        same_device(a.extra_pool, "extra_pool", dev, "q")
         a.extra_idx = _index3(extra_indices, "extra_indices", b, s_q, dev)
         a.extra_topk_length = _lengths(extra_topk_length, "extra_topk_length", b, dev)
     if out is not None:
-        if not isinstance(out, torch.Tensor):
-            raise ArgumentTypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+        tensor(out, "out")
         if tuple(out.shape) != (b, s_q, h, DIM) or out.dtype != torch.bfloat16:
             raise ArgumentError(f"out must be bfloat16 [{b}, {s_q}, {h}, {DIM}], got {out.dtype} {tuple(out.shape)}")
-        if out.device != dev:
-            raise ArgumentError(f"out is on {out.device}, q is on {dev}")
-        if out.numel() and out.stride(3) != 1:
-            raise ArgumentError(f"out's last dim must be unit-stride, got strides {out.stride()}")
+        same_device(out, "out", dev, "q")
+        unit_last_stride(out, "out")
     a.out = out
     return a
 

@@ -39,11 +39,10 @@ independent of the sequence length.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from ...errors import ArgumentError, ArgumentTypeError
+from ...errors import ArgumentError
+from ..arg_checks import dtype_in, finite_float, index_dtype, same_device, tensor, unit_last_stride
 
 __all__ = ["sparse_prefill", "check_sparse_prefill_args", "DIM", "LOG2E", "LN2"]
 
@@ -52,14 +51,6 @@ D_V = 512            # value dim (the same 512 values)
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 GATHER_BUDGET = 1 << 24   # fp32 elements of gathered K/V per chunk in the reference
-
-_INDEX_DTYPES = (torch.int32, torch.int64)
-
-
-def _as_tensor(x, name):
-    if not isinstance(x, torch.Tensor):
-        raise ArgumentTypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    return x
 
 
 def check_sparse_prefill_args(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out,
@@ -73,11 +64,10 @@ def check_sparse_prefill_args(q, kv, indices, sm_scale, d_v, attn_sink, topk_len
     if not checks:
         return (q, kv[:, 0, :] if kv.dim() == 3 else kv, indices[:, 0, :] if indices.dim() == 3 else indices,
                 attn_sink, topk_length, out)
-    q, kv, indices = _as_tensor(q, "q"), _as_tensor(kv, "kv"), _as_tensor(indices, "indices")
+    q, kv, indices = tensor(q, "q"), tensor(kv, "kv"), tensor(indices, "indices")
     if q.dim() != 3 or q.shape[2] != DIM:
         raise ArgumentError(f"q must be [s, h, {DIM}], got shape {tuple(q.shape)}")
-    if q.dtype != torch.bfloat16:
-        raise ArgumentTypeError(f"q must be bfloat16, got {q.dtype}")
+    dtype_in(q, "q", (torch.bfloat16,))
     s, h, _ = q.shape
     if kv.dim() == 3:
         if kv.shape[1] != 1 or kv.shape[2] != DIM:
@@ -87,12 +77,10 @@ def check_sparse_prefill_args(q, kv, indices, sm_scale, d_v, attn_sink, topk_len
         kv2 = kv
     else:
         raise ArgumentError(f"kv must be [s_kv, 1, {DIM}], got shape {tuple(kv.shape)}")
-    if kv.dtype != torch.bfloat16:
-        raise ArgumentTypeError(f"kv must be bfloat16, got {kv.dtype}")
+    dtype_in(kv, "kv", (torch.bfloat16,))
     if int(d_v) != D_V:
         raise ArgumentError(f"d_v must be {D_V} (the only value FlashMLA's sparse prefill supports), got {d_v}")
-    if not isinstance(sm_scale, (float, int)) or isinstance(sm_scale, bool) or not math.isfinite(sm_scale):
-        raise ArgumentTypeError(f"sm_scale must be a finite Python float, got {sm_scale!r}")
+    finite_float(sm_scale, "sm_scale")
     if indices.dim() == 3:
         if indices.shape[1] != 1:
             raise ArgumentError(f"indices must be [s, 1, topk] (h_kv = 1), got shape {tuple(indices.shape)}")
@@ -103,38 +91,29 @@ def check_sparse_prefill_args(q, kv, indices, sm_scale, d_v, attn_sink, topk_len
         raise ArgumentError(f"indices must be [s, 1, topk], got shape {tuple(indices.shape)}")
     if idx2.shape[0] != s:
         raise ArgumentError(f"indices has {idx2.shape[0]} rows, q has {s} queries")
-    if idx2.dtype not in _INDEX_DTYPES:
-        raise ArgumentTypeError(f"indices must be int32 or int64, got {idx2.dtype}")
+    index_dtype(idx2, "indices")
     dev = q.device
-    for t, name in ((kv, "kv"), (indices, "indices")):
-        if t.device != dev:
-            raise ArgumentError(f"{name} is on {t.device}, q is on {dev}")
+    same_device(kv, "kv", dev, "q")
+    same_device(indices, "indices", dev, "q")
     if attn_sink is not None:
-        attn_sink = _as_tensor(attn_sink, "attn_sink")
+        tensor(attn_sink, "attn_sink")
         if attn_sink.dim() != 1 or attn_sink.shape[0] != h:
             raise ArgumentError(f"attn_sink must be [{h}], got shape {tuple(attn_sink.shape)}")
-        if attn_sink.dtype != torch.float32:
-            raise ArgumentTypeError(f"attn_sink must be float32, got {attn_sink.dtype}")
-        if attn_sink.device != dev:
-            raise ArgumentError(f"attn_sink is on {attn_sink.device}, q is on {dev}")
+        dtype_in(attn_sink, "attn_sink", (torch.float32,))
+        same_device(attn_sink, "attn_sink", dev, "q")
     if topk_length is not None:
-        topk_length = _as_tensor(topk_length, "topk_length")
+        tensor(topk_length, "topk_length")
         if topk_length.dim() != 1 or topk_length.shape[0] != s:
             raise ArgumentError(f"topk_length must be [{s}], got shape {tuple(topk_length.shape)}")
-        if topk_length.dtype not in _INDEX_DTYPES:
-            raise ArgumentTypeError(f"topk_length must be int32 or int64, got {topk_length.dtype}")
-        if topk_length.device != dev:
-            raise ArgumentError(f"topk_length is on {topk_length.device}, q is on {dev}")
+        index_dtype(topk_length, "topk_length")
+        same_device(topk_length, "topk_length", dev, "q")
     if out is not None:
-        out = _as_tensor(out, "out")
+        tensor(out, "out")
         if tuple(out.shape) != (s, h, D_V):
             raise ArgumentError(f"out must have shape ({s}, {h}, {D_V}), got {tuple(out.shape)}")
-        if out.dtype != torch.bfloat16:
-            raise ArgumentTypeError(f"out must be bfloat16, got {out.dtype}")
-        if out.device != dev:
-            raise ArgumentError(f"out is on {out.device}, q is on {dev}")
-        if out.numel() and out.stride(2) != 1:
-            raise ArgumentError(f"out's last dim must be unit-stride, got strides {out.stride()}")
+        dtype_in(out, "out", (torch.bfloat16,))
+        same_device(out, "out", dev, "q")
+        unit_last_stride(out, "out")
     return q, kv2, idx2, attn_sink, topk_length, out
 
 

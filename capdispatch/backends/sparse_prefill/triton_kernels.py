@@ -36,12 +36,20 @@ import triton.language as tl
 
 from ...errors import ArgumentError, UnsupportedDeviceError
 from ..device_scope import cdiv, capability as _capability, on_device
+from ..triton_common.env import check_device as _check_device, interpreted, jit_module
 from . import reference as R
 
 __all__ = ["sparse_prefill", "launch_sparse_mla", "configs_for", "INTERPRETED"]
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 _LN2 = tl.constexpr(0.6931471805599453)
+_DIM = tl.constexpr(R.DIM)
+
+# The toolbox's helpers (triton_common), built the way these kernels are.
+_round_bf16 = jit_module("codec").round_bf16
+_v4_rows = jit_module("v4_rows")
+_token_bases = _v4_rows.token_bases
+_load_v4_rows = _v4_rows.load_rows
 
 # Launch configurations per call kind, tried in order until one compiles within the
 # device's shared memory (Triton raises OutOfResources at compile time). Kinds:
@@ -117,33 +125,6 @@ MAX_SPLITS = 32   # a power of two: the combine kernel's split axis (one compile
 # K/V tile loaders
 # --------------------------------------------------------------------------- #
 @triton.jit
-def _e4m3_bits_to_f32(c):
-    """e4m3fn code (integer tensor, 0..255) -> float32, exact for all 256 codes.
-
-    The 7 magnitude bits shifted to bit 7 of a float16 give code_value * 2**-8 for
-    normals and subnormals alike (float16 has 5 exponent bits, bias 15 = 7 + 8);
-    float16 -> float32 is exact. The sign goes in with bit operations. Codes 0x7F/0xFF
-    (NaN in e4m3fn) become NaN.
-    """
-    c = c.to(tl.int32)
-    h = ((c << 7) & 0x3F80) | ((c << 8) & 0x8000)
-    v = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 256.0
-    return tl.where((c & 0x7F) == 0x7F, float("nan"), v)
-
-
-@triton.jit
-def _round_bf16(x):
-    """fp32 -> the nearest bf16 value (ties to even), still as fp32; finite inputs.
-
-    Only used under the interpreter, whose fp32 -> bf16 cast truncates: rounding first
-    makes that cast exact, so interpreted results round like the GPU's cvt.rn.bf16.
-    """
-    u = x.to(tl.uint32, bitcast=True)
-    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
-    return u.to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def _load_rows(kv_ptr, ids, valid, row_stride, cols):
     """bf16 rows kv[ids, :] -> [BN, 512] bf16; masked rows are zeros and never loaded."""
     ptrs = kv_ptr + ids.to(tl.int64)[:, None] * row_stride + cols[None, :]
@@ -154,42 +135,11 @@ def _load_rows(kv_ptr, ids, valid, row_stride, cols):
 def _load_paged(pool_ptr, ids, valid, PAGE_SIZE: tl.constexpr, BYTES_PER_PAGE: tl.constexpr,
                 NATIVE_FP8: tl.constexpr, BLOCK_N: tl.constexpr):
     """Tokens ``ids`` of a V4 paged pool -> dequantised [BN, 512] bf16 rows (exact, as
-    kv_dequant); masked rows are zeros and none of their bytes are loaded.
-
-    Layout (kv_cache/layout.py): page = [P x 576 data][P x 8 scales], padded; per token
-    448 e4m3fn nope bytes, then 64 raw bf16 rope values; 7 UE8M0 exponents per token.
-    ``pool_ptr`` is a uint8 pointer, or float8e4nv with NATIVE_FP8. The row is handled
-    as [BN, 8, 64]: 7 nope tiles and the rope tail as an 8th, so the tile scales
-    broadcast along the last axis without being materialised.
-    """
-    ids64 = ids.to(tl.int64)
-    page = ids64 // PAGE_SIZE
-    slot = ids64 % PAGE_SIZE
-    page_base = page * BYTES_PER_PAGE
-    data_base = page_base + slot * 576
-    scale_base = page_base + PAGE_SIZE * 576 + slot * 8
-    tile = tl.arange(0, 8)
-    inner = tl.arange(0, 64)
-    col = tile[:, None] * 64 + inner[None, :]                          # [8, 64] = 0..511
-    is_nope = (tile < 7)[None, :, None]
-    is_rope = (tile == 7)[None, :, None]
-    vm = valid[:, None, None]
-    nope_off = data_base[:, None, None] + col[None, :, :]
-    if NATIVE_FP8:
-        v = tl.load(pool_ptr + nope_off, mask=vm & is_nope, other=0.0).to(tl.float32)
-    else:
-        v = _e4m3_bits_to_f32(tl.load(pool_ptr + nope_off, mask=vm & is_nope, other=0))
-    pool_u8 = pool_ptr.to(tl.pointer_type(tl.uint8))
-    sb = tl.load(pool_u8 + scale_base[:, None] + tile[None, :], mask=valid[:, None] & (tile < 7)[None, :],
-                 other=0)
-    # 2**(byte - 127) from the exponent bits (byte 0 -> 0.0, 255 -> inf), as kv_dequant.
-    scale = (sb.to(tl.int32) << 23).to(tl.float32, bitcast=True)                     # [BN, 8]
-    nope = (v * scale[:, :, None]).to(tl.bfloat16)
-    pool_bf16 = pool_ptr.to(tl.pointer_type(tl.bfloat16))
-    # (col - 448 is 0..63 on tile 7; the other tiles are masked off)
-    rope_off = ((data_base + 448) >> 1)[:, None, None] + (col - 448)[None, :, :]
-    rope = tl.load(pool_bf16 + rope_off, mask=vm & is_rope, other=0.0)
-    return tl.reshape(tl.where(is_rope, rope, nope), (BLOCK_N, 512))
+    kv_dequant); masked rows are zeros and none of their bytes are loaded. ``pool_ptr``
+    is a uint8 pointer, or float8e4nv with NATIVE_FP8 (triton_common/v4_rows.py)."""
+    data_base, scale_base = _token_bases(ids.to(tl.int64), PAGE_SIZE, BYTES_PER_PAGE)
+    rows = _load_v4_rows(pool_ptr, data_base, scale_base, valid, NATIVE_FP8)
+    return tl.reshape(rows, (BLOCK_N, _DIM))
 
 
 # --------------------------------------------------------------------------- #
@@ -389,23 +339,12 @@ def _combine_kernel(
 # --------------------------------------------------------------------------- #
 # Host side
 # --------------------------------------------------------------------------- #
-# triton.jit picks the interpreter at decoration time (TRITON_INTERPRET=1 at import).
-INTERPRETED = not isinstance(_sparse_mla_kernel, triton.runtime.jit.JITFunction)
-
-
+INTERPRETED = interpreted(_sparse_mla_kernel)
 
 
 def check_device(t: torch.Tensor, native_fp8: bool = False) -> None:
-    if t.device.type == "cpu":
-        if not INTERPRETED:
-            raise ArgumentError("Triton attention kernels need CUDA tensors "
-                             "(CPU tensors only when imported with TRITON_INTERPRET=1)")
-        return
-    if native_fp8 and t.device.type == "cuda" and torch.version.hip is None:
-        cc = _capability(t.device)
-        if cc < (8, 9):
-            raise UnsupportedDeviceError(f"native-fp8 attention needs compute capability >= 8.9 (device has "
-                               f"{cc[0]}.{cc[1]}); use the uint8 (integer-decode) Triton backend")
+    _check_device(t, interpreted=INTERPRETED, kernels="Triton attention kernels", native_fp8=native_fp8,
+                  instead="use the uint8 (integer-decode) Triton backend")
 
 
 @functools.lru_cache(maxsize=None)
