@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 
 from ...errors import ArgumentError, ArgumentTypeError
+from ..arg_checks import dtype_in, index_dtype, same_device, tensor
 
 __all__ = [
     "PAGE_TOKENS", "HEAD_DIM", "NUM_HEADS", "TOKEN_BYTES", "PAGE_BYTES", "SCALE_OFFSET",
@@ -57,8 +58,7 @@ def pages_u8(kv_cache: torch.Tensor) -> torch.Tensor:
     """The index-K pool as uint8 [num_pages, 8448]: accepts SGLang's [P, 64, 1, 132] view,
     [P, 64, 132], or [P, 8448] (any dtype of 1-byte elements; pages need not be adjacent,
     but each page's 8448 bytes must be)."""
-    if not isinstance(kv_cache, torch.Tensor):
-        raise ArgumentTypeError(f"kv_cache must be a torch.Tensor, got {type(kv_cache).__name__}")
+    tensor(kv_cache, "kv_cache")
     if kv_cache.element_size() != 1:
         raise ArgumentTypeError(f"kv_cache must hold bytes (uint8 / fp8 views), got {kv_cache.dtype}")
     shape = tuple(kv_cache.shape)
@@ -98,8 +98,7 @@ def check_args(q, kv_cache, weights, context_lens, block_table, max_context_len,
     (serving, inputs known good) only takes the normalised views."""
     if not checks:
         return _normalised(q, kv_cache, weights, context_lens, block_table, max_context_len)
-    if not isinstance(q, torch.Tensor):
-        raise ArgumentTypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+    tensor(q, "q")
     if q.dtype not in _FP8_DTYPES:
         raise ArgumentTypeError(f"q must be float8_e4m3fn (or its uint8 bits), got {q.dtype}")
     if q.dim() != 4 or q.shape[3] != HEAD_DIM:
@@ -112,19 +111,13 @@ def check_args(q, kv_cache, weights, context_lens, block_table, max_context_len,
     dev = q.device
     pages = pages_u8(kv_cache)
 
-    if not isinstance(weights, torch.Tensor):
-        raise ArgumentTypeError(f"weights must be a torch.Tensor, got {type(weights).__name__}")
-    if weights.dtype != torch.float32:
-        raise ArgumentTypeError(f"weights must be float32, got {weights.dtype}")
+    dtype_in(tensor(weights, "weights"), "weights", (torch.float32,))
     if tuple(weights.shape) != (B * next_n, H):
         raise ArgumentError(f"weights must be [batch*next_n, heads] = [{B * next_n}, {H}], got {tuple(weights.shape)}")
     if weights.numel() and weights.stride(1) != 1:
         raise ArgumentError("weights must have unit stride over heads")
 
-    if not isinstance(context_lens, torch.Tensor):
-        raise ArgumentTypeError(f"context_lens must be a torch.Tensor, got {type(context_lens).__name__}")
-    if context_lens.dtype not in (torch.int32, torch.int64):
-        raise ArgumentTypeError(f"context_lens must be int32 or int64, got {context_lens.dtype}")
+    index_dtype(tensor(context_lens, "context_lens"), "context_lens")
     if context_lens.dim() == 1 and context_lens.shape[0] == B:
         ctx_2d = False
     elif context_lens.dim() == 2 and tuple(context_lens.shape) == (B, next_n):
@@ -136,10 +129,7 @@ def check_args(q, kv_cache, weights, context_lens, block_table, max_context_len,
     if ctx_2d and next_n > 1 and context_lens.stride(1) != 1:
         raise ArgumentError("2-D context_lens must have unit stride over next_n")
 
-    if not isinstance(block_table, torch.Tensor):
-        raise ArgumentTypeError(f"block_table must be a torch.Tensor, got {type(block_table).__name__}")
-    if block_table.dtype not in (torch.int32, torch.int64):
-        raise ArgumentTypeError(f"block_table must be int32 or int64, got {block_table.dtype}")
+    index_dtype(tensor(block_table, "block_table"), "block_table")
     if block_table.dim() != 2 or block_table.shape[0] != B:
         raise ArgumentError(f"block_table must be [batch, max_blocks] = [{B}, *], got {tuple(block_table.shape)}")
     if block_table.shape[1] > 1 and block_table.stride(1) != 1:
@@ -156,8 +146,7 @@ def check_args(q, kv_cache, weights, context_lens, block_table, max_context_len,
 
     for name, t in (("kv_cache", pages), ("weights", weights), ("context_lens", context_lens),
                     ("block_table", block_table)):
-        if t.device != dev:
-            raise ArgumentError(f"{name} is on {t.device} but q is on {dev}")
+        same_device(t, name, dev, "q")
     q_u8 = q if q.dtype == torch.uint8 else q.view(torch.uint8)
     return IndexerArgs(B, next_n, H, q_u8, pages, weights, context_lens, ctx_2d, block_table,
                        int(max_context_len))
@@ -167,10 +156,7 @@ def alloc_logits(rows: int, max_context_len: int, device, out=None) -> torch.Ten
     """The float32 [rows, max_context_len] result, or `out` checked (any row stride, unit column stride)."""
     if out is None:
         return torch.empty((rows, max_context_len), dtype=torch.float32, device=device)
-    if not isinstance(out, torch.Tensor):
-        raise ArgumentTypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
-    if out.dtype != torch.float32:
-        raise ArgumentTypeError(f"out must be float32, got {out.dtype}")
+    dtype_in(tensor(out, "out"), "out", (torch.float32,))
     if tuple(out.shape) != (rows, max_context_len):
         raise ArgumentError(f"out must be [{rows}, {max_context_len}], got {tuple(out.shape)}")
     if out.device != torch.device(device):

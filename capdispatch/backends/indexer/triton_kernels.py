@@ -28,8 +28,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ...errors import ArgumentError, ArgumentTypeError, UnsupportedDeviceError
+from ...errors import ArgumentError, ArgumentTypeError
 from ..device_scope import on_device
+from ..triton_common.env import check_device, interpreted, jit_module
 from .layout import HEAD_DIM, PAGE_TOKENS, SCALE_OFFSET, alloc_logits, check_args
 
 __all__ = ["fp8_paged_mqa_logits", "fp8_paged_mqa_logits_u8", "fp8_paged_mqa_logits_native",
@@ -41,17 +42,8 @@ NUM_STAGES = 2      # software pipelining of the page loads
 _SCALE_OFFSET = tl.constexpr(SCALE_OFFSET)
 _PAGE = tl.constexpr(PAGE_TOKENS)
 
-
-@triton.jit
-def _e4m3fn_bits_to_f16(c):
-    """e4m3fn codes (uint8 tensor) -> float16, exact for every finite code; 0x7F/0xFF -> NaN.
-
-    The code's 7 magnitude bits placed at bit 7 of a float16 (5-bit exponent, bias 15)
-    give the value times 2**-8, normals and subnormals alike; times 256 is exact."""
-    c = c.to(tl.int32)
-    h = ((c << 7) & 0x3F80) | ((c << 8) & 0x8000)
-    v = h.to(tl.int16).to(tl.float16, bitcast=True) * 256.0
-    return tl.where((c & 0x7F) == 0x7F, float("nan"), v)
+# The toolbox's e4m3fn decoder (triton_common), built the way this kernel is.
+_e4m3fn_bits_to_f16 = jit_module("codec").e4m3fn_bits_to_f16
 
 
 @triton.jit
@@ -132,8 +124,7 @@ def _indexer_kernel(
                  mask=jmask[:, None] & (t < t_end)[None, :])
 
 
-# triton.jit picks the interpreter at decoration time (TRITON_INTERPRET=1 at import).
-INTERPRETED = not isinstance(_indexer_kernel, triton.runtime.jit.JITFunction)
+INTERPRETED = interpreted(_indexer_kernel)
 
 
 @functools.lru_cache(maxsize=None)
@@ -163,16 +154,10 @@ def _launch(q, kv_cache, weights, context_lens, block_table, max_context_len, ou
         raise ArgumentTypeError("max_context_len is required")
     a = check_args(q, kv_cache, weights, context_lens, block_table, max_context_len, checks)
     dev = a.q_u8.device
-    if dev.type == "cpu" and not INTERPRETED:
-        raise ArgumentError("the Triton indexer needs CUDA tensors (CPU tensors only when imported "
-                         "with TRITON_INTERPRET=1)")
+    check_device(a.q_u8, interpreted=INTERPRETED, kernels="Triton indexer kernels", native_fp8=bool(native_fp8),
+                 instead="use fp8_paged_mqa_logits_u8")
     if native_fp8 is None:
         native_fp8 = _native_fp8_default(dev)
-    elif native_fp8 and dev.type == "cuda" and torch.version.hip is None:
-        cc = _device_facts(dev.index if dev.index is not None else torch.cuda.current_device())[1]
-        if cc < (8, 9):
-            raise UnsupportedDeviceError(f"native-fp8 indexer kernel needs compute capability >= 8.9 "
-                               f"(device has {cc[0]}.{cc[1]}); use fp8_paged_mqa_logits_u8")
     H = a.heads
     if H & (H - 1) or not 16 <= H * _pow2(a.next_n) or H > 128:
         raise ArgumentError(f"the Triton indexer needs a power-of-two head count <= 128 "
