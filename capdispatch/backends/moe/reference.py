@@ -35,6 +35,7 @@ from typing import Optional
 import torch
 
 from ...errors import ArgumentError, ArgumentTypeError
+from ..arg_checks import dtype_in, index_dtype, same_device, tensor
 from .weights import CHECKPOINT, GROUP, MoeWeights
 
 __all__ = ["moe", "check_moe_args", "dequant_rows", "swiglu", "mxfp8_qdq", "random_weights",
@@ -102,28 +103,21 @@ def mxfp8_qdq(a: torch.Tensor) -> torch.Tensor:
 def check_moe_args(x, weights, topk_weights, topk_ids, out):
     if not isinstance(weights, MoeWeights):
         raise ArgumentTypeError(f"weights must be a MoeWeights, got {type(weights).__name__}")
-    if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16:
-        raise ArgumentTypeError(f"x must be a bf16 tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+    dtype_in(tensor(x, "x"), "x", (torch.bfloat16,))
     if x.dim() != 2 or x.shape[1] != weights.hidden:
         raise ArgumentError(f"x must be [T, {weights.hidden}], got {tuple(x.shape)}")
-    if topk_ids.dtype not in (torch.int32, torch.int64):
-        raise ArgumentTypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
-    if topk_weights.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ArgumentTypeError(f"topk_weights must be floating, got {topk_weights.dtype}")
+    index_dtype(tensor(topk_ids, "topk_ids"), "topk_ids")
+    dtype_in(tensor(topk_weights, "topk_weights"), "topk_weights", (torch.float32, torch.bfloat16, torch.float16))
     if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape:
         raise ArgumentError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} "
                          f"must both be [T={x.shape[0]}, K]")
     for name, t in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
-        if t.device != weights.device:
-            raise ArgumentError(f"{name} is on {t.device}, weights on {weights.device}")
+        same_device(t, name, weights.device, "weights")
     if out is not None:
-        if out.dtype != torch.bfloat16:
-            raise ArgumentTypeError(f"out must be bf16, got {out.dtype}")
+        dtype_in(tensor(out, "out"), "out", (torch.bfloat16,))
         if tuple(out.shape) != tuple(x.shape):
             raise ArgumentError(f"out must be {tuple(x.shape)}, got {tuple(out.shape)}")
-        if out.device != x.device:
-            raise ArgumentError(f"out is on {out.device}, x on {x.device}")
-
+        same_device(out, "out", x.device, "x")
 
 
 def _expert_fn(weights, act_quant):

@@ -35,6 +35,7 @@ import triton.language as tl
 
 from ...errors import ArgumentError
 from ..device_scope import cdiv, on_device
+from ..triton_common.env import check_device, interpreted, jit_module
 from .reference import check_moe_args
 from .weights import CHECKPOINT
 
@@ -42,6 +43,9 @@ __all__ = ["moe_w4a16", "routing_tables", "ROUTING_MAX_ROUTES", "Tiles"]
 
 ROUTING_MAX_ROUTES = 2048      # one-program routing kernel up to this many routes (torch ops beyond)
 ROUTING_CHUNK = 128            # routes per scan step: [128, EP] int32 scratch, fits 99 KB cards
+
+# The toolbox's bf16 rounding (triton_common), built the way these kernels are.
+_round_bf16 = jit_module("codec").round_bf16
 
 
 # --------------------------------------------------------------------------- #
@@ -70,11 +74,10 @@ def _e8m0_to_f32(s):
 def _to_bf16(v, EXACT_RNE: tl.constexpr):
     """float32 -> bf16, round to nearest even. The interpreter's own cast truncates
     (triton 3.9 numpy emulation), so under it the rounding is done on the bits
-    first and the cast is then exact; on the GPU the hardware cvt rounds."""
+    first (triton_common/codec.py) and the cast is then exact; on the GPU the
+    hardware cvt rounds."""
     if EXACT_RNE:
-        b = v.to(tl.int32, bitcast=True)
-        b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
-        v = b.to(tl.float32, bitcast=True)
+        v = _round_bf16(v)
     return v.to(tl.bfloat16)
 
 
@@ -282,7 +285,7 @@ def _combine_kernel(routed_ptr, ids_ptr, out_ptr, H, stride_out, TOPK: tl.conste
 # --------------------------------------------------------------------------- #
 # Host side
 # --------------------------------------------------------------------------- #
-INTERPRETED = not isinstance(_combine_kernel, triton.runtime.jit.JITFunction)
+INTERPRETED = interpreted(_combine_kernel)
 
 # Types of each kernel's runtime (non-constexpr) arguments, in order: what an offline
 # compile (triton.compile(ASTSource(...)) for a GPUTarget, no GPU) needs. Used by the
@@ -346,9 +349,7 @@ def moe_w4a16(x, weights, topk_weights, topk_ids, out=None, *, checks: bool = Tr
         check_moe_args(x, weights, topk_weights, topk_ids, out)
     weights.require_layout(CHECKPOINT, "triton_w4a16")
     dev = x.device
-    if dev.type == "cpu" and not INTERPRETED:
-        raise ArgumentError("Triton MoE kernels need CUDA tensors (CPU tensors only when imported with "
-                         "TRITON_INTERPRET=1)")
+    check_device(x, interpreted=INTERPRETED, kernels="Triton MoE kernels")
     T, H = x.shape
     K = topk_ids.shape[1]
     E, I = weights.num_experts, weights.intermediate
