@@ -50,7 +50,7 @@ from ..kv_cache.layout import TOKEN_BYTES, min_bytes_per_page
 from ..kv_cache.reference import kv_dequant
 from ..sparse_prefill.reference import DIM, GATHER_BUDGET, attend_gathered
 
-__all__ = ["decode_mla", "check_decode_args", "pool_2d", "DecodeArgs"]
+__all__ = ["decode_mla", "check_decode_args", "pool_2d", "DecodeArgs", "new_outputs"]
 
 def pool_2d(pool, page_size, name="pool"):
     """The pool as uint8 [num_pages, bytes_per_page] and its page size.
@@ -118,6 +118,15 @@ def _lengths(x, name, b, dev):
     return same_device(x, name, dev, "q")
 
 
+def _source(pool, page_size, indices, topk_length, prefix, b, s_q, dev):
+    """One K/V source (the main one, or with PREFIX "extra_" the extra one), checked:
+    (uint8 pool, page size, indices, topk_length or None)."""
+    u8, page_size = pool_2d(pool, page_size, prefix + "pool")
+    same_device(u8, prefix + "pool", dev, "q")
+    return (u8, page_size, _index3(indices, prefix + "indices", b, s_q, dev),
+            _lengths(topk_length, prefix + "topk_length", b, dev))
+
+
 def _pool_2d_unchecked(pool, page_size):
     if pool.dim() == 4:
         n, bpp = pool.shape[0], pool.stride(0)
@@ -157,10 +166,7 @@ def check_decode_args(q, pool, indices, page_size, sm_scale, topk_length, attn_s
     dev = q.device
     a = DecodeArgs()
     a.q = q
-    a.pool, a.page_size = pool_2d(pool, page_size, "pool")
-    same_device(a.pool, "pool", dev, "q")
-    a.idx = _index3(indices, "indices", b, s_q, dev)
-    a.topk_length = _lengths(topk_length, "topk_length", b, dev)
+    a.pool, a.page_size, a.idx, a.topk_length = _source(pool, page_size, indices, topk_length, "", b, s_q, dev)
     if attn_sink is not None:
         tensor(attn_sink, "attn_sink")
         if attn_sink.dim() != 1 or attn_sink.shape[0] != h or attn_sink.dtype != torch.float32:
@@ -174,10 +180,8 @@ def check_decode_args(q, pool, indices, page_size, sm_scale, topk_length, attn_s
             raise ArgumentError("extra_topk_length / extra_page_size need extra_pool and extra_indices")
         a.extra_pool = a.extra_idx = a.extra_page_size = a.extra_topk_length = None
     else:
-        a.extra_pool, a.extra_page_size = pool_2d(extra_pool, extra_page_size, "extra_pool")
-        same_device(a.extra_pool, "extra_pool", dev, "q")
-        a.extra_idx = _index3(extra_indices, "extra_indices", b, s_q, dev)
-        a.extra_topk_length = _lengths(extra_topk_length, "extra_topk_length", b, dev)
+        a.extra_pool, a.extra_page_size, a.extra_idx, a.extra_topk_length = _source(
+            extra_pool, extra_page_size, extra_indices, extra_topk_length, "extra_", b, s_q, dev)
     if out is not None:
         tensor(out, "out")
         if tuple(out.shape) != (b, s_q, h, DIM) or out.dtype != torch.bfloat16:
@@ -186,6 +190,14 @@ def check_decode_args(q, pool, indices, page_size, sm_scale, topk_length, attn_s
         unit_last_stride(out, "out")
     a.out = out
     return a
+
+
+def new_outputs(a: DecodeArgs):
+    """(out, lse) of one call: the caller's bf16 ``out`` [b, s_q, h, 512] or a new one, and
+    a new float32 ``lse`` [b, h, s_q]."""
+    b, s_q, h, _ = a.q.shape
+    out = a.out if a.out is not None else torch.empty((b, s_q, h, DIM), dtype=torch.bfloat16, device=a.q.device)
+    return out, torch.empty((b, h, s_q), dtype=torch.float32, device=a.q.device)
 
 
 def _gather(pool, page_size, idx, lengths, bsel):
@@ -210,8 +222,7 @@ def decode_mla(q, pool, indices, page_size, sm_scale, topk_length=None, attn_sin
                           extra_pool, extra_indices, extra_page_size, extra_topk_length, out, checks)
     b, s_q, h, _ = q.shape
     dev = q.device
-    out = a.out if a.out is not None else torch.empty((b, s_q, h, DIM), dtype=torch.bfloat16, device=dev)
-    lse = torch.empty((b, h, s_q), dtype=torch.float32, device=dev)
+    out, lse = new_outputs(a)
     T = b * s_q
     if T == 0 or h == 0:
         return out, lse

@@ -27,7 +27,7 @@ import torch
 
 from ..device_scope import on_device
 from ..sparse_prefill import triton_kernels as _K
-from .reference import DIM, check_decode_args
+from .reference import check_decode_args, new_outputs
 
 __all__ = ["decode_mla_u8", "decode_mla_fp8", "INTERPRETED"]
 
@@ -59,8 +59,7 @@ def _launch(q, pool, indices, page_size, sm_scale, topk_length, attn_sink, extra
         _K.check_device(q, native_fp8)
     b, s_q, h, _ = q.shape
     dev = q.device
-    out = a.out if a.out is not None else torch.empty((b, s_q, h, DIM), dtype=torch.bfloat16, device=dev)
-    lse = torch.empty((b, h, s_q), dtype=torch.float32, device=dev)
+    out, lse = new_outputs(a)
     T = b * s_q
     if T == 0 or h == 0:
         return out, lse
