@@ -123,7 +123,7 @@ def flashmla_as_sglang(inputs):
     except ImportError:
         return None
     import torch
-    from capdispatch.backends.decode_mla.external import _pool_view
+    from capdispatch.backends.decode_mla.library_args import pool_view as _pool_view
     q, pool, idx, ps, scale, lengths, sink, cpool, cidx, cps, clengths = inputs
     assert idx.shape[-1] % 64 == 0 and cidx.shape[-1] % 64 == 0 and idx.dtype == torch.int32
     sched = flash_mla.get_mla_metadata()[0]

@@ -137,7 +137,7 @@ def recorded_library_calls(backend, call):
     targets = LIBRARY_CALLS.get(backend)
     if not targets:
         return None
-    from capdispatch.backends.moe import marlin_adapter
+    from capdispatch.backends.moe import sglang_marlin as marlin_adapter
     marlin_adapter._sglang.cache_clear()      # the adapter caches the function: look it up again
     rec, saved = [], []
     for module, path in targets:
