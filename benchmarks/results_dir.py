@@ -37,11 +37,11 @@ def parse_session(name: str):
     return (m["rig"], m["date"]) if m else None
 
 
-def is_results_dir(out_dir: str, results: str = RESULTS) -> bool:
-    return os.path.realpath(out_dir) == os.path.realpath(results)
+def is_results_dir(out_dir: str, results: str | None = None) -> bool:
+    return os.path.realpath(out_dir) == os.path.realpath(RESULTS if results is None else results)
 
 
-def archive_previous(out_dir: str, series: str, results: str = RESULTS) -> list:
+def archive_previous(out_dir: str, series: str, results: str | None = None) -> list:
     """Before a new run of `series` is written into `out_dir`: when out_dir is the results
     folder, move the series' top-level files (timestamped, and an untimestamped
     `<series>.<ext>`) into its archive/. Returns the paths moved to."""

@@ -147,6 +147,27 @@ def test_tidy_keeps_the_newest_run_and_session(tmp_path):
     assert RD.top_level_duplicates(str(tmp_path)) == []
 
 
+def test_a_writer_archives_its_previous_run_in_the_results_folder_only(tmp_path, monkeypatch, capsys):
+    """bench_kv_cache's writer, run twice into a stand-in results folder and once elsewhere."""
+    sys.path.insert(0, BENCH)
+    try:
+        import bench_kv_cache as KV
+    finally:
+        sys.path.remove(BENCH)
+    results, elsewhere = tmp_path / "results", tmp_path / "OUT"
+    monkeypatch.setattr(RD, "RESULTS", str(results))
+    meta = dict(device="NVIDIA H200", torch="2.11", triton="3.6", cuda="13.0", compute_capability="9.0", seed=1,
+                page_size=256, copy_gbps=4247.0, sglang=None)
+    for day in ("01", "02"):
+        KV._write(str(results), dict(meta, date=f"2026-01-{day}T00:00:00+00:00"), [])
+        KV._write(str(elsewhere), dict(meta, date=f"2026-01-{day}T00:00:00+00:00"), [])
+    assert sorted(os.listdir(results)) == ["archive", "kv_cache_nvidia_h200_20260102T000000.json",
+                                           "kv_cache_nvidia_h200_20260102T000000.md"]
+    assert sorted(os.listdir(results / "archive")) == ["kv_cache_nvidia_h200_20260101T000000.json",
+                                                       "kv_cache_nvidia_h200_20260101T000000.md"]
+    assert len(os.listdir(elsewhere)) == 4
+
+
 WRITERS = ("bench_attention.py", "bench_calibrated.py", "bench_cli_cold.py", "bench_indexer.py", "bench_kv_cache.py",
            "bench_moe.py", "bench_overhead.py", "bench_sglang_moe_route.py", "bench_verify.py", "sweep_moe_triton.py")
 
