@@ -37,6 +37,7 @@ import os
 import sys
 
 from ceilings import bench as _bench, copy_bandwidth, describe, matmul_rate, run_facts  # noqa: E402 (the script's own folder)
+from results_dir import archive_previous  # noqa: E402 (the script's own folder)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -320,6 +321,7 @@ def _write(out_dir, meta, rows, tune_rows):
     os.makedirs(out_dir, exist_ok=True)
     slug = "".join(c if c.isalnum() else "_" for c in meta["device"]).strip("_").lower()
     stamp = meta["date"].replace(":", "").replace("-", "")[:15]
+    archive_previous(out_dir, f"attention_{slug}")
     base = os.path.join(out_dir, f"attention_{slug}_{stamp}")
     with open(base + ".json", "w") as f:
         json.dump(dict(meta=meta, results=rows, tune=tune_rows), f, indent=2)

@@ -38,6 +38,8 @@ import statistics
 import sys
 import time
 
+from results_dir import archive_previous  # the script's own folder
+
 OPS = ("kv_quant", "kv_dequant", "decode_mla", "sparse_prefill", "indexer", "moe")
 TARGET_RATIO, TARGET_US = 1.2, 30.0
 TARGET_OPS = ("kv_dequant", "decode_mla")
@@ -339,6 +341,7 @@ def main(argv=None) -> int:
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S")
     slug = (facts.get("gpu") or "cpu-host").lower().replace(" ", "_")
     os.makedirs(args.out, exist_ok=True)
+    archive_previous(args.out, f"overhead_{slug}")
     base = os.path.join(args.out, f"overhead_{slug}_{stamp}")
     meta = dict(facts, device=dev_name, iters=args.iters, repeats=args.repeats, dispatch_floor_us=floor,
                 gpu_present=device.type == "cuda")
