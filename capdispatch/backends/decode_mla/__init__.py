@@ -33,7 +33,6 @@ _FLASHINFER = Library("flashinfer-python", ">=0.7.2", module="flashinfer")
 def register(registry) -> None:
     for op in OPS:
         registry.add_op(op)
-    # Registration order is the default order: fastest first.
     registry.add_backend(Backend(
         "decode_mla", "flashmla", f"{_PKG}.external:op_flashmla",
         requires=(TORCH, _FLASHMLA, AnyFeature(("wgmma", "tcgen05"))),
