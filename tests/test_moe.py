@@ -500,9 +500,9 @@ print("compiled")
 
 def test_dequant_tile_compiles_for_both_output_types(tmp_path):
     """_dequant_tile with F32 True (the tests' exact-decode kernel) and False (the GEMMs)
-    compiles for sm_90 without the interpreter. Regression: an early ``return v`` under
-    ``if F32`` passed the interpreter and failed on the H200 (2026-11-29) with
-    'Inconsistent return types'."""
+    compiles for sm_90 without the interpreter. The interpreter does not check that both
+    branches return one type: an early ``return v`` under ``if F32`` passes it and fails
+    to compile with 'Inconsistent return types'."""
     import subprocess
     import sys
     script = tmp_path / "dequant_compile.py"      # triton.jit needs a source file
