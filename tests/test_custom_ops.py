@@ -319,7 +319,7 @@ def test_triton_softmax_scale_is_fp32_in_the_kernel_signature():
 
 def test_no_import_on_the_launch_path():
     """The Triton attention launch path imports nothing (dynamo cannot trace
-    builtins.__import__; it was a graph break on every decode call)."""
+    builtins.__import__, so an import there breaks the graph on every decode call)."""
     import inspect
     from capdispatch.backends.sparse_prefill import triton_kernels as SK
     for f in (SK.launch_sparse_mla, SK._run, SK._configs, SK.sparse_prefill):

@@ -358,7 +358,7 @@ def registry():
 
 @pytest.mark.parametrize("device", ["sim:rtx-5090", "sim:rtx-pro-6000", "sim:sm_120"])
 def test_flashmla_sparse_rejected_on_sm120(device):
-    """The seed's failure: sparse prefill chosen on SM120. With the library present, the
+    """FlashMLA's sparse prefill has no SM120 kernel. With the library present, the
     feature requirement alone rejects it, and the reason names the missing features."""
     import capdispatch as cd
     res = cd.resolve("sparse_prefill", device, registry=registry(), assume_libs=ASSUME)

@@ -35,7 +35,6 @@ _FLASHINFER = Library("flashinfer-python", ">=0.7.2", module="flashinfer")
 def register(registry) -> None:
     for op in OPS:
         registry.add_op(op)
-    # Registration order is the default order: fastest first.
     registry.add_backend(Backend(
         "decode_mla", "flashmla", f"{_PKG}.flashmla:op_flashmla",
         requires=(TORCH, _FLASHMLA, AnyFeature(("wgmma", "tcgen05"))),

@@ -28,7 +28,6 @@ _TILELANG = Library("tilelang", ">=0.1.12", module="tilelang")
 _DEEPGEMM = Library("sgl-deep-gemm", ">=0.2.3", module="deep_gemm")
 
 BACKENDS = (
-    # Registration order is the default order: fastest first (docs/ops/indexer.md).
     Backend("indexer", "deepgemm", f"{_PKG}.deepgemm:op_fp8_paged_mqa_logits",
             requires=(TORCH, _DEEPGEMM, Platform("cuda"), AnyFeature(("wgmma", "tcgen05"))),
             summary="DeepGEMM fp8_paged_mqa_logits (SM90 wgmma / SM100 tcgen05 kernels; JIT needs the CUDA toolkit; "

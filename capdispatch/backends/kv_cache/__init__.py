@@ -22,7 +22,6 @@ OPS = (
 def register(registry) -> None:
     for op in OPS:
         registry.add_op(op)
-    # Registration order is the default order: fastest first.
     for op in ("kv_quant", "kv_dequant"):
         registry.add_backend(Backend(
             op, "triton_fp8", f"{_PKG}.triton_kernels:op_{op}_fp8",

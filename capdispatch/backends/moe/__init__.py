@@ -15,7 +15,7 @@ from ..base import Backend, ComputeCapability, Feature, Library, Op, SizeArg, Pl
 from .weights import LAYOUTS, LayoutError, MoeWeights, packed_bytes_per_expert, prepare
 
 __all__ = ["OPS", "register", "MoeWeights", "prepare", "packed_bytes_per_expert", "LayoutError",
-           "LAYOUTS", "BACKEND_ORDER", "SGLANG_RUNNER_BACKEND"]
+           "LAYOUTS", "SGLANG_RUNNER_BACKEND"]
 
 _PKG = "capdispatch.backends.moe"
 
@@ -38,10 +38,6 @@ _FLASHINFER = Library("flashinfer-python", ">=0.6.14", module="flashinfer.fused_
 _SGLANG = Library("sglang", ">=0.5.23", module="sglang.srt.layers.moe.fused_moe_triton.fused_marlin_moe")
 _SGL_KERNEL = Library("sglang-kernel", ">=0.4.10", module="sgl_kernel")
 _CUDA = Platform("cuda")
-
-# Registration order is the default order: fastest first.
-BACKEND_ORDER = ("flashinfer_cutlass_w4a8", "flashinfer_trtllm_w4a8", "flashinfer_cutlass_w4a16",
-                 "marlin_w4a16", "triton_w4a16", "torch")
 
 # SGLang 0.5.23 `--moe-runner-backend` value that runs the same kernel family,
 # for the adapter's knob map (None: capdispatch routes the call itself).

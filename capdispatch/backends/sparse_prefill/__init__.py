@@ -34,7 +34,6 @@ _FLASHMLA = Library("sgl-flash-mla", ">=1.0", module="flash_mla")
 def register(registry) -> None:
     for op in OPS:
         registry.add_op(op)
-    # Registration order is the default order: fastest first.
     registry.add_backend(Backend(
         "sparse_prefill", "flashmla_sparse", f"{_PKG}.flashmla:op_flashmla_sparse",
         requires=(TORCH, _FLASHMLA, AnyFeature(("wgmma", "tcgen05"))),
