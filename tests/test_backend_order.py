@@ -52,6 +52,10 @@ def _recorded():
 
         def add_backend(self, backend):
             self.backends.append(backend)
+
+        def add_all(self, ops=(), backends=()):
+            self.ops.extend(ops)
+            self.backends.extend(backends)
     rec = Recorder()
     for pkg in BUILTIN_OP_PACKAGES:
         importlib.import_module(pkg).register(rec)

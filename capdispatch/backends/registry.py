@@ -48,6 +48,14 @@ class Registry:
             raise RegistryError(f"backend {backend.op}/{backend.name} registered twice")
         self._backends[backend.op][backend.name] = backend
 
+    def add_all(self, ops=(), backends=()) -> None:
+        """add_op for each of OPS, then add_backend for each of BACKENDS (a package's
+        declarations, checked one by one as above)."""
+        for op in ops:
+            self.add_op(op)
+        for backend in backends:
+            self.add_backend(backend)
+
     def backends(self, op: str) -> list:
         """OP's backends, sorted by name (the preference order is the policy's)."""
         return [self._backends[op][n] for n in sorted(self._backends[op])]

@@ -32,27 +32,32 @@ _FLASHMLA = Library("sgl-flash-mla", ">=1.0", module="flash_mla")
 _FLASHINFER = Library("flashinfer-python", ">=0.7.2", module="flashinfer")
 
 
-def register(registry) -> None:
-    for op in OPS:
-        registry.add_op(op)
-    registry.add_backend(Backend(
+BACKENDS = (
+    Backend(
         "decode_mla", "flashmla", f"{_PKG}.flashmla:op_flashmla",
         requires=(TORCH, _FLASHMLA, AnyFeature(("wgmma", "tcgen05"))),
-        summary="FlashMLA sparse fp8 decode (legacy V4-format kernels: SM90a wgmma, SM100 tcgen05)"))
-    registry.add_backend(Backend(
+        summary="FlashMLA sparse fp8 decode (legacy V4-format kernels: SM90a wgmma, SM100 tcgen05)"),
+    Backend(
         "decode_mla", "flashinfer_sparse_mla", f"{_PKG}.flashinfer:op_flashinfer_sparse_mla",
         requires=(TORCH, _FLASHINFER, Feature("sm120_block_scaled_mma")),
-        summary="FlashInfer SM120 sparse MLA (block-scaled MMA); split-K scratch only for <= 64 tokens"))
-    registry.add_backend(Backend(
+        summary="FlashInfer SM120 sparse MLA (block-scaled MMA); split-K scratch only for <= 64 tokens"),
+    Backend(
         "decode_mla", "triton_fp8", f"{_PKG}.triton_kernels:op_decode_mla_fp8",
         requires=(TORCH, TRITON, TritonTarget("8.0"), Feature("fp8_e4m3")),
-        summary="Triton with native fp8 loads (Triton admits fp8e4nv from cc 8.9)"))
-    registry.add_backend(Backend(
+        summary="Triton with native fp8 loads (Triton admits fp8e4nv from cc 8.9)"),
+    Backend(
         "decode_mla", "triton", f"{_PKG}.triton_kernels:op_decode_mla_u8",
         requires=(TORCH, TRITON, TritonTarget("8.0")),
         summary="Triton, pool read through uint8 with an integer e4m3 decode (any CUDA card from SM80); "
-                "split-K only for <= 64 tokens"))
-    registry.add_backend(Backend(
+                "split-K only for <= 64 tokens"),
+    Backend(
         "decode_mla", "torch", f"{_PKG}.reference:op_decode_mla",
         requires=(TORCH,),
-        summary="torch reference, chunked over tokens (runs anywhere)"))
+        summary="torch reference, chunked over tokens (runs anywhere)"),
+)
+
+
+def register(registry) -> None:
+    """Declare this package's ops and backends (the order says nothing: default.yaml
+    gives the preference order)."""
+    registry.add_all(OPS, BACKENDS)

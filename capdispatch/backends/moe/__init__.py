@@ -51,28 +51,32 @@ SGLANG_RUNNER_BACKEND = {
 }
 
 
+BACKENDS = (
+    Backend("moe", "flashinfer_cutlass_w4a8", f"{_PKG}.flashinfer:op_moe_cutlass_w4a8",
+        requires=(TORCH, _CUDA, Feature("sm120_block_scaled_mma"), _FLASHINFER),
+        summary="FlashInfer CUTLASS MoE, MXFP8 activations x MXFP4 weights on the SM120 "
+                "block-scaled MMA (SGLang flashinfer_mxfp4 on SM120)"),
+    Backend("moe", "flashinfer_trtllm_w4a8", f"{_PKG}.flashinfer:op_moe_trtllm_w4a8",
+        requires=(TORCH, _CUDA, Feature("tcgen05"), _FLASHINFER),
+        summary="FlashInfer TRT-LLM-gen routed MoE, MXFP8 x MXFP4 on tcgen05 (SM100 family; "
+                "cubins from flashinfer-cubin or FlashInfer's download cache)"),
+    Backend("moe", "flashinfer_cutlass_w4a16", f"{_PKG}.flashinfer:op_moe_cutlass_w4a16",
+        requires=(TORCH, _CUDA, Feature("wgmma"), _FLASHINFER),
+        summary="FlashInfer CUTLASS mixed-input MoE, bf16 x MXFP4 on wgmma (SM90; JIT-built)"),
+    Backend("moe", "marlin_w4a16", f"{_PKG}.sglang_marlin:op_moe_marlin",
+        requires=(TORCH, _CUDA, ComputeCapability(">=8.0"), _SGLANG, _SGL_KERNEL),
+        summary="SGLang's MXFP4 Marlin MoE (bf16 x MXFP4, JIT), -1 routes dropped before it"),
+    Backend("moe", "triton_w4a16", f"{_PKG}.triton_kernels:op_moe_w4a16",
+        requires=(TORCH, TRITON, TritonTarget("8.0")),
+        summary="Triton grouped GEMM, MXFP4 decoded on load, bf16 tensor cores (any card Triton "
+                "supports from cc 8.0)"),
+    Backend("moe", "torch", f"{_PKG}.reference:op_moe",
+        requires=(TORCH,),
+        summary="torch reference, one expert chunk decoded at a time (runs anywhere)"),
+)
+
+
 def register(registry) -> None:
-    for op in OPS:
-        registry.add_op(op)
-    add = registry.add_backend
-    add(Backend("moe", "flashinfer_cutlass_w4a8", f"{_PKG}.flashinfer:op_moe_cutlass_w4a8",
-                requires=(TORCH, _CUDA, Feature("sm120_block_scaled_mma"), _FLASHINFER),
-                summary="FlashInfer CUTLASS MoE, MXFP8 activations x MXFP4 weights on the SM120 "
-                        "block-scaled MMA (SGLang flashinfer_mxfp4 on SM120)"))
-    add(Backend("moe", "flashinfer_trtllm_w4a8", f"{_PKG}.flashinfer:op_moe_trtllm_w4a8",
-                requires=(TORCH, _CUDA, Feature("tcgen05"), _FLASHINFER),
-                summary="FlashInfer TRT-LLM-gen routed MoE, MXFP8 x MXFP4 on tcgen05 (SM100 family; "
-                        "cubins from flashinfer-cubin or FlashInfer's download cache)"))
-    add(Backend("moe", "flashinfer_cutlass_w4a16", f"{_PKG}.flashinfer:op_moe_cutlass_w4a16",
-                requires=(TORCH, _CUDA, Feature("wgmma"), _FLASHINFER),
-                summary="FlashInfer CUTLASS mixed-input MoE, bf16 x MXFP4 on wgmma (SM90; JIT-built)"))
-    add(Backend("moe", "marlin_w4a16", f"{_PKG}.sglang_marlin:op_moe_marlin",
-                requires=(TORCH, _CUDA, ComputeCapability(">=8.0"), _SGLANG, _SGL_KERNEL),
-                summary="SGLang's MXFP4 Marlin MoE (bf16 x MXFP4, JIT), -1 routes dropped before it"))
-    add(Backend("moe", "triton_w4a16", f"{_PKG}.triton_kernels:op_moe_w4a16",
-                requires=(TORCH, TRITON, TritonTarget("8.0")),
-                summary="Triton grouped GEMM, MXFP4 decoded on load, bf16 tensor cores (any card Triton "
-                        "supports from cc 8.0)"))
-    add(Backend("moe", "torch", f"{_PKG}.reference:op_moe",
-                requires=(TORCH,),
-                summary="torch reference, one expert chunk decoded at a time (runs anywhere)"))
+    """Declare this package's ops and backends (the order says nothing: default.yaml
+    gives the preference order)."""
+    registry.add_all(OPS, BACKENDS)

@@ -31,19 +31,24 @@ OPS = (
 _FLASHMLA = Library("sgl-flash-mla", ">=1.0", module="flash_mla")
 
 
-def register(registry) -> None:
-    for op in OPS:
-        registry.add_op(op)
-    registry.add_backend(Backend(
+BACKENDS = (
+    Backend(
         "sparse_prefill", "flashmla_sparse", f"{_PKG}.flashmla:op_flashmla_sparse",
         requires=(TORCH, _FLASHMLA, AnyFeature(("wgmma", "tcgen05"))),
-        summary="FlashMLA sparse prefill (legacy kernels: SM90a wgmma, SM100 tcgen05), as SGLang calls it"))
-    registry.add_backend(Backend(
+        summary="FlashMLA sparse prefill (legacy kernels: SM90a wgmma, SM100 tcgen05), as SGLang calls it"),
+    Backend(
         "sparse_prefill", "triton", f"{_PKG}.triton_kernels:op_sparse_prefill",
         requires=(TORCH, TRITON, TritonTarget("8.0")),
         summary="Triton: one program per (query, head block), bf16 tensor-core dots, online softmax, "
-                "no scratch (any CUDA card from SM80)"))
-    registry.add_backend(Backend(
+                "no scratch (any CUDA card from SM80)"),
+    Backend(
         "sparse_prefill", "torch", f"{_PKG}.reference:op_sparse_prefill",
         requires=(TORCH,),
-        summary="torch reference, chunked over queries (runs anywhere)"))
+        summary="torch reference, chunked over queries (runs anywhere)"),
+)
+
+
+def register(registry) -> None:
+    """Declare this package's ops and backends (the order says nothing: default.yaml
+    gives the preference order)."""
+    registry.add_all(OPS, BACKENDS)
