@@ -163,3 +163,30 @@ def test_an_op_default_yaml_does_not_name_tries_its_backends_by_name():
     res = resolve_in(context(registry=reg, env={}), "plug_op", cd.probe("cpu"))
     assert [c.backend for c in res.candidates] == ["alpha", "beta", "torch"]
     assert res.source == "registered backends, by name" and not res.user
+
+
+def test_a_plugin_may_declare_its_backends_at_once():
+    """registry.add_all(ops=..., backends=...) from a plugin's register(): staged and
+    checked like add_backend, then in the registry; a bad declaration among them is
+    refused with the plugin named, and nothing of that plugin lands."""
+    import types
+
+    from capdispatch.backends import Backend, TORCH
+    from capdispatch.backends import plugins
+    from capdispatch.backends.registry import build
+
+    def ep(name, fn):
+        return types.SimpleNamespace(name=name, value=f"{name}:register", dist=None, load=lambda: fn)
+
+    good = (Backend("kv_dequant", "zz_one", "zz:one", requires=(TORCH,)),
+            Backend("kv_dequant", "zz_two", "zz:two", requires=(TORCH,)))
+    bad = (Backend("kv_dequant", "yy_ok", "yy:ok", requires=(TORCH,)),
+           Backend("flash_attention", "yy_bad", "yy:bad", requires=(TORCH,)))
+    reg = build(plugins=False)            # a registry of its own: the process's stays as it is
+    infos = plugins.load(reg, entry_points=[ep("zz", lambda r: r.add_all(backends=good)),
+                                            ep("yy", lambda r: r.add_all(backends=bad))])
+    by = {i.name: i for i in infos}
+    assert by["zz"].ok and set(by["zz"].backends) == {"kv_dequant/zz_one", "kv_dequant/zz_two"}
+    assert not by["yy"].ok and "unknown op 'flash_attention'" in by["yy"].message
+    names = [b.name for b in reg.backends("kv_dequant")]
+    assert "zz_one" in names and "zz_two" in names and "yy_ok" not in names
