@@ -85,8 +85,16 @@ def check_one_decision(rig, libs, extra=()):
                     (dev, name, value)
         for dev in row["without"]:
             r = ranks[[f"cuda:{x['gpu_id']}" for x in ranks].index(dev)]
-            assert any(r["ops"][op]["backend"] is not None and r["ops"][op]["setting"] is None
+            assert any(r["ops"][op]["action"] == "reported" and r["ops"][op]["setting"] is None
                        for op in row["ops"]), (dev, name)
+        # Devices whose rank routes one of the row's ops: named with the routed backend.
+        for dev, backend in row["routed"].items():
+            r = ranks[[f"cuda:{x['gpu_id']}" for x in ranks].index(dev)]
+            assert any(r["ops"][op]["routed"] and r["ops"][op]["backend"] == backend for op in row["ops"]), \
+                (dev, name, backend)
+            assert f"routed to capdispatch {backend}" in row["why"]
+            assert dev not in row["without"]
+        assert "no SGLang setting runs" not in row["why"] or row["without"]
     # 3. Every rank reports every op, moe included, with the final schema.
     for r in ranks:
         assert list(r["ops"]) == ops and "moe" in ops
@@ -104,7 +112,7 @@ def test_the_reported_contradiction_cannot_happen(clean_env):
     assert ops["decode_mla"]["backend"] == "triton_fp8" and ops["decode_mla"]["routed"]
     assert "needs sgl-flash-mla>=1.0, has 0.9.0 (assumed)" in ops["decode_mla"]["why"]
     attn = next(x for x in p["sglang_settings"] if x["name"] == "dsv4_attn_backend")
-    assert attn["wants"] == {} and attn["without"] == ["cuda:0"]
+    assert attn["wants"] == {} and attn["without"] == [] and attn["routed"] == {"cuda:0": "triton_fp8"}
     p = check_one_decision(["sim:h200"], ["sgl-flash-mla==1.0.0"])
     assert p["ranks"][0]["ops"]["decode_mla"]["backend"] == "flashmla"
     attn = next(x for x in p["sglang_settings"] if x["name"] == "dsv4_attn_backend")
@@ -141,4 +149,6 @@ def test_policy_and_environment_reach_every_part_of_the_plan(clean_env, monkeypa
     p = json.loads(_plan(["--device", "sim:h200", "--assume-lib", "sglang-kernel==0.4.10"])[1])
     assert p["ranks"][0]["ops"]["moe"]["backend"] == "torch"
     assert p["ranks"][0]["ops"]["moe"]["action"] == "routed"
-    assert next(x for x in p["sglang_settings"] if x["name"] == "moe_runner_backend")["without"] == ["cuda:0"]
+    mrb = next(x for x in p["sglang_settings"] if x["name"] == "moe_runner_backend")
+    assert mrb["without"] == [] and mrb["routed"] == {"cuda:0": "torch"}
+

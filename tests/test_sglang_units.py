@@ -679,14 +679,19 @@ def test_knob_ops_per_rank_on_the_simulated_rig(env, release):
         "cuda:0": "kept", "cuda:1": "kept", "cuda:2": "routed"}
     assert kd.choices["moe"]["cuda:0"].why.startswith(
         "SGLang's own Mxfp4FlashinferCutlassMoEMethod kept under moe_runner_backend=flashinfer_mxfp4")
-    # The launch: one value per SGLang name; a mixed rig splits, nothing is set.
+    # The launch: one value per SGLang name, reported, never set. The routed 3080 needs
+    # none (its rank routes the call site), so the cards that need one agree.
     s = {x.name: x for x in kd.sglang}
-    assert s["moe_runner_backend"].action == "split"
+    assert s["moe_runner_backend"].action == "agree"
     assert s["moe_runner_backend"].wants == {"flashinfer_mxfp4": ("cuda:0", "cuda:1")}
-    assert s["moe_runner_backend"].without == ("cuda:2",)
+    assert s["moe_runner_backend"].routed == {"cuda:2": "triton_w4a16"}
+    assert s["moe_runner_backend"].without == ()
+    assert s["moe_runner_backend"].why == ("cuda:0, cuda:1 need flashinfer_mxfp4; "
+                                           "cuda:2 is routed to capdispatch triton_w4a16")
     assert s["dsv4_attn_backend"].wants == {"flashmla": ("cuda:0", "cuda:1")}
     assert s["SGLANG_SM120_FLASHMLA_BACKEND"].wants == {"flashinfer": ("cuda:0",)}
-    assert "cuda:2 needs a capdispatch kernel no SGLang setting runs" in s["dsv4_attn_backend"].why
+    assert "cuda:2 is routed to capdispatch triton" in s["dsv4_attn_backend"].why
+    assert not any("no SGLang setting runs" in x.why for x in kd.sglang)
 
 
 def test_knob_ops_same_generation_rig_agrees(env, release):
@@ -797,8 +802,8 @@ def test_plan_shows_every_op_and_the_sglang_settings_per_rank(env, capsys, monke
     assert "moe flashinfer_cutlass_w4a16 kept SGLang's own Mxfp4FlashinferCutlassMoEMethod kept under " \
            "moe_runner_backend=flashinfer_mxfp4" in flat
     assert "SGLang settings each rank's choice needs (reported, not set" in out
-    assert "split  moe_runner_backend  (SGLang takes one value per launch; cuda:0, cuda:1 need flashinfer_mxfp4; " \
-           "cuda:2 needs a capdispatch kernel no SGLang setting runs)" in out
+    assert "agree  moe_runner_backend=flashinfer_mxfp4  (cuda:0, cuda:1 need flashinfer_mxfp4; " \
+           "cuda:2 is routed to capdispatch triton_w4a16)" in out
     rc, out, err = _plan(capsys, "--device", KNOB_RIG, *libs, "--format", "json")
     p = json.loads(out)
     assert "knob_ops" not in p and p["ops"][-1] == "moe"
@@ -817,9 +822,9 @@ def test_plan_shows_every_op_and_the_sglang_settings_per_rank(env, capsys, monke
     assert p["ranks"][1]["ops"]["moe"]["setting"] == ["moe_runner_backend=flashinfer_mxfp4"]
     assert p["ranks"][1]["ops"]["moe"]["action"] == "kept"
     mrb = next(x for x in p["sglang_settings"] if x["name"] == "moe_runner_backend")
-    assert mrb == {"kind": "field", "name": "moe_runner_backend", "ops": ["moe"], "action": "split", "user": None,
-                   "wants": {"flashinfer_mxfp4": ["cuda:0", "cuda:1"]}, "without": ["cuda:2"],
-                   "why": mrb["why"]}
+    assert mrb == {"kind": "field", "name": "moe_runner_backend", "ops": ["moe"], "action": "agree", "user": None,
+                   "wants": {"flashinfer_mxfp4": ["cuda:0", "cuda:1"]}, "without": [],
+                   "routed": {"cuda:2": "triton_w4a16"}, "why": mrb["why"]}
     # mixed_group: error stops a launch: the ops diverge on an RTX 5090 + H200 (e.g. the
     # indexer: TileLang vs DeepGEMM).
     rc, out, err = _plan(capsys, "--device", "sim:rtx-5090,sim:h200", "--policy",
