@@ -1,5 +1,5 @@
 """Time SGLang's real FusedMoE layer routed to a capdispatch moe backend, at
-DeepSeek-V4 shapes, on a CUDA GPU (not yet run on a GPU).
+DeepSeek-V4 shapes, on a CUDA GPU.
 
     CAPDISPATCH_SET=moe=triton_w4a16 python benchmarks/bench_sglang_moe_route.py \
         [--tokens 1 8 64 512 4096] [--out DIR]
@@ -11,7 +11,10 @@ rank 0 of an EP2 launch on GPU 0, 64 local experts of 128, H 4096, I 2048, top-k
 so about half the routes arrive as -1. Per token count: one forward checked
 against the torch reference (norm-relative error, the tests' triton_w4a16
 tolerance), then the layer's forward (dispatch + capdispatch kernel + combine)
-timed with triton.testing.do_bench (median). Writes
+timed with triton.testing.do_bench (median, eager: the layer's host time included),
+beside the floor of the bytes it must move (the packed weights of each local expert
+some route reaches, the activations in and out) over the device-to-device copy
+bandwidth measured in the same run (benchmarks/ceilings.py). Writes
 sglang_moe_route_<gpu>_<utc>.json and .md into --out (default benchmarks/results).
 
 Needs SGLang installed (--no-deps, see tests/requirements-nodeps.txt) and CUDA.
@@ -37,6 +40,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=None)
     args = ap.parse_args(argv)
     sys.path.insert(0, TESTS)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import ceilings
+    from results_dir import archive_previous
     import sglang_moe_scenario as sc   # imports sglang_prelude first
     import sglang_fake_models as fake
     import torch
@@ -58,6 +64,9 @@ def main(argv=None) -> int:
         print(f"moe is not routed on this rank: {r.get('why')}", file=sys.stderr)
         return 1
     rows = []
+    gbps, _ = ceilings.copy_bandwidth()
+    per_expert = r["prepared"]["bytes_per_expert_after"]
+    el = sc.E_GLOBAL // sc.EP
     from sglang.srt.layers.moe.topk import StandardTopKOutput
     from sglang.srt.runtime_context import get_parallel
     import types
@@ -68,27 +77,35 @@ def main(argv=None) -> int:
         topk = StandardTopKOutput(tw, ids, torch.zeros(t, sc.E_GLOBAL, device="cuda"))
         with get_parallel().override(tp_group=types.SimpleNamespace(world_size=sc.EP)):
             ms = triton.testing.do_bench(lambda: layer.forward(x, topk), return_mode="median")
-        rows.append({"tokens": t, "ms": ms, "rel_err": check["rel_err"],
+        experts = int(torch.unique(ids[(ids >= 0) & (ids < el)]).numel())     # rank 0's local experts
+        nbytes = experts * per_expert + 2 * t * sc.H * 2
+        floor_us = nbytes / (gbps * 1e3)
+        rows.append({"tokens": t, "ms": ms, "floor_us": floor_us, "local_experts_touched": experts,
+                     "bytes": nbytes, "rel_err": check["rel_err"],
                      "max_abs_over_max_ref": check["max_abs_over_max_ref"],
                      "local_masked_routes": check["local_masked"], "routes": t * sc.TOPK})
-        print(f"T={t:5d}  {ms * 1e3:9.1f} us  rel_err {check['rel_err']:.2e}  "
+        print(f"T={t:5d}  {ms * 1e3:9.1f} us  (floor {floor_us:.1f} us, {experts} experts)  rel_err {check['rel_err']:.2e}  "
               f"masked {check['local_masked']}/{t * sc.TOPK}", flush=True)
     name = torch.cuda.get_device_name(0).lower().replace(" ", "_")
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S")
     os.makedirs(args.out, exist_ok=True)
+    archive_previous(args.out, f"sglang_moe_route_{name}")
     base = os.path.join(args.out, f"sglang_moe_route_{name}_{stamp}")
     result = {"seed": seed, "device": torch.cuda.get_device_name(0), "backend": r["backend"],
-              "why": r["why"], "prepared": r["prepared"], "rows": rows}
+              "why": r["why"], "prepared": r["prepared"], "copy_gbps": gbps, "rows": rows}
     with open(base + ".json", "w") as f:
         json.dump(result, f, indent=2, default=str)
     with open(base + ".md", "w") as f:
         f.write(f"# SGLang FusedMoE routed to capdispatch {r['backend']} ({result['device']})\n\n")
         f.write(f"Seed {seed}; rank 0 of EP2, 64 local experts, H 4096, I 2048, top-k 6; "
                 f"{r['prepared']['bytes_per_expert_after']:.0f} B per expert after preparation "
-                f"(packed {r['prepared']['packed_bytes_per_expert']}).\n\n")
-        f.write("| tokens | layer forward (us) | rel. error | masked routes |\n|---:|---:|---:|---:|\n")
+                f"(packed {r['prepared']['packed_bytes_per_expert']}). Eager forward (host time "
+                f"included); floor = bytes / {gbps:.0f} GB/s (device-to-device copy, this run).\n\n")
+        f.write("| tokens | layer forward (us) | floor (us) | local experts touched | rel. error | masked routes |\n"
+                "|---:|---:|---:|---:|---:|---:|\n")
         for row in rows:
-            f.write(f"| {row['tokens']} | {row['ms'] * 1e3:.1f} | {row['rel_err']:.2e} | "
+            f.write(f"| {row['tokens']} | {row['ms'] * 1e3:.1f} | {row['floor_us']:.1f} | "
+                    f"{row['local_experts_touched']} | {row['rel_err']:.2e} | "
                     f"{row['local_masked_routes']}/{row['routes']} |\n")
     print(f"wrote {base}.md and .json")
     return 0

@@ -526,7 +526,7 @@ def _flashinfer():
 def test_flashinfer_real_signatures():
     fi, fm = _flashinfer()
     from packaging.version import Version
-    from capdispatch.backends.moe import flashinfer_adapters as A
+    from capdispatch.backends.moe import flashinfer as A
     assert Version(fi.__version__) >= Version("0.6.14")
     p = inspect.signature(fm.cutlass_fused_moe).parameters
     assert [k for k in A.CUTLASS_KWARGS if k not in p] == []
@@ -585,7 +585,7 @@ def _fake_flashinfer(monkeypatch):
     pure torch in FlashInfer are the real ones. Lets the CPU run the adapters'
     preparation and call paths end to end."""
     fi, fm = _flashinfer()
-    from capdispatch.backends.moe import flashinfer_adapters as A
+    from capdispatch.backends.moe import flashinfer as A
     calls = {}
     sig_cutlass = inspect.signature(fm.cutlass_fused_moe)
     sig_trt = inspect.signature(fm.trtllm_fp4_block_scale_routed_moe)
@@ -681,7 +681,7 @@ def test_flashinfer_adapter_calls_bind_to_real_api(backend, monkeypatch):
 
 def test_marlin_real_signature():
     mod = pytest.importorskip("sglang.srt.layers.moe.fused_moe_triton.fused_marlin_moe")
-    from capdispatch.backends.moe import marlin_adapter as MA
+    from capdispatch.backends.moe import sglang_marlin as MA
     p = inspect.signature(mod.fused_marlin_moe).parameters
     assert [k for k in MA.MARLIN_KWARGS if k not in p] == []
 

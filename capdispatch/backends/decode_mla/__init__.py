@@ -4,7 +4,9 @@ Contract: derived from SGLang 0.5.23's DSv4 decode call site (``flash_mla_with_k
 on SM90/SM100, ``flash_mla_with_kvcache_sm120`` on SM120) with FlashMLA's decode
 semantics; see reference.py. Covers the main (SWA) pool, an optional extra (c4/c128
 compressed) pool in the same V4 layout, per-batch top-k lengths and the attention
-sink. Declarations only: kernels are imported when bound.
+sink. Declarations only: kernels are imported when bound (reference.py, triton_kernels.py,
+flashmla.py, flashinfer.py; library_args.py holds what both library adapters do to the
+arguments).
 """
 from ..base import AnyFeature, Backend, Feature, Library, Op, SizeArg, TORCH, TRITON, TritonTarget
 
@@ -35,11 +37,11 @@ def register(registry) -> None:
         registry.add_op(op)
     # Registration order is the default order: fastest first.
     registry.add_backend(Backend(
-        "decode_mla", "flashmla", f"{_PKG}.external:op_flashmla",
+        "decode_mla", "flashmla", f"{_PKG}.flashmla:op_flashmla",
         requires=(TORCH, _FLASHMLA, AnyFeature(("wgmma", "tcgen05"))),
         summary="FlashMLA sparse fp8 decode (legacy V4-format kernels: SM90a wgmma, SM100 tcgen05)"))
     registry.add_backend(Backend(
-        "decode_mla", "flashinfer_sparse_mla", f"{_PKG}.external:op_flashinfer_sparse_mla",
+        "decode_mla", "flashinfer_sparse_mla", f"{_PKG}.flashinfer:op_flashinfer_sparse_mla",
         requires=(TORCH, _FLASHINFER, Feature("sm120_block_scaled_mma")),
         summary="FlashInfer SM120 sparse MLA (block-scaled MMA); split-K scratch only for <= 64 tokens"))
     registry.add_backend(Backend(

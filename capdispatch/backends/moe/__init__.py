@@ -2,8 +2,8 @@
 
 Declarations only (no torch, no kernel library at import): the torch reference
 is in reference.py, the Triton W4A16 kernels in triton_kernels.py, the thin
-adapters to FlashInfer and SGLang's Marlin in flashinfer_adapters.py and
-marlin_adapter.py; each is imported when its backend is bound or prepared.
+adapters to FlashInfer and SGLang's Marlin in flashinfer.py and
+sglang_marlin.py; each is imported when its backend is bound or prepared.
 
 Op contract (see reference.py): ``moe(x, weights, topk_weights, topk_ids,
 out=None) -> bf16 [T, H]`` with LOCAL expert ids and -1 for masked routes.
@@ -59,18 +59,18 @@ def register(registry) -> None:
     for op in OPS:
         registry.add_op(op)
     add = registry.add_backend
-    add(Backend("moe", "flashinfer_cutlass_w4a8", f"{_PKG}.flashinfer_adapters:op_moe_cutlass_w4a8",
+    add(Backend("moe", "flashinfer_cutlass_w4a8", f"{_PKG}.flashinfer:op_moe_cutlass_w4a8",
                 requires=(TORCH, _CUDA, Feature("sm120_block_scaled_mma"), _FLASHINFER),
                 summary="FlashInfer CUTLASS MoE, MXFP8 activations x MXFP4 weights on the SM120 "
                         "block-scaled MMA (SGLang flashinfer_mxfp4 on SM120)"))
-    add(Backend("moe", "flashinfer_trtllm_w4a8", f"{_PKG}.flashinfer_adapters:op_moe_trtllm_w4a8",
+    add(Backend("moe", "flashinfer_trtllm_w4a8", f"{_PKG}.flashinfer:op_moe_trtllm_w4a8",
                 requires=(TORCH, _CUDA, Feature("tcgen05"), _FLASHINFER),
                 summary="FlashInfer TRT-LLM-gen routed MoE, MXFP8 x MXFP4 on tcgen05 (SM100 family; "
                         "cubins from flashinfer-cubin or FlashInfer's download cache)"))
-    add(Backend("moe", "flashinfer_cutlass_w4a16", f"{_PKG}.flashinfer_adapters:op_moe_cutlass_w4a16",
+    add(Backend("moe", "flashinfer_cutlass_w4a16", f"{_PKG}.flashinfer:op_moe_cutlass_w4a16",
                 requires=(TORCH, _CUDA, Feature("wgmma"), _FLASHINFER),
                 summary="FlashInfer CUTLASS mixed-input MoE, bf16 x MXFP4 on wgmma (SM90; JIT-built)"))
-    add(Backend("moe", "marlin_w4a16", f"{_PKG}.marlin_adapter:op_moe_marlin",
+    add(Backend("moe", "marlin_w4a16", f"{_PKG}.sglang_marlin:op_moe_marlin",
                 requires=(TORCH, _CUDA, ComputeCapability(">=8.0"), _SGLANG, _SGL_KERNEL),
                 summary="SGLang's MXFP4 Marlin MoE (bf16 x MXFP4, JIT), -1 routes dropped before it"))
     add(Backend("moe", "triton_w4a16", f"{_PKG}.triton_kernels:op_moe_w4a16",

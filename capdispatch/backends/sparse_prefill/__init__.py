@@ -2,7 +2,7 @@
 
 Contract: SGLang 0.5.23's ``flash_mla_interface.flash_mla_sparse_fwd`` (see reference.py).
 Declarations only: kernels live in reference.py (torch), triton_kernels.py and
-external.py (FlashMLA) and are imported when bound.
+flashmla.py (FlashMLA) and are imported when bound.
 
 Not declared here: FlashInfer. Its SM120 sparse-MLA kernels read only fp8 paged
 caches, not a bf16 K/V workspace, so they cannot serve this contract; on SM120 SGLang
@@ -36,7 +36,7 @@ def register(registry) -> None:
         registry.add_op(op)
     # Registration order is the default order: fastest first.
     registry.add_backend(Backend(
-        "sparse_prefill", "flashmla_sparse", f"{_PKG}.external:op_flashmla_sparse",
+        "sparse_prefill", "flashmla_sparse", f"{_PKG}.flashmla:op_flashmla_sparse",
         requires=(TORCH, _FLASHMLA, AnyFeature(("wgmma", "tcgen05"))),
         summary="FlashMLA sparse prefill (legacy kernels: SM90a wgmma, SM100 tcgen05), as SGLang calls it"))
     registry.add_backend(Backend(
