@@ -37,6 +37,7 @@ import os
 import sys
 
 from ceilings import bench as _bench, copy_bandwidth, describe, matmul_rate, run_facts  # noqa: E402 (the script's own folder)
+from results_dir import archive_previous  # noqa: E402 (the script's own folder)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -123,7 +124,7 @@ def flashmla_as_sglang(inputs):
     except ImportError:
         return None
     import torch
-    from capdispatch.backends.decode_mla.external import _pool_view
+    from capdispatch.backends.decode_mla.library_args import pool_view as _pool_view
     q, pool, idx, ps, scale, lengths, sink, cpool, cidx, cps, clengths = inputs
     assert idx.shape[-1] % 64 == 0 and cidx.shape[-1] % 64 == 0 and idx.dtype == torch.int32
     sched = flash_mla.get_mla_metadata()[0]
@@ -320,6 +321,7 @@ def _write(out_dir, meta, rows, tune_rows):
     os.makedirs(out_dir, exist_ok=True)
     slug = "".join(c if c.isalnum() else "_" for c in meta["device"]).strip("_").lower()
     stamp = meta["date"].replace(":", "").replace("-", "")[:15]
+    archive_previous(out_dir, f"attention_{slug}")
     base = os.path.join(out_dir, f"attention_{slug}_{stamp}")
     with open(base + ".json", "w") as f:
         json.dump(dict(meta=meta, results=rows, tune=tune_rows), f, indent=2)

@@ -23,6 +23,8 @@ import json
 import os
 import sys
 
+from results_dir import archive_previous  # the script's own folder
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
@@ -93,6 +95,7 @@ def _write(out_dir, meta, rows):
     os.makedirs(out_dir, exist_ok=True)
     slug = "".join(c if c.isalnum() else "_" for c in meta["device"]).strip("_").lower()
     stamp = meta["date"].replace(":", "").replace("-", "")[:15]
+    archive_previous(out_dir, f"calibrated_{slug}")
     base = os.path.join(out_dir, f"calibrated_{slug}_{stamp}")
     with open(base + ".json", "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=2)

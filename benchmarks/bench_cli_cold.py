@@ -20,6 +20,8 @@ import sys
 import time
 from importlib import metadata
 
+from results_dir import archive_previous  # the script's own folder
+
 ARGS = ["explain", "--device", "sim:rtx-5090,sim:rtx-3080,sim:rtx-3080", "--assume-lib", "triton",
         "--format", "json"]
 
@@ -54,6 +56,8 @@ def main() -> int:
     }
     path = a.file or result_path(a.out)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    if not a.file:
+        archive_previous(a.out, "cli_cold")
     with open(path, "x") as fh:      # "x": an existing result is never overwritten
         json.dump(res, fh, indent=2)
     print(json.dumps(res, indent=2))

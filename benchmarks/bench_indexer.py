@@ -41,6 +41,7 @@ import platform
 import sys
 
 from ceilings import bench as _bench, copy_bandwidth, describe, matmul_rate, run_facts  # noqa: E402 (the script's own folder)
+from results_dir import archive_previous  # noqa: E402 (the script's own folder)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -297,6 +298,7 @@ def _write(out_dir, meta, rows, picks, acc, mem=()):
     os.makedirs(out_dir, exist_ok=True)
     slug = "".join(ch if ch.isalnum() else "_" for ch in meta["device"]).strip("_").lower()
     stamp = meta["date"].replace(":", "").replace("-", "")[:15]
+    archive_previous(out_dir, f"indexer_{slug}")
     base = os.path.join(out_dir, f"indexer_{slug}_{stamp}")
     with open(base + ".json", "w") as f:
         json.dump(dict(meta=meta, results=rows, default_vs_fastest=picks, reference_memory=list(mem),

@@ -27,6 +27,7 @@ import os
 import sys
 
 from ceilings import bench as _bench, copy_bandwidth, describe, run_facts  # noqa: E402 (the script's own folder)
+from results_dir import archive_previous  # noqa: E402 (the script's own folder)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -163,6 +164,7 @@ def _write(out_dir, meta, rows):
     os.makedirs(out_dir, exist_ok=True)
     slug = "".join(c if c.isalnum() else "_" for c in meta["device"]).strip("_").lower()
     stamp = meta["date"].replace(":", "").replace("-", "")[:15]
+    archive_previous(out_dir, f"kv_cache_{slug}")
     base = os.path.join(out_dir, f"kv_cache_{slug}_{stamp}")
     with open(base + ".json", "w") as f:
         json.dump(dict(meta=meta, results=rows), f, indent=2)

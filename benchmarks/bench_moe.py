@@ -40,6 +40,7 @@ import sys
 import time
 
 from ceilings import bench as _bench, copy_bandwidth, matmul_rate  # noqa: E402 (the script's own folder)
+from results_dir import archive_previous  # noqa: E402 (the script's own folder)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -257,6 +258,7 @@ def main(argv=None):
     res = run(a.tokens, a.backends, a.out, a.allow_jit, seed)
     gpu = res["meta"]["device"].lower().replace(" ", "_")
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S")
+    archive_previous(a.out, f"moe_{gpu}")
     base = os.path.join(a.out, f"moe_{gpu}_{stamp}")
     with open(base + ".json", "w") as f:
         json.dump(res, f, indent=1)

@@ -9,7 +9,10 @@ For every op and every backend that runs on DEVICE, one decode-sized problem (1 
   bound     ``cd.bind(op, device, backend=...)``: the custom op (dispatcher, fake-free
             eager path, argument checks);
   serving   ``cd.bind(..., checks=False)``.
-Also the dispatch floor: a no-op capdispatch-style custom op against a no-op Python call.
+Also the dispatch floor: a no-op capdispatch-style custom op against a no-op Python call;
+and per op with two runnable backends, the size-bucket dispatcher ``bind`` returns under
+a policy whose buckets pick different backends (``{SIZE: "<=16", prefer: [A]}, {prefer:
+[B]}``, the 1-token call taking A) against A's serving call: the dispatcher's own cost.
 
 Timing: ``time.perf_counter`` over blocks of ITERS calls (no synchronisation inside a
 block, one after it), median of REPEATS blocks, bare / bound / serving interleaved block by
@@ -34,6 +37,8 @@ import platform
 import statistics
 import sys
 import time
+
+from results_dir import archive_previous  # the script's own folder
 
 OPS = ("kv_quant", "kv_dequant", "decode_mla", "sparse_prefill", "indexer", "moe")
 TARGET_RATIO, TARGET_US = 1.2, 30.0
@@ -134,7 +139,7 @@ def recorded_library_calls(backend, call):
     targets = LIBRARY_CALLS.get(backend)
     if not targets:
         return None
-    from capdispatch.backends.moe import marlin_adapter
+    from capdispatch.backends.moe import sglang_marlin as marlin_adapter
     marlin_adapter._sglang.cache_clear()      # the adapter caches the function: look it up again
     rec, saved = [], []
     for module, path in targets:
@@ -279,6 +284,7 @@ def main(argv=None) -> int:
 
     reg = builtin()
     rows = []
+    runnable = {}            # op -> [(backend, serving fn, args, kwargs)] in registry order
     for op in args.op or OPS:
         for backend in reg.backends(op):
             name = backend.name
@@ -312,17 +318,37 @@ def main(argv=None) -> int:
                 row["serving_ratio"] = row["serving_us"] / row["bare_us"]
             rows.append(row)
             print("  " + _line(row))
+            runnable.setdefault(op, []).append((name, serving, a, kw))
+
+    buckets = []
+    for op, ran in runnable.items():
+        if len(ran) < 2:
+            continue
+        (small, small_fn, a, kw), (big, _, _, _) = ran[0], ran[1]
+        size = reg.ops[op].size
+        pol = cd.policy_from_dict({"schema": 1, "ops": {op: [{size.key: "<=16", "prefer": [small]},
+                                                                {"prefer": [big]}]}}, "bench_overhead")
+        disp = cd.bind(op, dev_name, policy=pol, checks=False)
+        if not getattr(disp, "buckets", None):
+            continue
+        us = interleaved_us({"dispatcher": lambda: disp(*a, **kw), "direct": lambda: small_fn(*a, **kw)},
+                            args.iters, args.repeats, sync)
+        b = dict(op=op, small=small, big=big, dispatcher_us=us["dispatcher"], direct_us=us["direct"])
+        buckets.append(b)
+        print(f"  {op:15s} bucket dispatcher ({small} <=16, else {big}) {us['dispatcher']:.1f} us, "
+              f"{small} direct {us['direct']:.1f} us, dispatcher cost {us['dispatcher'] - us['direct']:.2f} us")
 
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S")
     slug = (facts.get("gpu") or "cpu-host").lower().replace(" ", "_")
     os.makedirs(args.out, exist_ok=True)
+    archive_previous(args.out, f"overhead_{slug}")
     base = os.path.join(args.out, f"overhead_{slug}_{stamp}")
     meta = dict(facts, device=dev_name, iters=args.iters, repeats=args.repeats, dispatch_floor_us=floor,
                 gpu_present=device.type == "cuda")
     with open(base + ".json", "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        json.dump(dict(meta=meta, rows=rows, buckets=buckets), f, indent=1)
     with open(base + ".md", "w") as f:
-        f.write(report(meta, rows))
+        f.write(report(meta, rows, buckets))
     print(f"wrote {os.path.basename(base)}.md / .json")
     return 0
 
@@ -349,7 +375,7 @@ def _line(r):
     return s
 
 
-def report(meta, rows) -> str:
+def report(meta, rows, buckets=()) -> str:
     gpu = meta["gpu_present"]
     title = (f"# Host overhead per call, {meta.get('gpu')}" if gpu else
              "# Host overhead per call: CPU host, no GPU (torch backends and custom-op dispatch only)")
@@ -383,6 +409,12 @@ def report(meta, rows) -> str:
     skipped = [r for r in rows if "skipped" in r]
     if skipped:
         out += ["", "Not run here: " + "; ".join(f"{r['op']}={r['backend']}" for r in skipped) + "."]
+    if buckets:
+        out += ["", "Size-bucket dispatcher (``bind`` under a policy with buckets; serving, 1 token):", "",
+                "| op | buckets | dispatcher us | first bucket's kernel direct us | dispatcher cost us |",
+                "| --- | --- | ---: | ---: | ---: |"]
+        out += [f"| {b['op']} | <=16: {b['small']}, else {b['big']} | {_fmt(b['dispatcher_us'])} | "
+                f"{_fmt(b['direct_us'])} | {b['dispatcher_us'] - b['direct_us']:.2f} |" for b in buckets]
     if gpu:
         out += ["", "Targets: " + ", ".join(
             f"{r['op']}={r['backend']} {'meets' if r.get('ratio', 9) <= TARGET_RATIO and (r['op'] not in TARGET_OPS or r['bound_us'] <= TARGET_US) else 'misses'}"

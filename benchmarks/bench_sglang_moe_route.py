@@ -42,6 +42,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, TESTS)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import ceilings
+    from results_dir import archive_previous
     import sglang_moe_scenario as sc   # imports sglang_prelude first
     import sglang_fake_models as fake
     import torch
@@ -88,6 +89,7 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name(0).lower().replace(" ", "_")
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S")
     os.makedirs(args.out, exist_ok=True)
+    archive_previous(args.out, f"sglang_moe_route_{name}")
     base = os.path.join(args.out, f"sglang_moe_route_{name}_{stamp}")
     result = {"seed": seed, "device": torch.cuda.get_device_name(0), "backend": r["backend"],
               "why": r["why"], "prepared": r["prepared"], "copy_gbps": gbps, "rows": rows}

@@ -29,6 +29,8 @@ import tempfile
 import time
 from importlib import metadata
 
+from results_dir import archive_previous  # the script's own folder
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET_S = 60.0
 LIBS = ("torch", "triton", "tilelang", "sgl-deep-gemm", "sgl-flash-mla", "flashinfer-python", "sglang-kernel")
@@ -175,6 +177,7 @@ def main(argv=None) -> int:
     slug = re.sub(r"[^a-z0-9]+", "_", card.lower()).strip("_") or "device"
     stem = os.path.join(args.out, f"verify_{slug}_{now.strftime('%Y%m%dT%H%M%S')}")
     os.makedirs(args.out, exist_ok=True)
+    archive_previous(args.out, f"verify_{slug}")
     with open(stem + ".json", "w") as f:
         json.dump({"meta": meta, "rows": table, "cold": first, "warm": second}, f, indent=1)
     text = render(meta, table)

@@ -8,6 +8,8 @@
 # Wheel folders carried with the call (.whl-indexer, .whl-fm, .whl-sg) are installed into
 # one site folder, once per machine; TESTS narrows the test selection (default: tests/);
 # VERIFY_ARGS, OVERHEAD_ARGS and ROUTE_ARGS go to the benchmarks, *_LIMIT bound each step.
+# tests/test_sglang_call_sites_gpu.py needs SGLang and sgl-flash-mla installed in the same run
+# (it compares the routed call sites with SGLang's own FlashMLA); without either it skips.
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; LOG="$OUT/log.txt"

@@ -11,7 +11,7 @@
 # ("attention" is run_h200_flashmla.sh, issue 4's measurement, beside the build: its
 # timings are CUDA-graph replays and device events, and the build runs at nice 19.)
 # Measured 2026-11-29 on the two-GPU kind's 32 cores: the FlashInfer build needs 30-35
-# minutes, more than one session's device time (results/h200-2026-11-29-moe-external/).
+# minutes, more than one session's device time (results/archive/h200-2026-11-29-moe-external/).
 # Carried wheel folders (all ignored by git; fetched here with pip download --no-deps):
 #   .whl-moe   flashinfer-python 0.6.14, apache-tvm-ffi 0.1.11
 #   .whl-deps  the light packages SGLang's import chain needs (README's list, plus

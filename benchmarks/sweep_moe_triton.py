@@ -24,6 +24,7 @@ import sys
 
 from bench_moe import E, H, I, SWIGLU_LIMIT, TOPK, roofline  # noqa: E402 (the script's own folder)
 from ceilings import bench, copy_bandwidth, describe, matmul_rate, run_facts  # noqa: E402
+from results_dir import archive_previous  # noqa: E402 (the script's own folder)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -120,7 +121,9 @@ def main(argv=None):
            "rows": rows}
     os.makedirs(a.out, exist_ok=True)
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S")
-    base_name = os.path.join(a.out, f"moe_tiles_{facts['device'].lower().replace(' ', '_')}_{stamp}")
+    series = f"moe_tiles_{facts['device'].lower().replace(' ', '_')}"
+    archive_previous(a.out, series)
+    base_name = os.path.join(a.out, f"{series}_{stamp}")
     with open(base_name + ".json", "w") as f:
         json.dump(res, f, indent=1)
     lines = [f"# Triton W4A16 MoE tile sweep on {facts['device']}", "", describe(facts), "",

@@ -4,7 +4,7 @@ SGLang costs tens of seconds; SGLang allows re-publishing a process's config):
   moe MODEL_DIR [MODE,...]      (MODE: default, explicit, strict; see main)
 
 1. SGLang's launcher: load_plugins, prepare_server_args + resolve_once for a
-   DeepSeek-V4 launch with TP3 and EP3 on the simulated seed rig
+   DeepSeek-V4 launch with TP3 and EP3 on a simulated mixed rig
    (CAPDISPATCH_SGLANG_DEVICES), the platform facts of device 0 (an RTX 5090)
    installed through SGLang's override_platform, so SGLang's own DSv4 default
    picks moe_runner_backend=flashinfer_mxfp4 (`explicit`: the user sets it);

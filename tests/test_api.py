@@ -108,23 +108,28 @@ def test_group_api_modes(clean_env):
 
 
 def test_bind_returns_the_kernel_itself(clean_env):
-    """The custom op itself (kv_quant's OpOverload), or for ops with an out= variant the
-    module-level function that calls one of its two custom ops."""
+    """The module-level function of the backend, named like its custom op, that calls the
+    kernel function eagerly and its custom ops when traced (.functional, .with_out)."""
     import torch
     from capdispatch.backends.kv_cache import reference
     assert cd.bind("kv_dequant", "cpu") is reference.op_kv_dequant
     fn = cd.bind("kv_quant", "cpu", backend="torch")
-    assert fn is reference.op_kv_quant is torch.ops.capdispatch.kv_quant_torch.default
+    assert fn is reference.op_kv_quant and fn.__name__ == "kv_quant_torch"
+    assert fn.functional is torch.ops.capdispatch.kv_quant_torch.default and fn.with_out is None
     assert reference.op_kv_dequant.functional is torch.ops.capdispatch.kv_dequant_torch.default
     assert reference.op_kv_dequant.with_out is torch.ops.capdispatch.kv_dequant_torch_out.default
 
 
 def test_bind_without_checks(clean_env):
+    """checks=False binds the same kernel's variant that skips argument validation."""
     from capdispatch.backends.kv_cache import reference
+    from capdispatch.backends.torch_ops import without_checks
     fn = cd.bind("kv_dequant", "cpu", checks=False)
     assert fn is not reference.op_kv_dequant and fn.functional is reference.op_kv_dequant.functional
+    assert fn is without_checks(reference.op_kv_dequant)
     q = cd.bind("kv_quant", "cpu", checks=False)
-    assert q.keywords == {"checks": False} and q.func is reference.op_kv_quant
+    assert q is without_checks(reference.op_kv_quant) and q is not reference.op_kv_quant
+    assert q.functional is reference.op_kv_quant.functional
 
 
 def test_bind_explicit_backend_that_cannot_run_raises(clean_env):

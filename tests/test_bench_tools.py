@@ -137,3 +137,24 @@ def test_bench_verify_reads_dispatch_verify_json():
     text = bv.render(meta, table)
     assert "**11.0 s** (target 60 s: met); exit 3" in text
     assert "| kv_dequant | triton_fp8 | compile: CompilationError: fp8e4nv not supported | 9.0 | 4.5 | 2.2 | 3.0 | 6.0 |" in text
+
+
+def test_overhead_bench_measures_the_bucket_dispatcher(tmp_path):
+    """bench_overhead.py on the CPU with the Triton interpreter (two kv_dequant backends
+    run): the per-backend rows, and the size-bucket dispatcher row built from a policy
+    whose buckets pick different backends, in the JSON and the Markdown report."""
+    import json
+    env = dict(os.environ, PYTHONPATH=ROOT, TRITON_INTERPRET="1")
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, os.path.join(BENCH, "bench_overhead.py"), "--device", "cpu", "--op",
+                        "kv_dequant", "--iters", "2", "--repeats", "1", "--out", str(out)],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (js,) = out.glob("overhead_*.json")
+    data = json.loads(js.read_text())
+    ran = {row["backend"] for row in data["rows"] if "skipped" not in row}
+    assert {"torch", "triton_u8"} <= ran
+    (b,) = data["buckets"]
+    assert b["op"] == "kv_dequant" and b["small"] != b["big"] and b["dispatcher_us"] > 0 and b["direct_us"] > 0
+    md = js.with_suffix(".md").read_text()
+    assert "Size-bucket dispatcher" in md and f"<=16: {b['small']}, else {b['big']}" in md

@@ -51,15 +51,15 @@ CPU_BACKENDS = [
 ]
 # Backends of libraries that do not run on a CPU: (op, backend, module, bound attribute).
 EXTERNAL_BACKENDS = [
-    ("decode_mla", "flashmla", "decode_mla.external", "op_flashmla"),
-    ("decode_mla", "flashinfer_sparse_mla", "decode_mla.external", "op_flashinfer_sparse_mla"),
-    ("sparse_prefill", "flashmla_sparse", "sparse_prefill.external", "op_flashmla_sparse"),
+    ("decode_mla", "flashmla", "decode_mla.flashmla", "op_flashmla"),
+    ("decode_mla", "flashinfer_sparse_mla", "decode_mla.flashinfer", "op_flashinfer_sparse_mla"),
+    ("sparse_prefill", "flashmla_sparse", "sparse_prefill.flashmla", "op_flashmla_sparse"),
     ("indexer", "tilelang", "indexer.tilelang_kernel", "op_fp8_paged_mqa_logits"),
     ("indexer", "deepgemm", "indexer.deepgemm", "op_fp8_paged_mqa_logits"),
-    ("moe", "flashinfer_cutlass_w4a8", "moe.flashinfer_adapters", "op_moe_cutlass_w4a8"),
-    ("moe", "flashinfer_trtllm_w4a8", "moe.flashinfer_adapters", "op_moe_trtllm_w4a8"),
-    ("moe", "flashinfer_cutlass_w4a16", "moe.flashinfer_adapters", "op_moe_cutlass_w4a16"),
-    ("moe", "marlin_w4a16", "moe.marlin_adapter", "op_moe_marlin"),
+    ("moe", "flashinfer_cutlass_w4a8", "moe.flashinfer", "op_moe_cutlass_w4a8"),
+    ("moe", "flashinfer_trtllm_w4a8", "moe.flashinfer", "op_moe_trtllm_w4a8"),
+    ("moe", "flashinfer_cutlass_w4a16", "moe.flashinfer", "op_moe_cutlass_w4a16"),
+    ("moe", "marlin_w4a16", "moe.sglang_marlin", "op_moe_marlin"),
 ]
 
 
@@ -319,7 +319,7 @@ def test_triton_softmax_scale_is_fp32_in_the_kernel_signature():
 
 def test_no_import_on_the_launch_path():
     """The Triton attention launch path imports nothing (dynamo cannot trace
-    builtins.__import__; it was a graph break on every decode call)."""
+    builtins.__import__, so an import there breaks the graph on every decode call)."""
     import inspect
     from capdispatch.backends.sparse_prefill import triton_kernels as SK
     for f in (SK.launch_sparse_mla, SK._run, SK._configs, SK.sparse_prefill):
@@ -331,13 +331,13 @@ def test_no_import_on_the_launch_path():
 def test_serving_passes_aligned_index_lists_to_the_libraries_as_they_are(monkeypatch):
     """checks=False: an int32, contiguous, 64-aligned index list is not cleaned again (no
     launch inside the graph); with checks every list is cleaned."""
-    from capdispatch.backends.decode_mla import external as ext
+    from capdispatch.backends.decode_mla import library_args as ext
     idx = torch.randint(-1, 100, (2, 1, 128), dtype=torch.int32)
     calls = []
     monkeypatch.setattr(ext, "_clean_ids_fn", lambda: (lambda i, cap, align: calls.append((cap, align)) or i))
-    assert ext._clean_ids(idx, 100, checks=False) is idx and calls == []
-    ext._clean_ids(idx, 100, checks=True)
-    ext._clean_ids(idx[..., :100], 100, checks=False)        # not 64-aligned: cleaned and padded
+    assert ext.clean_ids(idx, 100, checks=False) is idx and calls == []
+    ext.clean_ids(idx, 100, checks=True)
+    ext.clean_ids(idx[..., :100], 100, checks=False)        # not 64-aligned: cleaned and padded
     assert calls == [(100, 64), (100, 64)]
 
 

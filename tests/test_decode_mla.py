@@ -111,8 +111,8 @@ def op(backend):
         return _tk().decode_mla_u8
     if backend == "triton_fp8":
         return _tk().decode_mla_fp8
-    from capdispatch.backends.decode_mla import external
-    return getattr(external, backend)
+    from capdispatch.backends.decode_mla import flashinfer, flashmla
+    return getattr({"flashmla": flashmla, "flashinfer_sparse_mla": flashinfer}[backend], backend)
 
 
 
@@ -428,8 +428,8 @@ def test_flashinfer_adapter_matches_library_signature():
     for name in ("topk_length", "attn_sink", "extra_kv_cache", "extra_indices", "extra_topk_length",
                  "out_lse", "return_lse", "lse_scale"):
         assert name in run and run[name].kind == inspect.Parameter.KEYWORD_ONLY, name
-    from capdispatch.backends.decode_mla import external
-    src = inspect.getsource(external)
+    from capdispatch.backends.decode_mla import flashinfer
+    src = inspect.getsource(flashinfer)
     for name in ("extra_kv_cache=", "extra_indices=", "extra_topk_length=", "topk_length=", "attn_sink=",
                  "out_lse=", "return_lse=False", "lse_scale=math.log(2.0)", "SparseMLASm120Wrapper(d_v=DIM",
                  'kv_scale_format="auto"', 'kv_cache_format="fp8"'):
@@ -454,8 +454,8 @@ def test_flashmla_adapter_matches_library_signature():
     fns = {n.name: n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
     a = fns["flash_mla_with_kvcache"].args
     params = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs]
-    from capdispatch.backends.decode_mla import external
-    call = inspect.getsource(external.flashmla)
+    from capdispatch.backends.decode_mla import flashmla
+    call = inspect.getsource(flashmla.flashmla)
     for name in ("q", "k_cache", "block_table", "cache_seqlens", "head_dim_v", "tile_scheduler_metadata",
                  "softmax_scale", "is_fp8_kvcache", "indices", "attn_sink", "topk_length", "use_legacy",
                  "extra_k_cache", "extra_indices_in_kvcache", "extra_topk_length"):
@@ -465,9 +465,9 @@ def test_flashmla_adapter_matches_library_signature():
 
 
 def test_contract_signatures_agree():
-    from capdispatch.backends.decode_mla import external
+    from capdispatch.backends.decode_mla import flashinfer, flashmla
     want = list(inspect.signature(R.decode_mla).parameters)
-    for fn in (external.flashmla, external.flashinfer_sparse_mla):
+    for fn in (flashmla.flashmla, flashinfer.flashinfer_sparse_mla):
         assert list(inspect.signature(fn).parameters) == want, fn.__name__
     if INTERPRET or HAS_CUDA:
         for fn in (_tk().decode_mla_u8, _tk().decode_mla_fp8):

@@ -61,24 +61,25 @@ def test_bad_timeout_variable_is_refused(fake_modules):
 
 def test_explain_on_a_real_device_survives_a_hanging_library(fake_modules):
     """The resolver's import check on cpu (a real device): the hanging backend fails
-    its check within the limit, the next one wins."""
+    its check within the limit, the next one wins (an op no policy names tries its
+    backends by name: hangs, raises, simple)."""
     from capdispatch.backends import builtin
     reg = Registry()            # the built-in ops (the default policy names them) plus one
     for op in builtin().ops.values():
         reg.add_op(op)
         for b in builtin().backends(op.name):
             reg.add_backend(b)
-    reg.add_op(Op("demo", "demo op", "demo(x)", reference="plain"))
+    reg.add_op(Op("demo", "demo op", "demo(x)", reference="simple"))
     reg.add_backend(Backend("demo", "hangs", "cdtest_hangs:f",
                             requires=(Library("attrs", module="cdtest_hangs"),)))
     reg.add_backend(Backend("demo", "raises", "cdtest_raises:f",
                             requires=(Library("attrs", module="cdtest_raises"),)))
-    reg.add_backend(Backend("demo", "plain", "cdtest_fine:f",
+    reg.add_backend(Backend("demo", "simple", "cdtest_fine:f",
                             requires=(Library("attrs", module="cdtest_fine"),)))
     t0 = time.monotonic()
     res = cd.resolve("demo", "cpu", registry=reg, env={"CAPDISPATCH_IMPORT_TIMEOUT": "0.5"})
     assert time.monotonic() - t0 < 10
-    assert res.backend == "plain"
+    assert res.backend == "simple"
     hangs, raises = res.candidates[0], res.candidates[1]
     assert not hangs.ok and "import cdtest_hangs failed: timed out after 0.5 s" in hangs.checks[0].message
     assert not raises.ok and "RuntimeError" in raises.checks[0].message

@@ -344,7 +344,7 @@ def test_kv_routes_for_an_explicit_choice_match_sglangs_reference(launcher):
            "CAPDISPATCH_SET": "kv_dequant=torch,kv_quant=torch"}
     r = _run("kv", launcher["record"], 0, 0, env=env)
     routes = r["state"]["routes"]
-    assert (routes["kv_quant"], routes["kv_dequant"]) == ("torch._ops.capdispatch.kv_quant_torch.default",
+    assert (routes["kv_quant"], routes["kv_dequant"]) == ("capdispatch.backends.kv_cache.ops.kv_quant_torch",
                                                           "capdispatch.backends.kv_cache.ops.kv_dequant_torch")
     for c in r["dequant"]:          # every byte random, including NaN codes and overflowing scales
         assert c["identical"] and c["backend_binding_identical"] and c["out_slice_identical"], \

@@ -1,12 +1,17 @@
 """`dispatch sglang plan` decides once: for any simulated rig and any --assume-lib
 set, every op of every rank is the resolution capdispatch itself gives for those
 inputs, and the rank table and the SGLang settings table name the same backend
-per device and op. None of this needs SGLang installed."""
+per device and op. None of this needs SGLang installed, but the last test: with
+it, `-- SGLANG ARGS` (SGLang's own resolution, in process) decides the same."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -85,8 +90,16 @@ def check_one_decision(rig, libs, extra=()):
                     (dev, name, value)
         for dev in row["without"]:
             r = ranks[[f"cuda:{x['gpu_id']}" for x in ranks].index(dev)]
-            assert any(r["ops"][op]["backend"] is not None and r["ops"][op]["setting"] is None
+            assert any(r["ops"][op]["action"] == "reported" and r["ops"][op]["setting"] is None
                        for op in row["ops"]), (dev, name)
+        # Devices whose rank routes one of the row's ops: named with the routed backend.
+        for dev, backend in row["routed"].items():
+            r = ranks[[f"cuda:{x['gpu_id']}" for x in ranks].index(dev)]
+            assert any(r["ops"][op]["routed"] and r["ops"][op]["backend"] == backend for op in row["ops"]), \
+                (dev, name, backend)
+            assert f"routed to capdispatch {backend}" in row["why"]
+            assert dev not in row["without"]
+        assert "no SGLang setting runs" not in row["why"] or row["without"]
     # 3. Every rank reports every op, moe included, with the final schema.
     for r in ranks:
         assert list(r["ops"]) == ops and "moe" in ops
@@ -104,7 +117,7 @@ def test_the_reported_contradiction_cannot_happen(clean_env):
     assert ops["decode_mla"]["backend"] == "triton_fp8" and ops["decode_mla"]["routed"]
     assert "needs sgl-flash-mla>=1.0, has 0.9.0 (assumed)" in ops["decode_mla"]["why"]
     attn = next(x for x in p["sglang_settings"] if x["name"] == "dsv4_attn_backend")
-    assert attn["wants"] == {} and attn["without"] == ["cuda:0"]
+    assert attn["wants"] == {} and attn["without"] == [] and attn["routed"] == {"cuda:0": "triton_fp8"}
     p = check_one_decision(["sim:h200"], ["sgl-flash-mla==1.0.0"])
     assert p["ranks"][0]["ops"]["decode_mla"]["backend"] == "flashmla"
     attn = next(x for x in p["sglang_settings"] if x["name"] == "dsv4_attn_backend")
@@ -141,4 +154,84 @@ def test_policy_and_environment_reach_every_part_of_the_plan(clean_env, monkeypa
     p = json.loads(_plan(["--device", "sim:h200", "--assume-lib", "sglang-kernel==0.4.10"])[1])
     assert p["ranks"][0]["ops"]["moe"]["backend"] == "torch"
     assert p["ranks"][0]["ops"]["moe"]["action"] == "routed"
-    assert next(x for x in p["sglang_settings"] if x["name"] == "moe_runner_backend")["without"] == ["cuda:0"]
+    mrb = next(x for x in p["sglang_settings"] if x["name"] == "moe_runner_backend")
+    assert mrb["without"] == [] and mrb["routed"] == {"cuda:0": "torch"}
+
+
+# One process for every case: SGLang's import is the slow part.
+_IN_SGLANG = """
+import contextlib, io, json, sys
+sys.path.insert(0, sys.argv[1])
+import sglang_prelude  # noqa: F401  (before SGLang: offline, CPU stand-ins)
+from capdispatch.adapters.sglang import cli
+out = []
+for argv in json.loads(sys.argv[2]):
+    buf, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(err):
+        rc = cli.main(["plan", *argv])
+    out.append({"rc": rc, "out": buf.getvalue(), "err": err.getvalue()[-2000:]})
+print("RESULT " + json.dumps(out))
+"""
+
+LIB_CASES = [
+    ("sim:rtx-5090,sim:rtx-3080,sim:rtx-3080", ["--libs", "sglang-0.5.23"]),
+    ("sim:rtx-5090,sim:rtx-3080,sim:rtx-3080", ["--libs", "sglang-0.5.23", "--assume-lib", "flashinfer-python==0.6.0"]),
+    ("sim:h200", ["--libs", "sglang-0.5.23", "--assume-lib", "sgl-flash-mla==0.9.0"]),
+    ("sim:h200,sim:rtx-3080", ["--assume-lib", "sgl-deep-gemm==0.2.3.post2", "--assume-lib", "sgl-flash-mla==1.0.0"]),
+]
+
+
+def _decided(p):
+    """What the plan decided, per device and op, and per SGLang setting."""
+    ranks = {f"cuda:{r['gpu_id']}": {op: (c["backend"], c["action"]) for op, c in r["ops"].items()}
+             for r in p["ranks"]}
+    table = {x["name"]: (x["action"], x["wants"], x["routed"], x["without"]) for x in p["sglang_settings"]}
+    return ranks, table
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is None,
+                    reason="needs SGLang (see tests/requirements-nodeps.txt and tests/requirements.txt)")
+def test_libs_and_assume_lib_reach_sglangs_own_resolution_identically(clean_env, tmp_path):
+    """`--libs` and `--assume-lib` decide the same backend per device and op (and the same
+    SGLang settings table) whether the plan assumes a launch or runs SGLang's own argument
+    resolution on `-- SGLANG ARGS`, where the plugin's launch step decides inside SGLang."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, here)
+    import sglang_fake_models as fake
+    model = fake.write(str(tmp_path / "dsv4"), fake.DSV4)
+    runs = []
+    for rig, libs in LIB_CASES:
+        n = len(rig.split(","))
+        base = ["--device", rig, *libs, "--format", "json"]
+        runs.append(base)
+        runs.append([*base, "--", "--model-path", model, "--skip-tokenizer-init", "--device", "cuda",
+                     "--tp-size", str(n), "--kv-cache-dtype", "fp8_e4m3"])
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CAPDISPATCH_", "SGLANG_", "TRITON_INTERPRET"))}
+    env["CAPDISPATCH_CACHE_DIR"] = os.environ["CAPDISPATCH_CACHE_DIR"]
+    proc = subprocess.run([sys.executable, "-c", _IN_SGLANG, here, json.dumps(runs)], env=env, text=True,
+                          capture_output=True, timeout=600)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    results = json.loads(lines[-1][len("RESULT "):])
+    seen = set()
+    for (rig, libs), assumed, real in zip(LIB_CASES, results[0::2], results[1::2]):
+        assert assumed["rc"] == 0 and real["rc"] == 0, (rig, libs, assumed["err"], real["err"])
+        a, r = json.loads(assumed["out"]), json.loads(real["out"])
+        assert a["model"]["assumed"] is True and r["model"]["assumed"] is False
+        assert r["sglang_resolved"]["kv_cache_dtype"] == "fp8_e4m3"
+        assert a["inventory"] == r["inventory"], (rig, libs)
+        assert _decided(a) == _decided(r), (rig, libs)
+        # The plugin's own launch step inside SGLang's resolution decided the same settings
+        # (the V4 layout only where some rank routes a KV or decode op) and SGLang ended
+        # with them.
+        assert [(x["name"], x["value"]) for x in a["launch"]] == [(x["name"], x["value"]) for x in r["launch"]]
+        layout = {x["name"]: x["value"] for x in a["launch"]}.get("SGLANG_DSV4_KV_LAYOUT")
+        assert r["sglang_resolved"]["SGLANG_DSV4_KV_LAYOUT"] == layout, (rig, libs)
+        seen.add(json.dumps(_decided(a), sort_keys=True))
+    assert len(seen) == len(LIB_CASES)     # each case's libraries change the decision
+    # The libraries reach the decisions: the older FlashMLA routes the H200's decode, and
+    # the older FlashInfer moves the 5090 off SGLang's FlashInfer kernels.
+    h200 = json.loads(results[5]["out"])["ranks"][0]["ops"]["decode_mla"]
+    assert (h200["backend"], h200["action"]) == ("triton_fp8", "routed")
+    r5090 = json.loads(results[3]["out"])["ranks"][0]["ops"]
+    assert r5090["decode_mla"]["backend"] != "flashinfer_sparse_mla"

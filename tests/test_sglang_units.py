@@ -272,6 +272,97 @@ def test_a_rank_that_keeps_sglangs_indexer_undoes_the_launchers_device0_switches
     assert routes.kernel("indexer", key) is None
 
 
+def _without_module(monkeypatch, *names):
+    """NAMES fail to import in this process, as on a machine without them (None in
+    sys.modules: ModuleNotFoundError), and SGLang's interface module is imported anew."""
+    import sys
+    for n in names:
+        monkeypatch.setitem(sys.modules, n, None)
+    iface = "sglang.kernels.ops.attention.flash_mla_interface"
+    monkeypatch.delitem(sys.modules, iface, raising=False)
+    pkg = sys.modules.get("sglang.kernels.ops.attention")
+    if pkg is not None:
+        monkeypatch.delattr(pkg, "flash_mla_interface", raising=False)
+
+
+def _routed_choice(op, spec, backend):
+    from capdispatch.adapters.sglang import decide as D
+    res = cd.resolve(op, spec, selections=[f"{op}={backend}"], assume_libs=["triton"])
+    assert res.backend == backend
+    return D.OpChoice(op, spec.id, res, "routed", "explicit choice")
+
+
+def test_a_route_whose_sglang_module_cannot_import_says_so_once_and_is_not_claimed(
+        release, monkeypatch, caplog):
+    """Without sgl-flash-mla SGLang's flash_mla_interface does not import, so the decode
+    route's target does not exist: one capdispatch WARNING names the op, backend, target,
+    the import error and what to install; SGLang's registry never tries the target (no
+    traceback of its own); the rank's choice says NOT routed, and no kernel is bound."""
+    pytest.importorskip("sglang")
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from capdispatch.adapters.sglang import rank, routes
+    _without_module(monkeypatch, "flash_mla")
+    monkeypatch.setattr(routes, "_SAID", set())
+    spec = cd.probe("sim:rtx-3080")
+    route = release.route("decode_mla", spec)
+    assert route.target == "sglang.kernels.ops.attention.flash_mla_interface.flash_mla_with_kvcache"
+    assert route.target not in routes._INSTALLED
+    key = ("cpu", None)
+    caplog.set_level(logging.DEBUG)
+    for _ in range(2):      # the agreement step re-applies: still one line
+        out = rank.apply_routes(release, {"decode_mla": _routed_choice("decode_mla", spec, "triton")},
+                                spec, key, environ={})
+    c = out["decode_mla"]
+    assert c.action == "reported" and not c.routed
+    assert c.why.startswith("NOT routed: capdispatch triton was decided") and "install sgl-flash-mla" in c.why
+    assert routes.kernel("decode_mla", key) is None
+    assert route.target not in HookRegistry._hooks or not HookRegistry._hooks[route.target]
+    lines = [r for r in caplog.records if route.target in r.getMessage()]
+    assert len(lines) == 1 and lines[0].name == "capdispatch.sglang" and lines[0].levelno == logging.WARNING
+    msg = lines[0].getMessage()
+    for part in ("decode_mla (capdispatch triton) is NOT routed on cpu", "cannot be imported here",
+                 "ModuleNotFoundError", "flash_mla", "install sgl-flash-mla (SGLang's module imports flash_mla)"):
+        assert part in msg, (part, msg)
+    assert not [r for r in caplog.records if r.name.startswith("sglang")]
+
+
+def test_a_route_at_a_name_this_sglang_lacks_is_not_routed(release, monkeypatch, caplog):
+    pytest.importorskip("sglang")
+    import attrs
+
+    from capdispatch.adapters.sglang import routes
+    monkeypatch.setattr(routes, "_SAID", set())
+    spec = cd.probe("sim:rtx-3080")
+    route = attrs.evolve(release.route("kv_dequant", spec),
+                         target="sglang.kernels.ops.attention.dsv4.dequant_k_cache.no_such_function")
+    why = routes.install(route, lambda *a: None, ("cpu", None), backend="triton_u8")
+    assert why is not None and "AttributeError" in why and "'no_such_function'" in why
+    assert "this SGLang has no such function" in why
+    assert routes.kernel("kv_dequant", ("cpu", None)) is None
+    [line] = [r.getMessage() for r in caplog.records if route.target in r.getMessage()]
+    assert line.startswith("capdispatch: kv_dequant (capdispatch triton_u8) is NOT routed on cpu: ")
+
+
+def test_route_targets_report_the_import_error_of_the_library_under_them(tmp_path, monkeypatch):
+    """A site module importing a library that is not installed, or one that is installed
+    but fails to load: the reason names the real error, not "has no attribute"."""
+    from capdispatch.adapters.sglang import routes
+    (tmp_path / "capd_site_a.py").write_text("import capd_missing_lib_zz\ndef fn():\n    pass\n")
+    (tmp_path / "capd_broken_lib").mkdir()
+    (tmp_path / "capd_broken_lib" / "__init__.py").write_text("raise OSError('Could not load this library')\n")
+    (tmp_path / "capd_site_b.py").write_text("import capd_broken_lib\ndef fn():\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(routes.Unresolved) as a:
+        routes.resolve("capd_site_a.fn")
+    assert "ModuleNotFoundError: No module named 'capd_missing_lib_zz'" in a.value.reason
+    assert "install the package that provides the module capd_missing_lib_zz" in a.value.reason
+    with pytest.raises(routes.Unresolved) as b:
+        routes.resolve("capd_site_b.fn")
+    assert "OSError: Could not load this library" in b.value.reason
+    routes.resolve("capdispatch.adapters.sglang.routes.install")      # exists: no error
+
+
 def test_mixed_rig_routes_only_where_sglangs_kernel_cannot_run(env, release):
     d = _decide(env, release)
     dq = d.choices["kv_dequant"]
@@ -588,14 +679,19 @@ def test_knob_ops_per_rank_on_the_simulated_rig(env, release):
         "cuda:0": "kept", "cuda:1": "kept", "cuda:2": "routed"}
     assert kd.choices["moe"]["cuda:0"].why.startswith(
         "SGLang's own Mxfp4FlashinferCutlassMoEMethod kept under moe_runner_backend=flashinfer_mxfp4")
-    # The launch: one value per SGLang name; a mixed rig splits, nothing is set.
+    # The launch: one value per SGLang name, reported, never set. The routed 3080 needs
+    # none (its rank routes the call site), so the cards that need one agree.
     s = {x.name: x for x in kd.sglang}
-    assert s["moe_runner_backend"].action == "split"
+    assert s["moe_runner_backend"].action == "agree"
     assert s["moe_runner_backend"].wants == {"flashinfer_mxfp4": ("cuda:0", "cuda:1")}
-    assert s["moe_runner_backend"].without == ("cuda:2",)
+    assert s["moe_runner_backend"].routed == {"cuda:2": "triton_w4a16"}
+    assert s["moe_runner_backend"].without == ()
+    assert s["moe_runner_backend"].why == ("cuda:0, cuda:1 need flashinfer_mxfp4; "
+                                           "cuda:2 is routed to capdispatch triton_w4a16")
     assert s["dsv4_attn_backend"].wants == {"flashmla": ("cuda:0", "cuda:1")}
     assert s["SGLANG_SM120_FLASHMLA_BACKEND"].wants == {"flashinfer": ("cuda:0",)}
-    assert "cuda:2 needs a capdispatch kernel no SGLang setting runs" in s["dsv4_attn_backend"].why
+    assert "cuda:2 is routed to capdispatch triton" in s["dsv4_attn_backend"].why
+    assert not any("no SGLang setting runs" in x.why for x in kd.sglang)
 
 
 def test_knob_ops_same_generation_rig_agrees(env, release):
@@ -706,8 +802,8 @@ def test_plan_shows_every_op_and_the_sglang_settings_per_rank(env, capsys, monke
     assert "moe flashinfer_cutlass_w4a16 kept SGLang's own Mxfp4FlashinferCutlassMoEMethod kept under " \
            "moe_runner_backend=flashinfer_mxfp4" in flat
     assert "SGLang settings each rank's choice needs (reported, not set" in out
-    assert "split  moe_runner_backend  (SGLang takes one value per launch; cuda:0, cuda:1 need flashinfer_mxfp4; " \
-           "cuda:2 needs a capdispatch kernel no SGLang setting runs)" in out
+    assert "agree  moe_runner_backend=flashinfer_mxfp4  (cuda:0, cuda:1 need flashinfer_mxfp4; " \
+           "cuda:2 is routed to capdispatch triton_w4a16)" in out
     rc, out, err = _plan(capsys, "--device", KNOB_RIG, *libs, "--format", "json")
     p = json.loads(out)
     assert "knob_ops" not in p and p["ops"][-1] == "moe"
@@ -726,9 +822,9 @@ def test_plan_shows_every_op_and_the_sglang_settings_per_rank(env, capsys, monke
     assert p["ranks"][1]["ops"]["moe"]["setting"] == ["moe_runner_backend=flashinfer_mxfp4"]
     assert p["ranks"][1]["ops"]["moe"]["action"] == "kept"
     mrb = next(x for x in p["sglang_settings"] if x["name"] == "moe_runner_backend")
-    assert mrb == {"kind": "field", "name": "moe_runner_backend", "ops": ["moe"], "action": "split", "user": None,
-                   "wants": {"flashinfer_mxfp4": ["cuda:0", "cuda:1"]}, "without": ["cuda:2"],
-                   "why": mrb["why"]}
+    assert mrb == {"kind": "field", "name": "moe_runner_backend", "ops": ["moe"], "action": "agree", "user": None,
+                   "wants": {"flashinfer_mxfp4": ["cuda:0", "cuda:1"]}, "without": [],
+                   "routed": {"cuda:2": "triton_w4a16"}, "why": mrb["why"]}
     # mixed_group: error stops a launch: the ops diverge on an RTX 5090 + H200 (e.g. the
     # indexer: TileLang vs DeepGEMM).
     rc, out, err = _plan(capsys, "--device", "sim:rtx-5090,sim:h200", "--policy",

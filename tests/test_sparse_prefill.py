@@ -83,7 +83,7 @@ def op(backend):
         return R.sparse_prefill
     if backend == "triton":
         return _tk().sparse_prefill
-    from capdispatch.backends.sparse_prefill import external
+    from capdispatch.backends.sparse_prefill import flashmla as external
     return external.flashmla_sparse
 
 
@@ -358,7 +358,7 @@ def registry():
 
 @pytest.mark.parametrize("device", ["sim:rtx-5090", "sim:rtx-pro-6000", "sim:sm_120"])
 def test_flashmla_sparse_rejected_on_sm120(device):
-    """The seed's failure: sparse prefill chosen on SM120. With the library present, the
+    """FlashMLA's sparse prefill has no SM120 kernel. With the library present, the
     feature requirement alone rejects it, and the reason names the missing features."""
     import capdispatch as cd
     res = cd.resolve("sparse_prefill", device, registry=registry(), assume_libs=ASSUME)
@@ -461,7 +461,7 @@ def test_flashmla_adapter_matches_library_signature():
     #                                use_legacy=..., return_log2_lse=...)
     assert pos[:7] == ["q", "kv", "indices", "sm_scale", "d_v", "attn_sink", "topk_length"], pos
     assert "use_legacy" in pos + kwonly and "return_log2_lse" in pos + kwonly
-    from capdispatch.backends.sparse_prefill import external
+    from capdispatch.backends.sparse_prefill import flashmla as external
     src = inspect.getsource(external.flashmla_sparse)
     # Always the legacy kernel (the current one is SM100f-only), base-2 statistics.
     assert "flash_mla.flash_mla_sparse_fwd(" in src and "use_legacy=True, return_log2_lse=True" in src
@@ -469,7 +469,7 @@ def test_flashmla_adapter_matches_library_signature():
 
 def test_contract_signatures_agree():
     """Every backend takes the same arguments as the reference, in the same order."""
-    from capdispatch.backends.sparse_prefill import external
+    from capdispatch.backends.sparse_prefill import flashmla as external
     want = inspect.signature(R.sparse_prefill)
     assert list(inspect.signature(external.flashmla_sparse).parameters) == list(want.parameters)
     if INTERPRET or HAS_CUDA:

@@ -54,6 +54,10 @@ class _Staging:
     def add_backend(self, backend) -> None:
         self.backends.append(backend)
 
+    def add_all(self, ops=(), backends=()) -> None:
+        self.ops.extend(ops)
+        self.backends.extend(backends)
+
     @property
     def op_names(self):
         return list(self._registry.ops) + [getattr(o, "name", None) for o in self.ops]

@@ -4,6 +4,10 @@ Built-in op packages declare their backends in a `register(registry)` function
 that imports no kernel code; kernels are imported when a backend is bound. Other
 packages add backends through the `capdispatch.backends` entry-point group
 (plugins.py), read when the registry is built.
+
+The registry says what exists, never what is preferred: it lists an op's backends
+by name, so the order in which they were registered is not observable. The
+preference order is the built-in policy's (policies/default.yaml).
 """
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ class RegistryError(CapdispatchError, ValueError):
 class Registry:
     def __init__(self):
         self.ops: dict = {}
-        self._backends: dict = {}     # op -> {name: Backend}, in registration (default) order
+        self._backends: dict = {}     # op -> {name: Backend}
         self.plugins: list = []       # PluginInfo of every entry point read, loaded or skipped
 
     def add_op(self, op: Op) -> None:
@@ -44,8 +48,17 @@ class Registry:
             raise RegistryError(f"backend {backend.op}/{backend.name} registered twice")
         self._backends[backend.op][backend.name] = backend
 
+    def add_all(self, ops=(), backends=()) -> None:
+        """add_op for each of OPS, then add_backend for each of BACKENDS (a package's
+        declarations, checked one by one as above)."""
+        for op in ops:
+            self.add_op(op)
+        for backend in backends:
+            self.add_backend(backend)
+
     def backends(self, op: str) -> list:
-        return list(self._backends[op].values())
+        """OP's backends, sorted by name (the preference order is the policy's)."""
+        return [self._backends[op][n] for n in sorted(self._backends[op])]
 
     def backend(self, op: str, name: str) -> Backend:
         return self._backends[op][name]

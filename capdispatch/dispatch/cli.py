@@ -151,7 +151,7 @@ def _parser() -> argparse.ArgumentParser:
     fmt(e); probe_opts(e)
 
     o = sub.add_parser("ops", help="the ops and their backends with what each needs",
-                       description="The ops and their backends, fastest first, with what each needs.")
+                       description="The ops and their backends in the built-in policy's order, with what each needs.")
     fmt(o)
 
     for name, (_, help_) in EXTENSIONS.items():
@@ -302,7 +302,9 @@ def _cmd_explain(args) -> int:
 
 def _cmd_ops(args) -> int:
     from ..backends import builtin
+    from ..policies import default_order, load_default
     reg = builtin()
+    default = load_default(reg)
     rows, obj = [], {"schema": 1, "ops": {}}
     from .render import wrap
     for op in reg.ops.values():
@@ -310,7 +312,7 @@ def _cmd_ops(args) -> int:
         rows += wrap(op.summary, "  ")
         obj["ops"][op.name] = {"signature": op.signature, "summary": op.summary,
                                "reference": op.reference, "backends": []}
-        for b in reg.backends(op.name):
+        for b in (reg.backend(op.name, n) for n in default_order(default, reg, op.name)):
             needs = [_describe_req(r) for r in b.requires]
             rows += wrap(f"- {b.name}: {b.summary}", "  ")
             rows += wrap(f"needs: {'; '.join(needs)}", "      ")

@@ -212,22 +212,18 @@ def _check_op(ctx: Context, op: str) -> None:
 
 
 def _with_fallbacks(ctx: Context, op: str, first) -> list:
-    """FIRST, then the default policy's order, then registration order."""
-    registered = [b.name for b in ctx.registry.backends(op)]
-    default_list = list(ctx.stack.default.ops[op].value) if op in ctx.stack.default.ops else []
+    """FIRST, then the rest of the built-in policy's order (policies.default_order)."""
     names = list(first)
-    for n in default_list + registered:
-        if n not in names:
-            names.append(n)
+    names += [n for n in _policies.default_order(ctx.stack.default, ctx.registry, op) if n not in names]
     return names
 
 
 def order(ctx: Context, op: str, device: DeviceSpec):
     """(preference, candidate names): the speaking layer's list, then implicit fallbacks."""
     pref = ctx.stack.preference(op, device)
-    if pref is None:
-        registered = tuple(b.name for b in ctx.registry.backends(op))
-        pref = _policies.Preference(registered, "registration order", "default", False)
+    if pref is None:   # an op the built-in policy does not name (a plugin's): its backends by name
+        pref = _policies.Preference(_policies.default_order(ctx.stack.default, ctx.registry, op),
+                                    "registered backends, by name", "default", False)
     return pref, _with_fallbacks(ctx, op, pref.backends)
 
 

@@ -3,9 +3,9 @@ from .loader import (MIXED_GROUP, ON_UNSUPPORTED, VERIFY, Bucket, MarkedList, Ma
                      PolicyError, PolicyFile, did_you_mean, from_dict, load_default, load_file, load_marked,
                      parse)
 from .stack import (BucketPreference, PolicyStack, Preference, Selection, SelectionError, Setting,
-                    build, parse_selections)
+                    build, default_order, parse_selections)
 
 __all__ = ["Bucket", "BucketPreference", "MIXED_GROUP", "MarkedList", "MarkedMap", "ON_UNSUPPORTED",
            "OpPreference", "PolicyError", "PolicyFile", "PolicyStack", "Preference", "Selection",
-           "SelectionError", "Setting", "VERIFY", "build", "did_you_mean", "from_dict", "load_default",
-           "load_file", "load_marked", "parse", "parse_selections"]
+           "SelectionError", "Setting", "VERIFY", "build", "default_order", "did_you_mean", "from_dict",
+           "load_default", "load_file", "load_marked", "parse", "parse_selections"]

@@ -89,6 +89,14 @@ class PolicyStack:
         return None
 
 
+def default_order(default: PolicyFile, registry, op: str) -> tuple:
+    """OP's backends in the built-in policy's order: the list DEFAULT gives for OP (its
+    catch-all), then every registered backend it does not name (a plugin's), sorted by
+    name. The order of registration plays no part."""
+    named = tuple(default.ops[op].value) if op in default.ops else ()
+    return named + tuple(sorted(b.name for b in registry.backends(op) if b.name not in named))
+
+
 def _at(pf: PolicyFile, marked) -> str:
     # An in-memory policy (policy_from_dict) has no lines: its origin names it.
     return f"{pf.path}:{marked.line}" if marked.line else pf.path

@@ -14,7 +14,7 @@ from capdispatch.policies import PolicyError, PolicyFile, build, parse
 REG = builtin()
 KNOWN = known_device_names()
 
-# Scalars that broke YAML's implicit resolution or our checks once: kept as examples.
+# Scalars at the edges of YAML's implicit resolution and of the loader's checks, tried every run.
 ODD = ["", " ", "-", "~", "0x", "0x_", "0b_", "0o", "._", "+.", "1_", "0_", ":", "maybe", "yes",
        "no", "on", "off", "null", "NaN", ".inf", "-.inf", "1e400", "9" * 5000, "1:2:3", "0:_",
        "2001-02-30", "2001-02-03", "12:30:00", "[]", "{}", "!!binary aGk=", "<<", "=", "==",

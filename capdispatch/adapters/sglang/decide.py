@@ -55,10 +55,11 @@ class SglangName:
     name: str
     ops: tuple
     wants: dict              # value -> (device, ...)
-    without: tuple           # devices running one of `ops` with no SGLang setting for it
+    without: tuple           # devices running one of `ops` decided, neither set nor routed (reported)
     user: Optional[str]      # the user's value, when the user set it
     action: str              # "agree" | "split" | "none" | "kept"
     why: str
+    routed: dict = attrs.field(factory=dict)   # device -> capdispatch backend routed at SGLang's call site
 
 
 @attrs.frozen
@@ -318,18 +319,21 @@ def sglang_settings(release, choices: dict, *, explicit_fields=(), env=None, fie
         rops = tuple(op for op in choices
                      if any(s.kind == kind and s.name == name for (o, _), e in release.entries.items()
                             if o == op for s in e.settings))
-        wants, without = {}, []
+        wants, without, routed = {}, [], {}
         for op in rops:
             for c in choices[op].values():
                 if c.resolution is None:
                     continue
-                if not c.setting:
+                if c.routed:
+                    # The rank's route runs capdispatch's kernel at SGLang's call site.
+                    routed.setdefault(c.device, c.backend)
+                elif not c.setting and c.action == "reported":
                     without.append(c.device)
                 for s in c.setting:
                     if (s.kind, s.name) == (kind, name):
                         wants.setdefault(s.value, []).append(c.device)
         wants = {v: tuple(dict.fromkeys(d)) for v, d in wants.items()}
-        without = tuple(dict.fromkeys(without))
+        without = tuple(d for d in dict.fromkeys(without) if d not in routed)
         user = None
         if kind == "field" and name in explicit_fields:
             user = str(field_values.get(name))
@@ -346,15 +350,22 @@ def sglang_settings(release, choices: dict, *, explicit_fields=(), env=None, fie
             action = "agree"
         else:
             action = "split"
+        by_backend = {}
+        for dev, b in routed.items():
+            by_backend.setdefault(b, []).append(dev)
+        tail = [f"{', '.join(ds)} {'is' if len(ds) == 1 else 'are'} routed to capdispatch {b}"
+                for b, ds in by_backend.items()]
+        if without:
+            tail.append(f"{', '.join(without)} run{'s' if len(without) == 1 else ''} capdispatch "
+                        f"kernels that no SGLang setting runs and no call site routes (reported)")
         if action == "none":
-            why = f"no device runs a backend SGLang selects with {name}"
+            why = "; ".join([f"no device runs a backend SGLang selects with {name}"] + tail)
         elif action == "split":
-            why = ("SGLang takes one value per launch; "
-                   + "; ".join(f"{_need(ds)} {v}" for v, ds in wants.items())
-                   + (f"; {_need(without)} a capdispatch kernel no SGLang setting runs" if without else ""))
+            why = "; ".join(["SGLang takes one value per launch"]
+                            + [f"{_need(ds)} {v}" for v, ds in wants.items()] + tail)
         else:
-            why = "; ".join(f"{_need(ds)} {v}" for v, ds in wants.items())
-        out.append(SglangName(kind, name, rops, wants, without, user, action, why))
+            why = "; ".join([f"{_need(ds)} {v}" for v, ds in wants.items()] + tail)
+        out.append(SglangName(kind, name, rops, wants, without, user, action, why, routed))
     return tuple(out), warnings
 
 

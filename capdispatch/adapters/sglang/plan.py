@@ -135,7 +135,7 @@ def build(*, tp=None, sglang_args=None, options, env: dict) -> dict:
         ranks=[rank_dict(i, g, spec, d, release) for i, (g, spec) in enumerate(zip(ids, specs))],
         sglang_settings=[{"kind": s.kind, "name": s.name, "ops": list(s.ops), "action": s.action,
                           "user": s.user, "wants": {v: list(ds) for v, ds in s.wants.items()},
-                          "without": list(s.without), "why": s.why} for s in d.sglang],
+                          "without": list(s.without), "routed": dict(s.routed), "why": s.why} for s in d.sglang],
         warnings=list(d.warnings))
     if fields is not None:
         out["sglang_resolved"] = fields

@@ -37,29 +37,38 @@ def _inputs(server_args, release):
                                 user_env=None)
 
 
-def apply_routes(release, choices: dict, spec, key, environ=None, user_env=None) -> list:
-    """Install or remove this device's routes; returns the ops now routed. A route's
-    environment switches go into ENVIRON, this rank's own process environment. Where
-    SGLang's own kernel is kept, switches the user did not set (USER_ENV) -- set by
-    SGLang's launcher from device 0's view -- go back to SGLang's defaults."""
+def apply_routes(release, choices: dict, spec, key, environ=None, user_env=None) -> dict:
+    """Install or remove this device's routes. Returns CHOICES as carried out: an op
+    whose call site cannot be hooked in this process (its SGLang module fails to
+    import) is no longer `routed` but reported, with why. A route's environment
+    switches go into ENVIRON, this rank's own process environment. Where SGLang's
+    own kernel is kept, switches the user did not set (USER_ENV) -- set by SGLang's
+    launcher from device 0's view -- go back to SGLang's defaults."""
     import os
 
+    import attrs
     import capdispatch as cd
 
     from . import routes
     environ = os.environ if environ is None else environ
-    routed = []
+    out = dict(choices)
     for op, c in choices.items():
         route = release.route(op, spec)
         if route is None:
             continue
         if c.routed:
-            if routes.install(route, cd.bind(op, spec, backend=c.backend), key):
-                routed.append(op)
+            failed = routes.install(route, cd.bind(op, spec, backend=c.backend), key, backend=c.backend)
+            if failed is None:
                 changed = routes.switch_env(route, environ)
                 if changed:
                     log.info("capdispatch: %s routed on %s: set %s in this rank's process",
                              op, spec.id, ", ".join(changed))
+                continue
+            routes.remove(op, key)
+            routes.restore_env(route, environ)
+            out[op] = attrs.evolve(c, action="reported", why=(
+                f"NOT routed: capdispatch {c.backend} was decided ({c.why}), but {failed}; "
+                f"SGLang's own {route.site} stays"))
         else:
             routes.remove(op, key)
             restored = routes.restore_env(route, environ)
@@ -72,7 +81,7 @@ def apply_routes(release, choices: dict, spec, key, environ=None, user_env=None)
                     log.info("capdispatch: %s on %s keeps SGLang's %s: unset %s (SGLang's launcher "
                              "set them for device 0's card; the user did not)",
                              op, spec.id, route.native, ", ".join(cleared))
-    return routed
+    return out
 
 
 def user_env(release, inputs, environ=None) -> dict:
@@ -116,9 +125,10 @@ def configure(server_args, gpu_id: int, *, env=None):
     for w in d.warnings:
         log.warning("capdispatch: %s", w)
     check_lock(d, env)
-    mine = {op: row[spec.id] for op, row in d.choices.items()}
     key = device_key(spec, gpu_id)
-    apply_routes(release, mine, spec, key, env, inputs.user_env)
+    mine = apply_routes(release, {op: row[spec.id] for op, row in d.choices.items()}, spec, key, env,
+                        inputs.user_env)
+    d = attrs.evolve(d, choices={op: {spec.id: c} for op, c in mine.items()})
     state = RankState(gpu_id, spec, key, inputs, release, d.resolved, mine, tuple(changes), env,
                       moe_launch=moe_launch)
     _RANKS[gpu_id] = state
@@ -158,9 +168,10 @@ def agree(state, group):
     mine = dict(state.choices)
     mine.update({op: attrs.evolve(row[me.id], device=state.spec.id) for op, row in choices.items()})
     before = {op: (c.backend, c.action) for op, c in state.choices.items()}
+    if before != {op: (c.backend, c.action) for op, c in mine.items()}:
+        mine = apply_routes(release, mine, state.spec, state.key, state.env, inputs.user_env)
     after = {op: (c.backend, c.action) for op, c in mine.items()}
     if before != after:
-        apply_routes(release, mine, state.spec, state.key, state.env, inputs.user_env)
         log.info("capdispatch: rank %s after agreement with %d rank(s): %s", me.id,
                  len(plan.devices), "; ".join(f"{op}: {before[op][0]} -> {c.backend} ({c.why})"
                                               for op, c in mine.items() if before[op] != after[op]))

@@ -17,6 +17,7 @@ log = logging.getLogger("capdispatch.sglang")
 _KERNELS: dict = {}       # op -> {(device type, device index): kernel}
 _INSTALLED: set = set()   # targets this process has hooked
 _ENV_SAVED: dict = {}     # target -> {name: value before the route switched it (None: unset)}
+_SAID: set = set()        # targets whose "cannot be hooked here" line this process logged
 
 
 def _key(t):
@@ -144,30 +145,137 @@ def kernel(op: str, device_key):
     return _KERNELS.get(op, {}).get(device_key)
 
 
-def install(route, kernel_fn, device_key) -> bool:
-    """Route ROUTE's call site to KERNEL_FN for tensors on DEVICE_KEY."""
+class Unresolved(Exception):
+    """A route's target does not exist in this process (its module fails to import, or
+    lacks the name): `reason` says which, why, and what to install."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _walk(target: str):
+    """TARGET ("pkg.module.Class.attr") imported and looked up as SGLang's HookRegistry
+    does, but raising the import's own error (HookRegistry's resolution turns a module
+    that fails to import into "has no attribute")."""
+    import importlib
+    parts = target.split(".")
+    obj = importlib.import_module(parts[0])
+    name = parts[0]
+    for part in parts[1:]:
+        name = f"{name}.{part}"
+        if hasattr(obj, part):
+            obj = getattr(obj, part)
+            continue
+        if not isinstance(obj, type(importlib)):
+            raise AttributeError(f"{type(obj).__name__} {name.rsplit('.', 1)[0]!r} has no attribute {part!r}")
+        try:
+            obj = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+            raise AttributeError(f"module {obj.__name__!r} has no attribute or submodule {part!r}") from None
+    return obj
+
+
+def _failing_module(exc):
+    """The first module outside SGLang and the import machinery in EXC's traceback:
+    the library whose import failed (e.g. flash_mla, when its CUDA extension cannot load)."""
+    tb = exc.__traceback__
+    while tb is not None:
+        name = str(tb.tb_frame.f_globals.get("__name__", ""))
+        top = name.split(".")[0]
+        if top and top not in ("sglang", "importlib", "capdispatch", "builtins"):
+            return name
+        tb = tb.tb_next
+    return None
+
+
+def _distribution(module: str):
+    """The distribution that installs MODULE: the libraries capdispatch's backends declare
+    (flash_mla -> sgl-flash-mla), else what is installed here; None when unknown."""
+    from importlib.metadata import packages_distributions
+
+    from packaging.utils import canonicalize_name
+
+    import capdispatch as cd
+    top = module.split(".")[0]
+    reg = cd.registry()
+    for op in reg.ops:
+        for b in reg.backends(op):
+            for r in b.requires:
+                mod = getattr(r, "module", None)
+                if getattr(r, "dist", None) and mod and canonicalize_name(mod.split(".")[0]) == canonicalize_name(top):
+                    return r.dist
+    found = packages_distributions().get(top)
+    return found[0] if found else None
+
+
+def _what_to_do(target: str, exc) -> str:
+    own = target.split(".")[0]
+    if isinstance(exc, ModuleNotFoundError) and exc.name and exc.name.split(".")[0] != own:
+        dist = _distribution(exc.name)
+        return (f"install {dist} (SGLang's module imports {exc.name})" if dist
+                else f"install the package that provides the module {exc.name}")
+    if isinstance(exc, (ModuleNotFoundError, AttributeError)):
+        return "this SGLang has no such function: use the SGLang release the knob map names"
+    module = _failing_module(exc)
+    dist = _distribution(module) if module else None
+    if dist:
+        return f"{dist} is installed but fails to import here: reinstall it for this torch and CUDA"
+    return "fix the import error above (a library SGLang's module needs fails to load)"
+
+
+def resolve(target: str) -> None:
+    """Raise Unresolved when TARGET cannot be hooked in this process."""
+    try:
+        _walk(target)
+    except Exception as exc:  # any import failure of SGLang's module means: no route here
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise Unresolved(f"{target} cannot be imported here ({type(exc).__name__}: {first}); "
+                         f"{_what_to_do(target, exc)}") from None
+
+
+def install(route, kernel_fn, device_key, backend=None):
+    """Route ROUTE's call site to KERNEL_FN (capdispatch BACKEND) for tensors on
+    DEVICE_KEY. Returns None once routed, else why the route did not take effect
+    (said in one WARNING per target and process)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookSource, HookType
+    what = f"{route.op}" + (f" (capdispatch {backend})" if backend else "")
     if route.target not in _INSTALLED:
         if route.target in getattr(HookRegistry, "_patched", ()):
             log.warning("capdispatch: %s was already hooked by another plugin; capdispatch cannot "
                         "route %s there, so SGLang's own kernel (or the other plugin's) runs",
-                        route.target, route.op)
-            return False
+                        route.target, what)
+            return f"{route.target} was already hooked by another plugin"
+        try:
+            resolve(route.target)
+        except Unresolved as exc:
+            # Checked before registering, so SGLang's registry never tries (and logs) it.
+            if route.target not in _SAID:
+                _SAID.add(route.target)
+                log.warning("capdispatch: %s is NOT routed on %s: %s", what, _where(device_key), exc.reason)
+            return exc.reason
         HookRegistry.register(route.target, CALLS[route.call], HookType.AROUND,
                               source=HookSource("capdispatch", "capdispatch"))
         HookRegistry.apply_hooks()
         if route.target not in HookRegistry._patched:
-            # SGLang logged why (its module failed to import); nothing changed. Take the
-            # hook back so later apply_hooks() calls do not retry it.
+            # SGLang logged why; nothing changed. Take the hook back so later
+            # apply_hooks() calls do not retry it.
             mine = CALLS[route.call]
             HookRegistry._hooks[route.target] = [h for h in HookRegistry._hooks[route.target]
                                                  if h[1] is not mine]
             log.warning("capdispatch: could not hook %s (see SGLang's error above); %s on %s stays "
-                        "with SGLang's own kernel", route.target, route.op, device_key)
-            return False
+                        "with SGLang's own kernel", route.target, what, _where(device_key))
+            return f"SGLang could not hook {route.target}"
         _INSTALLED.add(route.target)
     _KERNELS.setdefault(route.op, {})[device_key] = kernel_fn
-    return True
+    return None
+
+
+def _where(device_key) -> str:
+    kind, index = device_key
+    return kind if index is None else f"{kind}:{index}"
 
 
 def switch_env(route, environ) -> list:

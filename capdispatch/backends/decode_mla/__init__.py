@@ -4,7 +4,9 @@ Contract: derived from SGLang 0.5.23's DSv4 decode call site (``flash_mla_with_k
 on SM90/SM100, ``flash_mla_with_kvcache_sm120`` on SM120) with FlashMLA's decode
 semantics; see reference.py. Covers the main (SWA) pool, an optional extra (c4/c128
 compressed) pool in the same V4 layout, per-batch top-k lengths and the attention
-sink. Declarations only: kernels are imported when bound.
+sink. Declarations only: kernels are imported when bound (reference.py, triton_kernels.py,
+flashmla.py, flashinfer.py; library_args.py holds what both library adapters do to the
+arguments).
 """
 from ..base import AnyFeature, Backend, Feature, Library, Op, SizeArg, TORCH, TRITON, TritonTarget
 
@@ -30,28 +32,32 @@ _FLASHMLA = Library("sgl-flash-mla", ">=1.0", module="flash_mla")
 _FLASHINFER = Library("flashinfer-python", ">=0.7.2", module="flashinfer")
 
 
-def register(registry) -> None:
-    for op in OPS:
-        registry.add_op(op)
-    # Registration order is the default order: fastest first.
-    registry.add_backend(Backend(
-        "decode_mla", "flashmla", f"{_PKG}.external:op_flashmla",
+BACKENDS = (
+    Backend(
+        "decode_mla", "flashmla", f"{_PKG}.flashmla:op_flashmla",
         requires=(TORCH, _FLASHMLA, AnyFeature(("wgmma", "tcgen05"))),
-        summary="FlashMLA sparse fp8 decode (legacy V4-format kernels: SM90a wgmma, SM100 tcgen05)"))
-    registry.add_backend(Backend(
-        "decode_mla", "flashinfer_sparse_mla", f"{_PKG}.external:op_flashinfer_sparse_mla",
+        summary="FlashMLA sparse fp8 decode (legacy V4-format kernels: SM90a wgmma, SM100 tcgen05)"),
+    Backend(
+        "decode_mla", "flashinfer_sparse_mla", f"{_PKG}.flashinfer:op_flashinfer_sparse_mla",
         requires=(TORCH, _FLASHINFER, Feature("sm120_block_scaled_mma")),
-        summary="FlashInfer SM120 sparse MLA (block-scaled MMA); split-K scratch only for <= 64 tokens"))
-    registry.add_backend(Backend(
+        summary="FlashInfer SM120 sparse MLA (block-scaled MMA); split-K scratch only for <= 64 tokens"),
+    Backend(
         "decode_mla", "triton_fp8", f"{_PKG}.triton_kernels:op_decode_mla_fp8",
         requires=(TORCH, TRITON, TritonTarget("8.0"), Feature("fp8_e4m3")),
-        summary="Triton with native fp8 loads (Triton admits fp8e4nv from cc 8.9)"))
-    registry.add_backend(Backend(
+        summary="Triton with native fp8 loads (Triton admits fp8e4nv from cc 8.9)"),
+    Backend(
         "decode_mla", "triton", f"{_PKG}.triton_kernels:op_decode_mla_u8",
         requires=(TORCH, TRITON, TritonTarget("8.0")),
         summary="Triton, pool read through uint8 with an integer e4m3 decode (any CUDA card from SM80); "
-                "split-K only for <= 64 tokens"))
-    registry.add_backend(Backend(
+                "split-K only for <= 64 tokens"),
+    Backend(
         "decode_mla", "torch", f"{_PKG}.reference:op_decode_mla",
         requires=(TORCH,),
-        summary="torch reference, chunked over tokens (runs anywhere)"))
+        summary="torch reference, chunked over tokens (runs anywhere)"),
+)
+
+
+def register(registry) -> None:
+    """Declare this package's ops and backends (the order says nothing: default.yaml
+    gives the preference order)."""
+    registry.add_all(OPS, BACKENDS)

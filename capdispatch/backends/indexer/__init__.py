@@ -8,7 +8,7 @@ from ..base import AnyFeature, Backend, ComputeCapability, Library, Op, SizeArg,
 
 _PKG = "capdispatch.backends.indexer"
 
-OP = Op(
+OPS = (Op(
     "indexer",
     "fp8 paged MQA logits: q fp8 [B,next_n,64,128], index-K pages of 64 tokens x (128 fp8 + fp32 scale), "
     "weights fp32 [B*next_n,64], context lens, block table -> fp32 logits [B*next_n, max_context_len]",
@@ -17,7 +17,7 @@ OP = Op(
     reference="torch",
     size=SizeArg("tokens", 0, "q"),     # B: decode batch rows, or prefill query rows
     canary=f"{_PKG}.canary:indexer",
-)
+),)
 
 # SGLang 0.5.23 pins tilelang==0.1.12; the kernel is lowered and tested with it.
 _TILELANG = Library("tilelang", ">=0.1.12", module="tilelang")
@@ -28,7 +28,6 @@ _TILELANG = Library("tilelang", ">=0.1.12", module="tilelang")
 _DEEPGEMM = Library("sgl-deep-gemm", ">=0.2.3", module="deep_gemm")
 
 BACKENDS = (
-    # Registration order is the default order: fastest first (docs/ops/indexer.md).
     Backend("indexer", "deepgemm", f"{_PKG}.deepgemm:op_fp8_paged_mqa_logits",
             requires=(TORCH, _DEEPGEMM, Platform("cuda"), AnyFeature(("wgmma", "tcgen05"))),
             summary="DeepGEMM fp8_paged_mqa_logits (SM90 wgmma / SM100 tcgen05 kernels; JIT needs the CUDA toolkit; "
@@ -48,6 +47,6 @@ BACKENDS = (
 
 
 def register(registry) -> None:
-    registry.add_op(OP)
-    for backend in BACKENDS:
-        registry.add_backend(backend)
+    """Declare this package's ops and backends (the order says nothing: default.yaml
+    gives the preference order)."""
+    registry.add_all(OPS, BACKENDS)

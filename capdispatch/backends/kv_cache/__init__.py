@@ -19,20 +19,25 @@ OPS = (
 )
 
 
+def _backends(op):
+    return (
+        Backend(op, "triton_fp8", f"{_PKG}.triton_kernels:op_{op}_fp8",
+                requires=(TORCH, TRITON, TritonTarget("8.0"), Feature("fp8_e4m3")),
+                summary="Triton with native fp8 e4m3 types (Triton admits fp8e4nv from cc 8.9)"),
+        Backend(op, "triton_u8", f"{_PKG}.triton_kernels:op_{op}_u8",
+                requires=(TORCH, TRITON, TritonTarget("8.0")),
+                summary="Triton over uint8 views, fp8 coded with integer operations (any CUDA card Triton "
+                        "supports)"),
+        Backend(op, "torch", f"{_PKG}.reference:op_{op}",
+                requires=(TORCH,),
+                summary="torch reference (runs anywhere)"),
+    )
+
+
+BACKENDS = _backends("kv_quant") + _backends("kv_dequant")
+
+
 def register(registry) -> None:
-    for op in OPS:
-        registry.add_op(op)
-    # Registration order is the default order: fastest first.
-    for op in ("kv_quant", "kv_dequant"):
-        registry.add_backend(Backend(
-            op, "triton_fp8", f"{_PKG}.triton_kernels:op_{op}_fp8",
-            requires=(TORCH, TRITON, TritonTarget("8.0"), Feature("fp8_e4m3")),
-            summary="Triton with native fp8 e4m3 types (Triton admits fp8e4nv from cc 8.9)"))
-        registry.add_backend(Backend(
-            op, "triton_u8", f"{_PKG}.triton_kernels:op_{op}_u8",
-            requires=(TORCH, TRITON, TritonTarget("8.0")),
-            summary="Triton over uint8 views, fp8 coded with integer operations (any CUDA card Triton supports)"))
-        registry.add_backend(Backend(
-            op, "torch", f"{_PKG}.reference:op_{op}",
-            requires=(TORCH,),
-            summary="torch reference (runs anywhere)"))
+    """Declare this package's ops and backends (the order says nothing: default.yaml
+    gives the preference order)."""
+    registry.add_all(OPS, BACKENDS)

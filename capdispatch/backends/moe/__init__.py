@@ -2,8 +2,8 @@
 
 Declarations only (no torch, no kernel library at import): the torch reference
 is in reference.py, the Triton W4A16 kernels in triton_kernels.py, the thin
-adapters to FlashInfer and SGLang's Marlin in flashinfer_adapters.py and
-marlin_adapter.py; each is imported when its backend is bound or prepared.
+adapters to FlashInfer and SGLang's Marlin in flashinfer.py and
+sglang_marlin.py; each is imported when its backend is bound or prepared.
 
 Op contract (see reference.py): ``moe(x, weights, topk_weights, topk_ids,
 out=None) -> bf16 [T, H]`` with LOCAL expert ids and -1 for masked routes.
@@ -15,7 +15,7 @@ from ..base import Backend, ComputeCapability, Feature, Library, Op, SizeArg, Pl
 from .weights import LAYOUTS, LayoutError, MoeWeights, packed_bytes_per_expert, prepare
 
 __all__ = ["OPS", "register", "MoeWeights", "prepare", "packed_bytes_per_expert", "LayoutError",
-           "LAYOUTS", "BACKEND_ORDER", "SGLANG_RUNNER_BACKEND"]
+           "LAYOUTS", "SGLANG_RUNNER_BACKEND"]
 
 _PKG = "capdispatch.backends.moe"
 
@@ -39,10 +39,6 @@ _SGLANG = Library("sglang", ">=0.5.23", module="sglang.srt.layers.moe.fused_moe_
 _SGL_KERNEL = Library("sglang-kernel", ">=0.4.10", module="sgl_kernel")
 _CUDA = Platform("cuda")
 
-# Registration order is the default order: fastest first.
-BACKEND_ORDER = ("flashinfer_cutlass_w4a8", "flashinfer_trtllm_w4a8", "flashinfer_cutlass_w4a16",
-                 "marlin_w4a16", "triton_w4a16", "torch")
-
 # SGLang 0.5.23 `--moe-runner-backend` value that runs the same kernel family,
 # for the adapter's knob map (None: capdispatch routes the call itself).
 SGLANG_RUNNER_BACKEND = {
@@ -55,28 +51,32 @@ SGLANG_RUNNER_BACKEND = {
 }
 
 
+BACKENDS = (
+    Backend("moe", "flashinfer_cutlass_w4a8", f"{_PKG}.flashinfer:op_moe_cutlass_w4a8",
+        requires=(TORCH, _CUDA, Feature("sm120_block_scaled_mma"), _FLASHINFER),
+        summary="FlashInfer CUTLASS MoE, MXFP8 activations x MXFP4 weights on the SM120 "
+                "block-scaled MMA (SGLang flashinfer_mxfp4 on SM120)"),
+    Backend("moe", "flashinfer_trtllm_w4a8", f"{_PKG}.flashinfer:op_moe_trtllm_w4a8",
+        requires=(TORCH, _CUDA, Feature("tcgen05"), _FLASHINFER),
+        summary="FlashInfer TRT-LLM-gen routed MoE, MXFP8 x MXFP4 on tcgen05 (SM100 family; "
+                "cubins from flashinfer-cubin or FlashInfer's download cache)"),
+    Backend("moe", "flashinfer_cutlass_w4a16", f"{_PKG}.flashinfer:op_moe_cutlass_w4a16",
+        requires=(TORCH, _CUDA, Feature("wgmma"), _FLASHINFER),
+        summary="FlashInfer CUTLASS mixed-input MoE, bf16 x MXFP4 on wgmma (SM90; JIT-built)"),
+    Backend("moe", "marlin_w4a16", f"{_PKG}.sglang_marlin:op_moe_marlin",
+        requires=(TORCH, _CUDA, ComputeCapability(">=8.0"), _SGLANG, _SGL_KERNEL),
+        summary="SGLang's MXFP4 Marlin MoE (bf16 x MXFP4, JIT), -1 routes dropped before it"),
+    Backend("moe", "triton_w4a16", f"{_PKG}.triton_kernels:op_moe_w4a16",
+        requires=(TORCH, TRITON, TritonTarget("8.0")),
+        summary="Triton grouped GEMM, MXFP4 decoded on load, bf16 tensor cores (any card Triton "
+                "supports from cc 8.0)"),
+    Backend("moe", "torch", f"{_PKG}.reference:op_moe",
+        requires=(TORCH,),
+        summary="torch reference, one expert chunk decoded at a time (runs anywhere)"),
+)
+
+
 def register(registry) -> None:
-    for op in OPS:
-        registry.add_op(op)
-    add = registry.add_backend
-    add(Backend("moe", "flashinfer_cutlass_w4a8", f"{_PKG}.flashinfer_adapters:op_moe_cutlass_w4a8",
-                requires=(TORCH, _CUDA, Feature("sm120_block_scaled_mma"), _FLASHINFER),
-                summary="FlashInfer CUTLASS MoE, MXFP8 activations x MXFP4 weights on the SM120 "
-                        "block-scaled MMA (SGLang flashinfer_mxfp4 on SM120)"))
-    add(Backend("moe", "flashinfer_trtllm_w4a8", f"{_PKG}.flashinfer_adapters:op_moe_trtllm_w4a8",
-                requires=(TORCH, _CUDA, Feature("tcgen05"), _FLASHINFER),
-                summary="FlashInfer TRT-LLM-gen routed MoE, MXFP8 x MXFP4 on tcgen05 (SM100 family; "
-                        "cubins from flashinfer-cubin or FlashInfer's download cache)"))
-    add(Backend("moe", "flashinfer_cutlass_w4a16", f"{_PKG}.flashinfer_adapters:op_moe_cutlass_w4a16",
-                requires=(TORCH, _CUDA, Feature("wgmma"), _FLASHINFER),
-                summary="FlashInfer CUTLASS mixed-input MoE, bf16 x MXFP4 on wgmma (SM90; JIT-built)"))
-    add(Backend("moe", "marlin_w4a16", f"{_PKG}.marlin_adapter:op_moe_marlin",
-                requires=(TORCH, _CUDA, ComputeCapability(">=8.0"), _SGLANG, _SGL_KERNEL),
-                summary="SGLang's MXFP4 Marlin MoE (bf16 x MXFP4, JIT), -1 routes dropped before it"))
-    add(Backend("moe", "triton_w4a16", f"{_PKG}.triton_kernels:op_moe_w4a16",
-                requires=(TORCH, TRITON, TritonTarget("8.0")),
-                summary="Triton grouped GEMM, MXFP4 decoded on load, bf16 tensor cores (any card Triton "
-                        "supports from cc 8.0)"))
-    add(Backend("moe", "torch", f"{_PKG}.reference:op_moe",
-                requires=(TORCH,),
-                summary="torch reference, one expert chunk decoded at a time (runs anywhere)"))
+    """Declare this package's ops and backends (the order says nothing: default.yaml
+    gives the preference order)."""
+    registry.add_all(OPS, BACKENDS)

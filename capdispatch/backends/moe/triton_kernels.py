@@ -325,7 +325,7 @@ class Tiles(NamedTuple):
 def _config(avg_rows: float, H: int, I: int, interpreted: bool) -> Tiles:
     """Tiles from the mean routes per active expert. The decode and prefill rows are
     the best of benchmarks/sweep_moe_triton.py on an H200 at DSv4 shapes
-    (results/moe_tiles_nvidia_h200_20261129T210528.md: a 32-wide GEMM1 N tile spreads
+    (benchmarks/results/moe_tiles_nvidia_h200_20261129T210528.md: a 32-wide GEMM1 N tile spreads
     six experts' rows over twice the SMs, 27% faster at 1 token, 4-5% at 8-64; four
     GEMM2 warps 6% faster at 4096 tokens). The middle rows are reasoned, not measured."""
     if interpreted:

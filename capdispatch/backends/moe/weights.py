@@ -39,12 +39,12 @@ LAYOUTS = {
     "torch": (CHECKPOINT, None),
     "triton_w4a16": (CHECKPOINT, None),
     "flashinfer_cutlass_w4a8": ("flashinfer_cutlass_sm120",
-                                "capdispatch.backends.moe.flashinfer_adapters:prepare_cutlass_w4a8"),
+                                "capdispatch.backends.moe.flashinfer:prepare_cutlass_w4a8"),
     "flashinfer_trtllm_w4a8": ("flashinfer_trtllm",
-                               "capdispatch.backends.moe.flashinfer_adapters:prepare_trtllm_w4a8"),
+                               "capdispatch.backends.moe.flashinfer:prepare_trtllm_w4a8"),
     "flashinfer_cutlass_w4a16": ("flashinfer_cutlass_sm90",
-                                 "capdispatch.backends.moe.flashinfer_adapters:prepare_cutlass_w4a16"),
-    "marlin_w4a16": ("marlin", "capdispatch.backends.moe.marlin_adapter:prepare_marlin"),
+                                 "capdispatch.backends.moe.flashinfer:prepare_cutlass_w4a16"),
+    "marlin_w4a16": ("marlin", "capdispatch.backends.moe.sglang_marlin:prepare_marlin"),
 }
 
 

@@ -2,7 +2,7 @@
 
 Contract: SGLang 0.5.23's ``flash_mla_interface.flash_mla_sparse_fwd`` (see reference.py).
 Declarations only: kernels live in reference.py (torch), triton_kernels.py and
-external.py (FlashMLA) and are imported when bound.
+flashmla.py (FlashMLA) and are imported when bound.
 
 Not declared here: FlashInfer. Its SM120 sparse-MLA kernels read only fp8 paged
 caches, not a bf16 K/V workspace, so they cannot serve this contract; on SM120 SGLang
@@ -31,20 +31,24 @@ OPS = (
 _FLASHMLA = Library("sgl-flash-mla", ">=1.0", module="flash_mla")
 
 
-def register(registry) -> None:
-    for op in OPS:
-        registry.add_op(op)
-    # Registration order is the default order: fastest first.
-    registry.add_backend(Backend(
-        "sparse_prefill", "flashmla_sparse", f"{_PKG}.external:op_flashmla_sparse",
+BACKENDS = (
+    Backend(
+        "sparse_prefill", "flashmla_sparse", f"{_PKG}.flashmla:op_flashmla_sparse",
         requires=(TORCH, _FLASHMLA, AnyFeature(("wgmma", "tcgen05"))),
-        summary="FlashMLA sparse prefill (legacy kernels: SM90a wgmma, SM100 tcgen05), as SGLang calls it"))
-    registry.add_backend(Backend(
+        summary="FlashMLA sparse prefill (legacy kernels: SM90a wgmma, SM100 tcgen05), as SGLang calls it"),
+    Backend(
         "sparse_prefill", "triton", f"{_PKG}.triton_kernels:op_sparse_prefill",
         requires=(TORCH, TRITON, TritonTarget("8.0")),
         summary="Triton: one program per (query, head block), bf16 tensor-core dots, online softmax, "
-                "no scratch (any CUDA card from SM80)"))
-    registry.add_backend(Backend(
+                "no scratch (any CUDA card from SM80)"),
+    Backend(
         "sparse_prefill", "torch", f"{_PKG}.reference:op_sparse_prefill",
         requires=(TORCH,),
-        summary="torch reference, chunked over queries (runs anywhere)"))
+        summary="torch reference, chunked over queries (runs anywhere)"),
+)
+
+
+def register(registry) -> None:
+    """Declare this package's ops and backends (the order says nothing: default.yaml
+    gives the preference order)."""
+    registry.add_all(OPS, BACKENDS)

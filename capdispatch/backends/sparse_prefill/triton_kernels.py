@@ -62,7 +62,7 @@ _load_v4_rows = _v4_rows.load_rows
 # those cards.
 # MEASURED: tables timed on hardware, keyed by compute capability. An entry with
 # "max_tokens" is only used for calls of at most that many query tokens.
-# The H200 (SM90), 2026-11-29, CUDA graphs, DeepSeek-V4 shapes (benchmarks/results/
+# The H200 (SM90), 2026-11-29, CUDA graphs, DeepSeek-V4 shapes (benchmarks/results/archive/
 # attention_nvidia_h200_20261129T222412.md and the sweep of ...T220941; the defaults
 # re-measured in ...T223206 and ...T223630): 64-head x
 # 64-row tiles (wgmma; one program per token, so each gathered row is dequantised once,

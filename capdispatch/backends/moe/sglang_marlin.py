@@ -1,6 +1,6 @@
 """Thin adapter from the ``moe`` op to SGLang 0.5.23's MXFP4 Marlin MoE (W4A16, cc >= 8.0).
 
-Where the kernel lives (SGLang 0.5.23): the Marlin MoE GEMM is no longer an
+Where the kernel lives (SGLang 0.5.23): the Marlin MoE GEMM is not an
 AOT op of sgl-kernel; it is JIT-built from the ``sglang`` wheel
 (``sglang.kernels.ops.moe.moe_wna16_marlin.moe_wna16_marlin_gemm``, sources
 ``sglang/kernels/jit/csrc/gemm/marlin_moe/moe_wna16_marlin.cuh``, through
