@@ -67,7 +67,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)
     from capdispatch.backends.moe import triton_kernels as tk
-    t = tk._config(a.avg_rows, 4096, 2048, False)
+    t = tk.tiles_for(a.avg_rows, 4096, 2048, False)
     sigs = tk.COMPILE_SIGNATURES
     jobs = [("gemm1_swiglu", tk._gemm1_swiglu_kernel, sigs["_gemm1_swiglu_kernel"],
              dict(TOPK=6, HAS_LIMIT=True, F32=False, BM=t.BM, BN=t.BN1, BK=t.BK1), t.W1, t.S1),

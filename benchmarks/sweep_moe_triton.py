@@ -74,7 +74,7 @@ def main(argv=None):
         R_ = T * TOPK
         avg = R_ / max(1, min(E, R_))
         roof = max(roofline(T, experts, per_expert, bw, rate)[2:])
-        cur = tk._config(avg, H, I, False)
+        cur = tk.tiles_for(avg, H, I, False)
         tried = {}
 
         def run(t):

@@ -161,7 +161,7 @@ def test_plan_names_sglangs_default_from_device_0():
     assert not [w for w in out["warnings"] if "was set by the user" in w]
 
 
-# ------------------------------------------------------------------ GPU (not yet run on a GPU)
+# ------------------------------------------------------------------ GPU (passed on an H200, 2026-12-01)
 
 @needs_sglang
 @pytest.mark.gpu

@@ -6,7 +6,7 @@ Which variants a target gets comes from the runtime's own rules: the native-fp8
 variants only where the ``fp8_e4m3`` feature holds (features.yaml, the rule the
 ``triton_fp8`` backends require), the attention tiles from
 ``sparse_prefill.triton_kernels.configs_for`` for that compute capability, the MoE
-tiles from ``moe.triton_kernels._config`` at each of its size classes, and the shared
+tiles from ``moe.launch_table.tiles_for`` at each of its size classes, and the shared
 memory limit from the catalog's opt-in figure for that architecture. A row is ok when
 the kernel compiles and its shared memory fits that limit.
 
@@ -183,7 +183,7 @@ def _attention_jobs(t: Target) -> list:
     return out
 
 
-# Mean routes per active expert at which moe's _config changes tiles (one per size class).
+# Mean routes per active expert at which moe's tiles_for changes tiles (one per size class).
 MOE_SIZE_CLASSES = (1.0, 64.0, 128.0, 1024.0)
 MOE_SHAPE = dict(H=7168, I=2048, TOPK=6)
 
@@ -195,7 +195,7 @@ def _moe_jobs(t: Target) -> list:
     seen = set()
     H, I = MOE_SHAPE["H"], MOE_SHAPE["I"]
     for avg in MOE_SIZE_CLASSES:
-        tiles = K._config(avg, H, I, False)
+        tiles = _mod("moe.launch_table").tiles_for(avg, H, I, False)
         if tiles in seen:
             continue
         seen.add(tiles)

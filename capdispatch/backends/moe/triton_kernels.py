@@ -27,8 +27,6 @@ This module imports triton at import time; it is imported when bound.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
@@ -36,6 +34,7 @@ import triton.language as tl
 from ...errors import ArgumentError
 from ..device_scope import cdiv, on_device
 from ..triton_common.env import check_device, interpreted, jit_module
+from .launch_table import Tiles, tiles_for
 from .reference import check_moe_args
 from .weights import CHECKPOINT
 
@@ -309,37 +308,6 @@ def _alloc(shape, dtype, device):
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-class Tiles(NamedTuple):
-    """Tile sizes, warps and pipeline stages of the two GEMM launches."""
-    BM: int           # routes per block (one expert's rows)
-    BN1: int          # GEMM1 N tile (over I; gate and up tiles both)
-    BK1: int          # GEMM1 K tile (over H)
-    W1: int           # GEMM1 warps
-    S1: int           # GEMM1 software-pipeline stages
-    BN2: int          # GEMM2 N tile (over H)
-    BK2: int          # GEMM2 K tile (over I)
-    W2: int
-    S2: int
-
-
-def _config(avg_rows: float, H: int, I: int, interpreted: bool) -> Tiles:
-    """Tiles from the mean routes per active expert. The decode and prefill rows are
-    the best of benchmarks/sweep_moe_triton.py on an H200 at DSv4 shapes
-    (benchmarks/results/moe_tiles_nvidia_h200_20261129T210528.md: a 32-wide GEMM1 N tile spreads
-    six experts' rows over twice the SMs, 27% faster at 1 token, 4-5% at 8-64; four
-    GEMM2 warps 6% faster at 4096 tokens). The middle rows are reasoned, not measured."""
-    if interpreted:
-        return Tiles(16, 32, 64, 4, 1, 32, 64, 4, 1)
-    if avg_rows <= 16:
-        return Tiles(16, 32, 128, 4, 3, 64, 128, 4, 3)
-    if avg_rows <= 64:
-        return Tiles(32, 64, 128, 4, 3, 64, 128, 4, 3)
-    if avg_rows <= 128:
-        return Tiles(64, 64, 64, 4, 3, 128, 64, 8, 3)
-    # Prefill: 128 rows share each decoded weight tile (the decode is ALU work per weight).
-    return Tiles(128, 64, 64, 8, 3, 128, 64, 4, 3)
-
-
 def moe_w4a16(x, weights, topk_weights, topk_ids, out=None, *, checks: bool = True,
               force_torch_routing: bool = False,
               tiles: Tiles | None = None):
@@ -367,7 +335,7 @@ def moe_w4a16(x, weights, topk_weights, topk_ids, out=None, *, checks: bool = Tr
     tw = topk_weights.contiguous()
     R = T * K
     if tiles is None:
-        tiles = _config(R / max(1, min(E, R)), H, I, INTERPRETED)
+        tiles = tiles_for(R / max(1, min(E, R)), H, I, INTERPRETED)
     BM, BN1, BK1, W1, S1, BN2, BK2, W2, S2 = tiles
     BK1 = BK1 if H % BK1 == 0 else 64           # K tiles never straddle the end of a row
     BK2 = BK2 if I % BK2 == 0 else 64

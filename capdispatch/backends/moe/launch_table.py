@@ -1,0 +1,38 @@
+"""Launch table of the Triton W4A16 MoE (triton_kernels.py): tile sizes, warps and
+pipeline stages of its two GEMM launches, by the mean routes per active expert."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+__all__ = ["Tiles", "tiles_for"]
+
+
+class Tiles(NamedTuple):
+    """Tile sizes, warps and pipeline stages of the two GEMM launches."""
+    BM: int           # routes per block (one expert's rows)
+    BN1: int          # GEMM1 N tile (over I; gate and up tiles both)
+    BK1: int          # GEMM1 K tile (over H)
+    W1: int           # GEMM1 warps
+    S1: int           # GEMM1 software-pipeline stages
+    BN2: int          # GEMM2 N tile (over H)
+    BK2: int          # GEMM2 K tile (over I)
+    W2: int
+    S2: int
+
+
+def tiles_for(avg_rows: float, H: int, I: int, interpreted: bool) -> Tiles:
+    """Tiles from the mean routes per active expert. The decode and prefill rows are
+    the best of benchmarks/sweep_moe_triton.py on an H200 at DSv4 shapes
+    (benchmarks/results/moe_tiles_nvidia_h200_20261129T210528.md: a 32-wide GEMM1 N tile spreads
+    six experts' rows over twice the SMs, 27% faster at 1 token, 4-5% at 8-64; four
+    GEMM2 warps 6% faster at 4096 tokens). The middle rows are reasoned, not measured."""
+    if interpreted:
+        return Tiles(16, 32, 64, 4, 1, 32, 64, 4, 1)
+    if avg_rows <= 16:
+        return Tiles(16, 32, 128, 4, 3, 64, 128, 4, 3)
+    if avg_rows <= 64:
+        return Tiles(32, 64, 128, 4, 3, 64, 128, 4, 3)
+    if avg_rows <= 128:
+        return Tiles(64, 64, 64, 4, 3, 128, 64, 8, 3)
+    # Prefill: 128 rows share each decoded weight tile (the decode is ALU work per weight).
+    return Tiles(128, 64, 64, 8, 3, 128, 64, 4, 3)
