@@ -36,9 +36,7 @@ from .layout import HEAD_DIM, PAGE_TOKENS, SCALE_OFFSET, alloc_logits, check_arg
 __all__ = ["fp8_paged_mqa_logits", "fp8_paged_mqa_logits_u8", "fp8_paged_mqa_logits_native",
            "plan_splits", "INTERPRETED"]
 
-BLOCK_N = 64          # tokens per step (one page)
-NUM_WARPS = 4       # 8 when next_n > 1 (M = next_n_pad * 64 rows of q per program)
-NUM_STAGES = 2      # software pipelining of the page loads
+from .launch_table import BLOCK_N, NUM_STAGES, NUM_WARPS  # noqa: E402
 _SCALE_OFFSET = tl.constexpr(SCALE_OFFSET)
 _PAGE = tl.constexpr(PAGE_TOKENS)
 

@@ -44,12 +44,8 @@ _row_tiles = _rows.row_tiles
 _token_bases = _rows.token_bases
 _load_rows = _rows.load_rows
 
-# Tokens per program and warps, tuned on an H200 at 262144 tokens, page size 256,
-# random slots (T in 4..32 x warps in 2..16; 16 x 4 best or within 1% for all four).
-QUANT_TOKENS_PER_PROG = 16
-QUANT_NUM_WARPS = 4
-DEQUANT_TOKENS_PER_PROG = 16
-DEQUANT_NUM_WARPS = 4
+from .launch_table import (DEQUANT_NUM_WARPS, DEQUANT_TOKENS_PER_PROG, QUANT_NUM_WARPS,  # noqa: E402,F401
+                           QUANT_TOKENS_PER_PROG)
 
 
 # --------------------------------------------------------------------------- #

@@ -1,0 +1,78 @@
+"""Launch table of the sparse-attention Triton kernels (triton_kernels.py), shared by
+sparse_prefill and decode_mla: tile configurations per call kind and compute capability,
+and the split-K and combine constants."""
+from __future__ import annotations
+
+from ...errors import ArgumentError
+
+__all__ = ["PORTABLE_CONFIGS", "MEASURED_CONFIGS", "KINDS", "INTERP_CONFIG", "configs_for",
+           "DECODE_MAX_TOKENS", "COMBINE_BLOCK_H", "COMBINE_BLOCK_D", "COMBINE_WARPS", "MAX_SPLITS"]
+
+# Launch configurations per call kind, tried in order until one compiles within the
+# device's shared memory (Triton raises OutOfResources at compile time). Kinds:
+# "prefill" (bf16 rows), "decode" (paged pool, one pass) and "decode_split" (paged pool,
+# split-K for decode-sized calls, see decode_splits).
+#
+# PORTABLE: chosen from offline compiles (triton 3.9, ptxas -v) for sm_80, sm_86, sm_89,
+# sm_90a and sm_120a: the first entry of each list uses <= 255 registers with no spills
+# and fits the 99 KB of SM86/SM89/SM120 (prefill 82 KB, decode 64 KB). Never timed on
+# those cards.
+# MEASURED: tables timed on hardware, keyed by compute capability. An entry with
+# "max_tokens" is only used for calls of at most that many query tokens.
+# The H200 (SM90), 2026-11-29, CUDA graphs, DeepSeek-V4 shapes (benchmarks/results/archive/
+# attention_nvidia_h200_20261129T222412.md and the sweep of ...T220941; the defaults
+# re-measured in ...T223206 and ...T223630): 64-head x
+# 64-row tiles (wgmma; one program per token, so each gathered row is dequantised once,
+# not once per head block) are fastest for prefill (1.42 ms against 3.52 ms for the
+# portable tile, s=4096), for one-pass decode (2.77 ms against 9.27 ms at 4096 tokens,
+# 98 us against 295 us at 128) and for split-K decode from 8 to 64 tokens (22-99 us
+# against 31-165 us), although ptxas spills 1-3 KB of their registers; they need
+# 128-192 KB of shared memory, which only SM90 and SM100 have. A single token wants
+# more, smaller programs: 16 heads x 32 rows, 15.9 us against 21.2 us.
+PORTABLE_CONFIGS = {
+    "prefill": (
+        dict(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=2),
+        dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=1),
+        dict(BLOCK_H=16, BLOCK_N=16, num_warps=4, num_stages=1),
+    ),
+    "decode": (
+        dict(BLOCK_H=32, BLOCK_N=16, num_warps=8, num_stages=1),
+        dict(BLOCK_H=16, BLOCK_N=16, num_warps=4, num_stages=1),
+    ),
+}
+PORTABLE_CONFIGS["decode_split"] = PORTABLE_CONFIGS["decode"]
+MEASURED_CONFIGS = {
+    (9, 0): {
+        "prefill": (dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=1),) + PORTABLE_CONFIGS["prefill"],
+        "decode": (dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=1),) + PORTABLE_CONFIGS["decode"],
+        "decode_split": (dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=2, max_tokens=1),
+                         dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=1)) + PORTABLE_CONFIGS["decode"],
+    },
+}
+KINDS = ("prefill", "decode", "decode_split")
+# Under the interpreter (CPU) resources do not matter; small tiles keep it fast and
+# exercise head / index masking with small test shapes.
+INTERP_CONFIG = dict(BLOCK_H=16, BLOCK_N=16, num_warps=4, num_stages=1)
+
+
+def configs_for(cc, kind: str, tokens: int | None = None) -> tuple:
+    """The launch configurations for compute capability ``cc`` ((major, minor)) and call
+    ``kind``, best first: the measured table for that capability, else the portable one;
+    with ``tokens``, without the entries whose ``max_tokens`` is below it."""
+    if kind not in KINDS:
+        raise ArgumentError(f"unknown kernel kind {kind!r}; valid: {', '.join(KINDS)}")
+    table = MEASURED_CONFIGS.get(tuple(cc), PORTABLE_CONFIGS)[kind]
+    if tokens is None:
+        return table
+    return tuple(c for c in table if c.get("max_tokens", tokens) >= tokens)
+
+
+# Split-K only for decode-sized calls: at most this many query tokens.
+DECODE_MAX_TOKENS = 64
+# Combine tile: small, so that even one token's merge is spread over many programs
+# (the split kernel's head tile may be 64 heads; merging 64 heads x 128 columns per
+# program left most SMs idle at 1-8 tokens).
+COMBINE_BLOCK_H = 8
+COMBINE_BLOCK_D = 64
+COMBINE_WARPS = 2
+MAX_SPLITS = 32   # a power of two: the combine kernel's split axis (one compile for any split count)
