@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from .library_args import clean_ids, pad_heads, pool_view
+from .library_args import clean_ids, deliver, pad_heads, pool_view
 from .reference import DIM, check_decode_args
 
 __all__ = ["flashinfer_sparse_mla"]
@@ -77,12 +77,7 @@ def flashinfer_sparse_mla(q, pool, indices, page_size, sm_scale, topk_length=Non
     lse = torch.where(lse_e == float("-inf"), float("inf"), lse_e)
     lse = lse.view(b, s_q, h).permute(0, 2, 1).contiguous()
     o = o.reshape(b, s_q, h, DIM)
-    if a.out is not None:
-        a.out.copy_(o)
-        o = a.out
-    elif not o.is_contiguous():
-        o = o.contiguous()
-    return o, lse
+    return deliver(o, a.out), lse
 
 
 # Custom ops (backends/torch_ops.py): what the registry binds. Defining them needs no

@@ -11,7 +11,7 @@ import functools
 
 import torch
 
-from .library_args import clean_ids, pad_heads, pool_view
+from .library_args import clean_ids, deliver, pad_heads, pool_view
 from .reference import DIM, check_decode_args
 
 __all__ = ["flashmla"]
@@ -52,12 +52,7 @@ def flashmla(q, pool, indices, page_size, sm_scale, topk_length=None, attn_sink=
         use_legacy=True, **kw)
     if qp.shape[-2] != h:
         o, lse = o[..., :h, :], lse[:, :h, :].contiguous()
-    if a.out is not None:
-        a.out.copy_(o)
-        o = a.out
-    elif not o.is_contiguous():
-        o = o.contiguous()
-    return o, lse
+    return deliver(o, a.out), lse
 
 
 # Custom ops (backends/torch_ops.py): what the registry binds. Defining them needs no

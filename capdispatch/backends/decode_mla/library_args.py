@@ -4,7 +4,8 @@ Triton launch each, index_prep.py) and the query heads:
 * ids outside [0, num_pages * page_size) become -1 (both libraries treat only -1 as
   masked and do not bound-check other ids);
 * index lists are padded with -1 to a multiple of 64 (both kernels tile top-k by 64);
-* head counts the kernels do not instantiate are zero-padded and sliced back.
+* head counts the kernels do not instantiate are zero-padded and sliced back;
+* after the call, the output goes into the caller's ``out=`` (``deliver``).
 Bound with ``checks=False`` (serving), index lists that are already int32, contiguous
 and 64-aligned go to the library as they are (their ids trusted, as SGLang's are), so
 inside a CUDA graph the call is the library's kernels only (for 64 / 128 heads).
@@ -19,7 +20,7 @@ import torch
 from ...errors import ArgumentError
 from ..kv_cache.layout import TOKEN_BYTES
 
-__all__ = ["TOPK_ALIGN", "pool_view", "clean_ids", "pad_heads"]
+__all__ = ["TOPK_ALIGN", "pool_view", "clean_ids", "pad_heads", "deliver"]
 
 TOPK_ALIGN = 64
 
@@ -59,3 +60,12 @@ def pad_heads(q, attn_sink, allowed):
         sink = attn_sink.new_zeros((hp,))
         sink[:h] = attn_sink
     return qp, sink, h
+
+
+def deliver(o, out):
+    """The library's output O as the op returns it: copied into the caller's OUT when
+    given, else O itself, made contiguous if the library's head slicing left it strided."""
+    if out is not None:
+        out.copy_(o)
+        return out
+    return o if o.is_contiguous() else o.contiguous()

@@ -52,6 +52,7 @@ from ..sparse_prefill.reference import DIM, GATHER_BUDGET, attend_gathered
 
 __all__ = ["decode_mla", "check_decode_args", "pool_2d", "DecodeArgs", "new_outputs"]
 
+
 def pool_2d(pool, page_size, name="pool"):
     """The pool as uint8 [num_pages, bytes_per_page] and its page size.
 
