@@ -286,7 +286,7 @@ def tune(op, inputs, shape, want, args):
                 # Every call kind (prefill, decode, decode_split) gets this one configuration.
                 K._configs = lambda device, kind, tokens=None, cfg=cfg: (cfg,)
                 K._plans.clear()
-                DK._splits.clear()
+                DK.forget_plans()
                 try:
                     got = fn(*inputs)
                     ok = _check(op, got, want)[0]
@@ -309,7 +309,7 @@ def tune(op, inputs, shape, want, args):
     finally:
         K._configs = saved
         K._plans.clear()
-        DK._splits.clear()
+        DK.forget_plans()
     return out
 
 

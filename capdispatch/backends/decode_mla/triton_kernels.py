@@ -25,102 +25,227 @@ from __future__ import annotations
 
 import torch
 
-from ..device_scope import on_device
+from ...errors import UnsupportedDeviceError
+from ..device_scope import cdiv, on_device
 from ..sparse_prefill import triton_kernels as _K
-from .reference import check_decode_args, new_outputs
+from .reference import check_decode_args
 
-__all__ = ["decode_mla_u8", "decode_mla_fp8", "INTERPRETED"]
+__all__ = ["decode_mla_u8", "decode_mla_fp8", "INTERPRETED", "DecodeMla", "forget_plans"]
 
 INTERPRETED = _K.INTERPRETED
 
-
-# (device type, device index, tokens, heads, index entries) -> split-K factor: the split
-# plan is a search, done once per shape and device.
-_splits: dict = {}
-
 _LOG2E = 1.4426950408889634
+_FP8 = torch.float8_e4m3fn
+_BF16, _F32 = torch.bfloat16, torch.float32
 
 
-def _num_splits(dev, T, h, width):
-    key = _K.device_key(dev) + (T, h, width)
-    n = _splits.get(key)
-    if n is None:
-        # The split decision uses the split-K tile: decode-sized calls run with it.
-        cfg = _K._configs(dev, "decode_split", T)[0]
-        n = _splits[key] = _K.decode_splits(dev, T, h, width, block_h=cfg["BLOCK_H"], block_n=cfg["BLOCK_N"])
-    return n
+class _Plan:
+    """The launch of one shape class on one device, computed once: the split count, the
+    grids, the scratch shapes, the constexprs and launch options of both kernels, and
+    the configurations still to try should this one not fit the device."""
+    __slots__ = ("requested", "cfg", "rest", "kind", "grid", "splits", "per", "h_pad", "o_shape", "lse_shape", "part_o",
+                 "part_lse", "tail", "options", "combine_grid", "combine_tail", "st")
+
+    def __init__(self, dev, T, b, s_q, h, n_idx, n_idx2, has_extra, consts, cfg, rest, num_splits, kind):
+        self.requested, self.cfg, self.rest, self.kind = num_splits, cfg, rest, kind
+        bh, bn = cfg["BLOCK_H"], cfg["BLOCK_N"]
+        n_hb = cdiv(h, bh)
+        self.o_shape, self.lse_shape = (b, s_q, h, 512), (b, h, s_q)
+        self.st = (h * s_q, 1, s_q)          # the new lse's strides (sb, ss, sh)
+        self.options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_splits = min(num_splits, _K.MAX_SPLITS)
+        if num_splits == 1:
+            self.splits, self.per, self.h_pad = 1, 0, h
+            self.part_o = self.part_lse = None
+            self.grid = (T, n_hb, 1)
+        else:
+            total = cdiv(n_idx, bn) + (cdiv(n_idx2, bn) if has_extra else 0)
+            self.per = cdiv(max(total, 1), num_splits)
+            self.splits = cdiv(max(total, 1), self.per)
+            self.h_pad = n_hb * bh
+            self.part_o, self.part_lse = (T, self.h_pad, self.splits, 512), (T, self.h_pad, self.splits)
+            self.grid = (T, n_hb, self.splits)
+        self.tail = consts + (self.splits > 1, bh, bn, INTERPRETED)
+        self.combine_grid = (T, cdiv(h, _K.COMBINE_BLOCK_H), 512 // _K.COMBINE_BLOCK_D)
+        self.combine_tail = (consts[8], 2, _K.MAX_SPLITS, _K.COMBINE_BLOCK_H, _K.COMBINE_BLOCK_D, INTERPRETED)
+
+
+class DecodeMla:
+    """decode_mla on the Triton paged kernels with one codec (NATIVE_FP8: Triton's fp8
+    loads, else the uint8 integer decode). Contract: reference.decode_mla.
+
+    Per call it normalises the pools, allocates the outputs (and the split scratch),
+    reads the pointers and strides, and launches; everything that depends only on the
+    device and the shape class (tile configuration, split-K count, grids, constexprs)
+    is kept in ``plans``, keyed by the device and the shapes, so it never answers for
+    another card."""
+
+    def __init__(self, native_fp8: bool):
+        self.native_fp8 = native_fp8
+        self.plans: dict = {}
+        self.__name__ = self.__qualname__ = "decode_mla_fp8" if native_fp8 else "decode_mla_u8"
+        self.__doc__ = ("decode_mla with Triton's native fp8 conversion (cc >= 8.9). Contract: reference.decode_mla."
+                        if native_fp8 else
+                        "decode_mla with an integer e4m3 decoder (no fp8 types; SM80/86 ok). Contract: "
+                        "reference.decode_mla.")
+
+    def __call__(self, q, pool, indices, page_size, sm_scale, topk_length=None, attn_sink=None,
+                 extra_pool=None, extra_indices=None, extra_page_size=None, extra_topk_length=None,
+                 *, out=None, checks=True):
+        return self.launch(q, pool, indices, page_size, sm_scale, topk_length, attn_sink, extra_pool,
+                           extra_indices, extra_page_size, extra_topk_length, out, checks)
+
+    def launch(self, q, pool, indices, page_size, sm_scale, topk_length, attn_sink, extra_pool, extra_indices,
+               extra_page_size, extra_topk_length, out, checks=True, config=None, num_splits=None):
+        native = self.native_fp8
+        if checks:
+            a = check_decode_args(q, pool, indices, page_size, sm_scale, topk_length, attn_sink,
+                                  extra_pool, extra_indices, extra_page_size, extra_topk_length, out, checks)
+            _K.check_device(q, native)
+            pool, page_size, indices, topk_length = a.pool, a.page_size, a.idx, a.topk_length
+            extra_pool, extra_page_size = a.extra_pool, a.extra_page_size
+            extra_indices, extra_topk_length = a.extra_idx, a.extra_topk_length
+        else:
+            if pool.dim() != 2 or pool.dtype != torch.uint8:
+                pool, page_size = _pool_2d(pool, page_size)
+            if extra_pool is not None and (extra_pool.dim() != 2 or extra_pool.dtype != torch.uint8):
+                extra_pool, extra_page_size = _pool_2d(extra_pool, extra_page_size)
+        b, s_q, h, _ = q.shape
+        dev = q.device
+        T = b * s_q
+        if T == 0 or h == 0:
+            return (out if out is not None else torch.empty((b, s_q, h, 512), dtype=_BF16, device=dev),
+                    torch.empty((b, h, s_q), dtype=_F32, device=dev))
+        qs = q.stride()
+        if qs[3] != 1:
+            q = q.contiguous()
+            qs = q.stride()
+        idx = indices
+        ids = idx.stride()
+        if ids[2] != 1:
+            idx = idx.contiguous()
+            ids = idx.stride()
+        n_idx = idx.shape[2]
+        has_extra = extra_pool is not None
+        if has_extra:
+            eidx = extra_indices
+            eids = eidx.stride()
+            if eids[2] != 1:
+                eidx = eidx.contiguous()
+                eids = eidx.stride()
+            epool, n_idx2 = extra_pool, eidx.shape[2]
+            ebpp, eps = epool.shape[1], extra_page_size
+        else:
+            eidx, eids, epool, n_idx2, ebpp, eps = idx, ids, pool, 0, 1, 1
+        bpp = pool.shape[1]
+        has_len2 = has_extra and extra_topk_length is not None
+        key = (dev, b, s_q, h, n_idx, n_idx2, page_size, bpp, has_extra, eps, ebpp, topk_length is not None,
+               has_len2, attn_sink is not None)
+        if config is not None or num_splits is not None:
+            plan = self._plan(key, config, num_splits)
+        else:
+            plan = self.plans.get(key)
+            if plan is None:
+                plan = self.plans[key] = self._plan(key)
+        if out is None:
+            out = torch.empty(plan.o_shape, dtype=_BF16, device=dev)
+            os_ = plan.o_shape[1] * plan.o_shape[2] * 512, plan.o_shape[2] * 512, 512
+        else:
+            os_ = out.stride()
+        lse = torch.empty(plan.lse_shape, dtype=_F32, device=dev)
+        if native:
+            pool, epool = pool.view(_FP8), (epool.view(_FP8) if has_extra else None)
+        if not has_extra:
+            epool = pool
+        n_kv = pool.shape[0] * page_size
+        n_kv2 = epool.shape[0] * eps if has_extra else 0
+        len1 = topk_length if topk_length is not None else lse
+        len2 = extra_topk_length if has_len2 else lse
+        sink = attn_sink if attn_sink is not None else lse
+        scale = sm_scale * _LOG2E
+        while True:
+            try:
+                with on_device(dev):
+                    _run(plan, q, qs, pool, n_kv, idx, ids, n_idx, len1, epool, n_kv2, eidx, eids, n_idx2, len2,
+                         sink, out, os_, lse, h, s_q, scale, dev)
+                return out, lse
+            except _K.OUT_OF_RESOURCES as exc:    # does not fit this device: the next configuration
+                if not plan.rest:
+                    raise UnsupportedDeviceError(
+                        f"no Triton configuration fits this device for {plan.kind}: {exc}") from exc
+                plan = self._plan(key, plan.rest[0], plan.requested, plan.rest[1:])
+                if config is None and num_splits is None:
+                    self.plans[key] = plan
+
+    def _plan(self, key, config=None, num_splits=None, rest=None):
+        dev, b, s_q, h, n_idx, n_idx2, ps, bpp, has_extra, eps, ebpp, has_len, has_len2, has_sink = key
+        T = b * s_q
+        if num_splits is None:
+            if config is None:
+                # The split decision uses the split-K tile: decode-sized calls run with it.
+                cfg = _K._configs(dev, "decode_split", T)[0]
+                num_splits = _K.decode_splits(dev, T, h, n_idx + n_idx2, block_h=cfg["BLOCK_H"],
+                                              block_n=cfg["BLOCK_N"])
+            else:
+                num_splits = _K.decode_splits(dev, T, h, n_idx + n_idx2, block_h=config["BLOCK_H"],
+                                              block_n=config["BLOCK_N"])
+        kind = "decode_split" if num_splits > 1 else "decode"
+        if config is not None:
+            cfg, rest = config, (() if rest is None else rest)
+        else:
+            configs = _K._configs(dev, kind, T)
+            cfg, rest = (configs[0], configs[1:]) if rest is None else (config, rest)
+        consts = (2 if self.native_fp8 else 1, ps, bpp, eps, ebpp, has_len, has_extra, has_len2, has_sink, 2)
+        return _Plan(dev, T, b, s_q, h, n_idx, n_idx2, has_extra, consts, cfg, tuple(rest), num_splits, kind)
+
+
+def _pool_2d(pool, page_size):
+    """FlashMLA's 4-D pool view or another byte dtype as the 2-D uint8 pool (serving: unchecked)."""
+    if pool.dim() == 4:
+        n, bpp = pool.shape[0], pool.stride(0)
+        u8 = pool if pool.dtype == torch.uint8 else pool.view(torch.uint8)
+        return torch.as_strided(u8, (n, bpp), (bpp, 1)), pool.shape[1]
+    return pool.view(torch.uint8), page_size
+
+
+def _run(plan, q, qs, pool, n_kv, idx, ids, n_idx, len1, epool, n_kv2, eidx, eids, n_idx2, len2, sink, out, os_,
+         lse, h, s_q, scale, dev):
+    st = plan.st
+    if plan.splits == 1:
+        _K._sparse_mla_kernel[plan.grid](
+            q, qs[0], qs[1], qs[2], pool, 0, n_kv, idx, ids[0], ids[1], n_idx, len1,
+            epool, n_kv2, eidx, eids[0], eids[1], n_idx2, len2, sink,
+            out, os_[0], os_[1], os_[2], lse, lse, st[0], st[1], st[2], out, lse,
+            h, h, s_q, s_q, scale, 0, 1, *plan.tail, **plan.options)
+        return
+    part_o = torch.empty(plan.part_o, dtype=_F32, device=dev)
+    part_lse = torch.empty(plan.part_lse, dtype=_F32, device=dev)
+    _K._sparse_mla_kernel[plan.grid](
+        q, qs[0], qs[1], qs[2], pool, 0, n_kv, idx, ids[0], ids[1], n_idx, len1,
+        epool, n_kv2, eidx, eids[0], eids[1], n_idx2, len2, sink,
+        out, os_[0], os_[1], os_[2], lse, lse, st[0], st[1], st[2], part_o, part_lse,
+        h, plan.h_pad, s_q, s_q, scale, plan.per, plan.splits, *plan.tail, **plan.options)
+    _K._combine_kernel[plan.combine_grid](
+        part_o, part_lse, sink, out, os_[0], os_[1], os_[2], lse, lse, st[0], st[1], st[2],
+        h, plan.h_pad, s_q, plan.splits, *plan.combine_tail, num_warps=_K.COMBINE_WARPS)
 
 
 def _launch(q, pool, indices, page_size, sm_scale, topk_length, attn_sink, extra_pool, extra_indices,
             extra_page_size, extra_topk_length, out, native_fp8, config=None, num_splits=None, checks=True):
-    a = check_decode_args(q, pool, indices, page_size, sm_scale, topk_length, attn_sink,
-                          extra_pool, extra_indices, extra_page_size, extra_topk_length, out, checks)
-    if checks:
-        _K.check_device(q, native_fp8)
-    b, s_q, h, _ = q.shape
-    dev = q.device
-    out, lse = new_outputs(a)
-    T = b * s_q
-    if T == 0 or h == 0:
-        return out, lse
-    if q.stride(3) != 1:
-        q = q.contiguous()
-    idx = a.idx if a.idx.stride(2) == 1 else a.idx.contiguous()
-    has_extra = a.extra_pool is not None
-    if has_extra:
-        eidx = a.extra_idx if a.extra_idx.stride(2) == 1 else a.extra_idx.contiguous()
-        epool = a.extra_pool
-    else:
-        eidx, epool = idx, a.pool
-    pool_arg = a.pool.view(torch.float8_e4m3fn) if native_fp8 else a.pool
-    epool_arg = epool.view(torch.float8_e4m3fn) if native_fp8 else epool
-    width = idx.shape[2] + (eidx.shape[2] if has_extra else 0)
-    if num_splits is None:
-        if config is None:
-            num_splits = _num_splits(dev, T, h, width)
-        else:
-            num_splits = _K.decode_splits(dev, T, h, width, block_h=config["BLOCK_H"], block_n=config["BLOCK_N"])
-    dummy = lse
-    with on_device(dev):
-        _K.launch_sparse_mla(
-            kind="decode_split" if num_splits > 1 else "decode", device=dev, T=T, H=h, config=config, num_splits=num_splits,
-            q_ptr=q, q_sb=q.stride(0), q_ss=q.stride(1), q_sh=q.stride(2),
-            kv_ptr=pool_arg, kv_row_stride=0, n_kv=a.pool.shape[0] * a.page_size,
-            idx_ptr=idx, idx_sb=idx.stride(0), idx_ss=idx.stride(1), n_idx=idx.shape[2],
-            len_ptr=a.topk_length if a.topk_length is not None else dummy,
-            kv2_ptr=epool_arg, n_kv2=(epool.shape[0] * a.extra_page_size) if has_extra else 0,
-            idx2_ptr=eidx, idx2_sb=eidx.stride(0), idx2_ss=eidx.stride(1),
-            n_idx2=eidx.shape[2] if has_extra else 0,
-            len2_ptr=a.extra_topk_length if (has_extra and a.extra_topk_length is not None) else dummy,
-            sink_ptr=a.attn_sink if a.attn_sink is not None else dummy,
-            out_ptr=out, out_sb=out.stride(0), out_ss=out.stride(1), out_sh=out.stride(2),
-            ml_ptr=dummy, lse_ptr=lse, st_sb=lse.stride(0), st_ss=lse.stride(2), st_sh=lse.stride(1),
-            DIV=s_q, LEN_DIV=s_q, qk_scale=sm_scale * _LOG2E,
-            KV_MODE=2 if native_fp8 else 1,
-            PAGE_SIZE=a.page_size, BYTES_PER_PAGE=a.pool.shape[1],
-            PAGE_SIZE2=a.extra_page_size if has_extra else 1,
-            BYTES_PER_PAGE2=epool.shape[1] if has_extra else 1,
-            HAS_LEN=a.topk_length is not None, HAS_EXTRA=has_extra,
-            HAS_LEN2=has_extra and a.extra_topk_length is not None,
-            HAS_SINK=a.attn_sink is not None, STATS=2,
-        )
-    return out, lse
+    """One call with a forced tile CONFIG and / or split count NUM_SPLITS (tests, tuning)."""
+    fn = decode_mla_fp8 if native_fp8 else decode_mla_u8
+    return fn.launch(q, pool, indices, page_size, sm_scale, topk_length, attn_sink, extra_pool, extra_indices,
+                     extra_page_size, extra_topk_length, out, checks, config, num_splits)
 
 
-def decode_mla_u8(q, pool, indices, page_size, sm_scale, topk_length=None, attn_sink=None,
-                  extra_pool=None, extra_indices=None, extra_page_size=None, extra_topk_length=None,
-                  *, out=None, checks=True):
-    """decode_mla with an integer e4m3 decoder (no fp8 types; SM80/86 ok). Contract: reference.decode_mla."""
-    return _launch(q, pool, indices, page_size, sm_scale, topk_length, attn_sink, extra_pool, extra_indices,
-                   extra_page_size, extra_topk_length, out, native_fp8=False, checks=checks)
+decode_mla_fp8 = DecodeMla(native_fp8=True)
+decode_mla_u8 = DecodeMla(native_fp8=False)
 
 
-def decode_mla_fp8(q, pool, indices, page_size, sm_scale, topk_length=None, attn_sink=None,
-                   extra_pool=None, extra_indices=None, extra_page_size=None, extra_topk_length=None,
-                   *, out=None, checks=True):
-    """decode_mla with Triton's native fp8 conversion (cc >= 8.9). Contract: reference.decode_mla."""
-    return _launch(q, pool, indices, page_size, sm_scale, topk_length, attn_sink, extra_pool, extra_indices,
-                   extra_page_size, extra_topk_length, out, native_fp8=True, checks=checks)
+def forget_plans() -> None:
+    """Drop every launch plan (tuning changes the launch table between calls)."""
+    decode_mla_fp8.plans.clear()
+    decode_mla_u8.plans.clear()
 
 
 # Custom ops (backends/torch_ops.py): what the registry binds.
