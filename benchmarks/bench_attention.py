@@ -285,7 +285,7 @@ def tune(op, inputs, shape, want, args):
             for cfg in TUNE_CONFIGS:
                 # Every call kind (prefill, decode, decode_split) gets this one configuration.
                 K._configs = lambda device, kind, tokens=None, cfg=cfg: (cfg,)
-                K._plans.clear()
+                K.forget_plans()
                 DK.forget_plans()
                 try:
                     got = fn(*inputs)
@@ -308,7 +308,7 @@ def tune(op, inputs, shape, want, args):
                       + (" (in graphs)" if args.graphs else ""))
     finally:
         K._configs = saved
-        K._plans.clear()
+        K.forget_plans()
         DK.forget_plans()
     return out
 

@@ -321,8 +321,9 @@ def test_no_import_on_the_launch_path():
     """The Triton attention launch path imports nothing (dynamo cannot trace
     builtins.__import__, so an import there breaks the graph on every decode call)."""
     import inspect
+    from capdispatch.backends.decode_mla import triton_kernels as DK
     from capdispatch.backends.sparse_prefill import triton_kernels as SK
-    for f in (SK.launch_sparse_mla, SK._run, SK._configs, SK.sparse_prefill):
+    for f in (SK._configs, SK.sparse_prefill, SK._PrefillPlan, DK.DecodeMla, DK._Plan, DK._run, DK._pool_2d):
         src = inspect.getsource(f)
         assert "import" not in src and "__import__" not in src, f.__name__
     assert isinstance(SK.OUT_OF_RESOURCES, tuple) and SK.OUT_OF_RESOURCES

@@ -39,7 +39,7 @@ from ..device_scope import cdiv, capability as _capability, on_device
 from ..triton_common.env import check_device as _check_device, interpreted, jit_module
 from . import reference as R
 
-__all__ = ["sparse_prefill", "launch_sparse_mla", "configs_for", "INTERPRETED"]
+__all__ = ["sparse_prefill", "configs_for", "forget_plans", "INTERPRETED"]
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 _LN2 = tl.constexpr(0.6931471805599453)
@@ -378,54 +378,6 @@ def compile_combine_offline(cc: int, block_h: int = COMBINE_BLOCK_H):
                           target=GPUTarget("cuda", cc, 32), options=dict(num_warps=COMBINE_WARPS))
 
 
-def launch_sparse_mla(*, kind, device, T, H, config=None, num_splits=1, **args):
-    """Launch ``_sparse_mla_kernel`` (and the combine kernel when split) over T tokens x H
-    heads, trying configurations until one fits the device; the choice is cached per
-    (device, kind, tokens). ``args`` are the kernel's arguments by name (minus the grid-
-    and config-dependent ones)."""
-    configs = (config,) if config is not None else _configs(device, kind, T)
-    last = None
-    for i, cfg in enumerate(configs):
-        try:
-            _run(device, T, H, cfg, num_splits, args)
-        except OUT_OF_RESOURCES as exc:   # does not fit this device: try a smaller tile
-            last = exc
-            continue
-        if i and config is None:      # later calls of this shape start from the one that fit
-            _plans[device_key(device) + (kind, T)] = configs[i:]
-        return cfg
-    raise UnsupportedDeviceError(f"no Triton configuration fits this device for {kind}: {last}")
-
-
-def _run(device, T, H, cfg, num_splits, args):
-    num_splits = min(num_splits, MAX_SPLITS)
-    bh, bn = cfg["BLOCK_H"], cfg["BLOCK_N"]
-    n_hb = cdiv(H, bh)
-    launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    if num_splits == 1:
-        _sparse_mla_kernel[(T, n_hb, 1)](
-            **args, part_o_ptr=args["out_ptr"], part_lse_ptr=args["lse_ptr"], H=H, H_pad=H,
-            blocks_per_split=0, num_splits=1, SPLIT=False, BLOCK_H=bh, BLOCK_N=bn, DOT_F32=INTERPRETED,
-            **launch)
-        return
-    total_blocks = cdiv(args["n_idx"], bn) + (cdiv(args["n_idx2"], bn) if args["HAS_EXTRA"] else 0)
-    per = cdiv(max(total_blocks, 1), num_splits)
-    splits = cdiv(max(total_blocks, 1), per)
-    h_pad = n_hb * bh
-    part_o = torch.empty((T, h_pad, splits, 512), dtype=torch.float32, device=device)
-    part_lse = torch.empty((T, h_pad, splits), dtype=torch.float32, device=device)
-    _sparse_mla_kernel[(T, n_hb, splits)](
-        **args, part_o_ptr=part_o, part_lse_ptr=part_lse, H=H, H_pad=h_pad,
-        blocks_per_split=per, num_splits=splits, SPLIT=True, BLOCK_H=bh, BLOCK_N=bn, DOT_F32=INTERPRETED,
-        **launch)
-    fin = {k: args[k] for k in ("sink_ptr", "out_ptr", "out_sb", "out_ss", "out_sh", "ml_ptr", "lse_ptr",
-                                "st_sb", "st_ss", "st_sh", "DIV", "HAS_SINK", "STATS")}
-    _combine_kernel[(T, cdiv(H, COMBINE_BLOCK_H), 512 // COMBINE_BLOCK_D)](
-        part_o, part_lse, **fin, H=H, H_pad=h_pad, num_splits=splits,
-        SPLITS_P2=MAX_SPLITS, BLOCK_H=COMBINE_BLOCK_H, BLOCK_D=COMBINE_BLOCK_D, ROUND=INTERPRETED,
-        num_warps=COMBINE_WARPS)
-
-
 def plan_splits(programs: int, blocks: int, sms: int, max_splits: int = MAX_SPLITS) -> int:
     """Split count for ``programs`` (token x head-block) programs over index lists of
     ``blocks`` blocks on ``sms`` SMs: the one that minimises waves x (blocks per program
@@ -487,25 +439,54 @@ def sparse_prefill(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_lengt
         kv2 = kv2.contiguous()
     if idx2.stride(1) != 1:
         idx2 = idx2.contiguous()
-    topk = idx2.shape[1]
-    dummy = lse
+    has_len, has_sink = topk_length is not None, attn_sink is not None
+    key = (dev, s, h, idx2.shape[1], has_len, has_sink, bool(use_legacy))
+    plan = _prefill_plans.get(key)
+    if plan is None:
+        plan = _prefill_plans[key] = _PrefillPlan(dev, s, h, has_len, has_sink, use_legacy,
+                                                  _configs(dev, "prefill", s))
+    qs, ks, xs, os_ = q.stride(), kv2.stride(), idx2.stride(), out.stride()
+    len1 = topk_length if has_len else lse
+    sink = attn_sink if has_sink else lse
+    args = (q, qs[0], 0, qs[1], kv2, ks[0], kv2.shape[0], idx2, xs[0], 0, idx2.shape[1], len1,
+            kv2, 0, idx2, 0, 0, 0, lse, sink, out, os_[0], 0, os_[1], max_logits, lse, h, 0, 1, out, lse,
+            h, h, 1, 1, sm_scale * R.LOG2E, 0, 1)
     with on_device(dev):
-        launch_sparse_mla(
-            kind="prefill", device=dev, T=s, H=h,
-            q_ptr=q, q_sb=q.stride(0), q_ss=0, q_sh=q.stride(1),
-            kv_ptr=kv2, kv_row_stride=kv2.stride(0), n_kv=kv2.shape[0],
-            idx_ptr=idx2, idx_sb=idx2.stride(0), idx_ss=0, n_idx=topk,
-            len_ptr=topk_length if topk_length is not None else dummy,
-            kv2_ptr=kv2, n_kv2=0, idx2_ptr=idx2, idx2_sb=0, idx2_ss=0, n_idx2=0, len2_ptr=dummy,
-            sink_ptr=attn_sink if attn_sink is not None else dummy,
-            out_ptr=out, out_sb=out.stride(0), out_ss=0, out_sh=out.stride(1),
-            ml_ptr=max_logits, lse_ptr=lse, st_sb=h, st_ss=0, st_sh=1,
-            DIV=1, LEN_DIV=1, qk_scale=sm_scale * R.LOG2E,
-            KV_MODE=0, PAGE_SIZE=1, BYTES_PER_PAGE=1, PAGE_SIZE2=1, BYTES_PER_PAGE2=1,
-            HAS_LEN=topk_length is not None, HAS_EXTRA=False, HAS_LEN2=False,
-            HAS_SINK=attn_sink is not None, STATS=0 if use_legacy else 1,
-        )
-    return out, max_logits, lse
+        while True:
+            try:
+                _sparse_mla_kernel[plan.grid](*args, *plan.tail, **plan.options)
+                return out, max_logits, lse
+            except OUT_OF_RESOURCES as exc:   # does not fit this device: try a smaller tile
+                if not plan.rest:
+                    raise UnsupportedDeviceError(f"no Triton configuration fits this device for prefill: {exc}") \
+                        from exc
+                plan = _prefill_plans[key] = _PrefillPlan(dev, s, h, has_len, has_sink, use_legacy, plan.rest)
+
+
+class _PrefillPlan:
+    """One prefill shape class's launch on one device: its grid, constexprs and launch
+    options, and the configurations still to try should this one not fit."""
+    __slots__ = ("grid", "tail", "options", "rest")
+
+    def __init__(self, dev, s, h, has_len, has_sink, use_legacy, configs):
+        cfg, self.rest = configs[0], tuple(configs[1:])
+        self.grid = (s, cdiv(h, cfg["BLOCK_H"]), 1)
+        self.tail = (0, 1, 1, 1, 1, has_len, False, False, has_sink, 0 if use_legacy else 1, False,
+                     cfg["BLOCK_H"], cfg["BLOCK_N"], INTERPRETED)
+        self.options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+# (device, tokens, heads, top-k, has lengths, has sink, legacy statistics) -> its launch plan,
+# owned by sparse_prefill (the bound callable's kernel): keyed by the device, never
+# answering for another card.
+_prefill_plans: dict = {}
+
+
+def forget_plans() -> None:
+    """Drop every configuration choice and prefill launch plan (tuning changes the launch
+    table between calls)."""
+    _plans.clear()
+    _prefill_plans.clear()
 
 
 # Custom op (backends/torch_ops.py): what the registry binds.
