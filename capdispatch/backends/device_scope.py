@@ -14,7 +14,7 @@ import contextlib
 
 import torch
 
-__all__ = ["capability", "cdiv", "on_device"]
+__all__ = ["capability", "cdiv", "on_device", "on_device_of"]
 
 _capabilities: dict = {}   # CUDA device index -> compute capability, read once per card
 
@@ -28,6 +28,20 @@ def on_device(device: torch.device):
     if device.type != "cuda" or device.index is None or device.index == torch.cuda.current_device():
         return _NO_SCOPE
     return torch.cuda.device(device)
+
+
+def on_device_of(t: torch.Tensor):
+    """``on_device(t.device)`` for the launch path: reads the tensor's device index
+    (``is_cuda``, ``get_device``) and the current device (``torch._C._cuda_getDevice``)
+    without building a ``torch.device`` or going through ``torch.cuda.current_device``'s
+    lazy-init check (a CUDA tensor means CUDA is initialised), a fraction of a
+    microsecond where the device is current already."""
+    if not t.is_cuda:
+        return _NO_SCOPE
+    index = t.get_device()
+    if index == torch._C._cuda_getDevice():
+        return _NO_SCOPE
+    return torch.cuda.device(index)
 
 
 def cdiv(a: int, b: int) -> int:

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..device_scope import cdiv, on_device
+from ..device_scope import cdiv, on_device_of
 from ..triton_common.env import check_device, interpreted, jit_module
 from .layout import DATA_BYTES, DIM, DIM_NOPE, FP8_MAX, NUM_TILES, SCALE_BYTES, SCALE_EPS, TILE
 from .reference import check_dequant_args, check_quant_args
@@ -143,6 +143,7 @@ assert FP8_MAX == 448.0 and SCALE_EPS == 1e-8
 # Host side
 # --------------------------------------------------------------------------- #
 INTERPRETED = interpreted(_kv_quant_kernel)
+_FP8 = torch.float8_e4m3fn
 
 
 def _check_device(t: torch.Tensor, native_fp8: bool) -> None:
@@ -157,14 +158,10 @@ def _launch_quant(k, pool, loc, page_size, native_fp8, checks):
         _check_device(u8, native_fp8)
     if n == 0:
         return
-    dst = u8.view(torch.float8_e4m3fn) if native_fp8 else u8
-    T = QUANT_TOKENS_PER_PROG
-    with on_device(u8.device):
-        _kv_quant_kernel[(cdiv(n, T),)](
-            k, dst, loc, n, k.stride(0),
-            PAGE_SIZE=page_size, BYTES_PER_PAGE=u8.shape[1],
-            NATIVE_FP8=native_fp8, TOKENS=T, num_warps=QUANT_NUM_WARPS,
-        )
+    with on_device_of(u8):
+        _kv_quant_kernel[(cdiv(n, QUANT_TOKENS_PER_PROG),)](
+            k, u8.view(_FP8) if native_fp8 else u8, loc, n, k.stride()[0], page_size, u8.shape[1], native_fp8,
+            QUANT_TOKENS_PER_PROG, num_warps=QUANT_NUM_WARPS)
 
 
 def _launch_dequant(pool, token_ids, page_size, out, native_fp8, checks):
@@ -174,16 +171,15 @@ def _launch_dequant(pool, token_ids, page_size, out, native_fp8, checks):
         _check_device(u8, native_fp8)
     if out is None:
         out = torch.empty((n, 1, DIM), dtype=torch.bfloat16, device=u8.device)
+        out_stride = DIM
+    else:
+        out_stride = out.stride()[0]
     if n == 0:
         return out
-    src = u8.view(torch.float8_e4m3fn) if native_fp8 else u8
-    T = DEQUANT_TOKENS_PER_PROG
-    with on_device(u8.device):
-        _kv_dequant_kernel[(cdiv(n, T),)](
-            src, ids, out, n, out.stride(0),
-            PAGE_SIZE=page_size, BYTES_PER_PAGE=u8.shape[1],
-            NATIVE_FP8=native_fp8, TOKENS=T, num_warps=DEQUANT_NUM_WARPS,
-        )
+    with on_device_of(u8):
+        _kv_dequant_kernel[(cdiv(n, DEQUANT_TOKENS_PER_PROG),)](
+            u8.view(_FP8) if native_fp8 else u8, ids, out, n, out_stride, page_size, u8.shape[1], native_fp8,
+            DEQUANT_TOKENS_PER_PROG, num_warps=DEQUANT_NUM_WARPS)
     return out
 
 

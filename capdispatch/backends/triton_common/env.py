@@ -59,12 +59,12 @@ def check_device(t: torch.Tensor, *, interpreted: bool, kernels: str, native_fp8
     """Raise when T's device cannot run the KERNELS (e.g. "Triton KV-cache kernels"):
     CPU tensors need kernels built for the interpreter, and the native-fp8 variants need
     compute capability >= 8.9 on NVIDIA cards (INSTEAD names what runs below that)."""
-    if t.device.type == "cpu":
+    if t.is_cpu:     # (is_cpu / is_cuda: no torch.device built on the launch path)
         if not interpreted:
             raise ArgumentError(f"{kernels} need CUDA tensors, got tensors on {t.device} "
                                 "(CPU tensors only when imported with TRITON_INTERPRET=1)")
         return
-    if native_fp8 and t.device.type == "cuda" and torch.version.hip is None:
+    if native_fp8 and t.is_cuda and torch.version.hip is None:
         cc = capability(t.device)
         if cc < (8, 9):
             raise UnsupportedDeviceError(f"native-fp8 {kernels} need compute capability >= 8.9, "
