@@ -84,20 +84,45 @@ def replay(calls):
     return launch
 
 
-def signature(calls):
-    """What the kernels would have received: name, grid, and every argument with tensors
-    reduced to (dtype, shape, strides, device) — to compare two versions of the host path."""
+def signature(calls, inputs=()):
+    """What the kernels receive, by parameter name: every scalar, and every tensor as its
+    dtype and where its data starts — (``"in"``, the input it points into, the byte
+    offset) for the call's INPUTS, (``"new"``, shape, strides) for what the host path
+    allocated. Two versions of the host path that agree here launch the same work
+    (a kernel sees a tensor's pointer and dtype, not its shape or its view)."""
     import torch
+    bases = [(t.untyped_storage().data_ptr(), t) for t in inputs]
 
     def arg(x):
-        if isinstance(x, torch.Tensor):
-            return ("tensor", str(x.dtype), tuple(x.shape), tuple(x.stride()), str(x.device))
-        return repr(x)
+        if not isinstance(x, torch.Tensor):
+            return repr(x)
+        base = x.untyped_storage().data_ptr()
+        for j, (b, t) in enumerate(bases):
+            if b == base:
+                return ("tensor", str(x.dtype), "in", j, x.data_ptr() - t.data_ptr())
+        return ("tensor", str(x.dtype), "new", tuple(x.shape), tuple(x.stride()), x.storage_offset())
     out = []
     for k, g, a, kw in calls:
         named = dict(zip(k.arg_names, a), **kw)    # positional or by keyword: the same launch
         out.append((k.__name__, repr(g), {n: arg(v) for n, v in sorted(named.items())}))
     return out
+
+
+def _tensors(args, kwargs):
+    """Every input tensor of a call, MoeWeights' parts included, in a fixed order."""
+    import torch
+    found = []
+
+    def walk(x):
+        if isinstance(x, torch.Tensor):
+            found.append(x)
+        elif hasattr(x, "w13_scale"):              # MoeWeights
+            walk([x.w13, x.w13_scale, x.w2, x.w2_scale] + [x.aux[k] for k in sorted(x.aux)])
+        elif isinstance(x, (list, tuple)):
+            for p in x:
+                walk(p)
+    walk(list(args) + [kwargs[k] for k in sorted(kwargs)])
+    return found
 
 
 # --------------------------------------------------------------------------- #
@@ -236,15 +261,16 @@ def measure(case, gen, rec, iters, repeats, splits, profile=0, best=True, clock=
     scope = split_plan(splits) if split else contextlib.nullcontext()
     with scope, rec.active():
         rec.keep = True
+        inputs = _tensors(a, kw)
         bound(*a, **kw)
-        checked_sig = signature(rec.take())
+        checked_sig = signature(rec.take(), inputs)
         serving(*a, **kw)
         calls = rec.take()
         rec.keep = False
         fns = {"launch": replay(calls), "bound": lambda: bound(*a, **kw), "serving": lambda: serving(*a, **kw)}
         us = interleaved_us(fns, iters, repeats, best, clock)
         prof = profile_top(fns["serving"], max(iters, 200), profile) if profile else None
-    sig = signature(calls)
+    sig = signature(calls, inputs)
     row = dict(case=case, op=op, backend=backend, launches=[c[0] for c in sig], launch_us=us["launch"],
                bound_us=us["bound"], serving_us=us["serving"], bound_host_us=us["bound"] - us["launch"],
                serving_host_us=us["serving"] - us["launch"], same_launch_checked=sig == checked_sig)

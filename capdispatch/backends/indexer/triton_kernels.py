@@ -29,9 +29,9 @@ import triton
 import triton.language as tl
 
 from ...errors import ArgumentError, ArgumentTypeError
-from ..device_scope import on_device
+from ..device_scope import on_device_of
 from ..triton_common.env import check_device, interpreted, jit_module
-from .layout import HEAD_DIM, PAGE_TOKENS, SCALE_OFFSET, alloc_logits, check_args
+from .layout import HEAD_DIM, PAGE_BYTES, PAGE_TOKENS, SCALE_OFFSET, alloc_logits, check_args
 
 __all__ = ["fp8_paged_mqa_logits", "fp8_paged_mqa_logits_u8", "fp8_paged_mqa_logits_native",
            "plan_splits", "INTERPRETED"]
@@ -147,39 +147,65 @@ def plan_splits(batch: int, max_context_len: int, num_sms: int) -> int:
     return -(-pages // splits) * PAGE_TOKENS
 
 
+class _Plan:
+    """One shape class's launch on one device: the codec, the split of the positions, the
+    grid, the constexprs and the launch options."""
+    __slots__ = ("native", "tps", "grid", "tail", "options")
+
+    def __init__(self, dev, native_fp8, B, N, H, S, ctx_2d):
+        if native_fp8 is None:
+            native_fp8 = _native_fp8_default(dev)
+        if H & (H - 1) or not 16 <= H * _pow2(N) or H > 128:
+            raise ArgumentError(f"the Triton indexer needs a power-of-two head count <= 128 "
+                                f"(next_n_pad * heads >= 16), got heads={H}")
+        num_sms = _device_facts(dev.index if dev.index is not None else torch.cuda.current_device())[0] \
+            if dev.type == "cuda" else 4
+        self.native = bool(native_fp8)
+        self.tps = plan_splits(B, S, num_sms)
+        self.grid = (B, -(-S // self.tps))
+        self.tail = (N, _pow2(N), H, HEAD_DIM, ctx_2d, self.native, BLOCK_N, NUM_STAGES)
+        self.options = dict(num_warps=NUM_WARPS if N == 1 else 2 * NUM_WARPS)
+
+
+# (device, codec asked for, batch, next_n, heads, max_context_len, 2-D lengths) -> its
+# launch plan: keyed by the device, never answering for another card.
+_plans: dict = {}
+_FP8, _U8 = torch.float8_e4m3fn, torch.uint8
+
+
 def _launch(q, kv_cache, weights, context_lens, block_table, max_context_len, out, native_fp8, checks=True):
     if max_context_len is None:
         raise ArgumentTypeError("max_context_len is required")
-    a = check_args(q, kv_cache, weights, context_lens, block_table, max_context_len, checks)
-    dev = a.q_u8.device
-    check_device(a.q_u8, interpreted=INTERPRETED, kernels="Triton indexer kernels", native_fp8=bool(native_fp8),
-                 instead="use fp8_paged_mqa_logits_u8")
-    if native_fp8 is None:
-        native_fp8 = _native_fp8_default(dev)
-    H = a.heads
-    if H & (H - 1) or not 16 <= H * _pow2(a.next_n) or H > 128:
-        raise ArgumentError(f"the Triton indexer needs a power-of-two head count <= 128 "
-                         f"(next_n_pad * heads >= 16), got heads={H}")
-    B, N, S = a.batch, a.next_n, a.max_context_len
-    out = alloc_logits(B * N, S, dev, out)
+    if checks:
+        a = check_args(q, kv_cache, weights, context_lens, block_table, max_context_len, checks)
+        check_device(a.q_u8, interpreted=INTERPRETED, kernels="Triton indexer kernels",
+                     native_fp8=bool(native_fp8), instead="use fp8_paged_mqa_logits_u8")
+        B, N, H, S, ctx_2d = a.batch, a.next_n, a.heads, a.max_context_len, a.ctx_2d
+        q, kv_cache, weights, context_lens, block_table = a.q_u8, a.pages, a.weights, a.context_lens, a.block_table
+    else:
+        B, N, H, _ = q.shape
+        S, ctx_2d = max_context_len, context_lens.dim() == 2
+    dev = q.device
+    key = (dev, native_fp8, B, N, H, S, ctx_2d)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plans[key] = _Plan(dev, native_fp8, B, N, H, S, ctx_2d)
+    if checks:
+        out = alloc_logits(B * N, S, dev, out)
+    elif out is None:
+        out = torch.empty((B * N, S), dtype=torch.float32, device=dev)
     if B == 0 or S == 0:
         return out
-    num_sms = _device_facts(dev.index if dev.index is not None else torch.cuda.current_device())[0] \
-        if dev.type == "cuda" else 4
-    tps = plan_splits(B, S, num_sms)
-    grid = (B, -(-S // tps))
-    q_arg = a.q_u8.view(torch.float8_e4m3fn) if native_fp8 else a.q_u8
-    kv_arg = a.pages.view(torch.float8_e4m3fn) if native_fp8 else a.pages
-    ctx_stride = a.context_lens.stride(0) if a.context_lens.numel() else 0
-    with on_device(dev):
-        _indexer_kernel[grid](
-            q_arg, kv_arg, a.weights, a.context_lens, a.block_table, out,
-            S, tps,
-            a.pages.stride(0), a.weights.stride(0), ctx_stride, a.block_table.stride(0), out.stride(0),
-            NEXT_N=N, NEXT_N_PAD=_pow2(N), H=H, D=HEAD_DIM, CTX_2D=a.ctx_2d,
-            NATIVE_FP8=bool(native_fp8), BLOCK=BLOCK_N, NUM_STAGES=NUM_STAGES,
-            num_warps=NUM_WARPS if N == 1 else 2 * NUM_WARPS,
-        )
+    want = _FP8 if plan.native else _U8
+    q_arg = q if q.dtype == want else q.view(want)
+    kv_arg = kv_cache if kv_cache.dtype == want else kv_cache.view(want)
+    page_stride = kv_cache.stride()[0] if kv_cache.shape[0] > 1 else PAGE_BYTES
+    ctx_stride = context_lens.stride()[0] if context_lens.numel() else 0
+    with on_device_of(q):
+        _indexer_kernel[plan.grid](
+            q_arg, kv_arg, weights, context_lens, block_table, out, S, plan.tps,
+            page_stride, weights.stride()[0], ctx_stride, block_table.stride()[0], out.stride()[0],
+            *plan.tail, **plan.options)
     return out
 
 
