@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from ...errors import ArgumentError
-from ..device_scope import cdiv, on_device
+from ..device_scope import cdiv, on_device_of
 from ..triton_common.env import check_device, interpreted, jit_module
 from .launch_table import Tiles, tiles_for
 from .reference import check_moe_args
@@ -308,6 +308,39 @@ def _alloc(shape, dtype, device):
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+class _Plan:
+    """One shape class's launches on one device: the tiles, the routing table's size and
+    kind, every grid, constexpr and launch option of the four kernels."""
+    __slots__ = ("R", "MAXB", "route_grid", "route_tail", "torch_routing", "BM", "g1_grid", "g1_tail", "g1_opts",
+                 "g2_grid", "g2_tail", "g2_opts", "c_grid", "c_tail")
+
+    def __init__(self, T, K, E, H, I, has_limit, tiles, force_torch_routing):
+        if H % 64 or I % 64:
+            raise ArgumentError(f"triton_w4a16 needs H and I to be multiples of 64 (H={H}, I={I})")
+        R = self.R = T * K
+        if tiles is None:
+            tiles = tiles_for(R / max(1, min(E, R)), H, I, INTERPRETED)
+        BM, BN1, BK1, W1, S1, BN2, BK2, W2, S2 = tiles
+        BK1 = BK1 if H % BK1 == 0 else 64           # K tiles never straddle the end of a row
+        BK2 = BK2 if I % BK2 == 0 else 64
+        self.BM = BM
+        MAXB = self.MAXB = max_blocks(R, E, BM)
+        self.torch_routing = not (R <= ROUTING_MAX_ROUTES and E <= 128 and not force_torch_routing)
+        self.route_grid = (1,)
+        self.route_tail = (ROUTING_CHUNK, max(16, triton.next_power_of_2(E)), max(16, triton.next_power_of_2(MAXB)),
+                           BM)
+        self.g1_grid, self.g2_grid = (MAXB, cdiv(I, BN1)), (MAXB, cdiv(H, BN2))
+        self.g1_tail, self.g1_opts = (K, has_limit, INTERPRETED, BM, BN1, BK1), dict(num_warps=W1, num_stages=S1)
+        self.g2_tail, self.g2_opts = (INTERPRETED, BM, BN2, BK2), dict(num_warps=W2, num_stages=S2)
+        BNC = 1024 if H >= 1024 else triton.next_power_of_2(H)
+        self.c_grid, self.c_tail = (T, cdiv(H, BNC)), (K, BNC, INTERPRETED)
+
+
+# (device, tokens, top-k, experts, hidden, intermediate, has a clamp limit) -> its launch
+# plan: keyed by the device, never answering for another card.
+_plans: dict = {}
+
+
 def moe_w4a16(x, weights, topk_weights, topk_ids, out=None, *, checks: bool = True,
               force_torch_routing: bool = False,
               tiles: Tiles | None = None):
@@ -315,47 +348,49 @@ def moe_w4a16(x, weights, topk_weights, topk_ids, out=None, *, checks: bool = Tr
     ``tiles`` overrides the size-based choice (benchmarks/sweep_moe_triton.py uses it)."""
     if checks:
         check_moe_args(x, weights, topk_weights, topk_ids, out)
+        check_device(x, interpreted=INTERPRETED, kernels="Triton MoE kernels")
     weights.require_layout(CHECKPOINT, "triton_w4a16")
     dev = x.device
-    check_device(x, interpreted=INTERPRETED, kernels="Triton MoE kernels")
     T, H = x.shape
     K = topk_ids.shape[1]
     E, I = weights.num_experts, weights.intermediate
-    if H % 64 or I % 64:
-        raise ArgumentError(f"triton_w4a16 needs H and I to be multiples of 64 (H={H}, I={I})")
+    limit = weights.swiglu_limit
+    if tiles is None and not force_torch_routing:
+        key = (dev, T, K, E, H, I, limit is not None)
+        plan = _plans.get(key)
+        if plan is None:
+            plan = _plans[key] = _Plan(T, K, E, H, I, limit is not None, None, False)
+    else:
+        plan = _Plan(T, K, E, H, I, limit is not None, tiles, force_torch_routing)
     if out is None:
-        out = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
+        out = torch.empty((T, H), dtype=torch.bfloat16, device=dev)
     if T == 0:
         return out
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if out.stride(1) != 1:
+    if out.stride()[1] != 1:
         raise ArgumentError("out must have unit stride along H")
-    ids = topk_ids.contiguous()
-    tw = topk_weights.contiguous()
-    R = T * K
-    if tiles is None:
-        tiles = tiles_for(R / max(1, min(E, R)), H, I, INTERPRETED)
-    BM, BN1, BK1, W1, S1, BN2, BK2, W2, S2 = tiles
-    BK1 = BK1 if H % BK1 == 0 else 64           # K tiles never straddle the end of a row
-    BK2 = BK2 if I % BK2 == 0 else 64
-    with on_device(dev):
-        sorted_routes, be, bs, bend = routing_tables(ids, E, BM, force_torch=force_torch_routing)
-        MAXB = be.numel()
+    if x.stride()[1] != 1:
+        x = x.contiguous()
+    ids = topk_ids if topk_ids.is_contiguous() else topk_ids.contiguous()
+    tw = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
+    R, MAXB = plan.R, plan.MAXB
+    with on_device_of(x):
+        if plan.torch_routing:
+            sorted_routes, be, bs, bend = routing_tables(ids, E, plan.BM, force_torch=True)
+        else:
+            sorted_routes = torch.empty(max(R, 1), dtype=torch.int32, device=dev)
+            blk = torch.empty((3, MAXB), dtype=torch.int32, device=dev)
+            be, bs, bend = blk
+            _routing_kernel[plan.route_grid](ids, sorted_routes, be, bs, bend, R, E, MAXB, *plan.route_tail,
+                                             num_warps=4)
         h = _alloc((R, I), torch.bfloat16, dev)           # rows of masked routes: never written/read
         routed = _alloc((R, H), torch.float32, dev)
-        limit = weights.swiglu_limit
-        _gemm1_swiglu_kernel[(MAXB, cdiv(I, BN1))](
+        _gemm1_swiglu_kernel[plan.g1_grid](
             x, weights.w13, weights.w13_scale, h, sorted_routes, be, bs, bend,
-            H, I, x.stride(0), float(limit) if limit is not None else 0.0,
-            TOPK=K, HAS_LIMIT=limit is not None, F32=INTERPRETED, BM=BM, BN=BN1, BK=BK1, num_warps=W1,
-            num_stages=S1)
-        _gemm2_kernel[(MAXB, cdiv(H, BN2))](
-            h, weights.w2, weights.w2_scale, tw, routed, sorted_routes, be, bs, bend,
-            H, I, F32=INTERPRETED, BM=BM, BN=BN2, BK=BK2, num_warps=W2, num_stages=S2)
-        BNC = 1024 if H >= 1024 else triton.next_power_of_2(H)
-        _combine_kernel[(T, cdiv(H, BNC))](routed, ids, out, H, out.stride(0), TOPK=K, BN=BNC,
-                                                   EXACT_RNE=INTERPRETED, num_warps=4)
+            H, I, x.stride()[0], float(limit) if limit is not None else 0.0, *plan.g1_tail, **plan.g1_opts)
+        _gemm2_kernel[plan.g2_grid](
+            h, weights.w2, weights.w2_scale, tw, routed, sorted_routes, be, bs, bend, H, I, *plan.g2_tail,
+            **plan.g2_opts)
+        _combine_kernel[plan.c_grid](routed, ids, out, H, out.stride()[0], *plan.c_tail, num_warps=4)
     return out
 
 
