@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from ...errors import UnsupportedDeviceError
-from ..device_scope import cdiv, on_device
+from ..device_scope import cdiv, on_device_of
 from ..sparse_prefill import triton_kernels as _K
 from .reference import check_decode_args
 
@@ -165,7 +165,7 @@ class DecodeMla:
         scale = sm_scale * _LOG2E
         while True:
             try:
-                with on_device(dev):
+                with on_device_of(q):
                     _run(plan, q, qs, pool, n_kv, idx, ids, n_idx, len1, epool, n_kv2, eidx, eids, n_idx2, len2,
                          sink, out, os_, lse, h, s_q, scale, dev)
                 return out, lse

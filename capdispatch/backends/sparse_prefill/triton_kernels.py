@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from ...errors import UnsupportedDeviceError
-from ..device_scope import cdiv, capability as _capability, on_device
+from ..device_scope import cdiv, capability as _capability, on_device_of
 from ..triton_common.env import check_device as _check_device, interpreted, jit_module
 from . import reference as R
 
@@ -451,7 +451,7 @@ def sparse_prefill(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_lengt
     args = (q, qs[0], 0, qs[1], kv2, ks[0], kv2.shape[0], idx2, xs[0], 0, idx2.shape[1], len1,
             kv2, 0, idx2, 0, 0, 0, lse, sink, out, os_[0], 0, os_[1], max_logits, lse, h, 0, 1, out, lse,
             h, h, 1, 1, sm_scale * R.LOG2E, 0, 1)
-    with on_device(dev):
+    with on_device_of(q):
         while True:
             try:
                 _sparse_mla_kernel[plan.grid](*args, *plan.tail, **plan.options)
