@@ -421,9 +421,9 @@ def sparse_prefill(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_lengt
                    *, use_legacy=True, out=None, checks=True):
     """Triton sparse prefill; same contract as reference.sparse_prefill (SGLang's
     ``flash_mla_sparse_fwd``). No scratch memory: one program per (query, head block)."""
-    q, kv2, idx2, attn_sink, topk_length, out = R.check_sparse_prefill_args(
-        q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out, checks)
     if checks:
+        q, kv, indices, attn_sink, topk_length, out = R.check_sparse_prefill_args(
+            q, kv, indices, sm_scale, d_v, attn_sink, topk_length, out, checks)
         check_device(q)
     s, h, _ = q.shape
     dev = q.device
@@ -433,23 +433,32 @@ def sparse_prefill(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_lengt
     lse = torch.empty((s, h), dtype=torch.float32, device=dev)
     if s == 0 or h == 0:
         return out, max_logits, lse
-    if q.stride(2) != 1:
+    # kv [s_kv, 1, 512] or [s_kv, 512], indices [s, 1, topk] or [s, topk]: the kernel takes
+    # the row pointer and the row / column strides, read here without a 2-D view.
+    qs = q.stride()
+    if qs[2] != 1:
         q = q.contiguous()
-    if kv2.shape[0] and kv2.stride(1) != 1:
-        kv2 = kv2.contiguous()
-    if idx2.stride(1) != 1:
-        idx2 = idx2.contiguous()
+        qs = q.stride()
+    ks = kv.stride()
+    if kv.shape[0] and ks[-1] != 1:
+        kv = kv.contiguous()
+        ks = kv.stride()
+    xs = indices.stride()
+    if xs[-1] != 1:
+        indices = indices.contiguous()
+        xs = indices.stride()
+    topk = indices.shape[-1]
     has_len, has_sink = topk_length is not None, attn_sink is not None
-    key = (dev, s, h, idx2.shape[1], has_len, has_sink, bool(use_legacy))
+    key = (dev, s, h, topk, has_len, has_sink, bool(use_legacy))
     plan = _prefill_plans.get(key)
     if plan is None:
         plan = _prefill_plans[key] = _PrefillPlan(dev, s, h, has_len, has_sink, use_legacy,
                                                   _configs(dev, "prefill", s))
-    qs, ks, xs, os_ = q.stride(), kv2.stride(), idx2.stride(), out.stride()
+    os_ = out.stride()
     len1 = topk_length if has_len else lse
     sink = attn_sink if has_sink else lse
-    args = (q, qs[0], 0, qs[1], kv2, ks[0], kv2.shape[0], idx2, xs[0], 0, idx2.shape[1], len1,
-            kv2, 0, idx2, 0, 0, 0, lse, sink, out, os_[0], 0, os_[1], max_logits, lse, h, 0, 1, out, lse,
+    args = (q, qs[0], 0, qs[1], kv, ks[0], kv.shape[0], indices, xs[0], 0, topk, len1,
+            kv, 0, indices, 0, 0, 0, lse, sink, out, os_[0], 0, os_[1], max_logits, lse, h, 0, 1, out, lse,
             h, h, 1, 1, sm_scale * R.LOG2E, 0, 1)
     with on_device_of(q):
         while True:
