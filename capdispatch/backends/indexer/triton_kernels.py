@@ -148,27 +148,27 @@ def plan_splits(batch: int, max_context_len: int, num_sms: int) -> int:
 
 
 class _Plan:
-    """One shape class's launch on one device: the codec, the split of the positions, the
-    grid, the constexprs and the launch options."""
-    __slots__ = ("native", "tps", "grid", "tail", "options")
+    """One shape class's launch on one device: the codec, the SM count the split of the
+    positions is planned for, the constexprs and the launch options. Not keyed by
+    max_context_len, which grows with every decode step: the split and the grid are
+    a few integer operations per call."""
+    __slots__ = ("native", "num_sms", "tail", "options")
 
-    def __init__(self, dev, native_fp8, B, N, H, S, ctx_2d):
+    def __init__(self, dev, native_fp8, N, H, ctx_2d):
         if native_fp8 is None:
             native_fp8 = _native_fp8_default(dev)
         if H & (H - 1) or not 16 <= H * _pow2(N) or H > 128:
             raise ArgumentError(f"the Triton indexer needs a power-of-two head count <= 128 "
                                 f"(next_n_pad * heads >= 16), got heads={H}")
-        num_sms = _device_facts(dev.index if dev.index is not None else torch.cuda.current_device())[0] \
+        self.num_sms = _device_facts(dev.index if dev.index is not None else torch.cuda.current_device())[0] \
             if dev.type == "cuda" else 4
         self.native = bool(native_fp8)
-        self.tps = plan_splits(B, S, num_sms)
-        self.grid = (B, -(-S // self.tps))
         self.tail = (N, _pow2(N), H, HEAD_DIM, ctx_2d, self.native, BLOCK_N, NUM_STAGES)
         self.options = dict(num_warps=NUM_WARPS if N == 1 else 2 * NUM_WARPS)
 
 
-# (device, codec asked for, batch, next_n, heads, max_context_len, 2-D lengths) -> its
-# launch plan: keyed by the device, never answering for another card.
+# (device, codec asked for, next_n, heads, 2-D lengths) -> its launch plan: keyed by the
+# device, never answering for another card.
 _plans: dict = {}
 _FP8, _U8 = torch.float8_e4m3fn, torch.uint8
 
@@ -186,10 +186,10 @@ def _launch(q, kv_cache, weights, context_lens, block_table, max_context_len, ou
         B, N, H, _ = q.shape
         S, ctx_2d = max_context_len, context_lens.dim() == 2
     dev = q.device
-    key = (dev, native_fp8, B, N, H, S, ctx_2d)
+    key = (dev, native_fp8, N, H, ctx_2d)
     plan = _plans.get(key)
     if plan is None:
-        plan = _plans[key] = _Plan(dev, native_fp8, B, N, H, S, ctx_2d)
+        plan = _plans[key] = _Plan(dev, native_fp8, N, H, ctx_2d)
     if checks:
         out = alloc_logits(B * N, S, dev, out)
     elif out is None:
@@ -201,9 +201,10 @@ def _launch(q, kv_cache, weights, context_lens, block_table, max_context_len, ou
     kv_arg = kv_cache if kv_cache.dtype == want else kv_cache.view(want)
     page_stride = kv_cache.stride()[0] if kv_cache.shape[0] > 1 else PAGE_BYTES
     ctx_stride = context_lens.stride()[0] if context_lens.numel() else 0
+    tps = plan_splits(B, S, plan.num_sms)
     with on_device_of(q):
-        _indexer_kernel[plan.grid](
-            q_arg, kv_arg, weights, context_lens, block_table, out, S, plan.tps,
+        _indexer_kernel[(B, -(-S // tps))](
+            q_arg, kv_arg, weights, context_lens, block_table, out, S, tps,
             page_stride, weights.stride()[0], ctx_stride, block_table.stride()[0], out.stride()[0],
             *plan.tail, **plan.options)
     return out
