@@ -107,3 +107,36 @@ def test_launch_paths_build_no_torch_device(module):
     import importlib
     src = inspect.getsource(importlib.import_module("capdispatch.backends." + module))
     assert "on_device_of(" in src and "on_device(" not in src, module
+
+
+def _interpreted(monkeypatch, name):
+    """The kernel module NAME built for the interpreter, its launches made no-ops."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    import importlib
+    mod = importlib.import_module("capdispatch.backends." + name)
+    if not mod.INTERPRETED:
+        mod = importlib.reload(mod)
+    from triton.runtime.interpreter import InterpretedFunction
+    monkeypatch.setattr(InterpretedFunction, "run", lambda self, *a, grid, warmup, **kw: None)
+    return mod
+
+
+def test_plans_do_not_grow_with_context_length_or_prefill_length(monkeypatch):
+    """The indexer's plan is not keyed by max_context_len (it grows every decode step),
+    nor sparse_prefill's by the number of queries: one plan each for many lengths."""
+    I = _interpreted(monkeypatch, "indexer.triton_kernels")
+    from capdispatch.backends.indexer import layout as L
+    I._plans.clear()
+    kv = torch.zeros(4, L.PAGE_BYTES, dtype=torch.uint8)
+    q = torch.zeros(1, 1, 64, 128, dtype=torch.uint8)
+    w, bt = torch.rand(1, 64), torch.arange(4, dtype=torch.int32).view(1, 4)
+    for S in (1, 63, 64, 200, 256):
+        I.fp8_paged_mqa_logits_u8(q, kv, w, torch.tensor([S], dtype=torch.int32), bt, None, S, checks=False)
+    assert len(I._plans) == 1
+    K = _interpreted(monkeypatch, "sparse_prefill.triton_kernels")
+    K.forget_plans()
+    kvr = torch.randn(64, 1, 512).bfloat16()
+    for s in (1, 7, 300):
+        K.sparse_prefill(torch.randn(s, 16, 512).bfloat16(), kvr, torch.randint(0, 64, (s, 1, 32), dtype=torch.int32),
+                         0.05, checks=False)
+    assert len(K._prefill_plans) == 1

@@ -337,8 +337,12 @@ class _Plan:
 
 
 # (device, tokens, top-k, experts, hidden, intermediate, has a clamp limit) -> its launch
-# plan: keyed by the device, never answering for another card.
+# plan: keyed by the device, never answering for another card. Kept for calls of up to
+# PLAN_MAX_TOKENS tokens (decode and small extends, where host time matters), so the
+# dict stays bounded; a larger call builds its plan (microseconds against its kernels'
+# milliseconds).
 _plans: dict = {}
+PLAN_MAX_TOKENS = 1024
 
 
 def moe_w4a16(x, weights, topk_weights, topk_ids, out=None, *, checks: bool = True,
@@ -355,7 +359,7 @@ def moe_w4a16(x, weights, topk_weights, topk_ids, out=None, *, checks: bool = Tr
     K = topk_ids.shape[1]
     E, I = weights.num_experts, weights.intermediate
     limit = weights.swiglu_limit
-    if tiles is None and not force_torch_routing:
+    if tiles is None and not force_torch_routing and T <= PLAN_MAX_TOKENS:
         key = (dev, T, K, E, H, I, limit is not None)
         plan = _plans.get(key)
         if plan is None:

@@ -449,11 +449,10 @@ def sparse_prefill(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_lengt
         xs = indices.stride()
     topk = indices.shape[-1]
     has_len, has_sink = topk_length is not None, attn_sink is not None
-    key = (dev, s, h, topk, has_len, has_sink, bool(use_legacy))
+    key = (dev, s if _PREFILL_BY_TOKENS else None, h, topk, has_len, has_sink, bool(use_legacy))
     plan = _prefill_plans.get(key)
     if plan is None:
-        plan = _prefill_plans[key] = _PrefillPlan(dev, s, h, has_len, has_sink, use_legacy,
-                                                  _configs(dev, "prefill", s))
+        plan = _prefill_plans[key] = _PrefillPlan(h, has_len, has_sink, use_legacy, _configs(dev, "prefill", s))
     os_ = out.stride()
     len1 = topk_length if has_len else lse
     sink = attn_sink if has_sink else lse
@@ -463,32 +462,35 @@ def sparse_prefill(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_lengt
     with on_device_of(q):
         while True:
             try:
-                _sparse_mla_kernel[plan.grid](*args, *plan.tail, **plan.options)
+                _sparse_mla_kernel[(s, plan.n_hb, 1)](*args, *plan.tail, **plan.options)
                 return out, max_logits, lse
             except OUT_OF_RESOURCES as exc:   # does not fit this device: try a smaller tile
                 if not plan.rest:
                     raise UnsupportedDeviceError(f"no Triton configuration fits this device for prefill: {exc}") \
                         from exc
-                plan = _prefill_plans[key] = _PrefillPlan(dev, s, h, has_len, has_sink, use_legacy, plan.rest)
+                plan = _prefill_plans[key] = _PrefillPlan(h, has_len, has_sink, use_legacy, plan.rest)
 
 
 class _PrefillPlan:
-    """One prefill shape class's launch on one device: its grid, constexprs and launch
-    options, and the configurations still to try should this one not fit."""
-    __slots__ = ("grid", "tail", "options", "rest")
+    """One prefill shape class's launch on one device: its head blocks, constexprs and
+    launch options, and the configurations still to try should this one not fit."""
+    __slots__ = ("n_hb", "tail", "options", "rest")
 
-    def __init__(self, dev, s, h, has_len, has_sink, use_legacy, configs):
+    def __init__(self, h, has_len, has_sink, use_legacy, configs):
         cfg, self.rest = configs[0], tuple(configs[1:])
-        self.grid = (s, cdiv(h, cfg["BLOCK_H"]), 1)
+        self.n_hb = cdiv(h, cfg["BLOCK_H"])
         self.tail = (0, 1, 1, 1, 1, has_len, False, False, has_sink, 0 if use_legacy else 1, False,
                      cfg["BLOCK_H"], cfg["BLOCK_N"], INTERPRETED)
         self.options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
-# (device, tokens, heads, top-k, has lengths, has sink, legacy statistics) -> its launch plan,
-# owned by sparse_prefill (the bound callable's kernel): keyed by the device, never
-# answering for another card.
+# (device, tokens or None, heads, top-k, has lengths, has sink, legacy statistics) -> its
+# launch plan: keyed by the device, never answering for another card. The tokens are part
+# of the key only when a prefill launch configuration is limited to a token count (none
+# is today), so the plans do not grow with every prefill length.
 _prefill_plans: dict = {}
+_PREFILL_BY_TOKENS = any("max_tokens" in c for table in (PORTABLE_CONFIGS, *MEASURED_CONFIGS.values())
+                         for c in table["prefill"])
 
 
 def forget_plans() -> None:
