@@ -11,7 +11,9 @@ the launch arguments, which on a GPU host come on top of Triton's own launcher.
   launch    the recorded launches replayed through the same no-op (``kernel[grid](*args)``):
             the floor every call pays, in this harness, for reaching the launcher;
   bound     the bound call; host path = bound - launch;
-  serving   the ``checks=False`` call; host path = serving - launch.
+  serving   the ``checks=False`` call; host path = serving - launch;
+  calls     Python and C functions entered per call of the host path (bound, serving),
+            less those of the launch replay: a count a busy host does not disturb.
 
 ``decode_mla`` runs the decode-sized call of the H200 (1 token, 64 heads, an extra pool)
 twice: as the CPU plans it (one pass), and with the split-K plan a GPU makes at that size
@@ -239,6 +241,24 @@ def interleaved_us(fns, iters, repeats, best=True, clock=time.thread_time):
     return {k: pick(v) for k, v in samples.items()}
 
 
+def calls_per_call(fn, n=20):
+    """Python functions and C functions / methods entered per call of FN (``sys.setprofile``
+    events): a count that the load of a shared host does not disturb."""
+    count = [0]
+
+    def hook(frame, event, arg):
+        if event in ("call", "c_call"):
+            count[0] += 1
+    fn()
+    sys.setprofile(hook)
+    try:
+        for _ in range(n):
+            fn()
+    finally:
+        sys.setprofile(None)
+    return (count[0] - 1) / n       # less the setprofile(None) call itself
+
+
 def profile_top(fn, calls, top):
     import cProfile
     import io
@@ -270,10 +290,12 @@ def measure(case, gen, rec, iters, repeats, splits, profile=0, best=True, clock=
         fns = {"launch": replay(calls), "bound": lambda: bound(*a, **kw), "serving": lambda: serving(*a, **kw)}
         us = interleaved_us(fns, iters, repeats, best, clock)
         prof = profile_top(fns["serving"], max(iters, 200), profile) if profile else None
+        counts = {k: calls_per_call(f) for k, f in fns.items()}
     sig = signature(calls, inputs)
     row = dict(case=case, op=op, backend=backend, launches=[c[0] for c in sig], launch_us=us["launch"],
                bound_us=us["bound"], serving_us=us["serving"], bound_host_us=us["bound"] - us["launch"],
-               serving_host_us=us["serving"] - us["launch"], same_launch_checked=sig == checked_sig)
+               serving_host_us=us["serving"] - us["launch"], same_launch_checked=sig == checked_sig,
+               bound_calls=counts["bound"] - counts["launch"], serving_calls=counts["serving"] - counts["launch"])
     return row, sig, prof
 
 
@@ -304,15 +326,17 @@ def main(argv=None) -> int:
     print(f"CPU host path, no GPU: {platform.processor() or platform.machine()}, Python {platform.python_version()}, "
           f"torch {torch.__version__}; {args.clock} clock, {'median' if args.median else 'fastest'} of "
           f"{args.repeats} blocks of {args.iters} calls; us per call")
-    print(f"{'case':<30} {'launches':<34} {'launch':>7} {'bound':>7} {'serving':>8} {'host(b)':>8} {'host(s)':>8}")
+    print(f"{'case':<30} {'launch':>7} {'bound':>7} {'serving':>8} {'host(b)':>8} {'host(s)':>8} "
+          f"{'calls(b)':>8} {'calls(s)':>8}  launches")
     rows, sigs = [], {}
     for case in args.case or CASES:
         row, sig, prof = measure(case, gen, rec, args.iters, args.repeats, args.splits, args.profile,
                                  not args.median, time.thread_time if args.clock == "thread" else time.perf_counter)
         rows.append(row)
         sigs[case] = sig
-        print(f"{case:<30} {'+'.join(row['launches']):<34} {row['launch_us']:7.1f} {row['bound_us']:7.1f} "
-              f"{row['serving_us']:8.1f} {row['bound_host_us']:8.1f} {row['serving_host_us']:8.1f}"
+        print(f"{case:<30} {row['launch_us']:7.1f} {row['bound_us']:7.1f} {row['serving_us']:8.1f} "
+              f"{row['bound_host_us']:8.1f} {row['serving_host_us']:8.1f} {row['bound_calls']:8.0f} "
+              f"{row['serving_calls']:8.0f}  {'+'.join(row['launches'])}"
               + ("" if row["same_launch_checked"] else "  (checked call launches differently!)"))
         if prof:
             print(prof)
