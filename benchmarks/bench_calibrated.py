@@ -8,9 +8,8 @@ fastest runnable backend.
 Each entry (`bind` with the policy, `bind` with the built-in default, every runnable
 backend bound explicitly) is checked against the op's torch reference on fresh random
 inputs (DeepSeek-V4 shapes: capdispatch.calibrate.inputs, the builders `dispatch bench`
-uses), then timed the same way (`do_bench` median; `do_bench_cudagraph` where SGLang
-serves the op inside CUDA graphs: decode-time ops up to capdispatch.calibrate.ladder.
-GRAPH_MAX). Reports policy / fastest and default / fastest per size; the target is
+uses), then timed the same way (`do_bench_cudagraph` median inside a CUDA graph at every
+size: capdispatch.calibrate.ladder.timed_in_graph). Reports policy / fastest and default / fastest per size; the target is
 policy / fastest <= 1.10 everywhere. Writes JSON + markdown into --out.
 
 Importable without a GPU; it only needs CUDA when run.

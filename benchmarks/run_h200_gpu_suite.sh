@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
 # One device-machine call: every gpu-marked test (pytest-xdist across the card: the
-# tests check values, not times), then the timed steps named as arguments:
+# tests check values, not times), then the timed steps named as arguments (the step
+# `tests` puts the tests at its place in the list instead):
 #   verify    bench_verify.py (every canary, cold then warm JIT caches; issue 12)
 #   overhead  bench_overhead.py (custom-op call overhead, eager and CUDA graph; issue 14)
 #   route     bench_sglang_moe_route.py (SGLang's FusedMoE routed per rank; issue 11)
 #   probe     every module SGLang's MoE import chain lacks here (probe_imports.py)
-# Wheel folders carried with the call (.whl-indexer, .whl-fm, .whl-sg) are installed into
-# one site folder, once per machine; TESTS narrows the test selection (default: tests/);
+#   calibrate `dispatch bench --write-policy` over every op (issue 14), policy into $OUT
+#   measure   bench_calibrated.py under that policy (issue 14)
+#   kernels   bench_attention (CUDA graphs), bench_moe, bench_indexer, bench_kv_cache (issue 15)
+# The packed site folders (.site/*.tar.xz, from pack_site_bundle.sh) or the wheel folders
+# carried with the call (.whl-indexer, .whl-z3, .whl-fm, .whl-sg) are installed into one
+# site folder, once per machine; TESTS narrows the test selection (default: tests/);
 # VERIFY_ARGS, OVERHEAD_ARGS and ROUTE_ARGS go to the benchmarks, *_LIMIT bound each step.
 # tests/test_sglang_call_sites_gpu.py needs SGLang and sgl-flash-mla installed in the same run
 # (it compares the routed call sites with SGLang's own FlashMLA); without either it skips.
@@ -14,7 +19,12 @@ set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; LOG="$OUT/log.txt"
 SITE=/tmp/site; mkdir -p $SITE
-for d in .whl-indexer .whl-fm .whl-sg; do
+for b in .site/*.tar.xz; do
+  [ -f "$b" ] || continue
+  m=$SITE/.installed-$(basename "$b" .tar.xz)
+  [ -f "$m" ] || { tar -xJf "$b" -C $SITE && touch "$m"; }
+done
+for d in .whl-indexer .whl-z3 .whl-fm .whl-sg; do
   ls $d/*.whl >/dev/null 2>&1 || continue
   [ -f $SITE/.installed$d ] && continue
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -25,20 +35,33 @@ done
 # capdispatch itself, so that its SGLang plugin (an entry point) is registered.
 [ -f $SITE/.installed-capdispatch ] || { python3 -m pip install -q --no-deps --no-build-isolation --no-index \
   --no-cache-dir --upgrade --target $SITE . 2>&1 | grep -v "Target directory" | tail -3; touch $SITE/.installed-capdispatch; }
-export PYTHONPATH=$SITE:$PWD
+# The tree first: a later call's working tree wins over the copy installed for its entry point.
+export PYTHONPATH=$PWD:$SITE
 step() { local t=$1; shift; echo "=== $* (limit ${t}s) $(date -u +%T)" | tee -a "$LOG"; timeout "$t" "$@" 2>&1 | tee -a "$LOG" | tail -${TAIL:-30}; }
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader | tee -a "$LOG"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$LOG"
 step 60 python3 -m capdispatch explain --device cuda:0 --brief
-TAIL=${TEST_TAIL:-60} step ${TEST_LIMIT:-300} python3 -m pytest -q -p no:cacheprovider -m gpu -rfEs \
-  -n ${JOBS:-8} --timeout 240 ${TESTS:-tests/}
+run_tests() { TAIL=${TEST_TAIL:-60} step ${TEST_LIMIT:-300} python3 -m pytest -q -p no:cacheprovider -m gpu -rfEs \
+  -n ${JOBS:-8} --timeout ${TEST_TIMEOUT:-240} ${TEST_ARGS:-} ${TESTS:-tests/}; }
+# The tests run first, or where the step list names `tests`.
+case " $* " in *" tests "*) ;; *) run_tests ;; esac
 for s in "$@"; do
   case $s in
+    tests)    run_tests ;;
     verify)   step ${VERIFY_LIMIT:-200} python3 benchmarks/bench_verify.py --device cuda:0 --out "$OUT" ${VERIFY_ARGS:-} ;;
     overhead) step ${OVERHEAD_LIMIT:-120} python3 benchmarks/bench_overhead.py --device cuda:0 --out "$OUT" ${OVERHEAD_ARGS:-} ;;
     route)    step ${ROUTE_LIMIT:-150} python3 benchmarks/bench_sglang_moe_route.py --out "$OUT" ${ROUTE_ARGS:-} ;;
     probe)    step 60 python3 benchmarks/probe_imports.py sglang.srt.layers.moe.fused_moe_triton.layer \
                 sglang.srt.layers.quantization.fp8 sglang.srt.server_args ;;
+    calibrate) step ${CALIBRATE_LIMIT:-420} python3 -m capdispatch bench --device cuda:0 \
+                 --write-policy "$OUT/h200.yaml" ${CALIBRATE_ARGS:-}
+               step 30 python3 -m capdispatch explain --device cuda:0 --policy "$OUT/h200.yaml" --brief ;;
+    measure)  step ${MEASURE_LIMIT:-300} python3 benchmarks/bench_calibrated.py --policy "$OUT/h200.yaml" \
+                --out "$OUT" ${MEASURE_ARGS:-} ;;
+    kernels)  step ${KERNELS_LIMIT:-150} python3 benchmarks/bench_attention.py --graphs --out "$OUT" ${ATTN_ARGS:-}
+              step ${KERNELS_LIMIT:-150} python3 benchmarks/bench_moe.py --out "$OUT" ${MOE_ARGS:-}
+              step ${KERNELS_LIMIT:-150} python3 benchmarks/bench_indexer.py --out "$OUT" ${INDEXER_ARGS:-}
+              step ${KERNELS_LIMIT:-150} python3 benchmarks/bench_kv_cache.py --out "$OUT" ${KV_ARGS:-} ;;
     *) echo "unknown step $s" ;;
   esac
 done

@@ -440,6 +440,45 @@ def test_triton_routing_tables_both_paths(device):
         assert int((a[3][live] - a[2][live]).sum()) == n, msg
 
 
+def test_torch_routing_path_has_no_data_dependent_sizes():
+    """Beyond ROUTING_MAX_ROUTES the tables come from torch ops, which run inside CUDA-graph
+    capture at decode sizes (512 tokens x top-k 6 is past the one-program kernel). An op
+    whose output size depends on the data (bincount, nonzero) copies to the host, which
+    capture refuses; on meta tensors the same ops raise, so this checks it without a GPU."""
+    tk = _tk()
+    E, BM = 64, 32
+    ids = torch.empty(512, 6, dtype=torch.int32, device="meta")
+    tables = tk.routing_tables(ids, E, BM, force_torch=True)
+    assert tables[0].shape == (512 * 6,)
+    assert all(t.shape == (tk.max_blocks(512 * 6, E, BM),) for t in tables[1:])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_triton_moe_captures_past_the_routing_kernel():
+    """512 tokens x top-k 6 = 3072 routes: the torch routing path inside a CUDA graph."""
+    if os.environ.get("TRITON_INTERPRET"):
+        pytest.skip("GPU run with TRITON_INTERPRET")
+    tk = _tk()
+    seed = new_seed()
+    w, x, tw, ids = make_case(seed, **SMALL, T=512, device="cuda")
+    assert ids.numel() > tk.ROUTING_MAX_ROUTES
+    eager = tk.moe_w4a16(x, w, tw, ids)
+    out = torch.full_like(eager, float("nan"))
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        tk.moe_w4a16(x, w, tw, ids, out=out)   # warm-up: compiles outside capture
+    torch.cuda.current_stream().wait_stream(s)
+    out.fill_(float("nan"))
+    with torch.cuda.graph(g):
+        tk.moe_w4a16(x, w, tw, ids, out=out)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.view(torch.int16), eager.view(torch.int16)), f"seed={seed}: replay differs from eager"
+
+
 @pytest.mark.parametrize("backend,device", [
     pytest.param("torch", "cpu", id="torch-cpu"),
     pytest.param("triton_w4a16", "cpu", id="triton-interp", marks=_interp),

@@ -1,12 +1,12 @@
 """The measurement loop: for each size, fresh inputs; each backend checked against the
-torch reference, then timed (inside a CUDA graph where the op is served that way)."""
+torch reference, then timed (inside a CUDA graph on CUDA: see ladder.timed_in_graph)."""
 from __future__ import annotations
 
 from typing import Callable, Optional
 
 import attrs
 
-from .ladder import served_in_graphs
+from .ladder import timed_in_graph
 
 
 @attrs.frozen
@@ -34,7 +34,7 @@ def measure(op: str, sizes, backends: dict, *, device: str, platform: str, profi
     rows = []
     for size in sizes:
         case = inputs.case(op, size, gen, device, profile)
-        graph = served_in_graphs(op, size, platform)
+        graph = timed_in_graph(op, size, platform)
         for name, fn in backends.items():
             as_backend = (inputs_of or {}).get(name, name)
             ms = None

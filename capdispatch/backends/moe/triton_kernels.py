@@ -166,7 +166,9 @@ def routing_tables(topk_ids: torch.Tensor, E: int, BM: int, force_torch: bool = 
     key = torch.where(ids64 >= 0, ids64, E)
     _, order = torch.sort(key, stable=True)
     sorted_routes.copy_(order.to(torch.int32)) if R else None
-    counts = torch.bincount(key, minlength=E + 1)[:E]
+    # scatter_add, not bincount: bincount reads its output size back to the host, which
+    # CUDA-graph capture refuses (decode graphs reach this path from 512 tokens).
+    counts = torch.zeros(E + 1, dtype=torch.int64, device=dev).scatter_add_(0, key, torch.ones_like(key))[:E]
     offsets = torch.cumsum(counts, 0) - counts
     nblk = (counts + BM - 1) // BM
     bcum = torch.cumsum(nblk, 0)
