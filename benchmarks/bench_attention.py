@@ -272,19 +272,20 @@ def run(args):
 def tune(op, inputs, shape, want, args):
     """Time the Triton backends with each launch configuration (others unchanged)."""
     from capdispatch.backends.decode_mla import triton_kernels as DK
-    from capdispatch.backends.sparse_prefill import triton_kernels as K
+    from capdispatch.backends.sparse_attention import kernels as K
+    from capdispatch.backends.sparse_prefill import triton_kernels as PK
     out = []
-    fns = [("triton", K.sparse_prefill)] if op == "sparse_prefill" else \
+    fns = [("triton", PK.sparse_prefill)] if op == "sparse_prefill" else \
         [("triton", DK.decode_mla_u8), ("triton_fp8", DK.decode_mla_fp8)]
     if args.tune_backends and op == "decode_mla":
         fns = [f for f in fns if f[0] in args.tune_backends]
-    saved = K._configs
+    saved = K.device_configs
     try:
         for name, fn in fns:
             best = None
             for cfg in TUNE_CONFIGS:
                 # Every call kind (prefill, decode, decode_split) gets this one configuration.
-                K._configs = lambda device, kind, tokens=None, cfg=cfg: (cfg,)
+                K.device_configs = lambda device, kind, tokens=None, cfg=cfg: (cfg,)
                 K._plans.clear()
                 DK._splits.clear()
                 try:
@@ -307,7 +308,7 @@ def tune(op, inputs, shape, want, args):
                 print(f"  tune {op} {shape} {name}: best {best[1]} {best[0]:.4f} ms"
                       + (" (in graphs)" if args.graphs else ""))
     finally:
-        K._configs = saved
+        K.device_configs = saved
         K._plans.clear()
         DK._splits.clear()
     return out

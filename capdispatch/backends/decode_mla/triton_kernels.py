@@ -1,9 +1,9 @@
 """Triton sparse MLA decode over the V4 fp8 paged pool (same contract as reference.decode_mla).
 
-The kernel body is the sparse-attention kernel of ``sparse_prefill/triton_kernels.py``
-with a paged K/V loader: each gathered token's 448 e4m3 nope bytes are decoded and
-scaled by its UE8M0 tile exponents, its 64 bf16 rope values copied, giving exactly the
-bf16 rows ``kv_dequant`` would produce, then fed to bf16 tensor-core dots.
+The kernel is the sparse-attention kernel of backends/sparse_attention (shared with
+sparse_prefill) with its paged K/V loader: each gathered token's 448 e4m3 nope bytes are
+decoded and scaled by its UE8M0 tile exponents, its 64 bf16 rope values copied, giving
+exactly the bf16 rows ``kv_dequant`` would produce, then fed to bf16 tensor-core dots.
 
 * ``decode_mla_u8`` (backend ``triton``): the pool is read through uint8 and e4m3 is
   decoded with integer operations: no fp8 type, so it compiles on SM80/SM86, where
@@ -14,7 +14,7 @@ Decode-sized calls (at most ``DECODE_MAX_TOKENS`` = 64 query tokens) that would 
 SMs idle split each token's index lists into up to 32 ranges and merge the partial
 results in a second kernel; they use the "decode_split" launch configurations (small
 head tiles: many programs), larger calls the "decode" ones (see
-``sparse_prefill/triton_kernels.py``). The split scratch holds one fp32 [BLOCK_H, 512]
+``sparse_attention/launch_table.py``). The split scratch holds one fp32 [BLOCK_H, 512]
 partial per program, and the split factor keeps programs below ~4 x SM count, so it is
 bounded by 4 x SM count x BLOCK_H x 2 KiB (69 MB on an H200 with its 64-head split
 tile) whatever the sequence. Larger calls (extends) take the one-pass kernel and
@@ -26,12 +26,12 @@ from __future__ import annotations
 import torch
 
 from ..device_scope import on_device
-from ..sparse_prefill import triton_kernels as _K
+from ..sparse_attention import kernels as attn
 from .reference import check_decode_args, new_outputs
 
 __all__ = ["decode_mla_u8", "decode_mla_fp8", "INTERPRETED"]
 
-INTERPRETED = _K.INTERPRETED
+INTERPRETED = attn.INTERPRETED
 
 
 # (device type, device index, tokens, heads, index entries) -> split-K factor: the split
@@ -42,12 +42,12 @@ _LOG2E = 1.4426950408889634
 
 
 def _num_splits(dev, T, h, width):
-    key = _K.device_key(dev) + (T, h, width)
+    key = attn.device_key(dev) + (T, h, width)
     n = _splits.get(key)
     if n is None:
         # The split decision uses the split-K tile: decode-sized calls run with it.
-        cfg = _K._configs(dev, "decode_split", T)[0]
-        n = _splits[key] = _K.decode_splits(dev, T, h, width, block_h=cfg["BLOCK_H"], block_n=cfg["BLOCK_N"])
+        cfg = attn.device_configs(dev, "decode_split", T)[0]
+        n = _splits[key] = attn.decode_splits(dev, T, h, width, block_h=cfg["BLOCK_H"], block_n=cfg["BLOCK_N"])
     return n
 
 
@@ -56,7 +56,7 @@ def _launch(q, pool, indices, page_size, sm_scale, topk_length, attn_sink, extra
     a = check_decode_args(q, pool, indices, page_size, sm_scale, topk_length, attn_sink,
                           extra_pool, extra_indices, extra_page_size, extra_topk_length, out, checks)
     if checks:
-        _K.check_device(q, native_fp8)
+        attn.check_device(q, native_fp8)
     b, s_q, h, _ = q.shape
     dev = q.device
     out, lse = new_outputs(a)
@@ -79,10 +79,10 @@ def _launch(q, pool, indices, page_size, sm_scale, topk_length, attn_sink, extra
         if config is None:
             num_splits = _num_splits(dev, T, h, width)
         else:
-            num_splits = _K.decode_splits(dev, T, h, width, block_h=config["BLOCK_H"], block_n=config["BLOCK_N"])
+            num_splits = attn.decode_splits(dev, T, h, width, block_h=config["BLOCK_H"], block_n=config["BLOCK_N"])
     dummy = lse
     with on_device(dev):
-        _K.launch_sparse_mla(
+        attn.launch_sparse_mla(
             kind="decode_split" if num_splits > 1 else "decode", device=dev, T=T, H=h, config=config, num_splits=num_splits,
             q_ptr=q, q_sb=q.stride(0), q_ss=q.stride(1), q_sh=q.stride(2),
             kv_ptr=pool_arg, kv_row_stride=0, n_kv=a.pool.shape[0] * a.page_size,
