@@ -210,6 +210,7 @@ def run(args):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     rows, tune_rows, availability = [], [], {}
     tiles_label = tile_modes.label(args.tiles)
+    tag = f" [{tiles_label}]" if args.tiles != "card" else ""
     tgt = tile_modes.target(args.tiles)
     limit = tgt.shared_bytes if tgt is not None else None
     if tgt is not None:
@@ -269,7 +270,7 @@ def run(args):
                                  out_rel_err=rel, stat_abs_err=serr, flops=flops, bytes=nbytes,
                                  roofline_ms=roof, bound=bound, frac_roofline=roof / ms,
                                  tiles=tiles_label, launches=launches))
-                print(f"  {op} {shape} {backend:>22}: {ms:9.4f} ms"
+                print(f"  {op} {shape} {backend:>22}{tag}: {ms:9.4f} ms"
                       + (f" (graph {gms:.4f})" if gms is not None else "")
                       + f"  {100 * roof / ms:5.1f}% of {bound} roofline  correct={ok} (rel {rel:.1e}, stat {serr:.1e})")
             served_g = None

@@ -275,7 +275,8 @@ def run(args):
             rows.append(dict(kind=kind, shape=list(shape), backend=name, ms=ms, correct=ok, max_abs_err=err,
                              max_err_over_abs_sum=ratio, bytes=nbytes, flops=flops, roofline_ms=t_roof,
                              bound=bound, frac_roofline=(t_roof / ms) if ms else None, launches=launches))
-            print(f"  {kind:>7} {str(shape):>18} {name:>9}: {ms if ms is None else round(ms, 4)} ms, "
+            tag = f" [{tile_modes.label(args.tiles)}]" if args.tiles != "card" else ""
+            print(f"  {kind:>7} {str(shape):>18} {name:>9}{tag}: {ms if ms is None else round(ms, 4)} ms, "
                   f"{100 * t_roof / ms if ms else float('nan'):5.1f}% of {bound} roofline, correct={ok} "
                   f"(max|err| {err}, /A {ratio})")
         if times and args.tiles == "card":     # default vs fastest needs every backend
@@ -344,12 +345,14 @@ def _write(out_dir, meta, rows, picks, acc, mem=()):
         ]
         for r in rows:
             if "error" in r:
-                lines.append(f"| {r['kind']} | {r['shape']} | {r['backend']} | error | | | {r['error'][:80]} | |")
+                lines.append(f"| {r['kind']} | {r['shape']} | {_backend_cell(r['backend'], meta)} | error | | | "
+                             f"{r['error'][:80]} | |")
                 continue
             frac = f"{100 * r['frac_roofline']:.1f}" if r["frac_roofline"] else ""
             ms = f"{r['ms']:.4f}" if r["ms"] else ""
             ratio = f"{r['max_err_over_abs_sum']:.2g}" if r["max_err_over_abs_sum"] is not None else ""
-            lines.append(f"| {r['kind']} | {r['shape']} | {r['backend']} | {ms} | {frac} | {r['bound']} | "
+            lines.append(f"| {r['kind']} | {r['shape']} | {_backend_cell(r['backend'], meta)} | {ms} | {frac} | "
+                         f"{r['bound']} | "
                          f"{r['correct']} | {ratio} |")
         if picks:
             lines += ["", "| kind | shape | fastest | default pick | default / fastest |",
@@ -388,6 +391,10 @@ def _write(out_dir, meta, rows, picks, acc, mem=()):
 
 def _num(v):
     return "—" if v is None else str(v)
+
+
+def _backend_cell(name, meta):
+    return f"{name} ({meta['tiles_label']})" if meta.get("tiles", "card") != "card" else name
 
 
 def build_parser():

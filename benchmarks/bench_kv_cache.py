@@ -152,7 +152,8 @@ def run(args):
                 rows.append(dict(tokens=n, slots=pattern, page_size=P, backend=backend, op=op, ms=ms, gbps=gbps,
                                  frac_copy=gbps / copy_gbps, correct=ok_q if op == "kv_quant" else ok_d,
                                  launches=launches[op]))
-                print(f"  n={n:>8} {pattern:>6} {backend:>10} {op:>10}: {ms:8.4f} ms {gbps:7.0f} GB/s "
+                tag = f" [{tile_modes.label(args.tiles)}]" if args.tiles != "card" else ""
+                print(f"  n={n:>8} {pattern:>6} {backend:>10}{tag} {op:>10}: {ms:8.4f} ms {gbps:7.0f} GB/s "
                       f"{100 * gbps / copy_gbps:5.1f}% of copy  correct={rows[-1]['correct']}")
         if sglang_fn is not None:
             try:
@@ -219,9 +220,11 @@ def _write(out_dir, meta, rows):
         if "ratio" in r:
             continue
         if "error" in r:
-            lines.append(f"| {r['tokens']} | {r['slots']} | {r['op']} | {r['backend']} | error | | | {r['error']} |")
+            lines.append(f"| {r['tokens']} | {r['slots']} | {r['op']} | {_backend_cell(r['backend'], meta)} | error | | | "
+                         f"{r['error']} |")
             continue
-        lines.append(f"| {r['tokens']} | {r['slots']} | {r['op']} | {r['backend']} | {r['ms']:.4f} | {r['gbps']:.0f} | "
+        lines.append(f"| {r['tokens']} | {r['slots']} | {r['op']} | {_backend_cell(r['backend'], meta)} | {r['ms']:.4f} | "
+                     f"{r['gbps']:.0f} | "
                      f"{100 * r['frac_copy']:.1f} | {r['correct']} |")
     ratios = [r for r in rows if "ratio" in r]
     if ratios:
@@ -244,6 +247,10 @@ def _write(out_dir, meta, rows):
 
 def _num(v):
     return "—" if v is None else str(v)
+
+
+def _backend_cell(name, meta):
+    return f"{name} ({meta['tiles_label']})" if meta.get("tiles", "card") != "card" else name
 
 
 def build_parser():

@@ -204,7 +204,8 @@ def run(tokens, backends, out_dir, allow_jit, seed, tiles="card"):
                                      "fraction_of_roofline": bound / ms,
                                      "effective_GBps": nbytes / ms / 1e6,
                                      "TFLOPs": flops / ms / 1e9}
-            print(f"[moe] T={T:5d} {name:26s} {ms * 1e3:10.1f} us  {100 * bound / ms:5.1f}% of roofline "
+            tag = f" [{tile_modes.label(tiles)}]" if tiles != "card" else ""
+            print(f"[moe] T={T:5d} {name:26s}{tag} {ms * 1e3:10.1f} us  {100 * bound / ms:5.1f}% of roofline "
                   f"({row['bound_by']})  err {nrm:.2e}{'' if ok else '  FAILED CHECK'}", flush=True)
         rows.append(row)
 
@@ -237,7 +238,9 @@ def to_markdown(res):
            f"E={m['shape']['E']}, H={m['shape']['H']}, I={m['shape']['I']}, top-k {m['shape']['topk']}, "
            f"{m['packed_bytes_per_expert']} B per expert (packed MXFP4 + E8M0). Ceilings: copy "
            f"{m['copy_GBps']:.0f} GB/s, bf16 matmul {m['bf16_TFLOPs']:.0f} TFLOP/s.", "",
-           "| tokens | experts | roofline (us) | bound | " + " | ".join(f"{n} us (% roofline)" for n in names) + " |",
+           "| tokens | experts | roofline (us) | bound | "
+           + " | ".join(f"{n}{' (' + m['tiles_label'] + ')' if tiles != 'card' else ''} us (% roofline)" for n in names)
+           + " |",
            "| ---: | ---: | ---: | --- | " + " | ".join("---:" for _ in names) + " |"]
     out = [line for line in out if line is not None]
     for r in res["rows"]:

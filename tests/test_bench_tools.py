@@ -247,3 +247,48 @@ def test_attention_report_has_the_flashmla_bar_and_the_sglang_peer(tmp_path):
     assert "| decode_mla | tokens=1 | 0.0210 | 0.0175 | 1.20x | yes |" in out
     assert "| decode_mla | tokens=1 | 0.3100 | 0.3030 | True (2.5e-03) | 14.4x |" in out
     assert "skipped | | | | not timed above --peer-max-tokens 512 |" in out
+
+
+def test_99kb_reports_of_moe_indexer_kv_cache(tmp_path):
+    """The other three kernel benchmarks' 99kb reports: their own series, the label on the
+    rows, the entries with their facts, and a kernel over the limit shown as the card's failure."""
+    out = _run(f"""
+        import os
+        import bench_indexer as I, bench_kv_cache as KV, bench_moe as M, tile_modes as T
+        d = {str(tmp_path)!r}
+        ok = dict(kernel="_k", config=dict(BLOCK=64, num_warps=4), shared_bytes=32768, registers=80, spills=0, fits=True)
+        over = dict(kernel="_k", config=dict(BM=128, num_warps=8), shared_bytes=110592, registers=None, spills=None,
+                    fits=False)
+        common = dict(device="NVIDIA H200", date="2026-12-02T02:00:00+00:00", torch="2.11", triton="3.6", cuda="13.0",
+                      compute_capability="9.0", seed=1, tiles="99kb", tiles_label=T.LABEL_99KB, shared_limit=101376)
+        I._write(d, dict(common, versions={{}}, copy_gbps=4000.0, matmul_tflops=1500.0, matmul_dtype="fp8",
+                         not_run={{}}, tolerance="t"),
+                 [dict(kind="decode", shape=[64, 1, 16384], backend="triton", ms=0.08, correct=True, max_abs_err=0.0,
+                       max_err_over_abs_sum=0.0, bytes=1, flops=1, roofline_ms=0.02, bound="memory",
+                       frac_roofline=0.25, launches=[ok]),
+                  dict(kind="prefill", shape=[4096, 28672], backend="triton_u8", error="OutOfResources: x",
+                       launches=[over])], [], I.accounting())
+        KV._write(d, dict(common, page_size=256, copy_gbps=4000.0, sglang="not timed with --tiles"),
+                  [dict(tokens=262144, slots="random", page_size=256, backend="triton_fp8", op="kv_quant", ms=0.1,
+                        gbps=3500.0, frac_copy=0.87, correct=True, launches=[ok]),
+                   dict(tokens=262144, slots="random", page_size=256, backend="triton_u8", op="kv_dequant",
+                        error="OutOfResources: x", correct=False, launches=[over])])
+        res = dict(meta=dict(device="NVIDIA H200", date_utc="x", torch="t", triton="3", cuda="13", seed=1,
+                             shape=dict(E=64, H=4096, I=2048, topk=6), packed_bytes_per_expert=5, copy_GBps=1.0,
+                             bf16_TFLOPs=2.0, skipped={{}}, tiles="99kb", tiles_label=T.LABEL_99KB, shared_limit=101376),
+                   rows=[dict(tokens=4096, experts_touched=64, roofline_ms=1.0, bound_by="flops",
+                              backends=dict(triton_w4a16=dict(error="OutOfResources: x", ok=False, launches=[over])))])
+        open(os.path.join(d, "moe.md"), "w").write(M.to_markdown(res))
+        for n in sorted(os.listdir(d)):
+            if n.endswith(".md"):
+                print("FILE", n)
+                print(open(os.path.join(d, n)).read())
+    """, tmp_path)
+    assert "FILE indexer_nvidia_h200_99kb_20261202T020000.md" in out
+    assert "FILE kv_cache_nvidia_h200_99kb_20261202T020000.md" in out
+    label = "99 KB tiles (as sm_86/sm_89/sm_120 get them)"
+    assert f"| decode | [64, 1, 16384] | triton ({label}) | 0.0800 |" in out
+    assert f"| 262144 | random | kv_quant | triton_fp8 ({label}) | 0.1000 |" in out
+    assert f"triton_w4a16 ({label}) us (% roofline)" in out
+    assert out.count("| 110592 | — | — | no: the card fails here |") == 3
+    assert out.count("| 32768 | 80 | 0 | yes |") == 2
