@@ -76,7 +76,8 @@ def launch_rows(launches) -> list:
         if key in seen:
             continue
         seen.add(key)
-        out.append(dict(kernel=r.kernel, config=dict(r.config), shared_bytes=r.shared, registers=r.registers,
+        config = {k: v if isinstance(v, (bool, int, float, str)) or v is None else str(v) for k, v in r.config.items()}
+        out.append(dict(kernel=r.kernel, config=config, shared_bytes=r.shared, registers=r.registers,
                         spills=r.spills, fits=r.fits))
     return out
 

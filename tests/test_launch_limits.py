@@ -51,6 +51,8 @@ def sm90(monkeypatch):
 
 
 def test_card_target_reads_the_catalog():
+    import capdispatch.backends as B
+    assert (B.tiles_as, B.TileTarget, B.card_target) == (LL.tiles_as, LL.TileTarget, LL.card_target)
     for key in ("sm_86", "sm_89", "sm_120"):
         t = LL.card_target(key)
         assert t.shared_bytes == LIMIT_99KB, key
