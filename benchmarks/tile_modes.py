@@ -108,7 +108,8 @@ def header_lines(mode: str) -> list:
             f"{t.capability[0]}.{t.capability[1]} and every capdispatch Triton launch is compiled first and "
             f"skipped when it needs more than {t.shared_bytes} B of shared memory per block, as on those "
             "cards; kernels are compiled for and timed on this GPU (its SM count, occupancy and compiler "
-            "target are this GPU's, not the 99 KB cards')"]
+            "target are this GPU's, not the 99 KB cards'); the native-fp8 variants are what SM89 and SM120 get "
+            "(Triton admits fp8e4nv from 8.9), SM86 runs the uint8 ones"]
 
 
 def _check_mode(mode: str) -> None:
