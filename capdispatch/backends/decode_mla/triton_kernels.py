@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import launch_limits as _limits
 from ..device_scope import on_device
 from ..sparse_attention import kernels as attn
 from .reference import check_decode_args, new_outputs
@@ -42,7 +43,7 @@ _LOG2E = 1.4426950408889634
 
 
 def _num_splits(dev, T, h, width):
-    key = attn.device_key(dev) + (T, h, width)
+    key = attn.device_key(dev) + (T, h, width) + _limits.plan_key()
     n = _splits.get(key)
     if n is None:
         # The split decision uses the split-K tile: decode-sized calls run with it.

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from ...errors import ArgumentError, ArgumentTypeError
+from .. import launch_limits as _limits
 from ..device_scope import on_device
 from ..triton_common.env import check_device, interpreted, jit_module
 from .layout import HEAD_DIM, PAGE_TOKENS, SCALE_OFFSET, alloc_logits, check_args
@@ -172,7 +173,7 @@ def _launch(q, kv_cache, weights, context_lens, block_table, max_context_len, ou
     kv_arg = a.pages.view(torch.float8_e4m3fn) if native_fp8 else a.pages
     ctx_stride = a.context_lens.stride(0) if a.context_lens.numel() else 0
     with on_device(dev):
-        _indexer_kernel[grid](
+        _limits.launch(_indexer_kernel, grid)(
             q_arg, kv_arg, a.weights, a.context_lens, a.block_table, out,
             S, tps,
             a.pages.stride(0), a.weights.stride(0), ctx_stride, a.block_table.stride(0), out.stride(0),

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import launch_limits as _limits
 from ..device_scope import cdiv, on_device
 from ..triton_common.env import check_device, interpreted, jit_module
 from .layout import DATA_BYTES, DIM, DIM_NOPE, FP8_MAX, NUM_TILES, SCALE_BYTES, SCALE_EPS, TILE
@@ -160,7 +161,7 @@ def _launch_quant(k, pool, loc, page_size, native_fp8, checks):
     dst = u8.view(torch.float8_e4m3fn) if native_fp8 else u8
     T = QUANT_TOKENS_PER_PROG
     with on_device(u8.device):
-        _kv_quant_kernel[(cdiv(n, T),)](
+        _limits.launch(_kv_quant_kernel, (cdiv(n, T),))(
             k, dst, loc, n, k.stride(0),
             PAGE_SIZE=page_size, BYTES_PER_PAGE=u8.shape[1],
             NATIVE_FP8=native_fp8, TOKENS=T, num_warps=QUANT_NUM_WARPS,
@@ -179,7 +180,7 @@ def _launch_dequant(pool, token_ids, page_size, out, native_fp8, checks):
     src = u8.view(torch.float8_e4m3fn) if native_fp8 else u8
     T = DEQUANT_TOKENS_PER_PROG
     with on_device(u8.device):
-        _kv_dequant_kernel[(cdiv(n, T),)](
+        _limits.launch(_kv_dequant_kernel, (cdiv(n, T),))(
             src, ids, out, n, out.stride(0),
             PAGE_SIZE=page_size, BYTES_PER_PAGE=u8.shape[1],
             NATIVE_FP8=native_fp8, TOKENS=T, num_warps=DEQUANT_NUM_WARPS,

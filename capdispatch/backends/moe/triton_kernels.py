@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from ...errors import ArgumentError
+from .. import launch_limits as _limits
 from ..device_scope import cdiv, on_device
 from ..triton_common.env import check_device, interpreted, jit_module
 from .launch_table import Tiles, tiles_for
@@ -159,7 +160,7 @@ def routing_tables(topk_ids: torch.Tensor, E: int, BM: int, force_torch: bool = 
     if R <= ROUTING_MAX_ROUTES and E <= 128 and not force_torch:
         EP = max(16, triton.next_power_of_2(E))
         BP = max(16, triton.next_power_of_2(MAXB))
-        _routing_kernel[(1,)](ids, sorted_routes, blk[0], blk[1], blk[2], R, E, MAXB,
+        _limits.launch(_routing_kernel, (1,))(ids, sorted_routes, blk[0], blk[1], blk[2], R, E, MAXB,
                               CH=ROUTING_CHUNK, EP=EP, BP=BP, BM=BM, num_warps=4)
         return sorted_routes, blk[0], blk[1], blk[2]
     ids64 = ids.long()
@@ -347,16 +348,16 @@ def moe_w4a16(x, weights, topk_weights, topk_ids, out=None, *, checks: bool = Tr
         h = _alloc((R, I), torch.bfloat16, dev)           # rows of masked routes: never written/read
         routed = _alloc((R, H), torch.float32, dev)
         limit = weights.swiglu_limit
-        _gemm1_swiglu_kernel[(MAXB, cdiv(I, BN1))](
+        _limits.launch(_gemm1_swiglu_kernel, (MAXB, cdiv(I, BN1)))(
             x, weights.w13, weights.w13_scale, h, sorted_routes, be, bs, bend,
             H, I, x.stride(0), float(limit) if limit is not None else 0.0,
             TOPK=K, HAS_LIMIT=limit is not None, F32=INTERPRETED, BM=BM, BN=BN1, BK=BK1, num_warps=W1,
             num_stages=S1)
-        _gemm2_kernel[(MAXB, cdiv(H, BN2))](
+        _limits.launch(_gemm2_kernel, (MAXB, cdiv(H, BN2)))(
             h, weights.w2, weights.w2_scale, tw, routed, sorted_routes, be, bs, bend,
             H, I, F32=INTERPRETED, BM=BM, BN=BN2, BK=BK2, num_warps=W2, num_stages=S2)
         BNC = 1024 if H >= 1024 else triton.next_power_of_2(H)
-        _combine_kernel[(T, cdiv(H, BNC))](routed, ids, out, H, out.stride(0), TOPK=K, BN=BNC,
+        _limits.launch(_combine_kernel, (T, cdiv(H, BNC)))(routed, ids, out, H, out.stride(0), TOPK=K, BN=BNC,
                                                    EXACT_RNE=INTERPRETED, num_warps=4)
     return out
 

@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from ...errors import UnsupportedDeviceError
+from .. import launch_limits as _limits
 from ..device_scope import cdiv, capability as _capability
 from ..triton_common.env import check_device as _check_device, interpreted, jit_module
 
@@ -308,13 +309,13 @@ def device_configs(device: torch.device, kind: str, tokens: int | None = None) -
     """The launch configurations to try on DEVICE for call KIND of TOKENS query tokens,
     best first: the interpreter's small tile on a CPU, else the launch table for the
     device's compute capability, starting from the one that last fit this device."""
-    key = device_key(device) + (kind, tokens)
+    key = device_key(device) + (kind, tokens) + _limits.plan_key()
     plan = _plans.get(key)
     if plan is None:
         if device.type != "cuda":
             plan = (INTERP_CONFIG,)
         else:
-            plan = configs_for(_capability(device), kind, tokens)
+            plan = configs_for(_limits.capability_for(_capability(device)), kind, tokens)
         _plans[key] = plan
     return plan
 
@@ -399,7 +400,7 @@ def launch_sparse_mla(*, kind, device, T, H, config=None, num_splits=1, **args):
             last = exc
             continue
         if i and config is None:      # later calls of this shape start from the one that fit
-            _plans[device_key(device) + (kind, T)] = configs[i:]
+            _plans[device_key(device) + (kind, T) + _limits.plan_key()] = configs[i:]
         return cfg
     raise UnsupportedDeviceError(f"no Triton configuration fits this device for {kind}: {last}")
 
@@ -410,7 +411,7 @@ def _run(device, T, H, cfg, num_splits, args):
     n_hb = cdiv(H, bh)
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if num_splits == 1:
-        _sparse_mla_kernel[(T, n_hb, 1)](
+        _limits.launch(_sparse_mla_kernel, (T, n_hb, 1))(
             **args, part_o_ptr=args["out_ptr"], part_lse_ptr=args["lse_ptr"], H=H, H_pad=H,
             blocks_per_split=0, num_splits=1, SPLIT=False, BLOCK_H=bh, BLOCK_N=bn, DOT_F32=INTERPRETED,
             **launch)
@@ -421,13 +422,13 @@ def _run(device, T, H, cfg, num_splits, args):
     h_pad = n_hb * bh
     part_o = torch.empty((T, h_pad, splits, 512), dtype=torch.float32, device=device)
     part_lse = torch.empty((T, h_pad, splits), dtype=torch.float32, device=device)
-    _sparse_mla_kernel[(T, n_hb, splits)](
+    _limits.launch(_sparse_mla_kernel, (T, n_hb, splits))(
         **args, part_o_ptr=part_o, part_lse_ptr=part_lse, H=H, H_pad=h_pad,
         blocks_per_split=per, num_splits=splits, SPLIT=True, BLOCK_H=bh, BLOCK_N=bn, DOT_F32=INTERPRETED,
         **launch)
     fin = {k: args[k] for k in ("sink_ptr", "out_ptr", "out_sb", "out_ss", "out_sh", "ml_ptr", "lse_ptr",
                                 "st_sb", "st_ss", "st_sh", "DIV", "HAS_SINK", "STATS")}
-    _combine_kernel[(T, cdiv(H, COMBINE_BLOCK_H), 512 // COMBINE_BLOCK_D)](
+    _limits.launch(_combine_kernel, (T, cdiv(H, COMBINE_BLOCK_H), 512 // COMBINE_BLOCK_D))(
         part_o, part_lse, **fin, H=H, H_pad=h_pad, num_splits=splits,
         SPLITS_P2=MAX_SPLITS, BLOCK_H=COMBINE_BLOCK_H, BLOCK_D=COMBINE_BLOCK_D, ROUND=INTERPRETED,
         num_warps=COMBINE_WARPS)
