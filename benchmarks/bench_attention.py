@@ -1,7 +1,8 @@
 """Benchmark the attention ops (sparse_prefill, decode_mla) on a CUDA GPU at DeepSeek-V4 shapes.
 
     python benchmarks/bench_attention.py [--out DIR] [--ops sparse_prefill decode_mla]
-                                         [--quick] [--tune] [--graphs]
+                                         [--quick] [--tune] [--graphs] [--tiles {card,99kb}]
+                                         [--peer-max-tokens T]
 
 What it does:
   1. measures the ceilings: device-to-device copy bandwidth (a large torch copy, bytes
@@ -22,7 +23,18 @@ What it does:
         FLOPs  = 2 x 2 x tokens x heads x entries x 512 (Q.K^T and P.V)
      which term bounds it, and the Triton / torch speedup;
   5. with --tune, sweeps Triton launch configurations per shape and reports the best;
-  6. writes JSON + markdown into --out (default benchmarks/results).
+  6. for decode, times two comparison rows beside the backends (outputs checked first,
+     the lse conventions being the adapters'): FlashMLA as SGLang calls it, with the
+     triton_fp8 / FlashMLA time ratio in CUDA graphs (the bar: within 1.2x), and SGLang
+     0.5.23's own portable Triton decode for the V4 pool
+     (sglang.kernels.ops.attention.flash_mla_sm120_triton, its opt-in SM120 path) up to
+     --peer-max-tokens query tokens (default 512: it takes ~0.5 s a call at 4096);
+  7. writes JSON + markdown into --out (default benchmarks/results).
+
+With --tiles 99kb only the Triton backends run, with the launch-table entries the 99 KB
+cards (SM86, SM89, SM120) get and their shared-memory limit (tile_modes.py); each row
+names the entry that ran with its shared memory, registers and spills; the results are
+the series attention_<card>_99kb.
 
 Importable without a GPU; it only needs CUDA when run.
 """
@@ -38,6 +50,7 @@ import sys
 
 from ceilings import bench as _bench, copy_bandwidth, describe, matmul_rate, run_facts  # noqa: E402 (the script's own folder)
 from results_dir import archive_previous  # noqa: E402 (the script's own folder)
+import tile_modes  # noqa: E402 (the script's own folder)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -140,6 +153,29 @@ def flashmla_as_sglang(inputs):
     return call
 
 
+SGLANG_PEER = "sglang.kernels.ops.attention.flash_mla_sm120_triton"
+PEER_NAME = "sglang triton decode (flash_mla_sm120_triton, library call)"
+FLASHMLA_BAR = 1.2      # the target: triton_fp8 within 1.2x of FlashMLA as SGLang calls it, in CUDA graphs
+TRITON_BACKENDS = {"sparse_prefill": ("triton",), "decode_mla": ("triton", "triton_fp8")}
+
+
+def sglang_peer(inputs):
+    """SGLang's own portable Triton decode over the same pools (its SM120 opt-in path):
+    (callable, None), or (None, why) when SGLang is not importable."""
+    try:
+        peer = importlib.import_module(SGLANG_PEER).flash_mla_sparse_decode_triton
+    except Exception as exc:   # noqa: BLE001 - any import failure is a skip with its reason
+        return None, f"{SGLANG_PEER} not importable: {type(exc).__name__}: {exc}"
+    from capdispatch.backends.decode_mla.library_args import pool_view as _pool_view
+    q, pool, idx, ps, scale, lengths, sink, cpool, cidx, cps, clengths = inputs
+    kv, ckv = _pool_view(pool, ps), _pool_view(cpool, cps)
+
+    def call():
+        return peer(q, kv, idx, lengths, sink, 512, scale, extra_k_cache=ckv, extra_indices=cidx,
+                    extra_topk_length=clengths)
+    return call, None
+
+
 def work(op, acc):
     T, n = acc["tokens"], acc["entries"]
     flops = 2 * 2 * T * H * n * 512
@@ -173,8 +209,17 @@ def run(args):
     reg = registry()
     gen = torch.Generator(device="cuda").manual_seed(seed)
     rows, tune_rows, availability = [], [], {}
+    tiles_label = tile_modes.label(args.tiles)
+    tag = f" [{tiles_label}]" if args.tiles != "card" else ""
+    tgt = tile_modes.target(args.tiles)
+    limit = tgt.shared_bytes if tgt is not None else None
+    if tgt is not None:
+        print(f"tiles: {tiles_label} (compute capability {tgt.capability[0]}.{tgt.capability[1]}, "
+              f"at most {limit} B of shared memory per block; only the Triton backends run)")
     for op in args.ops:
         avail = runnable(op, reg)
+        if args.tiles != "card":     # only capdispatch's Triton kernels have launch tables
+            avail = {b: w for b, w in avail.items() if b in TRITON_BACKENDS[op]}
         availability[op] = avail
         for b, why in avail.items():
             print(f"[{op}] {b}: {'runnable' if why is None else 'not runnable: ' + why}")
@@ -196,27 +241,36 @@ def run(args):
                 if why is not None:
                     continue
                 fn = cd.bind(op, "cuda:0", backend=backend, registry=reg)
+                launches = []
                 try:
-                    got = fn(*inputs)
+                    got, launches, err = tile_modes.checked(args.tiles, lambda: fn(*inputs))
+                    launches = tile_modes.launch_rows(launches)
+                    if launches:
+                        print(f"    {backend} {tile_modes.label(args.tiles)}: {tile_modes.describe(launches, limit)}")
+                    if err is not None:
+                        raise err
                     ok, rel, serr = _check(op, got, want)
-                    ms = _bench(lambda: fn(*inputs), args.warmup, args.rep)
-                    gms = None
-                    if args.graphs:
-                        try:
-                            gms = _bench_graph(lambda: fn(*inputs), args.rep)
-                        except Exception as exc:   # noqa: BLE001 - report, keep going
-                            print(f"    graph timing failed for {backend}: {type(exc).__name__}: {exc}")
+                    with tile_modes.timing(args.tiles):
+                        ms = _bench(lambda: fn(*inputs), args.warmup, args.rep)
+                        gms = None
+                        if args.graphs:
+                            try:
+                                gms = _bench_graph(lambda: fn(*inputs), args.rep)
+                            except Exception as exc:   # noqa: BLE001 - report, keep going
+                                print(f"    graph timing failed for {backend}: {type(exc).__name__}: {exc}")
                 except Exception as exc:   # noqa: BLE001 - a backend failing must not hide the others
                     print(f"  {op} {shape} {backend}: FAILED {type(exc).__name__}: {exc}")
-                    rows.append(dict(op=op, shape=shape, backend=backend, error=f"{type(exc).__name__}: {exc}"))
+                    rows.append(dict(op=op, shape=shape, backend=backend, error=f"{type(exc).__name__}: {exc}",
+                                     tiles=tiles_label, launches=launches))
                     continue
                 times[backend] = ms
                 if gms is not None:
                     gtimes[backend] = gms
                 rows.append(dict(op=op, shape=shape, backend=backend, ms=ms, graph_ms=gms, correct=ok,
                                  out_rel_err=rel, stat_abs_err=serr, flops=flops, bytes=nbytes,
-                                 roofline_ms=roof, bound=bound, frac_roofline=roof / ms))
-                print(f"  {op} {shape} {backend:>22}: {ms:9.4f} ms"
+                                 roofline_ms=roof, bound=bound, frac_roofline=roof / ms,
+                                 tiles=tiles_label, launches=launches))
+                print(f"  {op} {shape} {backend:>22}{tag}: {ms:9.4f} ms"
                       + (f" (graph {gms:.4f})" if gms is not None else "")
                       + f"  {100 * roof / ms:5.1f}% of {bound} roofline  correct={ok} (rel {rel:.1e}, stat {serr:.1e})")
             served_g = None
@@ -232,12 +286,22 @@ def run(args):
                     print(f"  {op} {shape} flashmla kernel as SGLang calls it: {kms:.4f} ms"
                           + (f" (graph {kgms:.4f})" if kgms is not None else "") + f" output correct={kok}")
                     served_g = kgms if kok else None
+                    if kok and kgms is not None and "triton_fp8" in gtimes:
+                        ratio = gtimes["triton_fp8"] / kgms
+                        rows.append(dict(op=op, shape=shape, bar="triton_fp8 / flashmla as SGLang calls it",
+                                         triton_fp8_graph_ms=gtimes["triton_fp8"], flashmla_graph_ms=kgms,
+                                         ratio=ratio, target=FLASHMLA_BAR, met=ratio <= FLASHMLA_BAR))
+                        print(f"  {op} {shape}: FlashMLA bar in CUDA graphs: triton_fp8 / FlashMLA = {ratio:.2f}x "
+                              f"(target <= {FLASHMLA_BAR}x: {'met' if ratio <= FLASHMLA_BAR else 'missed'})")
+            if op == "decode_mla" and args.tiles == "card":
+                rows += peer_rows(op, shape, inputs, want, times, gtimes, args)
             if "torch" in times:
                 for b, ms in times.items():
                     if b != "torch":
                         rows.append(dict(op=op, shape=shape, backend=b, speedup_vs_torch=times["torch"] / ms))
                         print(f"  {op} {shape} {b:>22}: {times['torch'] / ms:7.1f}x torch")
-            fastest = min(times, key=times.get) if times else None
+            # Fastest-vs-default needs every backend: not asked in a --tiles run (Triton only).
+            fastest = min(times, key=times.get) if times and args.tiles == "card" else None
             default = cd.resolve(op, "cuda:0", registry=reg).backend
             if fastest:
                 rows.append(dict(op=op, shape=shape, fastest=fastest, default=default,
@@ -245,7 +309,7 @@ def run(args):
                 print(f"  {op} {shape}: fastest {fastest}, default {default} "
                       f"({times.get(default, math.inf) / times[fastest]:.2f}x the fastest)")
             # Inside CUDA graphs (how SGLang runs decode): the same question without launch overhead.
-            gfast = min(gtimes, key=gtimes.get) if gtimes else None
+            gfast = min(gtimes, key=gtimes.get) if gtimes and args.tiles == "card" else None
             if gfast and default in gtimes:
                 rows.append(dict(op=op, shape=shape, fastest_graph=gfast, default=default,
                                  default_over_fastest_graph=gtimes[default] / gtimes[gfast]))
@@ -264,28 +328,65 @@ def run(args):
             torch.cuda.empty_cache()
 
     meta = dict(facts, copy_gbps=bw, bf16_tflops=tflops, heads=H, availability=availability,
-                do_bench=dict(warmup_ms=args.warmup, rep_ms=args.rep, return_mode="median"))
+                do_bench=dict(warmup_ms=args.warmup, rep_ms=args.rep, return_mode="median"),
+                tiles=args.tiles, tiles_label=tiles_label, shared_limit=limit,
+                peer_max_tokens=args.peer_max_tokens)
     _write(args.out, meta, rows, tune_rows)
     return 0 if all(r.get("correct", True) and "error" not in r for r in rows) else 1
+
+
+def peer_rows(op, shape, inputs, want, times, gtimes, args):
+    """The SGLang peer's rows for one decode shape: timed (eager, and in CUDA graphs with
+    --graphs) after its output is checked against the reference, or why not."""
+    T = shape["tokens"]
+    base = dict(op=op, shape=shape, backend=PEER_NAME, not_a_backend=True)
+    if T > args.peer_max_tokens:
+        why = (f"not timed above --peer-max-tokens {args.peer_max_tokens} "
+               "(it took about 0.5 s a call at 4096 tokens on an H200)")
+        print(f"  {op} {shape} {PEER_NAME}: {why}")
+        return [dict(base, skipped=why)]
+    call, why = sglang_peer(inputs)
+    if call is None:
+        print(f"  {op} {shape} {PEER_NAME}: skipped: {why}")
+        return [dict(base, skipped=why)]
+    try:
+        o = call()[0]      # the output only: the lse conventions are the adapters'
+        ok, rel, _ = _check(op, (o,), want[:1])
+        ms = _bench(call, args.warmup, args.rep)
+        gms = _bench_graph(call, args.rep) if args.graphs else None
+    except Exception as exc:   # noqa: BLE001 - a failing peer is reported, the run goes on
+        print(f"  {op} {shape} {PEER_NAME}: FAILED {type(exc).__name__}: {exc}")
+        return [dict(base, peer_error=f"{type(exc).__name__}: {exc}")]
+    row = dict(base, ms=ms, graph_ms=gms, correct=ok, out_rel_err=rel,
+               tolerance="output relative error <= 1e-2 (Frobenius), the decode backends' bound; lse not compared")
+    ref_t = gtimes.get("triton_fp8") if gms is not None else times.get("triton_fp8")
+    if ref_t:
+        row["over_triton_fp8"] = (gms if gms is not None else ms) / ref_t
+    print(f"  {op} {shape} {PEER_NAME}: {ms:.4f} ms" + (f" (graph {gms:.4f})" if gms is not None else "")
+          + f" output correct={ok} (rel {rel:.1e}, bound 1e-2)"
+          + (f"; {row['over_triton_fp8']:.1f}x triton_fp8's time" if "over_triton_fp8" in row else ""))
+    return [row]
 
 
 def tune(op, inputs, shape, want, args):
     """Time the Triton backends with each launch configuration (others unchanged)."""
     from capdispatch.backends.decode_mla import triton_kernels as DK
-    from capdispatch.backends.sparse_prefill import triton_kernels as K
+    from capdispatch.backends.sparse_attention import kernels as K
+    from capdispatch.backends.sparse_prefill import triton_kernels as PK
     out = []
-    fns = [("triton", K.sparse_prefill)] if op == "sparse_prefill" else \
+    fns = [("triton", PK.sparse_prefill)] if op == "sparse_prefill" else \
         [("triton", DK.decode_mla_u8), ("triton_fp8", DK.decode_mla_fp8)]
     if args.tune_backends and op == "decode_mla":
         fns = [f for f in fns if f[0] in args.tune_backends]
-    saved = K._configs
+    saved = K.device_configs
     try:
         for name, fn in fns:
             best = None
             for cfg in TUNE_CONFIGS:
                 # Every call kind (prefill, decode, decode_split) gets this one configuration.
-                K._configs = lambda device, kind, tokens=None, cfg=cfg: (cfg,)
+                K.device_configs = lambda device, kind, tokens=None, cfg=cfg: (cfg,)
                 K.forget_plans()
+                PK.forget_plans()
                 DK.forget_plans()
                 try:
                     got = fn(*inputs)
@@ -307,8 +408,9 @@ def tune(op, inputs, shape, want, args):
                 print(f"  tune {op} {shape} {name}: best {best[1]} {best[0]:.4f} ms"
                       + (" (in graphs)" if args.graphs else ""))
     finally:
-        K._configs = saved
+        K.device_configs = saved
         K.forget_plans()
+        PK.forget_plans()
         DK.forget_plans()
     return out
 
@@ -317,23 +419,29 @@ def _fmt_shape(s):
     return ", ".join(f"{k}={v}" for k, v in s.items())
 
 
+def series(device: str, tiles: str) -> str:
+    """The results series of a run on DEVICE with --tiles TILES."""
+    slug = "".join(c if c.isalnum() else "_" for c in device).strip("_").lower()
+    return f"attention_{slug}{tile_modes.suffix(tiles)}"
+
+
 def _write(out_dir, meta, rows, tune_rows):
     os.makedirs(out_dir, exist_ok=True)
-    slug = "".join(c if c.isalnum() else "_" for c in meta["device"]).strip("_").lower()
+    name = series(meta["device"], meta.get("tiles", "card"))
     stamp = meta["date"].replace(":", "").replace("-", "")[:15]
-    archive_previous(out_dir, f"attention_{slug}")
-    base = os.path.join(out_dir, f"attention_{slug}_{stamp}")
+    archive_previous(out_dir, name)
+    base = os.path.join(out_dir, f"{name}_{stamp}")
     with open(base + ".json", "w") as f:
         json.dump(dict(meta=meta, results=rows, tune=tune_rows), f, indent=2)
     lines = [
-        f"# Attention ops on {meta['device']}",
+        f"# Attention ops on {meta['device']}" + (f": {meta['tiles_label']}" if meta.get("tiles", "card") != "card"
+                                                  else ""),
         "",
         f"- date: {meta['date']}; torch {meta['torch']}, triton {meta['triton']}, CUDA {meta['cuda']}, "
         f"cc {meta['compute_capability']}; seed {meta['seed']}; heads {meta['heads']}",
         f"- ceilings: copy {meta['copy_gbps']:.0f} GB/s (read+write), bf16 matmul {meta['bf16_tflops']:.0f} TFLOP/s",
         "- roofline time = max(bytes / copy bandwidth, FLOPs / matmul rate); timings: do_bench median",
-        "",
-    ]
+    ] + tile_modes.header_lines(meta.get("tiles", "card")) + [""]
     for op, avail in meta["availability"].items():
         lines.append(f"- {op}: " + "; ".join(f"{b} {'runs' if w is None else 'not runnable (' + w + ')'}"
                                                for b, w in avail.items()))
@@ -343,13 +451,17 @@ def _write(out_dir, meta, rows, tune_rows):
         if "ms" in r:
             g = f"{r['graph_ms']:.4f}" if r.get("graph_ms") is not None else "—"
             if r.get("not_a_backend"):   # a comparison row (output checked, lse not): no roofline
+                rel = f" (rel err {r['out_rel_err']:.1e})" if r.get("out_rel_err") is not None else ""
                 lines.append(f"| {r['op']} | {_fmt_shape(r['shape'])} | {r['backend']} | {r['ms']:.4f} | {g} "
-                             f"| | | output {r['correct']} |")
+                             f"| | | output {r['correct']}{rel} |")
                 continue
-            lines.append(f"| {r['op']} | {_fmt_shape(r['shape'])} | {r['backend']} | {r['ms']:.4f} | {g} | "
+            lines.append(f"| {r['op']} | {_fmt_shape(r['shape'])} | {_backend_cell(r)} | {r['ms']:.4f} | {g} | "
                          f"{100 * r['frac_roofline']:.1f} | {r['bound']} | {r['correct']} |")
-        elif "error" in r:
-            lines.append(f"| {r['op']} | {_fmt_shape(r['shape'])} | {r['backend']} | error | | | | {r['error']} |")
+        elif "error" in r or "peer_error" in r:
+            lines.append(f"| {r['op']} | {_fmt_shape(r['shape'])} | {_backend_cell(r)} | error | | | | "
+                         f"{r.get('error') or r.get('peer_error')} |")
+        elif "skipped" in r:
+            lines.append(f"| {r['op']} | {_fmt_shape(r['shape'])} | {r['backend']} | skipped | | | | {r['skipped']} |")
     sp = [r for r in rows if "speedup_vs_torch" in r]
     if sp:
         lines += ["", "| op | shape | backend | speedup vs torch |", "| --- | --- | --- | ---: |"]
@@ -366,6 +478,37 @@ def _write(out_dir, meta, rows, tune_rows):
                   "| --- | --- | --- | --- | ---: |"]
         lines += [f"| {r['op']} | {_fmt_shape(r['shape'])} | {r['fastest_graph']} | {r['default']} | "
                   f"{r['default_over_fastest_graph']:.2f} |" for r in fg]
+    bar = [r for r in rows if "bar" in r]
+    if bar:
+        lines += ["", f"The FlashMLA bar (target: triton_fp8 within {FLASHMLA_BAR}x of FlashMLA as SGLang calls it), "
+                  "in CUDA graphs:", "",
+                  "| op | shape | triton_fp8 graph ms | FlashMLA graph ms | triton_fp8 / FlashMLA | target met |",
+                  "| --- | --- | ---: | ---: | ---: | --- |"]
+        lines += [f"| {r['op']} | {_fmt_shape(r['shape'])} | {r['triton_fp8_graph_ms']:.4f} | "
+                  f"{r['flashmla_graph_ms']:.4f} | {r['ratio']:.2f}x | {'yes' if r['met'] else 'no'} |" for r in bar]
+    peer = [r for r in rows if r.get("backend") == PEER_NAME and "ms" in r]
+    if peer:
+        lines += ["", f"SGLang's own portable Triton decode ({SGLANG_PEER}, a library call; outputs checked "
+                  "against the reference first: relative error <= 1e-2, lse not compared; not timed above "
+                  f"--peer-max-tokens {meta.get('peer_max_tokens')}):", "",
+                  "| op | shape | ms | graph ms | output correct (rel err) | peer / triton_fp8 time |",
+                  "| --- | --- | ---: | ---: | --- | ---: |"]
+        lines += [f"| {r['op']} | {_fmt_shape(r['shape'])} | {r['ms']:.4f} | "
+                  + (f"{r['graph_ms']:.4f}" if r.get("graph_ms") is not None else "—")
+                  + f" | {r['correct']} ({r['out_rel_err']:.1e}) | "
+                  + (f"{r['over_triton_fp8']:.1f}x" if "over_triton_fp8" in r else "—") + " |" for r in peer]
+    ent = [r for r in rows if r.get("launches")]
+    if ent and meta.get("tiles", "card") != "card":
+        lines += ["", f"Launch-table entries ({meta['tiles_label']}; compiled on this GPU, at most "
+                  f"{meta['shared_limit']} B of shared memory per block):", "",
+                  "| op | shape | backend | kernel | entry | shared B | registers | spills B | ran |",
+                  "| --- | --- | --- | --- | --- | ---: | ---: | ---: | --- |"]
+        for r in ent:
+            for e in r["launches"]:
+                lines.append(f"| {r['op']} | {_fmt_shape(r['shape'])} | {r['backend']} | {e['kernel']} | "
+                             f"{tile_modes._entry(e['config'])} | {_num(e['shared_bytes'])} | "
+                             f"{_num(e['registers'])} | {_num(e['spills'])} | "
+                             f"{'yes' if e['fits'] else 'no: over the limit, skipped'} |")
     fs = [r for r in rows if "served_over_fastest_graph" in r]
     if fs:
         lines += ["", "The default as it runs in serving (on SM90 the SGLang adapter keeps SGLang's own "
@@ -388,7 +531,30 @@ def _write(out_dir, meta, rows, tune_rows):
     print(f"wrote {base}.json and {base}.md")
 
 
+def _num(v):
+    return "—" if v is None else str(v)
+
+
+def _backend_cell(r):
+    t = r.get("tiles")
+    return f"{r['backend']} ({t})" if t and t != tile_modes.label("card") else r["backend"]
+
+
+def parse_args(argv=None):
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.tiles != "card" and args.tune:
+        p.error("--tune sweeps its own configurations; run it without --tiles")
+    if args.peer_max_tokens < 0:
+        p.error(f"--peer-max-tokens must be >= 0, got {args.peer_max_tokens}")
+    return args
+
+
 def main(argv=None):
+    return run(parse_args(argv))
+
+
+def build_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ops", nargs="+", default=["sparse_prefill", "decode_mla"],
                    choices=("sparse_prefill", "decode_mla"))
@@ -404,7 +570,11 @@ def main(argv=None):
     p.add_argument("--rep", type=int, default=100, help="do_bench measuring time, ms")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--out", default=os.path.join("benchmarks", "results"))
-    return run(p.parse_args(argv))
+    tile_modes.add_argument(p)
+    p.add_argument("--peer-max-tokens", type=int, default=512, metavar="T",
+                   help="time SGLang's portable Triton decode only for decode shapes of at most T query tokens "
+                        "(default 512; it took about 0.5 s a call at 4096 tokens on an H200)")
+    return p
 
 
 if __name__ == "__main__":

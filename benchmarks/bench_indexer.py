@@ -24,6 +24,11 @@ On a CUDA GPU:
      1024-row chunk's index-K in float32 would take (the seed's OOM);
   4. writes indexer_<device>_<stamp>.json and .md into --out.
 
+With --tiles 99kb only the Triton backends are timed (the torch reference still checks
+them), with the launch-table entries and the shared-memory limit of the 99 KB cards
+(SM86, SM89, SM120; tile_modes.py); no memory measurement; the results are the series
+indexer_<device>_99kb.
+
 Without a GPU (or with --cpu-memory) it prints and writes item 3's accounting alone:
 the reference's step plan (query chunk, pages per step, accounted bytes) at 8k, 32k
 and 128k tokens, which is what bounds its peak memory on any device.
@@ -42,6 +47,7 @@ import sys
 
 from ceilings import bench as _bench, copy_bandwidth, describe, matmul_rate, run_facts  # noqa: E402 (the script's own folder)
 from results_dir import archive_previous  # noqa: E402 (the script's own folder)
+import tile_modes  # noqa: E402 (the script's own folder)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -52,6 +58,7 @@ from capdispatch.calibrate import inputs as CI  # noqa: E402 (after the path ins
 H, D, PAGE = CI.INDEXER_HEADS, CI.INDEXER_DIM, CI.INDEXER_PAGE
 REL_TOL = CI.INDEXER_REL_TOL
 BACKENDS = ("torch", "triton", "triton_u8", "tilelang", "deepgemm")
+TRITON_BACKENDS = ("triton", "triton_u8")   # capdispatch's Triton kernels: what --tiles changes
 DECODE = [(64, 1, 16384), (128, 1, 4096), (8, 1, 65536), (64, 2, 16384)]       # (B, next_n, context)
 PREFILL = [(8192, 0), (4096, 28672)]                                            # (rows, start)
 MEMORY_TOKENS = (8192, 32768)
@@ -222,6 +229,8 @@ def run(args):
         if fn is None:
             print(f"  {name}: not run ({why})")
     available = [n for n, (fn, _) in backends.items() if fn is not None]
+    timed = [n for n in available if args.tiles == "card" or n in TRITON_BACKENDS]
+    limit = tile_modes.target(args.tiles).shared_bytes if args.tiles != "card" else None
     gen = torch.Generator(device="cuda").manual_seed(seed)
     shapes = [("decode", s) for s in (DECODE[:2] if args.quick else DECODE)] + \
              [("prefill", s) for s in (PREFILL[:1] if args.quick else PREFILL)]
@@ -236,11 +245,18 @@ def run(args):
             if "torch" in available else None
         A = abs_sum(c) if want is not None else None
         times = {}
-        for name in available:
+        for name in timed:
             fn = backends[name][0]
             call = lambda: fn(c["q"], c["kv"], c["w"], c["ctx"], c["bt"], None, c["S"], False)  # noqa: E731
+            launches = []
             try:
-                got = call()
+                got, launches, err = tile_modes.checked(args.tiles, call)
+                launches = tile_modes.launch_rows(launches)
+                if launches:
+                    print(f"  {kind} {shape} {name} {tile_modes.label(args.tiles)}: "
+                          f"{tile_modes.describe(launches, limit)}")
+                if err is not None:
+                    raise err
                 torch.cuda.synchronize()
                 ok, err, ratio = (check(got, want, A, c["E"], c["S"], clean=name != "deepgemm")
                                   if want is not None else (None, None, None))
@@ -248,19 +264,22 @@ def run(args):
                 if name == "torch" and kind == "prefill" and shape[0] * c["S"] > (1 << 26) and args.quick:
                     ms = None
                 else:
-                    ms = _bench(call, args.warmup, args.rep)
+                    with tile_modes.timing(args.tiles):
+                        ms = _bench(call, args.warmup, args.rep)
             except Exception as exc:
                 print(f"  {kind} {shape} {name}: FAILED {type(exc).__name__}: {str(exc)[:300]}")
-                rows.append(dict(kind=kind, shape=list(shape), backend=name, error=f"{type(exc).__name__}: {exc}"[:500]))
+                rows.append(dict(kind=kind, shape=list(shape), backend=name, error=f"{type(exc).__name__}: {exc}"[:500],
+                                 launches=launches))
                 continue
             times[name] = ms
             rows.append(dict(kind=kind, shape=list(shape), backend=name, ms=ms, correct=ok, max_abs_err=err,
                              max_err_over_abs_sum=ratio, bytes=nbytes, flops=flops, roofline_ms=t_roof,
-                             bound=bound, frac_roofline=(t_roof / ms) if ms else None))
-            print(f"  {kind:>7} {str(shape):>18} {name:>9}: {ms if ms is None else round(ms, 4)} ms, "
+                             bound=bound, frac_roofline=(t_roof / ms) if ms else None, launches=launches))
+            tag = f" [{tile_modes.label(args.tiles)}]" if args.tiles != "card" else ""
+            print(f"  {kind:>7} {str(shape):>18} {name:>9}{tag}: {ms if ms is None else round(ms, 4)} ms, "
                   f"{100 * t_roof / ms if ms else float('nan'):5.1f}% of {bound} roofline, correct={ok} "
                   f"(max|err| {err}, /A {ratio})")
-        if times:
+        if times and args.tiles == "card":     # default vs fastest needs every backend
             fastest = min((t, n) for n, t in times.items() if t is not None)
             pick = default_pick([n for n in times if times[n] is not None], cc)
             ratio_pick = times[pick] / fastest[0] if pick else None
@@ -273,11 +292,12 @@ def run(args):
         torch.cuda.empty_cache()
 
     mem = gpu_memory(args.warmup, args.rep, MEMORY_TOKENS, gen, with_time=not args.quick) \
-        if not args.no_memory else []
+        if not args.no_memory and args.tiles == "card" else []
     meta = dict(facts, copy_gbps=gbps, matmul_tflops=tflops, matmul_dtype=mm_dtype,
                 not_run={n: why for n, (fn, why) in backends.items() if fn is None},
                 versions=_versions(), tolerance=f"|err| <= 2^-10 * A (abs-sum) at valid positions",
-                do_bench=dict(warmup_ms=args.warmup, rep_ms=args.rep, return_mode="median"))
+                do_bench=dict(warmup_ms=args.warmup, rep_ms=args.rep, return_mode="median"),
+                tiles=args.tiles, tiles_label=tile_modes.label(args.tiles), shared_limit=limit)
     _write(args.out, meta, rows, picks, accounting(), mem)
     bad = [r for r in rows if r.get("correct") is False or "error" in r]
     return 1 if bad else 0
@@ -294,16 +314,24 @@ def _versions():
     return out
 
 
+def series(device: str, tiles: str = "card") -> str:
+    """The results series of a run on DEVICE with --tiles TILES."""
+    slug = "".join(ch if ch.isalnum() else "_" for ch in device).strip("_").lower()
+    return f"indexer_{slug}{tile_modes.suffix(tiles)}"
+
+
 def _write(out_dir, meta, rows, picks, acc, mem=()):
     os.makedirs(out_dir, exist_ok=True)
-    slug = "".join(ch if ch.isalnum() else "_" for ch in meta["device"]).strip("_").lower()
+    tiles = meta.get("tiles", "card")
+    name = series(meta["device"], tiles)
     stamp = meta["date"].replace(":", "").replace("-", "")[:15]
-    archive_previous(out_dir, f"indexer_{slug}")
-    base = os.path.join(out_dir, f"indexer_{slug}_{stamp}")
+    archive_previous(out_dir, name)
+    base = os.path.join(out_dir, f"{name}_{stamp}")
     with open(base + ".json", "w") as f:
         json.dump(dict(meta=meta, results=rows, default_vs_fastest=picks, reference_memory=list(mem),
                        reference_accounting=acc), f, indent=2)
-    lines = [f"# Sparse indexer (fp8 paged MQA logits) on {meta['device']}", ""]
+    lines = [f"# Sparse indexer (fp8 paged MQA logits) on {meta['device']}"
+             + (f": {meta['tiles_label']}" if tiles != "card" else ""), ""] + tile_modes.header_lines(tiles)
     if rows:
         lines += [
             f"- date {meta['date']}; torch {meta['torch']}, triton {meta['triton']}, CUDA {meta['cuda']}, "
@@ -317,17 +345,30 @@ def _write(out_dir, meta, rows, picks, acc, mem=()):
         ]
         for r in rows:
             if "error" in r:
-                lines.append(f"| {r['kind']} | {r['shape']} | {r['backend']} | error | | | {r['error'][:80]} | |")
+                lines.append(f"| {r['kind']} | {r['shape']} | {_backend_cell(r['backend'], meta)} | error | | | "
+                             f"{r['error'][:80]} | |")
                 continue
             frac = f"{100 * r['frac_roofline']:.1f}" if r["frac_roofline"] else ""
             ms = f"{r['ms']:.4f}" if r["ms"] else ""
             ratio = f"{r['max_err_over_abs_sum']:.2g}" if r["max_err_over_abs_sum"] is not None else ""
-            lines.append(f"| {r['kind']} | {r['shape']} | {r['backend']} | {ms} | {frac} | {r['bound']} | "
+            lines.append(f"| {r['kind']} | {r['shape']} | {_backend_cell(r['backend'], meta)} | {ms} | {frac} | "
+                         f"{r['bound']} | "
                          f"{r['correct']} | {ratio} |")
-        lines += ["", "| kind | shape | fastest | default pick | default / fastest |", "| --- | --- | --- | --- | ---: |"]
+        if picks:
+            lines += ["", "| kind | shape | fastest | default pick | default / fastest |",
+                      "| --- | --- | --- | --- | ---: |"]
         for p in picks:
             lines.append(f"| {p['kind']} | {p['shape']} | {p['fastest']} | {p['default']} | "
                          f"{p['default_over_fastest']:.2f} |")
+    ent = [r for r in rows if r.get("launches")]
+    if ent and tiles != "card":
+        lines += ["", f"Launch-table entries ({meta['tiles_label']}; compiled on this GPU, at most "
+                  f"{meta['shared_limit']} B of shared memory per block):", "",
+                  "| kind | shape | backend | kernel | entry | shared B | registers | spills B | fits |",
+                  "| --- | --- | --- | --- | --- | ---: | ---: | ---: | --- |"]
+        lines += [f"| {r['kind']} | {r['shape']} | {r['backend']} | {e['kernel']} | {tile_modes._entry(e['config'])} | "
+                  f"{_num(e['shared_bytes'])} | {_num(e['registers'])} | {_num(e['spills'])} | "
+                  f"{'yes' if e['fits'] else 'no: the card fails here'} |" for r in ent for e in r["launches"]]
     if mem:
         lines += ["", "Torch reference memory (prefill, rows = tokens, context = tokens / 4):", "",
                   "| tokens | peak MiB | logits MiB | working set MiB | step plan MiB | within plan | ms |",
@@ -348,7 +389,15 @@ def _write(out_dir, meta, rows, picks, acc, mem=()):
     print(f"wrote {base}.json and {base}.md")
 
 
-def main(argv=None):
+def _num(v):
+    return "—" if v is None else str(v)
+
+
+def _backend_cell(name, meta):
+    return f"{name} ({meta['tiles_label']})" if meta.get("tiles", "card") != "card" else name
+
+
+def build_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
     p.add_argument("--copy-bytes", type=int, default=2 << 30)
@@ -359,7 +408,22 @@ def main(argv=None):
     p.add_argument("--no-memory", action="store_true", help="skip the reference memory measurement")
     p.add_argument("--cpu-memory", action="store_true", help="only the reference's memory accounting")
     p.add_argument("--out", default=os.path.join("benchmarks", "results"))
-    return run(p.parse_args(argv))
+    tile_modes.add_argument(p)
+    return p
+
+
+def parse_args(argv=None):
+    p = build_parser()
+    a = p.parse_args(argv)
+    if a.tiles != "card" and not any(b in TRITON_BACKENDS for b in a.backends):
+        p.error(f"--tiles {a.tiles} times the Triton backends ({', '.join(TRITON_BACKENDS)}); --backends names none")
+    if a.tiles != "card" and "torch" not in a.backends:
+        a.backends = ["torch"] + list(a.backends)     # the reference that checks them
+    return a
+
+
+def main(argv=None):
+    return run(parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,10 @@ What it does:
   3. times SGLang's dequantize_k_cache_paged_dsv4 side by side when importable;
   4. writes results JSON + markdown into --out (default benchmarks/results).
 
+With --tiles 99kb only the Triton backends run (the torch reference still checks them),
+with the launch-table entries and shared-memory limit of the 99 KB cards (SM86, SM89,
+SM120; tile_modes.py); the results are the series kv_cache_<device>_99kb.
+
 Bytes counted per token: quant reads 1024 (bf16 K) + 8 (int64 slot) and writes 584;
 dequant reads 584 + 8 and writes 1024.
 
@@ -28,6 +32,7 @@ import sys
 
 from ceilings import bench as _bench, copy_bandwidth, describe, run_facts  # noqa: E402 (the script's own folder)
 from results_dir import archive_previous  # noqa: E402 (the script's own folder)
+import tile_modes  # noqa: E402 (the script's own folder)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -38,6 +43,7 @@ from capdispatch.calibrate import inputs as CI  # noqa: E402 (after the path ins
 QUANT_BYTES_PER_TOKEN = 1024 + 8 + 584
 DEQUANT_BYTES_PER_TOKEN = 584 + 8 + 1024
 BACKENDS = ("torch", "triton_u8", "triton_fp8")
+TRITON_BACKENDS = ("triton_u8", "triton_fp8")   # capdispatch's Triton kernels: what --tiles changes
 
 
 def _ops(backend):
@@ -92,7 +98,12 @@ def run(args):
     print(f"copy bandwidth: {copy_gbps:.0f} GB/s (read+write, {args.copy_bytes / 2**30:.1f} GiB, {copy_ms:.3f} ms)")
 
     backends = [b for b in args.backends if not (b == "triton_fp8" and cc < (8, 9))]
-    sglang_fn, sglang_why = _sglang_dequant()
+    limit = None
+    if args.tiles != "card":
+        backends = [b for b in backends if b in TRITON_BACKENDS]
+        limit = tile_modes.target(args.tiles).shared_bytes
+        print(f"tiles: {tile_modes.label(args.tiles)} (at most {limit} B of shared memory per block)")
+    sglang_fn, sglang_why = _sglang_dequant() if args.tiles == "card" else (None, "not timed with --tiles")
     if sglang_fn is None:
         print(f"sglang dequant not timed: {sglang_why}")
 
@@ -112,22 +123,37 @@ def run(args):
         for backend in backends:
             quant, dequant = _ops(backend)
             pool.zero_()
-            quant(k, pool, loc, P)
-            ok_q = bool(torch.equal(pool, ref_pool))
+            _, lq, eq = tile_modes.checked(args.tiles, lambda: quant(k, pool, loc, P))
+            ok_q = eq is None and bool(torch.equal(pool, ref_pool))
             out.fill_(float("nan"))
-            dequant(ref_pool, loc, P, out=out)
-            ok_d = _same_bf16(out, ref_out)
+            _, ld, ed = tile_modes.checked(args.tiles, lambda: dequant(ref_pool, loc, P, out=out))
+            ok_d = ed is None and _same_bf16(out, ref_out)
+            launches = {"kv_quant": tile_modes.launch_rows(lq), "kv_dequant": tile_modes.launch_rows(ld)}
+            errors = {"kv_quant": eq, "kv_dequant": ed}
+            for op, ls in launches.items():
+                if ls:
+                    print(f"  {backend} {op} {tile_modes.label(args.tiles)}: {tile_modes.describe(ls, limit)}")
+            if eq is not None or ed is not None:
+                for op, e in errors.items():
+                    if e is not None:
+                        print(f"  n={n} {backend} {op}: FAILED {type(e).__name__}: {e}")
+                        rows.append(dict(tokens=n, slots=pattern, page_size=P, backend=backend, op=op,
+                                         error=f"{type(e).__name__}: {e}", correct=False, launches=launches[op]))
+                continue
             if not (ok_q and ok_d):
                 print(f"  {backend}: CORRECTNESS FAILURE n={n} quant_ok={ok_q} dequant_ok={ok_d}")
-            tq = _bench(lambda: quant(k, pool, loc, P), args.warmup, args.rep)
-            td = _bench(lambda: dequant(ref_pool, loc, P, out=out), args.warmup, args.rep)
+            with tile_modes.timing(args.tiles):
+                tq = _bench(lambda: quant(k, pool, loc, P), args.warmup, args.rep)
+                td = _bench(lambda: dequant(ref_pool, loc, P, out=out), args.warmup, args.rep)
             times[backend] = (tq, td)
             for op, ms, nbytes in (("kv_quant", tq, QUANT_BYTES_PER_TOKEN),
                                    ("kv_dequant", td, DEQUANT_BYTES_PER_TOKEN)):
                 gbps = n * nbytes / ms / 1e6
                 rows.append(dict(tokens=n, slots=pattern, page_size=P, backend=backend, op=op, ms=ms, gbps=gbps,
-                                 frac_copy=gbps / copy_gbps, correct=ok_q if op == "kv_quant" else ok_d))
-                print(f"  n={n:>8} {pattern:>6} {backend:>10} {op:>10}: {ms:8.4f} ms {gbps:7.0f} GB/s "
+                                 frac_copy=gbps / copy_gbps, correct=ok_q if op == "kv_quant" else ok_d,
+                                 launches=launches[op]))
+                tag = f" [{tile_modes.label(args.tiles)}]" if args.tiles != "card" else ""
+                print(f"  n={n:>8} {pattern:>6} {backend:>10}{tag} {op:>10}: {ms:8.4f} ms {gbps:7.0f} GB/s "
                       f"{100 * gbps / copy_gbps:5.1f}% of copy  correct={rows[-1]['correct']}")
         if sglang_fn is not None:
             try:
@@ -155,21 +181,29 @@ def run(args):
         bytes_per_token={"kv_quant": QUANT_BYTES_PER_TOKEN, "kv_dequant": DEQUANT_BYTES_PER_TOKEN},
         sglang=None if sglang_fn is not None else sglang_why,
         do_bench=dict(warmup_ms=args.warmup, rep_ms=args.rep, return_mode="median"),
+        tiles=args.tiles, tiles_label=tile_modes.label(args.tiles), shared_limit=limit,
     )
     _write(args.out, meta, rows)
     return 0 if all(r.get("correct", True) for r in rows) else 1
 
 
+def series(device: str, tiles: str = "card") -> str:
+    """The results series of a run on DEVICE with --tiles TILES."""
+    slug = "".join(c if c.isalnum() else "_" for c in device).strip("_").lower()
+    return f"kv_cache_{slug}{tile_modes.suffix(tiles)}"
+
+
 def _write(out_dir, meta, rows):
     os.makedirs(out_dir, exist_ok=True)
-    slug = "".join(c if c.isalnum() else "_" for c in meta["device"]).strip("_").lower()
+    tiles = meta.get("tiles", "card")
+    name = series(meta["device"], tiles)
     stamp = meta["date"].replace(":", "").replace("-", "")[:15]
-    archive_previous(out_dir, f"kv_cache_{slug}")
-    base = os.path.join(out_dir, f"kv_cache_{slug}_{stamp}")
+    archive_previous(out_dir, name)
+    base = os.path.join(out_dir, f"{name}_{stamp}")
     with open(base + ".json", "w") as f:
         json.dump(dict(meta=meta, results=rows), f, indent=2)
     lines = [
-        f"# KV-cache kernels on {meta['device']}",
+        f"# KV-cache kernels on {meta['device']}" + (f": {meta['tiles_label']}" if tiles != "card" else ""),
         "",
         f"- date: {meta['date']}; torch {meta['torch']}, triton {meta['triton']}, CUDA {meta['cuda']}, "
         f"cc {meta['compute_capability']}; seed {meta['seed']}; page size {meta['page_size']}",
@@ -177,6 +211,7 @@ def _write(out_dir, meta, rows):
         f"- bytes/token: quant {QUANT_BYTES_PER_TOKEN}, dequant {DEQUANT_BYTES_PER_TOKEN}; "
         "timings: triton.testing.do_bench median",
         f"- sglang: {'timed' if meta['sglang'] is None else 'not timed (' + meta['sglang'] + ')'}",
+    ] + tile_modes.header_lines(tiles) + [
         "",
         "| tokens | slots | op | backend | ms | GB/s | % of copy | correct |",
         "| ---: | --- | --- | --- | ---: | ---: | ---: | --- |",
@@ -184,18 +219,41 @@ def _write(out_dir, meta, rows):
     for r in rows:
         if "ratio" in r:
             continue
-        lines.append(f"| {r['tokens']} | {r['slots']} | {r['op']} | {r['backend']} | {r['ms']:.4f} | {r['gbps']:.0f} | "
+        if "error" in r:
+            lines.append(f"| {r['tokens']} | {r['slots']} | {r['op']} | {_backend_cell(r['backend'], meta)} | error | | | "
+                         f"{r['error']} |")
+            continue
+        lines.append(f"| {r['tokens']} | {r['slots']} | {r['op']} | {_backend_cell(r['backend'], meta)} | {r['ms']:.4f} | "
+                     f"{r['gbps']:.0f} | "
                      f"{100 * r['frac_copy']:.1f} | {r['correct']} |")
     ratios = [r for r in rows if "ratio" in r]
     if ratios:
         lines += ["", "| tokens | slots | op | time triton_u8 / triton_fp8 |", "| ---: | --- | --- | ---: |"]
         lines += [f"| {r['tokens']} | {r['slots']} | {r['op']} | {r['ratio']:.3f} |" for r in ratios]
+    ent = [r for r in rows if r.get("launches")]
+    if ent and tiles != "card":
+        lines += ["", f"Launch-table entries ({meta['tiles_label']}; compiled on this GPU, at most "
+                  f"{meta['shared_limit']} B of shared memory per block):", "",
+                  "| tokens | slots | op | backend | kernel | entry | shared B | registers | spills B | fits |",
+                  "| ---: | --- | --- | --- | --- | --- | ---: | ---: | ---: | --- |"]
+        lines += [f"| {r['tokens']} | {r['slots']} | {r['op']} | {r['backend']} | {e['kernel']} | "
+                  f"{tile_modes._entry(e['config'])} | {_num(e['shared_bytes'])} | {_num(e['registers'])} | "
+                  f"{_num(e['spills'])} | {'yes' if e['fits'] else 'no: the card fails here'} |"
+                  for r in ent for e in r["launches"]]
     with open(base + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print(f"wrote {base}.json and {base}.md")
 
 
-def main(argv=None):
+def _num(v):
+    return "—" if v is None else str(v)
+
+
+def _backend_cell(name, meta):
+    return f"{name} ({meta['tiles_label']})" if meta.get("tiles", "card") != "card" else name
+
+
+def build_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, nargs="+", default=[262144, 1048576])
     p.add_argument("--page-size", type=int, default=256)
@@ -206,7 +264,20 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--slots", nargs="+", default=["random", "paged"], choices=("random", "paged"))
     p.add_argument("--out", default=os.path.join("benchmarks", "results"))
-    return run(p.parse_args(argv))
+    tile_modes.add_argument(p)
+    return p
+
+
+def parse_args(argv=None):
+    p = build_parser()
+    a = p.parse_args(argv)
+    if a.tiles != "card" and not any(b in TRITON_BACKENDS for b in a.backends):
+        p.error(f"--tiles {a.tiles} times the Triton backends ({', '.join(TRITON_BACKENDS)}); --backends names none")
+    return a
+
+
+def main(argv=None):
+    return run(parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -26,6 +26,11 @@ time it is used; ``--build-flashinfer-jit`` only builds it (timed, for running
 detached ahead of the benchmark); when the module is not built yet and
 ``--allow-jit`` is not given the backend is skipped with the reason.
 
+With ``--tiles 99kb`` only ``triton_w4a16`` runs, with the tiles and the shared-memory
+limit of the 99 KB cards (SM86, SM89, SM120; tile_modes.py): a kernel whose compiled
+form needs more than 101376 B fails as it would there; the results are the series
+``moe_<gpu>_99kb``.
+
 Importable without a GPU; it needs CUDA only when run.
 """
 from __future__ import annotations
@@ -41,6 +46,7 @@ import time
 
 from ceilings import bench as _bench, copy_bandwidth, matmul_rate  # noqa: E402 (the script's own folder)
 from results_dir import archive_previous  # noqa: E402 (the script's own folder)
+import tile_modes  # noqa: E402 (the script's own folder)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -130,7 +136,7 @@ def _available(name, allow_jit):
     return False, f"{name} not benchmarked here"
 
 
-def run(tokens, backends, out_dir, allow_jit, seed):
+def run(tokens, backends, out_dir, allow_jit, seed, tiles="card"):
     import torch
     import triton
 
@@ -167,6 +173,7 @@ def run(tokens, backends, out_dir, allow_jit, seed):
             print(f"[moe] skip {name}: {skipped[name]}", flush=True)
 
     rows = []
+    limit = tile_modes.target(tiles).shared_bytes if tiles != "card" else None
     for T in tokens:
         x = torch.randn(T, H, generator=gen).bfloat16().cuda()
         tw, ids = R.random_routing(T, TOPK, E, gen=gen, device="cuda")
@@ -180,15 +187,25 @@ def run(tokens, backends, out_dir, allow_jit, seed):
                "bound_by": "bytes" if t_bw >= t_fl else "flops", "backends": {}}
         for name, fn in fns.items():
             w = prepared[name][0]
-            got = fn(x, w, tw, ids)
+            got, launches, err = tile_modes.checked(tiles, lambda: fn(x, w, tw, ids))
+            launches = tile_modes.launch_rows(launches)
+            if launches:
+                print(f"[moe] T={T:5d} {name} {tile_modes.label(tiles)}: {tile_modes.describe(launches, limit)}",
+                      flush=True)
+            if err is not None:
+                row["backends"][name] = {"error": f"{type(err).__name__}: {err}", "ok": False, "launches": launches}
+                print(f"[moe] T={T:5d} {name:26s} FAILED {type(err).__name__}: {err}", flush=True)
+                continue
             nrm = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
             ok = bool(torch.isfinite(got).all()) and nrm <= TOL_NORM
-            ms = _bench(lambda: fn(x, w, tw, ids), rep=100 if name == "torch" else 200)
-            row["backends"][name] = {"ms": ms, "norm_rel_err": nrm, "ok": ok,
+            with tile_modes.timing(tiles):
+                ms = _bench(lambda: fn(x, w, tw, ids), rep=100 if name == "torch" else 200)
+            row["backends"][name] = {"ms": ms, "norm_rel_err": nrm, "ok": ok, "launches": launches,
                                      "fraction_of_roofline": bound / ms,
                                      "effective_GBps": nbytes / ms / 1e6,
                                      "TFLOPs": flops / ms / 1e9}
-            print(f"[moe] T={T:5d} {name:26s} {ms * 1e3:10.1f} us  {100 * bound / ms:5.1f}% of roofline "
+            tag = f" [{tile_modes.label(tiles)}]" if tiles != "card" else ""
+            print(f"[moe] T={T:5d} {name:26s}{tag} {ms * 1e3:10.1f} us  {100 * bound / ms:5.1f}% of roofline "
                   f"({row['bound_by']})  err {nrm:.2e}{'' if ok else '  FAILED CHECK'}", flush=True)
         rows.append(row)
 
@@ -197,7 +214,8 @@ def run(tokens, backends, out_dir, allow_jit, seed):
             "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "seed": seed,
             "shape": {"E": E, "H": H, "I": I, "topk": TOPK, "swiglu_limit": SWIGLU_LIMIT},
             "packed_bytes_per_expert": per_expert, "copy_GBps": bw, "bf16_TFLOPs": rate,
-            "prepare_seconds": {k: v[1] for k, v in prepared.items()}, "skipped": skipped}
+            "prepare_seconds": {k: v[1] for k, v in prepared.items()}, "skipped": skipped,
+            "tiles": tiles, "tiles_label": tile_modes.label(tiles), "shared_limit": limit}
     try:
         import flashinfer
         meta["flashinfer"] = flashinfer.__version__
@@ -211,22 +229,40 @@ def to_markdown(res):
     names = sorted({n for r in res["rows"] for n in r["backends"]},
                    key=lambda n: ["triton_w4a16", "flashinfer_cutlass_w4a16", "marlin_w4a16", "torch"].index(n)
                    if n in ("triton_w4a16", "flashinfer_cutlass_w4a16", "marlin_w4a16", "torch") else 9)
-    out = [f"# MoE (DeepSeek-V4 routed experts) on {m['device']}", "",
+    tiles = m.get("tiles", "card")
+    out = [f"# MoE (DeepSeek-V4 routed experts) on {m['device']}"
+           + (f": {m['tiles_label']}" if tiles != "card" else ""), ""] + tile_modes.header_lines(tiles) + [
+           "" if tiles != "card" else None,
            f"{m['date_utc']}; torch {m['torch']}, Triton {m['triton']}, CUDA {m['cuda']}"
            + (f", FlashInfer {m['flashinfer']}" if "flashinfer" in m else "") + f"; seed {m['seed']}.", "",
            f"E={m['shape']['E']}, H={m['shape']['H']}, I={m['shape']['I']}, top-k {m['shape']['topk']}, "
            f"{m['packed_bytes_per_expert']} B per expert (packed MXFP4 + E8M0). Ceilings: copy "
            f"{m['copy_GBps']:.0f} GB/s, bf16 matmul {m['bf16_TFLOPs']:.0f} TFLOP/s.", "",
-           "| tokens | experts | roofline (us) | bound | " + " | ".join(f"{n} us (% roofline)" for n in names) + " |",
+           "| tokens | experts | roofline (us) | bound | "
+           + " | ".join(f"{n}{' (' + m['tiles_label'] + ')' if tiles != 'card' else ''} us (% roofline)" for n in names)
+           + " |",
            "| ---: | ---: | ---: | --- | " + " | ".join("---:" for _ in names) + " |"]
+    out = [line for line in out if line is not None]
     for r in res["rows"]:
         cells = []
         for n in names:
             b = r["backends"].get(n)
+            if b is not None and "error" in b:
+                cells.append(f"error: {b['error']}")
+                continue
             cells.append("—" if b is None else f"{b['ms'] * 1e3:.1f} ({100 * b['fraction_of_roofline']:.1f}%)"
                          + ("" if b["ok"] else " FAIL"))
         out.append(f"| {r['tokens']} | {r['experts_touched']} | {r['roofline_ms'] * 1e3:.1f} | {r['bound_by']} | "
                    + " | ".join(cells) + " |")
+    ent = [(r["tokens"], n, e) for r in res["rows"] for n, b in r["backends"].items() for e in b.get("launches") or ()]
+    if ent and tiles != "card":
+        out += ["", f"Launch-table entries ({m['tiles_label']}; compiled on this GPU, at most {m['shared_limit']} B "
+                "of shared memory per block):", "",
+                "| tokens | backend | kernel | entry | shared B | registers | spills B | fits |",
+                "| ---: | --- | --- | --- | ---: | ---: | ---: | --- |"]
+        out += [f"| {t} | {n} | {e['kernel']} | {tile_modes._entry(e['config'])} | {_num(e['shared_bytes'])} | "
+                f"{_num(e['registers'])} | {_num(e['spills'])} | {'yes' if e['fits'] else 'no: the card fails here'} |"
+                for t, n, e in ent]
     if m["skipped"]:
         out += ["", "Skipped:"] + [f"- `{k}`: {v}" for k, v in m["skipped"].items()]
     out += ["", "Every timed backend was checked against the torch reference on the same inputs first "
@@ -234,7 +270,16 @@ def to_markdown(res):
     return "\n".join(out) + "\n"
 
 
-def main(argv=None):
+def _num(v):
+    return "—" if v is None else str(v)
+
+
+def series(device: str, tiles: str) -> str:
+    """The results series of a run on DEVICE with --tiles TILES."""
+    return f"moe_{device.lower().replace(' ', '_')}{tile_modes.suffix(tiles)}"
+
+
+def build_parser():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=list(DEFAULT_TOKENS))
     ap.add_argument("--backends", nargs="+", default=list(DEFAULT_BACKENDS))
@@ -242,7 +287,22 @@ def main(argv=None):
     ap.add_argument("--allow-jit", action="store_true", help="let FlashInfer JIT-build inside the benchmark")
     ap.add_argument("--build-flashinfer-jit", action="store_true", help="only build FlashInfer's MoE module")
     ap.add_argument("--seed", type=int, default=None)
+    tile_modes.add_argument(ap)
+    return ap
+
+
+def parse_args(argv=None):
+    ap = build_parser()
     a = ap.parse_args(argv)
+    if a.tiles != "card":     # only capdispatch's Triton MoE has a launch table
+        a.backends = [b for b in a.backends if b == "triton_w4a16"]
+        if not a.backends:
+            ap.error("--tiles 99kb times triton_w4a16 only; --backends does not name it")
+    return a
+
+
+def main(argv=None):
+    a = parse_args(argv)
     import torch
     if not torch.cuda.is_available():
         print("bench_moe.py needs a CUDA device", file=sys.stderr)
@@ -255,11 +315,11 @@ def main(argv=None):
             json.dump(info, f, indent=1)
         return 0
     seed = a.seed if a.seed is not None else random.SystemRandom().randrange(2**31)
-    res = run(a.tokens, a.backends, a.out, a.allow_jit, seed)
-    gpu = res["meta"]["device"].lower().replace(" ", "_")
+    res = run(a.tokens, a.backends, a.out, a.allow_jit, seed, a.tiles)
+    name = series(res["meta"]["device"], a.tiles)
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S")
-    archive_previous(a.out, f"moe_{gpu}")
-    base = os.path.join(a.out, f"moe_{gpu}_{stamp}")
+    archive_previous(a.out, name)
+    base = os.path.join(a.out, f"{name}_{stamp}")
     with open(base + ".json", "w") as f:
         json.dump(res, f, indent=1)
     with open(base + ".md", "w") as f:

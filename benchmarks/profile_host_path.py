@@ -197,7 +197,7 @@ def case_inputs(case, gen):
 def split_plan(n):
     """Make the decode split-K plan N on the CPU, as a GPU plans a 1-token, 64-head call."""
     from capdispatch.backends.decode_mla import triton_kernels as D
-    from capdispatch.backends.sparse_prefill import triton_kernels as K
+    from capdispatch.backends.sparse_attention import kernels as K
     orig = K.decode_splits
 
     def splits(device, T, H, total, block_h=32, block_n=32):
@@ -213,12 +213,7 @@ def split_plan(n):
 
 def _forget_plans(module):
     """Drop the decode launch plans made so far (they hold the split decision)."""
-    for name in ("_splits",):
-        getattr(module, name, {}).clear()
-    for name in ("decode_mla_fp8", "decode_mla_u8"):
-        plans = getattr(getattr(module, name), "plans", None)
-        if plans is not None:
-            plans.clear()
+    module.forget_plans()
 
 
 # --------------------------------------------------------------------------- #

@@ -8,11 +8,16 @@
 #   probe     every module SGLang's MoE import chain lacks here (probe_imports.py)
 #   calibrate `dispatch bench --write-policy` over every op (issue 14), policy into $OUT
 #   measure   bench_calibrated.py under that policy (issue 14)
-#   kernels   bench_attention (CUDA graphs), bench_moe, bench_indexer, bench_kv_cache (issue 15)
+#   kernels   the kernel benchmarks (bench_attention.py --graphs, bench_moe.py, bench_indexer.py,
+#             bench_kv_cache.py), each run twice: with this card's own launch tables, then with
+#             --tiles 99kb (the entries and shared-memory limit of SM86/SM89/SM120)
+#   kernels-99kb  only the --tiles 99kb pass of the kernels step
 # The packed site folders (.site/*.tar.xz, from pack_site_bundle.sh) or the wheel folders
 # carried with the call (.whl-indexer, .whl-z3, .whl-fm, .whl-sg) are installed into one
 # site folder, once per machine; TESTS narrows the test selection (default: tests/);
-# VERIFY_ARGS, OVERHEAD_ARGS and ROUTE_ARGS go to the benchmarks, *_LIMIT bound each step.
+# VERIFY_ARGS, OVERHEAD_ARGS, ROUTE_ARGS, CALIBRATE_ARGS, MEASURE_ARGS, ATTENTION_ARGS,
+# MOE_ARGS, INDEXER_ARGS and KV_ARGS go to the benchmarks, *_LIMIT bound each step (each
+# pass of the kernels step).
 # tests/test_sglang_call_sites_gpu.py needs SGLang and sgl-flash-mla installed in the same run
 # (it compares the routed call sites with SGLang's own FlashMLA); without either it skips.
 set -u
@@ -38,6 +43,13 @@ done
 # The tree first: a later call's working tree wins over the copy installed for its entry point.
 export PYTHONPATH=$PWD:$SITE
 step() { local t=$1; shift; echo "=== $* (limit ${t}s) $(date -u +%T)" | tee -a "$LOG"; timeout "$t" "$@" 2>&1 | tee -a "$LOG" | tail -${TAIL:-30}; }
+# One pass of the kernel benchmarks; $1: the --tiles value (card or 99kb).
+kernel_pass() {
+  step ${ATTENTION_LIMIT:-400} python3 benchmarks/bench_attention.py --graphs --tiles "$1" --out "$OUT" ${ATTENTION_ARGS:-}
+  step ${MOE_LIMIT:-200} python3 benchmarks/bench_moe.py --tiles "$1" --out "$OUT" ${MOE_ARGS:-}
+  step ${INDEXER_LIMIT:-200} python3 benchmarks/bench_indexer.py --tiles "$1" --out "$OUT" ${INDEXER_ARGS:-}
+  step ${KV_LIMIT:-120} python3 benchmarks/bench_kv_cache.py --tiles "$1" --out "$OUT" ${KV_ARGS:-}
+}
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader | tee -a "$LOG"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$LOG"
 step 60 python3 -m capdispatch explain --device cuda:0 --brief
@@ -58,10 +70,8 @@ for s in "$@"; do
                step 30 python3 -m capdispatch explain --device cuda:0 --policy "$OUT/h200.yaml" --brief ;;
     measure)  step ${MEASURE_LIMIT:-300} python3 benchmarks/bench_calibrated.py --policy "$OUT/h200.yaml" \
                 --out "$OUT" ${MEASURE_ARGS:-} ;;
-    kernels)  step ${KERNELS_LIMIT:-150} python3 benchmarks/bench_attention.py --graphs --out "$OUT" ${ATTN_ARGS:-}
-              step ${KERNELS_LIMIT:-150} python3 benchmarks/bench_moe.py --out "$OUT" ${MOE_ARGS:-}
-              step ${KERNELS_LIMIT:-150} python3 benchmarks/bench_indexer.py --out "$OUT" ${INDEXER_ARGS:-}
-              step ${KERNELS_LIMIT:-150} python3 benchmarks/bench_kv_cache.py --out "$OUT" ${KV_ARGS:-} ;;
+    kernels)  kernel_pass card; kernel_pass 99kb ;;
+    kernels-99kb) kernel_pass 99kb ;;
     *) echo "unknown step $s" ;;
   esac
 done

@@ -158,3 +158,137 @@ def test_overhead_bench_measures_the_bucket_dispatcher(tmp_path):
     assert b["op"] == "kv_dequant" and b["small"] != b["big"] and b["dispatcher_us"] > 0 and b["direct_us"] > 0
     md = js.with_suffix(".md").read_text()
     assert "Size-bucket dispatcher" in md and f"<=16: {b['small']}, else {b['big']}" in md
+
+
+def test_tiles_option_parses_and_names_its_own_series(tmp_path):
+    """--tiles: card (default) or 99kb; a 99kb run keeps only the Triton backends and is a
+    results series of its own (results_dir parses it apart from the card's own series)."""
+    out = _run("""
+        import bench_attention as A, bench_indexer as I, bench_kv_cache as KV, bench_moe as M
+        import results_dir as RD, tile_modes as T
+        assert A.parse_args([]).tiles == "card" and A.parse_args([]).peer_max_tokens == 512
+        a = A.parse_args(["--tiles", "99kb", "--graphs", "--peer-max-tokens", "32"])
+        assert (a.tiles, a.peer_max_tokens) == ("99kb", 32)
+        for bad in (["--tiles", "88kb"], ["--tiles", "99kb", "--tune"], ["--peer-max-tokens", "-1"]):
+            try:
+                A.parse_args(bad)
+            except SystemExit as e:
+                assert e.code == 2, bad
+            else:
+                raise AssertionError(bad)
+        assert M.parse_args(["--tiles", "99kb"]).backends == ["triton_w4a16"]
+        assert M.parse_args([]).backends == list(M.DEFAULT_BACKENDS)
+        i = I.parse_args(["--tiles", "99kb", "--backends", "triton"])
+        assert i.backends == ["torch", "triton"], i.backends     # the reference that checks it
+        assert KV.parse_args(["--tiles", "99kb"]).tiles == "99kb"
+        dev = "NVIDIA H200"
+        for fn, kind in ((A.series, "attention"), (M.series, "moe"), (I.series, "indexer"), (KV.series, "kv_cache")):
+            own, small = fn(dev, "card"), fn(dev, "99kb")
+            assert own == kind + "_nvidia_h200" and small == own + "_99kb", (own, small)
+            assert RD.parse_run(small + "_20261202T020000.json") == (small, "20261202T020000")
+        t = T.target("99kb")
+        assert (t.capability, t.shared_bytes) == ((8, 6), 101376) and T.target("card") is None
+        assert T.label("99kb") == "99 KB tiles (as sm_86/sm_89/sm_120 get them)"
+        print("ok")
+    """, tmp_path)
+    assert "ok" in out
+
+
+def test_attention_99kb_report(tmp_path):
+    """A 99kb attention report: its own file name, the label on every row, the entry that ran
+    and the one skipped with their compiled facts."""
+    out = _run(f"""
+        import os
+        import bench_attention as B, tile_modes as T
+        meta = dict(device="NVIDIA H200", date="2026-12-02T02:00:00+00:00", torch="2.11", triton="3.6",
+                    cuda="13.0", compute_capability="9.0", seed=1, heads=64, copy_gbps=4273.0,
+                    bf16_tflops=709.0, availability={{"decode_mla": {{"triton_fp8": None}}}},
+                    tiles="99kb", tiles_label=T.LABEL_99KB, shared_limit=101376, peer_max_tokens=512)
+        launches = [dict(kernel="_sparse_mla_kernel", config=dict(BLOCK_H=32, BLOCK_N=16, num_warps=8, num_stages=1),
+                         shared_bytes=140000, registers=255, spills=0, fits=False),
+                    dict(kernel="_sparse_mla_kernel", config=dict(BLOCK_H=16, BLOCK_N=16, num_warps=4, num_stages=1),
+                         shared_bytes=50000, registers=168, spills=0, fits=True)]
+        rows = [dict(op="decode_mla", shape=dict(tokens=4096), backend="triton_fp8", ms=9.0, graph_ms=8.9,
+                     correct=True, frac_roofline=0.05, bound="compute", tiles=T.LABEL_99KB, launches=launches)]
+        B._write({str(tmp_path)!r}, meta, rows, [])
+        names = sorted(os.listdir({str(tmp_path)!r}))
+        assert names == ["attention_nvidia_h200_99kb_20261202T020000.json",
+                         "attention_nvidia_h200_99kb_20261202T020000.md"], names
+        print(open(os.path.join({str(tmp_path)!r}, names[1])).read())
+        print("DESCRIBE", T.describe(T.launch_rows([]) or launches, 101376))
+    """, tmp_path)
+    assert "# Attention ops on NVIDIA H200: 99 KB tiles (as sm_86/sm_89/sm_120 get them)" in out
+    assert "| decode_mla | tokens=4096 | triton_fp8 (99 KB tiles (as sm_86/sm_89/sm_120 get them)) | 9.0000 |" in out
+    assert ("| decode_mla | tokens=4096 | triton_fp8 | _sparse_mla_kernel | BLOCK_H=32 BLOCK_N=16 num_warps=8 "
+            "num_stages=1 | 140000 | 255 | 0 | no: over the limit, skipped |") in out
+    assert "| 50000 | 168 | 0 | yes |" in out
+    assert "skipped (over 101376 B)" in out and ": ran" in out
+
+
+def test_attention_report_has_the_flashmla_bar_and_the_sglang_peer(tmp_path):
+    out = _run(f"""
+        import os
+        import bench_attention as B
+        meta = dict(device="NVIDIA H200", date="2026-12-02T02:00:00+00:00", torch="2.11", triton="3.6",
+                    cuda="13.0", compute_capability="9.0", seed=1, heads=64, copy_gbps=4273.0,
+                    bf16_tflops=709.0, availability={{"decode_mla": {{"triton_fp8": None}}}}, peer_max_tokens=512)
+        s1, s4k = dict(tokens=1), dict(tokens=4096)
+        rows = [dict(op="decode_mla", shape=s1, bar="x", triton_fp8_graph_ms=0.021, flashmla_graph_ms=0.0175,
+                     ratio=0.021 / 0.0175, target=1.2, met=True),
+                dict(op="decode_mla", shape=s1, backend=B.PEER_NAME, not_a_backend=True, ms=0.31, graph_ms=0.303,
+                     correct=True, out_rel_err=2.5e-3, over_triton_fp8=14.4),
+                dict(op="decode_mla", shape=s4k, backend=B.PEER_NAME, not_a_backend=True,
+                     skipped="not timed above --peer-max-tokens 512")]
+        B._write({str(tmp_path)!r}, meta, rows, [])
+        md = [f for f in os.listdir({str(tmp_path)!r}) if f.endswith(".md")][0]
+        assert md.startswith("attention_nvidia_h200_2026"), md
+        print(open(os.path.join({str(tmp_path)!r}, md)).read())
+    """, tmp_path)
+    assert "| decode_mla | tokens=1 | 0.0210 | 0.0175 | 1.20x | yes |" in out
+    assert "| decode_mla | tokens=1 | 0.3100 | 0.3030 | True (2.5e-03) | 14.4x |" in out
+    assert "skipped | | | | not timed above --peer-max-tokens 512 |" in out
+
+
+def test_99kb_reports_of_moe_indexer_kv_cache(tmp_path):
+    """The other three kernel benchmarks' 99kb reports: their own series, the label on the
+    rows, the entries with their facts, and a kernel over the limit shown as the card's failure."""
+    out = _run(f"""
+        import os
+        import bench_indexer as I, bench_kv_cache as KV, bench_moe as M, tile_modes as T
+        d = {str(tmp_path)!r}
+        ok = dict(kernel="_k", config=dict(BLOCK=64, num_warps=4), shared_bytes=32768, registers=80, spills=0, fits=True)
+        over = dict(kernel="_k", config=dict(BM=128, num_warps=8), shared_bytes=110592, registers=None, spills=None,
+                    fits=False)
+        common = dict(device="NVIDIA H200", date="2026-12-02T02:00:00+00:00", torch="2.11", triton="3.6", cuda="13.0",
+                      compute_capability="9.0", seed=1, tiles="99kb", tiles_label=T.LABEL_99KB, shared_limit=101376)
+        I._write(d, dict(common, versions={{}}, copy_gbps=4000.0, matmul_tflops=1500.0, matmul_dtype="fp8",
+                         not_run={{}}, tolerance="t"),
+                 [dict(kind="decode", shape=[64, 1, 16384], backend="triton", ms=0.08, correct=True, max_abs_err=0.0,
+                       max_err_over_abs_sum=0.0, bytes=1, flops=1, roofline_ms=0.02, bound="memory",
+                       frac_roofline=0.25, launches=[ok]),
+                  dict(kind="prefill", shape=[4096, 28672], backend="triton_u8", error="OutOfResources: x",
+                       launches=[over])], [], I.accounting())
+        KV._write(d, dict(common, page_size=256, copy_gbps=4000.0, sglang="not timed with --tiles"),
+                  [dict(tokens=262144, slots="random", page_size=256, backend="triton_fp8", op="kv_quant", ms=0.1,
+                        gbps=3500.0, frac_copy=0.87, correct=True, launches=[ok]),
+                   dict(tokens=262144, slots="random", page_size=256, backend="triton_u8", op="kv_dequant",
+                        error="OutOfResources: x", correct=False, launches=[over])])
+        res = dict(meta=dict(device="NVIDIA H200", date_utc="x", torch="t", triton="3", cuda="13", seed=1,
+                             shape=dict(E=64, H=4096, I=2048, topk=6), packed_bytes_per_expert=5, copy_GBps=1.0,
+                             bf16_TFLOPs=2.0, skipped={{}}, tiles="99kb", tiles_label=T.LABEL_99KB, shared_limit=101376),
+                   rows=[dict(tokens=4096, experts_touched=64, roofline_ms=1.0, bound_by="flops",
+                              backends=dict(triton_w4a16=dict(error="OutOfResources: x", ok=False, launches=[over])))])
+        open(os.path.join(d, "moe.md"), "w").write(M.to_markdown(res))
+        for n in sorted(os.listdir(d)):
+            if n.endswith(".md"):
+                print("FILE", n)
+                print(open(os.path.join(d, n)).read())
+    """, tmp_path)
+    assert "FILE indexer_nvidia_h200_99kb_20261202T020000.md" in out
+    assert "FILE kv_cache_nvidia_h200_99kb_20261202T020000.md" in out
+    label = "99 KB tiles (as sm_86/sm_89/sm_120 get them)"
+    assert f"| decode | [64, 1, 16384] | triton ({label}) | 0.0800 |" in out
+    assert f"| 262144 | random | kv_quant | triton_fp8 ({label}) | 0.1000 |" in out
+    assert f"triton_w4a16 ({label}) us (% roofline)" in out
+    assert out.count("| 110592 | — | — | no: the card fails here |") == 3
+    assert out.count("| 32768 | 80 | 0 | yes |") == 2

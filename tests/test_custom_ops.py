@@ -80,8 +80,8 @@ def kernel_module(name):
     """The kernel module, (re)imported so that its Triton kernels run under the interpreter."""
     mod = importlib.import_module(_B + name)
     if INTERPRET and getattr(mod, "INTERPRETED", True) is False:
-        if name.startswith("decode_mla."):
-            importlib.reload(importlib.import_module(_B + "sparse_prefill.triton_kernels"))
+        if name in ("decode_mla.triton_kernels", "sparse_prefill.triton_kernels"):
+            importlib.reload(importlib.import_module(_B + "sparse_attention.kernels"))
         mod = importlib.reload(mod)
     return mod
 
@@ -311,7 +311,7 @@ def test_triton_softmax_scale_is_fp32_in_the_kernel_signature():
     import inspect
     import triton.language as tl
     from capdispatch.backends.moe import triton_kernels as MK
-    from capdispatch.backends.sparse_prefill import triton_kernels as SK
+    from capdispatch.backends.sparse_attention import kernels as SK
     for kernel, name in ((SK._sparse_mla_kernel, "qk_scale"), (MK._gemm1_swiglu_kernel, "limit")):
         sig = inspect.signature(getattr(kernel, "fn", kernel))
         assert sig.parameters[name].annotation in (tl.float32, "tl.float32"), (kernel, name)
@@ -322,8 +322,10 @@ def test_no_import_on_the_launch_path():
     builtins.__import__, so an import there breaks the graph on every decode call)."""
     import inspect
     from capdispatch.backends.decode_mla import triton_kernels as DK
-    from capdispatch.backends.sparse_prefill import triton_kernels as SK
-    for f in (SK._configs, SK.sparse_prefill, SK._PrefillPlan, DK.DecodeMla, DK._Plan, DK._run, DK._pool_2d):
+    from capdispatch.backends.sparse_attention import kernels as SK
+    from capdispatch.backends.sparse_prefill import triton_kernels as PK
+    for f in (SK.LaunchPlan, SK.launch_planned, SK._run_plan, SK.device_configs, PK.sparse_prefill, DK.DecodeMla,
+              DK._pool_2d):
         src = inspect.getsource(f)
         assert "import" not in src and "__import__" not in src, f.__name__
     assert isinstance(SK.OUT_OF_RESOURCES, tuple) and SK.OUT_OF_RESOURCES

@@ -95,7 +95,7 @@ LOCAL_CASES = [c for c in CASES if c.values[0] in ("torch", "triton", "triton_fp
 @functools.lru_cache(maxsize=None)
 def _tk():
     from capdispatch.backends.decode_mla import triton_kernels
-    from capdispatch.backends.sparse_prefill import triton_kernels as core
+    from capdispatch.backends.sparse_attention import kernels as core
     if INTERPRET and not core.INTERPRETED:
         importlib.reload(core)
         triton_kernels = importlib.reload(triton_kernels)

@@ -53,7 +53,7 @@ def test_decode_plans_are_keyed_by_device_and_shape(monkeypatch):
     made it: another shape gets its own plan, and a plan never serves another device."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     import importlib
-    from capdispatch.backends.sparse_prefill import triton_kernels as K
+    from capdispatch.backends.sparse_attention import kernels as K
     if not K.INTERPRETED:
         importlib.reload(K)
     from capdispatch.backends.decode_mla import triton_kernels as D
@@ -114,6 +114,10 @@ def _interpreted(monkeypatch, name):
     """The kernel module NAME built for the interpreter, its launches made no-ops."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     import importlib
+    if name.startswith(("sparse_prefill.", "decode_mla.")):     # their kernel: the shared one
+        shared = importlib.import_module("capdispatch.backends.sparse_attention.kernels")
+        if not shared.INTERPRETED:
+            importlib.reload(shared)
     mod = importlib.import_module("capdispatch.backends." + name)
     if not mod.INTERPRETED:
         mod = importlib.reload(mod)
@@ -140,4 +144,4 @@ def test_plans_do_not_grow_with_context_length_or_prefill_length(monkeypatch):
     for s in (1, 7, 300):
         K.sparse_prefill(torch.randn(s, 16, 512).bfloat16(), kvr, torch.randint(0, 64, (s, 1, 32), dtype=torch.int32),
                          0.05, checks=False)
-    assert len(K._prefill_plans) == 1
+    assert len(K._plans) == 1

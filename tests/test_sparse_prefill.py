@@ -72,10 +72,21 @@ KERNEL_CASES = [c for c in CASES if c.values[0] != "torch"]
 # --------------------------------------------------------------------------- #
 @functools.lru_cache(maxsize=None)
 def _tk():
+    from capdispatch.backends.sparse_attention import kernels
     from capdispatch.backends.sparse_prefill import triton_kernels
-    if INTERPRET and not triton_kernels.INTERPRETED:   # imported earlier without the interpreter
+    if INTERPRET and not kernels.INTERPRETED:          # imported earlier without the interpreter
+        importlib.reload(kernels)
+        triton_kernels = importlib.reload(triton_kernels)
+    elif INTERPRET and not triton_kernels.INTERPRETED:
         triton_kernels = importlib.reload(triton_kernels)
     return triton_kernels
+
+
+def _attn():
+    """The shared sparse-attention kernel module, built the way _tk()'s op module uses it."""
+    _tk()
+    from capdispatch.backends.sparse_attention import kernels
+    return kernels
 
 
 def op(backend):
@@ -395,11 +406,10 @@ def test_bind_triton_on_cpu():
     assert fn.__name__ == "sparse_prefill_triton" and fn is triton_kernels.op_sparse_prefill
 
 
-@_interp
 def test_launch_configs_per_capability():
     """Measured tables answer only for their capability; every other card gets the portable
     tiles; split-K decode has its own list; a wrong kind is named with the valid ones."""
-    K = _tk()
+    from capdispatch.backends.sparse_attention import launch_table as K
     assert K.configs_for((9, 0), "prefill")[0] == dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=1)
     # One token: the small split tile; from two tokens on, the 64-head tile.
     assert K.configs_for((9, 0), "decode_split", 1)[0]["BLOCK_H"] == 16
@@ -420,7 +430,7 @@ def test_launch_configs_per_capability():
 def test_split_plan_fills_whole_waves_and_bounds_scratch():
     """plan_splits (decode split-K): whole waves over partial ones, fewer splits on ties,
     and never 4 x SM count programs or more (the scratch bound)."""
-    plan = _tk().plan_splits
+    plan = _attn().plan_splits
     assert plan(32, 10, 132) == 4      # 128 programs x 3 blocks: one wave (5 splits: 160, two waves)
     assert plan(64, 10, 132) == 2      # 128 x 5, not 320 x 2 (three waves)
     assert plan(8, 10, 132) == 10      # 80 programs of one block each
@@ -482,13 +492,13 @@ def test_contract_signatures_agree():
 COMPILE_SCRIPT = r"""
 import json, os, re, subprocess, sys, tempfile
 os.environ.pop("TRITON_INTERPRET", None)
-from capdispatch.backends.sparse_prefill import triton_kernels as K
+from capdispatch.backends.sparse_attention import kernels as K, launch_table as L
 from triton.backends.nvidia.compiler import get_ptxas
 res = []
 for cc, mode, cfg, extra, *rest in json.loads(sys.argv[1]):
     kind = "prefill" if mode == 0 else ("decode_split" if rest and rest[0] > 1 else "decode")
-    measured = (cc // 10, cc % 10) in K.MEASURED_CONFIGS
-    cfg = cfg or K.configs_for((cc // 10, cc % 10), kind)[0]
+    measured = (cc // 10, cc % 10) in L.MEASURED_CONFIGS
+    cfg = cfg or L.configs_for((cc // 10, cc % 10), kind)[0]
     try:
         if mode == "combine":
             ck = K.compile_combine_offline(cc)

@@ -5,7 +5,7 @@ catalog's architectures, with registers, spills and shared memory per kernel.
 Which variants a target gets comes from the runtime's own rules: the native-fp8
 variants only where the ``fp8_e4m3`` feature holds (features.yaml, the rule the
 ``triton_fp8`` backends require), the attention tiles from
-``sparse_prefill.triton_kernels.configs_for`` for that compute capability, the MoE
+``sparse_attention.launch_table.configs_for`` for that compute capability, the MoE
 tiles from ``moe.launch_table.tiles_for`` at each of its size classes, and the shared
 memory limit from the catalog's opt-in figure for that architecture. A row is ok when
 the kernel compiles and its shared memory fits that limit.
@@ -153,7 +153,7 @@ def _codecs(t: Target) -> tuple:
 
 
 def attention_job(op: str, kv_mode: int, kind: str, cfg: dict) -> Job:
-    K = _mod("sparse_prefill.triton_kernels")
+    K = _mod("sparse_attention.kernels")
     paged = kv_mode != 0
     consts = dict(KV_MODE=kv_mode, PAGE_SIZE=256 if paged else 1, BYTES_PER_PAGE=149760 if paged else 1,
                   PAGE_SIZE2=64 if paged else 1, BYTES_PER_PAGE2=37440 if paged else 1,
@@ -161,20 +161,21 @@ def attention_job(op: str, kv_mode: int, kind: str, cfg: dict) -> Job:
                   STATS=2 if paged else 0, SPLIT=kind == "decode_split",
                   BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], DOT_F32=False)
     codec = {0: "bf16", 1: "u8", 2: "fp8"}[kv_mode]
-    return Job(op, "sparse_prefill.triton_kernels:_sparse_mla_kernel", f"{kind} {codec} {_cfg_label(cfg)}",
+    return Job(op, "sparse_attention.kernels:_sparse_mla_kernel", f"{kind} {codec} {_cfg_label(cfg)}",
                K.compile_signature(kv_mode), consts, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def _attention_jobs(t: Target) -> list:
-    K = _mod("sparse_prefill.triton_kernels")
-    out = [attention_job("sparse_prefill", 0, "prefill", c) for c in K.configs_for(t.cc, "prefill")]
+    K = _mod("sparse_attention.kernels")
+    L = _mod("sparse_attention.launch_table")
+    out = [attention_job("sparse_prefill", 0, "prefill", c) for c in L.configs_for(t.cc, "prefill")]
     for native in _codecs(t):
         for kind in ("decode", "decode_split"):
-            out += [attention_job("decode_mla", 2 if native else 1, kind, c) for c in K.configs_for(t.cc, kind)]
-    out.append(Job("decode_mla", "sparse_prefill.triton_kernels:_combine_kernel", "split combine",
+            out += [attention_job("decode_mla", 2 if native else 1, kind, c) for c in L.configs_for(t.cc, kind)]
+    out.append(Job("decode_mla", "sparse_attention.kernels:_combine_kernel", "split combine",
                    dict(K.COMPILE_SIGNATURES["_combine_kernel"]),
-                   dict(HAS_SINK=True, STATS=2, SPLITS_P2=K.MAX_SPLITS, BLOCK_H=K.COMBINE_BLOCK_H,
-                        BLOCK_D=K.COMBINE_BLOCK_D, ROUND=False), num_warps=K.COMBINE_WARPS))
+                   dict(HAS_SINK=True, STATS=2, SPLITS_P2=L.MAX_SPLITS, BLOCK_H=L.COMBINE_BLOCK_H,
+                        BLOCK_D=L.COMBINE_BLOCK_D, ROUND=False), num_warps=L.COMBINE_WARPS))
     P = _mod("decode_mla.index_prep")
     for ids in ("i32", "i64"):      # clean_ids takes int32 or int64 ids
         sig = dict(P.COMPILE_SIGNATURES["_clean_ids_kernel"], src_ptr=f"*{ids}")

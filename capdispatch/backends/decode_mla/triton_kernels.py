@@ -1,9 +1,9 @@
 """Triton sparse MLA decode over the V4 fp8 paged pool (same contract as reference.decode_mla).
 
-The kernel body is the sparse-attention kernel of ``sparse_prefill/triton_kernels.py``
-with a paged K/V loader: each gathered token's 448 e4m3 nope bytes are decoded and
-scaled by its UE8M0 tile exponents, its 64 bf16 rope values copied, giving exactly the
-bf16 rows ``kv_dequant`` would produce, then fed to bf16 tensor-core dots.
+The kernel is the sparse-attention kernel of backends/sparse_attention (shared with
+sparse_prefill) with its paged K/V loader: each gathered token's 448 e4m3 nope bytes are
+decoded and scaled by its UE8M0 tile exponents, its 64 bf16 rope values copied, giving
+exactly the bf16 rows ``kv_dequant`` would produce, then fed to bf16 tensor-core dots.
 
 * ``decode_mla_u8`` (backend ``triton``): the pool is read through uint8 and e4m3 is
   decoded with integer operations: no fp8 type, so it compiles on SM80/SM86, where
@@ -14,7 +14,7 @@ Decode-sized calls (at most ``DECODE_MAX_TOKENS`` = 64 query tokens) that would 
 SMs idle split each token's index lists into up to 32 ranges and merge the partial
 results in a second kernel; they use the "decode_split" launch configurations (small
 head tiles: many programs), larger calls the "decode" ones (see
-``sparse_prefill/triton_kernels.py``). The split scratch holds one fp32 [BLOCK_H, 512]
+``sparse_attention/launch_table.py``). The split scratch holds one fp32 [BLOCK_H, 512]
 partial per program, and the split factor keeps programs below ~4 x SM count, so it is
 bounded by 4 x SM count x BLOCK_H x 2 KiB (69 MB on an H200 with its 64-head split
 tile) whatever the sequence. Larger calls (extends) take the one-pass kernel and
@@ -25,60 +25,30 @@ from __future__ import annotations
 
 import torch
 
-from ...errors import UnsupportedDeviceError
-from ..device_scope import cdiv, on_device_of
-from ..sparse_prefill import triton_kernels as _K
+from .. import launch_limits as _limits
+from ..device_scope import on_device_of
+from ..sparse_attention import kernels as attn
 from .reference import check_decode_args
 
 __all__ = ["decode_mla_u8", "decode_mla_fp8", "INTERPRETED", "DecodeMla", "forget_plans"]
 
-INTERPRETED = _K.INTERPRETED
+INTERPRETED = attn.INTERPRETED
 
 _LOG2E = 1.4426950408889634
 _FP8 = torch.float8_e4m3fn
 _BF16, _F32 = torch.bfloat16, torch.float32
 
 
-class _Plan:
-    """The launch of one shape class on one device, computed once: the split count, the
-    grids, the scratch shapes, the constexprs and launch options of both kernels, and
-    the configurations still to try should this one not fit the device."""
-    __slots__ = ("requested", "cfg", "rest", "kind", "grid", "splits", "per", "h_pad", "o_shape", "lse_shape", "part_o",
-                 "part_lse", "tail", "options", "combine_grid", "combine_tail", "st")
-
-    def __init__(self, dev, T, b, s_q, h, n_idx, n_idx2, has_extra, consts, cfg, rest, num_splits, kind):
-        self.requested, self.cfg, self.rest, self.kind = num_splits, cfg, rest, kind
-        bh, bn = cfg["BLOCK_H"], cfg["BLOCK_N"]
-        n_hb = cdiv(h, bh)
-        self.o_shape, self.lse_shape = (b, s_q, h, 512), (b, h, s_q)
-        self.st = (h * s_q, 1, s_q)          # the new lse's strides (sb, ss, sh)
-        self.options = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-        num_splits = min(num_splits, _K.MAX_SPLITS)
-        if num_splits == 1:
-            self.splits, self.per, self.h_pad = 1, 0, h
-            self.part_o = self.part_lse = None
-            self.grid = (T, n_hb, 1)
-        else:
-            total = cdiv(n_idx, bn) + (cdiv(n_idx2, bn) if has_extra else 0)
-            self.per = cdiv(max(total, 1), num_splits)
-            self.splits = cdiv(max(total, 1), self.per)
-            self.h_pad = n_hb * bh
-            self.part_o, self.part_lse = (T, self.h_pad, self.splits, 512), (T, self.h_pad, self.splits)
-            self.grid = (T, n_hb, self.splits)
-        self.tail = consts + (self.splits > 1, bh, bn, INTERPRETED)
-        self.combine_grid = (T, cdiv(h, _K.COMBINE_BLOCK_H), 512 // _K.COMBINE_BLOCK_D)
-        self.combine_tail = (consts[8], 2, _K.MAX_SPLITS, _K.COMBINE_BLOCK_H, _K.COMBINE_BLOCK_D, INTERPRETED)
-
-
 class DecodeMla:
-    """decode_mla on the Triton paged kernels with one codec (NATIVE_FP8: Triton's fp8
-    loads, else the uint8 integer decode). Contract: reference.decode_mla.
+    """decode_mla on the shared Triton sparse-attention kernel with one codec (NATIVE_FP8:
+    Triton's fp8 loads, else the uint8 integer decode). Contract: reference.decode_mla.
 
-    Per call it normalises the pools, allocates the outputs (and the split scratch),
-    reads the pointers and strides, and launches; everything that depends only on the
-    device and the shape class (tile configuration, split-K count, grids, constexprs)
-    is kept in ``plans``, keyed by the device and the shapes, so it never answers for
-    another card."""
+    Per call it normalises the pools, allocates the outputs (the launch allocates the
+    split scratch), reads the pointers and strides, and launches; everything that
+    depends only on the device and the call's shape class (tile configuration, split-K
+    count, constexprs) is a ``sparse_attention.kernels.LaunchPlan`` kept in ``plans``,
+    keyed by the device, the shapes and any forced launch target (launch_limits), so it
+    never answers for another card."""
 
     def __init__(self, native_fp8: bool):
         self.native_fp8 = native_fp8
@@ -97,11 +67,13 @@ class DecodeMla:
 
     def launch(self, q, pool, indices, page_size, sm_scale, topk_length, attn_sink, extra_pool, extra_indices,
                extra_page_size, extra_topk_length, out, checks=True, config=None, num_splits=None):
+        """The call; CONFIG and NUM_SPLITS force a tile configuration and a split count
+        (tests, tuning), and such a call's plan is not kept."""
         native = self.native_fp8
         if checks:
             a = check_decode_args(q, pool, indices, page_size, sm_scale, topk_length, attn_sink,
                                   extra_pool, extra_indices, extra_page_size, extra_topk_length, out, checks)
-            _K.check_device(q, native)
+            attn.check_device(q, native)
             pool, page_size, indices, topk_length = a.pool, a.page_size, a.idx, a.topk_length
             extra_pool, extra_page_size = a.extra_pool, a.extra_page_size
             extra_indices, extra_topk_length = a.extra_idx, a.extra_topk_length
@@ -113,9 +85,16 @@ class DecodeMla:
         b, s_q, h, _ = q.shape
         dev = q.device
         T = b * s_q
+        if out is None:
+            out = torch.empty((b, s_q, h, 512), dtype=_BF16, device=dev)
+            os_ = (s_q * h * 512, h * 512, 512)
+        else:
+            os_ = None
+        lse = torch.empty((b, h, s_q), dtype=_F32, device=dev)
         if T == 0 or h == 0:
-            return (out if out is not None else torch.empty((b, s_q, h, 512), dtype=_BF16, device=dev),
-                    torch.empty((b, h, s_q), dtype=_F32, device=dev))
+            return out, lse
+        if os_ is None:
+            os_ = out.stride()
         qs = q.stride()
         if qs[3] != 1:
             q = q.contiguous()
@@ -140,63 +119,39 @@ class DecodeMla:
         bpp = pool.shape[1]
         has_len2 = has_extra and extra_topk_length is not None
         key = (dev, b, s_q, h, n_idx, n_idx2, page_size, bpp, has_extra, eps, ebpp, topk_length is not None,
-               has_len2, attn_sink is not None)
-        if config is not None or num_splits is not None:
-            plan = self._plan(key, config, num_splits)
-        else:
-            plan = self.plans.get(key)
-            if plan is None:
-                plan = self.plans[key] = self._plan(key)
-        if out is None:
-            out = torch.empty(plan.o_shape, dtype=_BF16, device=dev)
-            os_ = plan.o_shape[1] * plan.o_shape[2] * 512, plan.o_shape[2] * 512, 512
-        else:
-            os_ = out.stride()
-        lse = torch.empty(plan.lse_shape, dtype=_F32, device=dev)
-        if native:
-            pool, epool = pool.view(_FP8), (epool.view(_FP8) if has_extra else None)
-        if not has_extra:
-            epool = pool
+               has_len2, attn_sink is not None) + _limits.plan_key()
+        forced = config is not None or num_splits is not None
+        plan = None if forced else self.plans.get(key)
+        if plan is None:
+            plan = self._plan(dev, T, h, key, config, num_splits)
+            if not forced:
+                self.plans[key] = plan
         n_kv = pool.shape[0] * page_size
         n_kv2 = epool.shape[0] * eps if has_extra else 0
+        if native:
+            pool = pool.view(_FP8)
+            epool = epool.view(_FP8) if has_extra else pool
         len1 = topk_length if topk_length is not None else lse
         len2 = extra_topk_length if has_len2 else lse
         sink = attn_sink if attn_sink is not None else lse
-        scale = sm_scale * _LOG2E
-        while True:
-            try:
-                with on_device_of(q):
-                    _run(plan, q, qs, pool, n_kv, idx, ids, n_idx, len1, epool, n_kv2, eidx, eids, n_idx2, len2,
-                         sink, out, os_, lse, h, s_q, scale, dev)
-                return out, lse
-            except _K.OUT_OF_RESOURCES as exc:    # does not fit this device: the next configuration
-                if not plan.rest:
-                    raise UnsupportedDeviceError(
-                        f"no Triton configuration fits this device for {plan.kind}: {exc}") from exc
-                plan = self._plan(key, plan.rest[0], plan.requested, plan.rest[1:])
-                if config is None and num_splits is None:
-                    self.plans[key] = plan
+        head = (q, qs[0], qs[1], qs[2], pool, 0, n_kv, idx, ids[0], ids[1], n_idx, len1,
+                epool, n_kv2, eidx, eids[0], eids[1], n_idx2, len2, sink,
+                out, os_[0], os_[1], os_[2], lse, lse, h * s_q, 1, s_q)    # lse [b, h, s_q]: (sb, ss, sh)
+        with on_device_of(q):
+            ran = attn.launch_planned(plan, T, head, s_q, s_q, sm_scale * _LOG2E, dev)
+        if ran is not plan and not forced:    # this shape's configuration did not fit: the next calls start there
+            self.plans[key] = ran
+        return out, lse
 
-    def _plan(self, key, config=None, num_splits=None, rest=None):
-        dev, b, s_q, h, n_idx, n_idx2, ps, bpp, has_extra, eps, ebpp, has_len, has_len2, has_sink = key
-        T = b * s_q
+    def _plan(self, dev, T, h, key, config, num_splits):
+        _, b, s_q, _, n_idx, n_idx2, ps, bpp, has_extra, eps, ebpp, has_len, has_len2, has_sink = key[:14]
         if num_splits is None:
-            if config is None:
-                # The split decision uses the split-K tile: decode-sized calls run with it.
-                cfg = _K._configs(dev, "decode_split", T)[0]
-                num_splits = _K.decode_splits(dev, T, h, n_idx + n_idx2, block_h=cfg["BLOCK_H"],
-                                              block_n=cfg["BLOCK_N"])
-            else:
-                num_splits = _K.decode_splits(dev, T, h, n_idx + n_idx2, block_h=config["BLOCK_H"],
-                                              block_n=config["BLOCK_N"])
-        kind = "decode_split" if num_splits > 1 else "decode"
-        if config is not None:
-            cfg, rest = config, (() if rest is None else rest)
-        else:
-            configs = _K._configs(dev, kind, T)
-            cfg, rest = (configs[0], configs[1:]) if rest is None else (config, rest)
+            # The split decision uses the split-K tile: decode-sized calls run with it.
+            cfg = config if config is not None else attn.device_configs(dev, "decode_split", T)[0]
+            num_splits = attn.decode_splits(dev, T, h, n_idx + n_idx2, block_h=cfg["BLOCK_H"], block_n=cfg["BLOCK_N"])
         consts = (2 if self.native_fp8 else 1, ps, bpp, eps, ebpp, has_len, has_extra, has_len2, has_sink, 2)
-        return _Plan(dev, T, b, s_q, h, n_idx, n_idx2, has_extra, consts, cfg, tuple(rest), num_splits, kind)
+        return attn.plan_launch(dev, "decode_split" if num_splits > 1 else "decode", T, h, consts, config=config,
+                                num_splits=num_splits, n_idx=n_idx, n_idx2=n_idx2)
 
 
 def _pool_2d(pool, page_size):
@@ -206,28 +161,6 @@ def _pool_2d(pool, page_size):
         u8 = pool if pool.dtype == torch.uint8 else pool.view(torch.uint8)
         return torch.as_strided(u8, (n, bpp), (bpp, 1)), pool.shape[1]
     return pool.view(torch.uint8), page_size
-
-
-def _run(plan, q, qs, pool, n_kv, idx, ids, n_idx, len1, epool, n_kv2, eidx, eids, n_idx2, len2, sink, out, os_,
-         lse, h, s_q, scale, dev):
-    st = plan.st
-    if plan.splits == 1:
-        _K._sparse_mla_kernel[plan.grid](
-            q, qs[0], qs[1], qs[2], pool, 0, n_kv, idx, ids[0], ids[1], n_idx, len1,
-            epool, n_kv2, eidx, eids[0], eids[1], n_idx2, len2, sink,
-            out, os_[0], os_[1], os_[2], lse, lse, st[0], st[1], st[2], out, lse,
-            h, h, s_q, s_q, scale, 0, 1, *plan.tail, **plan.options)
-        return
-    part_o = torch.empty(plan.part_o, dtype=_F32, device=dev)
-    part_lse = torch.empty(plan.part_lse, dtype=_F32, device=dev)
-    _K._sparse_mla_kernel[plan.grid](
-        q, qs[0], qs[1], qs[2], pool, 0, n_kv, idx, ids[0], ids[1], n_idx, len1,
-        epool, n_kv2, eidx, eids[0], eids[1], n_idx2, len2, sink,
-        out, os_[0], os_[1], os_[2], lse, lse, st[0], st[1], st[2], part_o, part_lse,
-        h, plan.h_pad, s_q, s_q, scale, plan.per, plan.splits, *plan.tail, **plan.options)
-    _K._combine_kernel[plan.combine_grid](
-        part_o, part_lse, sink, out, os_[0], os_[1], os_[2], lse, lse, st[0], st[1], st[2],
-        h, plan.h_pad, s_q, plan.splits, *plan.combine_tail, num_warps=_K.COMBINE_WARPS)
 
 
 def _launch(q, pool, indices, page_size, sm_scale, topk_length, attn_sink, extra_pool, extra_indices,

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from ...errors import ArgumentError, ArgumentTypeError
+from .. import launch_limits as _limits
 from ..device_scope import on_device_of
 from ..triton_common.env import check_device, interpreted, jit_module
 from .layout import HEAD_DIM, PAGE_BYTES, PAGE_TOKENS, SCALE_OFFSET, alloc_logits, check_args
@@ -203,7 +204,7 @@ def _launch(q, kv_cache, weights, context_lens, block_table, max_context_len, ou
     ctx_stride = context_lens.stride()[0] if context_lens.numel() else 0
     tps = plan_splits(B, S, plan.num_sms)
     with on_device_of(q):
-        _indexer_kernel[(B, -(-S // tps))](
+        _limits.launch(_indexer_kernel, (B, -(-S // tps)))(
             q_arg, kv_arg, weights, context_lens, block_table, out, S, tps,
             page_stride, weights.stride()[0], ctx_stride, block_table.stride()[0], out.stride()[0],
             *plan.tail, **plan.options)

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import launch_limits as _limits
 from ..device_scope import cdiv, on_device_of
 from ..triton_common.env import check_device, interpreted, jit_module
 from .layout import DATA_BYTES, DIM, DIM_NOPE, FP8_MAX, NUM_TILES, SCALE_BYTES, SCALE_EPS, TILE
@@ -159,7 +160,7 @@ def _launch_quant(k, pool, loc, page_size, native_fp8, checks):
     if n == 0:
         return
     with on_device_of(u8):
-        _kv_quant_kernel[(cdiv(n, QUANT_TOKENS_PER_PROG),)](
+        _limits.launch(_kv_quant_kernel, (cdiv(n, QUANT_TOKENS_PER_PROG),))(
             k, u8.view(_FP8) if native_fp8 else u8, loc, n, k.stride()[0], page_size, u8.shape[1], native_fp8,
             QUANT_TOKENS_PER_PROG, num_warps=QUANT_NUM_WARPS)
 
@@ -177,7 +178,7 @@ def _launch_dequant(pool, token_ids, page_size, out, native_fp8, checks):
     if n == 0:
         return out
     with on_device_of(u8):
-        _kv_dequant_kernel[(cdiv(n, DEQUANT_TOKENS_PER_PROG),)](
+        _limits.launch(_kv_dequant_kernel, (cdiv(n, DEQUANT_TOKENS_PER_PROG),))(
             u8.view(_FP8) if native_fp8 else u8, ids, out, n, out_stride, page_size, u8.shape[1], native_fp8,
             DEQUANT_TOKENS_PER_PROG, num_warps=DEQUANT_NUM_WARPS)
     return out

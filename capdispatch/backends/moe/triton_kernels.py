@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from ...errors import ArgumentError
+from .. import launch_limits as _limits
 from ..device_scope import cdiv, on_device_of
 from ..triton_common.env import check_device, interpreted, jit_module
 from .launch_table import Tiles, tiles_for
@@ -159,7 +160,7 @@ def routing_tables(topk_ids: torch.Tensor, E: int, BM: int, force_torch: bool = 
     if R <= ROUTING_MAX_ROUTES and E <= 128 and not force_torch:
         EP = max(16, triton.next_power_of_2(E))
         BP = max(16, triton.next_power_of_2(MAXB))
-        _routing_kernel[(1,)](ids, sorted_routes, blk[0], blk[1], blk[2], R, E, MAXB,
+        _limits.launch(_routing_kernel, (1,))(ids, sorted_routes, blk[0], blk[1], blk[2], R, E, MAXB,
                               CH=ROUTING_CHUNK, EP=EP, BP=BP, BM=BM, num_warps=4)
         return sorted_routes, blk[0], blk[1], blk[2]
     ids64 = ids.long()
@@ -386,17 +387,18 @@ def moe_w4a16(x, weights, topk_weights, topk_ids, out=None, *, checks: bool = Tr
             sorted_routes = torch.empty(max(R, 1), dtype=torch.int32, device=dev)
             blk = torch.empty((3, MAXB), dtype=torch.int32, device=dev)
             be, bs, bend = blk
-            _routing_kernel[plan.route_grid](ids, sorted_routes, be, bs, bend, R, E, MAXB, *plan.route_tail,
-                                             num_warps=4)
+            _limits.launch(_routing_kernel, plan.route_grid)(ids, sorted_routes, be, bs, bend, R, E, MAXB,
+                                                             *plan.route_tail, num_warps=4)
         h = _alloc((R, I), torch.bfloat16, dev)           # rows of masked routes: never written/read
         routed = _alloc((R, H), torch.float32, dev)
-        _gemm1_swiglu_kernel[plan.g1_grid](
+        _limits.launch(_gemm1_swiglu_kernel, plan.g1_grid)(
             x, weights.w13, weights.w13_scale, h, sorted_routes, be, bs, bend,
             H, I, x.stride()[0], float(limit) if limit is not None else 0.0, *plan.g1_tail, **plan.g1_opts)
-        _gemm2_kernel[plan.g2_grid](
+        _limits.launch(_gemm2_kernel, plan.g2_grid)(
             h, weights.w2, weights.w2_scale, tw, routed, sorted_routes, be, bs, bend, H, I, *plan.g2_tail,
             **plan.g2_opts)
-        _combine_kernel[plan.c_grid](routed, ids, out, H, out.stride()[0], *plan.c_tail, num_warps=4)
+        _limits.launch(_combine_kernel, plan.c_grid)(routed, ids, out, H, out.stride()[0], *plan.c_tail,
+                                                     num_warps=4)
     return out
 
 

@@ -1,4 +1,4 @@
-"""Launch table of the sparse-attention Triton kernels (triton_kernels.py), shared by
+"""Launch table of the sparse-attention Triton kernels (kernels.py), shared by
 sparse_prefill and decode_mla: tile configurations per call kind and compute capability,
 and the split-K and combine constants."""
 from __future__ import annotations
