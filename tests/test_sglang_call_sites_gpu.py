@@ -1,7 +1,7 @@
 """SGLang 0.5.23's own DeepSeek-V4 call sites, routed by the plugin on a real GPU.
 
-Not run on a GPU yet: written for an SM90/SM100 card with SGLang 0.5.23 and
-sgl-flash-mla installed (e.g. an H200); everywhere else it skips, saying why.
+For an SM90/SM100 card with SGLang 0.5.23 and sgl-flash-mla installed (passed on an
+H200, 2026-12-02); everywhere else it skips, saying why.
 
 What runs, with nothing simulated and no interpreter:
   * cuda:0 is probed as a rank probes its card (`rig.device(0, via="auto")`), and the
