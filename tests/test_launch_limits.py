@@ -151,10 +151,10 @@ def test_launch_checks_only_inside_a_checking_block():
 
 
 def test_sparse_launch_skips_an_entry_over_the_limit(sm90, monkeypatch):
-    K = _kernels()
     """The first portable decode entry 'needs' more than 99 KB here: the launch moves to the
     next entry, exactly as Triton's OutOfResources moves it on the card, and hands back the
     plan that ran, which the op keeps for its next call of that shape."""
+    K = _kernels()
     fake = FakeKernel(lambda kw: 120_000 if kw["BLOCK_H"] == 32 else 50_000, K._sparse_mla_kernel.arg_names)
     monkeypatch.setattr(K, "_sparse_mla_kernel", fake)
     consts = (1, 64, 37440, 1, 1, False, False, False, False, 2)       # KV_MODE ... STATS
