@@ -116,32 +116,45 @@ def analyse(row: str, job, est: dict) -> dict:
                 smem=ck.smem, occupancy=dict(blocks=occ.blocks, warps=occ.warps, limiter=occ.limiter),
                 ptx_mma=ST.ptx_mma_kinds(ck.ptx), kernel_instructions=sum(whole.values()),
                 kernel_classes=ST.by_class(whole), loop_instructions=n, loop_classes=ST.by_class(mix),
-                loop_top=mix.most_common(14), estimate=est)
+                loop_top=mix.most_common(14), loop_mix=dict(mix), estimate=est)
 
 
 def derive(r: dict) -> dict:
-    """Per-iteration ratios and the issue ceiling of one analysed kernel."""
+    """Per-iteration ratios, the issue ceiling and the overlap bracket of one analysed kernel.
+
+    Per block-iteration on one SM: issue clocks = warp instructions / schedulers, memory
+    clocks = bytes / (copy rate per SM per clock), tensor clocks = FLOPs / (matmul rate
+    per SM per clock). With perfect overlap an iteration takes the largest of the three;
+    with none (one block per SM, nothing prefetched) their sum. Each bracket is the
+    fraction of the copy or matmul ceiling that follows."""
     est, n, w = r["estimate"], r["loop_instructions"], r["num_warps"]
     out = {}
     if not n:
         return out
+    classes = ST.by_class(r.get("loop_mix") or {}) if r.get("loop_mix") else r["loop_classes"]
+    r["loop_classes"] = classes
     warp_insns = n * w                      # warp instructions one block issues per iteration
-    clocks = warp_insns / SCHEDULERS        # an SM's issue clocks per block-iteration, at best
-    rate = SMS * CLOCK_HZ / clocks          # block-iterations per second, whole GPU
+    issue = warp_insns / SCHEDULERS         # an SM's issue clocks per block-iteration, at best
+    rate = SMS * CLOCK_HZ / issue           # block-iterations per second, whole GPU
     bytes_ = est.get("weight_bytes", 0) + est.get("kv_bytes", 0)
-    out["warp_insns_per_iter"] = warp_insns
+    mem = bytes_ / (COPY_GBPS * 1e9 / SMS / CLOCK_HZ)
+    tensor = 0.0
+    if est.get("flops"):
+        peak = FP8_TFLOPS if est.get("dtype") == "fp8" else BF16_TFLOPS
+        tensor = est["flops"] / (peak * 1e12 / SMS / CLOCK_HZ)
+    out.update(warp_insns_per_iter=warp_insns, issue_clocks=issue, memory_clocks=mem, tensor_clocks=tensor)
     if bytes_:
         out["bytes_per_iter"] = bytes_
         out["warp_insns_per_byte"] = warp_insns / bytes_
         out["issue_ceiling_gbps"] = rate * bytes_ / 1e9
         out["issue_ceiling_frac_copy"] = out["issue_ceiling_gbps"] / COPY_GBPS
-    if est.get("flops"):
-        peak = FP8_TFLOPS if est.get("dtype") == "fp8" else BF16_TFLOPS
+        out["copy_bracket"] = (mem / max(mem, issue, tensor), mem / (mem + issue + tensor))
+    if tensor:
         out["flops_per_iter"] = est["flops"]
         out["issue_ceiling_tflops"] = rate * est["flops"] / 1e12
         out["issue_ceiling_frac_mm"] = out["issue_ceiling_tflops"] / peak
-        tc = r["loop_classes"]["tensor_wgmma"] + r["loop_classes"]["tensor_mma"]
-        out["tensor_share"] = tc / n
+        out["mm_bracket"] = (tensor / max(mem, issue, tensor), tensor / (mem + issue + tensor))
+        out["tensor_share"] = (classes["tensor_wgmma"] + classes["tensor_mma"]) / n
     return out
 
 
@@ -160,7 +173,7 @@ ISSUE = {
 }
 
 # The reading of this run's figures per row, and the change that would address it.
-NOTES_FILE = os.path.join(BENCH, "sass_bounds_notes.json")
+NOTES_FILE = os.path.join(BENCH, "sass_bounds_notes.yaml")
 
 
 def _fmt(v, spec="{:.0f}"):
@@ -184,25 +197,39 @@ def markdown(meta: dict, rows: list, notes: dict) -> str:
          f"fp8 {FP8_TFLOPS:.0f} TFLOP/s). Bytes per iteration are what one block reads from global memory "
          "per loop trip (weights or gathered K/V rows; activations listed apart).",
          "",
-         "| op row | kernel | variant | warps | regs | spills st/ld B | smem B | blocks/SM (warps, limiter) | "
-         "wgmma / mma.sync (PTX) | loop insns | tensor | global ld | shared | int ALU | FP32 | conv | "
-         "bytes / iter | FLOPs / iter | warp insns / byte | issue ceiling |",
-         "|---|---|---|---:|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+         "| op row | kernel | variant | warps | stages | regs | spill st / ld B | smem B | "
+         "blocks/SM (warps, limiter) | PTX wgmma / mma.sync |",
+         "|---|---|---|---:|---:|---:|---:|---:|---|---|"]
     for r in rows:
-        d, c, o = r["derived"], r["loop_classes"], r["occupancy"]
+        o = r["occupancy"]
+        L.append(f"| {r['row']} | `{r['kernel']}` | {r['variant']} | {r['num_warps']} | {r['num_stages']} | "
+                 f"{_fmt(r['regs'])} | {_fmt(r['spill_stores'])} / {_fmt(r['spill_loads'])} | {r['smem']} | "
+                 f"{o['blocks']} ({o['warps']}, {o['limiter']}) | {r['ptx_mma']['wgmma']} / {r['ptx_mma']['mma.sync']} |")
+    L += ["", "Main loop, per thread per iteration (instruction classes: sass_tools.CLASSES), and per block "
+          "per iteration: bytes read, FLOPs, SM clocks of issue / memory / tensor work, and the bracket of the "
+          "bound ceiling reached with perfect overlap .. no overlap of the three.", "",
+          "| op row | kernel | variant | insns | tensor (wgmma / mma) | global ld | shared | local | int | "
+          "FP32+MUFU | f16x2 | conv | other | bytes | FLOPs | warp insns / byte | clocks issue / mem / tensor | "
+          "issue ceiling | % of copy | % of mm |",
+          "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|---|"]
+    for r in rows:
+        d, c = r["derived"], r["loop_classes"]
+        if not r["loop_instructions"]:
+            continue
         ceil = []
         if "issue_ceiling_gbps" in d:
             ceil.append(f"{d['issue_ceiling_gbps']:.0f} GB/s ({100 * d['issue_ceiling_frac_copy']:.0f}% of copy)")
         if "issue_ceiling_tflops" in d:
             ceil.append(f"{d['issue_ceiling_tflops']:.0f} TFLOP/s ({100 * d['issue_ceiling_frac_mm']:.0f}% of mm)")
+        br = lambda k: "-" if k not in d else f"{100 * d[k][0]:.0f} .. {100 * d[k][1]:.0f}"  # noqa: E731
         L.append(
-            f"| {r['row']} | `{r['kernel']}` | {r['variant']} | {r['num_warps']} | {_fmt(r['regs'])} | "
-            f"{_fmt(r['spill_stores'])} / {_fmt(r['spill_loads'])} | {r['smem']} | "
-            f"{o['blocks']} ({o['warps']}, {o['limiter']}) | {r['ptx_mma']['wgmma']} / {r['ptx_mma']['mma.sync']} | "
-            f"{r['loop_instructions']} | {c['tensor_wgmma'] + c['tensor_mma']} | {c['global_load']} | {c['shared']} | "
-            f"{c['int_alu']} | {c['fp32'] + c['special_fn']} | {c['conversion']} | "
+            f"| {r['row']} | `{r['kernel']}` | {r['variant']} | {r['loop_instructions']} | "
+            f"{c['tensor_wgmma']} / {c['tensor_mma']} | {c['global_load']} | {c['shared']} | {c['local_spill']} | "
+            f"{c['int_alu']} | {c['fp32'] + c['special_fn']} | {c['half']} | {c['conversion']} | {c['other']} | "
             f"{_fmt(d.get('bytes_per_iter'))} | {_fmt(d.get('flops_per_iter'))} | "
-            f"{_fmt(d.get('warp_insns_per_byte'), '{:.2f}')} | {'; '.join(ceil) or '-'} |")
+            f"{_fmt(d.get('warp_insns_per_byte'), '{:.2f}')} | "
+            f"{d['issue_clocks']:.0f} / {d['memory_clocks']:.0f} / {d['tensor_clocks']:.0f} | "
+            f"{'; '.join(ceil) or '-'} | {br('copy_bracket')} | {br('mm_bracket')} |")
     L += ["", "Main-loop opcodes (most frequent first, per kernel):", ""]
     for r in rows:
         top = ", ".join(f"{op} {k}" for op, k in r["loop_top"]) or "no loop; whole kernel: " + ", ".join(
@@ -225,7 +252,7 @@ def markdown(meta: dict, rows: list, notes: dict) -> str:
                 f += (f"; main loop {r['loop_instructions']} instructions per thread, of which "
                       f"{cl['tensor_wgmma']} wgmma and {cl['tensor_mma']} mma.sync tensor ops, "
                       f"{cl['int_alu']} integer, {cl['conversion']} conversion, "
-                      f"{cl['fp32'] + cl['special_fn']} FP32/MUFU, {cl['global_load']} global loads, "
+                      f"{cl['fp32'] + cl['special_fn']} FP32/MUFU, {cl['half']} f16x2, {cl['global_load']} global loads, "
                       f"{cl['shared']} shared, {cl['local_spill']} local (spill)")
                 if "issue_ceiling_gbps" in d:
                     f += (f"; {d['warp_insns_per_byte']:.2f} warp instructions per byte read, an issue ceiling "
@@ -233,6 +260,10 @@ def markdown(meta: dict, rows: list, notes: dict) -> str:
                 if "issue_ceiling_tflops" in d:
                     f += (f"; issue ceiling {d['issue_ceiling_tflops']:.0f} TFLOP/s "
                           f"({100 * d['issue_ceiling_frac_mm']:.0f}% of the matmul rate)")
+                for k, what in (("copy_bracket", "copy"), ("mm_bracket", "matmul")):
+                    if k in d:
+                        f += (f"; {what} ceiling reached {100 * d[k][0]:.0f}% with issue, memory and tensor "
+                              f"work overlapped, {100 * d[k][1]:.0f}% with none overlapped")
             facts.append(f"- {f}.")
         L += facts + [""]
         if row in notes:
@@ -243,8 +274,13 @@ def markdown(meta: dict, rows: list, notes: dict) -> str:
 def load_notes() -> dict:
     if not os.path.exists(NOTES_FILE):
         return {}
+    import yaml
     with open(NOTES_FILE, encoding="utf-8") as f:
-        return json.load(f)
+        notes = yaml.safe_load(f) or {}
+    unknown = sorted(set(notes) - set(ISSUE))
+    if unknown:
+        raise SystemExit(f"{NOTES_FILE}: unknown row(s) {', '.join(unknown)}; valid: {', '.join(ISSUE)}")
+    return notes
 
 
 def write(out_dir: str, meta: dict, rows: list) -> str:
@@ -268,6 +304,8 @@ def main(argv=None) -> int:
     if a.from_json:
         with open(a.from_json) as f:
             data = json.load(f)
+        for r in data["rows"]:
+            r["derived"] = derive(r)
         with open(os.path.splitext(a.from_json)[0] + ".md", "w") as f:
             f.write(markdown(data["meta"], data["rows"], load_notes()))
         return 0

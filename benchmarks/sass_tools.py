@@ -38,7 +38,7 @@ CLASSES = (
     ("special_fn", ("MUFU",)),
     ("half", ("HFMA2", "HMUL2", "HADD2", "HMNMX2", "HSETP2")),
     ("conversion", ("F2F", "F2FP", "I2F", "I2FP", "F2I", "F2IP", "PRMT", "I2I", "FRND")),
-    ("int_alu", ("IADD3", "IMAD", "IMAD.WIDE", "LOP3", "SHF", "LEA", "ISETP", "IMNMX", "VIMNMX", "SEL",
+    ("int_alu", ("IADD3", "VIADD", "VIADDMNMX", "VIMNMX3", "IMAD", "IMAD.WIDE", "LOP3", "SHF", "LEA", "ISETP", "IMNMX", "VIMNMX", "SEL",
                  "IABS", "LEA.HI", "SGXT", "BMSK", "FLO", "POPC", "IDP", "UIADD3", "ULOP3", "USHF", "ULEA",
                  "UIMAD", "UISETP", "USEL", "UPRMT", "USGXT", "UMOV", "MOV", "IADD", "IMUL", "SHL", "SHR",
                  "P2R", "R2P", "PLOP3", "UPLOP3", "S2R", "S2UR", "CS2R", "R2UR", "VOTE", "VOTEU", "SHFL",
