@@ -345,3 +345,30 @@ def test_sass_tools_find_a_tiny_kernels_loop(tmp_path):
     assert r["cls"]["global_load"] >= 1 and r["cls"]["fp32"] >= 1, r
     assert r["cls"]["tensor_wgmma"] == r["cls"]["tensor_mma"] == 0 and r["mma"] == {"wgmma": 0, "mma.sync": 0}, r
     assert r["occ"] == 64, r
+
+
+def test_sass_bounds_brackets_and_report(tmp_path):
+    """derive(): equal issue and memory clocks reach the copy ceiling with overlap and half
+    of it without; the report of a run renders every analysed row's facts and reading."""
+    sys.path.insert(0, BENCH)
+    try:
+        import sass_bounds as SB
+        import sass_tools as ST
+    finally:
+        sys.path.remove(BENCH)
+    per_clock = SB.COPY_GBPS * 1e9 / SB.SMS / SB.CLOCK_HZ      # bytes per SM clock at the copy rate
+    row = dict(row="moe_decode", op="moe", kernel="_k", variant="v", num_warps=4, num_stages=1, regs=128,
+               spill_stores=0, spill_loads=0, smem=1024, occupancy=dict(blocks=4, warps=16, limiter="registers"),
+               ptx_mma={"wgmma": 0, "mma.sync": 1}, kernel_instructions=500, kernel_classes=ST.by_class({}),
+               loop_instructions=400, loop_classes=ST.by_class({"LOP3.LUT": 399, "HMMA.16816.F32.BF16": 1}),
+               loop_top=[["LOP3.LUT", 399]], loop_mix={"LOP3.LUT": 399, "HMMA.16816.F32.BF16": 1},
+               estimate=dict(weight_bytes=400 * per_clock))
+    d = SB.derive(row)
+    assert d["issue_clocks"] == 400 and abs(d["memory_clocks"] - 400) < 1e-6
+    assert abs(d["copy_bracket"][0] - 1.0) < 1e-9 and abs(d["copy_bracket"][1] - 0.5) < 1e-9
+    row["derived"] = d
+    md = SB.markdown(dict(date="2026-12-02T00:00:00Z", triton="3.9.0", timed_with="3.6.0"), [row],
+                     SB.load_notes())
+    assert "Offline analysis: a proxy" in md and "### moe `triton_w4a16`, 1 / 8 / 64 tokens" in md
+    assert "399 integer" in md and "1 mma.sync tensor ops" in md and "**Reading.**" in md
+    assert set(SB.load_notes()) <= set(SB.ISSUE)
