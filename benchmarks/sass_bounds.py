@@ -18,7 +18,10 @@ scheduler per clock with no stall, set against the ceilings the H200 runs measur
 This is an offline proxy (Triton's compiler on this machine, which may differ from the
 version the timings ran with), not a timing. Writes the series kernel_bounds_sm90a
 (.md and .json) into --out (default benchmarks/results; the previous run is archived).
-``--from-json`` re-renders a written run's report without compiling.
+Under each row the report prints its reading from sass_bounds_notes.yaml (what bounds it
+and what change would address it), written against the figures of the committed run:
+re-read it when the kernels change. ``--from-json`` re-renders a written run's report
+without compiling.
 """
 from __future__ import annotations
 
@@ -92,14 +95,15 @@ def jobs(only=None) -> list:
         out.append(("decode_mla_split", M.attention_job("decode_mla", 2, "decode_split", c),
                     dict(kv_bytes=c["BLOCK_N"] * POOL_TOKEN_BYTES, flops=4 * c["BLOCK_H"] * c["BLOCK_N"] * DIM,
                          dtype="bf16")))
-    comb = [j for j in M._attention_jobs(t) if j.name == "_combine_kernel"]
+    matrix = M.jobs_for(t)
+    comb = [j for j in matrix if j.op == "decode_mla" and j.name == "_combine_kernel"]
     out += [("decode_mla_split", j, dict(kv_bytes=AL.COMBINE_BLOCK_H * AL.COMBINE_BLOCK_D * 4)) for j in comb]
     from capdispatch.backends.indexer import launch_table as IL
-    for j in M._indexer_jobs(t):
-        if j.variant == "fp8 next_n=1":
+    for j in matrix:
+        if j.name == "_indexer_kernel" and j.variant == "fp8 next_n=1":
             out.append(("indexer", j, dict(kv_bytes=IL.BLOCK_N * (128 + 4), flops=2 * 64 * 128 * IL.BLOCK_N,
                                            dtype="fp8")))
-    out += [("kv_cache", j, {}) for j in M._kv_cache_jobs(t) if j.variant == "fp8"]
+    out += [("kv_cache", j, {}) for j in matrix if j.op == "kv_cache" and j.variant == "fp8"]
     if only:
         out = [x for x in out if x[0].split("_")[0] in only or x[0] in only]
     return out
@@ -110,7 +114,9 @@ def analyse(row: str, job, est: dict) -> dict:
     ck = ST.compile_kernel(_kernel(mod, name), job.signature, job.constexprs, job.num_warps, job.num_stages, CC)
     n, mix = ST.main_loop(ck.sass)
     whole = ST.whole_kernel(ck.sass)
-    occ = ST.occupancy(ck.regs or 255, ck.smem, job.num_warps)
+    if ck.regs is None:
+        raise RuntimeError(f"ptxas -v printed no register count for {name} ({job.variant})")
+    occ = ST.occupancy(ck.regs, ck.smem, job.num_warps)
     return dict(row=row, op=job.op, kernel=name, variant=job.variant, num_warps=job.num_warps,
                 num_stages=job.num_stages, regs=ck.regs, spill_stores=ck.spill_stores, spill_loads=ck.spill_loads,
                 smem=ck.smem, occupancy=dict(blocks=occ.blocks, warps=occ.warps, limiter=occ.limiter),
@@ -311,6 +317,11 @@ def main(argv=None) -> int:
         return 0
     import triton
     only = {s.strip() for s in a.only.split(",") if s.strip()} or None
+    valid = {r.split("_")[0] for r in ISSUE} | set(ISSUE)
+    if only and not only <= valid:
+        print(f"sass_bounds: --only {a.only!r}: unknown {', '.join(sorted(only - valid))}; "
+              f"valid: {', '.join(sorted(valid))}", file=sys.stderr)
+        return 2
     rows = []
     for row, job, est in jobs(only):
         print(f"compiling {row}: {job.name} {job.variant}", file=sys.stderr, flush=True)
