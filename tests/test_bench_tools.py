@@ -8,6 +8,11 @@ import textwrap
 
 import pytest
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# The benchmark modules import triton: on the CPU its jitted helpers are built in the mode
+# of its first import, so that import happens under the interpreter, as in the kernel tests.
+from triton_env import _triton_interpreter  # noqa: E402,F401 (autouse fixture)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks")
 

@@ -16,9 +16,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from capdispatch.backends import launch_limits as LL
-from capdispatch.backends.sparse_attention import launch_table as LT
-from capdispatch.backends.sparse_attention import kernels as K
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# Under the interpreter on the CPU: triton's own jitted helpers are built in the mode of
+# its first import, so no test may import it outside the interpreter first.
+from triton_env import _triton_interpreter  # noqa: E402,F401 (autouse fixture)
+
+from capdispatch.backends import launch_limits as LL  # noqa: E402
+from capdispatch.backends.sparse_attention import launch_table as LT  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIMIT_99KB = 101376
@@ -43,9 +47,18 @@ class FakeKernel:
         return lambda *args, **kwargs: self.launched.append((grid, kwargs))
 
 
+def _kernels():
+    """The sparse-attention kernel module, imported inside a test (not at collection) so
+    that it is built in the mode the test session runs: the other attention tests reload
+    it under the interpreter only when they find it imported without."""
+    from capdispatch.backends.sparse_attention import kernels
+    return kernels
+
+
 @pytest.fixture
 def sm90(monkeypatch):
     """The sparse-attention launch path believing it runs on an SM90 card, with empty plans."""
+    K = _kernels()
     monkeypatch.setattr(K, "_capability", lambda device: (9, 0))
     monkeypatch.setattr(K, "_plans", {})
 
@@ -70,6 +83,7 @@ def test_the_99kb_cards_share_one_table():
 
 
 def test_forced_capability_picks_the_99kb_entries_on_sm90(sm90):
+    K = _kernels()
     for kind, tokens in (("prefill", 4096), ("decode", 4096), ("decode_split", 1)):
         own = K.device_configs(CUDA0, kind, tokens)
         assert own == LT.configs_for((9, 0), kind, tokens)
@@ -132,6 +146,7 @@ def test_launch_checks_only_inside_a_checking_block():
 
 
 def test_sparse_launch_skips_an_entry_over_the_limit(sm90, monkeypatch):
+    K = _kernels()
     """The first portable decode entry 'needs' more than 99 KB here: the launch moves to the
     next entry, exactly as Triton's OutOfResources moves it on the card, and remembers it."""
     fake = FakeKernel(lambda kw: 120_000 if kw["BLOCK_H"] == 32 else 50_000)
