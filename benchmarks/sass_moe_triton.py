@@ -14,50 +14,19 @@ a timing (bench_moe.py / sweep_moe_triton.py time them on a card).
 from __future__ import annotations
 
 import argparse
-import collections
 import os
-import re
-import subprocess
 import sys
-import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+for _p in (ROOT, os.path.join(ROOT, "benchmarks")):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
 
-INSN = re.compile(r"^\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)")
+from sass_tools import compile_kernel, main_loop  # noqa: E402
 
 
 def sass(fn, sig, consts, warps, stages, cc):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    # What a launch specialises: every pointer and every int argument that is a multiple of 16.
-    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(sig.values()) if t != "fp32"}
-    full = dict(sig, **{k: "constexpr" for k in consts})
-    ck = triton.compile(ASTSource(fn=fn, signature=full, constexprs=consts, attrs=attrs),
-                        target=GPUTarget("cuda", cc, 32), options={"num_warps": warps, "num_stages": stages})
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(ck.asm["cubin"])
-        return subprocess.run([tool, "-c", path], capture_output=True, text=True, check=True).stdout
-
-
-def main_loop(text):
-    """(instructions in the largest backward-branch loop, Counter of its opcodes)."""
-    insns = [(int(m.group(1), 16), m.group(2)) for m in map(INSN.match, text.split("\n")) if m]
-    labels = {m.group(1): int(m.group(2), 16)
-              for m in re.finditer(r"^(\.L_x_\d+):\s*\n\s+/\*([0-9a-f]+)\*/", text, re.M)}
-    best = (0, collections.Counter())
-    for m in re.finditer(r"/\*([0-9a-f]+)\*/[^\n]*BRA[^\n]*`\((\.L_x_\d+)\)", text):
-        end, start = int(m.group(1), 16), labels.get(m.group(2))
-        if start is not None and start < end:
-            body = [op for a, op in insns if start <= a <= end]
-            if len(body) > best[0]:
-                best = (len(body), collections.Counter(body))
-    return best
+    return compile_kernel(fn, sig, consts, warps, stages, cc).sass
 
 
 def main(argv=None):

@@ -297,3 +297,83 @@ def test_99kb_reports_of_moe_indexer_kv_cache(tmp_path):
     assert f"triton_w4a16 ({label}) us (% roofline)" in out
     assert out.count("| 110592 | — | — | no: the card fails here |") == 3
     assert out.count("| 32768 | 80 | 0 | yes |") == 2
+
+
+def test_occupancy_from_registers_shared_memory_and_warps():
+    sys.path.insert(0, BENCH)
+    try:
+        import sass_tools as ST
+    finally:
+        sys.path.remove(BENCH)
+    # 255 registers round to 8192 per warp: 8 warps per SM, one 8-warp block.
+    assert ST.occupancy(255, 0, 8) == ST.Occupancy(blocks=1, warps=8, limiter="registers")
+    assert ST.occupancy(128, 0, 4) == ST.Occupancy(blocks=4, warps=16, limiter="registers")
+    # 100 KB + the 1 KB reservation twice fit in 228 KB, three times do not.
+    assert ST.occupancy(32, 100 * 1024, 4) == ST.Occupancy(blocks=2, warps=8, limiter="shared memory")
+    assert ST.occupancy(16, 0, 1).limiter == "blocks" and ST.occupancy(16, 0, 1).blocks == 32
+    assert ST.occupancy(16, 0, 16) == ST.Occupancy(blocks=4, warps=64, limiter="warps")
+    assert ST.by_class({"HGMMA.64x64x16.F32.BF16": 2, "HMMA.16816.F32.BF16": 3, "LDGSTS.E.128": 1,
+                        "IMAD.WIDE": 4, "F2FP.BF16.F32.PACK_AB": 5, "WEIRDOP": 1}) == dict(
+        ST.by_class({}), tensor_wgmma=2, tensor_mma=3, global_load=1, int_alu=4, conversion=5, other=1)
+
+
+def test_sass_tools_find_a_tiny_kernels_loop(tmp_path):
+    """A tiny loop kernel compiled for sm_90a: resources parsed from ptxas, the loop found,
+    its loads and float multiply-adds counted, no tensor-core ops."""
+    pytest.importorskip("triton")
+    (tmp_path / "tiny_kernel.py").write_text(textwrap.dedent("""
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def tiny(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+            offs = tl.arange(0, BLOCK)
+            acc = tl.zeros((BLOCK,), tl.float32)
+            for k in range(0, n, BLOCK):
+                acc = acc * 0.5 + tl.load(x_ptr + k + offs)
+            tl.store(out_ptr + offs, acc)
+    """))
+    out = _run("""
+        import json
+        import sass_tools as ST
+        from tiny_kernel import tiny
+        ck = ST.compile_kernel(tiny, {"x_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32"}, {"BLOCK": 128},
+                               num_warps=4, num_stages=1, cc=90)
+        n, mix = ST.main_loop(ck.sass)
+        print(json.dumps(dict(regs=ck.regs, spills=ck.spill_stores, smem=ck.smem, n=n, cls=ST.by_class(mix),
+                              mma=ST.ptx_mma_kinds(ck.ptx), occ=ST.occupancy(ck.regs, ck.smem, 4).warps)))
+    """, tmp_path)
+    import json
+    r = json.loads(out.strip().splitlines()[-1])
+    assert 0 < r["regs"] <= 64 and r["spills"] == 0, r
+    assert 0 < r["n"] < 200, r
+    assert r["cls"]["global_load"] >= 1 and r["cls"]["fp32"] >= 1, r
+    assert r["cls"]["tensor_wgmma"] == r["cls"]["tensor_mma"] == 0 and r["mma"] == {"wgmma": 0, "mma.sync": 0}, r
+    assert r["occ"] == 64, r
+
+
+def test_sass_bounds_brackets_and_report(tmp_path):
+    """derive(): equal issue and memory clocks reach the copy ceiling with overlap and half
+    of it without; the report of a run renders every analysed row's facts and reading."""
+    sys.path.insert(0, BENCH)
+    try:
+        import sass_bounds as SB
+        import sass_tools as ST
+    finally:
+        sys.path.remove(BENCH)
+    per_clock = SB.COPY_GBPS * 1e9 / SB.SMS / SB.CLOCK_HZ      # bytes per SM clock at the copy rate
+    row = dict(row="moe_decode", op="moe", kernel="_k", variant="v", num_warps=4, num_stages=1, regs=128,
+               spill_stores=0, spill_loads=0, smem=1024, occupancy=dict(blocks=4, warps=16, limiter="registers"),
+               ptx_mma={"wgmma": 0, "mma.sync": 1}, kernel_instructions=500, kernel_classes=ST.by_class({}),
+               loop_instructions=400, loop_classes=ST.by_class({"LOP3.LUT": 399, "HMMA.16816.F32.BF16": 1}),
+               loop_top=[["LOP3.LUT", 399]], loop_mix={"LOP3.LUT": 399, "HMMA.16816.F32.BF16": 1},
+               estimate=dict(weight_bytes=400 * per_clock))
+    d = SB.derive(row)
+    assert d["issue_clocks"] == 400 and abs(d["memory_clocks"] - 400) < 1e-6
+    assert abs(d["copy_bracket"][0] - 1.0) < 1e-9 and abs(d["copy_bracket"][1] - 0.5) < 1e-9
+    row["derived"] = d
+    md = SB.markdown(dict(date="2026-12-02T00:00:00Z", triton="3.9.0", timed_with="3.6.0"), [row],
+                     SB.load_notes())
+    assert "Offline analysis: a proxy" in md and "### moe `triton_w4a16`, 1 / 8 / 64 tokens" in md
+    assert "399 integer" in md and "1 mma.sync tensor ops" in md and "**Reading.**" in md
+    assert set(SB.load_notes()) <= set(SB.ISSUE)
