@@ -6,7 +6,7 @@
 #   overhead  bench_overhead.py (custom-op call overhead, eager and CUDA graph; issue 14)
 #   route     bench_sglang_moe_route.py (SGLang's FusedMoE routed per rank; issue 11)
 #   probe     every module SGLang's MoE import chain lacks here (probe_imports.py)
-#   calibrate `dispatch bench --write-policy` over every op (issue 14), policy into $OUT
+#   calibrate `dispatch bench --write-policy` op by op (CALIBRATE_OPS; issue 14), policy into $OUT
 #   measure   bench_calibrated.py under that policy (issue 14)
 #   kernels   the kernel benchmarks (bench_attention.py --graphs, bench_moe.py, bench_indexer.py,
 #             bench_kv_cache.py), each run twice: with this card's own launch tables, then with
@@ -65,8 +65,14 @@ for s in "$@"; do
     route)    step ${ROUTE_LIMIT:-150} python3 benchmarks/bench_sglang_moe_route.py --out "$OUT" ${ROUTE_ARGS:-} ;;
     probe)    step 60 python3 benchmarks/probe_imports.py sglang.srt.layers.moe.fused_moe_triton.layer \
                 sglang.srt.layers.quantization.fp8 sglang.srt.server_args ;;
-    calibrate) step ${CALIBRATE_LIMIT:-420} python3 -m capdispatch bench --device cuda:0 \
-                 --write-policy "$OUT/h200.yaml" ${CALIBRATE_ARGS:-}
+    # One `dispatch bench` per op, each updating the same policy (a run keeps the ops it does
+    # not measure): a step cut off by its limit loses that op only, and each op's time shows.
+    # CALIBRATE_FROM: a policy to start from (e.g. the committed example), kept for the ops not run.
+    calibrate) [ -n "${CALIBRATE_FROM:-}" ] && [ ! -f "$OUT/h200.yaml" ] && cp "$CALIBRATE_FROM" "$OUT/h200.yaml"
+               for op in ${CALIBRATE_OPS:-kv_quant kv_dequant moe indexer decode_mla sparse_prefill}; do
+                 step ${CALIBRATE_LIMIT:-150} python3 -m capdispatch bench --device cuda:0 --op "$op" \
+                   --write-policy "$OUT/h200.yaml" ${CALIBRATE_ARGS:-}
+               done
                step 30 python3 -m capdispatch explain --device cuda:0 --policy "$OUT/h200.yaml" --brief ;;
     measure)  step ${MEASURE_LIMIT:-300} python3 benchmarks/bench_calibrated.py --policy "$OUT/h200.yaml" \
                 --out "$OUT" ${MEASURE_ARGS:-} ;;
