@@ -271,8 +271,7 @@ def build_parser():
 def parse_args(argv=None):
     p = build_parser()
     a = p.parse_args(argv)
-    if a.tiles != "card" and not any(b in TRITON_BACKENDS for b in a.backends):
-        p.error(f"--tiles {a.tiles} times the Triton backends ({', '.join(TRITON_BACKENDS)}); --backends names none")
+    tile_modes.check_backends(p, a, TRITON_BACKENDS)
     return a
 
 

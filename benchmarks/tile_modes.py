@@ -21,6 +21,14 @@ def add_argument(parser) -> None:
                              "cards SM86/SM89/SM120 get, with their shared-memory limit (99kb)")
 
 
+def check_backends(parser, args, triton_backends) -> None:
+    """A ``--tiles`` other than ``card`` times the Triton backends: refuse a ``--backends``
+    list that names none of them (argparse's usage error, exit 2)."""
+    if args.tiles != "card" and not any(b in triton_backends for b in args.backends):
+        parser.error(f"--tiles {args.tiles} times the Triton backends ({', '.join(triton_backends)}); "
+                     f"--backends names none")
+
+
 def suffix(mode: str) -> str:
     """What the results series name gains: '' or '_99kb'."""
     return "" if mode == "card" else "_" + mode
