@@ -16,11 +16,7 @@ DEFAULT_SIZES = {
     "kv_dequant": (64, 256, 1024, 4096, 16384, 65536, 262144),
 }
 
-# On CUDA every size is timed inside a CUDA graph: the choice between an op's kernels is
-# about device time. Timed eagerly, a kernel shorter than its launch (the KV ops below
-# tens of microseconds, prefill at a few hundred tokens) measures the host instead, and
-# host noise then picks the backend. The host cost per call is the wrapper's, alike for
-# an op's backends, and benchmarks/bench_overhead.py measures it apart.
+
 # Problem dimensions other than the bucketed one. "full" are DeepSeek-V4's (benchmarks/
 # use the same builders); "small" keeps the CPU path (torch, the Triton interpreter) to
 # seconds: shorter contexts, fewer experts, narrower MoE layers.
@@ -34,7 +30,12 @@ PROFILES = {
 }
 
 
-def timed_in_graph(op: str, size: int, platform: str) -> bool:
+# On CUDA every size is timed inside a CUDA graph: the choice between an op's kernels is
+# about device time. Timed eagerly, a kernel shorter than its launch (the KV ops below
+# tens of microseconds, prefill at a few hundred tokens) measures the host instead, and
+# host noise then picks the backend. The host cost per call is the wrapper's, alike for
+# an op's backends, and benchmarks/bench_overhead.py measures it apart.
+def timed_in_graph(platform: str) -> bool:
     return platform == "cuda"
 
 

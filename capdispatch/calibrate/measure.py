@@ -32,9 +32,9 @@ def measure(op: str, sizes, backends: dict, *, device: str, platform: str, profi
     prepared inputs it takes (MoE weight layouts)."""
     from . import inputs
     rows = []
+    graph = timed_in_graph(platform)
     for size in sizes:
         case = inputs.case(op, size, gen, device, profile)
-        graph = timed_in_graph(op, size, platform)
         for name, fn in backends.items():
             as_backend = (inputs_of or {}).get(name, name)
             ms = None
