@@ -8,7 +8,11 @@ For every op and every backend that runs on DEVICE, one decode-sized problem (1 
             counted apart), or for the torch backends the Python function itself;
   bound     ``cd.bind(op, device, backend=...)``: the custom op (dispatcher, fake-free
             eager path, argument checks);
-  serving   ``cd.bind(..., checks=False)``.
+  serving   ``cd.bind(..., checks=False)``;
+  host      for the Triton backends, the serving call with every Triton launch made a
+            no-op (``JITFunction.run`` returns at once): capdispatch's own Python and the
+            outputs and scratch it allocates, without Triton's launcher, so that
+            serving - host is what the launches cost through Triton.
 Also the dispatch floor: a no-op capdispatch-style custom op against a no-op Python call;
 and per op with two runnable backends, the size-bucket dispatcher ``bind`` returns under
 a policy whose buckets pick different backends (``{SIZE: "<=16", prefer: [A]}, {prefer:
@@ -23,8 +27,8 @@ compute synchronously, so there the difference bound - bare is the overhead.
 Targets (issue 14, H200 host): bound <= 1.2 x bare, and <= 30 us for kv_dequant and
 decode_mla at 1 token.
 
-  python benchmarks/bench_overhead.py [--device cpu|cuda:N] [--op OP ...] [--iters N]
-                                      [--repeats N] [--out DIR]
+  python benchmarks/bench_overhead.py [--device cpu|cuda:N] [--op OP ...] [--skip-torch]
+                                      [--iters N] [--repeats N] [--out DIR]
 """
 from __future__ import annotations
 
@@ -186,6 +190,20 @@ def recorded_triton_launches(call):
     return replay if rec else None
 
 
+def without_triton_launches(call):
+    """CALL with every Triton launch a no-op: the host path besides Triton's launcher."""
+    from triton.runtime.jit import JITFunction
+    orig = JITFunction.run
+
+    def run():
+        JITFunction.run = lambda self, *a, **kw: None
+        try:
+            call()
+        finally:
+            JITFunction.run = orig
+    return run
+
+
 # --------------------------------------------------------------------------- #
 # Timing
 # --------------------------------------------------------------------------- #
@@ -256,6 +274,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default=None, help="cpu or cuda:N (default: cuda:0 when present, else cpu)")
     ap.add_argument("--op", action="append", choices=OPS, help="ops to measure (default: all)")
+    ap.add_argument("--skip-torch", action="store_true",
+                    help="leave out the torch reference backends (slow on a GPU at these shapes)")
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
@@ -288,6 +308,8 @@ def main(argv=None) -> int:
     for op in args.op or OPS:
         for backend in reg.backends(op):
             name = backend.name
+            if args.skip_torch and name == "torch":
+                continue
             try:
                 bound = cd.bind(op, dev_name, backend=name)
                 serving = cd.bind(op, dev_name, backend=name, checks=False)
@@ -311,6 +333,8 @@ def main(argv=None) -> int:
             fns = {"bound": call, "serving": lambda: serving(*a, **kw)}
             if bare is not None:
                 fns["bare"] = bare
+            if bare_kind == "Triton launcher":
+                fns["host"] = without_triton_launches(fns["serving"])
             us = interleaved_us(fns, args.iters, args.repeats, sync)
             row = dict(op=op, backend=name, bare_kind=bare_kind, **{f"{k}_us": v for k, v in us.items()})
             if "bare_us" in row:
@@ -372,6 +396,8 @@ def _line(r):
     s = f"{r['op']:<15} {r['backend']:<25} bound {_fmt(r['bound_us'])} us, serving {_fmt(r['serving_us'])} us"
     if "bare_us" in r:
         s += f", bare ({r['bare_kind']}) {_fmt(r['bare_us'])} us, bound/bare {r['ratio']:.2f}"
+    if "host_us" in r:
+        s += f"; host path without launches {_fmt(r['host_us'])} us"
     return s
 
 
@@ -394,18 +420,23 @@ def report(meta, rows, buckets=()) -> str:
     out += [f"Dispatch floor: no-op Python call {fl['python']:.2f} us, no-op custom op (define + impl, "
             f"CompositeExplicitAutograd) {fl['custom_op']:.2f} us.", "",
             "| op | backend | bare | bare us | bound us | serving (checks=False) us | bound - bare us | "
-            "bound / bare | serving / bare |",
-            "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+            "bound / bare | serving / bare | host path without launches us |",
+            "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         if "skipped" in r:
             continue
         bare = r.get("bare_us")
+        host = _fmt(r.get("host_us"))
         out.append(f"| {r['op']} | {r['backend']} | {r.get('bare_kind') or '—'} | {_fmt(bare)} | "
                    f"{_fmt(r['bound_us'])} | {_fmt(r['serving_us'])} | "
                    f"{_fmt(r['bound_us'] - bare) if bare else '—'} | "
-                   f"{r['ratio']:.2f} | {r['serving_ratio']:.2f} |" if bare else
+                   f"{r['ratio']:.2f} | {r['serving_ratio']:.2f} | {host} |" if bare else
                    f"| {r['op']} | {r['backend']} | — | — | {_fmt(r['bound_us'])} | {_fmt(r['serving_us'])} "
-                   f"| — | — | — |")
+                   f"| — | — | — | {host} |")
+    if any("host_us" in r for r in rows):
+        out += ["", "Host path without launches: the serving call with every Triton launch a no-op "
+                "(capdispatch's Python and the outputs and scratch it allocates); serving minus it is what "
+                "the launches cost through Triton's launcher, which the bare column times alone."]
     skipped = [r for r in rows if "skipped" in r]
     if skipped:
         out += ["", "Not run here: " + "; ".join(f"{r['op']}={r['backend']}" for r in skipped) + "."]
