@@ -13,7 +13,9 @@ For every op and every backend that runs on DEVICE, one decode-sized problem (1 
             no-op (``JITFunction.run`` returns at once): capdispatch's own Python and the
             outputs and scratch it allocates, without Triton's launcher, so that
             serving - host is what the launches cost through Triton.
-Also the dispatch floor: a no-op capdispatch-style custom op against a no-op Python call;
+Also the dispatch floor: a no-op capdispatch-style custom op against a no-op Python call,
+and the size-bucket dispatcher over two no-op kernels against the first one called directly
+(the dispatcher's own cost, whatever the kernels cost);
 and per op with two runnable backends, the size-bucket dispatcher ``bind`` returns under
 a policy whose buckets pick different backends (``{SIZE: "<=16", prefer: [A]}, {prefer:
 [B]}``, the 1-token call taking A) against A's serving call: the dispatcher's own cost.
@@ -235,8 +237,20 @@ def dispatch_floor(iters, repeats):
     lib.impl("noop", noop, "CompositeExplicitAutograd")
     op = torch.ops.capdispatch_bench.noop.default
     x = torch.empty(1)
-    r = interleaved_us({"python": lambda: noop(x, 1), "custom_op": lambda: op(x, 1)}, iters, repeats,
-                       lambda: None)
+    # The size-bucket dispatcher (dispatch/sized.py) over two no-op kernels, against the
+    # first one called directly: its own work per call, whatever the kernels cost.
+    from capdispatch.backends.base import SizeArg
+    from capdispatch.dispatch import sized
+
+    def small(x, n, *, checks=True):
+        return None
+
+    def big(x, n, *, checks=True):
+        return None
+    disp = sized.dispatcher("noop", SizeArg(key="tokens", index=0, name="x"), ((16, small),), big, ((16, "small"), (None, "big")))
+    r = interleaved_us({"python": lambda: noop(x, 1), "custom_op": lambda: op(x, 1),
+                        "bucket_dispatcher": lambda: disp(x, 1), "bucket_direct": lambda: small(x, 1)},
+                       iters, repeats, lambda: None)
     del lib
     return r
 
@@ -300,7 +314,9 @@ def main(argv=None) -> int:
     print(f"host: {facts['cpu']} ({facts['cpu_count']} cpus), torch {facts['torch']}, triton {facts['triton']}"
           + (f", {facts['gpu']}" if device.type == "cuda" else ", no GPU") + f"; seed {seed}")
     floor = dispatch_floor(args.iters * 5, args.repeats)
-    print(f"dispatch floor: python no-op {floor['python']:.2f} us, custom op no-op {floor['custom_op']:.2f} us")
+    print(f"dispatch floor: python no-op {floor['python']:.2f} us, custom op no-op {floor['custom_op']:.2f} us; "
+          f"size-bucket dispatcher over no-op kernels {floor['bucket_dispatcher']:.2f} us against "
+          f"{floor['bucket_direct']:.2f} us direct")
 
     reg = builtin()
     rows = []
@@ -418,7 +434,11 @@ def report(meta, rows, buckets=()) -> str:
                 "GPU run.", ""]
     fl = meta["dispatch_floor_us"]
     out += [f"Dispatch floor: no-op Python call {fl['python']:.2f} us, no-op custom op (define + impl, "
-            f"CompositeExplicitAutograd) {fl['custom_op']:.2f} us.", "",
+            f"CompositeExplicitAutograd) {fl['custom_op']:.2f} us."
+            + (f" The size-bucket dispatcher `bind` returns under a bucketed policy, over two no-op kernels: "
+               f"{fl['bucket_dispatcher']:.2f} us against {fl['bucket_direct']:.2f} us for the first kernel "
+               f"called directly, so {fl['bucket_dispatcher'] - fl['bucket_direct']:.2f} us of its own per call."
+               if "bucket_dispatcher" in fl else ""), "",
             "| op | backend | bare | bare us | bound us | serving (checks=False) us | bound - bare us | "
             "bound / bare | serving / bare | host path without launches us |",
             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]

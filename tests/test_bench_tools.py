@@ -405,12 +405,14 @@ def test_overhead_report_has_the_host_path_column(tmp_path):
         import bench_overhead as B
         meta = dict(gpu_present=True, gpu="NVIDIA H200", date="d", cpu="x", cpu_count=16, torch_threads=16,
                     python="3.12", torch="2.11", triton="3.6", cuda="13.0", device="cuda:0", repeats=5,
-                    iters=60, seed=1, load_average=None, dispatch_floor_us=dict(python=0.07, custom_op=1.8))
+                    iters=60, seed=1, load_average=None,
+                    dispatch_floor_us=dict(python=0.07, custom_op=1.8, bucket_dispatcher=0.5, bucket_direct=0.1))
         row = dict(op="decode_mla", backend="triton_fp8", bare_kind="Triton launcher", bound_us=147.7,
                    serving_us=125.6, bare_us=69.2, host_us=40.0, ratio=147.7 / 69.2, serving_ratio=125.6 / 69.2)
         md = B.report(meta, [row])
         assert "| decode_mla | triton_fp8 | Triton launcher | 69.2 | 147.7 | 125.6 | 78.5 | 2.13 | 1.82 | 40.0 |" in md, md
         assert "Host path without launches" in md and "host path without launches 40.0 us" in B._line(row)
+        assert "over two no-op kernels: 0.50 us against 0.10 us" in md and "0.40 us of its own per call" in md
         print("ok")
     """, tmp_path)
     assert out.strip().endswith("ok")
