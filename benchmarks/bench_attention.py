@@ -29,7 +29,10 @@ What it does:
      triton_fp8 / FlashMLA time ratio in CUDA graphs (the bar: within 1.2x), and SGLang
      0.5.23's own portable Triton decode for the V4 pool
      (sglang.kernels.ops.attention.flash_mla_sm120_triton, its opt-in SM120 path) up to
-     --peer-max-tokens query tokens (default 512: it takes ~0.5 s a call at 4096);
+     --peer-max-tokens query tokens (default 512: it takes ~0.5 s a call at 4096); and
+     the flashmla adapter as a serving model calls it (checks=False, inside one
+     capdispatch.batch() whose first call builds the schedule before timing), against
+     FlashMLA as SGLang calls it (the adapter bar: within 1.1x in CUDA graphs);
   7. writes JSON + markdown into --out (default benchmarks/results).
 
 With --tiles 99kb only the Triton backends run, with the launch-table entries the 99 KB
@@ -152,6 +155,32 @@ def flashmla_as_sglang(inputs):
             extra_indices_in_kvcache=cidx, extra_topk_length=clengths)
     call()
     return call
+
+
+ADAPTER_IN_BATCH = "flashmla adapter (checks=False, one schedule per batch: capdispatch.batch())"
+ADAPTER_BAR = 1.1   # the target: a library adapter within 1.1x of the library as SGLang calls it, in graphs
+
+
+def adapter_in_one_batch(op, shape, inputs, want, reg, lib_ms, lib_gms, args):
+    """The flashmla adapter as a serving model calls it: bound with checks=False, inside
+    one ``capdispatch.batch()`` whose first call builds the schedule (SGLang's per-batch
+    work, done before timing and counted apart); rows for the table and the 1.1x bar."""
+    import capdispatch as cd
+    fn = cd.bind(op, "cuda:0", backend="flashmla", checks=False, registry=reg)
+    with cd.batch():
+        got = fn(*inputs)
+        ok = _check(op, got, want)[0]
+        ms = _bench(lambda: fn(*inputs), args.warmup, args.rep)
+        gms = _bench_graph(lambda: fn(*inputs), args.rep) if args.graphs else None
+    print(f"  {op} {shape} {ADAPTER_IN_BATCH}: {ms:.4f} ms" + (f" (graph {gms:.4f})" if gms is not None else "")
+          + f" correct={ok}")
+    rows = [dict(op=op, shape=shape, backend=ADAPTER_IN_BATCH, ms=ms, graph_ms=gms, correct=ok, not_a_backend=True)]
+    if ok and gms is not None and lib_gms:
+        ratio = gms / lib_gms
+        rows.append(dict(op=op, shape=shape, adapter_bar="flashmla adapter in one batch / flashmla as SGLang calls it",
+                         adapter_graph_ms=gms, flashmla_graph_ms=lib_gms, ratio=ratio, target=ADAPTER_BAR,
+                         met=ratio <= ADAPTER_BAR))
+    return rows
 
 
 SGLANG_PEER = "sglang.kernels.ops.attention.flash_mla_sm120_triton"
@@ -287,6 +316,9 @@ def run(args):
                     print(f"  {op} {shape} flashmla kernel as SGLang calls it: {kms:.4f} ms"
                           + (f" (graph {kgms:.4f})" if kgms is not None else "") + f" output correct={kok}")
                     served_g = kgms if kok else None
+                    arow = adapter_in_one_batch(op, shape, inputs, want, reg, kms, kgms, args)
+                    if arow:
+                        rows += arow
                     if kok and kgms is not None and "triton_fp8" in gtimes:
                         ratio = gtimes["triton_fp8"] / kgms
                         rows.append(dict(op=op, shape=shape, bar="triton_fp8 / flashmla as SGLang calls it",
@@ -493,6 +525,15 @@ def _write(out_dir, meta, rows, tune_rows):
                   "| --- | --- | ---: | ---: | ---: | --- |"]
         lines += [f"| {r['op']} | {_fmt_shape(r['shape'])} | {r['triton_fp8_graph_ms']:.4f} | "
                   f"{r['flashmla_graph_ms']:.4f} | {r['ratio']:.2f}x | {'yes' if r['met'] else 'no'} |" for r in bar]
+    ab = [r for r in rows if "adapter_bar" in r]
+    if ab:
+        lines += ["", f"The FlashMLA adapter as a serving model calls it (`checks=False`, inside one "
+                  f"`capdispatch.batch()` whose first call builds the schedule, before timing) against FlashMLA "
+                  f"as SGLang calls it (target within {ADAPTER_BAR}x), in CUDA graphs:", "",
+                  "| op | shape | adapter graph ms | FlashMLA graph ms | adapter / FlashMLA | target met |",
+                  "| --- | --- | ---: | ---: | ---: | --- |"]
+        lines += [f"| {r['op']} | {_fmt_shape(r['shape'])} | {r['adapter_graph_ms']:.4f} | "
+                  f"{r['flashmla_graph_ms']:.4f} | {r['ratio']:.2f}x | {'yes' if r['met'] else 'no'} |" for r in ab]
     peer = [r for r in rows if r.get("backend") == PEER_NAME and "ms" in r]
     if peer:
         lines += ["", f"SGLang's own portable Triton decode ({SGLANG_PEER}, a library call; outputs checked "

@@ -51,6 +51,7 @@ _API = {
     # For adapters and plugins: the registry of declarations, the MoE weight record and its
     # one-time preparation, the matrix's cells, the did-you-mean helper of every error.
     "registry": ("capdispatch.backends", "builtin"),
+    "batch": ("capdispatch.backends.batch_scope", "batch"),
     "MoeWeights": ("capdispatch.backends.moe", "MoeWeights"),
     "prepare_moe_weights": ("capdispatch.backends.moe", "prepare"),
     "Cell": ("capdispatch.dispatch", "Cell"),

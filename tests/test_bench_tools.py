@@ -244,7 +244,9 @@ def test_attention_report_has_the_flashmla_bar_and_the_sglang_peer(tmp_path):
                 dict(op="decode_mla", shape=s1, backend=B.PEER_NAME, not_a_backend=True, ms=0.31, graph_ms=0.303,
                      correct=True, out_rel_err=2.5e-3, over_triton_fp8=14.4),
                 dict(op="decode_mla", shape=s4k, backend=B.PEER_NAME, not_a_backend=True,
-                     skipped="not timed above --peer-max-tokens 512")]
+                     skipped="not timed above --peer-max-tokens 512"),
+                dict(op="decode_mla", shape=s1, adapter_bar="x", adapter_graph_ms=0.0130, flashmla_graph_ms=0.0122,
+                     ratio=0.0130 / 0.0122, target=1.1, met=True)]
         B._write({str(tmp_path)!r}, meta, rows, [])
         md = [f for f in os.listdir({str(tmp_path)!r}) if f.endswith(".md")][0]
         assert md.startswith("attention_nvidia_h200_2026"), md
@@ -253,6 +255,7 @@ def test_attention_report_has_the_flashmla_bar_and_the_sglang_peer(tmp_path):
     assert "| decode_mla | tokens=1 | 0.0210 | 0.0175 | 1.20x | yes |" in out
     assert "| decode_mla | tokens=1 | 0.3100 | 0.3030 | True (2.5e-03) | 14.4x |" in out
     assert "skipped | | | | not timed above --peer-max-tokens 512 |" in out
+    assert "one `capdispatch.batch()`" in out and "| decode_mla | tokens=1 | 0.0130 | 0.0122 | 1.07x | yes |" in out
 
 
 def test_99kb_reports_of_moe_indexer_kv_cache(tmp_path):

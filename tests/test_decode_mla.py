@@ -598,3 +598,113 @@ def test_gpu_extend_allocates_no_scratch_and_decode_scratch_is_bounded():
         outputs = tokens * 64 * (512 * 2 + 4)
         extra = torch.cuda.max_memory_allocated() - base - outputs
         assert extra <= bound + (1 << 20), (tokens, extra, bound)
+
+
+# --------------------------------------------------------------------------- #
+# capdispatch.batch(): FlashMLA's schedule once per batch (a stand-in library on the CPU)
+# --------------------------------------------------------------------------- #
+def _schedule_calls(monkeypatch):
+    """The flashmla adapter over a stand-in flash_mla that records the schedule object
+    each call receives and how many schedules were made."""
+    import types
+
+    from capdispatch.backends.decode_mla import flashmla as FM
+    seen, made = [], []
+
+    class Sched:
+        pass
+
+    def get_mla_metadata():
+        made.append(Sched())
+        return made[-1], None
+
+    def flash_mla_with_kvcache(q, tile_scheduler_metadata, **kw):
+        seen.append(tile_scheduler_metadata)
+        b, s_q, h, _ = q.shape
+        return torch.zeros(b, s_q, h, 512, dtype=torch.bfloat16), torch.zeros(b, h, s_q)
+
+    fake = types.SimpleNamespace(get_mla_metadata=get_mla_metadata, flash_mla_with_kvcache=flash_mla_with_kvcache)
+    monkeypatch.setattr(FM, "_flash_mla", lambda: fake)
+
+    def call(q, lengths, idx):
+        pool = torch.zeros(4, L.min_bytes_per_page(64), dtype=torch.uint8)
+        return FM.flashmla(q, pool, idx, 64, SCALE, lengths, checks=False)
+    return call, seen, made
+
+
+def test_batch_scope_shares_one_flashmla_schedule_per_batch(monkeypatch):
+    """Outside capdispatch.batch() every call makes its own schedule; inside, calls with
+    the same shapes and the same topk_length object share one; another lengths tensor,
+    another shape, a new block or an inner block get their own."""
+    import capdispatch as cd
+    call, seen, made = _schedule_calls(monkeypatch)
+    q = torch.zeros(2, 1, 64, 512, dtype=torch.bfloat16)
+    idx = torch.zeros(2, 1, 64, dtype=torch.int32)
+    lengths, other = torch.full((2,), 64, dtype=torch.int32), torch.full((2,), 64, dtype=torch.int32)
+    call(q, lengths, idx), call(q, lengths, idx)
+    assert len(made) == 2 and seen[0] is not seen[1]
+    with cd.batch():
+        for _ in range(3):                       # three layers of one batch
+            call(q, lengths, idx)
+        assert len(made) == 3 and seen[2] is seen[3] is seen[4]
+        call(q, other, idx)                      # other valid counts: their own schedule
+        call(torch.zeros(3, 1, 64, 512, dtype=torch.bfloat16), torch.full((3,), 64, dtype=torch.int32),
+             torch.zeros(3, 1, 64, dtype=torch.int32))
+        assert len(made) == 5
+        with cd.batch():
+            call(q, lengths, idx)
+            assert len(made) == 6 and seen[-1] is not seen[2]
+        call(q, lengths, idx)                    # the outer block's schedule again
+        assert seen[-1] is seen[2]
+    with cd.batch():
+        call(q, lengths, idx)
+    assert len(made) == 7 and seen[-1] is not seen[2]
+    call(q, lengths, idx)
+    assert len(made) == 8
+
+
+def test_batch_scope_stays_in_its_context():
+    """The block is a context variable: another thread sees no block."""
+    import threading
+
+    import capdispatch as cd
+    from capdispatch.backends import batch_scope as B
+    got = []
+    with cd.batch():
+        assert B.shared("k", (), lambda: object()) is B.shared("k", (), lambda: object())
+        t = threading.Thread(target=lambda: got.append(B.shared("k", (), lambda: object()) is
+                                                       B.shared("k", (), lambda: object())))
+        t.start()
+        t.join()
+    assert got == [False]
+
+
+@pytest.mark.gpu
+@_flashmla
+def test_gpu_batch_scope_flashmla_matches_per_call_schedules():
+    """On the card: three layer calls inside capdispatch.batch() (one schedule) give the
+    outputs of three calls outside it (a schedule each), eagerly and replayed from a
+    CUDA graph captured inside the block."""
+    import capdispatch as cd
+    fn = cd.bind("decode_mla", "cuda:0", backend="flashmla")     # checks on: ids cleaned
+    gen = torch.Generator().manual_seed(new_seed())
+    q, pool, idx, ps, kw = make_case(gen, 4, 1, 64, "cuda", page_size=64, num_pages=16, topk=64,
+                                     extra=(64, 8, 128), lengths=True, sink=True)
+    args = (q, pool, idx, ps, SCALE)
+    want = [fn(*args, **kw) for _ in range(3)]
+    with cd.batch():
+        got = [fn(*args, **kw) for _ in range(3)]
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g[0], w[0], rtol=0, atol=0)
+        torch.testing.assert_close(g[1], w[1], rtol=0, atol=0)
+    g = torch.cuda.CUDAGraph()
+    with cd.batch():
+        fn(*args, **kw)                          # warm-up outside the capture
+        torch.cuda.synchronize()
+    with cd.batch():                             # the capture's own block: its first call schedules
+        with torch.cuda.graph(g):
+            outs = [fn(*args, **kw) for _ in range(3)]
+    g.replay()
+    torch.cuda.synchronize()
+    for o in outs:
+        torch.testing.assert_close(o[0], want[0][0], rtol=0, atol=0)
