@@ -547,16 +547,10 @@ def _write(out_dir, meta, rows, tune_rows):
                   + (f"{r['over_triton_fp8']:.1f}x" if "over_triton_fp8" in r else "—") + " |" for r in peer]
     ent = [r for r in rows if r.get("launches")]
     if ent and meta.get("tiles", "card") != "card":
-        lines += ["", f"Launch-table entries ({meta['tiles_label']}; compiled on this GPU, at most "
-                  f"{meta['shared_limit']} B of shared memory per block):", "",
-                  "| op | shape | backend | kernel | entry | shared B | registers | spills B | ran |",
-                  "| --- | --- | --- | --- | --- | ---: | ---: | ---: | --- |"]
-        for r in ent:
-            for e in r["launches"]:
-                lines.append(f"| {r['op']} | {_fmt_shape(r['shape'])} | {r['backend']} | {e['kernel']} | "
-                             f"{tile_modes._entry(e['config'])} | {_num(e['shared_bytes'])} | "
-                             f"{_num(e['registers'])} | {_num(e['spills'])} | "
-                             f"{'yes' if e['fits'] else 'no: over the limit, skipped'} |")
+        lines += tile_modes.entries_table(
+            meta["tiles_label"], meta["shared_limit"], (("op", "---"), ("shape", "---"), ("backend", "---")),
+            [((r["op"], _fmt_shape(r["shape"]), r["backend"]), e) for r in ent for e in r["launches"]],
+            ran_head="ran", skipped="no: over the limit, skipped")
     fs = [r for r in rows if "served_over_fastest_graph" in r]
     if fs:
         lines += ["", "The default as it runs in serving (on SM90 the SGLang adapter keeps SGLang's own "
@@ -577,10 +571,6 @@ def _write(out_dir, meta, rows, tune_rows):
     with open(base + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print(f"wrote {base}.json and {base}.md")
-
-
-def _num(v):
-    return "—" if v is None else str(v)
 
 
 def _backend_cell(r):

@@ -362,13 +362,9 @@ def _write(out_dir, meta, rows, picks, acc, mem=()):
                          f"{p['default_over_fastest']:.2f} |")
     ent = [r for r in rows if r.get("launches")]
     if ent and tiles != "card":
-        lines += ["", f"Launch-table entries ({meta['tiles_label']}; compiled on this GPU, at most "
-                  f"{meta['shared_limit']} B of shared memory per block):", "",
-                  "| kind | shape | backend | kernel | entry | shared B | registers | spills B | fits |",
-                  "| --- | --- | --- | --- | --- | ---: | ---: | ---: | --- |"]
-        lines += [f"| {r['kind']} | {r['shape']} | {r['backend']} | {e['kernel']} | {tile_modes._entry(e['config'])} | "
-                  f"{_num(e['shared_bytes'])} | {_num(e['registers'])} | {_num(e['spills'])} | "
-                  f"{'yes' if e['fits'] else 'no: the card fails here'} |" for r in ent for e in r["launches"]]
+        lines += tile_modes.entries_table(
+            meta["tiles_label"], meta["shared_limit"], (("kind", "---"), ("shape", "---"), ("backend", "---")),
+            [((r["kind"], r["shape"], r["backend"]), e) for r in ent for e in r["launches"]])
     if mem:
         lines += ["", "Torch reference memory (prefill, rows = tokens, context = tokens / 4):", "",
                   "| tokens | peak MiB | logits MiB | working set MiB | step plan MiB | within plan | ms |",
@@ -387,10 +383,6 @@ def _write(out_dir, meta, rows, picks, acc, mem=()):
     with open(base + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print(f"wrote {base}.json and {base}.md")
-
-
-def _num(v):
-    return "—" if v is None else str(v)
 
 
 def _backend_cell(name, meta):

@@ -232,21 +232,13 @@ def _write(out_dir, meta, rows):
         lines += [f"| {r['tokens']} | {r['slots']} | {r['op']} | {r['ratio']:.3f} |" for r in ratios]
     ent = [r for r in rows if r.get("launches")]
     if ent and tiles != "card":
-        lines += ["", f"Launch-table entries ({meta['tiles_label']}; compiled on this GPU, at most "
-                  f"{meta['shared_limit']} B of shared memory per block):", "",
-                  "| tokens | slots | op | backend | kernel | entry | shared B | registers | spills B | fits |",
-                  "| ---: | --- | --- | --- | --- | --- | ---: | ---: | ---: | --- |"]
-        lines += [f"| {r['tokens']} | {r['slots']} | {r['op']} | {r['backend']} | {e['kernel']} | "
-                  f"{tile_modes._entry(e['config'])} | {_num(e['shared_bytes'])} | {_num(e['registers'])} | "
-                  f"{_num(e['spills'])} | {'yes' if e['fits'] else 'no: the card fails here'} |"
-                  for r in ent for e in r["launches"]]
+        lines += tile_modes.entries_table(
+            meta["tiles_label"], meta["shared_limit"],
+            (("tokens", "---:"), ("slots", "---"), ("op", "---"), ("backend", "---")),
+            [((r["tokens"], r["slots"], r["op"], r["backend"]), e) for r in ent for e in r["launches"]])
     with open(base + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print(f"wrote {base}.json and {base}.md")
-
-
-def _num(v):
-    return "—" if v is None else str(v)
 
 
 def _backend_cell(name, meta):

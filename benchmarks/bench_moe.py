@@ -256,22 +256,13 @@ def to_markdown(res):
                    + " | ".join(cells) + " |")
     ent = [(r["tokens"], n, e) for r in res["rows"] for n, b in r["backends"].items() for e in b.get("launches") or ()]
     if ent and tiles != "card":
-        out += ["", f"Launch-table entries ({m['tiles_label']}; compiled on this GPU, at most {m['shared_limit']} B "
-                "of shared memory per block):", "",
-                "| tokens | backend | kernel | entry | shared B | registers | spills B | fits |",
-                "| ---: | --- | --- | --- | ---: | ---: | ---: | --- |"]
-        out += [f"| {t} | {n} | {e['kernel']} | {tile_modes._entry(e['config'])} | {_num(e['shared_bytes'])} | "
-                f"{_num(e['registers'])} | {_num(e['spills'])} | {'yes' if e['fits'] else 'no: the card fails here'} |"
-                for t, n, e in ent]
+        out += tile_modes.entries_table(m["tiles_label"], m["shared_limit"], (("tokens", "---:"), ("backend", "---")),
+                                        [((t, n), e) for t, n, e in ent])
     if m["skipped"]:
         out += ["", "Skipped:"] + [f"- `{k}`: {v}" for k, v in m["skipped"].items()]
     out += ["", "Every timed backend was checked against the torch reference on the same inputs first "
             f"(norm-relative error <= {TOL_NORM}; 'FAIL' marks a row that was not)."]
     return "\n".join(out) + "\n"
-
-
-def _num(v):
-    return "—" if v is None else str(v)
 
 
 def series(device: str, tiles: str) -> str:

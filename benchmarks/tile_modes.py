@@ -107,6 +107,20 @@ def describe(rows, limit: int | None = None) -> str:
     return "; ".join(parts)
 
 
+def entries_table(label: str, limit, heads: tuple, rows, ran_head: str = "fits",
+                  skipped: str = "no: the card fails here") -> list:
+    """Markdown lines of a --tiles run's launch-table entries. HEADS: the leading columns
+    (name, alignment); ROWS: (leading cells, launch row of launch_rows) pairs."""
+    num = lambda v: "—" if v is None else str(v)  # noqa: E731
+    return ["", f"Launch-table entries ({label}; compiled on this GPU, at most {limit} B of shared memory "
+            "per block):", "",
+            "| " + " | ".join(h for h, _ in heads) + f" | kernel | entry | shared B | registers | spills B | {ran_head} |",
+            "| " + " | ".join(a for _, a in heads) + " | --- | --- | ---: | ---: | ---: | --- |"] + [
+        "| " + " | ".join(str(c) for c in cells) + f" | {e['kernel']} | {_entry(e['config'])} | "
+        f"{num(e['shared_bytes'])} | {num(e['registers'])} | {num(e['spills'])} | "
+        f"{'yes' if e['fits'] else skipped} |" for cells, e in rows]
+
+
 def header_lines(mode: str) -> list:
     """Markdown lines a results file of MODE starts its body with."""
     if mode == "card":
