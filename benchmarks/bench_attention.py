@@ -454,6 +454,19 @@ def tune(op, inputs, shape, want, args):
     return out
 
 
+def _bar_table(rows, tag, name, ms_key, title) -> list:
+    """Markdown lines of one ratio-to-FlashMLA table: the rows carrying TAG, NAME's graph
+    time under MS_KEY against FlashMLA as SGLang calls it."""
+    sel = [r for r in rows if tag in r]
+    if not sel:
+        return []
+    return ["", title, "",
+            f"| op | shape | {name} graph ms | FlashMLA graph ms | {name} / FlashMLA | target met |",
+            "| --- | --- | ---: | ---: | ---: | --- |"] + [
+        f"| {r['op']} | {_fmt_shape(r['shape'])} | {r[ms_key]:.4f} | {r['flashmla_graph_ms']:.4f} | "
+        f"{r['ratio']:.2f}x | {'yes' if r['met'] else 'no'} |" for r in sel]
+
+
 def _fmt_shape(s):
     return ", ".join(f"{k}={v}" for k, v in s.items())
 
@@ -517,23 +530,13 @@ def _write(out_dir, meta, rows, tune_rows):
                   "| --- | --- | --- | --- | ---: |"]
         lines += [f"| {r['op']} | {_fmt_shape(r['shape'])} | {r['fastest_graph']} | {r['default']} | "
                   f"{r['default_over_fastest_graph']:.2f} |" for r in fg]
-    bar = [r for r in rows if "bar" in r]
-    if bar:
-        lines += ["", f"The FlashMLA bar (target: triton_fp8 within {FLASHMLA_BAR}x of FlashMLA as SGLang calls it), "
-                  "in CUDA graphs:", "",
-                  "| op | shape | triton_fp8 graph ms | FlashMLA graph ms | triton_fp8 / FlashMLA | target met |",
-                  "| --- | --- | ---: | ---: | ---: | --- |"]
-        lines += [f"| {r['op']} | {_fmt_shape(r['shape'])} | {r['triton_fp8_graph_ms']:.4f} | "
-                  f"{r['flashmla_graph_ms']:.4f} | {r['ratio']:.2f}x | {'yes' if r['met'] else 'no'} |" for r in bar]
-    ab = [r for r in rows if "adapter_bar" in r]
-    if ab:
-        lines += ["", f"The FlashMLA adapter as a serving model calls it (`checks=False`, inside one "
-                  f"`capdispatch.batch()` whose first call builds the schedule, before timing) against FlashMLA "
-                  f"as SGLang calls it (target within {ADAPTER_BAR}x), in CUDA graphs:", "",
-                  "| op | shape | adapter graph ms | FlashMLA graph ms | adapter / FlashMLA | target met |",
-                  "| --- | --- | ---: | ---: | ---: | --- |"]
-        lines += [f"| {r['op']} | {_fmt_shape(r['shape'])} | {r['adapter_graph_ms']:.4f} | "
-                  f"{r['flashmla_graph_ms']:.4f} | {r['ratio']:.2f}x | {'yes' if r['met'] else 'no'} |" for r in ab]
+    lines += _bar_table(rows, "bar", "triton_fp8", "triton_fp8_graph_ms",
+                        f"The FlashMLA bar (target: triton_fp8 within {FLASHMLA_BAR}x of FlashMLA as SGLang "
+                        "calls it), in CUDA graphs:")
+    lines += _bar_table(rows, "adapter_bar", "adapter", "adapter_graph_ms",
+                        "The FlashMLA adapter as a serving model calls it (`checks=False`, inside one "
+                        "`capdispatch.batch()` whose first call builds the schedule, before timing) against "
+                        f"FlashMLA as SGLang calls it (target within {ADAPTER_BAR}x), in CUDA graphs:")
     peer = [r for r in rows if r.get("backend") == PEER_NAME and "ms" in r]
     if peer:
         lines += ["", f"SGLang's own portable Triton decode ({SGLANG_PEER}, a library call; outputs checked "
