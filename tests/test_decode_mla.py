@@ -671,9 +671,10 @@ def test_batch_scope_stays_in_its_context():
     from capdispatch.backends import batch_scope as B
     got = []
     with cd.batch():
-        assert B.shared("k", (), lambda: object()) is B.shared("k", (), lambda: object())
-        t = threading.Thread(target=lambda: got.append(B.shared("k", (), lambda: object()) is
-                                                       B.shared("k", (), lambda: object())))
+        key = lambda: ("k", ())  # noqa: E731
+        assert B.shared(key, lambda: object()) is B.shared(key, lambda: object())
+        t = threading.Thread(target=lambda: got.append(B.shared(key, lambda: object()) is
+                                                       B.shared(key, lambda: object())))
         t.start()
         t.join()
     assert got == [False]

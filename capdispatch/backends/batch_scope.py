@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Callable, Hashable
+from typing import Callable
 
 __all__ = ["batch", "shared"]
 
@@ -35,14 +35,16 @@ def batch():
         _scope.reset(token)
 
 
-def shared(key: Hashable, keep: tuple, make: Callable):
-    """Inside a ``batch()`` block: the value ``make()`` gave for KEY earlier in the block,
-    else ``make()``'s value, kept for the block. Outside a block: ``make()``, every call.
-    KEEP holds the objects whose identity is part of KEY (their ``id``), so no other
-    object takes their ids while the block lasts."""
+def shared(key_of: Callable, make: Callable):
+    """Inside a ``batch()`` block: the value ``make()`` gave earlier in the block for the key
+    of ``key_of()``, else ``make()``'s value, kept for the block. Outside a block: ``make()``,
+    every call (``key_of`` is not called). ``key_of()`` returns (key, keep): KEEP holds the
+    objects whose identity is part of KEY (their ``id``), so no other object takes their ids
+    while the block lasts."""
     cache = _scope.get()
     if cache is None:
         return make()
+    key, keep = key_of()
     hit = cache.get(key)
     if hit is None:
         hit = cache[key] = (make(), keep)

@@ -47,10 +47,12 @@ def flashmla(q, pool, indices, page_size, sm_scale, topk_length=None, attn_sink=
                                                               checks),
                   extra_topk_length=a.extra_topk_length.to(torch.int32) if a.extra_topk_length is not None else None)
     # The schedule depends on the shapes and the valid counts: shared within one batch.
-    key = ("flashmla_decode", qp.device, tuple(qp.shape), a.page_size, idx.shape[-1],
-           a.extra_page_size if a.extra_pool is not None else None,
-           kw["extra_indices_in_kvcache"].shape[-1] if kw else None, id(topk_length), id(extra_topk_length))
-    sched = batch_scope.shared(key, (topk_length, extra_topk_length), lambda: flash_mla.get_mla_metadata()[0])
+    def key_of():
+        return (("flashmla_decode", qp.device, tuple(qp.shape), a.page_size, idx.shape[-1],
+                 a.extra_page_size if a.extra_pool is not None else None,
+                 kw["extra_indices_in_kvcache"].shape[-1] if kw else None, id(topk_length), id(extra_topk_length)),
+                (topk_length, extra_topk_length))
+    sched = batch_scope.shared(key_of, lambda: flash_mla.get_mla_metadata()[0])
     o, lse = flash_mla.flash_mla_with_kvcache(
         q=qp, k_cache=pool_view(a.pool, a.page_size), block_table=None, cache_seqlens=None,
         head_dim_v=DIM, tile_scheduler_metadata=sched, softmax_scale=float(sm_scale),
