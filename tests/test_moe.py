@@ -33,6 +33,8 @@ import inspect
 import os
 import random
 
+import hypothesis
+import hypothesis.strategies as st
 import pytest
 import torch
 
@@ -438,6 +440,48 @@ def test_triton_routing_tables_both_paths(device):
         assert sorted(a[0][:n].tolist()) == (ids.flatten() >= 0).nonzero().flatten().tolist(), msg
         live = a[1] >= 0
         assert int((a[3][live] - a[2][live]).sum()) == n, msg
+
+
+@_interp
+@hypothesis.settings(max_examples=30, deadline=None, derandomize=True)
+@hypothesis.given(st.data())
+def test_routing_block_bound_holds(data):
+    """max_blocks (R // BM + min(E, R)) covers every real block of any routing, masked
+    routes (-1) and repeated experts included; the kernel and torch tables agree at that
+    size, list every real block and cover every unmasked route once."""
+    tk = _tk()
+    E = data.draw(st.integers(1, 70), label="E")
+    T = data.draw(st.integers(1, 40), label="T")
+    K = data.draw(st.integers(1, 8), label="K")
+    BM = data.draw(st.sampled_from([16, 32, 64, 128]), label="BM")
+    flat = data.draw(st.lists(st.integers(-1, E - 1), min_size=T * K, max_size=T * K), label="ids")
+    ids = torch.tensor(flat, dtype=torch.int32).view(T, K)
+    R = T * K
+    counts = torch.bincount(ids.flatten()[ids.flatten() >= 0].long(), minlength=E)
+    real = int(((counts + BM - 1) // BM).sum())
+    maxb = tk.max_blocks(R, E, BM)
+    assert real <= maxb
+    assert maxb <= -(-R // BM) + E          # never above the former bound
+    a = tk.routing_tables(ids, E, BM)
+    b = tk.routing_tables(ids, E, BM, force_torch=True)
+    n = int((ids >= 0).sum())
+    assert all(t.shape == (maxb,) for t in a[1:] + b[1:])
+    assert torch.equal(a[0][:n], b[0][:n])
+    for x, y in zip(a[1:], b[1:]):
+        assert torch.equal(x, y)
+    live = a[1] >= 0
+    assert int(live.sum()) == real
+    assert bool(live[:real].all())          # real blocks first, then expert -1
+    assert int((a[3][live] - a[2][live]).sum()) == n
+    assert sorted(a[0][:n].tolist()) == (ids.flatten() >= 0).nonzero().flatten().tolist()
+
+
+def test_max_blocks_at_decode():
+    """One token, top-k 6, 64 experts: 6 blocks at most (was 65)."""
+    tk = _tk()
+    assert tk.max_blocks(6, 64, 16) == 6
+    assert tk.max_blocks(64 * 6, 64, 16) == 24 + 64
+    assert tk.max_blocks(3, 2, 16) == 2
 
 
 def test_torch_routing_path_has_no_data_dependent_sizes():

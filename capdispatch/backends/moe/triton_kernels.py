@@ -20,7 +20,7 @@ Three launches plus one small routing kernel, no atomics (bit-stable run to run)
 4. combine: y[t] = sum over k in order of routed[t*K+k] where id >= 0 (loads of
    masked rows are masked off: never read), rounded to bf16 once.
 
-The grid of 2 and 3 is an upper bound (cdiv(routes, BM) + E blocks) known on
+The grid of 2 and 3 is an upper bound (routes // BM + min(E, routes) blocks) known on
 the host without reading device data, so nothing synchronises and the launch
 sequence is capturable in a CUDA graph. Shapes: H and I multiples of 64.
 This module imports triton at import time; it is imported when bound.
@@ -142,7 +142,10 @@ def _routing_kernel(ids_ptr, sorted_ptr, blk_expert_ptr, blk_start_ptr, blk_end_
 
 
 def max_blocks(R: int, E: int, BM: int) -> int:
-    return cdiv(R, BM) + E
+    """Upper bound on the block table's real blocks, known on the host: expert e with
+    c_e > 0 routes takes cdiv(c_e, BM) <= c_e // BM + 1 blocks; the c_e // BM sum to at
+    most R // BM, and at most min(E, R) experts have a route."""
+    return R // BM + min(E, R)
 
 
 def routing_tables(topk_ids: torch.Tensor, E: int, BM: int, force_torch: bool = False):
