@@ -139,42 +139,52 @@ def _e2m1_bf16(wb, scale):
 
 
 @triton.jit
-def _dequant_tile(w_ptrs, s_ptrs, mask_n, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
-    """Packed rows [BN, BK/2] bytes + scales [BN, BK/32] -> bf16 [BN, BK] (float32 when F32).
-    F32 (the interpreter and the exact-decode test) decodes in float32 with Triton ops;
-    the GPU path decodes bytes to bf16 in PTX (_E2M1_ASM), the same values bit for bit."""
+def _decode_halves(w_ptrs, s_ptrs, mask_n, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
+    """Packed rows [BN, BK/2] bytes + scales [BN, BK/32] -> (low, high) nibble values, each
+    [BN, BK/2]: element j is byte j's weight k = 2j (low) or 2j + 1 (high). F32 (the
+    interpreter) decodes in float32 with Triton ops; the GPU path decodes to bf16 in PTX
+    (_E2M1_ASM), the same values bit for bit."""
+    wb = tl.load(w_ptrs, mask=mask_n[:, None], other=0)
+    sb = tl.load(s_ptrs, mask=mask_n[:, None], other=127).to(tl.int32)
     if F32:
-        wb = tl.load(w_ptrs, mask=mask_n[:, None], other=0).to(tl.int32)
-        sb = tl.load(s_ptrs, mask=mask_n[:, None], other=127).to(tl.int32)
-        lo = _fp16_bits_to_f32(((wb & 0x07) << 9) | ((wb & 0x08) << 12))    # element 2j: low nibble
-        hi = _fp16_bits_to_f32(((wb & 0x70) << 5) | ((wb & 0x80) << 8))     # element 2j+1: high nibble
-        v = tl.reshape(tl.join(lo, hi), (BN, BK // 32, 32))     # element 2j low nibble, 2j+1 high
-        v = v * _e8m0_to_f32(sb)[:, :, None]
-        v = tl.reshape(v, (BN, BK))
+        w = tl.reshape(wb.to(tl.int32), (BN, BK // 32, 16))
+        sc = _e8m0_to_f32(sb)[:, :, None]
+        lo = _fp16_bits_to_f32(((w & 0x07) << 9) | ((w & 0x08) << 12)) * sc
+        hi = _fp16_bits_to_f32(((w & 0x70) << 5) | ((w & 0x80) << 8)) * sc
     else:
-        wb = tl.load(w_ptrs, mask=mask_n[:, None], other=0)
-        sb = tl.load(s_ptrs, mask=mask_n[:, None], other=127).to(tl.int32)
         sc = tl.broadcast_to(_e8m0_to_bf16(sb)[:, :, None], (BN, BK // 32, 16))
         lo, hi = _e2m1_bf16(tl.reshape(wb, (BN, BK // 32, 16)), sc)
-        v = tl.reshape(tl.join(lo, hi), (BN, BK))
-    return v
+    return tl.reshape(lo, (BN, BK // 2)), tl.reshape(hi, (BN, BK // 2))
+
+
+@triton.jit
+def _dequant_tile(w_ptrs, s_ptrs, mask_n, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
+    """Packed rows [BN, BK/2] bytes + scales [BN, BK/32] -> bf16 [BN, BK] (float32 when F32),
+    element 2j the low nibble of byte j, 2j + 1 the high one."""
+    lo, hi = _decode_halves(w_ptrs, s_ptrs, mask_n, BN, BK, F32)
+    return tl.reshape(tl.join(lo, hi), (BN, BK))
+
+
+# Below this many rows per block the GEMMs' dots are mma.sync with the activations in
+# registers, where splitting them into even and odd columns costs one PRMT per register
+# and saves the interleave of the decoded nibbles (sm_90a: 351 against 413 main-loop
+# instructions at 16 rows). From 64 rows Hopper's wgmma reads the activations from
+# shared memory, and one dot over the interleaved tile is the shorter loop.
+SPLIT_MAX_BM = tl.constexpr(64)
 
 
 @triton.jit
 def _dot_dequant(acc, a, w_ptrs, s_ptrs, mask_n, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
-    """acc + a [BM, BK] @ dequant(w)^T. On the GPU path the low nibbles (even k) and high
-    nibbles (odd k) go to two dots against the even and odd columns of ``a``: the same
-    products, with no interleave of the decoded halves."""
-    if F32:
-        acc = tl.dot(a, tl.trans(_dequant_tile(w_ptrs, s_ptrs, mask_n, BN, BK, True)), acc)
-    else:
-        wb = tl.load(w_ptrs, mask=mask_n[:, None], other=0)
-        sb = tl.load(s_ptrs, mask=mask_n[:, None], other=127).to(tl.int32)
-        sc = tl.broadcast_to(_e8m0_to_bf16(sb)[:, :, None], (BN, BK // 32, 16))
-        lo, hi = _e2m1_bf16(tl.reshape(wb, (BN, BK // 32, 16)), sc)
+    """acc + a [BM, BK] @ dequant(w)^T. Below SPLIT_MAX_BM rows the low nibbles (even k)
+    and high nibbles (odd k) go to two dots against the even and odd columns of ``a``:
+    the same products, with no interleave of the decoded halves."""
+    if a.shape[0] < SPLIT_MAX_BM:
+        lo, hi = _decode_halves(w_ptrs, s_ptrs, mask_n, BN, BK, F32)
         a_even, a_odd = tl.split(tl.reshape(a, (a.shape[0], BK // 2, 2)))
-        acc = tl.dot(a_even, tl.trans(tl.reshape(lo, (BN, BK // 2))), acc)
-        acc = tl.dot(a_odd, tl.trans(tl.reshape(hi, (BN, BK // 2))), acc)
+        acc = tl.dot(a_even, tl.trans(lo), acc)
+        acc = tl.dot(a_odd, tl.trans(hi), acc)
+    else:
+        acc = tl.dot(a, tl.trans(_dequant_tile(w_ptrs, s_ptrs, mask_n, BN, BK, F32)), acc)
     return acc
 
 
