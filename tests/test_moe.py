@@ -295,6 +295,32 @@ def test_triton_dequant_tile_exact(device):
     assert bool(same.all()), f"first mismatch at {same.logical_not().nonzero()[:4].tolist()}"
 
 
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=_interp, id="interp"),
+                                    pytest.param("cuda", marks=_gpu + [_no_interp_on_gpu], id="cuda")])
+def test_e8m0_to_bf16_every_byte(device):
+    """The GPU path's bf16 scale: 2**(s-127) exactly for every byte (0 -> the subnormal
+    2**-127), 255 -> NaN."""
+    import math
+    import triton
+    import triton.language as tl
+    global _E8M0_BF16
+    _E8M0_BF16 = _tk()._e8m0_to_bf16
+
+    @triton.jit
+    def kernel(s_ptr, o_ptr):
+        i = tl.arange(0, 256)
+        tl.store(o_ptr + i, _E8M0_BF16(tl.load(s_ptr + i).to(tl.int32)))
+
+    out = torch.full((256,), 7.0, dtype=torch.bfloat16, device=device)
+    kernel[(1,)](torch.arange(256, dtype=torch.int32).to(torch.uint8).to(device), out)
+    got = out.cpu().float()
+    for s in range(256):
+        if s == 255:
+            assert math.isnan(got[s].item()), s
+        else:
+            assert got[s].item() == math.ldexp(1.0, s - 127), (s, got[s].item())
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 @_no_interp_on_gpu

@@ -85,7 +85,7 @@ def _to_bf16(v, EXACT_RNE: tl.constexpr):
 def _e8m0_to_bf16(s):
     """E8M0 byte (int32 0..255) -> bf16 2**(s-127): 0 -> 2**-127 (the subnormal 0x0040),
     255 -> NaN; exact, as bf16 has float32's exponent range."""
-    bits = tl.where(s == 0, 0x0040, s << 7)
+    bits = tl.maximum(s << 7, 0x0040)           # s >= 1 gives s << 7 >= 0x80; s == 0 gives 0x40
     bits = tl.where(s == 255, 0x7FC0, bits)
     return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
 
