@@ -10,9 +10,9 @@ Three launches plus one small routing kernel, no atomics (bit-stable run to run)
    to ROUTING_MAX_ROUTES routes (decode and small prefill); beyond that torch ops
    build the same table (large prefill, where the GEMMs dwarf them).
 2. GEMM1 + SwiGLU: per block and N-tile of I, acc_gate/acc_up over H with the
-   gate and up rows of w13 decoded from packed bytes in registers (e2m1 codes
-   built as float32 bit patterns, times the E8M0 scale), bf16 tensor-core dots
-   with float32 accumulation; the clamped SwiGLU in float32; h stored bf16 at
+   gate and up rows of w13 decoded from packed bytes in registers (on the GPU by
+   PTX straight to bf16, _E2M1_ASM; under the interpreter in float32), bf16
+   tensor-core dots with float32 accumulation; the clamped SwiGLU in float32; h stored bf16 at
    the route's sorted position. Only positions of unmasked routes are written.
 3. GEMM2: per block and N-tile of H, h rows times decoded w2, times the route's
    top-k weight, stored float32 at the route's own row of ``routed`` [T*K, H].
