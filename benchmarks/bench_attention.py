@@ -22,7 +22,8 @@ What it does:
                  per token x head) + indices (4 B per entry) + statistics
         FLOPs  = 2 x 2 x tokens x heads x entries x 512 (Q.K^T and P.V)
      which term bounds it, and the Triton / torch speedup;
-  5. with --tune, sweeps Triton launch configurations per shape and reports the best;
+  5. with --tune, sweeps Triton launch configurations per shape and reports the best
+     (with --tiles 99kb, among those that fit the 99 KB cards' shared memory);
   6. for decode, times two comparison rows beside the backends (outputs checked first,
      the lse conventions being the adapters'): FlashMLA as SGLang calls it, with the
      triton_fp8 / FlashMLA time ratio in CUDA graphs (the bar: within 1.2x), and SGLang
@@ -389,16 +390,22 @@ def tune(op, inputs, shape, want, args):
                 PK.forget_plans()
                 DK.forget_plans()
                 try:
-                    got = fn(*inputs)
+                    # With --tiles 99kb a configuration over those cards' shared memory is
+                    # rejected here, as OutOfResources would reject it there.
+                    got, _, err = tile_modes.checked(args.tiles, lambda: fn(*inputs))
+                    if err is not None:
+                        raise err
                     ok = _check(op, got, want)[0]
-                    ms = _bench(lambda: fn(*inputs), args.warmup, args.rep)
-                    # Small decode batches are launch-bound in eager mode: rank them as SGLang
-                    # runs them, inside a CUDA graph, when --graphs is given.
-                    gms = _bench_graph(lambda: fn(*inputs), args.rep) if args.graphs else None
+                    with tile_modes.timing(args.tiles):
+                        ms = _bench(lambda: fn(*inputs), args.warmup, args.rep)
+                        # Small decode batches are launch-bound in eager mode: rank them as SGLang
+                        # runs them, inside a CUDA graph, when --graphs is given.
+                        gms = _bench_graph(lambda: fn(*inputs), args.rep) if args.graphs else None
                 except Exception as exc:   # noqa: BLE001 - e.g. does not fit shared memory
-                    print(f"    tune {name} {cfg}: {type(exc).__name__}")
+                    print(f"    tune {name} {cfg}: {type(exc).__name__}: {str(exc)[:160]}")
                     continue
-                out.append(dict(op=op, shape=shape, backend=name, config=cfg, ms=ms, graph_ms=gms, correct=ok))
+                out.append(dict(op=op, shape=shape, backend=name, config=cfg, ms=ms, graph_ms=gms, correct=ok,
+                                tiles=tile_modes.label(args.tiles)))
                 print(f"    tune {op} {shape} {name} {cfg}: {ms:.4f} ms"
                       + (f" (graph {gms:.4f})" if gms is not None else "") + f" correct={ok}")
                 key = gms if gms is not None else ms
@@ -543,8 +550,6 @@ def _backend_cell(r):
 def parse_args(argv=None):
     p = build_parser()
     args = p.parse_args(argv)
-    if args.tiles != "card" and args.tune:
-        p.error("--tune sweeps its own configurations; run it without --tiles")
     if args.peer_max_tokens < 0:
         p.error(f"--peer-max-tokens must be >= 0, got {args.peer_max_tokens}")
     return args

@@ -174,7 +174,8 @@ def test_tiles_option_parses_and_names_its_own_series(tmp_path):
         assert A.parse_args([]).tiles == "card" and A.parse_args([]).peer_max_tokens == 512
         a = A.parse_args(["--tiles", "99kb", "--graphs", "--peer-max-tokens", "32"])
         assert (a.tiles, a.peer_max_tokens) == ("99kb", 32)
-        for bad in (["--tiles", "88kb"], ["--tiles", "99kb", "--tune"], ["--peer-max-tokens", "-1"]):
+        assert A.parse_args(["--tiles", "99kb", "--tune"]).tune       # the sweep under the 99 KB limit
+        for bad in (["--tiles", "88kb"], ["--peer-max-tokens", "-1"]):
             try:
                 A.parse_args(bad)
             except SystemExit as e:
@@ -377,3 +378,21 @@ def test_sass_bounds_brackets_and_report(tmp_path):
     assert "Offline analysis: a proxy" in md and "### moe `triton_w4a16`, 1 / 8 / 64 tokens" in md
     assert "399 integer" in md and "1 mma.sync tensor ops" in md and "**Reading.**" in md
     assert set(SB.load_notes()) <= set(SB.ISSUE)
+
+
+def test_serving_profile_report_and_no_cuda(tmp_path):
+    """profile_serving_gpu: its report lists kernels and operators per call; without CUDA
+    it says so and exits 2 (no traceback)."""
+    out = _run("""
+        import profile_serving_gpu as P
+        meta = dict(device_name="NVIDIA H200", date="d", torch="t", triton="t", iters=50)
+        md = P.markdown(meta, [dict(op="decode_mla", backend="triton_fp8",
+                                    kernels_per_call={"_sparse_mla_kernel": 1.0, "_combine_kernel": 1.0},
+                                    cpu_ops_per_call=[dict(name="aten::empty", calls=4.0, self_us=6.5)])])
+        assert "`_sparse_mla_kernel` x1, `_combine_kernel` x1" in md and "| `aten::empty` | 4 | 6.5 |" in md
+        import torch
+        if not torch.cuda.is_available():
+            assert P.main([]) == 2
+        print("ok")
+    """, tmp_path)
+    assert out.strip().endswith("ok")
