@@ -12,8 +12,8 @@ Three launches plus one small routing kernel, no atomics (bit-stable run to run)
 2. GEMM1 + SwiGLU: per block and N-tile of I, acc_gate/acc_up over H with the
    gate and up rows of w13 decoded from packed bytes in registers (on the GPU by
    PTX straight to bf16, _E2M1_ASM; under the interpreter in float32), bf16
-   tensor-core dots with float32 accumulation; the clamped SwiGLU in float32; h stored bf16 at
-   the route's sorted position. Only positions of unmasked routes are written.
+   tensor-core dots with float32 accumulation; the clamped SwiGLU in float32; h
+   stored bf16 at the route's sorted position. Only positions of unmasked routes are written.
 3. GEMM2: per block and N-tile of H, h rows times decoded w2, times the route's
    top-k weight, stored float32 at the route's own row of ``routed`` [T*K, H].
    Rows of masked routes are never written.
@@ -133,7 +133,7 @@ fma.rn.bf16x2 $3, p, $6, nz;
 @triton.jit
 def _e2m1_bf16(wb, scale):
     """uint8 MXFP4 bytes and a bf16 scale tensor of their shape -> (low-nibble, high-nibble)
-    bf16 values, exact (PTX: GPU only; the interpreter runs _dequant_tile's F32 path)."""
+    bf16 values, exact (PTX: GPU only; the interpreter runs _decode_halves' F32 path)."""
     return tl.inline_asm_elementwise(_E2M1_ASM, "=r,=r,=r,=r,r,r,r", [wb, scale],
                                      dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
 
@@ -167,7 +167,7 @@ def _dequant_tile(w_ptrs, s_ptrs, mask_n, BN: tl.constexpr, BK: tl.constexpr, F3
 
 # Below this many rows per block the GEMMs' dots are mma.sync with the activations in
 # registers, where splitting them into even and odd columns costs one PRMT per register
-# and saves the interleave of the decoded nibbles (sm_90a: 351 against 413 main-loop
+# and saves the interleave of the decoded nibbles (sm_90a: ~350 against ~410 main-loop
 # instructions at 16 rows). From 64 rows Hopper's wgmma reads the activations from
 # shared memory, and one dot over the interleaved tile is the shorter loop.
 SPLIT_MAX_BM = tl.constexpr(64)
