@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ...errors import ArgumentError
 
-__all__ = ["PORTABLE_CONFIGS", "MEASURED_CONFIGS", "KINDS", "INTERP_CONFIG", "configs_for",
+__all__ = ["PORTABLE_CONFIGS", "TIMED_PORTABLE", "MEASURED_CONFIGS", "KINDS", "INTERP_CONFIG", "configs_for",
            "DECODE_MAX_TOKENS", "COMBINE_BLOCK_H", "COMBINE_BLOCK_D", "COMBINE_WARPS", "MAX_SPLITS"]
 
 # Launch configurations per call kind, tried in order until one compiles within the
@@ -13,10 +13,16 @@ __all__ = ["PORTABLE_CONFIGS", "MEASURED_CONFIGS", "KINDS", "INTERP_CONFIG", "co
 # "prefill" (bf16 rows), "decode" (paged pool, one pass) and "decode_split" (paged pool,
 # split-K for decode-sized calls, see decode_splits).
 #
-# PORTABLE: chosen from offline compiles (triton 3.9, ptxas -v) for sm_80, sm_86, sm_89,
-# sm_90a and sm_120a: the first entry of each list uses <= 255 registers with no spills
-# and fits the 99 KB of SM86/SM89/SM120 (prefill 82 KB, decode 64 KB). Never timed on
-# those cards.
+# PORTABLE: entries that compile (triton 3.9, ptxas -v) for sm_80, sm_86, sm_89, sm_90a and
+# sm_120a within the 99 KB of SM86/SM89/SM120, ordered by their times on an H200 held to
+# that shared memory with these same mma.sync tiles (benchmarks/bench_attention.py --tune
+# --tiles 99kb, 2026-12-02, CUDA graphs, DeepSeek-V4 shapes; results/
+# attention_nvidia_h200_99kb_20261202T034521.md). Prefill: 32 heads x 32 rows on 4 warps,
+# 1.85 ms at s=4096 against 3.56 ms on 8 warps (74 KB; ptxas spills 288-368 B of it).
+# Decode: 32 x 16 on 8 warps is the fastest that fits one-pass decode (64-head tiles
+# need 128 KB there) and split-K decode from 32 tokens (73.8 us against 92.2 us); a
+# single token wants more, smaller programs, 16 x 16 on 4 warps (16.0 us against 19.0 us).
+# Not yet timed on a 99 KB card itself.
 # MEASURED: tables timed on hardware, keyed by compute capability. An entry with
 # "max_tokens" is only used for calls of at most that many query tokens.
 # The H200 (SM90), 2026-11-29, CUDA graphs, DeepSeek-V4 shapes (benchmarks/results/archive/
@@ -31,6 +37,7 @@ __all__ = ["PORTABLE_CONFIGS", "MEASURED_CONFIGS", "KINDS", "INTERP_CONFIG", "co
 # more, smaller programs: 16 heads x 32 rows, 15.9 us against 21.2 us.
 PORTABLE_CONFIGS = {
     "prefill": (
+        dict(BLOCK_H=32, BLOCK_N=32, num_warps=4, num_stages=2),
         dict(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=2),
         dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=1),
         dict(BLOCK_H=16, BLOCK_N=16, num_warps=4, num_stages=1),
@@ -40,7 +47,11 @@ PORTABLE_CONFIGS = {
         dict(BLOCK_H=16, BLOCK_N=16, num_warps=4, num_stages=1),
     ),
 }
-PORTABLE_CONFIGS["decode_split"] = PORTABLE_CONFIGS["decode"]
+PORTABLE_CONFIGS["decode_split"] = (dict(BLOCK_H=16, BLOCK_N=16, num_warps=4, num_stages=1, max_tokens=1),) + \
+    PORTABLE_CONFIGS["decode"]
+# Portable entries timed with the spills ptxas reports for them (the prefill tile above);
+# every other portable entry compiles without spills on every target.
+TIMED_PORTABLE = (PORTABLE_CONFIGS["prefill"][0],)
 MEASURED_CONFIGS = {
     (9, 0): {
         "prefill": (dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=1),) + PORTABLE_CONFIGS["prefill"],
