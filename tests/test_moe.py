@@ -295,6 +295,122 @@ def test_triton_dequant_tile_exact(device):
     assert bool(same.all()), f"first mismatch at {same.logical_not().nonzero()[:4].tolist()}"
 
 
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=_interp, id="interp"),
+                                    pytest.param("cuda", marks=_gpu + [_no_interp_on_gpu], id="cuda")])
+def test_e8m0_to_bf16_every_byte(device):
+    """The GPU path's bf16 scale: 2**(s-127) exactly for every byte (0 -> the subnormal
+    2**-127), 255 -> NaN."""
+    import math
+    import triton
+    import triton.language as tl
+    global _E8M0_BF16
+    _E8M0_BF16 = _tk()._e8m0_to_bf16
+
+    @triton.jit
+    def kernel(s_ptr, o_ptr):
+        i = tl.arange(0, 256)
+        tl.store(o_ptr + i, _E8M0_BF16(tl.load(s_ptr + i).to(tl.int32)))
+
+    out = torch.full((256,), 7.0, dtype=torch.bfloat16, device=device)
+    kernel[(1,)](torch.arange(256, dtype=torch.int32).to(torch.uint8).to(device), out)
+    got = out.cpu().float()
+    for s in range(256):
+        if s == 255:
+            assert math.isnan(got[s].item()), s
+        else:
+            assert got[s].item() == math.ldexp(1.0, s - 127), (s, got[s].item())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@_no_interp_on_gpu
+def test_gpu_e2m1_ptx_decode_bit_exact():
+    """The GPU path's PTX decode (every byte x scale bytes 0, 1, 2, 100, 126, 127, 128, 200,
+    253, 254, 255) equals, bit for bit, the float32 decode the interpreter path runs (same
+    kernel, same device) rounded to bf16, and the reference's: NaN where the scale is 255,
+    +-inf past bf16's range, signed zeros kept."""
+    import triton
+    import triton.language as tl
+    global _E2M1_BF16, _E8M0_BF16, _FP16_F32, _E8M0_F32
+    tk = _tk()
+    _E2M1_BF16, _E8M0_BF16 = tk._e2m1_bf16, tk._e8m0_to_bf16
+    _FP16_F32, _E8M0_F32 = tk._fp16_bits_to_f32, tk._e8m0_to_f32
+
+    @triton.jit
+    def kernel(w_ptr, s_ptr, lo_ptr, hi_ptr, flo_ptr, fhi_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        wb = tl.load(w_ptr + i)
+        sb = tl.load(s_ptr + i).to(tl.int32)
+        lo, hi = _E2M1_BF16(wb, _E8M0_BF16(sb))
+        tl.store(lo_ptr + i, lo)
+        tl.store(hi_ptr + i, hi)
+        w = wb.to(tl.int32)
+        sc = _E8M0_F32(sb)
+        tl.store(flo_ptr + i, _FP16_F32(((w & 0x07) << 9) | ((w & 0x08) << 12)) * sc)
+        tl.store(fhi_ptr + i, _FP16_F32(((w & 0x70) << 5) | ((w & 0x80) << 8)) * sc)
+
+    scales = [0, 1, 2, 100, 126, 127, 128, 200, 253, 254, 255]
+    n = 256 * 16                                      # 11 scales x 256 bytes, padded with scale 127
+    wb = torch.arange(256, dtype=torch.int32).repeat(16).to(torch.uint8)
+    sb = torch.tensor(scales + [127] * (16 - len(scales)), dtype=torch.uint8).repeat_interleave(256)
+    dev = "cuda"
+    lo, hi = (torch.full((n,), 7.0, dtype=torch.bfloat16, device=dev) for _ in range(2))
+    flo, fhi = (torch.full((n,), 7.0, dtype=torch.float32, device=dev) for _ in range(2))
+    kernel[(1,)](wb.to(dev), sb.to(dev), lo, hi, flo, fhi, N=n)
+    ref = R.dequant_rows(wb.view(-1, 16), sb.view(-1, 16)[:, :1]).view(n, 2)     # float32 [n, 2], exact
+    for name, got, f32, want in (("low", lo, flo, ref[:, 0]), ("high", hi, fhi, ref[:, 1])):
+        got = got.cpu().view(torch.int16)
+        for other, what in ((f32.cpu().to(torch.bfloat16).view(torch.int16), "float32 path"),
+                            (want.to(torch.bfloat16).view(torch.int16), "reference")):
+            nan = torch.isnan(got.view(torch.bfloat16)) & torch.isnan(other.view(torch.bfloat16))
+            bad = ((got != other) & ~nan).nonzero().flatten()
+            assert bad.numel() == 0, (f"{name} nibble vs {what}: byte {int(wb[bad[0]])} scale {int(sb[bad[0]])}: "
+                                      f"{int(got[bad[0]]) & 0xFFFF:#06x} != {int(other[bad[0]]) & 0xFFFF:#06x}")
+
+
+@pytest.mark.parametrize("BM", [16, 64])
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=_interp, id="interp"),
+                                    pytest.param("cuda", marks=_gpu + [_no_interp_on_gpu], id="cuda")])
+def test_dot_dequant_identity_is_the_weights(device, BM):
+    """Rows of the identity @ dequant(w)^T through the kernels' _dot_dequant is dequant(w)^T
+    exactly: each k lands on its own weight, both nibbles, every scale group, rows past
+    mask_n zero. BM 16 takes the even/odd-column dots, 64 the interleaved tile; on the GPU
+    both decode in PTX."""
+    import triton
+    import triton.language as tl
+    global _DOT_DEQUANT
+    tk = _tk()
+    _DOT_DEQUANT = tk._dot_dequant
+    assert (BM < tk.SPLIT_MAX_BM) == (BM == 16)
+
+    @triton.jit
+    def kernel(a_ptr, w_ptr, s_ptr, o_ptr, NV, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+               F32: tl.constexpr):
+        rn = tl.arange(0, BN)
+        rm = tl.program_id(0) * BM + tl.arange(0, BM)
+        a = tl.load(a_ptr + rm[:, None] * BK + tl.arange(0, BK)[None, :])
+        if F32:
+            a = a.to(tl.float32)
+        acc = _DOT_DEQUANT(tl.zeros((BM, BN), dtype=tl.float32), a,
+                           w_ptr + rn[:, None] * (BK // 2) + tl.arange(0, BK // 2)[None, :],
+                           s_ptr + rn[:, None] * (BK // 32) + tl.arange(0, BK // 32)[None, :], rn < NV, BN, BK, F32)
+        tl.store(o_ptr + rm[:, None] * BN + rn[None, :], acc)
+
+    seed = new_seed()
+    gen = torch.Generator().manual_seed(seed)
+    BN, BK, NV = 32, 128, 29
+    packed = torch.randint(0, 256, (BN, BK // 2), generator=gen, dtype=torch.int32).to(torch.uint8)
+    scales = torch.randint(100, 150, (BN, BK // 32), generator=gen, dtype=torch.int32).to(torch.uint8)
+    eye = torch.eye(BK, dtype=torch.bfloat16)
+    out = torch.full((BK, BN), float("nan"), dtype=torch.float32, device=device)
+    kernel[(BK // BM,)](eye.to(device), packed.to(device), scales.to(device), out, NV, BM=BM, BN=BN, BK=BK,
+                        F32=tk.INTERPRETED)
+    want = R.dequant_rows(packed, scales)
+    want[NV:] = 0.0
+    got = out.cpu().t()
+    assert torch.equal(got, want), f"seed={seed}: first mismatch at {(got != want).nonzero()[:4].tolist()}"
+
+
 def test_reference_definition_small():
     """The reference equals the op's formula written out densely, route by route."""
     seed = new_seed()
@@ -573,17 +689,35 @@ def kernel(w_ptr, s_ptr, o_ptr, BN: tl.constexpr, BK: tl.constexpr, F32: tl.cons
            s_ptr + rn[:, None] * (BK // 32) + tl.arange(0, BK // 32)[None, :], rn < BN, BN, BK, F32)
     tl.store(o_ptr + rn[:, None] * BK + tl.arange(0, BK)[None, :], v)
 
-for f32 in (True, False):
-    sig = dict(w_ptr="*u8", s_ptr="*u8", o_ptr="*fp32", BN="constexpr", BK="constexpr", F32="constexpr")
-    triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=dict(BN=8, BK=64, F32=f32)),
-                   target=GPUTarget("cuda", int(sys.argv[1]), 32))
+DD = tk._dot_dequant
+
+@triton.jit
+def dot_kernel(a_ptr, w_ptr, s_ptr, o_ptr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    rn = tl.arange(0, BN)
+    rm = tl.arange(0, BM)
+    a = tl.load(a_ptr + rm[:, None] * BK + tl.arange(0, BK)[None, :])
+    acc = DD(tl.zeros((BM, BN), dtype=tl.float32), a, w_ptr + rn[:, None] * (BK // 2) + tl.arange(0, BK // 2)[None, :],
+             s_ptr + rn[:, None] * (BK // 32) + tl.arange(0, BK // 32)[None, :], rn < BN, BN, BK, False)
+    tl.store(o_ptr + rm[:, None] * BN + rn[None, :], acc)
+
+for cc in map(int, sys.argv[1:]):
+    target = GPUTarget("cuda", cc, 32)
+    for f32 in (True, False):
+        sig = dict(w_ptr="*u8", s_ptr="*u8", o_ptr="*fp32", BN="constexpr", BK="constexpr", F32="constexpr")
+        triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=dict(BN=8, BK=64, F32=f32)), target=target)
+    sig = dict(a_ptr="*bf16", w_ptr="*u8", s_ptr="*u8", o_ptr="*fp32", BM="constexpr", BN="constexpr",
+               BK="constexpr")
+    ck = triton.compile(ASTSource(fn=dot_kernel, signature=sig, constexprs=dict(BM=16, BN=32, BK=128)),
+                        target=target)
+    assert "fma.rn.bf16x2" in ck.asm["ptx"], cc       # the PTX decode, not the float32 path
 print("compiled")
 """
 
 
 def test_dequant_tile_compiles_for_both_output_types(tmp_path):
-    """_dequant_tile with F32 True (the tests' exact-decode kernel) and False (the GEMMs)
-    compiles for sm_90 without the interpreter. The interpreter does not check that both
+    """_dequant_tile with F32 True (the tests' exact-decode kernel) and False, and the GPU
+    path's _dot_dequant (the PTX decode: ptxas checks it), compile for sm_80 (the least
+    target of fma.rn.bf16x2) and sm_90 without the interpreter. The interpreter does not check that both
     branches return one type: an early ``return v`` under ``if F32`` passes it and fails
     to compile with 'Inconsistent return types'."""
     import subprocess
@@ -593,7 +727,7 @@ def test_dequant_tile_compiles_for_both_output_types(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    p = subprocess.run([sys.executable, str(script), "90"], capture_output=True, text=True, env=env, cwd=root,
+    p = subprocess.run([sys.executable, str(script), "80", "90"], capture_output=True, text=True, env=env, cwd=root,
                        timeout=600)
     assert p.returncode == 0 and "compiled" in p.stdout, p.stderr[-3000:]
 

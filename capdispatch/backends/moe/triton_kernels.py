@@ -10,10 +10,10 @@ Three launches plus one small routing kernel, no atomics (bit-stable run to run)
    to ROUTING_MAX_ROUTES routes (decode and small prefill); beyond that torch ops
    build the same table (large prefill, where the GEMMs dwarf them).
 2. GEMM1 + SwiGLU: per block and N-tile of I, acc_gate/acc_up over H with the
-   gate and up rows of w13 decoded from packed bytes in registers (e2m1 codes
-   built as float32 bit patterns, times the E8M0 scale), bf16 tensor-core dots
-   with float32 accumulation; the clamped SwiGLU in float32; h stored bf16 at
-   the route's sorted position. Only positions of unmasked routes are written.
+   gate and up rows of w13 decoded from packed bytes in registers (on the GPU by
+   PTX straight to bf16, _E2M1_ASM; under the interpreter in float32), bf16
+   tensor-core dots with float32 accumulation; the clamped SwiGLU in float32; h
+   stored bf16 at the route's sorted position. Only positions of unmasked routes are written.
 3. GEMM2: per block and N-tile of H, h rows times decoded w2, times the route's
    top-k weight, stored float32 at the route's own row of ``routed`` [T*K, H].
    Rows of masked routes are never written.
@@ -82,19 +82,110 @@ def _to_bf16(v, EXACT_RNE: tl.constexpr):
 
 
 @triton.jit
-def _dequant_tile(w_ptrs, s_ptrs, mask_n, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
-    """Packed rows [BN, BK/2] bytes + scales [BN, BK/32] -> bf16 [BN, BK] (float32 when F32)."""
-    wb = tl.load(w_ptrs, mask=mask_n[:, None], other=0).to(tl.int32)
+def _e8m0_to_bf16(s):
+    """E8M0 byte (int32 0..255) -> bf16 2**(s-127): 0 -> 2**-127 (the subnormal 0x0040),
+    255 -> NaN; exact, as bf16 has float32's exponent range."""
+    bits = tl.maximum(s << 7, 0x0040)           # s >= 1 gives s << 7 >= 0x80; s == 0 gives 0x40
+    bits = tl.where(s == 255, 0x7FC0, bits)
+    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+# Four MXFP4 bytes (one 32-bit register, $4) and their four bf16 E8M0 scales ($5, $6)
+# -> the four low-nibble values ($0, $1) and four high-nibble values ($2, $3), each
+# register a bf16x2 pair of consecutive bytes. Per pair, prmt puts each byte in the
+# low half of a 16-bit lane and its top bit replicated in the high half; a 2-bit left
+# shift and a mask leave the nibble's sign at bit 15 and its exponent and mantissa at
+# bits 8..6: that bf16 is the e2m1 value times 2**-126 (code 1, 0.5, becomes the
+# subnormal 0x0040; codes 0 and 8 stay +0 and -0). The low nibble takes the same path
+# from the bytes shifted left by 4. Then fma.rn.bf16x2 (sm_80+, no flush of subnormal
+# inputs or results) times 2**126 (exact) and times the scale (exact, or +-inf past
+# bf16's range, as float32 is); the -0.0 addend keeps the sign of zero products.
+_E2M1_ASM = tl.constexpr("""
+{
+.reg .b32 t, p, c126, nz;
+mov.b32 c126, 0x7E807E80;
+mov.b32 nz, 0x80008000;
+shl.b32 t, $4, 4;
+prmt.b32 p, t, 0, 0x9180;
+shl.b32 p, p, 2;
+and.b32 p, p, 0x81C081C0;
+fma.rn.bf16x2 p, p, c126, nz;
+fma.rn.bf16x2 $0, p, $5, nz;
+prmt.b32 p, t, 0, 0xB3A2;
+shl.b32 p, p, 2;
+and.b32 p, p, 0x81C081C0;
+fma.rn.bf16x2 p, p, c126, nz;
+fma.rn.bf16x2 $1, p, $6, nz;
+prmt.b32 p, $4, 0, 0x9180;
+shl.b32 p, p, 2;
+and.b32 p, p, 0x81C081C0;
+fma.rn.bf16x2 p, p, c126, nz;
+fma.rn.bf16x2 $2, p, $5, nz;
+prmt.b32 p, $4, 0, 0xB3A2;
+shl.b32 p, p, 2;
+and.b32 p, p, 0x81C081C0;
+fma.rn.bf16x2 p, p, c126, nz;
+fma.rn.bf16x2 $3, p, $6, nz;
+}
+""")
+
+
+@triton.jit
+def _e2m1_bf16(wb, scale):
+    """uint8 MXFP4 bytes and a bf16 scale tensor of their shape -> (low-nibble, high-nibble)
+    bf16 values, exact (PTX: GPU only; the interpreter runs _decode_halves' F32 path)."""
+    return tl.inline_asm_elementwise(_E2M1_ASM, "=r,=r,=r,=r,r,r,r", [wb, scale],
+                                     dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+
+
+@triton.jit
+def _decode_halves(w_ptrs, s_ptrs, mask_n, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
+    """Packed rows [BN, BK/2] bytes + scales [BN, BK/32] -> (low, high) nibble values, each
+    [BN, BK/2]: element j is byte j's weight k = 2j (low) or 2j + 1 (high). F32 (the
+    interpreter) decodes in float32 with Triton ops; the GPU path decodes to bf16 in PTX
+    (_E2M1_ASM), the same values bit for bit."""
+    wb = tl.load(w_ptrs, mask=mask_n[:, None], other=0)
     sb = tl.load(s_ptrs, mask=mask_n[:, None], other=127).to(tl.int32)
-    lo = _fp16_bits_to_f32(((wb & 0x07) << 9) | ((wb & 0x08) << 12))    # element 2j: low nibble
-    hi = _fp16_bits_to_f32(((wb & 0x70) << 5) | ((wb & 0x80) << 8))     # element 2j+1: high nibble
-    v = tl.reshape(tl.join(lo, hi), (BN, BK // 32, 32))     # element 2j low nibble, 2j+1 high
-    v = v * _e8m0_to_f32(sb)[:, :, None]
-    v = tl.reshape(v, (BN, BK))
-    # One return: compiled Triton (3.6) rejects a constexpr-guarded early return of another type.
-    if not F32:
-        v = v.to(tl.bfloat16)
-    return v
+    if F32:
+        w = tl.reshape(wb.to(tl.int32), (BN, BK // 32, 16))
+        sc = _e8m0_to_f32(sb)[:, :, None]
+        lo = _fp16_bits_to_f32(((w & 0x07) << 9) | ((w & 0x08) << 12)) * sc
+        hi = _fp16_bits_to_f32(((w & 0x70) << 5) | ((w & 0x80) << 8)) * sc
+    else:
+        sc = tl.broadcast_to(_e8m0_to_bf16(sb)[:, :, None], (BN, BK // 32, 16))
+        lo, hi = _e2m1_bf16(tl.reshape(wb, (BN, BK // 32, 16)), sc)
+    return tl.reshape(lo, (BN, BK // 2)), tl.reshape(hi, (BN, BK // 2))
+
+
+@triton.jit
+def _dequant_tile(w_ptrs, s_ptrs, mask_n, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
+    """Packed rows [BN, BK/2] bytes + scales [BN, BK/32] -> bf16 [BN, BK] (float32 when F32),
+    element 2j the low nibble of byte j, 2j + 1 the high one."""
+    lo, hi = _decode_halves(w_ptrs, s_ptrs, mask_n, BN, BK, F32)
+    return tl.reshape(tl.join(lo, hi), (BN, BK))
+
+
+# Below this many rows per block the GEMMs' dots are mma.sync with the activations in
+# registers, where splitting them into even and odd columns costs one PRMT per register
+# and saves the interleave of the decoded nibbles (sm_90a: ~350 against ~410 main-loop
+# instructions at 16 rows). From 64 rows Hopper's wgmma reads the activations from
+# shared memory, and one dot over the interleaved tile is the shorter loop.
+SPLIT_MAX_BM = tl.constexpr(64)
+
+
+@triton.jit
+def _dot_dequant(acc, a, w_ptrs, s_ptrs, mask_n, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
+    """acc + a [BM, BK] @ dequant(w)^T. Below SPLIT_MAX_BM rows the low nibbles (even k)
+    and high nibbles (odd k) go to two dots against the even and odd columns of ``a``:
+    the same products, with no interleave of the decoded halves."""
+    if a.shape[0] < SPLIT_MAX_BM:
+        lo, hi = _decode_halves(w_ptrs, s_ptrs, mask_n, BN, BK, F32)
+        a_even, a_odd = tl.split(tl.reshape(a, (a.shape[0], BK // 2, 2)))
+        acc = tl.dot(a_even, tl.trans(lo), acc)
+        acc = tl.dot(a_odd, tl.trans(hi), acc)
+    else:
+        acc = tl.dot(a, tl.trans(_dequant_tile(w_ptrs, s_ptrs, mask_n, BN, BK, F32)), acc)
+    return acc
 
 
 # --------------------------------------------------------------------------- #
@@ -222,12 +313,10 @@ def _gemm1_swiglu_kernel(x_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, blk_expert_ptr,
             a = tl.load(x_ptr + tok[:, None] * stride_x + (k0 + kx)[None, :], mask=mask_m[:, None], other=0.0)
             if F32:
                 a = a.to(tl.float32)
-            wg = _dequant_tile(w_base + rows_g[:, None] * (H // 2) + (k0 // 2 + kb)[None, :],
-                               s_base + rows_g[:, None] * (H // 32) + (k0 // 32 + ks)[None, :], mask_n, BN, BK, F32)
-            acc_g = tl.dot(a, tl.trans(wg), acc_g)
-            wu = _dequant_tile(w_base + rows_u[:, None] * (H // 2) + (k0 // 2 + kb)[None, :],
-                               s_base + rows_u[:, None] * (H // 32) + (k0 // 32 + ks)[None, :], mask_n, BN, BK, F32)
-            acc_u = tl.dot(a, tl.trans(wu), acc_u)
+            acc_g = _dot_dequant(acc_g, a, w_base + rows_g[:, None] * (H // 2) + (k0 // 2 + kb)[None, :],
+                                 s_base + rows_g[:, None] * (H // 32) + (k0 // 32 + ks)[None, :], mask_n, BN, BK, F32)
+            acc_u = _dot_dequant(acc_u, a, w_base + rows_u[:, None] * (H // 2) + (k0 // 2 + kb)[None, :],
+                                 s_base + rows_u[:, None] * (H // 32) + (k0 // 32 + ks)[None, :], mask_n, BN, BK, F32)
         if HAS_LIMIT:
             acc_g = tl.minimum(acc_g, limit)
             acc_u = tl.minimum(tl.maximum(acc_u, -limit), limit)
@@ -264,9 +353,8 @@ def _gemm2_kernel(h_ptr, w_ptr, s_ptr, tw_ptr, routed_ptr, sorted_ptr, blk_exper
                         other=0.0)
             if F32:
                 a = a.to(tl.float32)
-            w = _dequant_tile(w_base + rows[:, None] * (I // 2) + (k0 // 2 + kb)[None, :],
-                              s_base + rows[:, None] * (I // 32) + (k0 // 32 + ks)[None, :], mask_n, BN, BK, F32)
-            acc = tl.dot(a, tl.trans(w), acc)
+            acc = _dot_dequant(acc, a, w_base + rows[:, None] * (I // 2) + (k0 // 2 + kb)[None, :],
+                               s_base + rows[:, None] * (I // 32) + (k0 // 32 + ks)[None, :], mask_n, BN, BK, F32)
         tw = tl.load(tw_ptr + route, mask=mask_m, other=0.0).to(tl.float32)
         acc = acc * tw[:, None]
         tl.store(routed_ptr + route[:, None] * H + offs_n[None, :], acc, mask=mask_m[:, None] & mask_n[None, :])
