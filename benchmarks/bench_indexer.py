@@ -12,7 +12,8 @@ On a CUDA GPU:
      tokens), fresh random inputs (seed printed), every runnable backend
      (torch, triton [native fp8 where cc >= 8.9], triton_u8, tilelang, deepgemm) is
      checked against the float32 absolute-sum bound (|err| <= 2**-10 * A at valid
-     positions, -inf past each row for capdispatch kernels), then timed (median);
+     positions, -inf past each row for capdispatch kernels), then timed (median;
+     with --graphs also replayed from a CUDA graph, and that time is the one compared);
      roofline time = max(bytes / copy bandwidth, FLOPs / matmul rate) with bytes =
      q + weights + index-K pages the rows reach (each once) + logits written, FLOPs =
      2 * 64 heads * 128 * scored positions; fraction of roofline = roofline / measured;
@@ -265,18 +266,23 @@ def run(args):
                     ms = None
                 else:
                     with tile_modes.timing(args.tiles):
-                        ms = _bench(call, args.warmup, args.rep)
+                        eager = ms = _bench(call, args.warmup, args.rep)
+                        if args.graphs and name != "torch":
+                            from capdispatch.calibrate.timing import cuda_timer
+                            ms = cuda_timer(args.warmup, args.rep)(call, graph=True)
             except Exception as exc:
                 print(f"  {kind} {shape} {name}: FAILED {type(exc).__name__}: {str(exc)[:300]}")
                 rows.append(dict(kind=kind, shape=list(shape), backend=name, error=f"{type(exc).__name__}: {exc}"[:500],
                                  launches=launches))
                 continue
             times[name] = ms
-            rows.append(dict(kind=kind, shape=list(shape), backend=name, ms=ms, correct=ok, max_abs_err=err,
+            rows.append(dict(kind=kind, shape=list(shape), backend=name, ms=ms,
+                             eager_ms=eager if ms is not None else None, correct=ok, max_abs_err=err,
                              max_err_over_abs_sum=ratio, bytes=nbytes, flops=flops, roofline_ms=t_roof,
                              bound=bound, frac_roofline=(t_roof / ms) if ms else None, launches=launches))
             tag = f" [{tile_modes.label(args.tiles)}]" if args.tiles != "card" else ""
-            print(f"  {kind:>7} {str(shape):>18} {name:>9}{tag}: {ms if ms is None else round(ms, 4)} ms, "
+            how = f" (eager {eager:.4f})" if ms is not None and ms != eager else ""
+            print(f"  {kind:>7} {str(shape):>18} {name:>9}{tag}: {ms if ms is None else round(ms, 4)} ms{how}, "
                   f"{100 * t_roof / ms if ms else float('nan'):5.1f}% of {bound} roofline, correct={ok} "
                   f"(max|err| {err}, /A {ratio})")
         if times and args.tiles == "card":     # default vs fastest needs every backend
@@ -297,7 +303,7 @@ def run(args):
                 not_run={n: why for n, (fn, why) in backends.items() if fn is None},
                 versions=_versions(), tolerance=f"|err| <= 2^-10 * A (abs-sum) at valid positions",
                 do_bench=dict(warmup_ms=args.warmup, rep_ms=args.rep, return_mode="median"),
-                tiles=args.tiles, tiles_label=tile_modes.label(args.tiles), shared_limit=limit)
+                tiles=args.tiles, tiles_label=tile_modes.label(args.tiles), shared_limit=limit, graphs=args.graphs)
     _write(args.out, meta, rows, picks, accounting(), mem)
     bad = [r for r in rows if r.get("correct") is False or "error" in r]
     return 1 if bad else 0
@@ -340,9 +346,13 @@ def _write(out_dir, meta, rows, picks, acc, mem=()):
             f"{meta['matmul_tflops']:.0f} TFLOP/s; roofline = max(bytes / copy, FLOPs / matmul)",
             f"- not run: {meta['not_run'] or 'none'}",
             f"- correctness: {meta['tolerance']}; -inf past each row (capdispatch kernels)",
-            "", "| kind | shape | backend | ms | % of roofline | bound | correct | max err / A |",
-            "| --- | --- | --- | ---: | ---: | --- | --- | ---: |",
         ]
+        if meta.get("graphs"):
+            lines += ["- times: replays from a CUDA graph (do_bench_cudagraph median after eager warm-up) "
+                      "for every backend but torch; the eager do_bench median beside them"]
+        lines += ["", "| kind | shape | backend | ms | % of roofline | bound | correct | max err / A |"
+                  + (" eager ms |" if meta.get("graphs") else ""),
+                  "| --- | --- | --- | ---: | ---: | --- | --- | ---: |" + (" ---: |" if meta.get("graphs") else "")]
         for r in rows:
             if "error" in r:
                 lines.append(f"| {r['kind']} | {r['shape']} | {_backend_cell(r['backend'], meta)} | error | | | "
@@ -353,7 +363,9 @@ def _write(out_dir, meta, rows, picks, acc, mem=()):
             ratio = f"{r['max_err_over_abs_sum']:.2g}" if r["max_err_over_abs_sum"] is not None else ""
             lines.append(f"| {r['kind']} | {r['shape']} | {_backend_cell(r['backend'], meta)} | {ms} | {frac} | "
                          f"{r['bound']} | "
-                         f"{r['correct']} | {ratio} |")
+                         f"{r['correct']} | {ratio} |"
+                         + (f" {r['eager_ms']:.4f} |" if meta.get("graphs") and r.get("eager_ms") else
+                            (" |" if meta.get("graphs") else "")))
         if picks:
             lines += ["", "| kind | shape | fastest | default pick | default / fastest |",
                       "| --- | --- | --- | --- | ---: |"]
@@ -397,6 +409,9 @@ def build_parser():
     p.add_argument("--rep", type=int, default=100, help="do_bench measuring time, ms")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--quick", action="store_true", help="fewer shapes, no reference timing at memory sizes")
+    p.add_argument("--graphs", action="store_true",
+                   help="time every backend but torch inside a CUDA graph too; the roofline fraction then "
+                        "comes from the graph time (a decode call is shorter than its eager launch)")
     p.add_argument("--no-memory", action="store_true", help="skip the reference memory measurement")
     p.add_argument("--cpu-memory", action="store_true", help="only the reference's memory accounting")
     p.add_argument("--out", default=os.path.join("benchmarks", "results"))

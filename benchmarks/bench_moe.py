@@ -14,7 +14,11 @@ What it does:
   2. per token count: fresh random inputs (seed printed), each backend checked
      against the torch reference (norm-relative error reported, must be within
      the tests' W4A16 tolerance) and then timed with triton.testing.do_bench
-     (median; do_bench flushes L2 between repeats);
+     (median; do_bench flushes L2 between repeats); with --graphs each backend but the
+     torch reference is also timed inside a CUDA graph (do_bench_cudagraph median, after
+     eager warm-up), as a serving engine replays decode, and the fraction of the
+     roofline is taken from that time: at a few tokens the eager figure is Triton's
+     launcher on the host, not the kernels;
   3. roofline per token count: weight bytes that must be read (distinct experts
      routed x packed bytes per expert, plus activations) over the copy bandwidth,
      and FLOPs (6 * routes * H * I) over the measured bf16 rate; the bound is the
@@ -93,6 +97,15 @@ def build_flashinfer_jit():
     return {"arch": arch, "seconds": round(time.time() - t0, 1)}
 
 
+def _graph_time(fn):
+    """(median ms of FN replayed from a CUDA graph, None) or (None, why capture failed)."""
+    from capdispatch.calibrate.timing import cuda_timer
+    try:
+        return cuda_timer(warmup_ms=25, rep_ms=200)(fn, graph=True), None
+    except Exception as exc:   # the row keeps its eager time and says why
+        return None, f"{type(exc).__name__}: {exc}"
+
+
 def _registry():
     """The built-in ops plus moe (whether or not moe is wired into BUILTIN_OP_PACKAGES yet)."""
     import importlib
@@ -136,7 +149,7 @@ def _available(name, allow_jit):
     return False, f"{name} not benchmarked here"
 
 
-def run(tokens, backends, out_dir, allow_jit, seed, tiles="card"):
+def run(tokens, backends, out_dir, allow_jit, seed, tiles="card", graphs=False):
     import torch
     import triton
 
@@ -199,13 +212,19 @@ def run(tokens, backends, out_dir, allow_jit, seed, tiles="card"):
             nrm = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
             ok = bool(torch.isfinite(got).all()) and nrm <= TOL_NORM
             with tile_modes.timing(tiles):
-                ms = _bench(lambda: fn(x, w, tw, ids), rep=100 if name == "torch" else 200)
-            row["backends"][name] = {"ms": ms, "norm_rel_err": nrm, "ok": ok, "launches": launches,
+                eager = _bench(lambda: fn(x, w, tw, ids), rep=100 if name == "torch" else 200)
+                graph, graph_err = (_graph_time(lambda: fn(x, w, tw, ids))
+                                    if graphs and name != "torch" else (None, None))
+            ms = graph if graph is not None else eager
+            row["backends"][name] = {"ms": ms, "eager_ms": eager, "graph_ms": graph, "graph_error": graph_err,
+                                     "norm_rel_err": nrm, "ok": ok, "launches": launches,
                                      "fraction_of_roofline": bound / ms,
                                      "effective_GBps": nbytes / ms / 1e6,
                                      "TFLOPs": flops / ms / 1e9}
             tag = f" [{tile_modes.label(tiles)}]" if tiles != "card" else ""
-            print(f"[moe] T={T:5d} {name:26s}{tag} {ms * 1e3:10.1f} us  {100 * bound / ms:5.1f}% of roofline "
+            how = (f"graph {graph * 1e3:8.1f} us, eager {eager * 1e3:8.1f} us" if graph is not None
+                   else f"{eager * 1e3:10.1f} us" + (f" (graph capture failed: {graph_err})" if graph_err else ""))
+            print(f"[moe] T={T:5d} {name:26s}{tag} {how}  {100 * bound / ms:5.1f}% of roofline "
                   f"({row['bound_by']})  err {nrm:.2e}{'' if ok else '  FAILED CHECK'}", flush=True)
         rows.append(row)
 
@@ -215,7 +234,8 @@ def run(tokens, backends, out_dir, allow_jit, seed, tiles="card"):
             "shape": {"E": E, "H": H, "I": I, "topk": TOPK, "swiglu_limit": SWIGLU_LIMIT},
             "packed_bytes_per_expert": per_expert, "copy_GBps": bw, "bf16_TFLOPs": rate,
             "prepare_seconds": {k: v[1] for k, v in prepared.items()}, "skipped": skipped,
-            "tiles": tiles, "tiles_label": tile_modes.label(tiles), "shared_limit": limit}
+            "tiles": tiles, "tiles_label": tile_modes.label(tiles), "shared_limit": limit,
+            "graphs": graphs}
     try:
         import flashinfer
         meta["flashinfer"] = flashinfer.__version__
@@ -250,7 +270,12 @@ def to_markdown(res):
             if b is not None and "error" in b:
                 cells.append(f"error: {b['error']}")
                 continue
-            cells.append("—" if b is None else f"{b['ms'] * 1e3:.1f} ({100 * b['fraction_of_roofline']:.1f}%)"
+            if b is None:
+                cells.append("—")
+                continue
+            eager = (f"; eager {b['eager_ms'] * 1e3:.1f}" if b.get("graph_ms") is not None
+                     else (f"; graph capture failed: {b['graph_error']}" if b.get("graph_error") else ""))
+            cells.append(f"{b['ms'] * 1e3:.1f} ({100 * b['fraction_of_roofline']:.1f}%{eager})"
                          + ("" if b["ok"] else " FAIL"))
         out.append(f"| {r['tokens']} | {r['experts_touched']} | {r['roofline_ms'] * 1e3:.1f} | {r['bound_by']} | "
                    + " | ".join(cells) + " |")
@@ -262,6 +287,9 @@ def to_markdown(res):
         out += ["", "Skipped:"] + [f"- `{k}`: {v}" for k, v in m["skipped"].items()]
     out += ["", "Every timed backend was checked against the torch reference on the same inputs first "
             f"(norm-relative error <= {TOL_NORM}; 'FAIL' marks a row that was not)."]
+    if m.get("graphs"):
+        out += ["", "Times are medians of replays from a CUDA graph (the eager do_bench median follows "
+                "'eager'); torch is timed eagerly only."]
     return "\n".join(out) + "\n"
 
 
@@ -278,6 +306,9 @@ def build_parser():
     ap.add_argument("--allow-jit", action="store_true", help="let FlashInfer JIT-build inside the benchmark")
     ap.add_argument("--build-flashinfer-jit", action="store_true", help="only build FlashInfer's MoE module")
     ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--graphs", action="store_true",
+                    help="also time each backend but torch inside a CUDA graph; the roofline "
+                         "fraction then comes from the graph time")
     tile_modes.add_argument(ap)
     return ap
 
@@ -306,7 +337,7 @@ def main(argv=None):
             json.dump(info, f, indent=1)
         return 0
     seed = a.seed if a.seed is not None else random.SystemRandom().randrange(2**31)
-    res = run(a.tokens, a.backends, a.out, a.allow_jit, seed, a.tiles)
+    res = run(a.tokens, a.backends, a.out, a.allow_jit, seed, a.tiles, a.graphs)
     name = series(res["meta"]["device"], a.tiles)
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S")
     archive_previous(a.out, name)

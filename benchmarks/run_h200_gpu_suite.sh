@@ -8,7 +8,7 @@
 #   probe     every module SGLang's MoE import chain lacks here (probe_imports.py)
 #   calibrate `dispatch bench --write-policy` op by op (CALIBRATE_OPS; issue 14), policy into $OUT
 #   measure   bench_calibrated.py under that policy (issue 14)
-#   kernels   the kernel benchmarks (bench_attention.py --graphs, bench_moe.py, bench_indexer.py,
+#   kernels   the kernel benchmarks (bench_attention.py, bench_moe.py, bench_indexer.py with --graphs,
 #             bench_kv_cache.py), each run twice: with this card's own launch tables, then with
 #             --tiles 99kb (the entries and shared-memory limit of SM86/SM89/SM120)
 #   kernels-99kb  only the --tiles 99kb pass of the kernels step
@@ -46,8 +46,8 @@ step() { local t=$1; shift; echo "=== $* (limit ${t}s) $(date -u +%T)" | tee -a 
 # One pass of the kernel benchmarks; $1: the --tiles value (card or 99kb).
 kernel_pass() {
   step ${ATTENTION_LIMIT:-400} python3 benchmarks/bench_attention.py --graphs --tiles "$1" --out "$OUT" ${ATTENTION_ARGS:-}
-  step ${MOE_LIMIT:-200} python3 benchmarks/bench_moe.py --tiles "$1" --out "$OUT" ${MOE_ARGS:-}
-  step ${INDEXER_LIMIT:-200} python3 benchmarks/bench_indexer.py --tiles "$1" --out "$OUT" ${INDEXER_ARGS:-}
+  step ${MOE_LIMIT:-200} python3 benchmarks/bench_moe.py --graphs --tiles "$1" --out "$OUT" ${MOE_ARGS:-}
+  step ${INDEXER_LIMIT:-200} python3 benchmarks/bench_indexer.py --graphs --tiles "$1" --out "$OUT" ${INDEXER_ARGS:-}
   step ${KV_LIMIT:-120} python3 benchmarks/bench_kv_cache.py --tiles "$1" --out "$OUT" ${KV_ARGS:-}
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader | tee -a "$LOG"

@@ -419,3 +419,25 @@ def test_overhead_report_has_the_host_path_column(tmp_path):
         print("ok")
     """, tmp_path)
     assert out.strip().endswith("ok")
+
+
+def test_moe_report_with_graph_times(tmp_path):
+    """bench_moe --graphs: the roofline fraction comes from the graph replay, the eager
+    median follows it, a failed capture is named in its cell, and --graphs parses."""
+    out = _run("""
+        import bench_moe as M
+        assert M.parse_args(["--graphs"]).graphs and not M.parse_args([]).graphs
+        meta = dict(device="NVIDIA H200", date_utc="x", torch="t", triton="3", cuda="13", seed=1,
+                    shape=dict(E=64, H=4096, I=2048, topk=6), packed_bytes_per_expert=5, copy_GBps=1.0,
+                    bf16_TFLOPs=2.0, skipped={}, tiles="card", tiles_label="card", shared_limit=None, graphs=True)
+        rows = [dict(tokens=1, experts_touched=6, roofline_ms=0.02, bound_by="bytes", backends=dict(
+                    triton_w4a16=dict(ms=0.05, eager_ms=0.17, graph_ms=0.05, ok=True, fraction_of_roofline=0.4),
+                    torch=dict(ms=10.0, eager_ms=10.0, graph_ms=None, ok=True, fraction_of_roofline=0.002))),
+                dict(tokens=8, experts_touched=33, roofline_ms=0.1, bound_by="bytes", backends=dict(
+                    triton_w4a16=dict(ms=0.3, eager_ms=0.3, graph_ms=None, graph_error="RuntimeError: capture",
+                                      ok=True, fraction_of_roofline=1 / 3)))]
+        print(M.to_markdown(dict(meta=meta, rows=rows)))
+    """, tmp_path)
+    assert "| 1 | 6 | 20.0 | bytes | 50.0 (40.0%; eager 170.0) | 10000.0 (0.2%) |" in out, out
+    assert "300.0 (33.3%; graph capture failed: RuntimeError: capture)" in out, out
+    assert "replays from a CUDA graph" in out
