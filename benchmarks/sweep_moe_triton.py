@@ -7,8 +7,9 @@ once, then two coordinate passes over the tile space of
 ``capdispatch.backends.moe.triton_kernels.Tiles``: GEMM1 (N tile, K tile, warps,
 stages) with GEMM2 at the current choice, then GEMM2 with the best GEMM1. Every
 candidate's output is checked against the reference (norm-relative error within
-the tests' Triton bound, 2e-3, and finite) before it is timed (do_bench median,
-L2 flushed between repeats); a candidate that fails to compile or to check is
+the tests' Triton bound, 2e-3, and finite) before it is timed replayed from a CUDA
+graph, as serving replays decode (do_bench_cudagraph median after eager warm-up: an
+eager time at a few tokens is the host's launch, not the kernels); a candidate that fails to compile or to check is
 recorded with the reason, never timed. The roofline is bench_moe.py's (weight
 bytes over the measured copy bandwidth, FLOPs over the measured bf16 rate).
 Writes moe_tiles_<gpu>_<utc>.json and .md into --out.
@@ -23,7 +24,7 @@ import os
 import sys
 
 from bench_moe import E, H, I, SWIGLU_LIMIT, TOPK, roofline  # noqa: E402 (the script's own folder)
-from ceilings import bench, copy_bandwidth, describe, matmul_rate, run_facts  # noqa: E402
+from ceilings import copy_bandwidth, describe, matmul_rate, run_facts  # noqa: E402
 from results_dir import archive_previous  # noqa: E402 (the script's own folder)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,6 +58,8 @@ def main(argv=None):
         return 2
     from capdispatch.backends.moe import reference as R
     from capdispatch.backends.moe import triton_kernels as tk
+    from capdispatch.calibrate.timing import cuda_timer
+    timer = cuda_timer(warmup_ms=25, rep_ms=100)
 
     facts = run_facts(a.seed)
     gen = torch.Generator().manual_seed(facts["seed"])
@@ -89,7 +92,7 @@ def main(argv=None):
                 if not bool(torch.isfinite(out).all()) or not err <= CHECK_NORM:
                     res = {"tiles": key, "error": f"check failed: norm-rel {err:.2e}"}
                 else:
-                    res = {"tiles": key, "ms": bench(lambda: tk.moe_w4a16(x, w, tw, ids, out=out, tiles=t)),
+                    res = {"tiles": key, "ms": timer(lambda: tk.moe_w4a16(x, w, tw, ids, out=out, tiles=t), True),
                            "err": err}
             except Exception as exc:          # out of resources, compile errors: recorded, not timed
                 res = {"tiles": key, "error": f"{type(exc).__name__}: {str(exc)[:160]}"}
@@ -134,8 +137,8 @@ def main(argv=None):
         fmt = lambda d: f"{d['ms'] * 1e3:.1f} ({100 * r['roofline_ms'] / d['ms']:.1f}%)" if "ms" in d else d.get("error", "—")
         lines.append(f"| {r['tokens']} | {r['avg_rows']:.1f} | {r['roofline_ms'] * 1e3:.1f} | {tuple(c['tiles'])} | "
                      f"{fmt(c)} | {tuple(b.get('tiles', ()))} | {fmt(b) if b else '—'} |")
-    lines += ["", "Tiles: (BM, BN1, BK1, W1, S1, BN2, BK2, W2, S2). Every timed candidate matched the torch "
-              f"reference within norm-relative {CHECK_NORM}."]
+    lines += ["", "Tiles: (BM, BN1, BK1, W1, S1, BN2, BK2, W2, S2). Times are replays from a CUDA graph; "
+              f"every timed candidate matched the torch reference within norm-relative {CHECK_NORM}."]
     with open(base_name + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
