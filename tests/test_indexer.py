@@ -266,7 +266,10 @@ def test_triton_strided_out_and_int64_indices():
     big = torch.full((2, 160), float("nan"))
     out = big[:, 7:107]
     got = run("triton_u8", dict(c, ctx=c["ctx"].long(), bt=c["bt"].long()), out=out)
-    assert torch.allclose(got, want, rtol=1e-6, atol=1e-6) and torch.equal(torch.isinf(got), torch.isinf(want))
+    _, A = f64_logits(c)
+    fin = torch.isfinite(want)
+    assert torch.equal(torch.isinf(got), ~fin), f"seed={seed}"
+    assert ((got - want)[fin].abs().double() <= REL_F32 * A[fin]).all(), f"seed={seed}"
     assert torch.isnan(big[:, :7]).all() and torch.isnan(big[:, 107:]).all()
 
 
@@ -960,7 +963,7 @@ SIG = {"q_ptr": "*u8", "kv_ptr": "*u8", "w_ptr": "*fp32", "ctx_ptr": "*i32", "bt
        "w_stride": "i32", "ctx_stride": "i32", "bt_stride": "i32", "out_stride": "i32"}
 out = {}
 for cc, native, next_n in json.loads(sys.argv[1]):
-    const = dict(NEXT_N=next_n, NEXT_N_PAD=1 << (next_n - 1).bit_length(), H=64, D=128, CTX_2D=next_n > 1,
+    const = dict(NEXT_N=next_n, HP=64, H=64, D=128, CTX_2D=next_n > 1,
                  NATIVE_FP8=native, BLOCK=64, NUM_STAGES=2)
     sig = dict(SIG, **({"q_ptr": "*fp8e4nv", "kv_ptr": "*fp8e4nv"} if native else {}))
     src = ASTSource(fn=tk._indexer_kernel, signature={**sig, **{k: "constexpr" for k in const}}, constexprs=const)

@@ -138,11 +138,11 @@ def _indexer_jobs(t: Target) -> list:
         sig = dict(K.COMPILE_SIGNATURES["_indexer_kernel"])
         if native:
             sig.update(q_ptr="*fp8e4nv", kv_ptr="*fp8e4nv")
-        consts = dict(NEXT_N=next_n, NEXT_N_PAD=1 << (next_n - 1).bit_length(), H=64, D=K.HEAD_DIM,
+        consts = dict(NEXT_N=next_n, HP=64, H=64, D=K.HEAD_DIM,
                       CTX_2D=next_n > 1, NATIVE_FP8=native, BLOCK=K.BLOCK_N, NUM_STAGES=K.NUM_STAGES)
         out.append(Job("indexer", "indexer.triton_kernels:_indexer_kernel",
                        f"{'fp8' if native else 'u8'} next_n={next_n}", sig, consts,
-                       num_warps=K.NUM_WARPS if next_n == 1 else 2 * K.NUM_WARPS, num_stages=K.NUM_STAGES))
+                       num_warps=K.NUM_WARPS, num_stages=K.NUM_STAGES))
     return out
 
 

@@ -4,5 +4,5 @@ from __future__ import annotations
 __all__ = ["BLOCK_N", "NUM_WARPS", "NUM_STAGES"]
 
 BLOCK_N = 64          # tokens per step (one page)
-NUM_WARPS = 4       # 8 when next_n > 1 (M = next_n_pad * 64 rows of q per program)
+NUM_WARPS = 4       # one query row (64 heads) per program
 NUM_STAGES = 2      # software pipelining of the page loads

@@ -1,10 +1,11 @@
 """Triton kernel for the sparse indexer's fp8 paged MQA logits (contract: reference.py).
 
-One program scores one batch entry (all its next_n query rows: M = next_n_pad * heads
-rows of q) over one split of the positions, BLOCK_N = 64 tokens (one page) per step:
+One program scores one query row (batch entry b, next_n row j: its heads, padded to at
+least 16 for the MMA) over one split of the positions, BLOCK_N = 64 tokens (one page) per
+step; the next_n rows of an entry read the same pages, mostly from L2:
 
-    S = q [M, 128] @ K^T [128, 64]           (tensor cores, float32 accumulation)
-    logits[j, t] = scale[t] * sum_h w[j, h] * relu(S[j*H + h, t])
+    S = K [64, 128] @ q^T [128, heads]       (tensor cores, float32 accumulation)
+    logits[row, t] = scale[t] * sum_h w[row, h] * relu(S[t, h])
 
 Positions at or past a row's length are written -inf, so the whole
 [rows, max_context_len] result is written (clean logits). Pages past the longest row
@@ -55,72 +56,67 @@ def _indexer_kernel(
     out_ptr,          # float32 [B*NEXT_N, max_ctx], row stride out_stride
     max_ctx, tokens_per_split,
     kv_page_stride, w_stride, ctx_stride, bt_stride, out_stride,
-    NEXT_N: tl.constexpr, NEXT_N_PAD: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+    NEXT_N: tl.constexpr, HP: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
     CTX_2D: tl.constexpr, NATIVE_FP8: tl.constexpr, BLOCK: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
-    b = tl.program_id(0).to(tl.int64)
+    row = tl.program_id(0).to(tl.int64)            # b * NEXT_N + j
     split = tl.program_id(1)
-    M: tl.constexpr = NEXT_N_PAD * H
+    b = row // NEXT_N
+    j = row % NEXT_N
 
-    # Row lengths E[j] = clamp(L[j], 0, max_ctx).
-    jj = tl.arange(0, NEXT_N_PAD)
-    jmask = jj < NEXT_N
+    # Row length E = clamp(L, 0, max_ctx).
     if CTX_2D:
-        L = tl.load(ctx_ptr + b * ctx_stride + jj, mask=jmask, other=0).to(tl.int32)
+        L = tl.load(ctx_ptr + b * ctx_stride + j).to(tl.int32)
     else:
-        L = tl.load(ctx_ptr + b * ctx_stride).to(tl.int32) - (NEXT_N - 1) + jj
+        L = tl.load(ctx_ptr + b * ctx_stride).to(tl.int32) - (NEXT_N - 1) + j.to(tl.int32)
     E = tl.minimum(tl.maximum(L, 0), max_ctx)
-    E = tl.where(jmask, E, 0)
-    e_max = tl.max(E, axis=0)
 
-    # q tile [M, D] and weights [M] (row m = j * H + h).
-    m = tl.arange(0, M)
-    mvalid = m < NEXT_N * H
+    # q tile [HP, D] and weights [HP] of this row (heads past H: zero weight).
+    h = tl.arange(0, HP)
+    hvalid = h < H
     d = tl.arange(0, D)
-    q_off = b * (NEXT_N * H * D) + m[:, None].to(tl.int64) * D + d[None, :]
+    q_off = row * (H * D) + h[:, None] * D + d[None, :]
     if NATIVE_FP8:
-        qt = tl.load(q_ptr + q_off, mask=mvalid[:, None], other=0.0)
+        qt = tl.load(q_ptr + q_off, mask=hvalid[:, None], other=0.0)
     else:
-        qt = _e4m3fn_bits_to_f16(tl.load(q_ptr + q_off, mask=mvalid[:, None], other=0))
-    w = tl.load(w_ptr + (b * NEXT_N + m // H) * w_stride + (m % H), mask=mvalid, other=0.0)
+        qt = _e4m3fn_bits_to_f16(tl.load(q_ptr + q_off, mask=hvalid[:, None], other=0))
+    w = tl.load(w_ptr + row * w_stride + h, mask=hvalid, other=0.0)
 
     t_begin = split * tokens_per_split
     t_end = tl.minimum(t_begin + tokens_per_split, max_ctx)
-    t_comp = tl.maximum(tl.minimum(t_end, e_max), t_begin)   # tokens [t_begin, t_comp) are scored
+    t_comp = tl.maximum(tl.minimum(t_end, E), t_begin)       # tokens [t_begin, t_comp) are scored
     n_comp = tl.cdiv(t_comp - t_begin, BLOCK)
 
-    row_off = (b * NEXT_N + jj).to(tl.int64) * out_stride          # [NEXT_N_PAD]
+    out_row = out_ptr + row * out_stride
     kv_u8 = kv_ptr.to(tl.pointer_type(tl.uint8))
     kv_f32 = kv_ptr.to(tl.pointer_type(tl.float32))
+    # A step is one page (splits start on page boundaries): one page id per step, and the
+    # rows' offsets inside the page are the same every step. Rows past the length in the
+    # last page are read (the page exists) and their logits replaced by -inf.
+    tl.static_assert(BLOCK == _PAGE)
     tn = tl.arange(0, BLOCK)
+    k_rel = tn[:, None] * D + d[None, :]
     for it in tl.range(0, n_comp, num_stages=NUM_STAGES):
-        t = t_begin + it * BLOCK + tn                                  # [BLOCK] positions
-        live = t < e_max
-        page = tl.load(bt_ptr + b * bt_stride + t // _PAGE, mask=live, other=0).to(tl.int64)
-        base = page * kv_page_stride
-        slot = (t % _PAGE).to(tl.int64)
-        k_off = base[:, None] + slot[:, None] * D + d[None, :]
+        t0 = t_begin + it * BLOCK
+        t = t0 + tn                                                    # [BLOCK] positions
+        base = tl.load(bt_ptr + b * bt_stride + t0 // _PAGE).to(tl.int64) * kv_page_stride
         if NATIVE_FP8:
-            kt = tl.load(kv_ptr + k_off, mask=live[:, None], other=0.0)
+            kt = tl.load(kv_ptr + base + k_rel)
         else:
-            kt = _e4m3fn_bits_to_f16(tl.load(kv_u8 + k_off, mask=live[:, None], other=0))
-        scale = tl.load(kv_f32 + ((base + _SCALE_OFFSET) >> 2) + slot, mask=live, other=0.0)
-        s = tl.dot(qt, tl.trans(kt))                                   # [M, BLOCK] float32
-        s = tl.maximum(s, 0.0) * w[:, None]
-        if NEXT_N_PAD == 1:
-            logit = tl.sum(s, axis=0)[None, :] * scale[None, :]       # no reshape of the MMA layout
-        else:
-            logit = tl.sum(tl.reshape(s, (NEXT_N_PAD, H, BLOCK)), axis=1) * scale[None, :]
-        logit = tl.where(t[None, :] < E[:, None], logit, float("-inf"))
-        tl.store(out_ptr + row_off[:, None] + t[None, :], logit,
-                 mask=jmask[:, None] & (t < t_end)[None, :])
+            kt = _e4m3fn_bits_to_f16(tl.load(kv_u8 + base + k_rel))
+        scale = tl.load(kv_f32 + ((base + _SCALE_OFFSET) >> 2) + tn)
+        # Positions are the MMA's rows and heads its columns: the head sum stays within
+        # each warp (a quad's lanes hold one row), with no exchange through shared memory.
+        s = tl.dot(kt, tl.trans(qt))                                   # [BLOCK, HP] float32
+        logit = tl.sum(tl.maximum(s, 0.0) * w[None, :], axis=1) * scale
+        logit = tl.where(t < E, logit, float("-inf"))
+        tl.store(out_row + t, logit, mask=t < t_end)
 
-    # The rest of the split: past every row's length.
-    neg = tl.full((NEXT_N_PAD, BLOCK), float("-inf"), tl.float32)
+    # The rest of the split: past the row's length.
+    neg = tl.full((BLOCK,), float("-inf"), tl.float32)
     for t0 in range(t_begin + n_comp * BLOCK, t_end, BLOCK):
         t = t0 + tn
-        tl.store(out_ptr + row_off[:, None] + t[None, :], neg,
-                 mask=jmask[:, None] & (t < t_end)[None, :])
+        tl.store(out_row + t, neg, mask=t < t_end)
 
 
 INTERPRETED = interpreted(_indexer_kernel)
@@ -138,13 +134,13 @@ def _native_fp8_default(device: torch.device) -> bool:
     return _device_facts(device.index if device.index is not None else torch.cuda.current_device())[1] >= (8, 9)
 
 
-def plan_splits(batch: int, max_context_len: int, num_sms: int) -> int:
+def plan_splits(rows: int, max_context_len: int, num_sms: int) -> int:
     """Tokens per program along the positions: enough programs to fill the card
     (about 4 per SM) for decode-sized batches, whole rows for large batches."""
     pages = -(-max_context_len // PAGE_TOKENS)
     if pages == 0:
         return PAGE_TOKENS
-    splits = max(1, min(pages, -(-4 * num_sms // max(batch, 1))))
+    splits = max(1, min(pages, -(-4 * num_sms // max(rows, 1))))
     return -(-pages // splits) * PAGE_TOKENS
 
 
@@ -158,14 +154,13 @@ class _Plan:
     def __init__(self, dev, native_fp8, N, H, ctx_2d):
         if native_fp8 is None:
             native_fp8 = _native_fp8_default(dev)
-        if H & (H - 1) or not 16 <= H * _pow2(N) or H > 128:
-            raise ArgumentError(f"the Triton indexer needs a power-of-two head count <= 128 "
-                                f"(next_n_pad * heads >= 16), got heads={H}")
+        if H & (H - 1) or H > 128:
+            raise ArgumentError(f"the Triton indexer needs a power-of-two head count <= 128, got heads={H}")
         self.num_sms = _device_facts(dev.index if dev.index is not None else torch.cuda.current_device())[0] \
             if dev.type == "cuda" else 4
         self.native = bool(native_fp8)
-        self.tail = (N, _pow2(N), H, HEAD_DIM, ctx_2d, self.native, BLOCK_N, NUM_STAGES)
-        self.options = dict(num_warps=NUM_WARPS if N == 1 else 2 * NUM_WARPS)
+        self.tail = (N, max(H, 16), H, HEAD_DIM, ctx_2d, self.native, BLOCK_N, NUM_STAGES)
+        self.options = dict(num_warps=NUM_WARPS)
 
 
 # (device, codec asked for, next_n, heads, 2-D lengths) -> its launch plan: keyed by the
@@ -202,17 +197,13 @@ def _launch(q, kv_cache, weights, context_lens, block_table, max_context_len, ou
     kv_arg = kv_cache if kv_cache.dtype == want else kv_cache.view(want)
     page_stride = kv_cache.stride()[0] if kv_cache.shape[0] > 1 else PAGE_BYTES
     ctx_stride = context_lens.stride()[0] if context_lens.numel() else 0
-    tps = plan_splits(B, S, plan.num_sms)
+    tps = plan_splits(B * N, S, plan.num_sms)
     with on_device_of(q):
-        _limits.launch(_indexer_kernel, (B, -(-S // tps)))(
+        _limits.launch(_indexer_kernel, (B * N, -(-S // tps)))(
             q_arg, kv_arg, weights, context_lens, block_table, out, S, tps,
             page_stride, weights.stride()[0], ctx_stride, block_table.stride()[0], out.stride()[0],
             *plan.tail, **plan.options)
     return out
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedule_metadata=None,
