@@ -171,6 +171,7 @@ VARIANTS = [
     pytest.param(2, 2, 64, 150, [1, 150], False, id="n2-ctx1d-short"),
     pytest.param(2, 3, 16, 130, [[3, 64, 65], [0, 129, 500]], True, id="n3-ctx2d-clamp"),
     pytest.param(1, 2, 32, 257, [[256, 257]], True, id="n2-ctx2d-h32"),
+    pytest.param(2, 1, 8, 100, [100, 37], False, id="n1-h8-heads-padded"),
 ]
 
 
