@@ -185,7 +185,7 @@ def _attention_jobs(t: Target) -> list:
 
 
 # Mean routes per active expert at which moe's tiles_for changes tiles (one per size class).
-MOE_SIZE_CLASSES = (1.0, 16.0, 64.0, 128.0, 1024.0)
+MOE_SIZE_CLASSES = (1.0, 64.0, 128.0, 1024.0)
 MOE_SHAPE = dict(H=7168, I=2048, TOPK=6)
 
 

@@ -22,19 +22,18 @@ class Tiles(NamedTuple):
 
 def tiles_for(avg_rows: float, H: int, I: int, interpreted: bool) -> Tiles:
     """Tiles from the mean routes per active expert. The decode and prefill rows are
-    the best of benchmarks/sweep_moe_triton.py on an H200 at DSv4 shapes: at one route
-    per expert (up to 10 tokens over 64 experts, top-k 6) a 32-wide GEMM1 N tile spreads
-    six experts' rows over twice the SMs (27% faster at 1 token;
-    archive/moe_tiles_nvidia_h200_20261129T210528.md); with more routes than experts a
-    64-wide two-stage GEMM1 is 5-7% faster than it at 16-64 tokens, timed in CUDA graphs
-    (moe_tiles_nvidia_h200_20261202T062322.md); four GEMM2 warps are 6% faster at 4096
-    tokens. The middle rows are reasoned, not measured."""
+    the best of benchmarks/sweep_moe_triton.py on an H200 at DSv4 shapes. Decode: a
+    32-wide GEMM1 N tile spreads six experts' rows over twice the SMs, the fastest of 71
+    candidates at 1 token timed in CUDA graphs and within 5% of the best at 4
+    (moe_tiles_nvidia_h200_20261202T064344.md). A 64-wide two-stage GEMM1 is 4-7% faster
+    on the H200 at 8-64 tokens (archive/moe_tiles_nvidia_h200_20261202T062322.md) but
+    spills 376-1044 B at DSv4's hidden size on every target of the compile matrix, where
+    this one spills none, and has not run on a 99 KB card: not taken. Prefill: four GEMM2
+    warps are 6% faster at 4096 tokens. The middle rows are reasoned, not measured."""
     if interpreted:
         return Tiles(16, 32, 64, 4, 1, 32, 64, 4, 1)
-    if avg_rows <= 1:
-        return Tiles(16, 32, 128, 4, 3, 64, 128, 4, 3)
     if avg_rows <= 16:
-        return Tiles(16, 64, 128, 4, 2, 64, 128, 4, 3)
+        return Tiles(16, 32, 128, 4, 3, 64, 128, 4, 3)
     if avg_rows <= 64:
         return Tiles(32, 64, 128, 4, 3, 64, 128, 4, 3)
     if avg_rows <= 128:
