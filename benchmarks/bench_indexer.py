@@ -46,7 +46,7 @@ import os
 import platform
 import sys
 
-from ceilings import bench as _bench, copy_bandwidth, describe, matmul_rate, run_facts  # noqa: E402 (the script's own folder)
+from ceilings import bench as _bench, bench_graph as _bench_graph, copy_bandwidth, describe, matmul_rate, run_facts  # noqa: E402 (the script's own folder)
 from results_dir import archive_previous  # noqa: E402 (the script's own folder)
 import tile_modes  # noqa: E402 (the script's own folder)
 
@@ -268,8 +268,7 @@ def run(args):
                     with tile_modes.timing(args.tiles):
                         eager = ms = _bench(call, args.warmup, args.rep)
                         if args.graphs and name != "torch":
-                            from capdispatch.calibrate.timing import cuda_timer
-                            ms = cuda_timer(args.warmup, args.rep)(call, graph=True)
+                            ms = _bench_graph(call, args.warmup, args.rep)
             except Exception as exc:
                 print(f"  {kind} {shape} {name}: FAILED {type(exc).__name__}: {str(exc)[:300]}")
                 rows.append(dict(kind=kind, shape=list(shape), backend=name, error=f"{type(exc).__name__}: {exc}"[:500],

@@ -48,7 +48,7 @@ import random
 import sys
 import time
 
-from ceilings import bench as _bench, copy_bandwidth, matmul_rate  # noqa: E402 (the script's own folder)
+from ceilings import bench as _bench, bench_graph as _bench_graph, copy_bandwidth, matmul_rate  # noqa: E402 (the script's own folder)
 from results_dir import archive_previous  # noqa: E402 (the script's own folder)
 import tile_modes  # noqa: E402 (the script's own folder)
 
@@ -99,9 +99,8 @@ def build_flashinfer_jit():
 
 def _graph_time(fn):
     """(median ms of FN replayed from a CUDA graph, None) or (None, why capture failed)."""
-    from capdispatch.calibrate.timing import cuda_timer
     try:
-        return cuda_timer(warmup_ms=25, rep_ms=200)(fn, graph=True), None
+        return _bench_graph(fn), None
     except Exception as exc:   # the row keeps its eager time and says why
         return None, f"{type(exc).__name__}: {exc}"
 

@@ -13,6 +13,13 @@ def bench(fn, warmup=25, rep=200):
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
+def bench_graph(fn, warmup=25, rep=200):
+    """Median milliseconds of FN replayed from a CUDA graph, after eager warm-up (the
+    calibration timer's graph mode: capdispatch.calibrate.timing.cuda_timer)."""
+    from capdispatch.calibrate.timing import cuda_timer
+    return cuda_timer(warmup_ms=warmup, rep_ms=rep)(fn, graph=True)
+
+
 def copy_bandwidth(nbytes=2 << 30, warmup=25, rep=200):
     """Device-to-device copy: (GB/s counting read + write, ms)."""
     import torch

@@ -24,7 +24,7 @@ import os
 import sys
 
 from bench_moe import E, H, I, SWIGLU_LIMIT, TOPK, roofline  # noqa: E402 (the script's own folder)
-from ceilings import copy_bandwidth, describe, matmul_rate, run_facts  # noqa: E402
+from ceilings import bench_graph, copy_bandwidth, describe, matmul_rate, run_facts  # noqa: E402
 from results_dir import archive_previous  # noqa: E402 (the script's own folder)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -58,8 +58,6 @@ def main(argv=None):
         return 2
     from capdispatch.backends.moe import reference as R
     from capdispatch.backends.moe import triton_kernels as tk
-    from capdispatch.calibrate.timing import cuda_timer
-    timer = cuda_timer(warmup_ms=25, rep_ms=100)
 
     facts = run_facts(a.seed)
     gen = torch.Generator().manual_seed(facts["seed"])
@@ -92,7 +90,7 @@ def main(argv=None):
                 if not bool(torch.isfinite(out).all()) or not err <= CHECK_NORM:
                     res = {"tiles": key, "error": f"check failed: norm-rel {err:.2e}"}
                 else:
-                    res = {"tiles": key, "ms": timer(lambda: tk.moe_w4a16(x, w, tw, ids, out=out, tiles=t), True),
+                    res = {"tiles": key, "ms": bench_graph(lambda: tk.moe_w4a16(x, w, tw, ids, out=out, tiles=t), rep=100),
                            "err": err}
             except Exception as exc:          # out of resources, compile errors: recorded, not timed
                 res = {"tiles": key, "error": f"{type(exc).__name__}: {str(exc)[:160]}"}

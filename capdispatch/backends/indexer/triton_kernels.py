@@ -8,8 +8,8 @@ step; the next_n rows of an entry read the same pages, mostly from L2:
     logits[row, t] = scale[t] * sum_h w[row, h] * relu(S[t, h])
 
 Positions at or past a row's length are written -inf, so the whole
-[rows, max_context_len] result is written (clean logits). Pages past the longest row
-of the entry are never read; the page id of such a position is never loaded either.
+[rows, max_context_len] result is written (clean logits). Pages past a row's length are
+never read; the page id of such a position is never loaded either.
 
 Two codecs, selected by the NATIVE_FP8 constexpr per device (cc >= 8.9: native):
 * native: q and the pool are passed as float8e4nv views and tl.dot multiplies fp8

@@ -56,9 +56,8 @@ def _fp16_bits_to_f32(h):
     """An e2m1 code's sign, exponent and mantissa placed in fp16 bits 15, 11-10 and 9 ->
     its float32 value, exact. That fp16 is the e2m1 value times 2**-14, the e2m1
     subnormal (0.5) included, so scaling it by 2**14 in fp16 and widening are exact.
-    Building the float32 bits instead took ten integer ops per value; the kernels decode
-    every weight in registers, so this is their ALU work per weight byte. The sign is
-    set with a bitwise OR (never by negating a zero)."""
+    The interpreter's decode (the GPU decodes in PTX, _E2M1_ASM). The sign is set with a
+    bitwise OR (never by negating a zero)."""
     return (h.to(tl.uint16).to(tl.float16, bitcast=True) * 16384.0).to(tl.float32)
 
 
