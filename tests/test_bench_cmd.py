@@ -139,7 +139,10 @@ def test_bench_writes_a_bucketed_policy_that_loads_explains_and_binds(clean_env,
     text = policy.read_text()
     assert '- match: {id: "cpu"}' in text
     assert "# rows 1: triton_u8 2 ms, torch 3.5 ms" in text
-    assert '- {rows: "<=2", prefer: [triton_u8, torch]}' in text and "- {prefer: [torch, triton_u8]}" in text
+    # triton_fp8 cannot run on the CPU: unmeasured, so it keeps its default place (first).
+    assert '- {rows: "<=2", prefer: [triton_u8, torch], unmeasured: [triton_fp8]}' in text
+    assert "- {prefer: [torch, triton_u8], unmeasured: [triton_fp8]}" in text
+    assert "measured_with: {" in text and "Served form: eager on the CPU" in text
     # the loader takes it; explain shows the buckets from it, with file:line
     pf = load_file(policy, builtin(), known_devices=known_device_names())
     m = pf.devices[0].ops["kv_dequant"]

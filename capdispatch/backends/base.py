@@ -176,6 +176,14 @@ class Op:
     # "module:function" of the op's canary (a small canonical problem checked against
     # the reference on the card), imported only when a backend is verified.
     canary: str = ""
+    # How a model serves the op. "decode": in every step, replayed from a CUDA graph at the
+    # batch sizes SGLang captures and eager above them; "prefill": eager (SGLang 0.5.23
+    # captures no prefill graph for DeepSeek-V4 by default).
+    served: str = attrs.field(default="decode", validator=attrs.validators.in_(("decode", "prefill")))
+    # Positions of the arguments one forward hands every layer unchanged (per-batch tensors
+    # such as valid counts or slot maps): work a library derives from them once per batch
+    # is shared by the layers inside `capdispatch.batch()`, and calibration times it so.
+    batch_args: tuple = attrs.field(default=(), converter=tuple)
 
     def load_canary(self):
         import importlib

@@ -71,3 +71,21 @@ def merge(choices) -> list:
         upper = None if i == len(groups) - 1 else g[-1].size
         runs.append(Run(upper, winner, (winner, *rest), tuple(g)))
     return runs
+
+
+def smooth(choices, noise: float) -> list:
+    """Neighbouring sizes within the noise band keep one winner: going up the ladder, a
+    size whose winner differs from the size below takes that size's winner instead when it
+    is within NOISE of the fastest here. Timings a few percent apart then give one bucket,
+    not an A/B/A/B run of buckets that noise wrote. Never picks a backend more than the
+    band slower than the fastest at any size."""
+    out = []
+    for c in choices:
+        prev = out[-1].winner if out else None
+        t = c.times
+        if prev is not None and prev != c.winner and prev in t and \
+                t[prev] <= min(t.values()) * (1 + noise):
+            rest = sorted((b for b in t if b != prev), key=lambda b: (t[b], b))
+            c = Choice(c.size, prev, (prev, *rest), dict(t), True)
+        out.append(c)
+    return out

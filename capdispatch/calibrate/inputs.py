@@ -1,10 +1,14 @@
 """Inputs for one op at one size, checked against the op's torch reference.
 
 Each builder draws fresh random inputs (never zeros) from the caller's generator at
-DeepSeek-V4's shapes (the "full" profile) or the CPU's "small" one, computes the
-reference output once, and returns a `Case`: `verify(fn)` runs a backend and compares
-it with the reference (the op's tolerances, as its tests state them), `bind(fn)` the
-zero-argument call that is timed.
+a rank's shapes (a profile: ladder.PROFILES, or one made from a model's RankShape by
+ladder.profile_of), computes the reference output once, and returns a `Case`:
+`verify(fn)` runs a backend and compares it with the reference (the op's tolerances, as
+its tests state them), `bind(fn)` the zero-argument call that is timed.
+
+A builder given BATCH (the per-batch tensors of another layer's case, at the op's
+`batch_args` positions) builds this layer's inputs around them, the way the layers of one
+forward share the batch's valid counts, slot maps and block tables.
 """
 from __future__ import annotations
 
@@ -88,13 +92,13 @@ def quantized_pool(n_tokens, page_size, gen, device):
     return pool
 
 
-def kv_quant_case(n, gen, device, prof) -> Case:
+def kv_quant_case(n, gen, device, prof, batch=None) -> Case:
     import torch
     from ..backends.kv_cache import reference as KV
     P = prof["kv_page"]
     pages = max(4, math.ceil(2 * n / P))        # half the slots written, scattered
     k = rand_k(n, gen, device)
-    loc = torch.randperm(pages * P, generator=gen, device=device)[:n]
+    loc = torch.randperm(pages * P, generator=gen, device=device)[:n] if batch is None else batch[0]
     from ..backends.kv_cache import layout
     poisons = [torch.randint(0, 256, (pages, layout.bytes_per_page(P)), generator=gen,
                              device=device, dtype=torch.uint8)]
@@ -119,12 +123,12 @@ def kv_quant_case(n, gen, device, prof) -> Case:
     return Case("kv_quant", n, (k, pool, loc, P), verify)
 
 
-def kv_dequant_case(n, gen, device, prof) -> Case:
+def kv_dequant_case(n, gen, device, prof, batch=None) -> Case:
     import torch
     from ..backends.kv_cache import reference as KV
     P = prof["kv_page"]
     pool = quantized_pool(max(n, 4 * P), P, gen, device)
-    ids = torch.randint(0, pool.shape[0] * P, (n,), generator=gen, device=device)
+    ids = torch.randint(0, pool.shape[0] * P, (n,), generator=gen, device=device) if batch is None else batch[0]
     want = KV.kv_dequant(pool, ids, P)
 
     def verify(fn):
@@ -137,32 +141,45 @@ def kv_dequant_case(n, gen, device, prof) -> Case:
 # --------------------------------------------------------------------------- #
 # Attention
 # --------------------------------------------------------------------------- #
-def prefill_args(s, gen, device, s_kv, topk):
+def prefill_args(s, gen, device, s_kv, topk, heads=HEADS):
     import torch
-    q = (torch.randn(s, HEADS, 512, generator=gen, device=device) * 2).bfloat16()
+    q = (torch.randn(s, heads, 512, generator=gen, device=device) * 2).bfloat16()
     kv = torch.randn(s_kv, 1, 512, generator=gen, device=device).bfloat16()
     idx = torch.randint(0, s_kv, (s, 1, topk), generator=gen, device=device, dtype=torch.int32)
     idx[torch.rand(idx.shape, generator=gen, device=device) < 0.05] = -1
-    sink = torch.randn(HEADS, generator=gen, device=device)
+    sink = torch.randn(heads, generator=gen, device=device)
     return (q, kv, idx, SCALE, 512, sink, None)
 
 
-def decode_args(T, gen, device, swa_page, c4_page, c4_tokens):
-    """q [T,1,64,512]; a SWA list of 128 over a page-SWA_PAGE pool holding every token's
-    window, a c4 list of 512 over a page-C4_PAGE compressed pool; lengths; sink."""
+def decode_args(T, gen, device, swa_page, c4_page, c4_tokens, heads=HEADS, swa_topk=SWA_TOPK,
+                c4_topk=C4_TOPK):
+    """q [T,1,HEADS,512] (each query token its own row: MTP's next-n tokens included); a SWA
+    list of SWA_TOPK over a page-SWA_PAGE pool holding every token's window, a c4 list of
+    C4_TOPK over a page-C4_PAGE compressed pool; lengths; sink."""
     import torch
-    swa_tokens = max(4 * swa_page, T * SWA_TOPK)
+    swa_tokens = max(4 * swa_page, T * swa_topk)
     pool = quantized_pool(swa_tokens, swa_page, gen, device)
     cpool = quantized_pool(c4_tokens, c4_page, gen, device)
-    q = (torch.randn(T, 1, HEADS, 512, generator=gen, device=device) * 2).bfloat16()
-    idx = torch.randint(0, pool.shape[0] * swa_page, (T, 1, SWA_TOPK), generator=gen, device=device,
+    q = (torch.randn(T, 1, heads, 512, generator=gen, device=device) * 2).bfloat16()
+    idx = torch.randint(0, pool.shape[0] * swa_page, (T, 1, swa_topk), generator=gen, device=device,
                         dtype=torch.int32)
-    cidx = torch.randint(0, cpool.shape[0] * c4_page, (T, 1, C4_TOPK), generator=gen, device=device,
+    cidx = torch.randint(0, cpool.shape[0] * c4_page, (T, 1, c4_topk), generator=gen, device=device,
                          dtype=torch.int32)
-    lengths = torch.full((T,), SWA_TOPK, dtype=torch.int32, device=device)
-    clengths = torch.full((T,), C4_TOPK, dtype=torch.int32, device=device)
-    sink = torch.randn(HEADS, generator=gen, device=device)
+    lengths = torch.full((T,), swa_topk, dtype=torch.int32, device=device)
+    clengths = torch.full((T,), c4_topk, dtype=torch.int32, device=device)
+    sink = torch.randn(heads, generator=gen, device=device)
     return (q, pool, idx, swa_page, SCALE, lengths, sink, cpool, cidx, c4_page, clengths)
+
+
+def _with_batch(op, args, batch):
+    """ARGS with the op's per-batch positions taken from BATCH (another layer's)."""
+    if batch is None:
+        return args
+    from ..backends import builtin
+    out = list(args)
+    for i, t in zip(builtin().ops[op].batch_args, batch):
+        out[i] = t
+    return tuple(out)
 
 
 def _reference_case(op, size, args, ref):
@@ -173,15 +190,17 @@ def _reference_case(op, size, args, ref):
     return Case(op, size, args, verify)
 
 
-def sparse_prefill_case(s, gen, device, prof) -> Case:
+def sparse_prefill_case(s, gen, device, prof, batch=None) -> Case:
     from ..backends.sparse_prefill import reference as R
-    args = prefill_args(s, gen, device, prof["prefill_kv"], prof["prefill_topk"])
+    args = prefill_args(s, gen, device, prof["prefill_kv"], prof["prefill_topk"], prof.get("heads", HEADS))
     return _reference_case("sparse_prefill", s, args, R.sparse_prefill)
 
 
-def decode_mla_case(T, gen, device, prof) -> Case:
+def decode_mla_case(T, gen, device, prof, batch=None) -> Case:
     from ..backends.decode_mla import reference as R
-    args = decode_args(T, gen, device, prof["swa_page"], prof["c4_page"], prof["c4_tokens"])
+    args = decode_args(T, gen, device, prof["swa_page"], prof["c4_page"], prof["c4_tokens"],
+                       prof.get("heads", HEADS), prof.get("swa_topk", SWA_TOPK), prof.get("c4_topk", C4_TOPK))
+    args = _with_batch("decode_mla", args, batch)
     return _reference_case("decode_mla", T, args, R.decode_mla)
 
 
@@ -191,13 +210,16 @@ def decode_mla_case(T, gen, device, prof) -> Case:
 INDEXER_REL_TOL = 2.0 ** -10
 
 
-def indexer_decode_args(B, next_n, ctx, gen, device):
+def indexer_decode_args(B, next_n, ctx, gen, device, heads=INDEXER_HEADS, lens=None):
     """Decode-shaped indexer inputs: B requests of NEXT_N query rows over contexts of
-    CTX/2..CTX tokens, distinct pages per request. Returns (args, extras for the check)."""
+    CTX/2..CTX tokens (LENS: the batch's, when given), distinct pages per request.
+    Returns (args, extras for the check)."""
     import torch
     from ..backends.indexer import reference as R
-    PAGE, D, H = INDEXER_PAGE, INDEXER_DIM, INDEXER_HEADS
-    lens = torch.randint(max(next_n, ctx // 2), ctx + 1, (B,), generator=gen, device=device, dtype=torch.int32)
+    PAGE, D, H = INDEXER_PAGE, INDEXER_DIM, heads
+    if lens is None:
+        lens = torch.randint(max(next_n, ctx // 2), ctx + 1, (B,), generator=gen, device=device,
+                             dtype=torch.int32)
     need = (lens + PAGE - 1) // PAGE
     NB = -(-ctx // PAGE)
     P = int(need.sum())
@@ -247,10 +269,13 @@ def indexer_close(got, want, A, E, S):
     return ok, f"max error / magnitude {ratio:.1e} (bound {INDEXER_REL_TOL:.1e})"
 
 
-def indexer_case(B, gen, device, prof) -> Case:
+def indexer_case(B, gen, device, prof, batch=None) -> Case:
     from ..backends.indexer import reference as R
     ctx = prof["indexer_context"]
-    args, E = indexer_decode_args(B, 1, ctx, gen, device)
+    # Another layer's lengths give this layer's pages the same count, so its block table fits.
+    args, E = indexer_decode_args(B, prof.get("next_n", 1), ctx, gen, device,
+                                  prof.get("indexer_heads", INDEXER_HEADS), None if batch is None else batch[0])
+    args = _with_batch("indexer", args, batch)
     want = R.fp8_paged_mqa_logits(*args)
     A = indexer_abs_sum(args)
 
@@ -279,20 +304,32 @@ class MoeCase:
     """MoE weights are laid out per backend (`prepare`), so the case hands each backend
     its own prepared copy of one random weight set."""
 
-    def __init__(self, T, gen, device, prof):
+    def __init__(self, T, gen, device, prof, batch=None, layer_state=None):
         import torch
         from ..backends.moe import reference as R
         E, H, I = prof["moe_experts"], prof["moe_hidden"], prof["moe_intermediate"]
+        K, total = prof.get("moe_topk", MOE_TOPK), prof.get("moe_experts_total", E)
         self.op, self.size = "moe", T
         # The reference's weight and routing draws run on the CPU: a CPU generator, seeded
         # from the caller's, then the tensors move to DEVICE.
         cpu = torch.Generator().manual_seed(
             int(torch.randint(0, 2 ** 62, (1,), generator=gen, device=gen.device).item()))
-        self.base = R.random_weights(E, H, I, gen=cpu, device=device, swiglu_limit=MOE_SWIGLU_LIMIT)
+        # A layer's weights do not depend on the size: LAYER_STATE (a dict kept by the caller
+        # for one layer across sizes) holds them and their per-backend layouts.
+        state = {} if layer_state is None else layer_state
+        if "base" not in state:
+            state["base"] = R.random_weights(E, H, I, gen=cpu, device=device,
+                                             swiglu_limit=prof.get("swiglu_limit", MOE_SWIGLU_LIMIT))
+            state["prepared"] = {}
+        self.base = state["base"]
         self.x = torch.randn(T, H, generator=cpu).bfloat16().to(device)
-        self.tw, self.ids = R.random_routing(T, min(MOE_TOPK, E), E, gen=cpu, device=device)
+        # Routes over every expert of the model, skewed as PROFILE says; under EP the routes to
+        # experts this rank does not hold are -1 (the rank holds the first E).
+        self.tw, ids = R.random_routing(T, min(K, total), total, gen=cpu, skew=prof.get("route_skew", 0.0))
+        self.ids = torch.where(ids < E, ids, torch.full_like(ids, -1)).to(device)
+        self.tw = self.tw.to(device)
         self.want = R.moe(self.x, self.base, self.tw, self.ids)
-        self._prepared = {}
+        self._prepared = state["prepared"]
         self.args = (self.x, self.base, self.tw, self.ids)
 
     def weights_for(self, backend: str):
@@ -325,12 +362,22 @@ _BUILDERS = {
 }
 
 
-def case(op, size, gen, device, profile):
-    """A case with the uniform interface `verify_backend(name, fn)` / `bind_backend(name, fn)`."""
-    c = _BUILDERS[op](size, gen, device, profile)
+def case(op, size, gen, device, profile, batch=None, layer_state=None):
+    """A case with the uniform interface `verify_backend(name, fn)` / `bind_backend(name, fn)`;
+    BATCH: another layer's per-batch tensors (`batch_of`); LAYER_STATE: a dict the caller
+    keeps per layer across sizes (what does not depend on the size: MoE weights)."""
+    if op == "moe":
+        return MoeCase(size, gen, device, profile, batch, layer_state)
+    c = _BUILDERS[op](size, gen, device, profile, batch)
     if isinstance(c, Case):
         return _Uniform(c)
     return c
+
+
+def batch_of(c) -> tuple:
+    """The per-batch tensors of case C, at its op's `batch_args` positions."""
+    from ..backends import builtin
+    return tuple(c.args[i] for i in builtin().ops[c.op].batch_args)
 
 
 class _Uniform:

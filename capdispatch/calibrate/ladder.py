@@ -17,26 +17,41 @@ DEFAULT_SIZES = {
 }
 
 
-# Problem dimensions other than the bucketed one. "full" are DeepSeek-V4's (benchmarks/
-# use the same builders); "small" keeps the CPU path (torch, the Triton interpreter) to
-# seconds: shorter contexts, fewer experts, narrower MoE layers.
+# Problem dimensions other than the bucketed one. "full" are DeepSeek-V4's at 64 attention
+# heads and 64 experts per rank (benchmarks/ use the same builders); "small" keeps the CPU
+# path (torch, the Triton interpreter) to seconds: shorter contexts, fewer experts,
+# narrower MoE layers. `profile_of` makes one from a model's per-rank shapes (--model).
+_SHAPES = dict(heads=64, swa_topk=128, c4_topk=512, indexer_heads=64, next_n=1, moe_topk=6,
+               route_skew=0.0, swiglu_limit=10.0, layers=1)
 PROFILES = {
-    "full": dict(swa_page=256, c4_page=64, c4_tokens=65536, prefill_kv=65536, prefill_topk=512,
-                 indexer_context=16384, kv_page=256, moe_experts=64, moe_hidden=4096,
+    "full": dict(_SHAPES, swa_page=256, c4_page=64, c4_tokens=65536, prefill_kv=65536, prefill_topk=512,
+                 indexer_context=16384, kv_page=256, moe_experts=64, moe_experts_total=64, moe_hidden=4096,
                  moe_intermediate=2048),
-    "small": dict(swa_page=64, c4_page=64, c4_tokens=1024, prefill_kv=1024, prefill_topk=64,
-                  indexer_context=256, kv_page=64, moe_experts=4, moe_hidden=256,
+    "small": dict(_SHAPES, swa_page=64, c4_page=64, c4_tokens=1024, prefill_kv=1024, prefill_topk=64,
+                  indexer_context=256, kv_page=64, moe_experts=4, moe_experts_total=4, moe_hidden=256,
                   moe_intermediate=128),
 }
 
+# Expert popularity a served model shows (routing is never uniform): expert e of a random
+# order is drawn with weight (e + 1) ** -SKEW. 0.5 keeps every expert busy at a few hundred
+# tokens while the most popular take several times their share.
+SERVED_ROUTE_SKEW = 0.5
 
-# On CUDA every size is timed inside a CUDA graph: the choice between an op's kernels is
-# about device time. Timed eagerly, a kernel shorter than its launch (the KV ops below
-# tens of microseconds, prefill at a few hundred tokens) measures the host instead, and
-# host noise then picks the backend. The host cost per call is the wrapper's, alike for
-# an op's backends, and benchmarks/bench_overhead.py measures it apart.
-def timed_in_graph(platform: str) -> bool:
-    return platform == "cuda"
+
+def profile_of(rank, base: str = "full") -> dict:
+    """The builders' dimensions for one rank of a model (a capdispatch RankShape): its heads,
+    top-k lists, next-n rows, experts held and routed over, hidden and intermediate sizes,
+    layer count; context lengths and page sizes from BASE."""
+    p = dict(PROFILES[base])
+    p.update(heads=rank.heads, swa_topk=rank.window, c4_topk=rank.index_topk, prefill_topk=rank.index_topk,
+             indexer_heads=rank.indexer_heads, next_n=rank.next_n, moe_topk=rank.topk,
+             moe_experts=rank.experts, moe_experts_total=rank.experts_total, moe_hidden=rank.hidden,
+             moe_intermediate=rank.moe_intermediate, layers=rank.layers, route_skew=SERVED_ROUTE_SKEW)
+    if rank.swiglu_limit is not None:
+        p["swiglu_limit"] = float(rank.swiglu_limit)
+    return p
+
+
 
 
 class SizesError(CapdispatchError, ValueError):

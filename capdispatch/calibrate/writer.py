@@ -75,16 +75,23 @@ def _q(s: str) -> str:
 
 
 def render_policy(match: dict, per_op: dict, *, key_of, header=(), kept_ops=None, excluded=None,
-                  graphed=None) -> str:
+                  graphed=None, unmeasured=None, measured_with=None) -> str:
     """PER_OP: op -> list of Runs (calibrate.choose.merge). KEY_OF: op -> bucket key.
     KEPT_OPS: op -> what the previous file said for an op not measured now: its lines
     (`op_blocks`) or, for a file written by hand, its OpPreference.
     EXCLUDED: op -> {backend: why} (runnable, but not measured or failed its check).
-    GRAPHED: op -> sizes timed inside a CUDA graph."""
+    GRAPHED: op -> sizes timed inside a CUDA graph.
+    UNMEASURED: op -> backends this card could not run: each bucket names them, so the resolver
+    keeps them at their default place (`unmeasured:`).
+    MEASURED_WITH: library -> version ("absent") the run had: serving elsewhere warns."""
     lines = [f"# {h}" if h else "#" for h in header]
     lines += ["schema: 1", "devices:"]
     m = ", ".join(f"{k}: {_q(str(v))}" for k, v in match.items())
-    lines += [f"  - match: {{{m}}}", "    ops:"]
+    lines += [f"  - match: {{{m}}}"]
+    if measured_with:
+        libs = ", ".join(f"{k}: {_q(str(v))}" for k, v in sorted(measured_with.items()))
+        lines.append(f"    measured_with: {{{libs}}}")
+    lines.append("    ops:")
     for op, runs in per_op.items():
         key = key_of(op)
         lines.append(f"      {op}:")
@@ -97,7 +104,9 @@ def render_policy(match: dict, per_op: dict, *, key_of, header=(), kept_ops=None
                 kept = f" ({c.winner} kept: within the noise band)" if c.kept else ""
                 lines.append(f"        # {key} {c.size}{graph}: {times}{kept}")
             bound = f"{key}: \"<={run.upper}\", " if run.upper is not None else ""
-            lines.append(f"        - {{{bound}prefer: [{', '.join(run.order)}]}}")
+            skip = (unmeasured or {}).get(op, ())
+            tail = f", unmeasured: [{', '.join(skip)}]" if skip else ""
+            lines.append(f"        - {{{bound}prefer: [{', '.join(run.order)}]{tail}}}")
     for op, pref in (kept_ops or {}).items():
         if isinstance(pref, list):      # the earlier calibration's own lines, times included
             lines += pref

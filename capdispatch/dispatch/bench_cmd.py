@@ -1,6 +1,8 @@
 """`dispatch bench`: time every runnable backend of each op over a ladder of sizes on one
-device and, with --write-policy, write the device-scoped size-bucketed policy that picks
-the fastest (the measured times as comments)."""
+device, in the served form (calibrate/served.py), and, with --write-policy, write the
+device-scoped size-bucketed policy that picks the fastest (the measured times as comments);
+with --check POLICY, the regret of policies: per op and size the backend each picks against
+the fastest, exit 1 above --threshold."""
 from __future__ import annotations
 
 import datetime as _dt
@@ -9,6 +11,7 @@ import os
 import sys
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_CHECK_FAILED = 0, 2, 1
+DEFAULT_THRESHOLD = 1.05
 
 
 def add_parser(subparsers):
@@ -32,12 +35,31 @@ def add_parser(subparsers):
     b.add_argument("--rep", type=float, default=100.0, help="CUDA: do_bench measuring time, ms")
     b.add_argument("--format", choices=("text", "json"), default="text",
                    help="text for people (default) or JSON for programs")
+    s = b.add_argument_group("served shapes and form")
+    s.add_argument("--model", default=None, metavar="NAME|PATH",
+                   help="time at this rank's shapes of a model: a built-in name (dispatch model) or a "
+                        "Hugging Face config.json; default: DeepSeek-V4's at 64 heads and 64 experts per rank")
+    s.add_argument("--tp", type=int, default=1, metavar="N", help="with --model: the TP size (default 1)")
+    s.add_argument("--ep", type=int, default=1, metavar="N", help="with --model: the EP size (default 1)")
+    s.add_argument("--layers", type=int, default=None, metavar="N",
+                   help="layers of one forward the per-batch work is shared by (default: the model's, else 1)")
+    s.add_argument("--cuda-graph-max-bs", type=int, default=None, metavar="N",
+                   help="decode batches SGLang replays from CUDA graphs (default: SGLang's for this card's "
+                        "memory and --tp)")
+    c = b.add_argument_group("regret check")
+    c.add_argument("--check", action="append", default=[], metavar="POLICY",
+                   help="report, per op and size, the backend POLICY picks against the fastest measured "
+                        "(repeatable; 'default' is the built-in policy); exit 1 above --threshold")
+    c.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD, metavar="X",
+                   help=f"the largest picked / fastest ratio --check accepts (default {DEFAULT_THRESHOLD})")
     return b
 
 
 def run(args, *, timer=None) -> int:
     """TIMER: `timer(fn, graph) -> ms` in place of the device's own (tests inject one)."""
-    from ..calibrate import choose, ladder, measure, timing, writer
+    import math
+
+    from ..calibrate import choose, ladder, measure, served, timing, writer
     from ..policies import PolicyError, load_file
     from .binding import bind
     from .errors import BadInput
@@ -45,6 +67,15 @@ def run(args, *, timer=None) -> int:
 
     if not 0 <= args.noise < 100:
         raise BadInput(f"--noise: {args.noise!r} is not a percentage (valid: 0 <= PCT < 100)")
+    for flag, value, low in (("--warmup", args.warmup, 0.0), ("--rep", args.rep, 0.0)):
+        if not (math.isfinite(value) and value > low):
+            raise BadInput(f"{flag}: {value!r} is not a time in ms (valid: a number > 0)")
+    if not (math.isfinite(args.threshold) and args.threshold >= 1.0):
+        raise BadInput(f"--threshold: {args.threshold!r} is not a ratio (valid: a number >= 1, e.g. 1.05)")
+    for flag, value, low in (("--tp", args.tp, 1), ("--ep", args.ep, 1), ("--layers", args.layers, 1),
+                             ("--cuda-graph-max-bs", args.cuda_graph_max_bs, 0)):
+        if value is not None and value < low:
+            raise BadInput(f"{flag}: {value} is out of range (valid: a whole number >= {low})")
     device = args.device or _default_device()
     spec = as_spec(device)
     if spec.simulated:
@@ -60,12 +91,23 @@ def run(args, *, timer=None) -> int:
         sizes = ladder.parse_sizes(args.sizes) if args.sizes else None
     except ladder.SizesError as exc:
         raise BadInput(str(exc)) from None
+    known = known_device_names()
+    checked = _checked_policies(args.check, ctx, known)
     profile_name = args.profile or ("full" if spec.platform == "cuda" else "small")
     profile = ladder.PROFILES[profile_name]
+    layers, next_n, shapes = args.layers or profile["layers"], 1, "DeepSeek-V4's (64 heads, 64 experts per rank)"
+    if args.model is not None:
+        import capdispatch as cd
+        rank = cd.load_model(args.model).for_rank(tp=args.tp, ep=args.ep)
+        profile = ladder.profile_of(rank, base=profile_name)
+        layers, next_n = args.layers or rank.layers, rank.next_n
+        shapes = (f"{rank.model} at tp {rank.tp}, ep {rank.ep}: {rank.heads} heads, {rank.experts} of "
+                  f"{rank.experts_total} experts, next_n {rank.next_n}, {rank.layers} layers")
+    form = served.form_for(spec, layers=layers, next_n=next_n, tp=args.tp,
+                           capture_max_bs_=args.cuda_graph_max_bs)
     if timer is None:
         timer = timing.cuda_timer(args.warmup, args.rep) if spec.platform == "cuda" else timing.cpu_timer()
 
-    known = known_device_names()
     match = writer.device_match(spec, known)
     previous, kept_ops = {}, {}
     if args.write_policy and os.path.exists(args.write_policy):
@@ -83,7 +125,11 @@ def run(args, *, timer=None) -> int:
                 blocks = writer.op_blocks(fh.read())
             kept_ops = {op: blocks.get(op, m) for op, m in mine.ops.items() if op not in ops}
 
-    import torch
+    try:
+        import torch
+    except ImportError:
+        raise BadInput("dispatch bench runs kernels and needs torch, which is not installed here "
+                       "(pip install 'capdispatch[torch]', or your own CUDA build of torch)") from None
     dev = spec.id.split("#")[0] if spec.platform == "cuda" else "cpu"
     if spec.platform == "cuda":
         torch.cuda.set_device(torch.device(dev))
@@ -99,7 +145,8 @@ def run(args, *, timer=None) -> int:
             if not c.ok:
                 skipped[c.backend] = "; ".join(ch.message or ch.code for ch in c.checks if not ch.ok)
                 continue
-            fns[c.backend] = bind(op, dev, backend=c.backend)
+            # The served form: what serving binds, without argument checks.
+            fns[c.backend] = bind(op, dev, backend=c.backend, checks=False)
         plan.append((op, fns, skipped, sizes or ladder.DEFAULT_SIZES[op]))
 
     total = sum(len(f) * len(s) for _, f, _, s in plan)
@@ -107,11 +154,11 @@ def run(args, *, timer=None) -> int:
     with _progress(total) as step:
         for op, fns, skipped, op_sizes in plan:
             rows = measure.measure(op, op_sizes, fns, device=dev, platform=spec.platform,
-                                   profile=profile, gen=gen, timer=timer, step=step)
+                                   profile=profile, gen=gen, timer=timer, step=step, form=form)
             results[op] = (rows, skipped)
 
     noise = args.noise / 100.0
-    per_op, obj_ops, failed = {}, {}, False
+    per_op, obj_ops, failed, unmeasured = {}, {}, False, {}
     for op, (rows, skipped) in results.items():
         key = ctx.registry.ops[op].size.key
         by_size = measure.times_by_size(rows)
@@ -132,45 +179,158 @@ def run(args, *, timer=None) -> int:
                     del t[b]
                     other_layout.setdefault(b, f"its inputs are in layout {layouts.get(b)}, the "
                                                f"catch-all's in {need}: one call site holds one layout")
-        choices = choose.choose(by_size, noise, incumbent)
+        choices = choose.smooth(choose.choose(by_size, noise, incumbent), noise)
         runs = choose.merge(choices)
         per_op[op] = runs
+        # A backend this card cannot run keeps its default place, marked unmeasured: on a card
+        # (or an install) where it runs, the policy does not demote it behind what was timed here.
+        unmeasured[op] = tuple(skipped)
         excluded[op] = {b: f"left out at {why}" for b, why in bad.items()}
         excluded[op].update(other_layout)
-        excluded[op].update({b: f"cannot run here: {why}" for b, why in skipped.items()})
-        obj_ops[op] = {"key": key, "skipped": skipped,
+        excluded[op].update({b: f"unmeasured, kept at its default place: cannot run here: {why}"
+                             for b, why in skipped.items()})
+        obj_ops[op] = {"key": key, "skipped": skipped, "unmeasured": list(skipped),
                        "rows": [r.to_dict() for r in rows],
                        "buckets": [{key: f"<={r.upper}" if r.upper is not None else "any",
                                     "upper": r.upper, "prefer": list(r.order)} for r in runs]}
 
-    header = _header(spec, timer, args.noise, profile_name)
+    header = _header(spec, timer, args.noise, profile_name, form, shapes)
     text = writer.render_policy(match, per_op, key_of=lambda o: ctx.registry.ops[o].size.key,
                                 header=header, kept_ops=kept_ops, excluded=excluded,
                                 graphed={op: {r.size for r in rows if r.graph}
-                                         for op, (rows, _) in results.items()})
+                                         for op, (rows, _) in results.items()},
+                                unmeasured=unmeasured, measured_with=_inventory(ctx))
     if args.write_policy:
+        # What is written must load like any policy: checked before the file is replaced.
         try:
-            with open(args.write_policy, "w", encoding="utf-8") as fh:
-                fh.write(text)
+            from ..policies import loader
+            loader.parse(text, args.write_policy, ctx.registry, known_devices=known)
+        except PolicyError as exc:
+            raise AssertionError(f"dispatch bench made a policy the loader refuses: {exc}") from exc
+        try:
+            _write(args.write_policy, text)
         except OSError as exc:
             raise BadInput(f"--write-policy {args.write_policy}: cannot write: {exc.strerror}") from None
-        try:   # what was written must load like any policy
-            load_file(args.write_policy, ctx.registry, known_devices=known)
-        except PolicyError as exc:
-            raise AssertionError(f"dispatch bench wrote a policy the loader refuses: {exc}") from exc
+
+    regret = [_regret(p, label, results, spec, ctx) for p, label in checked]
+    over = [r for rows in regret for r in rows if not r["ratio"] <= args.threshold]
 
     if args.format == "json":
-        print(json.dumps({"schema": 1, "device": {"id": spec.id, "name": spec.name, "cc": spec.cc_str},
+        print(json.dumps({"schema": 2, "device": {"id": spec.id, "name": spec.name, "cc": spec.cc_str},
                           "match": match, "noise_pct": args.noise, "profile": profile_name,
+                          "shapes": shapes, "served_form": form.describe(),
                           "timer": timer_description(timer), "ops": obj_ops,
-                          "policy": args.write_policy}, indent=2))
+                          "policy": args.write_policy,
+                          "check": {"threshold": args.threshold,
+                                    "policies": [label for _, label in checked],
+                                    "rows": [dict(r, ratio=r["ratio"] if r["ratio"] != float("inf") else None)
+                                             for rows in regret for r in rows]} if checked else None},
+                         indent=2))
     else:
         print(_table(results, per_op, ctx))
+        for (_, label), rows in zip(checked, regret):
+            print("\n" + _regret_table(label, rows, args.threshold))
         if args.write_policy:
             print(f"\nwrote {args.write_policy}")
-        else:
+        elif not checked:
             print("\n" + text)
-    return EXIT_CHECK_FAILED if failed else EXIT_OK
+    if over:
+        worst = max(over, key=lambda r: r["ratio"])
+        print(f"dispatch: regret above {args.threshold:g}: {len(over)} size(s); the worst: {worst['policy']} "
+              f"picks {worst['picked']} for {worst['op']} at {worst['key']} {worst['size']}, "
+              f"{worst['ratio']:.2f}x {worst['fastest']}", file=sys.stderr)
+    return EXIT_CHECK_FAILED if (failed or over) else EXIT_OK
+
+
+def _checked_policies(values, ctx, known) -> list:
+    """--check values -> [(policy for context(), label)]; 'default' is the built-in policy.
+    Each file is loaded now, so a bad one is refused before anything is timed."""
+    from ..policies import load_file
+    out = []
+    for v in values:
+        if v == "default":
+            out.append((None, "default"))
+            continue
+        load_file(v, ctx.registry, known_devices=known)
+        out.append(([v], v))
+    return out
+
+
+def _regret(policy, label, results, spec, ctx) -> list:
+    """Per op and size: the backend POLICY picks on SPEC, the fastest measured, and
+    picked / fastest (inf where the pick failed its check or was not timed)."""
+    from .resolver import context, resolve_in
+    env = {k: v for k, v in ctx.env.items() if k not in ("CAPDISPATCH_POLICY", "CAPDISPATCH_SET")}
+    pctx = context(policy=policy, env=env)
+    out = []
+    from ..calibrate import measure
+    for op, (rows, _) in results.items():
+        res = resolve_in(pctx, op, spec)
+        key = ctx.registry.ops[op].size.key
+        graph = {r.size: r.graph for r in rows}
+        for size, t in sorted(measure.times_by_size(rows).items()):
+            pick = res.backend_for(size)
+            fastest = min(t, key=lambda b: (t[b], b))
+            # A pick that failed its check (or cannot run at all) has no time: no finite ratio.
+            ratio = (t[pick] / t[fastest] if t[fastest] > 0 else 1.0) if pick in t else float("inf")
+            out.append({"policy": label, "op": op, "key": key, "size": size, "graph": graph.get(size, False),
+                        "picked": pick, "picked_ms": t.get(pick), "fastest": fastest,
+                        "fastest_ms": t[fastest], "ratio": ratio})
+    return out
+
+
+def _regret_table(label, rows, threshold) -> str:
+    from ..calibrate.writer import fmt_ms
+    head = ["op", "size", "graph", "picked", "ms", "fastest", "ms", "ratio", ""]
+    body = [[r["op"], f"{r['key']} {r['size']}", "yes" if r["graph"] else "no", r["picked"],
+             fmt_ms(r["picked_ms"]) if r["picked_ms"] is not None else "not timed", r["fastest"],
+             fmt_ms(r["fastest_ms"]), f"{r['ratio']:.2f}", "" if r["ratio"] <= threshold else "OVER"]
+            for r in rows]
+    widths = [max(len(x) for x in col) for col in zip(head, *body)] if body else [len(h) for h in head]
+    worst = max((r["ratio"] for r in rows), default=1.0)
+    out = [f"regret of {label} (picked / fastest, served form; threshold {threshold:g}): worst {worst:.2f}"]
+    out.append("  " + "  ".join(h.ljust(w) for h, w in zip(head, widths)).rstrip())
+    out += ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in body]
+    return "\n".join(out)
+
+
+def _inventory(ctx) -> dict:
+    """The libraries the runnable backends of this run were measured with: name -> version."""
+    names = sorted({r.dist for op in ctx.registry.ops for b in ctx.registry.backends(op)
+                    for r in b.requires if getattr(r, "dist", None)})
+    out = {}
+    for n in names:
+        lib = ctx.inventory.get(n)
+        out[n] = lib.version if lib.installed and lib.version else "absent"
+    return out
+
+
+def _write(path: str, text: str) -> None:
+    """TEXT into PATH through a file beside it, renamed over it: a reader never sees half a
+    policy, and a failed run leaves the old file."""
+    import tempfile
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".capdispatch-", suffix=".yaml", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        if os.path.exists(path):
+            os.chmod(tmp, os.stat(path).st_mode & 0o7777)
+        else:
+            os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _default_device() -> str:
@@ -184,7 +344,7 @@ def timer_description(timer) -> str:
     return getattr(timer, "describe", "an injected timer")
 
 
-def _header(spec, timer, noise, profile) -> list:
+def _header(spec, timer, noise, profile, form, shapes) -> list:
     import platform as _pf
 
     from ..calibrate import writer
@@ -198,6 +358,8 @@ def _header(spec, timer, noise, profile) -> list:
     return [f"{writer.MARK[2:]} on {card}{cc}, {stamp}.",
             f"capdispatch {__version__}, Python {_pf.python_version()}, {libs}; profile {profile}.",
             f"Timer: {timer_description(timer)}.",
+            f"Served form: {form.describe()}.",
+            f"Shapes: {shapes}.",
             f"Noise band {noise:g}%: re-running keeps a size's backend unless another is faster "
             f"by more than the band.",
             "Each bucket takes the sizes above the previous bound; a size between two measured "

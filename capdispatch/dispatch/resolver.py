@@ -224,7 +224,41 @@ def order(ctx: Context, op: str, device: DeviceSpec):
     if pref is None:   # an op the built-in policy does not name (a plugin's): its backends by name
         pref = _policies.Preference(_policies.default_order(ctx.stack.default, ctx.registry, op),
                                     "registered backends, by name", "default", False)
-    return pref, _with_fallbacks(ctx, op, pref.backends)
+    return pref, _with_fallbacks(ctx, op, placed(ctx, op, pref.backends, pref.unmeasured))
+
+
+def placed(ctx: Context, op: str, backends, unmeasured) -> tuple:
+    """BACKENDS (a calibration's measured order) with each of UNMEASURED (what it could not run)
+    at its default place: before the first backend that the default order puts after it."""
+    if not unmeasured:
+        return tuple(backends)
+    default = _policies.default_order(ctx.stack.default, ctx.registry, op)
+    rank = {n: i for i, n in enumerate(default)}
+    out = list(backends)
+    for u in sorted(unmeasured, key=lambda n: rank.get(n, len(rank))):
+        ru = rank.get(u, len(rank))
+        at = next((i for i, n in enumerate(out) if rank.get(n, len(rank)) > ru and n not in unmeasured), len(out))
+        out.insert(at, u)
+    return tuple(out)
+
+
+def _measured_elsewhere(ctx: Context, device: DeviceSpec, pref) -> tuple:
+    """A warning when the calibration that speaks for DEVICE had other libraries than this
+    decision's inventory (its buckets were the fastest for those)."""
+    if not pref.measured_with:
+        return ()
+    where, libs = pref.measured_with
+    diff = []
+    for name, want in sorted(libs.items()):
+        fact = ctx.inventory.get(name)
+        have = fact.version if fact.installed and fact.version else ("installed" if fact.installed else "absent")
+        if have != want:
+            diff.append(f"{name} {want} there, {have} here")
+    if not diff:
+        return ()
+    return (f"{device.id} ({device.name}): the calibration at {where} was measured with other libraries "
+            f"({'; '.join(diff)}): its buckets may not pick the fastest kernels here (run `dispatch bench "
+            f"--check` with it, or calibrate again)",)
 
 
 def canary_check(verdict, mode: str, device: DeviceSpec, op: str, name: str) -> Check:
@@ -266,13 +300,20 @@ def _decide(ctx: Context, op: str, device: DeviceSpec, wanted_list, origin: str,
     if winner is None:
         raise NoBackendError(op, device.id, candidates)
     wanted = wanted_list[0]
-    fallback = winner.backend != wanted
+    names = [c.backend for c in candidates]
+    # A backend a calibration could not run, placed ahead of its first measured preference, that
+    # runs here is taken without a fallback: the calibration never compared it.
+    ahead = wanted in names and names.index(winner.backend) < names.index(wanted)
+    fallback = winner.backend != wanted and not ahead
     source = origin if winner.preferred else f"implicit fallback after {origin}"
+    if ahead:
+        source = f"{origin} (unmeasured there, at its default place)"
     downgraded, warnings = None, ()
     if fallback and user:
         downgraded = wanted
+        first = candidates[names.index(wanted)] if wanted in names else candidates[0]
         why = "; ".join(ch.message or f"{ch.code}: need {ch.need}, found {ch.found}"
-                        for ch in candidates[0].checks if not ch.ok)
+                        for ch in first.checks if not ch.ok)
         text = (f"{device.id} ({device.name}): {op}{where}={wanted} was asked for ({origin}) "
                 f"but cannot run: {why}; running {winner.backend} instead")
         if ctx.strict_effective:
@@ -309,9 +350,10 @@ def resolve_in(ctx: Context, op: str, device: DeviceSpec) -> Resolution:
     """One op on one device (each size bucket too). Logs nothing: warnings ride in the result."""
     _check_op(ctx, op)
     pref, names = order(ctx, op, device)
-    candidates = evaluate(ctx, op, device, names, pref.backends)
+    candidates = evaluate(ctx, op, device, names, pref.backends + tuple(pref.unmeasured))
     backend, source, fallback, downgraded, warnings = _decide(
         ctx, op, device, pref.backends, pref.origin, pref.user, candidates)
+    warnings = _measured_elsewhere(ctx, device, pref) + tuple(warnings)
     size = ctx.registry.ops[op].size
     key = size.key if size is not None else None
     buckets, lower = [], None
@@ -323,8 +365,8 @@ def resolve_in(ctx: Context, op: str, device: DeviceSpec) -> Resolution:
                                                 tuple(candidates), pref.backends[0]))
                 break
             bcands = tuple(_same_layout(ctx.registry.ops[op], backend,
-                                        attrs.evolve(by_name[n], preferred=n in bp.backends))
-                           for n in _with_fallbacks(ctx, op, bp.backends))
+                                        attrs.evolve(by_name[n], preferred=n in bp.backends or n in bp.unmeasured))
+                           for n in _with_fallbacks(ctx, op, placed(ctx, op, bp.backends, bp.unmeasured)))
             b_backend, b_source, b_fallback, b_down, b_warn = _decide(
                 ctx, op, device, bp.backends, bp.origin, pref.user, bcands,
                 where=f"[{key} <= {bp.upper}]")

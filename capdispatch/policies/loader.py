@@ -22,7 +22,7 @@ ON_UNSUPPORTED = ("downgrade", "error")
 VERIFY = ("off", "warn", "required")
 SETTINGS = {"mixed_group": MIXED_GROUP, "on_unsupported": ON_UNSUPPORTED, "verify": VERIFY}
 TOP_KEYS = ("schema", "mixed_group", "on_unsupported", "verify", "ops", "devices")
-DEVICE_KEYS = ("match", "ops")
+DEVICE_KEYS = ("match", "measured_with", "ops")
 MATCH_KEYS = ("id", "name", "cc")
 MAX_BYTES = 1 << 20          # a policy is a few dozen lines; refuse more than 1 MiB unread
 MAX_DEPTH = 64               # nesting beyond any valid policy (whose deepest value is 5 levels in)
@@ -98,6 +98,9 @@ class Bucket:
     upper: Optional[int]
     backends: tuple
     line: int
+    # Backends the calibration could not run on its card: each takes its default place
+    # among BACKENDS, and running past one that cannot run here is no fallback.
+    unmeasured: tuple = ()
 
     def describe(self, key: str, lower: Optional[int] = None) -> str:
         if self.upper is None:
@@ -108,8 +111,10 @@ class Bucket:
 @attrs.frozen
 class OpPreference(Marked):
     """An op's preference in one layer. VALUE is the catch-all list (every size when
-    BUCKETS is empty); BUCKETS, when given, ascend by bound and end with the catch-all."""
+    BUCKETS is empty); BUCKETS, when given, ascend by bound and end with the catch-all.
+    UNMEASURED: the catch-all's (Bucket.unmeasured)."""
     buckets: tuple = ()
+    unmeasured: tuple = ()
 
 
 @attrs.frozen
@@ -118,6 +123,8 @@ class DeviceEntry:
     ops: dict             # op -> OpPreference
     line: int
     catalog_key: Optional[str] = None   # the catalog entry a `name` match names, if any
+    # A calibration's libraries (name -> version, or "absent"): serving with others warns.
+    measured_with: Optional[dict] = attrs.field(default=None, eq=False)
 
     def matches(self, device) -> bool:
         for key, want in self.match.items():
@@ -412,7 +419,7 @@ def _buckets(r: _Reader, node, items, registry, op: str, what: str) -> OpPrefere
     if size is None:
         raise r.err(node, f"{what}: op {op} takes no size buckets; give a plain list of backends")
     key = size.key
-    valid_keys = (key, "prefer")
+    valid_keys = (key, "prefer", "unmeasured")
     buckets = []
     for i, item in enumerate(items):
         where = f"{what}[{i}]"
@@ -432,6 +439,14 @@ def _buckets(r: _Reader, node, items, registry, op: str, what: str) -> OpPrefere
             raise r.err(item, f"{where}: needs 'prefer', the backends for this bucket in order")
         prefer = _names(r, body["prefer"], r.sequence(body["prefer"], f"{where}.prefer"),
                         registry, op, f"{where}.prefer")
+        unmeasured = ()
+        if "unmeasured" in body:
+            unmeasured = _names(r, body["unmeasured"], r.sequence(body["unmeasured"], f"{where}.unmeasured"),
+                                registry, op, f"{where}.unmeasured")
+            both = [n for n in unmeasured if n in prefer]
+            if both:
+                raise r.err(body["unmeasured"], f"{where}.unmeasured: {both[0]!r} is also in 'prefer'; a "
+                                                f"backend is either measured (prefer) or not (unmeasured)")
         upper = None
         if key in body:
             vn = body[key]
@@ -451,14 +466,14 @@ def _buckets(r: _Reader, node, items, registry, op: str, what: str) -> OpPrefere
             raise r.err(vn, f"{where}.{key}: \"<={upper}\" {how} the bound of the bucket before it "
                             f"(\"<={prev.upper}\", line {prev.line}); buckets go in increasing order of "
                             f"their bounds, each taking the sizes above the previous bound")
-        buckets.append(Bucket(upper, prefer, line))
+        buckets.append(Bucket(upper, prefer, line, unmeasured))
     if not buckets:
         raise r.err(node, f"{what}: the list is empty; name at least one backend")
     if buckets[-1].upper is not None:
         raise r.err(node, f"{what}: no catch-all bucket for {key} above {buckets[-1].upper}; "
                           f"end the list with {{prefer: [...]}} (a bucket without {key})")
     return OpPreference(buckets[-1].backends, buckets[-1].line,
-                        buckets=tuple(buckets) if len(buckets) > 1 else ())
+                        buckets=tuple(buckets) if len(buckets) > 1 else (), unmeasured=buckets[-1].unmeasured)
 
 
 def _devices(r: _Reader, node, registry, known_devices):
@@ -501,8 +516,14 @@ def _devices(r: _Reader, node, registry, known_devices):
         if not match:
             raise r.err(body["match"][1], f"{where}.match is empty; match by id, name or cc")
         ops = _ops(r, body["ops"][1], registry, f"{where}.ops") if "ops" in body else {}
+        measured = None
+        if "measured_with" in body:
+            measured = {}
+            for lib, kn, vn in r.mapping(body["measured_with"][1], f"{where}.measured_with"):
+                measured[str(lib)] = r.nonempty_text(vn, f"{where}.measured_with.{lib}",
+                                                     'a version such as "2.11.0", or "absent"').strip()
         yield DeviceEntry(match=match, ops=ops, line=item.start_mark.line + 1,
-                          catalog_key=catalog_key)
+                          catalog_key=catalog_key, measured_with=measured)
 
 
 def load_file(path, registry, *, known_devices=()) -> PolicyFile:

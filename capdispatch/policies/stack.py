@@ -23,6 +23,7 @@ class BucketPreference:
     upper: Optional[int]
     backends: tuple
     origin: str
+    unmeasured: tuple = ()   # placed among BACKENDS by the default order (Bucket.unmeasured)
 
 
 @attrs.frozen
@@ -33,10 +34,13 @@ class Preference:
     kind: str            # "default" | "policy" | "device" | "selection"
     user: bool           # a fallback away from it is logged (or refused under strict)
     buckets: tuple = ()  # BucketPreference..., ascending, the last the catch-all (BACKENDS)
+    unmeasured: tuple = ()   # the catch-all's backends a calibration could not run
+    # (where, {library: version}) of the calibration that wrote this preference, if any
+    measured_with: Optional[tuple] = attrs.field(default=None, eq=False)
 
 
 def _buckets(pf, m, scope: str = "") -> tuple:
-    return tuple(BucketPreference(b.upper, b.backends, f"{_at(pf, b)}{scope}")
+    return tuple(BucketPreference(b.upper, b.backends, f"{_at(pf, b)}{scope}", b.unmeasured)
                  for b in getattr(m, "buckets", ()))
 
 
@@ -79,13 +83,16 @@ class PolicyStack:
                         m = entry.ops[op]
                         scope = f" (device {entry.describe()})"
                         return Preference(m.value, f"{_at(pf, m)}{scope}",
-                                          "device", not pf.builtin, _buckets(pf, m, scope))
+                                          "device", not pf.builtin, _buckets(pf, m, scope),
+                                          m.unmeasured,
+                                          None if entry.measured_with is None else
+                                          (f"{pf.path}:{entry.line}", entry.measured_with))
             for pf in reversed(files):
                 if op in pf.ops:
                     m = pf.ops[op]
                     return Preference(m.value, _at(pf, m),
                                       "default" if pf.builtin else "policy", not pf.builtin,
-                                      _buckets(pf, m))
+                                      _buckets(pf, m), m.unmeasured)
         return None
 
 

@@ -23,7 +23,10 @@ OPS = (
        "[b,s_q,extra_topk], extra_page_size=None, extra_topk_length=None [b], *, out=None) "
        "-> (out [b,s_q,h,512] bf16, lse [b,h,s_q] fp32 natural log, sink not included, +inf and "
        "out 0 where no entry is valid); ids < 0, >= num_pages*page_size or past topk_length are masked",
-       reference="torch", size=SizeArg("tokens", 0, "q"), canary=f"{_PKG}.canary:decode_mla"),
+       reference="torch", size=SizeArg("tokens", 0, "q"), canary=f"{_PKG}.canary:decode_mla",
+       # The valid counts (topk_length, extra_topk_length) are the batch's: FlashMLA's schedule
+       # is derived from them once per batch (SGLang passes it to every layer).
+       served="decode", batch_args=(5, 10)),
 )
 
 _FLASHMLA = Library("sgl-flash-mla", ">=1.0", module="flash_mla")

@@ -17,6 +17,9 @@ OPS = (Op(
     reference="torch",
     size=SizeArg("tokens", 0, "q"),     # B: decode batch rows, or prefill query rows
     canary=f"{_PKG}.canary:indexer",
+    # Context lengths, block table and DeepGEMM's schedule are the batch's; q, weights and the
+    # index-K pages each layer's.
+    served="decode", batch_args=(3, 4),
 ),)
 
 # SGLang 0.5.23 pins tilelang==0.1.12; the kernel is lowered and tested with it.

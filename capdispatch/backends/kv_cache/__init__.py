@@ -11,11 +11,16 @@ OPS = (
     Op("kv_quant",
        "bf16 K [n,512] -> V4 paged uint8 pool at token slots `loc` (448 fp8 e4m3 + 64 bf16 + 7 UE8M0 scales + pad)",
        "kv_quant(k, pool, loc, page_size) -> None", reference="torch",
-       size=SizeArg("rows", 0, "k"), canary=f"{_PKG}.canary:kv_quant"),
+       size=SizeArg("rows", 0, "k"), canary=f"{_PKG}.canary:kv_quant",
+       # Every step stores its tokens; the slot map is the batch's, the pool each layer's.
+       served="decode", batch_args=(2,)),
     Op("kv_dequant",
        "V4 paged uint8 pool, token ids -> bf16 [n,1,512]",
        "kv_dequant(pool, token_ids, page_size, out=None) -> Tensor", reference="torch",
-       size=SizeArg("rows", 1, "token_ids"), canary=f"{_PKG}.canary:kv_dequant"),
+       size=SizeArg("rows", 1, "token_ids"), canary=f"{_PKG}.canary:kv_dequant",
+       # SGLang dequantizes the pool for sparse prefill (deepseek_v4_backend.py); the token ids
+       # are the batch's, the pool each layer's.
+       served="prefill", batch_args=(1,)),
 )
 
 

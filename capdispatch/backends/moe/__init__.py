@@ -26,7 +26,9 @@ OPS = (
        "moe(x, weights, topk_weights, topk_ids, out=None) -> Tensor", reference="torch",
        size=SizeArg("tokens", 0, "x"),
        layouts={name: layout for name, (layout, _) in LAYOUTS.items()},
-       canary=f"{_PKG}.canary:moe"),
+       canary=f"{_PKG}.canary:moe",
+       # Routing is each layer's own; decode steps replay it from CUDA graphs.
+       served="decode"),
 )
 
 # 0.6.14: first release with the SM120 MXFP8 x MXFP4 CUTLASS MoE and the SM90

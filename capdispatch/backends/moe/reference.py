@@ -206,11 +206,17 @@ def random_weights(num_experts, hidden, intermediate, *, gen=None, device="cpu",
                       swiglu_limit=swiglu_limit)
 
 
-def random_routing(T, K, E, *, gen=None, device="cpu", mask_frac=0.0, scale=1.5):
+def random_routing(T, K, E, *, gen=None, device="cpu", mask_frac=0.0, scale=1.5, skew=0.0):
     """DSv4-style routing: K distinct experts per token, weights renormalised over
     the top-k then multiplied by the routed scaling factor; a fraction of routes
-    masked to -1 (as under EP when the expert is not local)."""
+    masked to -1 (as under EP when the expert is not local). SKEW > 0 makes some experts
+    popular: expert e (in a random order) is drawn with weight (e + 1) ** -SKEW, K without
+    replacement (Gumbel top-k); 0 is uniform."""
     scores = torch.rand(T, E, generator=gen)
+    if skew:
+        rank = torch.randperm(E, generator=gen).float() + 1.0
+        gumbel = -(-scores.clamp_min(1e-12).log()).log()
+        scores = -skew * rank.log()[None, :] + gumbel
     ids = scores.topk(K, dim=1).indices
     w = torch.rand(T, K, generator=gen) + 0.05
     w = w / w.sum(dim=1, keepdim=True) * scale

@@ -23,7 +23,9 @@ OPS = (
        "-> (out [s,h,512] bf16, max_logits [s,h] fp32, lse [s,h] fp32); use_legacy=True: base-2 "
        "statistics, a query with no valid index gives out 0, max_logits -inf, lse +inf; "
        "use_legacy=False: natural log, lse +inf for such a query",
-       reference="torch", size=SizeArg("tokens", 0, "q"), canary=f"{_PKG}.canary:sparse_prefill"),
+       reference="torch", size=SizeArg("tokens", 0, "q"), canary=f"{_PKG}.canary:sparse_prefill",
+       # Top-k indices come from each layer's indexer: nothing is the batch's alone.
+       served="prefill"),
 )
 
 # SGLang 0.5.23 pins sgl-flash-mla==1.0.0 and imports it as flash_mla; the
