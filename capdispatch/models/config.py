@@ -10,9 +10,10 @@ import math
 from .errors import ModelError
 from .shape import ModelShape, TensorFormat
 
-# SGLang 0.5.23 accepts these per-layer ratios (sglang/srt/models/deepseek_v4.py,
-# MqaAttentionBase: 0 sliding window only, 4 and 128 V4's compressed layers, 1 and 2 V4.1's).
-RATIOS = (0, 1, 2, 4, 128)
+# DeepSeek-V4's per-layer ratios: 0 sliding window only, 4 (c4, sparse through the indexer)
+# and 128 (c128, dense). SGLang 0.5.23 also takes 1 and 2, for V4.1 (model_type deepseek_v41),
+# whose layers share compressed KV across layers; this record does not describe those.
+RATIOS = (0, 4, 128)
 
 # (config key, record field, what it is, smallest valid value); all required.
 REQUIRED = (

@@ -108,6 +108,26 @@ class RankShape:
             out[r] = out.get(r, 0) + 1
         return dict(sorted(out.items()))
 
+    def kv_bytes_per_request(self, context: int) -> int:
+        """KV bytes one request of `context` tokens holds on this rank, over all layers:
+        every layer's sliding-window ring (window + next_n - 1 rows, as SGLang sizes it for
+        speculative verify), each c4 layer's compressed rows (context / 4) and their indexer
+        keys, each c128 layer's compressed rows (context / 128). A lower bound: the small
+        per-request compress-state rings and page rounding are not counted."""
+        if isinstance(context, bool) or not isinstance(context, int) or context < 0:
+            from .errors import ModelError
+            raise ModelError(f"context {context!r} is not valid; valid: an integer >= 0 tokens")
+        ring = min(context, self.window + self.next_n - 1)
+        total = 0
+        for ratio in self.compress_ratios:
+            total += ring * self.kv_bytes_per_token
+            if ratio:
+                rows = -(-context // ratio)
+                total += rows * self.kv_bytes_per_token
+                if ratio == 4:
+                    total += rows * self.indexer_bytes_per_token
+        return total
+
     def to_dict(self) -> dict:
         d = attrs.asdict(self, recurse=False)
         d["compress_ratios"] = list(self.compress_ratios)
