@@ -27,9 +27,9 @@ def add_layout_options(p, *, model_flag: bool = True) -> None:
     p.add_argument("--ep", type=int, default=1, metavar="N",
                    help="expert-parallel ranks, as SGLang's --ep; must divide --tp (default 1)")
     p.add_argument("--dp-attention", action="store_true",
-                   help="attention data parallel over all --tp ranks (SGLang's "
-                        "--enable-dp-attention with --dp equal to --tp): every rank keeps all "
-                        "heads")
+                   help="attention data parallel over all --tp ranks (SGLang's --attn-dp-size "
+                        "equal to --tp, formerly --enable-dp-attention --dp-size N): every rank "
+                        "keeps all heads")
     p.add_argument("--next-n", type=int, metavar="N",
                    help="query tokens per request per decode step (default 1 + the model's MTP "
                         "layers: one real token plus one draft per MTP layer)")
