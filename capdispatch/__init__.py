@@ -57,6 +57,13 @@ _API = {
     "Cell": ("capdispatch.dispatch", "Cell"),
     "Row": ("capdispatch.dispatch", "Row"),
     "did_you_mean": ("capdispatch.policies", "did_you_mean"),
+    # The model-shape record: a model's facts and one rank's shapes under a layout.
+    "load_model": ("capdispatch.models", "load_model"),
+    "builtin_models": ("capdispatch.models", "builtin_names"),
+    "ModelShape": ("capdispatch.models", "ModelShape"),
+    "RankShape": ("capdispatch.models", "RankShape"),
+    "ModelLayout": ("capdispatch.models", "Layout"),
+    "ModelError": ("capdispatch.models", "ModelError"),
     "load_marked": ("capdispatch.policies", "load_marked"),
 }
 

@@ -18,7 +18,7 @@ EXTENSIONS = {
 
 # Subcommands in their own modules (capdispatch/dispatch/NAME.py): each has
 # add_parser(subparsers) and run(args) -> int.
-COMMANDS = ("bench_cmd", "catalog_cmd", "env_cmd", "lock_cmd", "verify_cmd")
+COMMANDS = ("bench_cmd", "catalog_cmd", "env_cmd", "lock_cmd", "model_cmd", "verify_cmd")
 
 EPILOG = """\
 examples:
@@ -27,6 +27,7 @@ examples:
   dispatch devices                      this machine's GPUs (NVML: CUDA stays uninitialised)
   dispatch catalog                      the GPUs that sim:NAME can simulate
   dispatch env                          a report to paste into a bug report
+  dispatch model deepseek-v4-flash --tp 8   a model's facts and one rank's shapes
   dispatch sglang plan --device sim:rtx-5090,sim:rtx-3080 --libs sglang-0.5.23
 
 exit codes: 0 decided; 2 bad input (unknown device, op, backend, library, bad policy

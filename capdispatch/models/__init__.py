@@ -1,0 +1,14 @@
+"""Model shapes: a DeepSeek-V4-class model's facts and each rank's share under a layout.
+
+`load_model(name_or_path)` reads a built-in (builtin.yaml, the published config facts) or a
+Hugging Face config.json; `ModelShape.for_rank(tp, ep, dp_attention)` gives one rank's
+shapes the way SGLang 0.5.23 shards DeepSeek-V4, or a ModelError naming the numbers and the
+layouts that would work. Pure Python: no torch, nothing read at import.
+"""
+from .errors import ModelError
+from .loader import builtin_entry, builtin_names, load_model
+from .shape import Layout, ModelShape, RankShape, TensorFormat
+from .sharding import check as check_layout
+
+__all__ = ["Layout", "ModelError", "ModelShape", "RankShape", "TensorFormat", "builtin_entry",
+           "builtin_names", "check_layout", "load_model"]

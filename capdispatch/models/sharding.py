@@ -1,0 +1,130 @@
+"""How SGLang 0.5.23 spreads DeepSeek-V4 over ranks: ModelShape + layout -> RankShape.
+
+The rules, each read from SGLang's code (docs/models.md quotes the places):
+- attention TP width = tp / attention-DP width (runtime_context.derive_attn_tp_size); with
+  --enable-dp-attention the DP width is tp, so attention runs unsharded on each rank;
+  tp must be a multiple of it (arg_groups/parallel_hook.py);
+- query heads and output groups per rank = heads / attention TP, o_groups / attention TP
+  (models/deepseek_v4.py, MqaAttentionBase: n_local_heads, n_local_groups);
+- the indexer is replicated: every rank runs all its heads
+  (layers/attention/dsv4/indexer.py: ReplicatedLinear, n_local_heads = n_heads);
+- MoE TP width = tp / ep, with tp == ep * moe_tp exactly (runtime_context.py,
+  parallel_widths_of and its check "tp_size == moe_ep_size * moe_dp_size * moe_tp_size");
+- routed experts per rank = experts / ep, which must divide (layers/moe/fused_moe_triton/
+  layer.py: assert num_global_routed % ep_size == 0); each expert's intermediate size per
+  rank = moe_intermediate / MoE TP, which must divide (same file);
+- the KV cache is one latent per token (one KV head), so every attention rank holds it
+  whole; the V4 main pool row is fp8 nope + bf16 rope + one scale byte per 64 nope
+  values + 1 pad byte = 584 bytes for head_dim 512 (mem_cache/deepseek_v4_memory_pool.py).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from .errors import ModelError
+from .shape import Layout, ModelShape, RankShape
+
+# The V4 main pool quantizes the nope part in tiles of this many values, one scale byte each.
+KV_TILE = 64
+
+
+def kv_bytes_per_token(shape: ModelShape) -> int:
+    """Bytes per token per layer of SGLang's V4 main KV pool row."""
+    return shape.nope_dim + 2 * shape.rope_dim + shape.nope_dim // KV_TILE + 1
+
+
+def indexer_bytes_per_token(shape: ModelShape) -> int:
+    """Bytes per compressed token of the indexer pool (fp8 keys, one fp32 scale per 128)."""
+    return shape.indexer_dim + shape.indexer_dim // 128 * 4
+
+
+def _problem(shape: ModelShape, tp, ep, dp_attention: bool):
+    """The first rule a layout breaks, as (message, knob to vary), or None."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        return f"tp {tp!r} is not a rank count (an integer >= 1)", "tp"
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        return f"ep {ep!r} is not a rank count (an integer >= 1)", "ep"
+    attn_tp = 1 if dp_attention else tp
+    where = "attention TP 1 (dp-attention)" if dp_attention else f"tp {tp}"
+    if shape.heads % attn_tp:
+        return f"heads {shape.heads} do not divide over {where}", "tp"
+    if shape.o_groups % attn_tp:
+        return f"output groups (o_groups) {shape.o_groups} do not divide over {where}", "tp"
+    if tp % ep:
+        return f"ep {ep} does not divide tp {tp} (SGLang needs tp = ep x MoE TP)", "ep"
+    if shape.experts % ep:
+        return f"experts {shape.experts} do not divide over ep {ep}", "ep"
+    moe_tp = tp // ep
+    if shape.moe_intermediate % moe_tp:
+        return (f"moe_intermediate {shape.moe_intermediate} does not divide over MoE TP "
+                f"{moe_tp} (tp {tp} / ep {ep})", "ep")
+    return None
+
+
+def works(shape: ModelShape, layout: Layout) -> bool:
+    return _problem(shape, layout.tp, layout.ep, layout.dp_attention) is None
+
+
+def _proposals(shape: ModelShape, tp, ep, dp_attention: bool, knob: str) -> tuple:
+    top = max(8, tp) if isinstance(tp, int) and not isinstance(tp, bool) else 8
+    if knob == "ep" and isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1:
+        found = [Layout(tp, e, dp_attention) for e in range(1, tp + 1)]
+    elif isinstance(ep, int) and not isinstance(ep, bool) and ep >= 1:
+        found = [Layout(t, ep, dp_attention) for t in range(1, top + 1)]
+    else:
+        found = [Layout(t, 1, dp_attention) for t in range(1, top + 1)]
+    found = [lay for lay in found if works(shape, lay)]
+    if not found:
+        found = [Layout(t, e, dp_attention) for t in range(1, top + 1) for e in range(1, t + 1)]
+        found = [lay for lay in found if works(shape, lay)]
+    return tuple(found)
+
+
+def _say(layouts: tuple, knob: str) -> str:
+    if not layouts:
+        return "no layout up to tp 8 works"
+    tps, eps = {lay.tp for lay in layouts}, {lay.ep for lay in layouts}
+    if len(tps) == 1 and knob == "ep":
+        return f"ep {', '.join(str(lay.ep) for lay in layouts)} would (tp {layouts[0].tp})"
+    if len(eps) == 1:
+        return f"tp {', '.join(str(lay.tp) for lay in layouts)} would (ep {layouts[0].ep})"
+    return "these would: " + ", ".join(f"tp {lay.tp} ep {lay.ep}" for lay in layouts)
+
+
+def check(shape: ModelShape, tp, ep=1, dp_attention: bool = False) -> None:
+    """Raise ModelError, naming the numbers and the layouts that would work, if SGLang
+    would refuse this layout."""
+    found = _problem(shape, tp, ep, dp_attention)
+    if found is None:
+        return
+    message, knob = found
+    layouts = _proposals(shape, tp, ep, dp_attention, knob)
+    raise ModelError(f"{shape.name}: {message}; {_say(layouts, knob)}", layouts)
+
+
+def for_rank(shape: ModelShape, *, tp=1, ep=1, dp_attention: bool = False,
+             next_n: Optional[int] = None) -> RankShape:
+    if not isinstance(dp_attention, bool):
+        raise ModelError(f"dp_attention {dp_attention!r} is not valid; valid: true or false")
+    check(shape, tp, ep, dp_attention)
+    if next_n is None:
+        # Each MTP layer drafts one token; the verify step carries them plus the real one.
+        next_n = 1 + shape.mtp
+    elif isinstance(next_n, bool) or not isinstance(next_n, int) or next_n < 1:
+        raise ModelError(f"next_n {next_n!r} is not valid; valid: an integer >= 1 "
+                         f"(1 + speculative draft tokens per request)")
+    attn_tp = 1 if dp_attention else tp
+    moe_tp = tp // ep
+    return RankShape(
+        model=shape.name, tp=tp, ep=ep, dp_attention=dp_attention, layers=shape.layers,
+        heads=shape.heads // attn_tp, head_dim=shape.head_dim,
+        indexer_heads=shape.indexer_heads, indexer_dim=shape.indexer_dim,
+        index_topk=shape.index_topk, window=shape.window, next_n=next_n,
+        experts=shape.experts // ep, experts_total=shape.experts,
+        topk=shape.experts_per_token, hidden=shape.hidden,
+        moe_intermediate=shape.moe_intermediate // moe_tp, swiglu_limit=shape.swiglu_limit,
+        kv_bytes_per_token=kv_bytes_per_token(shape),
+        attn_tp=attn_tp, attn_dp=tp // attn_tp, moe_tp=moe_tp, rope_dim=shape.rope_dim,
+        o_groups=shape.o_groups // attn_tp, shared_experts=shape.shared_experts,
+        vocab=shape.vocab, compress_ratios=shape.layer_ratios,
+        indexer_bytes_per_token=indexer_bytes_per_token(shape))
