@@ -276,7 +276,7 @@ def test_the_regret_check_names_what_a_policy_picks_against_the_fastest(clean_en
     (["--threshold", "0.9"], "--threshold: 0.9 is not a ratio"),
     (["--warmup", "nan"], "--warmup: nan is not a time"),
     (["--rep", "0"], "--rep: 0.0 is not a time"),
-    (["--tp", "0"], "--tp: 0 is out of range"),
+    (["--model", "deepseek-v4-flash", "--tp", "3"], "tp 3"),
     (["--layers", "0"], "--layers: 0 is out of range"),
     (["--check", "missing.yaml"], "missing.yaml"),
 ])

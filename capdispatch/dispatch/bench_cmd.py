@@ -35,12 +35,10 @@ def add_parser(subparsers):
     b.add_argument("--rep", type=float, default=100.0, help="CUDA: do_bench measuring time, ms")
     b.add_argument("--format", choices=("text", "json"), default="text",
                    help="text for people (default) or JSON for programs")
-    s = b.add_argument_group("served shapes and form")
-    s.add_argument("--model", default=None, metavar="NAME|PATH",
-                   help="time at this rank's shapes of a model: a built-in name (dispatch model) or a "
-                        "Hugging Face config.json; default: DeepSeek-V4's at 64 heads and 64 experts per rank")
-    s.add_argument("--tp", type=int, default=1, metavar="N", help="with --model: the TP size (default 1)")
-    s.add_argument("--ep", type=int, default=1, metavar="N", help="with --model: the EP size (default 1)")
+    s = b.add_argument_group("served shapes and form (--model: time at one rank's shapes of a model; "
+                             "without it DeepSeek-V4's at 64 heads and 64 experts per rank)")
+    from .model_cmd import add_layout_options
+    add_layout_options(s)
     s.add_argument("--layers", type=int, default=None, metavar="N",
                    help="layers of one forward the per-batch work is shared by (default: the model's, else 1)")
     s.add_argument("--cuda-graph-max-bs", type=int, default=None, metavar="N",
@@ -72,8 +70,7 @@ def run(args, *, timer=None) -> int:
             raise BadInput(f"{flag}: {value!r} is not a time in ms (valid: a number > 0)")
     if not (math.isfinite(args.threshold) and args.threshold >= 1.0):
         raise BadInput(f"--threshold: {args.threshold!r} is not a ratio (valid: a number >= 1, e.g. 1.05)")
-    for flag, value, low in (("--tp", args.tp, 1), ("--ep", args.ep, 1), ("--layers", args.layers, 1),
-                             ("--cuda-graph-max-bs", args.cuda_graph_max_bs, 0)):
+    for flag, value, low in (("--layers", args.layers, 1), ("--cuda-graph-max-bs", args.cuda_graph_max_bs, 0)):
         if value is not None and value < low:
             raise BadInput(f"{flag}: {value} is out of range (valid: a whole number >= {low})")
     device = args.device or _default_device()
@@ -96,12 +93,13 @@ def run(args, *, timer=None) -> int:
     profile_name = args.profile or ("full" if spec.platform == "cuda" else "small")
     profile = ladder.PROFILES[profile_name]
     layers, next_n, shapes = args.layers or profile["layers"], 1, "DeepSeek-V4's (64 heads, 64 experts per rank)"
-    if args.model is not None:
-        import capdispatch as cd
-        rank = cd.load_model(args.model).for_rank(tp=args.tp, ep=args.ep)
+    from .model_cmd import shapes_from_args
+    _, rank = shapes_from_args(args)          # ModelError (bad input) for a refused layout
+    if rank is not None:
         profile = ladder.profile_of(rank, base=profile_name)
         layers, next_n = args.layers or rank.layers, rank.next_n
-        shapes = (f"{rank.model} at tp {rank.tp}, ep {rank.ep}: {rank.heads} heads, {rank.experts} of "
+        shapes = (f"{rank.model} at tp {rank.tp}, ep {rank.ep}{', dp-attention' if rank.dp_attention else ''}: "
+                  f"{rank.heads} heads, {rank.experts} of "
                   f"{rank.experts_total} experts, next_n {rank.next_n}, {rank.layers} layers")
     form = served.form_for(spec, layers=layers, next_n=next_n, tp=args.tp,
                            capture_max_bs_=args.cuda_graph_max_bs)
