@@ -5,6 +5,7 @@ with --check POLICY, the regret of policies: per op and size the backend each pi
 the fastest, exit 1 above --threshold."""
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import os
@@ -149,7 +150,10 @@ def run(args, *, timer=None) -> int:
 
     total = sum(len(f) * len(s) for _, f, _, s in plan)
     results = {}
-    with _progress(total) as step:
+    # Libraries print while they compile (TileLang's log goes to stdout): with JSON out,
+    # anything written while measuring goes to stderr, so stdout holds the document alone.
+    quiet = _stdout_to_stderr() if args.format == "json" else contextlib.nullcontext()
+    with quiet, _progress(total) as step:
         for op, fns, skipped, op_sizes in plan:
             rows = measure.measure(op, op_sizes, fns, device=dev, platform=spec.platform,
                                    profile=profile, gen=gen, timer=timer, step=step, form=form)
@@ -238,6 +242,22 @@ def run(args, *, timer=None) -> int:
               f"picks {worst['picked']} for {worst['op']} at {worst['key']} {worst['size']}, "
               f"{worst['ratio']:.2f}x {worst['fastest']}", file=sys.stderr)
     return EXIT_CHECK_FAILED if (failed or over) else EXIT_OK
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr():
+    """File descriptor 1 (and sys.stdout) onto stderr for the block: a library's handler that
+    holds the original stdout object writes to stderr too."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _checked_policies(values, ctx, known) -> list:
