@@ -258,20 +258,27 @@ def test_every_error_is_a_capdispatch_error():
 
 def test_the_h200_example_policy_loads_and_buckets_decode_by_tokens():
     """The calibrated H200 example (capdispatch/policies/examples/h200.yaml, written by
-    `dispatch bench --write-policy` on the card) is a valid policy: on a simulated H200
-    with the libraries it was measured with, decode_mla takes triton_fp8 up to 64 tokens
-    and FlashMLA above, and the indexer TileLang or Triton by size, as measured."""
+    `dispatch bench --write-policy` on the card in the served form) is a valid policy: on a
+    simulated H200 with the libraries it was measured with, decode_mla takes FlashMLA at
+    every size (its schedule shared by the layers of a forward), the indexer TileLang or
+    Triton by size, as measured; DeepGEMM, which did not run there, keeps its default place."""
     import os
 
     import capdispatch as cd
     path = os.path.join(os.path.dirname(cd.__file__), "policies", "examples", "h200.yaml")
-    libs = ["sgl-flash-mla==1.0.0", "tilelang==0.1.12", "torch==2.11.0", "triton==3.6.0"]
-    res = cd.resolve("decode_mla", "sim:h200", policy=path, assume_libs=libs)
-    assert [res.backend_for(n) for n in (1, 64, 65, 4096)] == ["triton_fp8", "triton_fp8", "flashmla", "flashmla"]
-    idx = cd.resolve("indexer", "sim:h200", policy=path, assume_libs=libs)
+    from capdispatch.capabilities.lib_profiles import Profile, ProfileLib
+    measured = Profile("h200-run", "the libraries the calibration had", "-", tuple(
+        ProfileLib(n, v) for n, v in (("sgl-flash-mla", "1.0.0"), ("tilelang", "0.1.12"), ("torch", "2.11.0"),
+                                      ("triton", "3.6.0"))))
+    res = cd.resolve("decode_mla", "sim:h200", policy=path, libs=measured)
+    assert [res.backend_for(n) for n in (1, 64, 65, 4096)] == ["flashmla"] * 4
+    assert not res.warnings                  # the libraries it was measured with: no warning
+    idx = cd.resolve("indexer", "sim:h200", policy=path, libs=measured)
+    assert [c.backend for c in idx.candidates][0] == "deepgemm" and not idx.fallback
     assert [idx.backend_for(n) for n in (1, 8, 64, 512, 4096)] == ["tilelang", "triton", "tilelang", "triton",
-                                                                   "tilelang"]
-    assert cd.resolve("moe", "sim:h200", policy=path, assume_libs=libs).backend_for(512) == "triton_w4a16"
+                                                                   "triton"]
+    assert cd.resolve("moe", "sim:h200", policy=path, libs=measured).backend_for(512) == "triton_w4a16"
+    libs = ["sgl-flash-mla==1.0.0", "tilelang==0.1.12", "torch==2.11.0", "triton==3.6.0"]
     # Another card is not matched by it: the built-in order decides there.
     assert cd.resolve("decode_mla", "sim:rtx-3080", policy=path, assume_libs=libs).backend_for(1) == \
         cd.resolve("decode_mla", "sim:rtx-3080", assume_libs=libs).backend_for(1)
