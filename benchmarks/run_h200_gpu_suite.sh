@@ -7,7 +7,7 @@
 #   route     bench_sglang_moe_route.py (SGLang's FusedMoE routed per rank; issue 11)
 #   probe     every module SGLang's MoE import chain lacks here (probe_imports.py)
 #   calibrate `dispatch bench --write-policy` op by op (CALIBRATE_OPS; issue 14), policy into $OUT
-#   measure   bench_calibrated.py under that policy (issue 14)
+#   measure   `dispatch bench --check` of that policy and the default, on fresh inputs (the regret check)
 #   kernels   the kernel benchmarks (bench_attention.py, bench_moe.py, bench_indexer.py with --graphs,
 #             bench_kv_cache.py), each run twice: with this card's own launch tables, then with
 #             --tiles 99kb (the entries and shared-memory limit of SM86/SM89/SM120)
@@ -74,8 +74,10 @@ for s in "$@"; do
                    --write-policy "$OUT/h200.yaml" ${CALIBRATE_ARGS:-}
                done
                step 30 python3 -m capdispatch explain --device cuda:0 --policy "$OUT/h200.yaml" --brief ;;
-    measure)  step ${MEASURE_LIMIT:-300} python3 benchmarks/bench_calibrated.py --policy "$OUT/h200.yaml" \
-                --out "$OUT" ${MEASURE_ARGS:-} ;;
+    measure)  for op in ${CALIBRATE_OPS:-kv_quant kv_dequant moe indexer decode_mla sparse_prefill}; do
+                step ${MEASURE_LIMIT:-150} python3 -m capdispatch bench --device cuda:0 --op "$op" --seed 1 \
+                  --check "$OUT/h200.yaml" --check default ${CALIBRATE_ARGS:-}
+              done ;;
     kernels)  kernel_pass card; kernel_pass 99kb ;;
     kernels-99kb) kernel_pass 99kb ;;
     *) echo "unknown step $s" ;;
