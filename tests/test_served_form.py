@@ -298,3 +298,30 @@ def test_what_libraries_print_while_measuring_stays_out_of_the_json(clean_env, c
     out, err = capfd.readouterr()
     assert rc == 0 and json.loads(out)["ops"]["kv_dequant"]["rows"][0]["ms"] == 1.0
     assert "a library's log line" in err and "file descriptor" in err
+
+
+def test_a_backend_a_server_tunes_first_is_tuned_before_it_is_timed(monkeypatch):
+    """FlashInfer's MoE is tuned by SGLang (one forward inside flashinfer.autotuner.autotune)
+    before it serves: the served form enters the backend's tuning context for one call first."""
+    import contextlib
+
+    import torch
+    from capdispatch.backends.kv_cache import reference as R
+    events = []
+
+    @contextlib.contextmanager
+    def tune():
+        events.append("tune in")
+        yield
+        events.append("tune out")
+
+    def timer(fn, graph):
+        events.append("timed")
+        return 1.0
+    monkeypatch.setattr(measure, "_tuning", lambda op, b: tune if b == "torch" else None)
+    measure.measure("kv_dequant", (4,), {"torch": R.kv_dequant}, device="cpu", platform="cpu",
+                    profile=ladder.PROFILES["small"], gen=torch.Generator().manual_seed(0), timer=timer)
+    assert events[:3] == ["tune in", "tune out", "timed"] and events.count("tune in") == 1
+    for name in ("flashinfer_cutlass_w4a8", "flashinfer_trtllm_w4a8", "flashinfer_cutlass_w4a16"):
+        assert builtin().backend("moe", name).tune == "flashinfer.autotuner:autotune"
+    assert measure._tuning("moe", "triton_w4a16") is None

@@ -198,6 +198,18 @@ class Backend:
     impl: str               # "package.module:function", imported only when bound
     requires: tuple = attrs.field(converter=tuple)
     summary: str = ""
+    # "module:callable" of a context manager a server enters for one warm-up call before it
+    # serves (FlashInfer's autotuner: SGLang tunes its MoE tactics that way before capturing
+    # graphs); the served form does the same before timing.
+    tune: str = ""
+
+    def load_tune(self):
+        """The tuning context manager's factory, or None."""
+        if not self.tune:
+            return None
+        import importlib
+        module, _, attr = self.tune.partition(":")
+        return getattr(importlib.import_module(module), attr)
 
     def evaluate(self, facts: Facts) -> list:
         return [r.evaluate(facts) for r in self.requires]

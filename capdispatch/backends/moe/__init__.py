@@ -53,18 +53,22 @@ SGLANG_RUNNER_BACKEND = {
 }
 
 
+# SGLang runs one forward inside FlashInfer's autotuner before it captures graphs
+# (model_executor/runner/flashinfer_autotune.py): its MoE tactics are tuned when served.
+_FI_TUNE = "flashinfer.autotuner:autotune"
+
 BACKENDS = (
     Backend("moe", "flashinfer_cutlass_w4a8", f"{_PKG}.flashinfer:op_moe_cutlass_w4a8",
         requires=(TORCH, _CUDA, Feature("sm120_block_scaled_mma"), _FLASHINFER),
         summary="FlashInfer CUTLASS MoE, MXFP8 activations x MXFP4 weights on the SM120 "
-                "block-scaled MMA (SGLang flashinfer_mxfp4 on SM120)"),
+                "block-scaled MMA (SGLang flashinfer_mxfp4 on SM120)", tune=_FI_TUNE),
     Backend("moe", "flashinfer_trtllm_w4a8", f"{_PKG}.flashinfer:op_moe_trtllm_w4a8",
         requires=(TORCH, _CUDA, Feature("tcgen05"), _FLASHINFER),
         summary="FlashInfer TRT-LLM-gen routed MoE, MXFP8 x MXFP4 on tcgen05 (SM100 family; "
-                "cubins from flashinfer-cubin or FlashInfer's download cache)"),
+                "cubins from flashinfer-cubin or FlashInfer's download cache)", tune=_FI_TUNE),
     Backend("moe", "flashinfer_cutlass_w4a16", f"{_PKG}.flashinfer:op_moe_cutlass_w4a16",
         requires=(TORCH, _CUDA, Feature("wgmma"), _FLASHINFER),
-        summary="FlashInfer CUTLASS mixed-input MoE, bf16 x MXFP4 on wgmma (SM90; JIT-built)"),
+        summary="FlashInfer CUTLASS mixed-input MoE, bf16 x MXFP4 on wgmma (SM90; JIT-built)", tune=_FI_TUNE),
     Backend("moe", "marlin_w4a16", f"{_PKG}.sglang_marlin:op_moe_marlin",
         requires=(TORCH, _CUDA, ComputeCapability(">=8.0"), _SGLANG, _SGL_KERNEL),
         summary="SGLang's MXFP4 Marlin MoE (bf16 x MXFP4, JIT), -1 routes dropped before it"),
