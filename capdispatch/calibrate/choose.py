@@ -74,18 +74,19 @@ def merge(choices) -> list:
 
 
 def smooth(choices, noise: float) -> list:
-    """Neighbouring sizes within the noise band keep one winner: going up the ladder, a
-    size whose winner differs from the size below takes that size's winner instead when it
-    is within NOISE of the fastest here. Timings a few percent apart then give one bucket,
-    not an A/B/A/B run of buckets that noise wrote. Never picks a backend more than the
-    band slower than the fastest at any size."""
-    out = []
-    for c in choices:
-        prev = out[-1].winner if out else None
-        t = c.times
-        if prev is not None and prev != c.winner and prev in t and \
-                t[prev] <= min(t.values()) * (1 + noise):
-            rest = sorted((b for b in t if b != prev), key=lambda b: (t[b], b))
-            c = Choice(c.size, prev, (prev, *rest), dict(t), True)
-        out.append(c)
+    """Neighbouring sizes within the noise band keep one winner. Going up the ladder, a size
+    whose winner differs from the size below takes that size's winner instead when it is
+    within NOISE of the fastest here; then going down, likewise with the size above.
+    Timings a few percent apart then give one bucket, not an A/B/A/B run of buckets that
+    noise wrote. Never picks a backend more than the band slower than the fastest at any
+    size, and never adds a bucket."""
+    out = list(choices)
+    for order in (range(1, len(out)), range(len(out) - 2, -1, -1)):
+        for i in order:
+            c = out[i]
+            other = out[i - 1] if order.step == 1 else out[i + 1]
+            w, t = other.winner, c.times
+            if w != c.winner and w in t and t[w] <= min(t.values()) * (1 + noise):
+                rest = sorted((b for b in t if b != w), key=lambda b: (t[b], b))
+                out[i] = Choice(c.size, w, (w, *rest), dict(t), True)
     return out
