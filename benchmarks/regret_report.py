@@ -55,6 +55,20 @@ def group_lines(label: str, docs: list, threshold_default: float = 1.05) -> list
                           for r in rs if r["ratio"] is None or r["ratio"] > threshold]
             out.append(f"| {op} | " + " | ".join(cells) + " | " + ("; ".join(above) or "none") + " |")
     out.append("")
+    # What a caller pays outside batch(): every call does the per-batch work (served form
+    # otherwise, i.e. checks off and in a graph where served so).
+    outside = []
+    for d in docs:
+        for op, o in d["ops"].items():
+            for r in o["rows"]:
+                if r["ms"] and r.get("batch_ms") and r["batch_ms"] > 0.05 * r["ms"]:
+                    outside.append(f"| {op} | {r['backend']} | {o['key']} {r['size']} | {_us(r['ms'])} | "
+                                   f"{_us(r['layer_ms'] + r['batch_ms'])} | {(r['layer_ms'] + r['batch_ms']) / r['ms']:.2f} |")
+    if outside:
+        out += ["Called outside `capdispatch.batch()`, every call pays the per-batch work (backends where "
+                "it is over 5% of the served time):", "",
+                "| op | backend | size | served us | per call us | per call / served |",
+                "|---|---|---|---:|---:|---:|"] + outside + [""]
     for d in docs:
         rows = (d.get("check") or {}).get("rows", [])
         for op, o in d["ops"].items():
