@@ -328,3 +328,10 @@ def test_a_backend_a_server_tunes_first_is_tuned_before_it_is_timed(monkeypatch)
     for name in ("flashinfer_cutlass_w4a8", "flashinfer_trtllm_w4a8", "flashinfer_cutlass_w4a16"):
         assert builtin().backend("moe", name).tune == "flashinfer.autotuner:autotune"
     assert measure._tuning("moe", "triton_w4a16") is None
+
+
+def test_without_a_model_the_served_form_still_spreads_per_batch_work_over_a_models_layers():
+    """Without --model, calibration on CUDA still times forwards of several layers: one layer
+    per timed call would charge FlashMLA's whole schedule to every call."""
+    form = served.form_for(_spec(), layers=ladder.PROFILES["full"]["layers"])
+    assert form.layers == 43 and form.timed_layers == served.TIMED_LAYERS

@@ -21,8 +21,9 @@ DEFAULT_SIZES = {
 # heads and 64 experts per rank (benchmarks/ use the same builders); "small" keeps the CPU
 # path (torch, the Triton interpreter) to seconds: shorter contexts, fewer experts,
 # narrower MoE layers. `profile_of` makes one from a model's per-rank shapes (--model).
+# LAYERS: DeepSeek-V4-Flash's 43, over which the served form spreads a batch's shared work.
 _SHAPES = dict(heads=64, swa_topk=128, c4_topk=512, indexer_heads=64, next_n=1, moe_topk=6,
-               route_skew=0.0, swiglu_limit=10.0, layers=1)
+               route_skew=0.0, swiglu_limit=10.0, layers=43)
 PROFILES = {
     "full": dict(_SHAPES, swa_page=256, c4_page=64, c4_tokens=65536, prefill_kv=65536, prefill_topk=512,
                  indexer_context=16384, kv_page=256, moe_experts=64, moe_experts_total=64, moe_hidden=4096,
