@@ -93,7 +93,7 @@ def run(args, *, timer=None) -> int:
     checked = _checked_policies(args.check, ctx, known)
     profile_name = args.profile or ("full" if spec.platform == "cuda" else "small")
     profile = ladder.PROFILES[profile_name]
-    layers, next_n, shapes = args.layers or profile["layers"], 1, "DeepSeek-V4's (64 heads, 64 experts per rank)"
+    layers, next_n, shapes = args.layers or profile["layers"], 1, "DeepSeek-V4's (64 heads, 64 experts per rank, 43 layers)"
     from .model_cmd import shapes_from_args
     _, rank = shapes_from_args(args)          # ModelError (bad input) for a refused layout
     if rank is not None:
