@@ -58,6 +58,9 @@ _API = {
     "Row": ("capdispatch.dispatch", "Row"),
     "did_you_mean": ("capdispatch.policies", "did_you_mean"),
     "load_marked": ("capdispatch.policies", "load_marked"),
+    # Bounded, non-blocking reading of a regular file (adapters read their own files so).
+    "read_file": ("capdispatch.safe_io", "read_bytes"),
+    "FileError": ("capdispatch.safe_io", "FileError"),
 }
 
 __all__ = sorted(_API)

@@ -20,7 +20,8 @@ def add_parser(subparsers):
     b.add_argument("--sizes", default=None, metavar="N,N,...",
                    help="sizes of the ops' leading dimension (default: each op's ladder)")
     b.add_argument("--write-policy", default=None, metavar="FILE",
-                   help="write (or update) the calibrated policy for this card there")
+                   help="write (or update) the calibrated policy for this card there: a regular "
+                        "file, replaced atomically (- : standard output)")
     b.add_argument("--noise", type=float, default=5.0, metavar="PCT",
                    help="a backend replaces the one FILE already names for a size only when faster "
                         "by more than PCT percent (default 5)")
@@ -68,7 +69,17 @@ def run(args, *, timer=None) -> int:
     known = known_device_names()
     match = writer.device_match(spec, known)
     previous, kept_ops = {}, {}
-    if args.write_policy and os.path.exists(args.write_policy):
+    to_stdout = args.write_policy == "-"
+    if args.write_policy is not None and not to_stdout:
+        from ..safe_io import FileError, target_of
+        if not args.write_policy.strip():
+            raise BadInput("--write-policy: an empty file name (give a policy file path, or - "
+                           "for standard output)")
+        try:     # a directory, FIFO or device is refused before anything is measured
+            target_of(args.write_policy)
+        except FileError as exc:
+            raise BadInput(f"--write-policy {exc.path}: {exc.reason}") from None
+    if args.write_policy and not to_stdout and os.path.exists(args.write_policy):
         pf = load_file(args.write_policy, ctx.registry, known_devices=known)
         previous, others, mine = writer.incumbents(pf, match)
         if others:
@@ -79,8 +90,8 @@ def run(args, *, timer=None) -> int:
             raise BadInput(f"{args.write_policy}: has top-level ops; a calibrated policy holds one "
                            f"devices: entry only: write to another file")
         if mine is not None:
-            with open(args.write_policy, encoding="utf-8") as fh:
-                blocks = writer.op_blocks(fh.read())
+            from ..policies.loader import read_text
+            blocks = writer.op_blocks(read_text(args.write_policy))
             kept_ops = {op: blocks.get(op, m) for op, m in mine.ops.items() if op not in ops}
 
     import torch
@@ -149,24 +160,27 @@ def run(args, *, timer=None) -> int:
                                 graphed={op: {r.size for r in rows if r.graph}
                                          for op, (rows, _) in results.items()})
     if args.write_policy:
-        try:
-            with open(args.write_policy, "w", encoding="utf-8") as fh:
-                fh.write(text)
-        except OSError as exc:
-            raise BadInput(f"--write-policy {args.write_policy}: cannot write: {exc.strerror}") from None
-        try:   # what was written must load like any policy
-            load_file(args.write_policy, ctx.registry, known_devices=known)
+        from ..policies import parse
+        try:   # what is written must load like any policy: checked before the file is touched
+            parse(text, args.write_policy, ctx.registry, known_devices=known)
         except PolicyError as exc:
-            raise AssertionError(f"dispatch bench wrote a policy the loader refuses: {exc}") from exc
+            raise AssertionError(f"dispatch bench made a policy the loader refuses: {exc}") from exc
+    if args.write_policy and not to_stdout:
+        from ..safe_io import FileError, write_atomic
+        try:
+            write_atomic(args.write_policy, text)
+        except FileError as exc:
+            raise BadInput(f"--write-policy {exc.path}: {exc.reason}") from None
 
     if args.format == "json":
         print(json.dumps({"schema": 1, "device": {"id": spec.id, "name": spec.name, "cc": spec.cc_str},
                           "match": match, "noise_pct": args.noise, "profile": profile_name,
                           "timer": timer_description(timer), "ops": obj_ops,
-                          "policy": args.write_policy}, indent=2))
+                          "policy": args.write_policy,
+                          **({"policy_text": text} if to_stdout else {})}, indent=2))
     else:
         print(_table(results, per_op, ctx))
-        if args.write_policy:
+        if args.write_policy and not to_stdout:
             print(f"\nwrote {args.write_policy}")
         else:
             print("\n" + text)

@@ -25,6 +25,7 @@ TOP_KEYS = ("schema", "mixed_group", "on_unsupported", "verify", "ops", "devices
 DEVICE_KEYS = ("match", "ops")
 MATCH_KEYS = ("id", "name", "cc")
 MAX_BYTES = 1 << 20          # a policy is a few dozen lines; refuse more than 1 MiB unread
+MAX_VALUES = 100_000        # values of a load_marked document with its aliases expanded
 MAX_DEPTH = 64               # nesting beyond any valid policy (whose deepest value is 5 levels in)
 
 # A device id in a policy: cuda:N, cpu or sim:NAME; `@N` names the copy at group
@@ -302,8 +303,13 @@ def load_marked(text: str, path: str):
     with PolicyError(path, line, ...)."""
     r = _Reader(path, text)
     root = r.root()
+    budget = [MAX_VALUES]      # aliases repeat subtrees: bound what they expand to
 
     def build(node, what):
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise r.err(node, f"more than {MAX_VALUES} values once aliases are expanded "
+                              f"(an alias of an alias repeats a subtree many times)")
         line = node.start_mark.line + 1
         if isinstance(node, yaml.MappingNode):
             out = MarkedMap()
@@ -542,14 +548,12 @@ def read_text(path) -> str:
                                        "this file system's encoding") from None
     if os.path.isdir(path):
         raise PolicyError(shown, None, "cannot read policy file: it is a directory (give a .yaml file)")
-    try:
-        with open(path, "rb") as fh:
-            data = fh.read(MAX_BYTES + 1)
-    except OSError as exc:
-        raise PolicyError(shown, None, f"cannot read policy file: {exc.strerror or exc}") from None
-    if len(data) > MAX_BYTES:
-        raise PolicyError(shown, None, f"policy file is larger than {MAX_BYTES // 1024} KiB; "
-                                       f"a policy is a short YAML file")
+    from ..safe_io import FileError, read_bytes
+    try:    # never blocks on a FIFO, never reads a device, never more than the bound
+        data = read_bytes(path, limit=MAX_BYTES, what="policy file")
+    except FileError as exc:
+        more = "; a policy is a short YAML file" if "larger than" in exc.reason else ""
+        raise PolicyError(shown, None, exc.reason + more) from None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
