@@ -203,3 +203,12 @@ def _why(exc: BaseException) -> str:
 
 def _size(n: int) -> str:
     return f"{n // 1024} KiB" if n >= 1024 else f"{n} bytes"
+
+
+def printable(text, limit: int = 0) -> str:
+    """TEXT safe to print on a terminal: control characters (escape sequences included)
+    shown as escapes, tabs and newlines kept; cut to LIMIT characters (0: no limit)."""
+    text = str(text)
+    if limit and len(text) > limit:
+        text = text[:limit] + f"... ({len(text) - limit} more characters)"
+    return "".join(c if c.isprintable() or c in "\n\t" else ascii(c)[1:-1] for c in text)

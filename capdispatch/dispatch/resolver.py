@@ -227,9 +227,18 @@ def order(ctx: Context, op: str, device: DeviceSpec):
     return pref, _with_fallbacks(ctx, op, pref.backends)
 
 
-def canary_check(verdict, mode: str, device: DeviceSpec, op: str, name: str) -> Check:
-    """The `canary` check: what the verification cache says of this backend on this card."""
+def canary_check(verdict, mode: str, device: DeviceSpec, op: str, name: str,
+                 suspect: Optional[str] = None) -> Check:
+    """The `canary` check: what the verification cache says of this backend on this card.
+    SUSPECT: why its cache file was not trusted; such a backend fails (closed) until
+    `dispatch verify` runs its canary again."""
     need = "pass" if mode == "required" else "pass, or not verified (verify: warn)"
+    if verdict is None and suspect:
+        from ..safe_io import printable
+        why = printable(suspect, 160)
+        return Check("canary", need, f"untrusted cache entry: {why}", False,
+                     f"{device.id}: {op}/{name}: its cached verdict cannot be trusted ({why}); "
+                     f"run `dispatch verify` to verify it again")
     if verdict is None:
         ok = mode != "required"
         return Check("canary", need, "not verified", ok,
@@ -254,7 +263,8 @@ def evaluate(ctx: Context, op: str, device: DeviceSpec, names, preferred) -> lis
         if all(c.ok for c in checks) and not device.simulated:
             checks = backend.evaluate(attrs.evolve(cheap, check_imports=True))
         if card is not None:
-            checks = list(checks) + [canary_check(card.get(backend), ctx.verify_mode, device, op, name)]
+            checks = list(checks) + [canary_check(card.get(backend), ctx.verify_mode, device, op, name,
+                                                  card.suspect(backend))]
         out.append(Candidate(name, all(c.ok for c in checks), tuple(checks), name in preferred))
     return out
 
