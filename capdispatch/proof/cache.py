@@ -63,10 +63,13 @@ def verdict_root(env=None) -> Path:
 # --------------------------------------------------------------------------- #
 # Trust: ownership, permissions, the secret
 # --------------------------------------------------------------------------- #
-def _unsafe(st, what: str) -> Optional[str]:
-    """Why a file or folder with stat ST may not be trusted, or None."""
+def _unsafe(st, what: str, secret: bool = False) -> Optional[str]:
+    """Why a file or folder with stat ST may not be trusted, or None. SECRET: nobody else
+    may read it either."""
     if hasattr(os, "geteuid") and st.st_uid != os.geteuid():
         return f"{what} is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
+    if secret and st.st_mode & 0o077:
+        return f"{what} may be read or written by others (mode {stat.S_IMODE(st.st_mode):04o}, need 0600)"
     if st.st_mode & 0o022:
         return f"{what} is writable by {'others' if st.st_mode & 0o002 else 'its group'} " \
                f"(mode {stat.S_IMODE(st.st_mode):04o})"
@@ -85,7 +88,7 @@ def _folder_problem(path: Path) -> Optional[str]:
     return _unsafe(st, "the folder")
 
 
-def _read_private(path: Path, limit: int) -> bytes:
+def _read_private(path: Path, limit: int, secret: bool = False) -> bytes:
     """The bytes of PATH, a regular file of this user's that nobody else may write (no
     link followed, no FIFO waited on); OSError or ValueError naming why not."""
     flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | \
@@ -101,7 +104,7 @@ def _read_private(path: Path, limit: int) -> bytes:
         if not stat.S_ISREG(st.st_mode):
             from ..safe_io import kind
             raise ValueError(f"it is {kind(st.st_mode)}, not a regular file")
-        why = _unsafe(st, "it")
+        why = _unsafe(st, "it", secret)
         if why:
             raise ValueError(why)
         if st.st_size > limit:
@@ -119,7 +122,7 @@ def _secret(env, *, create: bool) -> Optional[bytes]:
     the file cannot be trusted or made."""
     path = cache_dir(env) / "verify" / KEY_NAME
     try:
-        data = _read_private(path, 1024)
+        data = _read_private(path, 1024, secret=True)
     except FileNotFoundError:
         if not create:
             return None
