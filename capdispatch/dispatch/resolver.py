@@ -178,7 +178,12 @@ def context(*, policy=None, selections=None, assume_libs=None, strict=False, reg
     One Context holds one policy stack and one library inventory; every decision
     made with it (`plan_in`, `resolve_in`) sees the same assumptions."""
     from ..capabilities.libraries import AssumeLibError
+    from ..safe_io import printable
     env = dict(os.environ if env is None else env)
+    for k, v in env.items():     # what os.environ could hold: text only
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise BadInput(f"env: {printable(repr(k), 60)} = {printable(repr(v), 60)}: environment "
+                           f"variables and their values are strings")
     registry = registry or builtin()
     try:
         inventory = Inventory.with_assumptions(assume_libs, libs=libs, known=library_modules(registry))
@@ -194,7 +199,8 @@ def context(*, policy=None, selections=None, assume_libs=None, strict=False, reg
     env_flag(env, "CAPDISPATCH_STRICT")   # a bad value is refused now, not at the first fallback
     verify = env.get("CAPDISPATCH_VERIFY")
     if verify and verify not in _policies.VERIFY:
-        raise BadInput(f"CAPDISPATCH_VERIFY={verify!r} is not valid (valid: {', '.join(_policies.VERIFY)})")
+        raise BadInput(f"CAPDISPATCH_VERIFY={printable(repr(verify), 60)} is not valid "
+                       f"(valid: {', '.join(_policies.VERIFY)})")
     return Context(registry, stack, inventory, env, strict)
 
 

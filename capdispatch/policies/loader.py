@@ -522,6 +522,8 @@ def _display(path) -> str:
         text = os.fsdecode(path) if isinstance(path, (str, bytes, os.PathLike)) else repr(path)
     except (TypeError, ValueError):
         text = repr(path)
+    if len(text) > 300:        # a message names the file; it need not repeat a page of it
+        text = f"{text[:150]}...{text[-100:]} ({len(text)} characters)"
     if text.isprintable():
         try:
             text.encode("utf-8")
@@ -578,6 +580,10 @@ def from_dict(data, origin: str, registry, *, known_devices=()) -> PolicyFile:
         text = yaml.safe_dump(data, sort_keys=False)
     except yaml.YAMLError as exc:
         raise PolicyError(origin, None, f"not plain data: {exc}") from None
+    except (ValueError, TypeError, OverflowError, RecursionError) as exc:
+        # e.g. an int too long to write (10**5000), or nesting past the recursion limit
+        raise PolicyError(origin, None, f"not plain data: {type(exc).__name__}: "
+                                        f"{str(exc).splitlines()[0][:120] if str(exc) else ''}") from None
     try:
         pf = parse(text, origin, registry, known_devices=known_devices)
     except PolicyError as exc:    # the lines of a dump mean nothing to the caller
