@@ -183,3 +183,51 @@ def test_bench_write_policy_dash_prints(capsys):
                      "--write-policy", "-"]) == 0
     out = capsys.readouterr().out
     assert "schema: 1" in out and not os.path.exists("-")
+
+
+def test_bench_rewrite_keeps_the_files_settings(tmp_path, capsys):
+    policy = tmp_path / "cpu.yaml"
+    policy.write_text('verify: required\nmixed_group: uniform\non_unsupported: error\n'
+                      'devices:\n  - match: {id: "cpu"}\n    ops:\n      kv_quant: [torch]\n')
+    os.chmod(policy, 0o640)
+    assert cli.main(["bench", "--device", "cpu", "--op", "kv_quant", "--sizes", "1",
+                     "--write-policy", str(policy)]) == 0
+    pf = cd.policies.load_file(policy, cd.registry(), known_devices=())
+    assert (pf.verify.value, pf.mixed_group.value, pf.on_unsupported.value) == ("required", "uniform", "error")
+    assert stat.S_IMODE(os.stat(policy).st_mode) == 0o640
+    assert sorted(os.listdir(tmp_path)) == ["cpu.yaml"]
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--sizes", "100000000"], "is larger than kv_quant is timed at"),
+    (["--warmup", "nan"], "--warmup"), (["--rep", "0"], "--rep"), (["--rep", "inf"], "--rep"),
+    (["--write-policy", ""], "an empty file name"),
+])
+def test_bench_refuses_sizes_and_times_that_cannot_be_meant(argv, needle, capsys):
+    r = bounded(lambda: cli.main(["bench", "--device", "cpu", "--op", "kv_quant", *argv]), 20)
+    assert r["value"] == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_a_reader_racing_the_writer_sees_a_whole_file(tmp_path):
+    path = tmp_path / "p.yaml"
+    texts = [f"ops:\n  kv_quant: [torch]\n# {'x' * 4000}\n", "ops:\n  kv_quant: [triton_u8, torch]\n"]
+    safe_io.write_atomic(path, texts[0])
+    stop, bad = threading.Event(), []
+
+    def write():
+        i = 0
+        while not stop.is_set():
+            i += 1
+            safe_io.write_atomic(path, texts[i % 2])
+    t = threading.Thread(target=write, daemon=True)
+    t.start()
+    try:
+        for _ in range(200):
+            pf = cd.policies.load_file(path, cd.registry())
+            if pf.ops["kv_quant"].value[-1] != "torch":
+                bad.append(pf)
+    finally:
+        stop.set()
+        t.join(5)
+    assert bad == []

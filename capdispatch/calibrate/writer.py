@@ -75,14 +75,17 @@ def _q(s: str) -> str:
 
 
 def render_policy(match: dict, per_op: dict, *, key_of, header=(), kept_ops=None, excluded=None,
-                  graphed=None) -> str:
+                  graphed=None, settings=None) -> str:
     """PER_OP: op -> list of Runs (calibrate.choose.merge). KEY_OF: op -> bucket key.
     KEPT_OPS: op -> what the previous file said for an op not measured now: its lines
     (`op_blocks`) or, for a file written by hand, its OpPreference.
     EXCLUDED: op -> {backend: why} (runnable, but not measured or failed its check).
-    GRAPHED: op -> sizes timed inside a CUDA graph."""
+    GRAPHED: op -> sizes timed inside a CUDA graph. SETTINGS: the previous file's
+    `mixed_group` / `on_unsupported` / `verify`, kept."""
     lines = [f"# {h}" if h else "#" for h in header]
-    lines += ["schema: 1", "devices:"]
+    lines += ["schema: 1"]
+    lines += [f"{k}: {v}" for k, v in (settings or {}).items()]
+    lines += ["devices:"]
     m = ", ".join(f"{k}: {_q(str(v))}" for k, v in match.items())
     lines += [f"  - match: {{{m}}}", "    ops:"]
     for op, runs in per_op.items():

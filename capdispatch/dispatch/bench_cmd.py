@@ -46,6 +46,11 @@ def run(args, *, timer=None) -> int:
 
     if not 0 <= args.noise < 100:
         raise BadInput(f"--noise: {args.noise!r} is not a percentage (valid: 0 <= PCT < 100)")
+    for flag, value, low in (("--warmup", args.warmup, 0.0), ("--rep", args.rep, None)):
+        if not (value == value and value != float("inf") and (value >= low if low is not None else value > 0)
+                and value <= 60_000):
+            raise BadInput(f"{flag}: {value!r} is not a time in ms (valid: "
+                           f"{'0' if low is not None else 'more than 0'} to 60000)")
     device = args.device or _default_device()
     spec = as_spec(device)
     if spec.simulated:
@@ -61,6 +66,11 @@ def run(args, *, timer=None) -> int:
         sizes = ladder.parse_sizes(args.sizes) if args.sizes else None
     except ladder.SizesError as exc:
         raise BadInput(str(exc)) from None
+    for op in ops if sizes else ():
+        top = ladder.max_size(op)
+        if sizes[-1] > top:
+            raise BadInput(f"--sizes: {sizes[-1]} is larger than {op} is timed at (valid: up to {top} "
+                           f"{ctx.registry.ops[op].size.key}, 16 times its ladder's largest)")
     profile_name = args.profile or ("full" if spec.platform == "cuda" else "small")
     profile = ladder.PROFILES[profile_name]
     if timer is None:
@@ -68,7 +78,7 @@ def run(args, *, timer=None) -> int:
 
     known = known_device_names()
     match = writer.device_match(spec, known)
-    previous, kept_ops = {}, {}
+    previous, kept_ops, settings = {}, {}, {}
     to_stdout = args.write_policy == "-"
     if args.write_policy is not None and not to_stdout:
         from ..safe_io import FileError, target_of
@@ -82,6 +92,8 @@ def run(args, *, timer=None) -> int:
     if args.write_policy and not to_stdout and os.path.exists(args.write_policy):
         pf = load_file(args.write_policy, ctx.registry, known_devices=known)
         previous, others, mine = writer.incumbents(pf, match)
+        settings = {k: getattr(pf, k).value for k in ("mixed_group", "on_unsupported", "verify")
+                    if getattr(pf, k) is not None}       # kept as the file says them
         if others:
             raise BadInput(f"{args.write_policy}: holds a calibration for another card "
                            f"({others[0].describe()}, line {others[0].line}); this run is for "
@@ -156,7 +168,7 @@ def run(args, *, timer=None) -> int:
 
     header = _header(spec, timer, args.noise, profile_name)
     text = writer.render_policy(match, per_op, key_of=lambda o: ctx.registry.ops[o].size.key,
-                                header=header, kept_ops=kept_ops, excluded=excluded,
+                                header=header, kept_ops=kept_ops, excluded=excluded, settings=settings,
                                 graphed={op: {r.size for r in rows if r.graph}
                                          for op, (rows, _) in results.items()})
     if args.write_policy:

@@ -99,7 +99,7 @@ def run(ctx: Context, todo, *, timeout: float, budget_s: Optional[float] = None,
             return Result(job, None)
         if on_start:
             on_start(job)
-        cut = left is not None and left < timeout
+        cut = left is not None and left < timeout - 1.0    # it gets less than its own limit
         verdict = run_canary(job.op, job.backend, job.device.id,
                              timeout=timeout if not cut else max(1.0, left), budget_cut=cut,
                              env=ctx.env, cancel=cancel)
@@ -204,8 +204,9 @@ def verify_decisions(spec, resolutions, *, budget_s: float = DEFAULT_BUDGET_S, t
                      policy=None, env=None, registry=None) -> Verification:
     """Verify, on SPEC's card, the backends decided for it. RESOLUTIONS: Resolutions or
     a mapping op -> Resolution or backend name. A backend with a cached verdict for this
-    card and software does not run again; the others run (each in a child process)
-    until BUDGET_S seconds have passed. Nothing runs for a simulated device or under
+    card and software does not run again; the others run (each in a child process, each
+    within TIMEOUT_S, default 120 s) until BUDGET_S seconds have passed; a canary the
+    budget cuts short is unverified, not failed, and not cached. Nothing runs for a simulated device or under
     `verify: off`. Decide again afterwards: the new decision reads the verdicts."""
     from .resolver import context
     env = dict(os.environ if env is None else env)
@@ -222,7 +223,8 @@ def verify_decisions(spec, resolutions, *, budget_s: float = DEFAULT_BUDGET_S, t
     if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or budget_s != budget_s \
             or budget_s < 0:
         raise BadInput(f"budget_s: {budget_s!r} is not a time budget (valid: seconds >= 0)")
-    timeout = check_timeout(timeout_s, "timeout_s") if timeout_s is not None else \
-        (budget_s if budget_s > 0 and budget_s != float("inf") else DEFAULT_BUDGET_S)
+    from ..proof.runner import DEFAULT_TIMEOUT_S
+    # The canary's own limit; the budget only cuts it short (and a cut is not the kernel's).
+    timeout = check_timeout(timeout_s, "timeout_s") if timeout_s is not None else DEFAULT_TIMEOUT_S
     results = run(ctx, todo, timeout=timeout, budget_s=budget_s, use_cache=True)
     return Verification(spec, tuple(results), mode, time.monotonic() - t0)
