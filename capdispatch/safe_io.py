@@ -110,9 +110,9 @@ def target_of(path) -> str:
         raise FileError(name or "''", "not a file path (empty or with a NUL byte)")
     real = os.path.realpath(path) if os.path.islink(path) else path
     try:
-        st = os.stat(real)
+        st = os.stat(path)          # through links: what a write would reach (/dev/stdout: a pipe)
     except FileNotFoundError:
-        return real
+        return real                 # a new file (or a link to one not made yet)
     except OSError as exc:
         raise FileError(name, f"cannot write: {_why(exc)}") from None
     if not stat.S_ISREG(st.st_mode):

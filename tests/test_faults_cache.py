@@ -14,7 +14,7 @@ import capdispatch as cd
 from capdispatch import proof
 from capdispatch.proof import cache as C
 
-from test_faults_io import bounded
+from faults_util import bounded
 
 
 @pytest.fixture

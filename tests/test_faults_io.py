@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import stat
 import threading
-import time
 
 import pytest
 
@@ -18,25 +17,9 @@ import capdispatch as cd
 from capdispatch import safe_io
 from capdispatch.dispatch import cli
 
+from faults_util import bounded
+
 SIM = "sim:h200"
-
-
-def bounded(fn, seconds: float = 10.0):
-    """FN's result, or a failure when it takes longer than SECONDS (a hang)."""
-    out = {}
-
-    def go():
-        try:
-            out["value"] = fn()
-        except BaseException as exc:     # noqa: BLE001 - reported below
-            out["error"] = exc
-    t = threading.Thread(target=go, daemon=True)
-    t0 = time.monotonic()
-    t.start()
-    t.join(seconds)
-    assert not t.is_alive(), f"still running after {seconds} s (a hang)"
-    out["seconds"] = time.monotonic() - t0
-    return out
 
 
 @pytest.fixture

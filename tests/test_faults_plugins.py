@@ -11,7 +11,6 @@ import threading
 import time
 from importlib import metadata
 
-import pytest
 
 from capdispatch.backends import plugins, registry
 
