@@ -163,10 +163,14 @@ def _backend_dists(registry, op: str, backend: str) -> list:
 def _verification(spec, op: str, backend: str, plan, env) -> str:
     if spec.simulated:
         return NOT_VERIFIED
-    from ..proof import lookup
-    verdict = lookup(spec, op, backend, registry=plan.registry, inventory=plan.inventory, env=env)
+    from ..backends import builtin
+    from ..proof import open_card
+    card = open_card(spec, inventory=plan.inventory, env=env)
+    b = (plan.registry or builtin()).backend(op, backend)
+    verdict = card.get(b)
     if verdict is None:
-        return NOT_VERIFIED
+        why = card.suspect(b)
+        return f"failed: untrusted cache entry ({why[:120]})" if why else NOT_VERIFIED
     return "pass" if verdict.passed else f"failed: {verdict.describe()}"
 
 

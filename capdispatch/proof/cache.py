@@ -148,7 +148,8 @@ def _secret(env, *, create: bool) -> Optional[bytes]:
 
 
 def _private_dirs(top: Path, leaf: Path) -> None:
-    """Make LEAF and the folders between TOP and it, each 0700 (whatever the umask)."""
+    """Make LEAF and the folders between TOP and it, each 0700 whatever the umask; one of
+    this user's that others may write (an older capdispatch, a umask of 002) is closed."""
     top.mkdir(parents=True, exist_ok=True)
     for folder in reversed([leaf, *leaf.parents]):
         if folder == top or top not in folder.parents:
@@ -157,7 +158,9 @@ def _private_dirs(top: Path, leaf: Path) -> None:
             folder.mkdir(mode=0o700)
             os.chmod(folder, 0o700)
         except FileExistsError:
-            pass
+            st = os.lstat(folder)
+            if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and st.st_mode & 0o077:
+                os.chmod(folder, 0o700)
 
 
 def _mac(secret: bytes, body: dict) -> str:
@@ -193,7 +196,8 @@ class CardCache:
 
     def _warn_all(self, why: str) -> dict:
         log.warning("verification cache %s is not trusted: %s; every backend counts as not "
-                    "verified on this card", self.dir, why)
+                    "verified on this card (`dispatch verify --clear-cache` starts a new cache; "
+                    "each user needs a cache of their own)", self.dir, why)
         return {}
 
     def _read(self) -> dict:

@@ -104,7 +104,7 @@ def run_canary(op: str, backend: str, device: str, *, timeout: float = DEFAULT_T
     at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     env = dict(os.environ if env is None else env)
     base = dict(op=op, backend=backend, device=device, seed=seed, at=at)
-    with tempfile.TemporaryDirectory(prefix="capdispatch-canary-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="capdispatch-canary-", ignore_cleanup_errors=True) as tmp:
         result = os.path.join(tmp, "result.json")
         err_path = os.path.join(tmp, "stderr.txt")
         cfg = json.dumps({"path": child_path(env), "parent": os.getpid()})
@@ -122,7 +122,10 @@ def run_canary(op: str, backend: str, device: str, *, timeout: float = DEFAULT_T
                 code, timed_out = _wait_exit(proc, limit, cancel)
             finally:
                 _kill_group(proc)          # every way out: grandchildren (compilers) too
-                proc.wait()
+                try:
+                    proc.wait(timeout=10)  # a child stuck in the driver may not die at once
+                except subprocess.TimeoutExpired:
+                    pass
                 with _live_lock:
                     _live.discard(proc)
                 proc.stdout.close()
