@@ -125,6 +125,20 @@ def test_a_timeout_of_the_budget_is_not_the_kernels(monkeypatch, tmpdir_only):
     assert proof.lookup(cpu, "kv_dequant", "torch").outcome == "timeout"
 
 
+def test_a_repeated_device_runs_its_canary_on_the_device_itself(monkeypatch, tmpdir_only):
+    """cpu@1 (a group's second copy of the CPU) is `cpu` to torch: a child told `cpu@1`
+    would fail before the kernel and that failure would be taken for the kernel's."""
+    monkeypatch.setattr(runner, "_BOOT", fake_boot(
+        READY + "from capdispatch.proof.child import _write; "
+        "_write(sys.argv[5], {'outcome': 'pass' if sys.argv[3] == 'cpu' else 'runtime', "
+        "'detail': sys.argv[3], 'seconds': {}})"))
+    from capdispatch.dispatch.group import unique_ids
+    specs = unique_ids([cd.probe("cpu"), cd.probe("cpu")])
+    assert [s.id for s in specs] == ["cpu@0", "cpu@1"]
+    results = V.run(context(), [V.Job(s, "kv_dequant", "torch") for s in specs], timeout=5)
+    assert [r.verdict.outcome for r in results] == ["pass", "pass"], results
+
+
 @pytest.mark.parametrize("bad", [0, -5, float("nan"), float("inf"), "x"])
 def test_timeout_must_be_a_finite_positive_number(bad, capsys):
     with pytest.raises(cd.BadInput, match="is not a time limit"):

@@ -100,7 +100,7 @@ def run(ctx: Context, todo, *, timeout: float, budget_s: Optional[float] = None,
         if on_start:
             on_start(job)
         cut = left is not None and left < timeout - 1.0    # it gets less than its own limit
-        verdict = run_canary(job.op, job.backend, job.device.id,
+        verdict = run_canary(job.op, job.backend, torch_device(job.device),
                              timeout=timeout if not cut else max(1.0, left), budget_cut=cut,
                              env=ctx.env, cancel=cancel)
         if not verdict.fault and not cancel.is_set():
@@ -130,6 +130,12 @@ def run(ctx: Context, todo, *, timeout: float, budget_s: Optional[float] = None,
         raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+def torch_device(spec) -> str:
+    """The device the child runs on: SPEC's id without a group copy's position (cpu@1 -> cpu)."""
+    import re
+    return re.sub(r"@\d+$", "", spec.id.split("#")[0])
 
 
 def check_timeout(value, what: str = "--timeout") -> float:
