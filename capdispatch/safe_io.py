@@ -96,6 +96,48 @@ def read_bytes(path, *, limit: int, what: str = "file") -> bytes:
         os.close(fd)
 
 
+def read_private(path, *, limit: int, secret: bool = False) -> bytes:
+    """At most LIMIT bytes of PATH, a regular file (no symbolic link followed) that
+    belongs to this user and that nobody else may write (SECRET: nor read); ValueError
+    saying why not, OSError when it cannot be opened (FileNotFoundError: absent)."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | \
+        getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError:
+        if os.path.islink(path):
+            raise ValueError("it is a symbolic link") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"it is {kind(st.st_mode)}, not a regular file")
+        why = unsafe_owner_or_mode(st, "it", secret)
+        if why:
+            raise ValueError(why)
+        if st.st_size > limit:
+            raise ValueError(f"it is larger than {_size(limit)}")
+        data = os.read(fd, limit + 1)
+        if len(data) > limit:
+            raise ValueError(f"it is larger than {_size(limit)}")
+        return data
+    finally:
+        os.close(fd)
+
+
+def unsafe_owner_or_mode(st, what: str, secret: bool = False) -> Optional[str]:
+    """Why a file or folder with stat ST may not be trusted (another user's, writable by
+    others; SECRET: readable by others), or None."""
+    if hasattr(os, "geteuid") and st.st_uid != os.geteuid():
+        return f"{what} is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
+    if secret and st.st_mode & 0o077:
+        return f"{what} may be read or written by others (mode {stat.S_IMODE(st.st_mode):04o}, need 0600)"
+    if st.st_mode & 0o022:
+        return f"{what} is writable by {'others' if st.st_mode & 0o002 else 'its group'} " \
+               f"(mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
 def target_of(path) -> str:
     """The file a write to PATH replaces: PATH itself, or the file its symbolic link(s)
     name. A FileError when that is not a regular file (or absent)."""
@@ -121,18 +163,25 @@ def target_of(path) -> str:
     return real
 
 
-def write_atomic(path, data, *, mode: Optional[int] = None) -> str:
+def write_atomic(path, data, *, mode: Optional[int] = None, private: bool = False) -> str:
     """Replace (or create) the regular file PATH with DATA (str: UTF-8) so that no reader
     sees a partial file: a temporary file beside it, fsync, rename, fsync of the folder.
     A file rewritten keeps its permission bits (MODE, or 0666 less the umask, for a new
-    one). Returns the path written; a FileError says why nothing was."""
+    one). PRIVATE: the file is made 0600 whatever was there, and a symbolic link at PATH
+    is replaced itself, never followed. Returns the path written; a FileError says why
+    nothing was."""
     name = shown(path)
-    real = target_of(path)
+    if private:
+        real = os.fsdecode(os.fspath(path))
+        if os.path.lexists(real) and not (os.path.islink(real) or os.path.isfile(real)):
+            raise FileError(name, f"cannot write: it is {kind(os.lstat(real).st_mode)}")
+    else:
+        real = target_of(path)
     body = data.encode("utf-8") if isinstance(data, str) else bytes(data)
     folder = os.path.dirname(os.path.abspath(real))
     try:
-        old = os.stat(real)
-        keep = stat.S_IMODE(old.st_mode)
+        old = None if private else os.stat(real)
+        keep = 0o600 if private else stat.S_IMODE(old.st_mode)
     except FileNotFoundError:
         old, keep = None, (0o666 & ~_umask()) if mode is None else mode
     except OSError as exc:

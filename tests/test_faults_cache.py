@@ -205,3 +205,15 @@ def test_escape_sequences_in_details_are_not_printed_raw(env):
     with pytest.raises(cd.NoBackendError) as err:
         decide(env)
     assert "\x1b" not in str(err.value)
+
+
+def test_a_link_planted_at_a_verdicts_name_is_replaced_not_followed(env, tmp_path):
+    path = proof.store(cpu(), "torch", verdict(), env=env)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    path.unlink()
+    path.symlink_to(victim)
+    assert proof.lookup(cpu(), "kv_dequant", "torch", env=env) is None       # a link is not read
+    assert proof.store(cpu(), "torch", verdict(), env=env) == path
+    assert victim.read_text() == "precious\n" and not path.is_symlink()
+    assert proof.lookup(cpu(), "kv_dequant", "torch", env=env).passed

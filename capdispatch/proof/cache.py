@@ -26,12 +26,12 @@ import secrets
 import shutil
 import stat
 import sys
-import tempfile
 from pathlib import Path
 from typing import Optional
 
 from ..capabilities import DeviceSpec, Inventory
 from ..errors import CapdispatchError
+from ..safe_io import FileError, read_private, unsafe_owner_or_mode, write_atomic
 from .identity import backend_key, card_key, digest
 from .verdict import Verdict
 
@@ -63,19 +63,6 @@ def verdict_root(env=None) -> Path:
 # --------------------------------------------------------------------------- #
 # Trust: ownership, permissions, the secret
 # --------------------------------------------------------------------------- #
-def _unsafe(st, what: str, secret: bool = False) -> Optional[str]:
-    """Why a file or folder with stat ST may not be trusted, or None. SECRET: nobody else
-    may read it either."""
-    if hasattr(os, "geteuid") and st.st_uid != os.geteuid():
-        return f"{what} is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
-    if secret and st.st_mode & 0o077:
-        return f"{what} may be read or written by others (mode {stat.S_IMODE(st.st_mode):04o}, need 0600)"
-    if st.st_mode & 0o022:
-        return f"{what} is writable by {'others' if st.st_mode & 0o002 else 'its group'} " \
-               f"(mode {stat.S_IMODE(st.st_mode):04o})"
-    return None
-
-
 def _folder_problem(path: Path) -> Optional[str]:
     try:
         st = os.lstat(path)
@@ -85,36 +72,7 @@ def _folder_problem(path: Path) -> Optional[str]:
         return f"cannot be read ({exc.strerror or exc})"
     if not stat.S_ISDIR(st.st_mode):
         return "is not a folder"
-    return _unsafe(st, "the folder")
-
-
-def _read_private(path: Path, limit: int, secret: bool = False) -> bytes:
-    """The bytes of PATH, a regular file of this user's that nobody else may write (no
-    link followed, no FIFO waited on); OSError or ValueError naming why not."""
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | \
-        getattr(os, "O_CLOEXEC", 0)
-    try:
-        fd = os.open(path, flags)
-    except OSError as exc:
-        if os.path.islink(path):
-            raise ValueError("it is a symbolic link") from None
-        raise
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            from ..safe_io import kind
-            raise ValueError(f"it is {kind(st.st_mode)}, not a regular file")
-        why = _unsafe(st, "it", secret)
-        if why:
-            raise ValueError(why)
-        if st.st_size > limit:
-            raise ValueError(f"it is larger than {limit // 1024} KiB")
-        data = os.read(fd, limit + 1)
-        if len(data) > limit:
-            raise ValueError(f"it is larger than {limit // 1024} KiB")
-        return data
-    finally:
-        os.close(fd)
+    return unsafe_owner_or_mode(st, "the folder")
 
 
 def _secret(env, *, create: bool) -> Optional[bytes]:
@@ -122,7 +80,7 @@ def _secret(env, *, create: bool) -> Optional[bytes]:
     the file cannot be trusted or made."""
     path = cache_dir(env) / "verify" / KEY_NAME
     try:
-        data = _read_private(path, 1024, secret=True)
+        data = read_private(path, limit=1024, secret=True)
     except FileNotFoundError:
         if not create:
             return None
@@ -255,26 +213,11 @@ class CardCache:
             _private_dirs(cache_dir(self.env), self.dir)
             secret = _secret(self.env, create=True)
             body["mac"] = _mac(secret, json.loads(json.dumps(body, default=str)))
-            fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=".tmp-", suffix=".part")
-        except (OSError, CacheError) as exc:
+            # 0600, a link at the name replaced rather than followed
+            write_atomic(path, json.dumps(body, indent=1, sort_keys=True, default=str), private=True)
+        except (OSError, CacheError, FileError) as exc:
             log.warning("verification cache %s cannot be written (%s); the verdict of %s/%s is kept "
                         "for this process only", self.dir, _reason(exc), backend.op, backend.name)
-            return None
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                json.dump(body, fh, indent=1, sort_keys=True, default=str)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
-        except BaseException as exc:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            if not isinstance(exc, OSError):
-                raise
-            log.warning("verification cache file %s cannot be written (%s); the verdict is kept "
-                        "for this process only", path, exc.strerror or exc)
             return None
         return path
 
@@ -290,7 +233,7 @@ def _digest_of_name(name: str) -> Optional[str]:
 def _read_entry(path: Path, card: dict, secret: Optional[bytes]):
     """(backend key, Verdict) of a trusted file; ValueError saying why it is not."""
     try:
-        body = json.loads(_read_private(path, MAX_ENTRY_BYTES).decode("utf-8"))
+        body = json.loads(read_private(path, limit=MAX_ENTRY_BYTES).decode("utf-8"))
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"cannot be read ({_reason(exc)})") from None
     except RecursionError:
