@@ -8,7 +8,10 @@ every file it writes (lock files, calibrated policies, verdicts) goes through he
 - a writer writes only a regular file (or creates one): the text goes to a temporary
   file beside the target, is flushed to disk and renamed over it, so a reader sees the
   old file or the new one, never half of either; a file rewritten keeps its mode; a
-  symbolic link keeps pointing where it did (the file it names is replaced).
+  symbolic link keeps pointing where it did (the file it names is replaced);
+- a private file (the verification cache's) is read only when it is this user's and
+  nobody else may write it, without following a link, and written 0600 with a link at
+  its name replaced, never followed.
 
 A leaf module: it imports nothing of capdispatch but the errors, so every room may use it.
 """
