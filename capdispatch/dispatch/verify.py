@@ -78,10 +78,10 @@ def run(ctx: Context, todo, *, timeout: float, budget_s: Optional[float] = None,
 
     Only a verdict the kernel caused is cached: one with a fault (the budget ran out,
     the child was killed from outside or never started) is returned, not recorded. An
-    interrupt (KeyboardInterrupt, or any exception in the calling thread) kills every
-    running child's process group at once, starts nothing more, records nothing more,
-    and propagates."""
-    from ..proof.runner import kill_all, run_canary
+    interrupt (KeyboardInterrupt, or any exception in the calling thread) makes every
+    running child of this call kill its process group within runner.POLL_S, starts
+    nothing more, records nothing more, and propagates."""
+    from ..proof.runner import run_canary
     check_timeout(timeout, "timeout")
     t0 = time.monotonic()
     cancel = threading.Event()
@@ -125,8 +125,7 @@ def run(ctx: Context, todo, *, timeout: float, budget_s: Optional[float] = None,
         futures = [pool.submit(one, job) for job in todo]
         return [f.result() for f in futures]
     except BaseException:
-        cancel.set()           # the workers' waits see it within runner.POLL_S
-        kill_all()
+        cancel.set()           # the workers' waits see it within runner.POLL_S and kill
         raise
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
@@ -212,8 +211,8 @@ def verify_decisions(spec, resolutions, *, budget_s: float = DEFAULT_BUDGET_S, t
     a mapping op -> Resolution or backend name. A backend with a cached verdict for this
     card and software does not run again; the others run (each in a child process, each
     within TIMEOUT_S, default 120 s) until BUDGET_S seconds have passed; a canary the
-    budget cuts short is unverified, not failed, and not cached. Nothing runs for a simulated device or under
-    `verify: off`. Decide again afterwards: the new decision reads the verdicts."""
+    budget cuts short is unverified, not failed, and not cached. Nothing runs for a
+    simulated device or under `verify: off`. Decide again afterwards: the new decision reads the verdicts."""
     from .resolver import context
     env = dict(os.environ if env is None else env)
     ctx = context(policy=policy, env=env, registry=registry)

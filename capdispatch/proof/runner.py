@@ -42,8 +42,6 @@ EXTERNAL_SIGNALS = ("SIGKILL", "SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 _BOOT = ("import json, sys; cfg = json.loads(sys.argv.pop(1)); sys.path[0:0] = cfg['path']; "
          "from capdispatch.proof.child import main; raise SystemExit(main(parent=cfg['parent']))")
 
-_live: set = set()               # children running now (any thread), for kill_all
-_live_lock = threading.Lock()
 
 
 def _package_root() -> str:
@@ -81,15 +79,6 @@ def _signal_name(code: int) -> str:
         return f"signal {-code}"
 
 
-def kill_all() -> int:
-    """Kill the process group of every canary child running now; how many there were."""
-    with _live_lock:
-        procs = list(_live)
-    for proc in procs:
-        _kill_group(proc)
-    return len(procs)
-
-
 def run_canary(op: str, backend: str, device: str, *, timeout: float = DEFAULT_TIMEOUT_S,
                seed: Optional[int] = None, env=None,
                startup_timeout: float = DEFAULT_STARTUP_TIMEOUT_S, budget_cut: bool = False,
@@ -113,8 +102,6 @@ def run_canary(op: str, backend: str, device: str, *, timeout: float = DEFAULT_T
         with open(err_path, "w+b") as err:
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err,
                                     env=child_env(env), cwd=tmp, start_new_session=True)
-            with _live_lock:
-                _live.add(proc)
             try:
                 ready = _wait_ready(proc, startup_timeout, cancel)
                 started = time.perf_counter()
@@ -126,12 +113,10 @@ def run_canary(op: str, backend: str, device: str, *, timeout: float = DEFAULT_T
                     proc.wait(timeout=10)  # a child stuck in the driver may not die at once
                 except subprocess.TimeoutExpired:
                     pass
-                with _live_lock:
-                    _live.discard(proc)
                 proc.stdout.close()
             wall = time.perf_counter() - t0
-            err.seek(0)
-            stderr = err.read(1 << 20).decode("utf-8", "replace")
+            err.seek(max(0, err.seek(0, os.SEEK_END) - (1 << 20)))   # its last MiB: the tail is shown
+            stderr = err.read().decode("utf-8", "replace")
         if cancel is not None and cancel.is_set():
             return Verdict(outcome="timeout", detail="interrupted before it finished (killed)",
                            seconds={"wall": wall}, fault="interrupted", **base)
