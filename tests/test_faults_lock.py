@@ -19,6 +19,7 @@ def _no_env(monkeypatch):
     (["lock", "--check", "  "], "--check: an empty file name"),
     (["lock", "-o", ""], "-o/--output: an empty file name"),
     (["explain", "--device", "sim:h200", "--lock", ""], "--lock: an empty file name"),
+    (["verify", "--device", "cpu", "--op", "kv_dequant", "--lock", ""], "--lock: an empty file name"),
 ])
 def test_empty_names_are_refused(argv, needle, capsys):
     assert cli.main(argv) == 2

@@ -75,6 +75,8 @@ def run(args) -> int:
     from .resolver import as_spec, context
     from . import verify
     verify.check_timeout(args.timeout)
+    from .lock import lock_path
+    lock_path(args.lock)          # an empty --lock is refused before any canary runs
     if args.jobs is not None and args.jobs < 1:
         from .errors import BadInput
         raise BadInput(f"--jobs: {args.jobs} is not a number of canaries at once (valid: 1 or more)")
