@@ -5,7 +5,10 @@ package's. A plugin registers into a staging area first; only when everything it
 declared checks out (known op, new name, `module:function` implementation, the
 requirement types of `capdispatch.backends`, known feature names) is it added, so a
 broken plugin is reported by name and skipped whole, and the built-ins never break.
-Plugins are read when the registry is built, never at import of capdispatch.
+Each plugin loads on a thread of its own within a time bound, its output captured and
+every exception (SystemExit included) caught; its requirements are evaluated once on a
+CPU and simulated cards before they are accepted. Plugins are read when the registry is
+built, never at import of capdispatch.
 """
 from __future__ import annotations
 
