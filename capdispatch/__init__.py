@@ -65,6 +65,9 @@ _API = {
     "ModelLayout": ("capdispatch.models", "Layout"),
     "ModelError": ("capdispatch.models", "ModelError"),
     "load_marked": ("capdispatch.policies", "load_marked"),
+    # Bounded, non-blocking reading of a regular file (adapters read their own files so).
+    "read_file": ("capdispatch.safe_io", "read_bytes"),
+    "FileError": ("capdispatch.safe_io", "FileError"),
 }
 
 __all__ = sorted(_API)

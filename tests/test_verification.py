@@ -153,7 +153,7 @@ def _verdict(op, backend, outcome="pass", **kw):
     return proof.Verdict(op=op, backend=backend, device="cpu", outcome=outcome, **kw)
 
 
-def test_cache_corrupt_and_foreign_files_are_ignored(tmp_path, caplog):
+def test_cache_corrupt_and_foreign_files_are_not_trusted(tmp_path, caplog):
     env = _env(tmp_path)
     cpu = cd.probe("cpu")
     path = proof.store(cpu, "torch", _verdict("kv_dequant", "torch"), env=env)
@@ -172,8 +172,9 @@ def test_cache_corrupt_and_foreign_files_are_ignored(tmp_path, caplog):
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="capdispatch"):
             assert proof.lookup(cpu, "kv_dequant", "torch", env=env) is None, what
-            res = cd.resolve("kv_dequant", "cpu", env=env)
-        assert res.backend == "torch"
+            # fail closed: a verdict that cannot be trusted rejects its backend until verified again
+            with pytest.raises(cd.NoBackendError, match="its cached verdict cannot be trusted"):
+                cd.resolve("kv_dequant", "cpu", env=env)
         warned = [r.getMessage() for r in caplog.records if "ignoring verification cache file" in r.getMessage()]
         assert warned and str(path) in warned[0], (what, caplog.text)
     # An unreadable directory entry (a directory named like a verdict) is skipped too.
@@ -209,7 +210,7 @@ def test_cache_key_separates_software_and_cards(tmp_path):
     assert proof.lookup(sim, "kv_dequant", "torch", env=env) is None
     res = cd.resolve("kv_dequant", "sim:h200", env=env)
     assert all(ch.code != "canary" for c in res.candidates for ch in c.checks)
-    assert proof.clear(env).name == "verify" and proof.lookup(cpu, "kv_dequant", "torch", env=env) is None
+    assert proof.clear(env)[0].name == "verify" and proof.lookup(cpu, "kv_dequant", "torch", env=env) is None
 
 
 _WRITER = """
@@ -234,7 +235,7 @@ def test_two_processes_writing_at_once(tmp_path, caplog):
     assert all(p.returncode == 0 for p in procs), errs
     assert not any("ignoring verification cache file" in e for e in errs), errs
     files = list((tmp_path / "cache").rglob("*"))
-    assert [f.name for f in files if f.is_file() and f.suffix != ".json"] == []
+    assert [f.name for f in files if f.is_file() and f.suffix != ".json"] == ["key"]   # the secret only
     assert proof.lookup(cd.probe("cpu"), "kv_dequant", "torch", env=env).passed
 
 

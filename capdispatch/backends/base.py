@@ -5,6 +5,7 @@ against a `Facts` value into a `Check` {code, need, found, ok, message}.
 """
 from __future__ import annotations
 
+import re
 from typing import Mapping, Optional
 
 import attrs
@@ -77,10 +78,27 @@ class Platform:
                      message="" if ok else f"needs a {self.kind} device, {f.device.id} is {f.device.platform}")
 
 
+# Triton reads TRITON_INTERPRET as a boolean: these spellings (any case, nothing around
+# them) mean on; anything else, unset included, means off.
+_TRITON_TRUE = ("1", "true", "on", "yes", "y")
+
+
+def triton_interpret(env) -> bool:
+    """Whether Triton, started with ENV, runs its kernels under the CPU interpreter."""
+    value = env.get("TRITON_INTERPRET")
+    return isinstance(value, str) and value.lower() in _TRITON_TRUE
+
+
 @attrs.frozen
 class TritonTarget:
     """Triton compiles for CUDA cards from MIN_CC, or runs on the CPU under its interpreter."""
     min_cc: str = "8.0"
+
+    def __attrs_post_init__(self):
+        # fail at declaration, not at every decision
+        if not isinstance(self.min_cc, str) or not re.fullmatch(r"\d{1,2}\.\d{1,2}", self.min_cc):
+            raise ValueError(f"TritonTarget min_cc {self.min_cc!r} is not a compute capability "
+                             f"(valid: MAJOR.MINOR, e.g. '8.0')")
 
     def evaluate(self, f: Facts) -> Check:
         need = f"CUDA cc >= {self.min_cc}, or cpu with TRITON_INTERPRET=1"
@@ -89,7 +107,7 @@ class TritonTarget:
             ok = d.cc is not None and Version(d.cc_str) >= Version(self.min_cc)
             found = f"cuda cc {d.cc_str or 'unknown'}"
         else:
-            ok = f.env.get("TRITON_INTERPRET", "0") not in ("", "0")
+            ok = triton_interpret(f.env)
             found = f"cpu, TRITON_INTERPRET={f.env.get('TRITON_INTERPRET', '(unset)')}"
         return Check(code="triton_target", need=need, found=found, ok=ok,
                      message="" if ok else f"Triton cannot run on {d.id}: needs {need}")

@@ -5,12 +5,18 @@ package's. A plugin registers into a staging area first; only when everything it
 declared checks out (known op, new name, `module:function` implementation, the
 requirement types of `capdispatch.backends`, known feature names) is it added, so a
 broken plugin is reported by name and skipped whole, and the built-ins never break.
-Plugins are read when the registry is built, never at import of capdispatch.
+Each plugin loads on a thread of its own within a time bound, its output captured and
+every exception (SystemExit included) caught; its requirements are evaluated once on a
+CPU and simulated cards before they are accepted. Plugins are read when the registry is
+built, never at import of capdispatch.
 """
 from __future__ import annotations
 
+import io
 import logging
 import re
+import sys
+import threading
 from importlib import metadata
 
 import attrs
@@ -22,6 +28,7 @@ log = logging.getLogger("capdispatch")
 GROUP = "capdispatch.backends"
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
 _IMPL = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
+PLUGIN_TIMEOUT_S = 20.0     # seconds one plugin's import and register() may take
 REQUIREMENT_TYPES = (base.Feature, base.AnyFeature, base.Platform, base.TritonTarget,
                      base.ComputeCapability, base.Library)
 
@@ -34,6 +41,7 @@ class PluginInfo:
     ok: bool
     message: str = ""    # why it was skipped
     backends: tuple = () # "op/name" it added
+    output: str = ""     # what it printed while loading (captured, not shown)
 
     def to_dict(self) -> dict:
         return attrs.asdict(self)
@@ -86,8 +94,11 @@ class _Staging:
             seen.add((b.op, b.name))
             if not isinstance(b.impl, str) or not _IMPL.fullmatch(b.impl):
                 out.append(f"{who}: impl {b.impl!r} must be 'package.module:function'")
+            if not isinstance(b.requires, tuple):
+                out.append(f"{who}: requires must be a tuple, not {type(b.requires).__name__}")
+                continue
             for r in b.requires:
-                if not isinstance(r, REQUIREMENT_TYPES):
+                if type(r) not in REQUIREMENT_TYPES:     # a subclass could evaluate anything
                     out.append(f"{who}: requirement {r!r} is not one of "
                                f"{', '.join(t.__name__ for t in REQUIREMENT_TYPES)}")
                     continue
@@ -96,6 +107,8 @@ class _Staging:
                 for n in names:
                     if n not in features.rules():
                         out.append(f"{who}: unknown feature {n!r} (valid: {', '.join(sorted(features.rules()))})")
+            if not out:
+                out += _trial(who, b)
         return out
 
     def commit(self) -> tuple:
@@ -106,37 +119,116 @@ class _Staging:
         return tuple(f"{b.op}/{b.name}" for b in self.backends)
 
 
+def _trial(who: str, backend) -> list:
+    """Evaluate BACKEND's requirements on a CPU and on simulated cards (nothing imported):
+    a declaration that cannot be evaluated is refused now, not at every decision."""
+    from ..capabilities import Inventory, derive_features, probe
+    out = []
+    for dev in ("cpu", "sim:h200", "sim:rtx-3080"):
+        spec = probe(dev)
+        facts = base.Facts(spec, derive_features(spec), Inventory(), {}, check_imports=False)
+        for r in backend.requires:
+            try:
+                r.evaluate(facts)
+            except Exception as exc:   # noqa: BLE001
+                out.append(f"{who}: requirement {r!r} cannot be evaluated on {dev} "
+                           f"({type(exc).__name__}: {exc})"[:300])
+                return out
+    return out
+
+
 def _dist_of(ep) -> str:
     dist = getattr(ep, "dist", None)
     return getattr(dist, "name", "") or "" if dist is not None else ""
 
 
-def load(registry, entry_points=None) -> list:
+def _timeout(env) -> float:
+    """CAPDISPATCH_IMPORT_TIMEOUT when set (checked as for libraries), else PLUGIN_TIMEOUT_S."""
+    from ..capabilities.libraries import _import_timeout
+    if not str(env.get("CAPDISPATCH_IMPORT_TIMEOUT", "")).strip():
+        return PLUGIN_TIMEOUT_S
+    return _import_timeout(env)
+
+
+class _Captured(io.StringIO):
+    """What a plugin prints while it loads (it must not reach the command's output)."""
+
+    def write(self, text):
+        return super().write(text) if self.tell() < 64 * 1024 else len(text)
+
+
+class _Loader(threading.Thread):
+    """Imports one entry point and calls its register(staging) on a daemon thread; a
+    hung one is left parked (it cannot be stopped) and its plugin is skipped."""
+
+    def __init__(self, ep, staging):
+        super().__init__(name=f"capdispatch-plugin-{ep.name}", daemon=True)
+        self.ep, self.staging = ep, staging
+        self.stage, self.error = "import", None
+
+    def run(self):
+        try:
+            fn = self.ep.load()
+            self.stage = "register"
+            if not callable(fn):
+                raise TypeError(f"{self.ep.value} is a {type(fn).__name__}, need a register(registry) function")
+            fn(self.staging)
+            self.stage = "check"
+        except BaseException as exc:   # noqa: BLE001 - SystemExit and all: the plugin's own failure
+            self.error = exc
+
+
+def _named(exc: BaseException) -> str:
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    if isinstance(exc, SystemExit):
+        text = f"code {exc.code!r}"
+    return f"{type(exc).__name__}: {text}"[:300] if text else type(exc).__name__
+
+
+def load(registry, entry_points=None, *, timeout=None, env=None) -> list:
     """Add every plugin's backends to REGISTRY; returns a PluginInfo per entry point.
-    ENTRY_POINTS: the entry points to read (default: the installed `capdispatch.backends` group)."""
+    ENTRY_POINTS: the entry points to read (default: the installed `capdispatch.backends` group).
+
+    Each plugin is imported and registered on a thread of its own within TIMEOUT seconds
+    (CAPDISPATCH_IMPORT_TIMEOUT, else PLUGIN_TIMEOUT_S); what it prints meanwhile is
+    captured (Python-level sys.stdout / sys.stderr); any exception, SystemExit and
+    KeyboardInterrupt included, skips that plugin, named. A plugin that hangs is skipped
+    and its thread stays parked: it holds the import lock of its module."""
+    import os
+    env = os.environ if env is None else env
+    limit = _timeout(env) if timeout is None else timeout
     eps = metadata.entry_points(group=GROUP) if entry_points is None else entry_points
     infos = []
     for ep in sorted(eps, key=lambda e: e.name):
         dist = _dist_of(ep)
         where = f"plugin {ep.name!r} ({ep.value}{', from ' + dist if dist else ''})"
+        staging = _Staging(registry)
+        worker = _Loader(ep, staging)
+        out = _Captured()
+        saved = sys.stdout, sys.stderr
+        sys.stdout = sys.stderr = out
         try:
-            fn = ep.load()
-        except Exception as exc:   # noqa: BLE001 - any failure of a plugin's import is its own
-            infos.append(PluginInfo(ep.name, ep.value, dist, False,
-                                    f"import failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"))
+            worker.start()
+            worker.join(limit)
+        finally:
+            sys.stdout, sys.stderr = saved
+        printed = out.getvalue()
+        if worker.is_alive():
+            msg = (f"{'import' if worker.stage == 'import' else 'register()'} did not finish within "
+                   f"{limit:g} s (left parked; CAPDISPATCH_IMPORT_TIMEOUT sets the limit)")
+        elif worker.error is not None:
+            msg = (f"import failed: {_named(worker.error)}" if worker.stage == "import"
+                   else f"register() raised {_named(worker.error)}")
         else:
-            staging = _Staging(registry)
             try:
-                if not callable(fn):
-                    raise TypeError(f"{ep.value} is a {type(fn).__name__}, need a register(registry) function")
-                fn(staging)
                 problems = staging.problems()
-            except Exception as exc:   # noqa: BLE001
-                problems = [f"register() raised {type(exc).__name__}: {exc}"]
-            if problems:
-                infos.append(PluginInfo(ep.name, ep.value, dist, False, "; ".join(problems)))
-            else:
-                infos.append(PluginInfo(ep.name, ep.value, dist, True, backends=staging.commit()))
-        if not infos[-1].ok:
-            log.warning("%s skipped: %s", where, infos[-1].message)
+            except Exception as exc:   # noqa: BLE001 - a declaration that breaks the checks
+                problems = [f"its declarations cannot be checked: {_named(exc)}"]
+            msg = "; ".join(problems)
+        if msg:
+            infos.append(PluginInfo(ep.name, ep.value, dist, False, msg, output=printed[:2000]))
+            log.warning("%s skipped: %s", where, msg)
+        else:
+            infos.append(PluginInfo(ep.name, ep.value, dist, True, backends=staging.commit(),
+                                    output=printed[:2000]))
     return infos

@@ -12,6 +12,7 @@ preference order is the built-in policy's (policies/default.yaml).
 from __future__ import annotations
 
 import importlib
+import threading
 
 from ..errors import CapdispatchError
 from .base import Backend, Op
@@ -68,6 +69,7 @@ class Registry:
 
 
 _builtin = None
+_builtin_lock = threading.Lock()
 
 
 def build(*, plugins: bool = True, entry_points=None) -> Registry:
@@ -86,5 +88,7 @@ def builtin() -> Registry:
     """The registry of this process: capdispatch's own ops and the installed plugins."""
     global _builtin
     if _builtin is None:
-        _builtin = build()
+        with _builtin_lock:         # concurrent first calls build it once
+            if _builtin is None:
+                _builtin = build()
     return _builtin

@@ -59,6 +59,12 @@ class SizesError(CapdispatchError, ValueError):
     pass
 
 
+def max_size(op: str) -> int:
+    """The largest size `--sizes` may time OP at: 16 times its ladder's largest (the
+    inputs grow with it; a typo of a few digits must not allocate the card away)."""
+    return 16 * max(DEFAULT_SIZES[op])
+
+
 def parse_sizes(text: str) -> tuple:
     """'1,2,16' -> (1, 2, 16): whole numbers >= 1, ascending, no repeats."""
     out = []

@@ -75,7 +75,7 @@ def _q(s: str) -> str:
 
 
 def render_policy(match: dict, per_op: dict, *, key_of, header=(), kept_ops=None, excluded=None,
-                  graphed=None, unmeasured=None, measured_with=None) -> str:
+                  graphed=None, unmeasured=None, measured_with=None, settings=None) -> str:
     """PER_OP: op -> list of Runs (calibrate.choose.merge). KEY_OF: op -> bucket key.
     KEPT_OPS: op -> what the previous file said for an op not measured now: its lines
     (`op_blocks`) or, for a file written by hand, its OpPreference.
@@ -83,9 +83,12 @@ def render_policy(match: dict, per_op: dict, *, key_of, header=(), kept_ops=None
     GRAPHED: op -> sizes timed inside a CUDA graph.
     UNMEASURED: op -> backends this card could not run: each bucket names them, so the resolver
     keeps them at their default place (`unmeasured:`).
-    MEASURED_WITH: library -> version ("absent") the run had: serving elsewhere warns."""
+    MEASURED_WITH: library -> version ("absent") the run had: serving elsewhere warns.
+    SETTINGS: the previous file's `mixed_group` / `on_unsupported` / `verify`, kept."""
     lines = [f"# {h}" if h else "#" for h in header]
-    lines += ["schema: 1", "devices:"]
+    lines += ["schema: 1"]
+    lines += [f"{k}: {v}" for k, v in (settings or {}).items()]
+    lines += ["devices:"]
     m = ", ".join(f"{k}: {_q(str(v))}" for k, v in match.items())
     lines += [f"  - match: {{{m}}}"]
     if measured_with:

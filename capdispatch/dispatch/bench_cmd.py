@@ -24,7 +24,8 @@ def add_parser(subparsers):
     b.add_argument("--sizes", default=None, metavar="N,N,...",
                    help="sizes of the ops' leading dimension (default: each op's ladder)")
     b.add_argument("--write-policy", default=None, metavar="FILE",
-                   help="write (or update) the calibrated policy for this card there")
+                   help="write (or update) the calibrated policy for this card there: a regular "
+                        "file, replaced atomically (- : standard output)")
     b.add_argument("--noise", type=float, default=5.0, metavar="PCT",
                    help="a backend replaces the one FILE already names for a size only when faster "
                         "by more than PCT percent (default 5)")
@@ -66,9 +67,11 @@ def run(args, *, timer=None) -> int:
 
     if not 0 <= args.noise < 100:
         raise BadInput(f"--noise: {args.noise!r} is not a percentage (valid: 0 <= PCT < 100)")
-    for flag, value, low in (("--warmup", args.warmup, 0.0), ("--rep", args.rep, 0.0)):
-        if not (math.isfinite(value) and value > low):
-            raise BadInput(f"{flag}: {value!r} is not a time in ms (valid: a number > 0)")
+    for flag, value, low in (("--warmup", args.warmup, 0.0), ("--rep", args.rep, None)):
+        if not (value == value and value != float("inf") and (value >= low if low is not None else value > 0)
+                and value <= 60_000):
+            raise BadInput(f"{flag}: {value!r} is not a time in ms (valid: "
+                           f"{'0' if low is not None else 'more than 0'} to 60000)")
     if not (math.isfinite(args.threshold) and args.threshold >= 1.0):
         raise BadInput(f"--threshold: {args.threshold!r} is not a ratio (valid: a number >= 1, e.g. 1.05)")
     for flag, value, low in (("--layers", args.layers, 1), ("--cuda-graph-max-bs", args.cuda_graph_max_bs, 0)):
@@ -89,6 +92,11 @@ def run(args, *, timer=None) -> int:
         sizes = ladder.parse_sizes(args.sizes) if args.sizes else None
     except ladder.SizesError as exc:
         raise BadInput(str(exc)) from None
+    for op in ops if sizes else ():
+        top = ladder.max_size(op)
+        if sizes[-1] > top:
+            raise BadInput(f"--sizes: {sizes[-1]} is larger than {op} is timed at (valid: up to {top} "
+                           f"{ctx.registry.ops[op].size.key}, 16 times its ladder's largest)")
     known = known_device_names()
     checked = _checked_policies(args.check, ctx, known)
     profile_name = args.profile or ("full" if spec.platform == "cuda" else "small")
@@ -108,10 +116,22 @@ def run(args, *, timer=None) -> int:
         timer = timing.cuda_timer(args.warmup, args.rep) if spec.platform == "cuda" else timing.cpu_timer()
 
     match = writer.device_match(spec, known)
-    previous, kept_ops = {}, {}
-    if args.write_policy and os.path.exists(args.write_policy):
+    previous, kept_ops, settings = {}, {}, {}
+    to_stdout = args.write_policy == "-"
+    if args.write_policy is not None and not to_stdout:
+        from ..safe_io import FileError, target_of
+        if not args.write_policy.strip():
+            raise BadInput("--write-policy: an empty file name (give a policy file path, or - "
+                           "for standard output)")
+        try:     # a directory, FIFO or device is refused before anything is measured
+            target_of(args.write_policy)
+        except FileError as exc:
+            raise BadInput(f"--write-policy {exc.path}: {exc.reason}") from None
+    if args.write_policy and not to_stdout and os.path.exists(args.write_policy):
         pf = load_file(args.write_policy, ctx.registry, known_devices=known)
         previous, others, mine = writer.incumbents(pf, match)
+        settings = {k: getattr(pf, k).value for k in ("mixed_group", "on_unsupported", "verify")
+                    if getattr(pf, k) is not None}       # kept as the file says them
         if others:
             raise BadInput(f"{args.write_policy}: holds a calibration for another card "
                            f"({others[0].describe()}, line {others[0].line}); this run is for "
@@ -120,8 +140,8 @@ def run(args, *, timer=None) -> int:
             raise BadInput(f"{args.write_policy}: has top-level ops; a calibrated policy holds one "
                            f"devices: entry only: write to another file")
         if mine is not None:
-            with open(args.write_policy, encoding="utf-8") as fh:
-                blocks = writer.op_blocks(fh.read())
+            from ..policies.loader import read_text
+            blocks = writer.op_blocks(read_text(args.write_policy))
             kept_ops = {op: blocks.get(op, m) for op, m in mine.ops.items() if op not in ops}
 
     try:
@@ -198,21 +218,22 @@ def run(args, *, timer=None) -> int:
 
     header = _header(spec, timer, args.noise, profile_name, form, shapes)
     text = writer.render_policy(match, per_op, key_of=lambda o: ctx.registry.ops[o].size.key,
-                                header=header, kept_ops=kept_ops, excluded=excluded,
+                                header=header, kept_ops=kept_ops, excluded=excluded, settings=settings,
                                 graphed={op: {r.size for r in rows if r.graph}
                                          for op, (rows, _) in results.items()},
                                 unmeasured=unmeasured, measured_with=_inventory(ctx))
     if args.write_policy:
-        # What is written must load like any policy: checked before the file is replaced.
-        try:
-            from ..policies import loader
-            loader.parse(text, args.write_policy, ctx.registry, known_devices=known)
+        from ..policies import parse
+        try:   # what is written must load like any policy: checked before the file is touched
+            parse(text, args.write_policy, ctx.registry, known_devices=known)
         except PolicyError as exc:
             raise AssertionError(f"dispatch bench made a policy the loader refuses: {exc}") from exc
+    if args.write_policy and not to_stdout:
+        from ..safe_io import FileError, write_atomic
         try:
-            _write(args.write_policy, text)
-        except OSError as exc:
-            raise BadInput(f"--write-policy {args.write_policy}: cannot write: {exc.strerror}") from None
+            write_atomic(args.write_policy, text)
+        except FileError as exc:
+            raise BadInput(f"--write-policy {exc.path}: {exc.reason}") from None
 
     regret = [_regret(p, label, results, spec, ctx) for p, label in checked]
     over = [r for rows in regret for r in rows if not r["ratio"] <= args.threshold]
@@ -226,13 +247,13 @@ def run(args, *, timer=None) -> int:
                           "check": {"threshold": args.threshold,
                                     "policies": [label for _, label in checked],
                                     "rows": [dict(r, ratio=r["ratio"] if r["ratio"] != float("inf") else None)
-                                             for rows in regret for r in rows]} if checked else None},
-                         indent=2))
+                                             for rows in regret for r in rows]} if checked else None,
+                          **({"policy_text": text} if to_stdout else {})}, indent=2))
     else:
         print(_table(results, per_op, ctx))
         for (_, label), rows in zip(checked, regret):
             print("\n" + _regret_table(label, rows, args.threshold))
-        if args.write_policy:
+        if args.write_policy and not to_stdout:
             print(f"\nwrote {args.write_policy}")
         elif not checked:
             print("\n" + text)
@@ -321,34 +342,6 @@ def _inventory(ctx) -> dict:
         lib = ctx.inventory.get(n)
         out[n] = lib.version if lib.installed and lib.version else "absent"
     return out
-
-
-def _write(path: str, text: str) -> None:
-    """TEXT into PATH through a file beside it, renamed over it: a reader never sees half a
-    policy, and a failed run leaves the old file."""
-    import tempfile
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".capdispatch-", suffix=".yaml", dir=folder)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        if os.path.exists(path):
-            os.chmod(tmp, os.stat(path).st_mode & 0o7777)
-        else:
-            os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def _default_device() -> str:

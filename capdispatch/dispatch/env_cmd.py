@@ -21,7 +21,8 @@ VARIABLES = {
     "CAPDISPATCH_VERIFY": "what an unverified or failed canary does (above the policy's verify)",
     "CAPDISPATCH_CACHE_DIR": "where canary verdicts are cached (default: the user's cache directory)",
     "CAPDISPATCH_LOCK": "a lock file explain and verify compare the decisions with",
-    "CAPDISPATCH_IMPORT_TIMEOUT": "seconds a library's import may take on a real device (default 60)",
+    "CAPDISPATCH_IMPORT_TIMEOUT": "seconds a library's import may take on a real device (default 60), "
+                                  "and a plugin's import and register() (default 20)",
     "CAPDISPATCH_DEBUG": "1: an internal error shows its traceback",
     "CUDA_VISIBLE_DEVICES": "which GPUs cuda:N numbers, and in what order",
     "CUDA_DEVICE_ORDER": "PCI_BUS_ID makes CUDA's numbering match NVML's",

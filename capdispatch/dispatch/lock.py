@@ -127,24 +127,14 @@ class Lock:
                                        allow_unicode=True)
 
     def write(self, path) -> None:
-        """Write atomically (a temporary file in the same directory, then renamed)."""
-        import tempfile
-        path = os.fspath(path)
-        d = os.path.dirname(os.path.abspath(path))
+        """Replace (or create) the regular file PATH without a window in which it is
+        partial: written beside it, synced, renamed; a rewritten lock keeps its mode.
+        Anything but a regular file (a directory, a FIFO, a device) is refused."""
+        from ..safe_io import FileError, write_atomic
         try:
-            fd, tmp = tempfile.mkstemp(dir=d, prefix=".capdispatch-lock-", suffix=".part")
-        except OSError as exc:
-            raise BadInput(f"cannot write the lock {path}: {exc.strerror or exc} (in {d})") from None
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                fh.write(self.dumps())
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+            write_atomic(path, self.dumps())
+        except FileError as exc:
+            raise BadInput(f"cannot write the lock {exc.path}: {exc.reason}") from None
 
 
 @attrs.frozen
@@ -173,10 +163,14 @@ def _backend_dists(registry, op: str, backend: str) -> list:
 def _verification(spec, op: str, backend: str, plan, env) -> str:
     if spec.simulated:
         return NOT_VERIFIED
-    from ..proof import lookup
-    verdict = lookup(spec, op, backend, registry=plan.registry, inventory=plan.inventory, env=env)
+    from ..backends import builtin
+    from ..proof import open_card
+    card = open_card(spec, inventory=plan.inventory, env=env)
+    b = (plan.registry or builtin()).backend(op, backend)
+    verdict = card.get(b)
     if verdict is None:
-        return NOT_VERIFIED
+        why = card.suspect(b)
+        return f"failed: untrusted cache entry ({why[:120]})" if why else NOT_VERIFIED
     return "pass" if verdict.passed else f"failed: {verdict.describe()}"
 
 
@@ -329,7 +323,11 @@ def parse(text: str, path: str = "<lock>", registry=None) -> Lock:
                                      optional=("policy", "set", "assume_lib")).items():
             inputs[key] = [r.scalar(x, f"inputs.{key} entry") for x in r.sequence(v, f"inputs.{key}")]
     devices, seen = [], {}
-    for dnode in r.sequence(top["devices"][1], "devices"):
+    dnodes = r.sequence(top["devices"][1], "devices")
+    if not dnodes:      # a lock of nothing would match every plan
+        raise r.err(top["devices"][1], "devices is empty: a lock holds at least one device "
+                                       "(write one with `dispatch lock -o FILE`)")
+    for dnode in dnodes:
         d = r.mapping(dnode, "a device", required=("id", "name", "ops"), optional=("cc", "uuid"))
         did = r.scalar(d["id"][1], "device id")
         if did in seen:
@@ -451,9 +449,14 @@ def compare(plan, lock: Lock, *, partial: bool = False) -> tuple:
 
 
 def lock_path(path=None, env=None) -> Optional[str]:
-    """PATH, else CAPDISPATCH_LOCK (read now), else None."""
-    if path:
-        return os.fspath(path)
+    """PATH, else CAPDISPATCH_LOCK (read now), else None. An empty PATH is refused (it
+    would silently skip the check); an empty CAPDISPATCH_LOCK means unset."""
+    if path is not None:
+        path = os.fspath(path)
+        if not (path.strip() if isinstance(path, str) else path.strip(b" \t")):
+            raise BadInput("--lock: an empty file name (give a lock file path, or leave "
+                           "--lock out to use $CAPDISPATCH_LOCK)")
+        return path
     env = os.environ if env is None else env
     return env.get(ENV_LOCK) or None
 

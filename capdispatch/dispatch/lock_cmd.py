@@ -11,6 +11,7 @@ a malformed lock included: exit 2 with file:line.
 """
 from __future__ import annotations
 
+import re
 import sys
 
 EXIT_OK, EXIT_DRIFT = 0, 3
@@ -31,7 +32,9 @@ def add_parser(subparsers):
     p.add_argument("--strict", action="store_true",
                    help="an explicit choice that cannot run is an error (exit 3), not a downgrade")
     out = p.add_mutually_exclusive_group()
-    out.add_argument("-o", "--output", metavar="FILE", help="where to write the lock (default: stdout)")
+    out.add_argument("-o", "--output", metavar="FILE",
+                     help="where to write the lock: a regular file, replaced atomically, or - "
+                          "(default: stdout)")
     out.add_argument("--check", metavar="FILE",
                      help="compare today's decisions with FILE only: exit 0 same, 3 drift")
     p.add_argument("--probe", choices=("auto", "torch", "nvml"), default="auto",
@@ -54,7 +57,9 @@ def _specs(args, locked=None):
     specs = []
     for d in locked.devices:
         try:
-            specs.append(as_spec(d.id.partition("#")[0], via=args.probe, assume_cuda=args.assume_cuda))
+            # A repeated card is locked as ID@N (its position); unique_ids names it so again.
+            base = re.sub(r"@\d+$", "", d.id.partition("#")[0])
+            specs.append(as_spec(base, via=args.probe, assume_cuda=args.assume_cuda))
         except (BadInput, ProbeError):
             if not d.id.startswith("cuda:"):
                 raise
@@ -63,8 +68,19 @@ def _specs(args, locked=None):
 
 def run(args) -> int:
     from . import lock as L
+    from .errors import BadInput
     from .explain import plan
-    locked = L.load(args.check) if args.check else None
+    for flag, value in (("--check", args.check), ("-o/--output", args.output)):
+        if value is not None and not value.strip():
+            raise BadInput(f"{flag}: an empty file name (give a lock file path"
+                           f"{', or - for standard output' if flag != '--check' else ''})")
+    if args.output and args.output != "-":
+        from ..safe_io import FileError, target_of
+        try:
+            target_of(args.output)      # refuse a directory, FIFO or device before deciding
+        except FileError as exc:
+            raise BadInput(f"-o {exc.path}: {exc.reason}") from None
+    locked = L.load(args.check) if args.check is not None else None
     ops = args.op or (list(dict.fromkeys(op for d in locked.devices for op in d.ops)) if locked else None)
     p = plan(_specs(args, locked), ops, policy=args.policy or None, selections=args.set_ or None,
              assume_libs=args.assume_lib, strict=args.strict, selection_origin="--set")
@@ -80,7 +96,7 @@ def run(args) -> int:
               f"{n} decision(s))")
         return EXIT_OK
     lk = L.freeze(p, inputs={"policy": args.policy, "set": args.set_, "assume_lib": args.assume_lib})
-    if args.output:
+    if args.output and args.output != "-":
         lk.write(args.output)
         n = sum(len(d.ops) for d in lk.devices)
         print(f"wrote {args.output}: {len(lk.devices)} device(s), {n} decision(s)", file=sys.stderr)

@@ -178,7 +178,12 @@ def context(*, policy=None, selections=None, assume_libs=None, strict=False, reg
     One Context holds one policy stack and one library inventory; every decision
     made with it (`plan_in`, `resolve_in`) sees the same assumptions."""
     from ..capabilities.libraries import AssumeLibError
+    from ..safe_io import printable
     env = dict(os.environ if env is None else env)
+    for k, v in env.items():     # what os.environ could hold: text only
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise BadInput(f"env: {printable(repr(k), 60)} = {printable(repr(v), 60)}: environment "
+                           f"variables and their values are strings")
     registry = registry or builtin()
     try:
         inventory = Inventory.with_assumptions(assume_libs, libs=libs, known=library_modules(registry))
@@ -194,7 +199,8 @@ def context(*, policy=None, selections=None, assume_libs=None, strict=False, reg
     env_flag(env, "CAPDISPATCH_STRICT")   # a bad value is refused now, not at the first fallback
     verify = env.get("CAPDISPATCH_VERIFY")
     if verify and verify not in _policies.VERIFY:
-        raise BadInput(f"CAPDISPATCH_VERIFY={verify!r} is not valid (valid: {', '.join(_policies.VERIFY)})")
+        raise BadInput(f"CAPDISPATCH_VERIFY={printable(repr(verify), 60)} is not valid "
+                       f"(valid: {', '.join(_policies.VERIFY)})")
     return Context(registry, stack, inventory, env, strict)
 
 
@@ -261,9 +267,18 @@ def _measured_elsewhere(ctx: Context, device: DeviceSpec, pref) -> tuple:
             f"--check` with it, or calibrate again)",)
 
 
-def canary_check(verdict, mode: str, device: DeviceSpec, op: str, name: str) -> Check:
-    """The `canary` check: what the verification cache says of this backend on this card."""
+def canary_check(verdict, mode: str, device: DeviceSpec, op: str, name: str,
+                 suspect: Optional[str] = None) -> Check:
+    """The `canary` check: what the verification cache says of this backend on this card.
+    SUSPECT: why its cache file was not trusted; such a backend fails (closed) until
+    `dispatch verify` runs its canary again."""
     need = "pass" if mode == "required" else "pass, or not verified (verify: warn)"
+    if verdict is None and suspect:
+        from ..safe_io import printable
+        why = printable(suspect, 160)
+        return Check("canary", need, f"untrusted cache entry: {why}", False,
+                     f"{device.id}: {op}/{name}: its cached verdict cannot be trusted ({why}); "
+                     f"run `dispatch verify` to verify it again")
     if verdict is None:
         ok = mode != "required"
         return Check("canary", need, "not verified", ok,
@@ -288,7 +303,8 @@ def evaluate(ctx: Context, op: str, device: DeviceSpec, names, preferred) -> lis
         if all(c.ok for c in checks) and not device.simulated:
             checks = backend.evaluate(attrs.evolve(cheap, check_imports=True))
         if card is not None:
-            checks = list(checks) + [canary_check(card.get(backend), ctx.verify_mode, device, op, name)]
+            checks = list(checks) + [canary_check(card.get(backend), ctx.verify_mode, device, op, name,
+                                                  card.suspect(backend))]
         out.append(Candidate(name, all(c.ok for c in checks), tuple(checks), name in preferred))
     return out
 

@@ -10,6 +10,7 @@ a failed backend is rejected and the next one wins).
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Optional
 
@@ -73,9 +74,17 @@ def run(ctx: Context, todo, *, timeout: float, budget_s: Optional[float] = None,
         workers: int = 1, on_start=None, on_done=None) -> list:
     """Run each job's canary in a child process and cache its verdict; results in job
     order. USE_CACHE: a job with a cached verdict does not run. BUDGET_S: jobs that
-    would start after it are left unverified (verdict None). WORKERS: children at once."""
+    would start after it are left unverified (verdict None). WORKERS: children at once.
+
+    Only a verdict the kernel caused is cached: one with a fault (the budget ran out,
+    the child was killed from outside or never started) is returned, not recorded. An
+    interrupt (KeyboardInterrupt, or any exception in the calling thread) makes every
+    running child of this call kill its process group within runner.POLL_S, starts
+    nothing more, records nothing more, and propagates."""
     from ..proof.runner import run_canary
+    check_timeout(timeout, "timeout")
     t0 = time.monotonic()
+    cancel = threading.Event()
     for job in todo:
         _card(ctx, job.device)        # read each device's cache once, before any thread runs
 
@@ -86,27 +95,58 @@ def run(ctx: Context, todo, *, timeout: float, budget_s: Optional[float] = None,
         if cached is not None:
             return Result(job, cached, cached=True)
         left = None if budget_s is None else budget_s - (time.monotonic() - t0)
-        if left is not None and left <= 0:
+        if (left is not None and left <= 0) or cancel.is_set():
             return Result(job, None)
         if on_start:
             on_start(job)
-        verdict = run_canary(job.op, job.backend, job.device.id,
-                             timeout=timeout if left is None else max(1.0, min(timeout, left)),
-                             env=ctx.env)
-        card.put(b, verdict)
+        cut = left is not None and left < timeout - 1.0    # it gets less than its own limit
+        verdict = run_canary(job.op, job.backend, torch_device(job.device),
+                             timeout=timeout if not cut else max(1.0, left), budget_cut=cut,
+                             env=ctx.env, cancel=cancel)
+        if not verdict.fault and not cancel.is_set():
+            card.put(b, verdict)
         return Result(job, verdict)
 
     def one(job):
         r = check(job)
-        if on_done:
+        if on_done and not cancel.is_set():
             on_done(r)
         return r
 
     if workers <= 1 or len(todo) <= 1:
-        return [one(job) for job in todo]
+        try:
+            return [one(job) for job in todo]
+        except BaseException:
+            cancel.set()
+            raise
     from concurrent.futures import ThreadPoolExecutor
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        return list(pool.map(one, todo))
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="capdispatch-verify")
+    try:
+        futures = [pool.submit(one, job) for job in todo]
+        return [f.result() for f in futures]
+    except BaseException:
+        cancel.set()           # the workers' waits see it within runner.POLL_S and kill
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def torch_device(spec) -> str:
+    """The device the child runs on: SPEC's id without a group copy's position (cpu@1 -> cpu)."""
+    import re
+    return re.sub(r"@\d+$", "", spec.id.split("#")[0])
+
+
+def check_timeout(value, what: str = "--timeout") -> float:
+    """VALUE as seconds: a finite number > 0, else BadInput naming WHAT."""
+    import math
+    try:
+        ok = not isinstance(value, bool) and float(value) > 0 and math.isfinite(float(value))
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise BadInput(f"{what}: {value!r} is not a time limit (valid: seconds, a finite number > 0)")
+    return float(value)
 
 
 def _card(ctx: Context, spec):
@@ -128,11 +168,14 @@ class Verification:
 
     @property
     def failed(self) -> tuple:
-        return tuple(r for r in self.results if r.verdict is not None and not r.verdict.passed)
+        """The kernels that failed their canary (a run cut short by the budget or killed
+        from outside is unverified, not failed)."""
+        return tuple(r for r in self.results if r.verdict is not None and not r.verdict.passed
+                     and not r.verdict.fault)
 
     @property
     def unverified(self) -> tuple:
-        return tuple(r for r in self.results if r.verdict is None)
+        return tuple(r for r in self.results if r.verdict is None or r.verdict.fault)
 
     def describe(self, replaced: Optional[dict] = None) -> str:
         """One log line: 'verified on this card', or what failed and what replaced it."""
@@ -152,9 +195,13 @@ class Verification:
             after = replaced.get(r.job.op)
             parts.append(f"{r.job.op}={r.job.backend} failed its canary on this card ({r.verdict.describe()})"
                          + (f", replaced by {after}" if after else ""))
-        if self.unverified:
+        late = [r for r in self.unverified if r.verdict is None]
+        if late:
             parts.append("not verified within the time budget: " + ", ".join(
-                f"{r.job.op}={r.job.backend}" for r in self.unverified))
+                f"{r.job.op}={r.job.backend}" for r in late))
+        for r in self.unverified:
+            if r.verdict is not None:
+                parts.append(f"{r.job.op}={r.job.backend} not verified ({r.verdict.describe()})")
         return "; ".join(parts)
 
 
@@ -162,9 +209,10 @@ def verify_decisions(spec, resolutions, *, budget_s: float = DEFAULT_BUDGET_S, t
                      policy=None, env=None, registry=None) -> Verification:
     """Verify, on SPEC's card, the backends decided for it. RESOLUTIONS: Resolutions or
     a mapping op -> Resolution or backend name. A backend with a cached verdict for this
-    card and software does not run again; the others run (each in a child process)
-    until BUDGET_S seconds have passed. Nothing runs for a simulated device or under
-    `verify: off`. Decide again afterwards: the new decision reads the verdicts."""
+    card and software does not run again; the others run (each in a child process, each
+    within TIMEOUT_S, default 120 s) until BUDGET_S seconds have passed; a canary the
+    budget cuts short is unverified, not failed, and not cached. Nothing runs for a
+    simulated device or under `verify: off`. Decide again afterwards: the new decision reads the verdicts."""
     from .resolver import context
     env = dict(os.environ if env is None else env)
     ctx = context(policy=policy, env=env, registry=registry)
@@ -177,6 +225,11 @@ def verify_decisions(spec, resolutions, *, budget_s: float = DEFAULT_BUDGET_S, t
         return Verification(spec, (), "off" if mode == "off" else "simulated")
     t0 = time.monotonic()
     todo = [Job(spec, op, b) for op, b in pairs if b is not None]
-    timeout = budget_s if timeout_s is None else timeout_s
+    if isinstance(budget_s, bool) or not isinstance(budget_s, (int, float)) or budget_s != budget_s \
+            or budget_s < 0:
+        raise BadInput(f"budget_s: {budget_s!r} is not a time budget (valid: seconds >= 0)")
+    from ..proof.runner import DEFAULT_TIMEOUT_S
+    # The canary's own limit; the budget only cuts it short (and a cut is not the kernel's).
+    timeout = check_timeout(timeout_s, "timeout_s") if timeout_s is not None else DEFAULT_TIMEOUT_S
     results = run(ctx, todo, timeout=timeout, budget_s=budget_s, use_cache=True)
     return Verification(spec, tuple(results), mode, time.monotonic() - t0)

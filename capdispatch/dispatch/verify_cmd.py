@@ -74,9 +74,17 @@ def run(args) -> int:
     from .group import unique_ids
     from .resolver import as_spec, context
     from . import verify
+    verify.check_timeout(args.timeout)
+    from .lock import lock_path
+    lock_path(args.lock)          # an empty --lock is refused before any canary runs
+    if args.jobs is not None and args.jobs < 1:
+        from .errors import BadInput
+        raise BadInput(f"--jobs: {args.jobs} is not a number of canaries at once (valid: 1 or more)")
     if args.clear_cache:
         from ..proof import clear
-        print(f"cleared {clear()}", file=sys.stderr)
+        root, existed = clear()
+        print(f"cleared the verification cache {root}" if existed else
+              f"no verification cache at {root}: nothing to clear", file=sys.stderr)
     ctx = context(policy=args.policy or None, selections=args.set_ or None, selection_origin="--set")
     devs = [x.strip() for v in args.device for x in v.split(",") if x.strip()]
     specs = unique_ids([as_spec(d, via=args.probe) for d in devs]) if devs else local_devices(via=args.probe)
@@ -85,8 +93,10 @@ def run(args) -> int:
         _check_op(ctx, op)
     ops = args.op or list(ctx.registry.ops)
     todo = verify.jobs(ctx, specs, ops, backend=args.backend, every=args.every)
-    with _Progress(len(todo)) as progress:
-        results = verify.run(ctx, todo, timeout=args.timeout, workers=default_jobs() if args.jobs is None else max(1, args.jobs), on_start=progress.start, on_done=progress.done)
+    with _Progress(len(todo)) as progress, _terminate_as_interrupt():
+        results = verify.run(ctx, todo, timeout=args.timeout,
+                             workers=default_jobs() if args.jobs is None else args.jobs,
+                             on_start=progress.start, on_done=progress.done)
     failed = [r for r in results if r.verdict is None or not r.verdict.passed]
     if args.format == "json":
         print(json.dumps({"schema": 1, "results": [r.to_dict() for r in results],
@@ -106,7 +116,8 @@ def render(results) -> str:
         secs = "" if v is None else f"{v.seconds.get('wall', 0):.1f}"
         rows.append((r.job.op, r.job.device.id, r.job.backend, "not run" if v is None else v.describe(), secs))
         if v is not None and not v.passed and v.detail:
-            lines = v.detail.strip().splitlines()[:4]
+            from ..safe_io import printable
+            lines = printable(v.detail.strip()).splitlines()[:4]
             details.append(f"{r.job.device.id} {r.job.op}/{r.job.backend} ({v.outcome}, seed {v.seed}):\n"
                            + "\n".join(f"    {ln[:160]}" for ln in lines))
     short = [(a, b, c, d if len(d) <= 90 else d[:87] + "...", e) for a, b, c, d, e in rows]
@@ -125,3 +136,30 @@ def default_jobs() -> int:
     """Canaries at once when --jobs is not given: each child spends most of its time
     importing torch and compiling on the CPU, so the CPU count bounds the gain."""
     return max(1, min(8, os.cpu_count() or 1))
+
+
+class _terminate_as_interrupt:
+    """SIGTERM (and SIGHUP) raise KeyboardInterrupt in the main thread while canaries run,
+    so every child's process group is killed and its folder removed on the way out."""
+
+    SIGNALS = ("SIGTERM", "SIGHUP")
+
+    def __enter__(self):
+        import signal
+        import threading
+        self.old = {}
+        if threading.current_thread() is not threading.main_thread():
+            return self
+
+        def interrupt(signum, frame):
+            raise KeyboardInterrupt(signal.Signals(signum).name)
+        for name in self.SIGNALS:
+            sig = getattr(signal, name, None)
+            if sig is not None:
+                self.old[sig] = signal.signal(sig, interrupt)
+        return self
+
+    def __exit__(self, *exc):
+        import signal
+        for sig, old in self.old.items():
+            signal.signal(sig, old)

@@ -25,6 +25,7 @@ TOP_KEYS = ("schema", "mixed_group", "on_unsupported", "verify", "ops", "devices
 DEVICE_KEYS = ("match", "measured_with", "ops")
 MATCH_KEYS = ("id", "name", "cc")
 MAX_BYTES = 1 << 20          # a policy is a few dozen lines; refuse more than 1 MiB unread
+MAX_VALUES = 100_000        # values of a load_marked document with its aliases expanded
 MAX_DEPTH = 64               # nesting beyond any valid policy (whose deepest value is 5 levels in)
 
 # A device id in a policy: cuda:N, cpu or sim:NAME; `@N` names the copy at group
@@ -309,8 +310,13 @@ def load_marked(text: str, path: str):
     with PolicyError(path, line, ...)."""
     r = _Reader(path, text)
     root = r.root()
+    budget = [MAX_VALUES]      # aliases repeat subtrees: bound what they expand to
 
     def build(node, what):
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise r.err(node, f"more than {MAX_VALUES} values once aliases are expanded "
+                              f"(an alias of an alias repeats a subtree many times)")
         line = node.start_mark.line + 1
         if isinstance(node, yaml.MappingNode):
             out = MarkedMap()
@@ -537,6 +543,8 @@ def _display(path) -> str:
         text = os.fsdecode(path) if isinstance(path, (str, bytes, os.PathLike)) else repr(path)
     except (TypeError, ValueError):
         text = repr(path)
+    if len(text) > 300:        # a message names the file; it need not repeat a page of it
+        text = f"{text[:150]}...{text[-100:]} ({len(text)} characters)"
     if text.isprintable():
         try:
             text.encode("utf-8")
@@ -563,14 +571,12 @@ def read_text(path) -> str:
                                        "this file system's encoding") from None
     if os.path.isdir(path):
         raise PolicyError(shown, None, "cannot read policy file: it is a directory (give a .yaml file)")
-    try:
-        with open(path, "rb") as fh:
-            data = fh.read(MAX_BYTES + 1)
-    except OSError as exc:
-        raise PolicyError(shown, None, f"cannot read policy file: {exc.strerror or exc}") from None
-    if len(data) > MAX_BYTES:
-        raise PolicyError(shown, None, f"policy file is larger than {MAX_BYTES // 1024} KiB; "
-                                       f"a policy is a short YAML file")
+    from ..safe_io import FileError, read_bytes
+    try:    # never blocks on a FIFO, never reads a device, never more than the bound
+        data = read_bytes(path, limit=MAX_BYTES, what="policy file")
+    except FileError as exc:
+        more = "; a policy is a short YAML file" if "larger than" in exc.reason else ""
+        raise PolicyError(shown, None, exc.reason + more) from None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -595,6 +601,10 @@ def from_dict(data, origin: str, registry, *, known_devices=()) -> PolicyFile:
         text = yaml.safe_dump(data, sort_keys=False)
     except yaml.YAMLError as exc:
         raise PolicyError(origin, None, f"not plain data: {exc}") from None
+    except (ValueError, TypeError, OverflowError, RecursionError) as exc:
+        # e.g. an int too long to write (10**5000), or nesting past the recursion limit
+        raise PolicyError(origin, None, f"not plain data: {type(exc).__name__}: "
+                                        f"{str(exc).splitlines()[0][:120] if str(exc) else ''}") from None
     try:
         pf = parse(text, origin, registry, known_devices=known_devices)
     except PolicyError as exc:    # the lines of a dump mean nothing to the caller

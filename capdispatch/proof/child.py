@@ -1,4 +1,5 @@
-"""One canary in a process of its own: `python -m capdispatch.proof.child OP BACKEND DEVICE SEED RESULT`.
+"""One canary in a process of its own, started by runner.run_canary (`python -I`, its own
+session): OP BACKEND DEVICE SEED RESULT.
 
 Runs BACKEND's kernel for OP on DEVICE against the op's canary and writes a verdict
 (JSON) to RESULT. A compile error, an exception or a mismatch is written as such; a
@@ -85,12 +86,30 @@ def run(op: str, backend: str, device: str, seed: int) -> dict:
     return body
 
 
-def main(argv=None) -> int:
+def _watch_parent(parent: int) -> None:
+    """Kill this child's process group (itself, compilers it started) once PARENT is gone:
+    a parent killed outright cannot kill its children itself."""
+    import signal
+    import threading
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(0.25)
+        try:
+            os.killpg(0, signal.SIGKILL)
+        finally:
+            os._exit(1)
+    threading.Thread(target=watch, name="capdispatch-parent-watch", daemon=True).start()
+
+
+def main(argv=None, parent=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 5:
-        print("usage: python -m capdispatch.proof.child OP BACKEND DEVICE SEED RESULT", file=sys.stderr)
+        print("usage: python -I -m capdispatch.proof.child OP BACKEND DEVICE SEED RESULT", file=sys.stderr)
         return 2
     op, backend, device, seed, result = argv
+    if parent is not None:
+        _watch_parent(int(parent))
     faulthandler.enable()     # an abort or a segfault leaves its stack on stderr
     _write(result, run(op, backend, device, int(seed)))
     return 0

@@ -55,7 +55,8 @@ def card_key(spec: DeviceSpec, inventory: Inventory, env, *, driver: Optional[st
     }
     if spec.platform == "cpu":
         # On the CPU, Triton kernels run only under the interpreter: a different program.
-        key["triton_interpret"] = env.get("TRITON_INTERPRET", "0") not in ("", "0")
+        from ..backends.base import triton_interpret
+        key["triton_interpret"] = triton_interpret(env)
     return key
 
 

@@ -22,6 +22,10 @@ class Verdict:
     seed: Optional[int] = None       # the random inputs' seed, to replay
     seconds: dict = attrs.field(factory=dict)   # phase -> seconds ("load", "run", "wall")
     at: str = ""                     # when it ran (UTC, ISO 8601)
+    # Why the outcome is not the kernel's (the time budget ran out, the child was killed
+    # from outside or never started, the run was interrupted); "" when it is. A verdict
+    # with a fault is reported, never cached.
+    fault: str = ""
 
     @property
     def passed(self) -> bool:
@@ -29,15 +33,17 @@ class Verdict:
 
     def describe(self) -> str:
         """One line: 'pass', or the class with what went wrong."""
+        from ..safe_io import printable      # a kernel's message may hold escape sequences
         if self.passed:
             return "pass"
         if self.outcome == "mismatch" and self.max_err is not None:
             tol = f" (tolerance: {self.tolerance})" if self.tolerance else ""
-            return f"mismatch: max error {self.max_err:.3g} at {self.where or '?'}{tol}"
-        lines = [ln.strip() for ln in self.detail.splitlines() if ln.strip()]
+            return printable(f"mismatch: max error {self.max_err:.3g} at {self.where or '?'}{tol}")
+        lines = [printable(ln.strip()) for ln in self.detail.splitlines() if ln.strip()]
         # A compiler's own message ends its report; other failures lead with theirs.
         line = (lines[-1] if self.outcome == "compile" else lines[0]) if lines else ""
-        return f"{self.outcome}: {line[:200]}" if line else self.outcome
+        text = f"{self.outcome}: {line[:200]}" if line else self.outcome
+        return f"{text} (not the kernel's: {printable(self.fault)})" if self.fault else text
 
     def to_dict(self) -> dict:
         return attrs.asdict(self)
@@ -49,6 +55,22 @@ class Verdict:
         if unknown:
             raise ValueError(f"unknown verdict fields {sorted(unknown)}")
         d = dict(d)
+        for name in ("op", "backend", "device", "outcome"):
+            if not isinstance(d.get(name), str):
+                raise ValueError(f"{name} must be a string, found {type(d.get(name)).__name__}")
+        for name in ("detail", "where", "tolerance", "at", "fault"):
+            if not isinstance(d.get(name, ""), str):
+                raise ValueError(f"{name} must be a string, found {type(d[name]).__name__}")
         if d.get("max_err") is not None:
+            if isinstance(d["max_err"], bool) or not isinstance(d["max_err"], (int, float)):
+                raise ValueError(f"max_err must be a number, found {type(d['max_err']).__name__}")
             d["max_err"] = float(d["max_err"])
+        seed = d.get("seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"seed must be an integer, found {type(seed).__name__}")
+        secs = d.get("seconds", {})
+        if not isinstance(secs, dict) or not all(
+                isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
+                for k, v in secs.items()):
+            raise ValueError("seconds must map phases to numbers")
         return cls(**d)

@@ -14,6 +14,7 @@ from packaging.version import InvalidVersion, Version
 
 import capdispatch as cd
 
+MAX_BYTES = 1 << 20     # the knob map is ~20 KiB
 DEFAULT_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "knobs.yaml")
 ENTRY_KINDS = ("sglang", "route", "none")
 
@@ -437,11 +438,12 @@ def load(path: Optional[str] = None) -> Knobs:
     import capdispatch as cd
     PolicyError, load_marked = cd.PolicyError, cd.load_marked
     path = path or DEFAULT_PATH
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as exc:
-        raise KnobsError(f"{path}: cannot read the knob map: {exc.strerror}") from None
+    try:     # a regular file of at most 1 MiB: a FIFO or a device is refused, never read
+        text = cd.read_file(path, limit=MAX_BYTES, what="the knob map").decode("utf-8")
+    except cd.FileError as exc:
+        raise KnobsError(f"{exc.path}: {exc.reason}") from None
+    except UnicodeDecodeError as exc:
+        raise KnobsError(f"{path}: the knob map is not UTF-8 text (byte offset {exc.start})") from None
     try:
         data = load_marked(text, path)
     except PolicyError as exc:

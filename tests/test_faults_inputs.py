@@ -1,0 +1,30 @@
+"""Fault injection: values that once escaped the package's errors or flooded them
+(item 10): numbers too long to write, non-text environment values, over-long values."""
+from __future__ import annotations
+
+import pytest
+
+import capdispatch as cd
+
+
+@pytest.mark.parametrize("data", [{"ops": {"moe": 10**5000}}, {"verify": 10**5000}])
+def test_policy_from_dict_raises_only_policy_errors(data):
+    with pytest.raises(cd.PolicyError, match="not plain data"):
+        cd.policy_from_dict(data, origin="test")
+
+
+@pytest.mark.parametrize("env", [{"CAPDISPATCH_SET": 5}, {"TRITON_INTERPRET": 1}, {"CAPDISPATCH_POLICY": None},
+                                 {7: "x"}])
+def test_non_text_environment_values_are_bad_input(env):
+    with pytest.raises(cd.BadInput, match="environment variables and their values are strings"):
+        cd.resolve("moe", "sim:h200", env=env)
+
+
+@pytest.mark.parametrize("name,value", [("CAPDISPATCH_VERIFY", "x" * 5000),
+                                        ("CAPDISPATCH_STRICT", "z" * 5000),
+                                        ("CAPDISPATCH_SET", "moe=" + "y" * 5000),
+                                        ("CAPDISPATCH_POLICY", "/nonexistent/" + "p" * 5000)])
+def test_long_environment_values_are_not_echoed_whole(name, value):
+    with pytest.raises(cd.CapdispatchError) as err:
+        cd.resolve("moe", "sim:h200", env={name: value})
+    assert len(str(err.value)) < 600, len(str(err.value))
