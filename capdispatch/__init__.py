@@ -52,6 +52,7 @@ _API = {
     # one-time preparation, the matrix's cells, the did-you-mean helper of every error.
     "registry": ("capdispatch.backends", "builtin"),
     "batch": ("capdispatch.backends.batch_scope", "batch"),
+    "given": ("capdispatch.backends.batch_scope", "given"),
     "MoeWeights": ("capdispatch.backends.moe", "MoeWeights"),
     "prepare_moe_weights": ("capdispatch.backends.moe", "prepare"),
     "Cell": ("capdispatch.dispatch", "Cell"),
