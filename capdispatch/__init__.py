@@ -21,6 +21,7 @@ _API = {
     "matrix": ("capdispatch.dispatch", "matrix"),
     "render_matrix": ("capdispatch.dispatch", "render_matrix"),
     "bind": ("capdispatch.dispatch", "bind"),
+    "bind_resolution": ("capdispatch.dispatch.binding", "bind_resolution"),
     "OpHandle": ("capdispatch.dispatch", "OpHandle"),
     "Resolution": ("capdispatch.dispatch", "Resolution"),
     "NoBackendError": ("capdispatch.dispatch", "NoBackendError"),
