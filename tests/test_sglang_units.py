@@ -390,7 +390,11 @@ def test_explicit_choice_that_cannot_run_is_downgraded_loudly_per_device(env, re
     env["CAPDISPATCH_SET"] = "kv_dequant=triton_fp8"
     d = _decide(env, release)
     dq = d.choices["kv_dequant"]
-    assert [c.routed for c in dq.values()] == [True, True, True]     # an explicit choice is honoured
+    # An explicit choice is honoured: where it is SGLang's own kernel (the 5090) SGLang's call stays.
+    assert [c.routed for c in dq.values()] == [False, True, True]
+    assert dq["cuda:0"].runs == "triton_fp8" and dq["cuda:0"].why == (
+        "SGLang's own dequantize_k_cache_paged_dsv4 kept (triton_fp8 is chosen (CAPDISPATCH_SET), "
+        "SGLang's own kernel)")
     assert dq["cuda:1"].resolution.downgraded_from == "triton_fp8" and dq["cuda:1"].backend == "triton_u8"
     downgrades = [w for w in d.warnings if "was asked for (CAPDISPATCH_SET) but cannot run" in w]
     assert [w.split(" ")[0] for w in downgrades] == ["cuda:1", "cuda:2"]
@@ -509,8 +513,8 @@ def test_plan_json(env, capsys, monkeypatch):
     dq = p["ranks"][1]["ops"]["kv_dequant"]
     assert dq.pop("source").startswith("default.yaml:")
     assert dq == {
-        "backend": "triton_u8", "action": "routed", "routed": True, "downgraded_from": None, "setting": None,
-        "kind": "fallback",
+        "backend": "triton_u8", "runs": "triton_u8", "action": "routed", "routed": True,
+        "downgraded_from": None, "setting": None, "kind": "fallback", "size_key": None, "buckets": [],
         "why": "SGLang's own dequantize_k_cache_paged_dsv4 cannot run there: needs fp8_e4m3 (cc >=8.9), has cc 8.6"}
     assert p["ranks"][1]["arch"]["device_sm"] == 86
     assert {x["name"]: x["action"] for x in p["launch"]} == {"kv_cache_dtype": "set", "SGLANG_DSV4_KV_LAYOUT": "set"}
@@ -810,15 +814,16 @@ def test_plan_shows_every_op_and_the_sglang_settings_per_rank(env, capsys, monke
     for r in p["ranks"]:
         assert list(r["ops"]) == p["ops"]
         for c in r["ops"].values():
-            assert set(c) == {"backend", "action", "routed", "why", "setting", "source", "downgraded_from",
-                              "kind"}
+            assert set(c) == {"backend", "runs", "action", "routed", "why", "setting", "source",
+                              "downgraded_from", "kind", "size_key", "buckets"}
             assert c["kind"] in ("first", "fallback", "downgraded", "uniform")
             assert c["routed"] == (c["action"] == "routed") and c["why"]
     r2 = p["ranks"][2]["ops"]
     assert r2["decode_mla"]["backend"] == "triton" and r2["decode_mla"]["setting"] is None
     assert r2["moe"] == {"backend": "triton_w4a16", "action": "routed", "routed": True,
                          "why": r2["moe"]["why"], "setting": None, "source": r2["moe"]["source"],
-                         "downgraded_from": None, "kind": "fallback"}
+                         "downgraded_from": None, "kind": "fallback", "runs": "triton_w4a16",
+                         "size_key": None, "buckets": []}
     assert p["ranks"][1]["ops"]["moe"]["setting"] == ["moe_runner_backend=flashinfer_mxfp4"]
     assert p["ranks"][1]["ops"]["moe"]["action"] == "kept"
     mrb = next(x for x in p["sglang_settings"] if x["name"] == "moe_runner_backend")

@@ -46,6 +46,9 @@ class OpChoice:
     runs: Optional[str] = None      # the kernel that runs ("sglang": SGLang's own, unnamed); see `runs_label`
     buckets: tuple = ()      # BucketChoice...: per size bucket (routed ops with size buckets)
     native: Optional[str] = None    # the backend SGLang's call runs: a routed op's kept buckets call it
+    # How the rank's route install went (rank.apply_routes): "installed", "failed: <why>",
+    # "removed" (SGLang's own again); None where the rank did not touch a route.
+    install: Optional[str] = None
 
     @property
     def routed(self) -> bool:

@@ -37,13 +37,25 @@ def _inputs(server_args, release):
                                 user_env=None)
 
 
+def kernel_for(route, c):
+    """The served form of choice C at ROUTE: C's Resolution bound as decided (every size
+    bucket: a size dispatcher), without argument checks (SGLang's shapes are its own).
+    Where the route's `original` is SGLang's own kernel (no environment switch takes
+    SGLang elsewhere), the buckets SGLang's kernel wins are None entries: the route
+    calls `original` for those sizes."""
+    import capdispatch as cd
+    native = route.native if not route.env and route.native_by is None else None
+    return cd.bind_resolution(c.resolution, checks=False, native=native)
+
+
 def apply_routes(release, choices: dict, spec, key, environ=None, user_env=None) -> dict:
-    """Install or remove this device's routes. Returns CHOICES as carried out: an op
-    whose call site cannot be hooked in this process (its SGLang module fails to
-    import) is no longer `routed` but reported, with why. A route's environment
-    switches go into ENVIRON, this rank's own process environment. Where SGLang's
-    own kernel is kept, switches the user did not set (USER_ENV) -- set by SGLang's
-    launcher from device 0's view -- go back to SGLang's defaults."""
+    """Install or remove this device's routes. Returns CHOICES as carried out, each with
+    how its install went (`OpChoice.install`): an op whose call site cannot be hooked in
+    this process (its SGLang module fails to import, its kernel fails to load) is no
+    longer `routed` but reported, with why. A route's environment switches go into
+    ENVIRON, this rank's own process environment. Where SGLang's own kernel is kept,
+    switches the user did not set (USER_ENV) -- set by SGLang's launcher from device
+    0's view -- go back to SGLang's defaults."""
     import os
 
     import attrs
@@ -57,8 +69,15 @@ def apply_routes(release, choices: dict, spec, key, environ=None, user_env=None)
         if route is None:
             continue
         if c.routed:
-            failed = routes.install(route, cd.bind(op, spec, backend=c.backend), key, backend=c.backend)
+            try:
+                fn = kernel_for(route, c)
+                failed = None if fn is not None else "every size is SGLang's own"
+            except cd.Unsatisfiable as exc:      # the backend's library fails to load here
+                fn, failed = None, str(exc)
             if failed is None:
+                failed = routes.install(route, fn, key, backend=c.backend)
+            if failed is None:
+                out[op] = attrs.evolve(c, install=f"installed at {route.target}")
                 changed = routes.switch_env(route, environ)
                 if changed:
                     log.info("capdispatch: %s routed on %s: set %s in this rank's process",
@@ -66,11 +85,15 @@ def apply_routes(release, choices: dict, spec, key, environ=None, user_env=None)
                 continue
             routes.remove(op, key)
             routes.restore_env(route, environ)
-            out[op] = attrs.evolve(c, action="reported", why=(
+            out[op] = attrs.evolve(c, action="reported", install=f"failed: {failed}", runs=route.native or "sglang",
+                                   buckets=(), why=(
                 f"NOT routed: capdispatch {c.backend} was decided ({c.why}), but {failed}; "
                 f"SGLang's own {route.site} stays"))
         else:
+            had = routes.kernel(op, key) is not None
             routes.remove(op, key)
+            if had:
+                out[op] = attrs.evolve(c, install="removed")
             restored = routes.restore_env(route, environ)
             if restored:
                 log.info("capdispatch: %s on %s is SGLang's own again: restored %s",
