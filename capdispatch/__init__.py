@@ -39,6 +39,7 @@ _API = {
     "policy_from_dict": ("capdispatch.dispatch", "policy_from_dict"),
     "agree": ("capdispatch.dispatch", "agree"),
     "AgreementError": ("capdispatch.dispatch", "AgreementError"),
+    "plan_digest": ("capdispatch.dispatch.agreement", "digest"),
     "verify_decisions": ("capdispatch.dispatch", "verify_decisions"),
     "Verification": ("capdispatch.dispatch", "Verification"),
     "lock": ("capdispatch.dispatch.lock", "freeze"),
