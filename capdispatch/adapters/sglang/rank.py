@@ -234,14 +234,17 @@ def agree(state, group):
             for w in g.warnings:
                 if w not in own:
                     log.warning("capdispatch: %s", w)
-    mine = dict(state.choices)
+    mine, changed = dict(state.choices), False
     for op, row in choices.items():
         c = attrs.evolve(row[me.id], device=state.spec.id)
         old = state.choices.get(op)
-        if old is None or _shape(old) != _shape(c):
-            mine[op] = c
+        if old is not None and _shape(old) == _shape(c):
+            c = attrs.evolve(c, install=old.install)     # what runs is what the rank installed
+        else:
+            changed = True
+        mine[op] = c
     before = {op: (c.backend, c.action) for op, c in state.choices.items()}
-    if any(mine[op] is not state.choices.get(op) for op in mine):
+    if changed:
         mine = apply_routes(release, mine, state.spec, state.key, state.env, inputs.user_env)
     after = {op: (c.backend, c.action) for op, c in mine.items()}
     if before != after:
