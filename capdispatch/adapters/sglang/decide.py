@@ -61,6 +61,13 @@ class OpChoice:
         return None if self.resolution is None else self.resolution.backend
 
     @property
+    def routed_backends(self) -> str:
+        """The capdispatch backends a routed op runs ("torch/triton" across buckets)."""
+        if self.buckets:
+            return "/".join(dict.fromkeys(b.backend for b in self.buckets if b.action == "routed"))
+        return self.backend
+
+    @property
     def keeps(self) -> tuple:
         """The buckets whose sizes SGLang's own call keeps at a routed site."""
         return tuple(b for b in self.buckets if b.action == "kept")
@@ -432,7 +439,7 @@ def sglang_settings(release, choices: dict, *, explicit_fields=(), env=None, fie
                     continue
                 if c.routed:
                     # The rank's route runs capdispatch's kernel at SGLang's call site.
-                    routed.setdefault(c.device, c.backend)
+                    routed.setdefault(c.device, c.routed_backends)
                 elif not c.setting and c.action == "reported":
                     without.append(c.device)
                 for s in c.setting:

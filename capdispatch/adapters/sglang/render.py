@@ -180,7 +180,7 @@ def summary(d, *, settings: bool = True) -> str:
         by = {}
         for c in row.values():
             if c.action != "kept":
-                by.setdefault((c.action, c.backend), []).append(c)
+                by.setdefault((c.action, c.routed_backends if c.routed else c.backend), []).append(c)
         for (action, backend), cs in by.items():
             verb = "capdispatch" if action == "routed" else "decided (reported, not carried out)"
             text.append(f"{verb} {backend} on {', '.join(c.device for c in cs)} ({cs[0].why})")
