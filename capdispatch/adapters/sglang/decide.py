@@ -43,9 +43,10 @@ class OpChoice:
     why: str
     setting: tuple = ()      # knobs.SglangSetting...: what SGLang needs to run this backend itself
     warning: Optional[str] = None   # to log: SGLang's kernel kept where it cannot run (a user switch)
-    runs: Optional[str] = None      # the kernel that runs ("sglang": SGLang's own, unnamed); see `runs_label`
-    buckets: tuple = ()      # BucketChoice...: per size bucket (routed ops with size buckets)
-    native: Optional[str] = None    # the backend SGLang's call runs: a routed op's kept buckets call it
+    # The kernel that runs: a capdispatch backend's name ("torch/flashmla" across buckets),
+    # SGLang's own by the backend it is, or "sglang" where it has no capdispatch name.
+    runs: Optional[str] = None
+    buckets: tuple = ()      # BucketChoice...: per size bucket, where the resolution has buckets
     # How the rank's route install went (rank.apply_routes): "installed", "failed: <why>",
     # "removed" (SGLang's own again); None where the rank did not touch a route.
     install: Optional[str] = None
@@ -66,11 +67,6 @@ class OpChoice:
         if self.buckets:
             return "/".join(dict.fromkeys(b.backend for b in self.buckets if b.action == "routed"))
         return self.backend
-
-    @property
-    def keeps(self) -> tuple:
-        """The buckets whose sizes SGLang's own call keeps at a routed site."""
-        return tuple(b for b in self.buckets if b.action == "kept")
 
 
 @attrs.frozen
@@ -202,9 +198,9 @@ def _bucket_rows(res):
 
 
 def _sizes(rows, key) -> str:
-    """The sizes ROWS cover, for people: "tokens <=64", "tokens >64, <=8", ..."""
-    return ", ".join(BucketChoice(lo, up, "", "", "").label() for lo, up, _ in rows) if key is None \
-        else f"{key} " + ", ".join(BucketChoice(lo, up, "", "", "").label() for lo, up, _ in rows)
+    """The sizes ROWS ((lower, upper, backend), ...) cover, for people: "tokens <=2, >64"."""
+    labels = ", ".join(BucketChoice(lo, up, "", "", "").label() for lo, up, _ in rows)
+    return f"{key} {labels}" if key else labels
 
 
 def bucket_choices(route, res, routed: bool) -> tuple:
@@ -317,7 +313,7 @@ def choose(release, op: str, res, spec, user_env=None, moe_launch=None, strict=F
     entry = release.entry(op, res.backend)
     setting = entry.settings if entry is not None and entry.kind == "sglang" else ()
     route = release.route(op, spec)
-    warning, buckets, native = None, (), None
+    warning, buckets = None, ()
     if route is not None and route.native_by is not None:
         from . import moe_plan
         routed, why, warning = moe_plan.route_choice(route, res, spec, moe_launch, strict)
@@ -329,9 +325,8 @@ def choose(release, op: str, res, spec, user_env=None, moe_launch=None, strict=F
         action = "routed" if routed else "kept"
         conflict = bool(user_env_conflicts(route, user_env))
         buckets = bucket_choices(route, res, routed) if not conflict else ()
-        native = route.native
         if routed:
-            runs = res.backend
+            runs = "/".join(dict.fromkeys(b.runs for b in buckets)) if buckets else res.backend
         else:
             runs = "sglang" if conflict or route.native is None else route.native
     elif release.routes_for(op):
@@ -342,7 +337,7 @@ def choose(release, op: str, res, spec, user_env=None, moe_launch=None, strict=F
     else:
         action, why = _no_site_why(entry, res)
         runs = res.backend if action == "kept" else None
-    return OpChoice(op, spec.id, res, action, why, setting, warning, runs, buckets, native)
+    return OpChoice(op, spec.id, res, action, why, setting, warning, runs, buckets)
 
 
 def _user_names(ctx, op: str) -> bool:
