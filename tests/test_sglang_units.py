@@ -395,7 +395,7 @@ def test_explicit_choice_that_cannot_run_is_downgraded_loudly_per_device(env, re
     assert [c.routed for c in dq.values()] == [False, True, True]
     assert dq["cuda:0"].runs == "triton_fp8" and dq["cuda:0"].why == (
         "SGLang's own dequantize_k_cache_paged_dsv4 kept (triton_fp8 is chosen (CAPDISPATCH_SET), "
-        "SGLang's own kernel)")
+        "the kernel SGLang runs there)")
     assert dq["cuda:1"].resolution.downgraded_from == "triton_fp8" and dq["cuda:1"].backend == "triton_u8"
     downgrades = [w for w in d.warnings if "was asked for (CAPDISPATCH_SET) but cannot run" in w]
     assert [w.split(" ")[0] for w in downgrades] == ["cuda:1", "cuda:2"]
@@ -915,7 +915,7 @@ def test_naming_sglangs_own_kernel_is_no_reason_to_route(env, release):
     assert res.user
     c = decide.choose(release, "decode_mla", res, spec)
     assert (c.action, c.runs, c.buckets) == ("kept", "flashmla", ())
-    assert c.why == "SGLang's own flash_mla_with_kvcache kept (flashmla is chosen (selections=), SGLang's own kernel)"
+    assert c.why == "SGLang's own flash_mla_with_kvcache kept (flashmla is chosen (selections=), the kernel SGLang runs there)"
 
 
 def test_a_switched_route_runs_capdispatchs_adapter_for_the_native_buckets(env, release, tmp_path, monkeypatch):

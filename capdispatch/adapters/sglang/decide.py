@@ -244,8 +244,8 @@ def route_choice(route, op: str, res, user_env=None):
     rows = _bucket_rows(res)
     own = [r for r in rows if route.native is not None and r[2] == route.native]
     if route.native is not None and len(own) == len(rows):
-        picked = f"the policy picks {route.native}" if not res.user else f"{route.native} is chosen ({res.source})"
-        return False, f"SGLang's own {site} kept ({picked}, SGLang's own kernel)", None
+        picked = f"the decision is {route.native}" if not res.user else f"{route.native} is chosen ({res.source})"
+        return False, f"SGLang's own {site} kept ({picked}, the kernel SGLang runs there)", None
     tail, what = "", f"capdispatch {res.backend}"
     if own:
         mine = [r for r in rows if r not in own]

@@ -66,6 +66,16 @@ def kind(res) -> str:
     return "fallback" if res.fallback else "first"
 
 
+def cell_kind(c) -> str:
+    """The matrix's mark for choice C: its resolution's (kind), except where SGLang's own
+    kernel runs in place of the decision (a kept op with no routable site): that cell
+    names SGLang's kernel, marked only as downgraded when an explicit choice was not
+    carried out (C's warning says so)."""
+    if c.action == "kept" and c.resolution is not None and c.runs != c.backend:
+        return "downgraded" if c.warning else "first"
+    return kind(c.resolution)
+
+
 def bucket_rows(c) -> list:
     """The size buckets of choice C, each with what runs there and how: C's own per-bucket
     choices (a route keeps SGLang's call for some sizes), else the resolution's buckets
@@ -89,7 +99,7 @@ def op_dict(c) -> dict:
     `buckets` the size buckets with kept / routed per bucket."""
     res = c.resolution
     return {"backend": c.backend, "runs": c.runs, "action": c.action, "routed": c.routed, "why": c.why,
-            "kind": kind(res),
+            "kind": cell_kind(c),
             "setting": [s.label for s in c.setting] if c.setting else None,
             "source": res.source if res else None,
             "downgraded_from": res.downgraded_from if res else None,
