@@ -18,10 +18,11 @@ SGLang itself spawns one process per rank. Each prints one line `RESULT <json>`.
                          a rank, then SGLang's DSv4 decode, sparse-prefill and
                          indexer call sites against capdispatch's references
   served IN.pkl GPU_ID TP_RANK PORT POLICY[,POLICY...]
-                         a rank that agrees once per policy over SGLang's TP group
-                         (gloo); after each: the routes as bound (buckets, SGLang's
-                         own sizes, checks), the rank's report, and on an H200 rank
-                         SGLang's decode call at two sizes with a spy for FlashMLA
+                         a rank that agrees once per policy ("-": none) over SGLang's
+                         TP group (gloo); after each: the routes as bound (buckets,
+                         SGLang's own sizes, checks), the rank's report, and on an
+                         H200 rank SGLang's decode call at two sizes with a spy for
+                         FlashMLA; SCENARIO_BREAK=RANK:OP fails OP's route install there
   knobs                  only the knob map's names against this SGLang
   version VERSION CASES.json
                          register() with a fake SGLang version, then launches
@@ -710,7 +711,25 @@ def _decode_spy(gen) -> dict:
     return out
 
 
+def _break_route(tp_rank: int) -> None:
+    """SCENARIO_BREAK=RANK:OP: on that rank OP's route install fails, as where SGLang's
+    module does not import (the rank then reports the op, and the group learns it)."""
+    spec = os.environ.get("SCENARIO_BREAK")
+    if not spec or int(spec.split(":")[0]) != tp_rank:
+        return
+    op = spec.split(":")[1]
+    from capdispatch.adapters.sglang import routes
+    real = routes.install
+
+    def install(route, kernel_fn, device_key, backend=None):
+        if route.op == op:
+            return f"{route.target} cannot be imported here (scenario)"
+        return real(route, kernel_fn, device_key, backend)
+    routes.install = install
+
+
 def served(inp, gpu_id: int, tp_rank: int, port: int, modes) -> None:
+    _break_route(tp_rank)
     sa, logs = _rank(inp, gpu_id, tp_rank)
     import torch
     from sglang.srt.distributed import parallel_state as ps
@@ -726,7 +745,10 @@ def served(inp, gpu_id: int, tp_rank: int, port: int, modes) -> None:
     ps.initialize_model_parallel(backend="gloo")
     gen = torch.Generator().manual_seed(_seed())
     for policy in modes:
-        os.environ["CAPDISPATCH_POLICY"] = policy
+        if policy == "-":
+            os.environ.pop("CAPDISPATCH_POLICY", None)
+        else:
+            os.environ["CAPDISPATCH_POLICY"] = policy
         logs = capture_logs()
         error = None
         try:
@@ -736,7 +758,7 @@ def served(inp, gpu_id: int, tp_rank: int, port: int, modes) -> None:
         st = hooks._RANKS[gpu_id]
         entry = {"policy": os.path.basename(policy), "error": error, "logs": logs, "state": _state(gpu_id),
                  "bound": _bound(st), "report": _report_json(st)}
-        if "H200" in st.spec.name:
+        if "H200" in st.spec.name and not os.environ.get("SCENARIO_BREAK"):
             entry["decode"] = _decode_spy(gen)
         out["agreements"].append(entry)
     emit(out)

@@ -147,3 +147,40 @@ def test_every_rank_writes_its_report_and_logs_one_line(ranks):
     assert "decode_mla=<=2:torch(routed)/>2:flashmla(kept) routed" in line
     digests = {r["agreements"][0]["report"]["body"]["agreement"]["digest"] for r in ranks["ranks"]}
     assert len(digests) == 1                  # every rank computed the same group record
+
+
+@pytest.fixture(scope="module")
+def broken(ranks):
+    """The same rig, where rank 1's decode route cannot be installed: agreement with the
+    default policy, then under a strict one."""
+    record = os.path.join(os.path.dirname(str(ranks["reports"])), "served.pkl")
+    env = {"CAPDISPATCH_SGLANG_DEVICES": RIG, "CAPDISPATCH_REPORT_DIR": str(ranks["reports"]) + "-broken",
+           "SCENARIO_BREAK": "1:decode_mla"}
+    port = _free_port()
+    procs = [_start("served", record, r, r, port, f"-,{os.path.join(POL, 'strict.yaml')}", env=env)
+             for r in range(3)]
+    return [_result(p) for p in procs]
+
+
+def test_a_rank_whose_route_install_failed_does_not_agree(broken):
+    """Rank 1 could not install its decode route: its choice is reported, every rank's
+    report says the group is not agreed and names rank 1's decode_mla, the digest with
+    the install outcomes is one for the group, rank 0 warns once; under strict every
+    rank stops with the same AgreementError."""
+    runs = [r["agreements"][0] for r in broken]
+    assert all(a["error"] is None for a in runs)
+    assert runs[1]["state"]["choices"]["decode_mla"]["action"] == "reported"
+    assert runs[1]["state"]["choices"]["decode_mla"]["install"].startswith("failed: ")
+    bodies = [a["report"]["body"]["agreement"] for a in runs]
+    assert len({b["digest"] for b in bodies}) == 1 and all(b["digest"] != b["plan_digest"] for b in bodies)
+    for b in bodies:
+        assert not b["agreed"] and b["installs"][1]["decode_mla"].startswith("failed: ")
+        assert b["not_carried_out"] == [
+            "decode_mla on rank1:cuda:1: capdispatch triton was decided (routed), but its route was not "
+            "installed (" + b["installs"][1]["decode_mla"] + ")"]
+    said = [m for a in runs for lv, m in a["logs"] if lv == "WARNING" and "did not carry out" in m]
+    assert len(said) == 1 and "decode_mla on rank1:cuda:1" in said[0]
+    errors = {r["agreements"][1]["error"] for r in broken}
+    assert len(errors) == 1
+    (e,) = errors
+    assert e.startswith("strict: the ranks did not carry out the group decision alike: decode_mla on rank1:cuda:1")
