@@ -21,6 +21,7 @@ _API = {
     "matrix": ("capdispatch.dispatch", "matrix"),
     "render_matrix": ("capdispatch.dispatch", "render_matrix"),
     "bind": ("capdispatch.dispatch", "bind"),
+    "bind_resolution": ("capdispatch.dispatch.binding", "bind_resolution"),
     "OpHandle": ("capdispatch.dispatch", "OpHandle"),
     "Resolution": ("capdispatch.dispatch", "Resolution"),
     "NoBackendError": ("capdispatch.dispatch", "NoBackendError"),
@@ -38,6 +39,7 @@ _API = {
     "policy_from_dict": ("capdispatch.dispatch", "policy_from_dict"),
     "agree": ("capdispatch.dispatch", "agree"),
     "AgreementError": ("capdispatch.dispatch", "AgreementError"),
+    "plan_digest": ("capdispatch.dispatch.agreement", "digest"),
     "verify_decisions": ("capdispatch.dispatch", "verify_decisions"),
     "Verification": ("capdispatch.dispatch", "Verification"),
     "lock": ("capdispatch.dispatch.lock", "freeze"),
@@ -52,6 +54,7 @@ _API = {
     # one-time preparation, the matrix's cells, the did-you-mean helper of every error.
     "registry": ("capdispatch.backends", "builtin"),
     "batch": ("capdispatch.backends.batch_scope", "batch"),
+    "given": ("capdispatch.backends.batch_scope", "given"),
     "MoeWeights": ("capdispatch.backends.moe", "MoeWeights"),
     "prepare_moe_weights": ("capdispatch.backends.moe", "prepare"),
     "Cell": ("capdispatch.dispatch", "Cell"),

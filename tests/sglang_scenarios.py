@@ -17,6 +17,12 @@ SGLang itself spawns one process per rank. Each prints one line `RESULT <json>`.
   attn IN.pkl GPU_ID TP_RANK
                          a rank, then SGLang's DSv4 decode, sparse-prefill and
                          indexer call sites against capdispatch's references
+  served IN.pkl GPU_ID TP_RANK PORT POLICY[,POLICY...]
+                         a rank that agrees once per policy ("-": none) over SGLang's
+                         TP group (gloo); after each: the routes as bound (buckets,
+                         SGLang's own sizes, checks), the rank's report, and on an
+                         H200 rank SGLang's decode call at two sizes with a spy for
+                         FlashMLA; SCENARIO_BREAK=RANK:OP fails OP's route install there
   knobs                  only the knob map's names against this SGLang
   version VERSION CASES.json
                          register() with a fake SGLang version, then launches
@@ -305,7 +311,8 @@ def _state(gpu_id: int) -> dict:
     from capdispatch.adapters.sglang import rank, routes
     st = rank._RANKS[gpu_id]
     out = {"device": st.spec.to_dict(), "ops": list(st.inputs.ops),
-           "choices": {op: {"backend": c.backend, "routed": c.routed, "action": c.action, "why": c.why}
+           "choices": {op: {"backend": c.backend, "routed": c.routed, "action": c.action, "why": c.why,
+                            "runs": c.runs, "install": c.install}
                        for op, c in st.choices.items()},
            "routes": {}}
     for op in st.inputs.ops:
@@ -605,6 +612,158 @@ def attn(inp, gpu_id: int, tp_rank: int) -> None:
     emit(out)
 
 
+# --------------------------------------------------------------------------- served form
+
+def _bound(st) -> dict:
+    """Per routed op, the kernel as installed: per bucket the backend, and whether it is
+    capdispatch's kernel without argument checks ("unchecked"), with them ("checked"),
+    or SGLang's own call ("sglang": the dispatcher's pick is None)."""
+    import capdispatch as cd
+    from capdispatch.adapters.sglang import routes
+    from capdispatch.backends.torch_ops import without_checks
+    reg = cd.registry()
+    out = {}
+    for op in st.inputs.ops:
+        fn = routes.kernel(op, st.key)
+        if fn is None:
+            continue
+
+        def how(f, backend):
+            if f is None:
+                return "sglang"
+            checked = reg.backend(op, backend).load()
+            return "unchecked" if f is without_checks(checked) and f is not checked else "checked"
+        names = getattr(fn, "buckets", None)
+        if names is None:
+            out[op] = {"dispatcher": False, "backend": st.choices[op].backend, "how": how(fn, st.choices[op].backend)}
+            continue
+        rows, lower = [], 0
+        for upper, backend in names:
+            n = upper if upper is not None else lower + 1
+            rows.append([upper, backend, how(fn.pick(n), backend)])
+            lower = upper if upper is not None else lower
+        out[op] = {"dispatcher": True, "name": fn.__name__, "buckets": rows, "keeps": fn.keeps}
+    return out
+
+
+def _report_json(st):
+    path = st.report
+    if path is None:
+        return None
+    with open(path) as f:
+        return {"path": path, "body": json.load(f)}
+
+
+def _decode_spy(gen) -> dict:
+    """SGLang's decode call (as _decode_check makes it) at 1 and 3 tokens, with FlashMLA's
+    kernel replaced by a spy that records the schedule object it receives; then the same
+    call with capdispatch's flashmla adapter installed at the route for the rank's device."""
+    import functools
+
+    import torch
+    from attention_checks import rel_err, v4_pool, v4_view
+    from sglang.kernels.ops.attention import flash_mla_interface as fmi
+
+    import capdispatch as cd
+    import flash_mla
+    from capdispatch.adapters.sglang import rank as hooks
+    from capdispatch.adapters.sglang import routes
+    from capdispatch.backends.decode_mla import reference as R
+    seen = []
+
+    def spy(q, tile_scheduler_metadata, **kw):
+        seen.append({"sched": tile_scheduler_metadata, "q": list(q.shape)})
+        b, s_q, h, _ = q.shape
+        return torch.zeros(b, s_q, h, 512, dtype=torch.bfloat16), torch.zeros(b, h, s_q)
+    flash_mla.flash_mla_with_kvcache = spy
+    h, ps = 6, 16
+    pool, _ = v4_pool(gen, 6, ps, "cpu")
+    view = v4_view(pool, ps)
+    call = functools.partial(fmi.flash_mla_with_kvcache, use_legacy=True)
+    out = {"routed": hasattr(fmi.flash_mla_with_kvcache, "__wrapped__")}
+
+    def decode(b):
+        q = (torch.randn(b, 1, h, 512, generator=gen) * 2).bfloat16()
+        # 64 ids per query, int32: FlashMLA's alignment, which the adapter takes as it is without checks.
+        idx = _ids(gen, b, 64, 6 * ps)
+        tl = torch.randint(0, 65, (b,), generator=gen, dtype=torch.int32)
+        sched = fmi.get_mla_metadata()[0]
+        before = len(seen)
+        o = call(q=q, k_cache=view, head_dim_v=512, block_table=None, cache_seqlens=None,
+                 tile_scheduler_metadata=sched, softmax_scale=512 ** -0.5, is_fp8_kvcache=True,
+                 indices=idx, topk_length=tl)
+        want = R.decode_mla(q, pool, idx, ps, 512 ** -0.5, tl)
+        got = seen[before:]
+        return {"library_calls": len(got), "same_schedule": [g["sched"] is sched for g in got],
+                "library_q": [g["q"] for g in got], "out_rel_err": rel_err(o[0], want[0]) if not got else None}
+    out["tokens_1"] = decode(1)
+    out["tokens_3"] = decode(3)
+    # capdispatch's flashmla adapter at the same route (what the rank binds wherever FlashMLA
+    # runs as capdispatch's kernel): SGLang's schedule reaches the library through it.
+    st = hooks._RANKS[next(iter(hooks._RANKS))]
+    res = cd.resolve("decode_mla", st.spec, selections=["decode_mla=flashmla"], assume_libs=["sgl-flash-mla"])
+    saved = routes.kernel("decode_mla", st.key)
+    routes._KERNELS["decode_mla"][st.key] = cd.bind_resolution(res, checks=False)
+    try:
+        out["adapter"] = decode(3)
+    finally:
+        routes._KERNELS["decode_mla"][st.key] = saved
+    return out
+
+
+def _break_route(tp_rank: int) -> None:
+    """SCENARIO_BREAK=RANK:OP: on that rank OP's route install fails, as where SGLang's
+    module does not import (the rank then reports the op, and the group learns it)."""
+    spec = os.environ.get("SCENARIO_BREAK")
+    if not spec or int(spec.split(":")[0]) != tp_rank:
+        return
+    op = spec.split(":")[1]
+    from capdispatch.adapters.sglang import routes
+    real = routes.install
+
+    def install(route, kernel_fn, device_key, backend=None):
+        if route.op == op:
+            return f"{route.target} cannot be imported here (scenario)"
+        return real(route, kernel_fn, device_key, backend)
+    routes.install = install
+
+
+def served(inp, gpu_id: int, tp_rank: int, port: int, modes) -> None:
+    _break_route(tp_rank)
+    sa, logs = _rank(inp, gpu_id, tp_rank)
+    import torch
+    from sglang.srt.distributed import parallel_state as ps
+    from sglang.srt.runtime_context import get_parallel
+
+    from capdispatch.adapters.sglang import rank as hooks
+    from capdispatch.dispatch.agreement import AgreementError
+    st = hooks._RANKS[gpu_id]
+    out = {"configure": {"state": _state(gpu_id), "logs": logs, "report": _report_json(st)}, "agreements": []}
+    ps.init_distributed_environment(world_size=get_parallel().tp_size, rank=tp_rank, local_rank=tp_rank,
+                                    backend="gloo", timeout=120,
+                                    distributed_init_method=f"tcp://127.0.0.1:{port}")
+    ps.initialize_model_parallel(backend="gloo")
+    gen = torch.Generator().manual_seed(_seed())
+    for policy in modes:
+        if policy == "-":
+            os.environ.pop("CAPDISPATCH_POLICY", None)
+        else:
+            os.environ["CAPDISPATCH_POLICY"] = policy
+        logs = capture_logs()
+        error = None
+        try:
+            hooks.after_parallel_ready(None, server_args=sa, device="cpu", dist_port=port)
+        except AgreementError as exc:
+            error = str(exc)
+        st = hooks._RANKS[gpu_id]
+        entry = {"policy": os.path.basename(policy), "error": error, "logs": logs, "state": _state(gpu_id),
+                 "bound": _bound(st), "report": _report_json(st)}
+        if "H200" in st.spec.name and not os.environ.get("SCENARIO_BREAK"):
+            entry["decode"] = _decode_spy(gen)
+        out["agreements"].append(entry)
+    emit(out)
+
+
 def main(argv) -> None:
     name, rest = argv[0], argv[1:]
     if name == "launcher":
@@ -614,6 +773,8 @@ def main(argv) -> None:
     elif name == "rank":
         rank(rest[0], int(rest[1]), int(rest[2]), int(rest[3]) if len(rest) > 3 else None,
              tuple(rest[4].split(",")) if len(rest) > 4 else ())
+    elif name == "served":
+        served(rest[0], int(rest[1]), int(rest[2]), int(rest[3]), tuple(rest[4].split(",")))
     elif name == "knobs":
         knob_names()
     elif name == "kv":

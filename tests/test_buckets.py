@@ -319,3 +319,30 @@ def test_the_dispatcher_names_a_missing_size_argument(clean_env, tmp_path):
     fn = cd.bind("toy", "cpu", policy=pol, registry=reg)
     with pytest.raises(TypeError, match="toy: missing its size argument 'x' \\(position 0\\)"):
         fn(scale=2.0)
+
+
+def test_bind_resolution_binds_the_decision_made_and_leaves_native_buckets_to_the_caller(clean_env, tmp_path):
+    """bind_resolution binds a Resolution without resolving again; the NATIVE backend's
+    buckets are None entries: pick(n) says None (the caller runs its own kernel), and
+    calling the dispatcher there is refused with the table; a decision won by NATIVE
+    at every size binds to None."""
+    reg = _toy_registry()
+    pol = _policy(tmp_path, "ops:\n  toy:\n    - {tokens: '<=4', prefer: [small]}\n"
+                            "    - {tokens: '<=64', prefer: [medium]}\n    - {prefer: [large]}\n")
+    ctx = cd.context(policy=pol, registry=reg)
+    res = cd.dispatch.resolver.resolve_in(ctx, "toy", cd.dispatch.resolver.as_spec("cpu"))
+    fn = cd.bind_resolution(res, registry=reg)
+    assert fn.buckets == ((4, "small"), (64, "medium"), (None, "large")) and not fn.keeps
+    assert [fn(_x(n)) for n in (3, 30, 300)] == [("small", 3), ("medium", 30), ("large", 300)]
+    kept = cd.bind_resolution(res, registry=reg, native="medium", checks=False)
+    assert kept.keeps and kept.pick(30) is None and kept.pick(3)(_x(3)) == ("small", 3)
+    assert kept(_x(300)) == ("large", 300)
+    with pytest.raises(cd.ArgumentTypeError, match=r"toy: size 30 is in a bucket the caller's own kernel runs "
+                                                   r"\(<= 4: small, <= 64: medium \(the caller's own\), else large\)"):
+        kept(_x(30))
+    assert "medium (the caller's own)" in kept.__doc__
+    one = cd.dispatch.resolver.resolve_in(cd.context(registry=reg, selections=["toy=large"]), "toy",
+                                          cd.dispatch.resolver.as_spec("cpu"))
+    assert cd.bind_resolution(one, registry=reg, native="large") is None
+    import bucket_toy
+    assert cd.bind_resolution(one, registry=reg) is bucket_toy.large

@@ -663,6 +663,37 @@ def test_batch_scope_shares_one_flashmla_schedule_per_batch(monkeypatch):
     assert len(made) == 8
 
 
+def test_given_schedule_reaches_flashmla_unchanged(monkeypatch):
+    """A schedule the caller made (SGLang's tile_scheduler_metadata) handed in with
+    capdispatch.given() is the object FlashMLA receives, in or out of a batch() block,
+    for every call of the block; none is made. After the block: the adapter's own again."""
+    import capdispatch as cd
+    call, seen, made = _schedule_calls(monkeypatch)
+    q = torch.zeros(2, 1, 64, 512, dtype=torch.bfloat16)
+    idx = torch.zeros(2, 1, 64, dtype=torch.int32)
+    lengths = torch.full((2,), 64, dtype=torch.int32)
+    theirs = object()
+    with cd.given("flashmla_decode", theirs):
+        call(q, lengths, idx), call(q, lengths, idx)
+    with cd.batch(given={"flashmla_decode": theirs}):
+        call(q, lengths, idx)
+        with cd.given("flashmla_decode", None):      # nothing handed in: the block's own
+            call(q, lengths, idx)
+        call(q, lengths, idx)
+    assert seen[:3] == [theirs] * 3 and seen[4] is theirs and len(made) == 1 and seen[3] is made[0]
+    call(q, lengths, idx)
+    assert len(made) == 2 and seen[-1] is made[1]
+
+
+def test_given_refuses_an_unknown_kind():
+    import capdispatch as cd
+    with pytest.raises(cd.ArgumentError, match=r"unknown kind 'flashmla'; valid: flashmla_decode, "
+                                               r"deepgemm_indexer"):
+        cd.given("flashmla", object())
+    with pytest.raises(cd.ArgumentError, match="unknown kind"):
+        cd.batch(given={"sched": 1})
+
+
 def test_batch_scope_stays_in_its_context():
     """The block is a context variable: another thread sees no block."""
     import threading

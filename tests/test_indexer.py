@@ -523,6 +523,40 @@ def test_deepgemm_adapter_with_stand_in(monkeypatch, N, ctx_2d, clean):
         _fresh_adapter(drop=True)
 
 
+def test_deepgemm_adapter_uses_the_callers_schedule(monkeypatch):
+    """DeepGEMM's schedule: the caller's when given (as an argument, or through
+    capdispatch.given("deepgemm_indexer", m)), one per batch inside capdispatch.batch(),
+    else one per call."""
+    import capdispatch as cd
+    fake = _FakeDeepGEMM()
+    made = []
+    real = fake.get_paged_mqa_logits_metadata
+
+    def counting(*a, **k):
+        made.append(real(*a, **k))
+        return made[-1]
+    fake.get_paged_mqa_logits_metadata = counting
+    monkeypatch.setitem(sys.modules, "deep_gemm", fake)
+    deepgemm = _fresh_adapter()
+    try:
+        gen = torch.Generator().manual_seed(1)
+        c = make_case(gen, 2, 1, 64, 200, [70, 191])
+
+        def call(meta=None):
+            deepgemm.fp8_paged_mqa_logits(c["q"], c["kv"], c["w"], c["ctx"], c["bt"], meta, c["S"], False)
+            return fake.calls[-1][5]
+        theirs = torch.zeros(fake.NUM_SMS + 1, 2, dtype=torch.int32)
+        assert call(theirs) is theirs and not made
+        with cd.given("deepgemm_indexer", theirs):
+            assert call() is theirs and not made
+        with cd.batch():
+            first, second = call(), call()
+        assert first is second is made[0] and len(made) == 1
+        assert call() is made[1] and call() is made[2]
+    finally:
+        _fresh_adapter(drop=True)
+
+
 def _fresh_adapter(drop=False):
     """(Re)import the adapter module so it binds whatever `deep_gemm` is in sys.modules now."""
     name = "capdispatch.backends.indexer.deepgemm"

@@ -183,6 +183,66 @@ def test_routed_decode_at_sglangs_call_site_matches_flashmla_and_replays_in_a_cu
     assert torch.equal(captured[0], eager[0]) and torch.equal(captured[1], eager[1]), msg + ": replay != eager"
 
 
+def test_flashmla_adapter_at_sglangs_decode_site_runs_on_sglangs_schedule(sg, monkeypatch):
+    """capdispatch's flashmla adapter bound at the decode route in served form
+    (capdispatch.bind_resolution, checks off), called through SGLang's name for three
+    layers of one batch with SGLang's one FlashMLASchedMeta: FlashMLA receives SGLang's
+    schedule on every call (the route hands it on through capdispatch.given; the adapter
+    makes none), and the outputs equal SGLang's own calls bit for bit, eager and replayed
+    from a CUDA graph on fresh inputs."""
+    import capdispatch as cd
+    import flash_mla
+
+    from capdispatch.adapters.sglang import routes
+    res = cd.resolve("decode_mla", sg["spec"], selections=["decode_mla=flashmla"])
+    assert res.backend == "flashmla"
+    real, seen = flash_mla.flash_mla_with_kvcache, []
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("tile_scheduler_metadata"))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(flash_mla, "flash_mla_with_kvcache", spy)
+    saved = routes.kernel("decode_mla", KEY)
+    routes._KERNELS["decode_mla"][KEY] = cd.bind_resolution(res, checks=False)
+    seed = _seed()
+    b = 8
+
+    def batch(gen):
+        layers = [_decode_inputs(gen, b) for _ in range(3)]
+        for x in layers[1:]:          # one batch: every layer has the batch's valid counts
+            x["topk_length"], x["extra_topk_length"] = layers[0]["topk_length"], layers[0]["extra_topk_length"]
+        return layers
+
+    def forward(call, layers, sched):
+        return [call(**x, block_table=None, cache_seqlens=None, head_dim_v=512, tile_scheduler_metadata=sched,
+                     softmax_scale=SCALE, is_fp8_kvcache=True) for x in layers]
+    site = functools.partial(sg["fmi"].flash_mla_with_kvcache, use_legacy=True)
+
+    def own(**kw):
+        return sg["own"]["decode"](**kw, use_legacy=True)
+    msg = f"decode_mla=flashmla at flash_mla_with_kvcache b={b} seed={seed}"
+    try:
+        layers = batch(torch.Generator().manual_seed(seed))
+        sched = sg["fmi"].get_mla_metadata()[0]
+        got = forward(site, layers, sched)
+        assert len(seen) == 3 and all(s is sched for s in seen), msg + ": FlashMLA did not get SGLang's schedule"
+        want = forward(own, layers, sg["fmi"].get_mla_metadata()[0])
+        for i, (g_, w_) in enumerate(zip(got, want)):
+            assert torch.equal(g_[0], w_[0]) and torch.equal(g_[1], w_[1]), f"{msg} layer {i}: != SGLang's call"
+        g, captured = _graph(lambda: forward(site, layers, sg["fmi"].get_mla_metadata()[0]))
+        fresh = batch(torch.Generator().manual_seed(seed + 1))
+        for x, f in zip(layers, fresh):
+            for k, t in f.items():
+                x[k].copy_(t)
+        g.replay()
+        torch.cuda.synchronize()
+        want = forward(own, layers, sg["fmi"].get_mla_metadata()[0])
+        for i, (g_, w_) in enumerate(zip(captured, want)):
+            assert torch.equal(g_[0], w_[0]) and torch.equal(g_[1], w_[1]), f"{msg} layer {i} (replay)"
+    finally:
+        routes._KERNELS["decode_mla"][KEY] = saved
+
+
 # --------------------------------------------------------------------------- sparse prefill
 
 def test_routed_sparse_prefill_at_sglangs_call_site_matches_flashmla(sg):

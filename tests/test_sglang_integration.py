@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -31,6 +32,8 @@ TIMEOUT = 300
 def _env(extra=None) -> dict:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("CAPDISPATCH_", "SGLANG_", "TRITON_INTERPRET"))}
+    # Rank reports go to a scratch directory, never the user's cache.
+    env["CAPDISPATCH_REPORT_DIR"] = os.path.join(tempfile.gettempdir(), "capdispatch-test-reports")
     env.update(extra or {})
     return env
 
@@ -317,7 +320,7 @@ def test_ranks_mixed_group_uniform_reroutes_the_fast_card(ranks):
     assert all(a["error"] is None for a in after)
     assert {a["state"]["choices"]["kv_dequant"]["backend"] for a in after} == {"triton_u8"}
     assert after[0]["state"]["routes"]["kv_dequant"].endswith("kv_cache.ops.kv_dequant_triton_u8")
-    (info,) = [m for lv, m in after[0]["logs"] if lv == "INFO"]
+    (info,) = [m for lv, m in after[0]["logs"] if lv == "INFO" and "after agreement" in m]
     assert "after agreement with 3 rank(s): kv_dequant: triton_fp8 -> triton_u8" in info
 
 

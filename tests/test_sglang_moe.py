@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -30,6 +31,8 @@ def seed_rig(tmp_path_factory):
 
 def _scenario(model_dir, modes, env_extra):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CAPDISPATCH_", "SGLANG_", "TRITON_"))}
+    # Rank reports go to a scratch directory, never the user's cache.
+    env["CAPDISPATCH_REPORT_DIR"] = os.path.join(tempfile.gettempdir(), "capdispatch-test-reports")
     env.update(env_extra)
     proc = subprocess.run([sys.executable, os.path.join(HERE, "sglang_moe_scenario.py"), model_dir, modes],
                           env=env, text=True, capture_output=True, timeout=600)

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 
+import attrs
 import pytest
 
 import capdispatch as cd
@@ -390,7 +391,11 @@ def test_explicit_choice_that_cannot_run_is_downgraded_loudly_per_device(env, re
     env["CAPDISPATCH_SET"] = "kv_dequant=triton_fp8"
     d = _decide(env, release)
     dq = d.choices["kv_dequant"]
-    assert [c.routed for c in dq.values()] == [True, True, True]     # an explicit choice is honoured
+    # An explicit choice is honoured: where it is SGLang's own kernel (the 5090) SGLang's call stays.
+    assert [c.routed for c in dq.values()] == [False, True, True]
+    assert dq["cuda:0"].runs == "triton_fp8" and dq["cuda:0"].why == (
+        "SGLang's own dequantize_k_cache_paged_dsv4 kept (triton_fp8 is chosen (CAPDISPATCH_SET), "
+        "the kernel SGLang runs there)")
     assert dq["cuda:1"].resolution.downgraded_from == "triton_fp8" and dq["cuda:1"].backend == "triton_u8"
     downgrades = [w for w in d.warnings if "was asked for (CAPDISPATCH_SET) but cannot run" in w]
     assert [w.split(" ")[0] for w in downgrades] == ["cuda:1", "cuda:2"]
@@ -509,8 +514,8 @@ def test_plan_json(env, capsys, monkeypatch):
     dq = p["ranks"][1]["ops"]["kv_dequant"]
     assert dq.pop("source").startswith("default.yaml:")
     assert dq == {
-        "backend": "triton_u8", "action": "routed", "routed": True, "downgraded_from": None, "setting": None,
-        "kind": "fallback",
+        "backend": "triton_u8", "runs": "triton_u8", "action": "routed", "routed": True,
+        "downgraded_from": None, "setting": None, "kind": "fallback", "size_key": None, "buckets": [],
         "why": "SGLang's own dequantize_k_cache_paged_dsv4 cannot run there: needs fp8_e4m3 (cc >=8.9), has cc 8.6"}
     assert p["ranks"][1]["arch"]["device_sm"] == 86
     assert {x["name"]: x["action"] for x in p["launch"]} == {"kv_cache_dtype": "set", "SGLANG_DSV4_KV_LAYOUT": "set"}
@@ -810,15 +815,16 @@ def test_plan_shows_every_op_and_the_sglang_settings_per_rank(env, capsys, monke
     for r in p["ranks"]:
         assert list(r["ops"]) == p["ops"]
         for c in r["ops"].values():
-            assert set(c) == {"backend", "action", "routed", "why", "setting", "source", "downgraded_from",
-                              "kind"}
+            assert set(c) == {"backend", "runs", "action", "routed", "why", "setting", "source",
+                              "downgraded_from", "kind", "size_key", "buckets"}
             assert c["kind"] in ("first", "fallback", "downgraded", "uniform")
             assert c["routed"] == (c["action"] == "routed") and c["why"]
     r2 = p["ranks"][2]["ops"]
     assert r2["decode_mla"]["backend"] == "triton" and r2["decode_mla"]["setting"] is None
     assert r2["moe"] == {"backend": "triton_w4a16", "action": "routed", "routed": True,
                          "why": r2["moe"]["why"], "setting": None, "source": r2["moe"]["source"],
-                         "downgraded_from": None, "kind": "fallback"}
+                         "downgraded_from": None, "kind": "fallback", "runs": "triton_w4a16",
+                         "size_key": None, "buckets": []}
     assert p["ranks"][1]["ops"]["moe"]["setting"] == ["moe_runner_backend=flashinfer_mxfp4"]
     assert p["ranks"][1]["ops"]["moe"]["action"] == "kept"
     mrb = next(x for x in p["sglang_settings"] if x["name"] == "moe_runner_backend")
@@ -847,3 +853,168 @@ def test_knob_names_exist_in_the_installed_sglang():
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
     assert line is not None, proc.stderr[-3000:]
     assert json.loads(line[len("RESULT "):])["knob_name_problems"] == []
+
+
+# --------------------------------------------------------------------------- served form
+
+SERVED_POL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "policies", "served_buckets.yaml")
+
+
+def test_plan_carries_the_buckets_and_kept_or_routed_per_bucket(env, capsys):
+    """A bucketed decode policy on an H200 and an RTX 3080: on the H200 the sizes FlashMLA
+    wins keep SGLang's call (kept) and the others are routed; on the 3080 both buckets are
+    routed. JSON carries every bucket; text shows them in the matrix and per rank."""
+    args = ("--device", "sim:h200,sim:rtx-3080", "--tp", "2", "--libs", "sglang-0.5.23", "--policy", SERVED_POL)
+    rc, out, err = _plan(capsys, *args, "--format", "json")
+    assert rc == 0, err
+    p = json.loads(out)
+    h200, sm86 = (r["ops"]["decode_mla"] for r in p["ranks"])
+    assert h200["size_key"] == "tokens" and h200["action"] == "routed" and h200["backend"] == "flashmla"
+    assert [(b["tokens"], b["lower"], b["upper"], b["backend"], b["action"], b["runs"]) for b in h200["buckets"]] == [
+        ("<=2", None, 2, "torch", "routed", "torch"), (">2", 2, None, "flashmla", "kept", "flashmla")]
+    assert [(b["tokens"], b["backend"], b["action"]) for b in sm86["buckets"]] == [
+        ("<=2", "torch", "routed"), (">2", "triton", "routed")]
+    assert h200["why"] == ("explicit choice (" + SERVED_POL + ":7): capdispatch torch for tokens <=2 runs at "
+                           "flash_mla_with_kvcache; for tokens >2 the decision is flashmla, SGLang's own, so "
+                           "SGLang's call stays there")
+    # Ops without buckets carry an empty list.
+    assert p["ranks"][0]["ops"]["kv_dequant"]["buckets"] == [] and p["ranks"][0]["ops"]["kv_dequant"]["size_key"] is None
+    rc, out, err = _plan(capsys, *args)
+    assert rc == 0, err
+    flat = " ".join(out.split())
+    assert "<=2 torch (routed), >2 flashmla (kept)" in flat and "<=2 torch, >2 triton (routed)" in flat
+    assert "decode_mla by tokens routed explicit choice" in flat
+    assert "tokens <=2: torch routed tokens >2: flashmla kept" in flat
+
+
+def test_an_explicit_choice_a_rank_cannot_carry_out_warns_or_is_refused_under_strict(env, capsys):
+    """--set sparse_prefill=torch: SGLang calls no sparse-prefill site on the RTX 5090 that
+    capdispatch can route. The cell names what runs (SGLang's own), a WARNING says the
+    choice is not carried out, and --strict refuses (exit 3)."""
+    args = ("--device", RIG, "--tp", "3", "--libs", "sglang-0.5.23", "--set", "sparse_prefill=torch")
+    rc, out, err = _plan(capsys, *args, "--format", "json")
+    assert rc == 0, err
+    p = json.loads(out)
+    c = p["ranks"][0]["ops"]["sparse_prefill"]
+    assert (c["backend"], c["runs"], c["action"]) == ("torch", "sglang", "kept")
+    assert ("sparse_prefill on cuda:0: the explicit choice torch (--set) cannot be carried out: SGLang calls no "
+            "sparse_prefill site on this card (NVIDIA GeForce RTX 5090) that capdispatch can route, so SGLang's "
+            "own kernel runs") in p["warnings"]
+    assert [r["ops"]["sparse_prefill"]["action"] for r in p["ranks"][1:]] == ["routed", "routed"]
+    rc, out, err = _plan(capsys, *args)
+    assert "sparse_prefill   sglang (kept)" in out and "torch (kept)" not in out
+    rc, out, err = _plan(capsys, *args, "--strict")
+    assert rc == 3 and out == ""
+    assert err.startswith("dispatch sglang: unsatisfiable: strict: sparse_prefill on cuda:0: the explicit choice "
+                          "torch (--set) cannot be carried out")
+
+
+def test_naming_sglangs_own_kernel_is_no_reason_to_route(env, release):
+    spec = cd.probe("sim:h200")
+    res = cd.resolve("decode_mla", spec, selections=["decode_mla=flashmla"], assume_libs=["sgl-flash-mla"])
+    assert res.user
+    c = decide.choose(release, "decode_mla", res, spec)
+    assert (c.action, c.runs, c.buckets) == ("kept", "flashmla", ())
+    assert c.why == "SGLang's own flash_mla_with_kvcache kept (flashmla is chosen (selections=), the kernel SGLang runs there)"
+
+
+def test_a_switched_route_runs_capdispatchs_adapter_for_the_native_buckets(env, release, tmp_path, monkeypatch):
+    """The indexer's site is SGLang's torch function, taken only under the switches the
+    rank sets: its `original` is not DeepGEMM, so a bucket DeepGEMM wins is routed to
+    capdispatch's deepgemm adapter (SGLang's metadata goes with it), never kept."""
+    pol = tmp_path / "ix.yaml"
+    pol.write_text("ops:\n  indexer:\n    - {tokens: '<=4', prefer: [triton]}\n    - {prefer: [deepgemm]}\n")
+    spec = cd.probe("sim:h200")
+    res = cd.resolve("indexer", spec, policy=str(pol), assume_libs=["sgl-deep-gemm", "triton"])
+    c = decide.choose(release, "indexer", res, spec)
+    assert c.action == "routed"
+    assert [(b.label(), b.backend, b.action, b.runs) for b in c.buckets] == [
+        ("<=4", "triton", "routed", "triton"), (">4", "deepgemm", "routed", "deepgemm")]
+    assert "for tokens >4 capdispatch's deepgemm adapter runs" in c.why
+    from capdispatch.adapters.sglang import rank
+    asked = []
+    monkeypatch.setattr(cd, "bind_resolution", lambda r, **kw: asked.append((r, kw)) or "bound")
+    assert rank.kernel_for(release.route("indexer", spec), c) == "bound"
+    # No None entry (native=None): every size runs a capdispatch kernel; served form: no checks.
+    assert asked == [(res, {"checks": False, "native": None})]
+    dec = cd.resolve("decode_mla", spec, policy=SERVED_POL, assume_libs=["sgl-flash-mla"])
+    rank.kernel_for(release.route("decode_mla", spec), decide.choose(release, "decode_mla", dec, spec))
+    assert asked[-1][1] == {"checks": False, "native": "flashmla"}     # FlashMLA's sizes: SGLang's call
+
+
+def test_routes_hand_sglangs_schedules_to_the_kernel():
+    """The decode wrappers put SGLang's tile_scheduler_metadata in capdispatch.given for the
+    call; the indexer wrapper passes deep_gemm_metadata as the op's schedule_metadata; a
+    size dispatcher's None entry sends the call to SGLang's own function unchanged."""
+    import torch
+
+    from capdispatch.adapters.sglang import routes
+    from capdispatch.backends import batch_scope
+    key = ("cpu", None)
+    seen = []
+
+    def kernel(q, *args):
+        seen.append(batch_scope.shared(lambda: (("k",), ()), lambda: "made", "flashmla_decode"))
+        return "capdispatch"
+    q = torch.zeros(3, 1, 8, 512)
+    view = torch.zeros(2, 16, 1, 584, dtype=torch.uint8)
+    sched = object()
+    routes._KERNELS.setdefault("decode_mla", {})[key] = kernel
+    try:
+        got = routes.mla_decode(lambda *a, **k: "sglang", q, view, None, None, 512, sched, is_fp8_kvcache=True,
+                                indices=torch.zeros(3, 1, 64, dtype=torch.int32))
+        assert got == "capdispatch" and seen == [sched]
+        got = routes.mla_decode_sm120(lambda **k: "sglang", q=q, k_cache=view, head_dim_v=512,
+                                      tile_scheduler_metadata=sched, indices=torch.zeros(3, 1, 64, dtype=torch.int32))
+        assert got == "capdispatch" and seen == [sched, sched]
+        routes.mla_decode_sm120(lambda **k: "sglang", q=q, k_cache=view, head_dim_v=512,
+                                indices=torch.zeros(3, 1, 64, dtype=torch.int32))
+        assert seen[-1] == "made"            # no schedule from SGLang: the kernel's own
+        # A dispatcher keeping SGLang's call for more than 2 tokens.
+        from capdispatch.backends.base import SizeArg
+        from capdispatch.dispatch import sized
+        disp = sized.dispatcher("decode_mla", SizeArg("tokens", 0, "q"), ((2, kernel),), None,
+                                ((2, "torch"), (None, "flashmla")))
+        routes._KERNELS["decode_mla"][key] = disp
+        calls = []
+
+        def own(*a, **k):
+            calls.append(a[5])
+            return "sglang"
+        assert routes.mla_decode(own, q, view, None, None, 512, sched, is_fp8_kvcache=True,
+                                 indices=torch.zeros(3, 1, 64, dtype=torch.int32)) == "sglang"
+        assert calls == [sched]
+        assert routes.mla_decode(own, q[:2], view, None, None, 512, sched, is_fp8_kvcache=True,
+                                 indices=torch.zeros(2, 1, 64, dtype=torch.int32)) == "capdispatch"
+    finally:
+        routes.remove("decode_mla", key)
+    meta = torch.zeros(9, 2, dtype=torch.int32)
+    got = []
+    routes._KERNELS.setdefault("indexer", {})[key] = lambda *a: got.append(a[5]) or "capdispatch"
+    try:
+        qi = torch.zeros(2, 1, 64, 128)
+        assert routes.indexer_logits(None, qi, None, None, None, None, meta, 128, False) == "capdispatch"
+        assert got == [meta] and got[0] is meta
+    finally:
+        routes.remove("indexer", key)
+
+
+def test_install_outcomes_enter_the_agreement(release):
+    """A rank that did not install a route the group decided is named, and the digest with
+    the install outcomes differs from the one where every rank installed it."""
+    from capdispatch.adapters.sglang import rank
+    specs = [cd.probe("sim:rtx-3080").with_id("rank0:cuda:0"), cd.probe("sim:rtx-3080").with_id("rank1:cuda:1")]
+    plan = cd.plan(specs, ["kv_dequant"], assume_libs=["triton"])
+    choices = decide.choices_for(plan, release, ["kv_dequant"], specs)
+    assert all(c.routed for c in choices["kv_dequant"].values())
+    ok = [{"kv_dequant": "installed"}, {"kv_dequant": "installed"}]
+    bad = [{"kv_dequant": "installed"}, {"kv_dequant": "failed: SGLang could not hook it"}]
+    assert rank.carried_out(plan, choices, ok) == []
+    assert rank.carried_out(plan, choices, bad) == [
+        "kv_dequant on rank1:cuda:1: capdispatch triton_u8 was decided (routed), but its route was not installed "
+        "(failed: SGLang could not hook it)"]
+    d = cd.plan_digest(plan)
+    assert rank.install_digest(d, ok) != rank.install_digest(d, bad) and rank.install_digest(d, ok) != d
+    c = attrs.evolve(choices["kv_dequant"]["rank0:cuda:0"], install="installed at x")
+    assert rank.outcome(c) == "installed"
+    assert rank.outcome(attrs.evolve(c, install="failed: why", action="reported")) == "failed: why"

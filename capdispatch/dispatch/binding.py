@@ -33,11 +33,29 @@ def bind(op: str, device, backend=None, *, policy=None, selections=None, strict:
     res = resolve_in(ctx, op, as_spec(device))
     for w in res.warnings:
         log.warning(w)
+    return bind_resolution(res, checks=checks, registry=ctx.registry)
+
+
+def bind_resolution(res, *, checks: bool = True, native=None, registry=None):
+    """The kernel (or size dispatcher) for a decision already made: RES, a Resolution
+    (`resolve`, `plan`, `agree`), bound as `bind` binds it, without resolving again.
+
+    NATIVE names the backend the caller runs itself (an engine's own kernel at the
+    call site it lends): the buckets it wins are None entries of the dispatcher
+    (`fn.pick(n)` is None for their sizes; see `sized.py`), and where it wins every
+    size the result is None. REGISTRY: the registry RES was resolved with (default:
+    the built-in one with its plugins)."""
+    if registry is None:
+        from ..backends import builtin
+        registry = builtin()
+    op = res.op
     loaded = {}
 
     def load(name):
+        if name == native:
+            return None
         if name not in loaded:
-            b = ctx.registry.backend(op, name)
+            b = registry.backend(op, name)
             try:
                 fn = b.load()
             except Exception as exc:
@@ -49,7 +67,7 @@ def bind(op: str, device, backend=None, *, policy=None, selections=None, strict:
     if not res.buckets or len({b.backend for b in res.buckets}) == 1:
         return load(res.backend)
     bounds, default, names = sized.table(res.buckets, load)
-    return sized.dispatcher(op, ctx.registry.ops[op].size, bounds, default, names)
+    return sized.dispatcher(op, registry.ops[op].size, bounds, default, names)
 
 
 def _without_checks(fn):

@@ -19,6 +19,22 @@ ACTIONS = ("routed", "kept", "reported")
 
 
 @attrs.frozen
+class BucketChoice:
+    """One size bucket of a routed or kept op: sizes in (LOWER, UPPER] (None: from 1 /
+    every larger size), the backend capdispatch decided for them, and what runs there."""
+    lower: Optional[int]
+    upper: Optional[int]
+    backend: str             # capdispatch's decision for these sizes
+    action: str              # "routed" (capdispatch's kernel) | "kept" (SGLang's own call stays)
+    runs: str                # the kernel that runs: `backend` where routed, SGLang's own where kept
+
+    def label(self) -> str:
+        if self.upper is not None:
+            return f"<={self.upper}"
+        return f">{self.lower}" if self.lower is not None else "any"
+
+
+@attrs.frozen
 class OpChoice:
     op: str
     device: str
@@ -27,16 +43,30 @@ class OpChoice:
     why: str
     setting: tuple = ()      # knobs.SglangSetting...: what SGLang needs to run this backend itself
     warning: Optional[str] = None   # to log: SGLang's kernel kept where it cannot run (a user switch)
+    # The kernel that runs: a capdispatch backend's name ("torch/flashmla" across buckets),
+    # SGLang's own by the backend it is, or "sglang" where it has no capdispatch name.
+    runs: Optional[str] = None
+    buckets: tuple = ()      # BucketChoice...: per size bucket, where the resolution has buckets
+    # How the rank's route install went (rank.apply_routes): "installed", "failed: <why>",
+    # "removed" (SGLang's own again); None where the rank did not touch a route.
+    install: Optional[str] = None
 
     @property
     def routed(self) -> bool:
-        """A capdispatch kernel replaces SGLang's own at the call site."""
+        """A capdispatch kernel replaces SGLang's own at the call site (for some sizes at least)."""
         return self.action == "routed"
 
     @property
     def backend(self):
         """capdispatch's backend, or None where no decision was needed (SGLang's own runs)."""
         return None if self.resolution is None else self.resolution.backend
+
+    @property
+    def routed_backends(self) -> str:
+        """The capdispatch backends a routed op runs ("torch/triton" across buckets)."""
+        if self.buckets:
+            return "/".join(dict.fromkeys(b.backend for b in self.buckets if b.action == "routed"))
+        return self.backend
 
 
 @attrs.frozen
@@ -160,9 +190,47 @@ def user_env_conflicts(route, user_env) -> list:
     return [(n, user_env[n], v) for n, v in route.env if n in (user_env or {}) and not _same(user_env[n], v)]
 
 
+def _bucket_rows(res):
+    """(lower, upper, backend) per size bucket of RES; one row (None, None, backend) without buckets."""
+    if not res.buckets:
+        return ((None, None, res.backend),)
+    return tuple((b.lower, b.upper, b.backend) for b in res.buckets)
+
+
+def _sizes(rows, key) -> str:
+    """The sizes ROWS ((lower, upper, backend), ...) cover, for people: "tokens <=2, >64"."""
+    labels = ", ".join(BucketChoice(lo, up, "", "", "").label() for lo, up, _ in rows)
+    return f"{key} {labels}" if key else labels
+
+
+def bucket_choices(route, res, routed: bool) -> tuple:
+    """BucketChoice per size bucket of RES at ROUTE: where the route keeps per size
+    (no environment switch: its `original` is SGLang's own kernel), a bucket won by
+    route.native is kept; under a switch every bucket of a routed op is routed (SGLang's
+    native kernel then runs as capdispatch's adapter of it)."""
+    if not res.buckets:
+        return ()
+    native = route.native if route is not None else None
+    out = []
+    for lo, up, b in _bucket_rows(res):
+        if not routed:
+            out.append(BucketChoice(lo, up, b, "kept", native or "sglang"))
+        elif b == native and not route.env:
+            out.append(BucketChoice(lo, up, b, "kept", native))
+        else:
+            out.append(BucketChoice(lo, up, b, "routed", b))
+    return tuple(out)
+
+
 def route_choice(route, op: str, res, user_env=None):
     """(routed, why, warning) for OP at ROUTE (the site SGLang calls on the device RES
-    was resolved for); WARNING is None unless a user switch keeps a kernel that cannot run."""
+    was resolved for); WARNING is None unless a user switch keeps a kernel that cannot run.
+
+    Decided per size bucket: where every bucket's winner is SGLang's own kernel
+    (route.native), SGLang's call stays, whoever named it (a user policy that names the
+    native backend is no reason to route). Where some buckets are SGLang's own and the
+    site has no environment switch, the op is routed and SGLang's call stays for those
+    sizes (bucket_choices)."""
     site = route.site
     conflicts = user_env_conflicts(route, user_env)
     if conflicts:
@@ -173,15 +241,27 @@ def route_choice(route, op: str, res, user_env=None):
             f"; SGLang's default {site} cannot run there ({_failed(native)}), and capdispatch "
             f"would run {res.backend}" if cannot else "")
         return False, why, why if cannot else None
+    rows = _bucket_rows(res)
+    own = [r for r in rows if route.native is not None and r[2] == route.native]
+    if route.native is not None and len(own) == len(rows):
+        picked = f"the decision is {route.native}" if not res.user else f"{route.native} is chosen ({res.source})"
+        return False, f"SGLang's own {site} kept ({picked}, the kernel SGLang runs there)", None
+    tail, what = "", f"capdispatch {res.backend}"
+    if own:
+        mine = [r for r in rows if r not in own]
+        what = f"capdispatch {', '.join(dict.fromkeys(b for _, _, b in mine))} for {_sizes(mine, res.size_key)}"
+        where = _sizes(own, res.size_key)
+        tail = (f"; for {where} the decision is {route.native}, SGLang's own, so SGLang's call stays there"
+                if not route.env else
+                f"; for {where} capdispatch's {route.native} adapter runs (the switch takes SGLang off its "
+                f"{route.native} call for every size)")
     if res.user and res.downgraded_from:
         return True, (f"the explicit choice {res.downgraded_from} cannot run there (see the warning); "
-                      f"capdispatch {res.backend} runs at {site} instead"), None
+                      f"{what} runs at {site} instead{tail}"), None
     if res.user:
-        return True, f"explicit choice ({res.source}): capdispatch {res.backend} runs at {site}", None
+        return True, f"explicit choice ({res.source}): {what} runs at {site}{tail}", None
     if route.native is None:
         return False, f"SGLang's own {site} kept ({route.why})", None
-    if res.backend == route.native:
-        return False, f"SGLang's own {site} kept (it needs what {route.native} needs, and has it)", None
     native = next((c for c in res.candidates if c.backend == route.native), None)
     if native is not None and not native.ok and route.env:
         # The site is a function SGLang takes only under the switches the rank sets.
@@ -189,8 +269,23 @@ def route_choice(route, op: str, res, user_env=None):
                       f"{res.backend} runs at {site}, which this rank switches on"), None
     if native is not None and not native.ok:
         return True, f"SGLang's own {site} cannot run there: {_failed(native)}", None
-    # SGLang's kernel could run, but the decision (e.g. mixed_group: uniform) is another one.
-    return True, f"capdispatch {res.backend} runs at {site} ({res.source})", None
+    # SGLang's kernel could run, but the decision (a size bucket, mixed_group: uniform) is another one.
+    return True, f"{what} runs at {site} ({res.source}){tail}", None
+
+
+def _cannot_carry_out(op: str, res, spec, strict: bool) -> Optional[str]:
+    """The warning for an explicit choice RES of OP that this rank cannot carry out (SGLang
+    calls no routable site of OP on SPEC, so SGLang's own kernel runs); under STRICT the
+    refusal (capdispatch.Unsatisfiable). None where RES is not the user's."""
+    import capdispatch as cd
+    if not res.user:
+        return None
+    what = res.downgraded_from or res.backend
+    text = (f"the explicit choice {what} ({res.source}) cannot be carried out: SGLang calls no {op} "
+            f"site on this card ({spec.name}) that capdispatch can route, so SGLang's own kernel runs")
+    if strict:
+        raise cd.Unsatisfiable(f"strict: {op} on {spec.id}: {text}")
+    return text
 
 
 def _no_site_why(entry, res) -> tuple:
@@ -213,23 +308,36 @@ def _no_site_why(entry, res) -> tuple:
 def choose(release, op: str, res, spec, user_env=None, moe_launch=None, strict=False) -> OpChoice:
     """How the resolution RES of OP on SPEC is carried out inside SGLang. MOE_LAUNCH
     (moe_plan.LaunchValue): the launch's moe_runner_backend, which picks SGLang's MoE
-    method on each card; STRICT: a user value that cannot run there is refused."""
+    method on each card; STRICT: a user value that cannot run there is refused, and so
+    is an explicit choice SGLang gives no routable site for on this card."""
     entry = release.entry(op, res.backend)
     setting = entry.settings if entry is not None and entry.kind == "sglang" else ()
     route = release.route(op, spec)
-    warning = None
+    warning, buckets = None, ()
     if route is not None and route.native_by is not None:
         from . import moe_plan
         routed, why, warning = moe_plan.route_choice(route, res, spec, moe_launch, strict)
         action = "routed" if routed else "kept"
+        # SGLang's method runs one kernel for every size: kept keeps it whole.
+        runs = res.backend
     elif route is not None:
         routed, why, warning = route_choice(route, op, res, user_env)
         action = "routed" if routed else "kept"
+        conflict = bool(user_env_conflicts(route, user_env))
+        buckets = bucket_choices(route, res, routed) if not conflict else ()
+        if routed:
+            runs = "/".join(dict.fromkeys(b.runs for b in buckets)) if buckets else res.backend
+        else:
+            runs = "sglang" if conflict or route.native is None else route.native
     elif release.routes_for(op):
-        action, why = "kept", f"SGLang calls no routable {op} site on this card"
+        action, why, runs = "kept", f"SGLang calls no routable {op} site on this card", "sglang"
+        warning = _cannot_carry_out(op, res, spec, strict)
+        if warning:
+            why = f"{why}: the explicit choice {res.downgraded_from or res.backend} is not carried out (see the warning)"
     else:
         action, why = _no_site_why(entry, res)
-    return OpChoice(op, spec.id, res, action, why, setting, warning)
+        runs = res.backend if action == "kept" else None
+    return OpChoice(op, spec.id, res, action, why, setting, warning, runs, buckets)
 
 
 def _user_names(ctx, op: str) -> bool:
@@ -278,7 +386,7 @@ def kept_choices(release, op: str, specs) -> dict:
         route = release.route(op, spec)
         site = route.site if route else op
         return f"SGLang's own {site} kept ({route.why if route else 'no call site to route'})"
-    return {s.id: OpChoice(op, s.id, None, "kept", why(s)) for s in specs}
+    return {s.id: OpChoice(op, s.id, None, "kept", why(s), runs="sglang") for s in specs}
 
 
 def settings_for(release, choices: dict, *, explicit_fields=(), env=None, field_values=None):
@@ -326,7 +434,7 @@ def sglang_settings(release, choices: dict, *, explicit_fields=(), env=None, fie
                     continue
                 if c.routed:
                     # The rank's route runs capdispatch's kernel at SGLang's call site.
-                    routed.setdefault(c.device, c.backend)
+                    routed.setdefault(c.device, c.routed_backends)
                 elif not c.setting and c.action == "reported":
                     without.append(c.device)
                 for s in c.setting:

@@ -56,8 +56,13 @@ class MoePrepared:
 
 def backend_name(kernel) -> str:
     """The registered moe backend whose function KERNEL is: its implementation, or the
-    bound custom op `bind` returns for it (named ``moe_<backend>``)."""
+    bound custom op `bind` returns for it (named ``moe_<backend>``). For a size
+    dispatcher, the catch-all's backend: every bucket of one call site shares its weight
+    layout (the resolver refuses others), so the weights are prepared for it."""
     import capdispatch as cd
+    buckets = getattr(kernel, "buckets", None)
+    if buckets:
+        return buckets[-1][1]
     impl = f"{kernel.__module__}:{kernel.__name__}"
     for b in cd.registry().backends(OP):
         if b.impl == impl or kernel.__name__ == f"{OP}_{b.name}":

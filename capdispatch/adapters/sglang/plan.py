@@ -66,14 +66,45 @@ def kind(res) -> str:
     return "fallback" if res.fallback else "first"
 
 
-def op_dict(c) -> dict:
-    """One op on one rank: what runs, how, and why."""
+def cell_kind(c) -> str:
+    """The matrix's mark for choice C: its resolution's (kind), except where SGLang's own
+    kernel runs in place of the decision (a kept op with no routable site): that cell
+    names SGLang's kernel, marked only as downgraded when an explicit choice was not
+    carried out (C's warning says so)."""
+    if c.action == "kept" and c.resolution is not None and c.runs != c.backend:
+        return "downgraded" if c.warning else "first"
+    return kind(c.resolution)
+
+
+def bucket_rows(c) -> list:
+    """The size buckets of choice C, each with what runs there and how: C's own per-bucket
+    choices (a route keeps SGLang's call for some sizes), else the resolution's buckets
+    carried out as the whole op is. Empty without buckets."""
     res = c.resolution
-    return {"backend": c.backend, "action": c.action, "routed": c.routed, "why": c.why,
-            "kind": kind(res),
+    if res is None or not res.buckets:
+        return []
+    key = res.size_key or "size"
+    if c.buckets:
+        rows = [(b.label(), b.lower, b.upper, b.backend, b.action, b.runs) for b in c.buckets]
+    else:
+        rows = [(b.label(key), b.lower, b.upper, b.backend, c.action,
+                 b.backend if c.action == "routed" else c.runs) for b in res.buckets]
+    return [{key: label, "lower": lower, "upper": upper, "backend": backend, "action": action, "runs": runs}
+            for label, lower, upper, backend, action, runs in rows]
+
+
+def op_dict(c) -> dict:
+    """One op on one rank: what runs, how, and why. `backend` is capdispatch's decision
+    (the catch-all bucket's), `runs` the kernel that runs (SGLang's own where kept),
+    `buckets` the size buckets with kept / routed per bucket."""
+    res = c.resolution
+    return {"backend": c.backend, "runs": c.runs, "action": c.action, "routed": c.routed, "why": c.why,
+            "kind": cell_kind(c),
             "setting": [s.label for s in c.setting] if c.setting else None,
             "source": res.source if res else None,
-            "downgraded_from": res.downgraded_from if res else None}
+            "downgraded_from": res.downgraded_from if res else None,
+            "size_key": res.size_key if res is not None and res.buckets else None,
+            "buckets": bucket_rows(c)}
 
 
 def rank_dict(i, gpu_id, spec, d, release) -> dict:

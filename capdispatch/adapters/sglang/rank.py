@@ -37,13 +37,25 @@ def _inputs(server_args, release):
                                 user_env=None)
 
 
+def kernel_for(route, c):
+    """The served form of choice C at ROUTE: C's Resolution bound as decided (every size
+    bucket: a size dispatcher), without argument checks (SGLang's shapes are its own).
+    Where the route's `original` is SGLang's own kernel (no environment switch takes
+    SGLang elsewhere), the buckets SGLang's kernel wins are None entries: the route
+    calls `original` for those sizes."""
+    import capdispatch as cd
+    native = route.native if not route.env and route.native_by is None else None
+    return cd.bind_resolution(c.resolution, checks=False, native=native)
+
+
 def apply_routes(release, choices: dict, spec, key, environ=None, user_env=None) -> dict:
-    """Install or remove this device's routes. Returns CHOICES as carried out: an op
-    whose call site cannot be hooked in this process (its SGLang module fails to
-    import) is no longer `routed` but reported, with why. A route's environment
-    switches go into ENVIRON, this rank's own process environment. Where SGLang's
-    own kernel is kept, switches the user did not set (USER_ENV) -- set by SGLang's
-    launcher from device 0's view -- go back to SGLang's defaults."""
+    """Install or remove this device's routes. Returns CHOICES as carried out, each with
+    how its install went (`OpChoice.install`): an op whose call site cannot be hooked in
+    this process (its SGLang module fails to import, its kernel fails to load) is no
+    longer `routed` but reported, with why. A route's environment switches go into
+    ENVIRON, this rank's own process environment. Where SGLang's own kernel is kept,
+    switches the user did not set (USER_ENV) -- set by SGLang's launcher from device
+    0's view -- go back to SGLang's defaults."""
     import os
 
     import attrs
@@ -57,8 +69,15 @@ def apply_routes(release, choices: dict, spec, key, environ=None, user_env=None)
         if route is None:
             continue
         if c.routed:
-            failed = routes.install(route, cd.bind(op, spec, backend=c.backend), key, backend=c.backend)
+            try:
+                fn = kernel_for(route, c)
+                failed = None if fn is not None else "every size is SGLang's own"
+            except cd.Unsatisfiable as exc:      # the backend's library fails to load here
+                fn, failed = None, str(exc)
             if failed is None:
+                failed = routes.install(route, fn, key, backend=c.backend)
+            if failed is None:
+                out[op] = attrs.evolve(c, install=f"installed at {route.target}")
                 changed = routes.switch_env(route, environ)
                 if changed:
                     log.info("capdispatch: %s routed on %s: set %s in this rank's process",
@@ -66,11 +85,15 @@ def apply_routes(release, choices: dict, spec, key, environ=None, user_env=None)
                 continue
             routes.remove(op, key)
             routes.restore_env(route, environ)
-            out[op] = attrs.evolve(c, action="reported", why=(
+            out[op] = attrs.evolve(c, action="reported", install=f"failed: {failed}", runs=route.native or "sglang",
+                                   buckets=(), why=(
                 f"NOT routed: capdispatch {c.backend} was decided ({c.why}), but {failed}; "
                 f"SGLang's own {route.site} stays"))
         else:
+            had = routes.kernel(op, key) is not None
             routes.remove(op, key)
+            if had:
+                out[op] = attrs.evolve(c, install="removed")
             restored = routes.restore_env(route, environ)
             if restored:
                 log.info("capdispatch: %s on %s is SGLang's own again: restored %s",
@@ -130,20 +153,66 @@ def configure(server_args, gpu_id: int, *, env=None):
                         inputs.user_env)
     d = attrs.evolve(d, choices={op: {spec.id: c} for op, c in mine.items()})
     state = RankState(gpu_id, spec, key, inputs, release, d.resolved, mine, tuple(changes), env,
-                      moe_launch=moe_launch)
-    _RANKS[gpu_id] = state
+                      moe_launch=moe_launch, proof=proof_text)
     facts = ", ".join(f"{n} {b!r} -> {a!r}" for n, b, a in changes) or "already this card's"
     what = render.summary(d, settings=False) if inputs.ops else f"no op to decide ({inputs.reason})"
     log.info("capdispatch: rank on %s (gpu_id %d): %s; SGLang's architecture facts: %s%s",
              rig.describe(spec), gpu_id, what, facts, f"; {proof_text}" if proof_text else "")
+    state = _report(state)
+    _RANKS[gpu_id] = state
     return state
+
+
+def _report(state):
+    """Write STATE's report (report.py) and log its one-line summary; STATE with the path."""
+    import attrs
+
+    from . import report
+    path = report.write(state, proof=state.proof, agreement=state.agreement)
+    log.info("%s", report.summary_line(state, path, state.agreement))
+    return attrs.evolve(state, report=None if path is None else str(path))
+
+
+def outcome(c) -> str:
+    """How choice C was carried out on its rank: "installed" (its route runs capdispatch's
+    kernel), "failed: <why>" (decided routed, not installed), else its action."""
+    if c.install is not None and c.install.startswith("installed"):
+        return "installed"
+    if c.install is not None and c.install.startswith("failed"):
+        return c.install
+    return c.action
+
+
+def carried_out(plan, choices: dict, outcomes: list) -> list:
+    """What the group decided (CHOICES: op -> {device id: OpChoice}) and a rank did not
+    carry out (OUTCOMES: per rank, op -> outcome): one line each."""
+    out = []
+    for dev, mine in zip(plan.devices, outcomes):
+        for op, row in choices.items():
+            want, got = row[dev.id], mine.get(op)
+            if want.routed and got != "installed":
+                out.append(f"{op} on {dev.id}: capdispatch {want.backend} was decided (routed), but its route "
+                           f"was not installed ({got})")
+    return out
+
+
+def install_digest(plan_digest: str, outcomes: list) -> str:
+    """The agreement digest with every rank's route-install outcomes in it."""
+    import hashlib
+    import json
+    body = json.dumps({"plan": plan_digest, "installs": outcomes}, sort_keys=True)
+    return hashlib.sha256(body.encode()).hexdigest()
 
 
 def agree(state, group):
     """Gather every rank's card over GROUP, resolve the group on every rank (one
     Context, the rank's own inputs), and re-route this rank if the group decision
     differs (mixed_group: uniform). A mixed_group: error divergence raises the same
-    AgreementError on every rank. Returns the group Plan."""
+    AgreementError on every rank. Then every rank learns how every rank's route
+    installs went: they enter the agreement digest (install_digest), and a rank that
+    did not install a route the group decided is said once (rank 0's WARNING), or,
+    under strict, raises the same AgreementError on every rank. The rank's report is
+    rewritten with the group's record. Returns the group Plan."""
     import attrs
     import capdispatch as cd
     import torch.distributed as dist
@@ -165,18 +234,45 @@ def agree(state, group):
             for w in g.warnings:
                 if w not in own:
                     log.warning("capdispatch: %s", w)
-    mine = dict(state.choices)
-    mine.update({op: attrs.evolve(row[me.id], device=state.spec.id) for op, row in choices.items()})
+    mine, changed = dict(state.choices), False
+    for op, row in choices.items():
+        c = attrs.evolve(row[me.id], device=state.spec.id)
+        old = state.choices.get(op)
+        if old is not None and _shape(old) == _shape(c):
+            c = attrs.evolve(c, install=old.install)     # what runs is what the rank installed
+        else:
+            changed = True
+        mine[op] = c
     before = {op: (c.backend, c.action) for op, c in state.choices.items()}
-    if before != {op: (c.backend, c.action) for op, c in mine.items()}:
+    if changed:
         mine = apply_routes(release, mine, state.spec, state.key, state.env, inputs.user_env)
     after = {op: (c.backend, c.action) for op, c in mine.items()}
     if before != after:
         log.info("capdispatch: rank %s after agreement with %d rank(s): %s", me.id,
                  len(plan.devices), "; ".join(f"{op}: {before[op][0]} -> {c.backend} ({c.why})"
                                               for op, c in mine.items() if before[op] != after[op]))
-    _RANKS[state.gpu_id] = attrs.evolve(state, choices=mine, agreed=plan)
+    # Route installs enter the agreement: every rank learns how every rank's went.
+    outcomes = [None] * len(plan.devices)
+    dist.all_gather_object(outcomes, {op: outcome(c) for op, c in mine.items()}, group=group)
+    missed = carried_out(plan, choices, outcomes)
+    digest = cd.plan_digest(plan)
+    agreement = {"ranks": [d.id for d in plan.devices], "rank": rank, "plan_digest": digest,
+                 "digest": install_digest(digest, outcomes), "installs": outcomes,
+                 "agreed": not missed, "not_carried_out": missed}
+    state = attrs.evolve(state, choices=mine, agreed=plan, agreement=agreement)
+    _RANKS[state.gpu_id] = state = _report(state)
+    if missed:
+        text = "the ranks did not carry out the group decision alike: " + "; ".join(missed)
+        if ctx.strict_effective:
+            raise cd.AgreementError(f"strict: {text}")
+        if rank == 0:
+            log.warning("capdispatch: %s", text)
     return plan
+
+
+def _shape(c) -> tuple:
+    """What a choice runs, for comparing the rank's with the group's."""
+    return (c.backend, c.action, c.buckets)
 
 
 def after_configure(result, server_args, gpu_id, *args, **kwargs):

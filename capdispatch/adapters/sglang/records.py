@@ -72,6 +72,9 @@ class RankState:
     env: Optional[dict] = None   # the process environment the rank reads and switches (None: os.environ)
     agreed: object = None        # the group Plan after agreement
     moe_launch: object = None    # moe_plan.LaunchValue: the launch's moe_runner_backend, as SGLang resolved it
+    proof: Optional[str] = None  # the rank's verification line (proof.verified), None on a simulated card
+    agreement: Optional[dict] = None   # the group's record after agreement (rank.agree; in the report)
+    report: Optional[str] = None       # where the rank's report was last written (report.py)
 
 
 @attrs.frozen

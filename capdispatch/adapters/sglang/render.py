@@ -28,14 +28,46 @@ def matrix(out, *, color=None, width=None, ascii_only=None, stream=None) -> str:
     for op in out["ops"]:
         cs = [r["ops"][op] for r in ranks]
         used.update(c["action"] for c in cs)
-        cells = tuple(Cell(f"{c['backend'] or 'sglang'} {ACTION_TAGS[c['action']][0]}", c["kind"])
-                      for c in cs)
+        for c in cs:
+            used.update(b["action"] for b in c.get("buckets") or ())
+        cells = tuple(Cell(cell_text(c), c["kind"]) for c in cs)
         rows.append(Row(op, cells, diverges=len({c["backend"] for c in cs}) > 1))
     legend = [ACTION_TAGS[a][1] for a in ACTION_TAGS if a in used]
     caption = "\n".join(legend + [f"libraries: {whose(out)}"
                                   + (f"; {len(out['warnings'])} warning(s) below" if out["warnings"] else "")])
     return cd.render_matrix(cols, rows, caption=caption, color=color, width=width,
                             ascii_only=ascii_only, stream=stream)
+
+
+def runs(c) -> str:
+    """The kernel a cell names: what runs (SGLang's own where kept), else the decision."""
+    return c.get("runs") or c["backend"] or "sglang"
+
+
+def merged(c) -> list:
+    """C's size buckets for people: adjacent buckets that run one kernel the same way
+    merged, each as (label, runs, action, backend); one bucket or none: []."""
+    out = []
+    for b in c.get("buckets") or ():
+        if out and (out[-1]["runs"], out[-1]["action"], out[-1]["backend"]) == (b["runs"], b["action"], b["backend"]):
+            out[-1]["upper"] = b["upper"]
+        else:
+            out.append(dict(b))
+    if len(out) < 2:
+        return []
+    return [((f"<={b['upper']}" if b["upper"] is not None else f">{b['lower']}" if b["lower"] is not None
+              else "any"), b["runs"], b["action"], b["backend"]) for b in out]
+
+
+def cell_text(c) -> str:
+    """One op on one rank: the kernel that runs and how; with size buckets, per bucket
+    ("<=64 triton_fp8 (routed), >64 flashmla (kept)"; one tag when all agree)."""
+    bs = merged(c)
+    if not bs:
+        return f"{runs(c)} {ACTION_TAGS[c['action']][0]}"
+    same = len({a for _, _, a, _ in bs}) == 1
+    parts = [f"{label} {r}" + ("" if same else f" {ACTION_TAGS[a][0]}") for label, r, a, _ in bs]
+    return ", ".join(parts) + (f" {ACTION_TAGS[bs[0][2]][0]}" if same else "")
 
 
 def _short(name: str) -> str:
@@ -94,9 +126,13 @@ def text(out, *, brief: bool = False, color=None, stream=None) -> str:
         lines.append("")
         lines.append(f"rank {r['rank']}: cuda:{r['gpu_id']} {dev['name']}, cc {dev['cc']} ({how})")
         width = max((len(op) for op in r["ops"]), default=0)
-        bwidth = max([10] + [len(c["backend"] or "-") for c in r["ops"].values()])
+        bwidth = max([10] + [len(_named(c)) for c in r["ops"].values()])
         for op, c in r["ops"].items():
-            lines.append(f"  {op:<{width}}  {c['backend'] or '-':<{bwidth}}  {MARKS[c['action']]}  {c['why']}")
+            lines.append(f"  {op:<{width}}  {_named(c):<{bwidth}}  {MARKS[c['action']]}  {c['why']}")
+            key = c.get("size_key") or "size"
+            for label, ran, a, backend in merged(c):
+                lines.append(f"  {'':<{width}}    {key} {label}: {ran} {MARKS[a].strip()}"
+                             + (f" (capdispatch decided {backend})" if ran != backend else ""))
         facts = " ".join(f"{k}={v}" for k, v in r["arch"].items())
         lines.append(f"  architecture facts set for this rank: {facts}")
     if out.get("sglang_settings"):
@@ -124,6 +160,16 @@ def text(out, *, brief: bool = False, color=None, stream=None) -> str:
     return "\n".join(lines)
 
 
+def _named(c) -> str:
+    """The rank line's kernel: the decision where routed or reported, what runs where
+    kept; "by <size>" where buckets follow."""
+    if merged(c):
+        return f"by {c.get('size_key') or 'size'}"
+    if c["action"] == "kept":
+        return c.get("runs") or c["backend"] or "-"
+    return c["backend"] or "-"
+
+
 def summary(d, *, settings: bool = True) -> str:
     """One paragraph for a log line: per op, which devices run what and why
     (and, for a launch, the settings)."""
@@ -134,7 +180,7 @@ def summary(d, *, settings: bool = True) -> str:
         by = {}
         for c in row.values():
             if c.action != "kept":
-                by.setdefault((c.action, c.backend), []).append(c)
+                by.setdefault((c.action, c.routed_backends if c.routed else c.backend), []).append(c)
         for (action, backend), cs in by.items():
             verb = "capdispatch" if action == "routed" else "decided (reported, not carried out)"
             text.append(f"{verb} {backend} on {', '.join(c.device for c in cs)} ({cs[0].why})")

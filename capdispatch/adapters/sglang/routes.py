@@ -2,15 +2,26 @@
 indexer) to bound capdispatch kernels.
 
 A rank installs a route only where its card needs one (SGLang's own kernel
-cannot run there, or the user chose a capdispatch backend explicitly), through
-SGLang's HookRegistry, which also rebinds `from ... import` copies. The wrapper
-takes the kernel for the tensor's device: a route never answers for another
+cannot run there, or the decision for some sizes is a capdispatch backend),
+through SGLang's HookRegistry, which also rebinds `from ... import` copies. The
+wrapper takes the kernel for the tensor's device: a route never answers for another
 device, and anything it does not cover (another layout, another store type)
 goes to SGLang's own function unchanged.
+
+The kernel is the rank's decision in served form (rank.kernel_for): bound without
+argument checks, with the policy's size buckets (a size dispatcher). Sizes whose
+bucket SGLang's own kernel wins are None entries of the dispatcher, and the wrapper
+calls SGLang's function for them (`_pick`); inside a CUDA graph the size is static,
+so which one runs is fixed at capture. The decode and indexer wrappers hand SGLang's
+per-batch schedule (`tile_scheduler_metadata`, `deep_gemm_metadata`) to the kernel:
+a backend that has a per-batch schedule of that library uses SGLang's, the others
+ignore it.
 """
 from __future__ import annotations
 
 import logging
+
+import capdispatch as cd
 
 log = logging.getLogger("capdispatch.sglang")
 
@@ -25,6 +36,14 @@ def _key(t):
     return (d.type, d.index)
 
 
+def _pick(fn, n: int):
+    """FN for a problem of N (the op's size: the leading dimension of its size argument);
+    None where a size dispatcher keeps SGLang's own call for N."""
+    if fn is None or not getattr(fn, "keeps", False):
+        return fn
+    return fn.pick(n)
+
+
 def _v4(layout) -> bool:
     # KVLayout is a str enum: KVLayout.V4 == "v4".
     return layout is None or layout == "v4" or (isinstance(layout, str) and layout.lower() == "v4")
@@ -34,6 +53,7 @@ def dequant_v4(original, quant_k_cache, page_table_1_flattened, page_size, out=N
     """AROUND dequantize_k_cache_paged_dsv4(quant_k_cache, page_table_1_flattened,
     page_size, out=None, layout=KVLayout.V4) -> bf16 [n, 1, 512]."""
     fn = _KERNELS.get("kv_dequant", {}).get(_key(quant_k_cache)) if _v4(layout) else None
+    fn = _pick(fn, page_table_1_flattened.shape[0])
     if fn is None:
         kw = {} if layout is None else {"layout": layout}
         return original(quant_k_cache, page_table_1_flattened, page_size, out=out, **kw)
@@ -45,7 +65,7 @@ def store_v4(original, input, cache, indices, *, page_size, type, layout=None, f
     layout=KVLayout.V4, freqs_cis=None): only the main ("flashmla") V4 store."""
     fn = None
     if type == "flashmla" and freqs_cis is None and _v4(layout):
-        fn = _KERNELS.get("kv_quant", {}).get(_key(cache))
+        fn = _pick(_KERNELS.get("kv_quant", {}).get(_key(cache)), input.shape[0])
     if fn is None:
         kw = {} if layout is None else {"layout": layout}
         return original(input, cache, indices, page_size=page_size, type=type, freqs_cis=freqs_cis, **kw)
@@ -71,8 +91,10 @@ def mla_decode(original, q, k_cache, block_table, cache_seqlens, head_dim_v, til
     """AROUND flash_mla_interface.flash_mla_with_kvcache (DSv4 decode and dense
     extend on every card but SM120) -> (out [b,s_q,h,512], lse). Covered: the
     sparse fp8 V4 call (indices, 584-byte views, d_v 512, no block table, no
-    descale); SGLang reads only `out`. The rest goes to FlashMLA unchanged."""
-    fn = _KERNELS.get("decode_mla", {}).get(_key(q))
+    descale); SGLang reads only `out`. The rest goes to FlashMLA unchanged, and so
+    do the sizes whose bucket FlashMLA wins. SGLang's schedule (a FlashMLASchedMeta,
+    one per batch) reaches a FlashMLA-based kernel through capdispatch.given."""
+    fn = _pick(_KERNELS.get("decode_mla", {}).get(_key(q)), q.shape[0])
     if (fn is None or indices is None or not is_fp8_kvcache or head_dim_v != 512 or block_table is not None
             or descale_q is not None or descale_k is not None or kv_format is not None or causal
             or q.shape[-1] != 512 or not _v4_view(k_cache) or not _v4_view(extra_k_cache)):
@@ -81,32 +103,35 @@ def mla_decode(original, q, k_cache, block_table, cache_seqlens, head_dim_v, til
                         attn_sink, extra_k_cache, extra_indices_in_kvcache, topk_length,
                         extra_topk_length, kv_format, use_legacy=use_legacy)
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    return fn(q, k_cache, indices, k_cache.shape[1], scale, topk_length, attn_sink, extra_k_cache,
-              extra_indices_in_kvcache, None if extra_k_cache is None else extra_k_cache.shape[1],
-              extra_topk_length)
+    with cd.given("flashmla_decode", tile_scheduler_metadata):
+        return fn(q, k_cache, indices, k_cache.shape[1], scale, topk_length, attn_sink, extra_k_cache,
+                  extra_indices_in_kvcache, None if extra_k_cache is None else extra_k_cache.shape[1],
+                  extra_topk_length)
 
 
 def mla_decode_sm120(original, **kwargs):
     """AROUND flash_mla_sm120.flash_mla_with_kvcache_sm120(**kwargs) (SM120 decode
-    and extends) -> (out, lse); SGLang reads only `out`."""
+    and extends) -> (out, lse); SGLang reads only `out`. A schedule SGLang passes
+    (`tile_scheduler_metadata`) is handed on as in mla_decode."""
     q, k_cache = kwargs["q"], kwargs["k_cache"]
     extra = kwargs.get("extra_k_cache")
-    fn = _KERNELS.get("decode_mla", {}).get(_key(q))
+    fn = _pick(_KERNELS.get("decode_mla", {}).get(_key(q)), q.shape[0])
     if fn is None or kwargs.get("head_dim_v") != 512 or q.shape[-1] != 512 or not _v4_view(k_cache) \
             or not _v4_view(extra) or kwargs.get("indices") is None:
         return original(**kwargs)
     scale = kwargs.get("softmax_scale")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return fn(q, k_cache, kwargs["indices"], k_cache.shape[1], scale, kwargs.get("topk_length"),
-              kwargs.get("attn_sink"), extra, kwargs.get("extra_indices_in_kvcache"),
-              None if extra is None else extra.shape[1], kwargs.get("extra_topk_length"))
+    with cd.given("flashmla_decode", kwargs.get("tile_scheduler_metadata")):
+        return fn(q, k_cache, kwargs["indices"], k_cache.shape[1], scale, kwargs.get("topk_length"),
+                  kwargs.get("attn_sink"), extra, kwargs.get("extra_indices_in_kvcache"),
+                  None if extra is None else extra.shape[1], kwargs.get("extra_topk_length"))
 
 
 def mla_sparse_prefill(original, q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None,
                        *, use_legacy=True):
     """AROUND flash_mla_interface.flash_mla_sparse_fwd -> (out, max_logits, lse),
     base-2 statistics under use_legacy as FlashMLA's legacy kernel returns them."""
-    fn = _KERNELS.get("sparse_prefill", {}).get(_key(q))
+    fn = _pick(_KERNELS.get("sparse_prefill", {}).get(_key(q)), q.shape[0])
     if fn is None or d_v != 512 or q.shape[-1] != 512:
         return original(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, use_legacy=use_legacy)
     return fn(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, use_legacy=use_legacy)
@@ -116,12 +141,15 @@ def indexer_logits(original, q_fp8, kvcache_fp8, weight, seq_lens, page_table, d
                    max_seq_len, clean_logits=True):
     """AROUND dsv4/indexer.py's fp8_paged_mqa_logits_torch[_sm120] (which the routing
     rank makes SGLang call) -> fp32 logits [rows, max_seq_len]; positions past a
-    row's length are -inf, which SGLang's top-k ignores (it masks by length)."""
-    fn = _KERNELS.get("indexer", {}).get(_key(q_fp8))
+    row's length are -inf, which SGLang's top-k ignores (it masks by length).
+    DeepGEMM's schedule, where SGLang made one (`deep_gemm_metadata`; None under the
+    torch switch, unless SGLang forces it), is the op's `schedule_metadata`: the
+    deepgemm backend runs on it, the others ignore it."""
+    fn = _pick(_KERNELS.get("indexer", {}).get(_key(q_fp8)), q_fp8.shape[0])
     if fn is None:
         return original(q_fp8, kvcache_fp8, weight, seq_lens, page_table, deep_gemm_metadata,
                         max_seq_len, clean_logits)
-    return fn(q_fp8, kvcache_fp8, weight, seq_lens, page_table, None, max_seq_len, clean_logits)
+    return fn(q_fp8, kvcache_fp8, weight, seq_lens, page_table, deep_gemm_metadata, max_seq_len, clean_logits)
 
 
 def moe_quant_method(original, self, layer, prefix):

@@ -34,7 +34,9 @@ def flashmla(q, pool, indices, page_size, sm_scale, topk_length=None, attn_sink=
     A fresh ``FlashMLASchedMeta`` per call (it may not be reused across shapes or
     ``topk_length`` values); inside ``capdispatch.batch()`` one per batch, shared by the
     calls with the same shapes and the same ``topk_length`` / ``extra_topk_length``
-    objects (batch_scope.py). Contract: reference.decode_mla."""
+    objects (batch_scope.py). A schedule the caller made itself (SGLang's
+    ``tile_scheduler_metadata``) comes in through ``capdispatch.given("flashmla_decode",
+    sched)`` and is used as it is. Contract: reference.decode_mla."""
     flash_mla = _flash_mla()
     a = check_decode_args(q, pool, indices, page_size, sm_scale, topk_length, attn_sink,
                           extra_pool, extra_indices, extra_page_size, extra_topk_length, out, checks)
@@ -46,13 +48,14 @@ def flashmla(q, pool, indices, page_size, sm_scale, topk_length=None, attn_sink=
                   extra_indices_in_kvcache=clean_ids(a.extra_idx, a.extra_pool.shape[0] * a.extra_page_size,
                                                               checks),
                   extra_topk_length=a.extra_topk_length.to(torch.int32) if a.extra_topk_length is not None else None)
-    # The schedule depends on the shapes and the valid counts: shared within one batch.
+    # The schedule depends on the shapes and the valid counts: shared within one batch,
+    # or the caller's own (given).
     def key_of():
         return (("flashmla_decode", qp.device, tuple(qp.shape), a.page_size, idx.shape[-1],
                  a.extra_page_size if a.extra_pool is not None else None,
                  kw["extra_indices_in_kvcache"].shape[-1] if kw else None, id(topk_length), id(extra_topk_length)),
                 (topk_length, extra_topk_length))
-    sched = batch_scope.shared(key_of, lambda: flash_mla.get_mla_metadata()[0])
+    sched = batch_scope.shared(key_of, lambda: flash_mla.get_mla_metadata()[0], "flashmla_decode")
     o, lse = flash_mla.flash_mla_with_kvcache(
         q=qp, k_cache=pool_view(a.pool, a.page_size), block_table=None, cache_seqlens=None,
         head_dim_v=DIM, tile_scheduler_metadata=sched, softmax_scale=float(sm_scale),

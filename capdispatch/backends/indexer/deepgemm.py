@@ -16,7 +16,10 @@ rejected for paged logits: positions past a row's length are left unwritten. The
 result is a view whose row stride is padded (1024-byte aligned).
 
 This adapter keeps the op's contract (reference.py): it turns 1-D context lengths into
-the 2-D form (a view for next_n == 1), builds the schedule when none is given, and
+the 2-D form (a view for next_n == 1), builds the schedule when none is given (the
+caller's own through ``schedule_metadata`` or ``capdispatch.given("deepgemm_indexer", m)``;
+inside ``capdispatch.batch()`` one per batch, shared by the calls with the same lengths
+object and shape, as batch_scope.py says), and
 writes -inf past each row's length when `clean_logits=True`. Import lazily: this
 imports deep_gemm (which needs CUDA).
 """
@@ -27,6 +30,7 @@ import torch
 
 import deep_gemm
 
+from .. import batch_scope
 from ...errors import ArgumentTypeError
 from .layout import PAGE_TOKENS, TOKEN_BYTES, alloc_logits, check_args
 from .reference import row_lengths
@@ -69,7 +73,11 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedu
     ctx = context_lens_2d(a.context_lens, N)
     bt = a.block_table if a.block_table.dtype == torch.int32 else a.block_table.to(torch.int32)
     if schedule_metadata is None:
-        schedule_metadata = deep_gemm.get_paged_mqa_logits_metadata(ctx, PAGE_TOKENS, deep_gemm.get_num_sms())
+        def key_of():
+            return ("deepgemm_indexer", ctx.device, tuple(ctx.shape), id(context_lens)), (context_lens,)
+        schedule_metadata = batch_scope.shared(
+            key_of, lambda: deep_gemm.get_paged_mqa_logits_metadata(ctx, PAGE_TOKENS, deep_gemm.get_num_sms()),
+            "deepgemm_indexer")
     logits = deep_gemm.fp8_paged_mqa_logits(qv, kv4, a.weights, ctx, bt, schedule_metadata, S, False)
     if clean_logits:
         E = row_lengths(a.context_lens, N, S).view(B * N, 1)
