@@ -35,6 +35,7 @@ _API = {
     "Context": ("capdispatch.dispatch", "Context"),
     "context": ("capdispatch.dispatch", "context"),
     "plan_in": ("capdispatch.dispatch", "plan_in"),
+    "target_libs": ("capdispatch.dispatch.explain", "target_libs"),
     "policy_from_dict": ("capdispatch.dispatch", "policy_from_dict"),
     "agree": ("capdispatch.dispatch", "agree"),
     "AgreementError": ("capdispatch.dispatch", "AgreementError"),

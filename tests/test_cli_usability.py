@@ -95,14 +95,30 @@ def test_ascii_output_encoding_is_not_a_traceback(run_cli):
 
 # --- whose libraries ------------------------------------------------------------------------
 
-def test_simulated_devices_with_this_machines_libraries_say_so(dispatch):
+def test_simulated_devices_without_libs_use_the_default_profile_and_say_so(dispatch):
     rc, out, _ = dispatch("explain", "--device", "sim:rtx-5090", "--op", "decode_mla")
+    assert rc == 0
+    flat = " ".join(line.strip() for line in out.splitlines())
+    assert "libraries (the sglang-0.5.23 profile's (the default for simulated devices)):" in flat
+    assert "note: simulated devices, planned with the sglang-0.5.23 profile's libraries" in flat
+    assert "--libs local plans with this machine's" in flat
+    rc, out, _ = dispatch("explain", "--device", "sim:rtx-5090", "--op", "decode_mla", "--format", "json")
+    inv = json.loads(out)["inventory"]
+    assert inv["profile"] == "sglang-0.5.23" and inv["default"] is True and "--libs local" in inv["note"]
+    assert json.loads(out)["ops"]["decode_mla"]["per_device"]["sim:rtx-5090"]["backend"] == \
+        "flashinfer_sparse_mla"
+
+
+def test_libs_local_plans_simulated_devices_with_this_machines_libraries(dispatch):
+    rc, out, _ = dispatch("explain", "--device", "sim:rtx-5090", "--op", "decode_mla", "--libs", "local")
     assert rc == 0
     assert "libraries (this machine's):" in out
     assert "note: simulated devices, but this machine's libraries" in out and "--libs sglang-0.5.23" in out
-    rc, out, _ = dispatch("explain", "--device", "sim:rtx-5090", "--op", "decode_mla", "--format", "json")
+    rc, out, _ = dispatch("explain", "--device", "sim:rtx-5090", "--op", "decode_mla", "--format", "json",
+                          "--libs", "LOCAL")
     inv = json.loads(out)["inventory"]
     assert inv["whose"] == "this machine's" and inv["profile"] is None and "--libs" in inv["note"]
+    assert inv["default"] is False
 
 
 def test_libs_profile_plans_with_the_stacks_versions(dispatch):
@@ -494,7 +510,7 @@ def test_sglang_plan_doc_example_reproduces(plan_cmd):
 
 def test_sglang_plan_libs_replace_this_machines_libraries(plan_cmd, monkeypatch):
     _without_local(monkeypatch, "flashinfer-python")
-    rc, out, _ = plan_cmd("--device", RIG, "--format", "json")
+    rc, out, _ = plan_cmd("--device", RIG, "--libs", "local", "--format", "json")
     assert rc == 0
     here = json.loads(out)
     assert here["inventory"]["whose"] == "this machine's"
@@ -540,6 +556,12 @@ def test_sglang_plan_unknown_profile_is_bad_input(plan_cmd):
 def test_sglang_plan_header_says_whose_libraries(plan_cmd, monkeypatch):
     _without_local(monkeypatch, "flashinfer-python")
     rc, out, _ = plan_cmd("--device", RIG)
+    assert rc == 0
+    head = out.splitlines()[:5]
+    assert "libraries: the sglang-0.5.23 profile's (the default for simulated devices)" in head
+    assert any(line.startswith("note: simulated devices, planned with the sglang-0.5.23 profile's")
+               for line in head)
+    rc, out, _ = plan_cmd("--device", RIG, "--libs", "local")
     assert rc == 0
     head = out.splitlines()[:5]
     assert "libraries: this machine's" in head

@@ -138,7 +138,9 @@ def _parser() -> argparse.ArgumentParser:
     completion.profiles(e.add_argument(
         "--libs", metavar="PROFILE",
         help="the target's whole library inventory from a profile (e.g. sglang-0.5.23: the "
-             "versions SGLang 0.5.23 installs) instead of this machine's; --assume-lib adds to it"))
+             "versions SGLang 0.5.23 installs) instead of this machine's; --assume-lib adds to it; "
+             "`local`: this machine's. Default: the default profile when every device is "
+             "simulated and no --assume-lib is given, else this machine's"))
     e.add_argument("--mixed-group", choices=("allow", "warn", "uniform", "error"),
                    help="what a group whose devices choose different backends does, above every "
                         "policy file: allow, warn (default), uniform (one kernel every device can "
@@ -276,14 +278,14 @@ def _cmd_devices(args) -> int:
 
 def _cmd_explain(args) -> int:
     from .errors import BadInput
-    from .explain import plan, render_text
+    from .explain import plan, render_text, target_libs
     ops = _devices_arg(args.op)
     if args.op and not ops:
         raise BadInput(f"--op {' '.join(args.op)!r} names no op (valid: see `dispatch ops`)")
     specs = _specs(args)
     p = plan(specs, ops or None, policy=args.policy or None,
              selections=args.set_ or None, assume_libs=args.assume_lib, strict=args.strict,
-             selection_origin="--set", libs=args.libs,
+             selection_origin="--set", libs=target_libs(specs, args.libs, args.assume_lib),
              settings={"mixed_group": args.mixed_group} if args.mixed_group else None,
              settings_origin="--mixed-group", log_warnings=False)
     from .lock import check

@@ -20,6 +20,10 @@ class NoBackendError(Unsatisfiable):
             reasons = "; ".join(ch.message or f"{ch.code}: need {ch.need}, found {ch.found}"
                                 for ch in c.checks if not ch.ok)
             lines.append(f"  {c.backend}: {reasons}")
+        if any(ch.code.startswith("library:") and not ch.ok for c in candidates for ch in c.checks):
+            lines.append("  a library is missing: plan for the target's software with --libs PROFILE "
+                         "(e.g. sglang-0.5.23; `local`: this machine's) or --assume-lib NAME[==VERSION] "
+                         "(libs= / assume_libs= in the Python API)")
         super().__init__("\n".join(lines))
 
 

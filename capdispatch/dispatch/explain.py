@@ -43,11 +43,26 @@ def _device_dict(d, libraries) -> dict:
             "cuda": d.cuda, "probe": d.probe, "notes": list(d.notes)}
 
 
+def target_libs(specs, libs=None, assume_libs=()):
+    """The library inventory to plan SPECS with, as a --libs value: LIBS when given;
+    "default" (the default profile, said in the output) for a group of simulated devices
+    when neither LIBS nor ASSUME_LIBS says what the target has: this machine's libraries
+    say nothing of a simulated card's machine. Shared by explain, lock and sglang plan."""
+    if libs is None and not assume_libs and specs and all(s.simulated for s in specs):
+        from ..capabilities import lib_profiles
+        return lib_profiles.DEFAULT
+    return libs
+
+
 def inventory_note(specs, inventory) -> str:
-    """What to say when simulated devices are planned with this machine's libraries."""
+    """What to say when simulated devices are planned with libraries nobody named."""
+    from ..capabilities import lib_profiles
+    if inventory.default:
+        return (f"simulated devices, planned with the {inventory.profile.name} profile's libraries "
+                f"(no --libs or --assume-lib given); --libs local plans with this machine's, "
+                f"--libs PROFILE or --assume-lib NAME[==VERSION] with another's")
     if not inventory.local or not any(s.simulated for s in specs):
         return ""
-    from ..capabilities import lib_profiles
     names = lib_profiles.names()
     example = f"--libs {names[0]}" if names else "--libs PROFILE"
     return ("simulated devices, but this machine's libraries: a library missing here counts as "

@@ -28,6 +28,9 @@ def add_parser(subparsers):
                    help="an explicit choice, as for explain")
     p.add_argument("--assume-lib", action="append", default=[], metavar="NAME[==VERSION]",
                    help="treat a library as installed (at VERSION), as for explain")
+    p.add_argument("--libs", metavar="PROFILE",
+                   help="the target's library inventory from a profile, as for explain (simulated "
+                        "devices default to the default profile; `local`: this machine's)")
     p.add_argument("--strict", action="store_true",
                    help="an explicit choice that cannot run is an error (exit 3), not a downgrade")
     out = p.add_mutually_exclusive_group()
@@ -63,11 +66,13 @@ def _specs(args, locked=None):
 
 def run(args) -> int:
     from . import lock as L
-    from .explain import plan
+    from .explain import plan, target_libs
     locked = L.load(args.check) if args.check else None
     ops = args.op or (list(dict.fromkeys(op for d in locked.devices for op in d.ops)) if locked else None)
-    p = plan(_specs(args, locked), ops, policy=args.policy or None, selections=args.set_ or None,
-             assume_libs=args.assume_lib, strict=args.strict, selection_origin="--set")
+    specs = _specs(args, locked)
+    p = plan(specs, ops, policy=args.policy or None, selections=args.set_ or None,
+             assume_libs=args.assume_lib, strict=args.strict, selection_origin="--set",
+             libs=target_libs(specs, args.libs, args.assume_lib))
     if locked is not None:
         drifts = L.compare(p, locked, partial=bool(args.op or args.device))
         for d in drifts:
@@ -79,7 +84,8 @@ def run(args) -> int:
         print(f"{args.check}: today's decisions match the lock ({len(locked.devices)} device(s), "
               f"{n} decision(s))")
         return EXIT_OK
-    lk = L.freeze(p, inputs={"policy": args.policy, "set": args.set_, "assume_lib": args.assume_lib})
+    lk = L.freeze(p, inputs={"policy": args.policy, "set": args.set_, "assume_lib": args.assume_lib,
+                                    "libs": [p.inventory.profile.name] if p.inventory.profile else []})
     if args.output:
         lk.write(args.output)
         n = sum(len(d.ops) for d in lk.devices)

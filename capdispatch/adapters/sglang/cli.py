@@ -45,7 +45,9 @@ def _parser():
     plan.add_argument("--libs", metavar="PROFILE",
                       help="the target's whole library inventory from a profile (e.g. "
                            "sglang-0.5.23: the versions SGLang 0.5.23 installs) instead of this "
-                           "machine's; --assume-lib adds to it")
+                           "machine's; --assume-lib adds to it; `local`: this machine's (default: "
+                           "the default profile when every device is simulated and no "
+                           "--assume-lib is given)")
     plan.add_argument("--brief", action="store_true",
                       help="print the op x rank matrix alone")
     plan.add_argument("--format", choices=("text", "json"), default="text",
