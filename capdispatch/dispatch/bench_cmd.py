@@ -37,6 +37,11 @@ def add_parser(subparsers):
 
 def run(args, *, timer=None) -> int:
     """TIMER: `timer(fn, graph) -> ms` in place of the device's own (tests inject one)."""
+    import importlib.util
+    if importlib.util.find_spec("torch") is None:
+        from .errors import BadInput
+        raise BadInput("dispatch bench times kernels, which need torch: torch is not installed "
+                       "(pip install 'capdispatch[torch]', or your own CUDA build of torch)")
     from ..calibrate import choose, ladder, measure, timing, writer
     from ..policies import PolicyError, load_file
     from .binding import bind
