@@ -36,6 +36,10 @@ _API = {
     "context": ("capdispatch.dispatch", "context"),
     "plan_in": ("capdispatch.dispatch", "plan_in"),
     "target_libs": ("capdispatch.dispatch.explain", "target_libs"),
+    # One reading of each kind of input, for the command line, the API and the adapters.
+    "device_list": ("capdispatch.dispatch.inputs", "device_list"),
+    "op_list": ("capdispatch.dispatch.inputs", "op_list"),
+    "env_flag": ("capdispatch.dispatch.inputs", "env_flag"),
     "policy_from_dict": ("capdispatch.dispatch", "policy_from_dict"),
     "agree": ("capdispatch.dispatch", "agree"),
     "AgreementError": ("capdispatch.dispatch", "AgreementError"),

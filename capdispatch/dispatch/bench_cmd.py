@@ -16,7 +16,8 @@ def add_parser(subparsers):
         "bench", help="time the runnable backends over a size ladder; write a calibrated policy")
     b.add_argument("--device", default=None, metavar="DEV",
                    help="cuda:N or cpu (default: cuda:0 when a CUDA device is visible, else cpu)")
-    b.add_argument("--op", action="append", default=[], metavar="OP", help="an op (repeatable; default: all)")
+    b.add_argument("--op", action="append", default=[], metavar="OP[,OP...]",
+                   help="the ops to time (repeat the flag or use commas; default: all)")
     b.add_argument("--sizes", default=None, metavar="N,N,...",
                    help="sizes of the ops' leading dimension (default: each op's ladder)")
     b.add_argument("--write-policy", default=None, metavar="FILE",
@@ -50,17 +51,18 @@ def run(args, *, timer=None) -> int:
 
     if not 0 <= args.noise < 100:
         raise BadInput(f"--noise: {args.noise!r} is not a percentage (valid: 0 <= PCT < 100)")
-    device = args.device or _default_device()
+    from .inputs import device_list
+    if args.device is not None:
+        devs = device_list(args.device, "--device")
+        if len(devs) != 1:
+            raise BadInput(f"--device {args.device!r}: bench times one device (valid: cuda:N or cpu)")
+    device = devs[0] if args.device is not None else _default_device()
     spec = as_spec(device)
     if spec.simulated:
         raise BadInput(f"--device {device}: a simulated device cannot be timed (valid: cuda:N, cpu)")
     ctx = context()
-    ops = args.op or list(ctx.registry.ops)
-    for op in ops:
-        if op not in ctx.registry.ops:
-            from ..policies.loader import _did_you_mean
-            raise BadInput(f"--op: unknown op {op!r}{_did_you_mean(op, ctx.registry.ops)} "
-                           f"(valid: {', '.join(ctx.registry.ops)})")
+    from .inputs import op_list
+    ops = op_list(args.op, "--op", ctx.registry) or list(ctx.registry.ops)
     try:
         sizes = ladder.parse_sizes(args.sizes) if args.sizes else None
     except ladder.SizesError as exc:

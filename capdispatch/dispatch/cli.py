@@ -179,8 +179,9 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _devices_arg(values) -> list:
-    return [x.strip() for v in values for x in v.split(",") if x.strip()]
+def _devices_arg(values, source: str = "--device") -> list:
+    from .inputs import device_list
+    return device_list(values, source)
 
 
 def _setup_logging():
@@ -277,11 +278,10 @@ def _cmd_devices(args) -> int:
 
 
 def _cmd_explain(args) -> int:
-    from .errors import BadInput
+    from ..backends import builtin
     from .explain import plan, render_text, target_libs
-    ops = _devices_arg(args.op)
-    if args.op and not ops:
-        raise BadInput(f"--op {' '.join(args.op)!r} names no op (valid: see `dispatch ops`)")
+    from .inputs import op_list
+    ops = op_list(args.op, "--op", builtin())
     specs = _specs(args)
     p = plan(specs, ops or None, policy=args.policy or None,
              selections=args.set_ or None, assume_libs=args.assume_lib, strict=args.strict,

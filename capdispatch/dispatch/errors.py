@@ -67,6 +67,12 @@ def run_guarded(prog: str, fn) -> int:
     """
     import os
     import sys
+    from .inputs import env_flag
+    try:
+        debug = env_flag(os.environ, "CAPDISPATCH_DEBUG")
+    except CapdispatchError as exc:
+        _say(f"{prog}: error: {exc}")
+        return exit_code(exc)
     try:
         return fn()
     except CapdispatchError as exc:
@@ -84,7 +90,7 @@ def run_guarded(prog: str, fn) -> int:
             pass
         return EXIT_OK
     except Exception as exc:
-        if os.environ.get("CAPDISPATCH_DEBUG", "").strip().lower() in ("1", "true", "yes", "on"):
+        if debug:
             raise
         _say(f"{prog}: internal error: {type(exc).__name__}: {exc}\n"
              f"  this is a bug in capdispatch; please report it with the command line and the "

@@ -20,8 +20,8 @@ def add_parser(subparsers):
     p = subparsers.add_parser("lock", help="write the decisions to a lock file, or compare with one")
     p.add_argument("--device", action="append", default=[], metavar="DEV[,DEV...]",
                    help="cuda:N, cpu or sim:NAME (default: every local CUDA device, else cpu)")
-    p.add_argument("--op", action="append", default=[], metavar="OP",
-                   help="lock only this op (repeatable; default: all)")
+    p.add_argument("--op", action="append", default=[], metavar="OP[,OP...]",
+                   help="lock only these ops (repeat the flag or use commas; default: all)")
     p.add_argument("--policy", action="append", default=[], metavar="FILE",
                    help="a policy file, as for explain (repeatable)")
     p.add_argument("--set", action="append", default=[], metavar="OP=BACKEND", dest="set_",
@@ -48,7 +48,8 @@ def _specs(args, locked=None):
     from .errors import BadInput
     from .group import unique_ids
     from .resolver import as_spec
-    devs = [x.strip() for v in args.device for x in v.split(",") if x.strip()]
+    from .inputs import device_list
+    devs = device_list(args.device, "--device")
     if devs:
         return unique_ids([as_spec(d, via=args.probe, assume_cuda=args.assume_cuda) for d in devs])
     if locked is None:
@@ -67,8 +68,11 @@ def _specs(args, locked=None):
 def run(args) -> int:
     from . import lock as L
     from .explain import plan, target_libs
+    from ..backends import builtin
+    from .inputs import op_list
     locked = L.load(args.check) if args.check else None
-    ops = args.op or (list(dict.fromkeys(op for d in locked.devices for op in d.ops)) if locked else None)
+    ops = op_list(args.op, "--op", builtin()) or \
+        (list(dict.fromkeys(op for d in locked.devices for op in d.ops)) if locked else None)
     specs = _specs(args, locked)
     p = plan(specs, ops, policy=args.policy or None, selections=args.set_ or None,
              assume_libs=args.assume_lib, strict=args.strict, selection_origin="--set",

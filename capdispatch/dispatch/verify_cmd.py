@@ -13,8 +13,8 @@ def add_parser(subparsers):
     v = subparsers.add_parser("verify", help="run each chosen backend's canary on the card, in a child process")
     v.add_argument("--device", action="append", default=[], metavar="DEV[,DEV...]",
                    help="cuda:N or cpu (default: every local CUDA device, else cpu)")
-    v.add_argument("--op", action="append", default=[], metavar="OP",
-                   help="verify only this op (repeatable; default: all)")
+    v.add_argument("--op", action="append", default=[], metavar="OP[,OP...]",
+                   help="verify only these ops (repeat the flag or use commas; default: all)")
     v.add_argument("--backend", metavar="B", help="verify this backend (of each op that has it)")
     v.add_argument("--all", action="store_true", dest="every",
                    help="every candidate whose requirements hold, not only the chosen one")
@@ -78,12 +78,10 @@ def run(args) -> int:
         from ..proof import clear
         print(f"cleared {clear()}", file=sys.stderr)
     ctx = context(policy=args.policy or None, selections=args.set_ or None, selection_origin="--set")
-    devs = [x.strip() for v in args.device for x in v.split(",") if x.strip()]
+    from .inputs import device_list, op_list
+    devs = device_list(args.device, "--device")
     specs = unique_ids([as_spec(d, via=args.probe) for d in devs]) if devs else local_devices(via=args.probe)
-    for op in args.op:
-        from .resolver import _check_op
-        _check_op(ctx, op)
-    ops = args.op or list(ctx.registry.ops)
+    ops = op_list(args.op, "--op", ctx.registry) or list(ctx.registry.ops)
     todo = verify.jobs(ctx, specs, ops, backend=args.backend, every=args.every)
     with _Progress(len(todo)) as progress:
         results = verify.run(ctx, todo, timeout=args.timeout, workers=default_jobs() if args.jobs is None else max(1, args.jobs), on_start=progress.start, on_done=progress.done)

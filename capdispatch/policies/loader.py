@@ -64,9 +64,13 @@ def _char(c) -> str:
     return repr(c) if c.isprintable() else f"{ascii(c)} (U+{ord(c[:1] or chr(0)):04X})"
 
 
+_SM = re.compile(r"sm_?(\d{1,2})(\d)[af]?", re.ASCII | re.IGNORECASE)
+
+
 def cc_spec(text: str) -> Optional[SpecifierSet]:
-    """'8.6' -> ==8.6; '>=8.9,<13' -> that range; None when TEXT is neither."""
-    text = str(text).strip()
+    """'8.6' -> ==8.6; '>=8.9,<13' -> that range; 'sm_86' (as --device sim:sm_86 takes it,
+    also in a range: '>=sm_89') -> 8.6; None when TEXT is none of these."""
+    text = _SM.sub(lambda m: f"{int(m.group(1))}.{m.group(2)}", str(text)).strip()
     if not text or not all(_CC_CLAUSE.fullmatch(part) for part in text.split(",")):
         return None
     spec = text if text[0] in "<>=!~" else f"=={text}"
@@ -548,13 +552,13 @@ def _devices(r: _Reader, node, registry, known_devices):
             if key not in MATCH_KEYS:
                 raise r.err(kn, f"{where}.match: unknown key {_show(key)}{_did_you_mean(key, MATCH_KEYS)} "
                                 f"(valid: {', '.join(MATCH_KEYS)})")
-            example = {"cc": 'a compute capability or range, e.g. "8.6", ">=8.9", ">=12.0,<13.0"',
+            example = {"cc": 'a compute capability or range, e.g. "8.6", "sm_86", ">=8.9", ">=12.0,<13.0"',
                        "name": "a catalog key such as rtx-5090, or the name the driver reports",
                        "id": "a device id: cuda:N, cpu or sim:NAME"}[key]
             value = r.nonempty_text(vn, f"{where}.match.{key}", example).strip()
             if key == "cc" and cc_spec(value) is None:
                 raise r.err(vn, f"{where}.match.cc: {_show(value)} is not a compute capability "
-                                f"or range (e.g. \"8.6\", \">=8.9\", \">=12.0,<13.0\")")
+                                f"or range (e.g. \"8.6\", \"sm_86\", \">=8.9\", \">=12.0,<13.0\")")
             if key == "name" and known_devices:
                 if value.lower() not in known_devices:
                     raise r.err(vn, f"{where}.match.name: unknown device {_show(value)}"

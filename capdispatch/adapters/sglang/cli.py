@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_UNSAT = 0, 2, 3
@@ -75,15 +76,22 @@ def main(argv=None) -> int:
 
 def _env_for(args) -> dict:
     """This process's environment plus the capdispatch flags a launch reads from
-    it (--policy, --strict, --device); --set, --assume-lib and --libs travel as
-    records.PlanOptions, so every part of the plan gets them the same way."""
+    it (--strict, --device); --policy, --set, --assume-lib and --libs travel as
+    records.PlanOptions, so every part of the plan gets them the same way and an
+    error names the flag, not a variable. --device is read as `dispatch explain`
+    reads it, and each device is checked here so that an unknown one names --device."""
+    import capdispatch as cd
     env = dict(os.environ)
-    if args.policy:
-        given = [p for p in [env.get("CAPDISPATCH_POLICY")] if p]
-        env["CAPDISPATCH_POLICY"] = os.pathsep.join(given + args.policy)
     if args.strict:
         env["CAPDISPATCH_STRICT"] = "1"
-    devices = [x.strip() for v in args.device for x in v.split(",") if x.strip()]
+    devices = cd.device_list(args.device, "--device")
+    for dev in devices:
+        if re.fullmatch(r"cuda:\d+", dev, re.ASCII):
+            continue        # a real GPU is read by the launch's own probe (NVML)
+        try:
+            cd.probe(dev)
+        except cd.UnknownDeviceError as exc:
+            raise cd.BadInput(f"--device: {exc}") from None
     if devices:
         from .rig import SIM_ENV
         env[SIM_ENV] = ",".join(devices)
@@ -94,7 +102,8 @@ def _plan(args, sglang_args) -> int:
     from . import plan, render
     from .records import PlanOptions
     options = PlanOptions(selections=tuple(args.set_), selection_origin="--set",
-                          assume_libs=tuple(args.assume_lib), strict=args.strict, libs=args.libs)
+                          policy=tuple(args.policy), assume_libs=tuple(args.assume_lib),
+                          strict=args.strict, libs=args.libs)
     out = plan.build(tp=args.tp, sglang_args=sglang_args, options=options, env=_env_for(args))
     if args.format == "json":
         print(json.dumps(out, indent=2, default=str))
