@@ -247,12 +247,9 @@ def _run(args) -> int:
 
 def _specs(args):
     from ..capabilities import local_devices
-    from .group import unique_ids
-    from .resolver import as_spec
-    devs = _devices_arg(args.device)
-    if not devs:
-        return local_devices(via=args.probe)
-    return unique_ids([as_spec(d, via=args.probe, assume_cuda=args.assume_cuda) for d in devs])
+    from .inputs import device_specs
+    specs = device_specs(args.device, "--device", via=args.probe, assume_cuda=args.assume_cuda)
+    return specs or local_devices(via=args.probe)
 
 
 def _cmd_devices(args) -> int:

@@ -79,3 +79,17 @@ def check_cache_dir(env, name: str = "CAPDISPATCH_CACHE_DIR") -> None:
     if os.path.exists(path) and not os.path.isdir(path):
         raise BadInput(f"{name}={shown(raw)} is not a directory (valid: a directory, created when "
                        f"missing; unset: the user's cache directory)")
+
+
+def device_specs(values, source: str, *, via: str = "auto", assume_cuda=None) -> list:
+    """device_list(VALUES), each read (probed or simulated) as one group; an unknown device
+    names SOURCE. Empty: [] (the caller's default, e.g. the local devices)."""
+    from .group import unique_ids
+    from .resolver import as_spec
+    specs = []
+    for dev in device_list(values, source):
+        try:
+            specs.append(as_spec(dev, via=via, assume_cuda=assume_cuda))
+        except BadInput as exc:
+            raise BadInput(f"{source}: {exc}") from None
+    return unique_ids(specs) if specs else []

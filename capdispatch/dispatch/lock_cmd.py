@@ -48,10 +48,10 @@ def _specs(args, locked=None):
     from .errors import BadInput
     from .group import unique_ids
     from .resolver import as_spec
-    from .inputs import device_list
-    devs = device_list(args.device, "--device")
-    if devs:
-        return unique_ids([as_spec(d, via=args.probe, assume_cuda=args.assume_cuda) for d in devs])
+    from .inputs import device_specs
+    specs = device_specs(args.device, "--device", via=args.probe, assume_cuda=args.assume_cuda)
+    if specs:
+        return specs
     if locked is None:
         return local_devices(via=args.probe)
     # Checking: the lock's own devices; a CUDA device that is gone is a difference, not an error.

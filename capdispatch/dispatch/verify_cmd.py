@@ -71,16 +71,14 @@ class _Progress:
 
 def run(args) -> int:
     from ..capabilities import local_devices
-    from .group import unique_ids
-    from .resolver import as_spec, context
+    from .resolver import context
     from . import verify
     if args.clear_cache:
         from ..proof import clear
         print(f"cleared {clear()}", file=sys.stderr)
     ctx = context(policy=args.policy or None, selections=args.set_ or None, selection_origin="--set")
-    from .inputs import device_list, op_list
-    devs = device_list(args.device, "--device")
-    specs = unique_ids([as_spec(d, via=args.probe) for d in devs]) if devs else local_devices(via=args.probe)
+    from .inputs import device_specs, op_list
+    specs = device_specs(args.device, "--device", via=args.probe) or local_devices(via=args.probe)
     ops = op_list(args.op, "--op", ctx.registry) or list(ctx.registry.ops)
     todo = verify.jobs(ctx, specs, ops, backend=args.backend, every=args.every)
     with _Progress(len(todo)) as progress:
