@@ -578,8 +578,11 @@ def test_sglang_plan_opens_with_the_matrix_and_brief_is_the_matrix_alone(plan_cm
     assert rc == 0
     lines = brief.splitlines()
     assert "cuda:0 (rank 0)" in lines[0] and "RTX 5090, cc 12.0" in lines[1]
-    rows = {line.split()[0]: line for line in lines if line.startswith(" ") and line.split()
-            and line.split()[0] in ("kv_quant", "kv_dequant", "indexer", "decode_mla", "moe")}
+    rows = {}     # a table wider than the terminal continues below: a row's parts joined
+    for line in lines:
+        if line.startswith(" ") and line.split() and line.split()[0] in (
+                "kv_quant", "kv_dequant", "indexer", "decode_mla", "moe"):
+            rows[line.split()[0]] = rows.get(line.split()[0], "") + line
     assert "triton_u8 (routed)*" in rows["kv_dequant"] and "triton_fp8 (kept)" in rows["kv_dequant"]
     assert "≠" in rows["kv_dequant"] and "≠" not in rows["kv_quant"]
     assert "triton_w4a16 (routed)*" in rows["moe"]

@@ -85,6 +85,9 @@ class Inventory:
     assumed: tuple = ()     # ((name, version-or-None), ...)
     profile: Optional[object] = None    # lib_profiles.Profile; None: this machine's
     default: bool = False   # the profile is the default for simulated devices (nothing was said)
+    # This machine's versions as read once for this inventory (one decision, one run): a
+    # plan of 128 cards asks for the same few distributions thousands of times.
+    _read: dict = attrs.field(factory=dict, eq=False, repr=False, alias="_read")
 
     @classmethod
     def with_assumptions(cls, assume_libs=None, *, libs=None, known=None) -> "Inventory":
@@ -140,10 +143,12 @@ class Inventory:
             # assumed: a profile describes another machine, so nothing is import-checked here.
             return LibraryFact(name, lib.version if lib else None, lib is not None, assumed=True,
                                source=f"profile {self.profile.name}")
-        try:
-            return LibraryFact(name, metadata.version(name), True)
-        except metadata.PackageNotFoundError:
-            return LibraryFact(name, None, False)
+        if name not in self._read:
+            try:
+                self._read[name] = LibraryFact(name, metadata.version(name), True)
+            except metadata.PackageNotFoundError:
+                self._read[name] = LibraryFact(name, None, False)
+        return self._read[name]
 
     def to_dict(self, dists=()) -> dict:
         return {"whose": self.whose, "profile": self.profile.name if self.profile else None,
