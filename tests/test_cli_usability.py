@@ -283,6 +283,40 @@ def test_completion_of_devices_ops_and_backends(tmp_path):
     assert got["sg"] == {"sglang-0.5.23"}
 
 
+@pytest.mark.parametrize("line,want", [
+    ("dispatch sglang ", {"plan"}),
+    ("dispatch sglang plan --device sim:rtx-509", {"sim:rtx-5090"}),
+    ("dispatch sglang plan --libs lo", {"local"}),
+    ("dispatch verify --device cp", {"cpu"}),
+    ("dispatch verify --op kv_", {"kv_quant", "kv_dequant"}),
+    ("dispatch lock --device sim:h20", {"sim:h200"}),
+    ("dispatch lock --op kv_quant,kv_d", {"kv_quant,kv_dequant"}),
+    ("dispatch lock --libs de", {"default"}),
+    ("dispatch bench --op mo", {"moe"}),
+    ("dispatch bench --device cp", {"cpu"}),
+    ("dispatch devices --device sim:rtx-508", set()),
+    ("dispatch policy ", {"validate", "show", "-h", "--help"}),
+])
+def test_completion_of_every_command(tmp_path, line, want):
+    out = tmp_path / "completions"
+    env = dict(os.environ, _ARGCOMPLETE="1", _ARGCOMPLETE_IFS="\n",
+               _ARGCOMPLETE_STDOUT_FILENAME=str(out), COMP_LINE=line, COMP_POINT=str(len(line)))
+    subprocess.run([sys.executable, "-m", "capdispatch"], cwd=ROOT, timeout=60, check=True, env=env)
+    got = {c.strip() for c in out.read_text().split("\n") if c.strip()}
+    assert got == want
+
+
+def test_bare_dispatch_prints_the_help_and_every_command_has_examples(dispatch):
+    rc, out, _ = dispatch()
+    assert rc == 2 and "usage: dispatch" in out and "examples:" in out and "explain" in out
+    rc, out, _ = dispatch("-V")
+    assert rc == 0 and out.startswith("capdispatch ")
+    for cmd in (["lock"], ["verify"], ["bench"], ["ops"], ["policy", "validate"], ["policy", "show"],
+                ["sglang"], ["sglang", "plan"], ["explain"], ["devices"], ["catalog"], ["env"]):
+        rc, out, _ = dispatch(*cmd, "--help")
+        assert rc == 0 and "examples:\n  dispatch " in out, cmd
+
+
 # --- env, catalog ---------------------------------------------------------------------------
 
 def _read_vars():

@@ -12,12 +12,21 @@ EXIT_OK, EXIT_BAD_INPUT, EXIT_CHECK_FAILED = 0, 2, 1
 
 
 def add_parser(subparsers):
+    from . import completion
     b = subparsers.add_parser(
-        "bench", help="time the runnable backends over a size ladder; write a calibrated policy")
-    b.add_argument("--device", default=None, metavar="DEV",
-                   help="cuda:N or cpu (default: cuda:0 when a CUDA device is visible, else cpu)")
-    b.add_argument("--op", action="append", default=[], metavar="OP[,OP...]",
-                   help="the ops to time (repeat the flag or use commas; default: all)")
+        "bench", help="time the runnable backends over a size ladder; write a calibrated policy",
+        description="Time every runnable backend of each op over a ladder of sizes on one device "
+                    "(needs torch); with --write-policy, write the size-bucketed policy that picks "
+                    "the fastest per size.",
+        epilog="examples:\n"
+               "  dispatch bench --device cuda:0 --op kv_dequant\n"
+               "  dispatch bench --device cuda:0 --write-policy my-card.yaml\n"
+               "  dispatch bench --device cpu --op moe --sizes 1,16,256 --format json\n")
+    completion.devices(b.add_argument(
+        "--device", default=None, metavar="DEV",
+        help="cuda:N or cpu (default: cuda:0 when a CUDA device is visible, else cpu)"))
+    completion.ops(b.add_argument("--op", action="append", default=[], metavar="OP[,OP...]",
+                                  help="the ops to time (repeat the flag or use commas; default: all)"))
     b.add_argument("--sizes", default=None, metavar="N,N,...",
                    help="sizes of the ops' leading dimension (default: each op's ladder)")
     b.add_argument("--write-policy", default=None, metavar="FILE",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import os
@@ -95,7 +96,7 @@ def _parser() -> argparse.ArgumentParser:
     from . import completion
     p = _Parser(prog="dispatch", description="Which kernel runs each op on each GPU, and why.",
                 epilog=EPILOG)
-    p.add_argument("--version", action="version", version=f"capdispatch {version()}",
+    p.add_argument("-V", "--version", action="version", version=f"capdispatch {version()}",
                    help="print capdispatch's version and exit")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser, metavar="COMMAND")
 
@@ -153,14 +154,18 @@ def _parser() -> argparse.ArgumentParser:
     fmt(e); probe_opts(e)
 
     o = sub.add_parser("ops", help="the ops and their backends with what each needs",
-                       description="The ops and their backends in the built-in policy's order, with what each needs.")
+                       description="The ops and their backends in the built-in policy's order, with what each needs.",
+                       epilog="examples:\n  dispatch ops\n  dispatch ops --format json\n"
+                              "  dispatch explain --op kv_dequant --device sim:rtx-3080   (an op from the list)\n")
     fmt(o)
 
-    for name, (_, help_) in EXTENSIONS.items():
-        # `dispatch NAME ...` goes straight to the extension's own parser (see main).
-        sub.add_parser(name, help=help_ + f" (`dispatch {name} --help`)", add_help=False)
+    for name, (module, help_) in EXTENSIONS.items():
+        # `dispatch NAME ...` goes straight to the extension's own parser (see main); for
+        # completion, the extension's commands are mirrored here.
+        ext = sub.add_parser(name, help=help_ + f" (`dispatch {name} --help`)", add_help=False)
+        if "_ARGCOMPLETE" in os.environ:
+            importlib.import_module(module).add_commands(ext)
 
-    import importlib
     for mod in COMMANDS:
         m = importlib.import_module(f"{__package__}.{mod}")
         m.add_parser(sub).set_defaults(run=m.run)
@@ -170,9 +175,13 @@ def _parser() -> argparse.ArgumentParser:
                          epilog="examples:\n  dispatch policy validate my-rig.yaml\n"
                                 "  dispatch policy show --policy my-rig.yaml\n")
     psub = pol.add_subparsers(dest="policy_cmd", required=True, parser_class=_Parser)
-    v = psub.add_parser("validate", help="check policy files; exit 2 on the first error")
+    v = psub.add_parser("validate", help="check policy files; exit 2 on the first error",
+                        epilog="examples:\n  dispatch policy validate my-rig.yaml\n"
+                               "  dispatch policy validate a.yaml b.yaml    each file alone\n")
     v.add_argument("files", nargs="+", metavar="FILE", help="policy files to check")
-    s = psub.add_parser("show", help="the merged policy, with where each value came from")
+    s = psub.add_parser("show", help="the merged policy, with where each value came from",
+                        epilog="examples:\n  dispatch policy show\n"
+                               "  dispatch policy show --policy my-rig.yaml --format json\n")
     s.add_argument("--policy", action="append", default=[], metavar="FILE",
                    help="a policy file to layer above the default; repeat for more")
     fmt(s)
@@ -216,6 +225,9 @@ def main(argv=None) -> int:
     if "_ARGCOMPLETE" in os.environ:
         from . import completion
         completion.autocomplete(parser)
+    if not argv:      # `dispatch` alone: what it does and how, not only "arguments are required"
+        parser.print_help()
+        return EXIT_BAD_INPUT
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:    # --help, or a usage error already printed: return its code

@@ -17,20 +17,29 @@ EXIT_OK, EXIT_DRIFT = 0, 3
 
 
 def add_parser(subparsers):
-    p = subparsers.add_parser("lock", help="write the decisions to a lock file, or compare with one")
-    p.add_argument("--device", action="append", default=[], metavar="DEV[,DEV...]",
-                   help="cuda:N, cpu or sim:NAME (default: every local CUDA device, else cpu)")
-    p.add_argument("--op", action="append", default=[], metavar="OP[,OP...]",
-                   help="lock only these ops (repeat the flag or use commas; default: all)")
+    from . import completion
+    p = subparsers.add_parser(
+        "lock", help="write the decisions to a lock file, or compare with one",
+        description="Write today's decisions per device (with the libraries' versions and canary "
+                    "state) to a lock file, or compare today's decisions with one.",
+        epilog="examples:\n"
+               "  dispatch lock -o rig.lock                   this machine's cards\n"
+               "  dispatch lock --check rig.lock              exit 3 when a decision changed\n"
+               "  dispatch lock --device sim:rtx-5090,sim:rtx-3080 --op kv_quant,kv_dequant\n"
+               "  dispatch lock --device sim:h200 --libs sglang-0.5.23 -o h200.lock\n")
+    completion.devices(p.add_argument("--device", action="append", default=[], metavar="DEV[,DEV...]",
+                                      help="cuda:N, cpu or sim:NAME (default: every local CUDA device, else cpu)"))
+    completion.ops(p.add_argument("--op", action="append", default=[], metavar="OP[,OP...]",
+                                  help="lock only these ops (repeat the flag or use commas; default: all)"))
     p.add_argument("--policy", action="append", default=[], metavar="FILE",
                    help="a policy file, as for explain (repeatable)")
-    p.add_argument("--set", action="append", default=[], metavar="OP=BACKEND", dest="set_",
-                   help="an explicit choice, as for explain")
-    p.add_argument("--assume-lib", action="append", default=[], metavar="NAME[==VERSION]",
-                   help="treat a library as installed (at VERSION), as for explain")
-    p.add_argument("--libs", metavar="PROFILE",
+    completion.selections(p.add_argument("--set", action="append", default=[], metavar="OP=BACKEND",
+                                         dest="set_", help="an explicit choice, as for explain"))
+    completion.libraries(p.add_argument("--assume-lib", action="append", default=[], metavar="NAME[==VERSION]",
+                                        help="treat a library as installed (at VERSION), as for explain"))
+    completion.profiles(p.add_argument("--libs", metavar="PROFILE",
                    help="the target's library inventory from a profile, as for explain (simulated "
-                        "devices default to the default profile; `local`: this machine's)")
+                        "devices default to the default profile; `local`: this machine's)"))
     p.add_argument("--strict", action="store_true",
                    help="an explicit choice that cannot run is an error (exit 3), not a downgrade")
     out = p.add_mutually_exclusive_group()

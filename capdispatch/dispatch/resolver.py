@@ -272,7 +272,9 @@ def _decide(ctx: Context, op: str, device: DeviceSpec, wanted_list, origin: str,
         if downgraded == c.backend:
             continue
         failed = [ch for ch in c.checks if ch.code == "canary" and not ch.ok]
-        if failed:
+        # Only a backend that would run but for its canary: one that cannot run on this
+        # card anyway (a missing library, a feature) is no news of the canary's.
+        if failed and all(ch.ok for ch in c.checks if ch.code != "canary"):
             what = ("has not passed its canary on this card (verify: required)"
                     if failed[0].found == "not verified" else
                     f"failed its canary on this card ({failed[0].found})")

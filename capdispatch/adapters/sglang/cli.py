@@ -21,39 +21,59 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser():
-    p = _Parser(prog=PROG, description="What capdispatch's SGLang plugin does for a launch.")
+    p = _Parser(prog=PROG, description="What capdispatch's SGLang plugin does for a launch.",
+                formatter_class=argparse.RawDescriptionHelpFormatter,
+                epilog="examples:\n"
+                       "  dispatch sglang plan --device sim:rtx-5090,sim:rtx-3080 --tp 2\n"
+                       "  dispatch sglang plan -- --model-path deepseek-ai/DeepSeek-V4-Flash --tp 2\n")
+    add_commands(p)
+    return p
+
+
+def add_commands(p):
+    """The subcommands of `dispatch sglang` on parser P (`dispatch` mirrors them for completion)."""
+    import capdispatch as cd
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
     plan = sub.add_parser(
         "plan", help="what the plugin would set for a launch, per rank, without launching",
         usage=f"{PROG} plan [--tp N] [--device DEV[,DEV...]] [options] [-- SGLANG ARGS...]",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Everything after `--` is passed to SGLang's own argument parsing and "
                     "resolution (as `python -m sglang.launch_server` would get it); without it, "
-                    "a DeepSeek-V4 launch with SGLang's defaults is assumed.")
+                    "a DeepSeek-V4 launch with SGLang's defaults is assumed.",
+        epilog="examples:\n"
+               "  dispatch sglang plan --device sim:rtx-5090,sim:rtx-3080,sim:rtx-3080 --tp 3\n"
+               "  dispatch sglang plan --device sim:h200 --libs sglang-0.5.23 --brief\n"
+               "  dispatch sglang plan --tp 2 -- --model-path deepseek-ai/DeepSeek-V4-Flash\n")
     plan.add_argument("--tp", type=int, metavar="N", help="tensor-parallel size (SGLang's --tp-size)")
-    plan.add_argument("--device", action="append", default=[], metavar="DEV[,DEV...]",
-                      help="the node's GPUs as CUDA numbers them (entry N is cuda:N): cuda:N or "
-                           "sim:NAME, e.g. sim:rtx-5090,sim:rtx-3080,sim:rtx-3080 (default: "
-                           "$CAPDISPATCH_SGLANG_DEVICES, else the local GPUs via NVML)")
+    cd.complete_devices(plan.add_argument(
+        "--device", action="append", default=[], metavar="DEV[,DEV...]",
+        help="the node's GPUs as CUDA numbers them (entry N is cuda:N): cuda:N or "
+             "sim:NAME, e.g. sim:rtx-5090,sim:rtx-3080,sim:rtx-3080 (default: "
+             "$CAPDISPATCH_SGLANG_DEVICES, else the local GPUs via NVML)"))
     plan.add_argument("--policy", action="append", default=[], metavar="FILE",
                       help="a capdispatch policy file, as the plugin's CAPDISPATCH_POLICY; repeat for more")
-    plan.add_argument("--set", action="append", default=[], metavar="OP=BACKEND", dest="set_",
-                      help="an explicit capdispatch choice, as CAPDISPATCH_SET (commas for several)")
+    cd.complete_selections(plan.add_argument(
+        "--set", action="append", default=[], metavar="OP=BACKEND", dest="set_",
+        help="an explicit capdispatch choice, as CAPDISPATCH_SET (commas for several)"))
     plan.add_argument("--strict", action="store_true",
                       help="an explicit choice that cannot run is an error (exit 3)")
-    plan.add_argument("--assume-lib", action="append", default=[], metavar="NAME[==VERSION]",
-                      help="treat a library as installed when deciding the attention and MoE ops "
-                           "(e.g. flashinfer-python, sgl-flash-mla)")
-    plan.add_argument("--libs", metavar="PROFILE",
-                      help="the target's whole library inventory from a profile (e.g. "
-                           "sglang-0.5.23: the versions SGLang 0.5.23 installs) instead of this "
-                           "machine's; --assume-lib adds to it; `local`: this machine's (default: "
-                           "the default profile when every device is simulated and no "
-                           "--assume-lib is given)")
+    cd.complete_libraries(plan.add_argument(
+        "--assume-lib", action="append", default=[], metavar="NAME[==VERSION]",
+        help="treat a library as installed when deciding the attention and MoE ops "
+             "(e.g. flashinfer-python, sgl-flash-mla)"))
+    cd.complete_profiles(plan.add_argument(
+        "--libs", metavar="PROFILE",
+        help="the target's whole library inventory from a profile (e.g. "
+             "sglang-0.5.23: the versions SGLang 0.5.23 installs) instead of this "
+             "machine's; --assume-lib adds to it; `local`: this machine's (default: "
+             "the default profile when every device is simulated and no "
+             "--assume-lib is given)"))
     plan.add_argument("--brief", action="store_true",
                       help="print the op x rank matrix alone")
     plan.add_argument("--format", choices=("text", "json"), default="text",
                       help="text for people (default) or JSON for programs")
-    return p
+    return sub
 
 
 def main(argv=None) -> int:
