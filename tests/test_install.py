@@ -89,3 +89,30 @@ def test_bench_without_torch_is_a_clear_error(venv):
     rc, out, err = _dispatch(venv, "bench", "--device", "cpu")
     assert rc == 2, err
     assert err.count("\n") == 1 and "torch" in err and "capdispatch[torch]" in err
+
+
+def test_the_sdist_carries_what_its_tests_need_and_the_license(venv, tmp_path):
+    import shutil
+    import tarfile
+    where, env = venv
+    py = str(where / "bin" / "python")
+    p = subprocess.run([py, "-m", "pip", "install", "-q", "--disable-pip-version-check", "setuptools>=77"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    if p.returncode != 0:
+        pytest.skip(f"pip cannot install setuptools here: {p.stderr.strip()[-300:]}")
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "__pycache__", "*.egg-info", ".hypothesis", ".pytest_cache", "build", "dist"))
+    out = tmp_path / "dist"
+    p = subprocess.run([py, "-c", f"from setuptools import build_meta; print(build_meta.build_sdist({str(out)!r}))"],
+                       capture_output=True, text=True, env=env, cwd=str(src), timeout=300)
+    assert p.returncode == 0, p.stderr
+    with tarfile.open(out / p.stdout.strip().splitlines()[-1]) as tar:
+        names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+        info = tar.extractfile(next(n for n in tar.getnames() if n.endswith("/PKG-INFO")
+                                    and n.count("/") == 1)).read().decode()
+    for need in ("LICENSE", "tests/conftest.py", "tests/property/conftest.py", "tests/op_cases.py",
+                 "tests/requirements.txt", "tests/requirements-nodeps.txt", "tests/policies/error.yaml",
+                 "tests/plugins", "docs/cli.md", "docs/ops/kv_cache.md", "capdispatch/policies/default.yaml"):
+        assert need in names or any(n.startswith(need + "/") for n in names), need
+    assert "License-Expression: Apache-2.0" in info and "License-File: LICENSE" in info
