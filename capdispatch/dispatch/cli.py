@@ -193,10 +193,23 @@ def _devices_arg(values, source: str = "--device") -> list:
     return device_list(values, source)
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to sys.stderr as it is when a record is emitted, not as it was when the
+    handler was made (main() may run many times in one process, stderr replaced between)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
 def _setup_logging():
     log = logging.getLogger("capdispatch")
     if not any(getattr(h, "_capdispatch", False) for h in log.handlers):
-        h = logging.StreamHandler(sys.stderr)
+        h = _StderrHandler()
         h.setFormatter(logging.Formatter("%(levelname)s capdispatch: %(message)s"))
         h._capdispatch = True
         log.addHandler(h)
