@@ -143,3 +143,13 @@ def test_policy_variable_is_a_path_list(run, tmp_path):
     assert rc == 2 and f"separates files with {os.pathsep!r}" in err and "not ','" in err
     rc, _, err = run("explain", "--device", "sim:rtx-3080", env={"CAPDISPATCH_POLICY": f"{a}{os.pathsep}"})
     assert rc == 2 and "CAPDISPATCH_POLICY" in err and "empty entry" in err
+
+
+def test_the_api_reads_a_device_string_as_the_flag_does_and_refuses_an_empty_group(clean_env):
+    p = cd.plan("sim:rtx-3080, sim:h200", ["kv_quant"], log_warnings=False)
+    assert [d.id for d in p.devices] == ["sim:rtx-3080", "sim:h200"]
+    g = cd.resolve_group("kv_quant", "sim:rtx-3080,sim:rtx-3080")
+    assert list(g.per_device) == ["sim:rtx-3080@0", "sim:rtx-3080@1"]
+    for devices in ([], "", "sim:rtx-3080,", 3):
+        with pytest.raises(cd.BadInput, match="devices="):
+            cd.plan(devices, ["kv_quant"], log_warnings=False)

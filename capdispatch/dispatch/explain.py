@@ -87,7 +87,8 @@ def plan_in(ctx, devices, ops=None, *, via: str = "auto", assume_cuda: Optional[
             log_warnings: bool = True) -> Plan:
     """`plan` with an already built Context (`capdispatch.context(...)`): every op
     of the plan reads the same policy stack, selections and library inventory."""
-    specs = unique_ids([as_spec(d, via=via, assume_cuda=assume_cuda) for d in devices])
+    from .inputs import api_devices
+    specs = unique_ids([as_spec(d, via=via, assume_cuda=assume_cuda) for d in api_devices(devices)])
     names = list(ops) if ops else list(ctx.registry.ops)
     groups = {op: resolve_group_in(ctx, op, specs) for op in names}
     warnings = tuple(w for g in groups.values() for w in g.warnings)

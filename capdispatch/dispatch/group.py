@@ -171,7 +171,8 @@ def resolve_group(op: str, devices, *, policy=None, selections=None, assume_libs
                   assume_cuda: Optional[str] = None, libs=None) -> GroupResolution:
     ctx = context(policy=policy, selections=selections, assume_libs=assume_libs,
                   strict=strict, registry=registry, env=env, libs=libs)
-    specs = unique_ids([as_spec(d, via=via, assume_cuda=assume_cuda) for d in devices])
+    from .inputs import api_devices
+    specs = unique_ids([as_spec(d, via=via, assume_cuda=assume_cuda) for d in api_devices(devices)])
     g = resolve_group_in(ctx, op, specs)
     for w in g.warnings:
         log.warning(w)

@@ -58,6 +58,22 @@ def device_list(values, source: str) -> list:
     return split_list(values, source, "DEV", DEVICE_FORMS)
 
 
+def api_devices(devices, source: str = "devices=") -> list:
+    """The API's device group: a list of ids or specs, or one string read as --device reads
+    it ("sim:rtx-5090,sim:rtx-3080"); an empty group is refused, not planned as nothing."""
+    if isinstance(devices, str):
+        devices = device_list(devices, source)
+    try:
+        devices = list(devices)
+    except TypeError:
+        raise BadInput(f"{source}: {shown(repr(devices))} is not a list of devices (valid: "
+                       f"[DEV, ...] or 'DEV[,DEV...]' with DEV {DEVICE_FORMS})") from None
+    if not devices:
+        raise BadInput(f"{source}: no device given (valid: [DEV, ...] or 'DEV[,DEV...]' with DEV "
+                       f"{DEVICE_FORMS})")
+    return devices
+
+
 def op_list(values, source: str, registry) -> list:
     """Op names from a flag (repeatable, commas) or a variable, each a registered op;
     a name given twice counts once."""

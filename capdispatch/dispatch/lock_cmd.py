@@ -71,7 +71,9 @@ def _specs(args, locked=None):
         except (BadInput, ProbeError):
             if not d.id.startswith("cuda:"):
                 raise
-    return unique_ids(specs)
+    # Every locked CUDA device gone: today's are compared with the lock (each one missing
+    # is a difference).
+    return unique_ids(specs) if specs else local_devices(via=args.probe)
 
 
 def run(args) -> int:
