@@ -329,3 +329,11 @@ def test_merge_keys_merge_and_own_entries_override():
         _parse("ops:\n  <<: 3\n")
     with pytest.raises(PolicyError, match=r"given twice"):
         _parse("ops:\n  kv_quant: [torch]\n  kv_quant: [torch]\n")
+
+
+def test_a_merged_mapping_reached_again_through_an_alias_reads_the_same():
+    pf = _parse("ops: &o\n  <<: {kv_quant: [torch]}\n  kv_quant: [triton_u8]\n  kv_dequant: [torch]\n"
+                "devices:\n  - match: {cc: '8.6'}\n    ops: *o\n")
+    assert pf.ops["kv_quant"].value == ("triton_u8",)
+    assert pf.devices[0].ops["kv_quant"].value == ("triton_u8",)
+    assert pf.devices[0].ops["kv_dequant"].value == ("torch",)

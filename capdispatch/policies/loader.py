@@ -160,6 +160,7 @@ class _Reader:
     def __init__(self, path: str, text: str):
         self.path = path
         self.text = text
+        self._own = {}      # id(mapping node) -> its own key nodes, once merge keys are flattened
 
     def err(self, node_or_line, message: str) -> PolicyError:
         line = node_or_line if isinstance(node_or_line, int) or node_or_line is None \
@@ -243,8 +244,12 @@ class _Reader:
         self._check_tag(node, what)
         if not isinstance(node, yaml.MappingNode):
             raise self.err(node, f"{what} must be a mapping, not a {_kind(node)}")
-        own = [k for k, _ in node.value if k.tag != _MERGE]
-        if len(own) != len(node.value):
+        # A mapping reached again through an alias is already flattened: its own keys
+        # are those it had before.
+        own = self._own[id(node)] if id(node) in self._own else \
+            [k for k, _ in node.value if k.tag != _MERGE]
+        if len(own) != len(node.value) and id(node) not in self._own:
+            self._own[id(node)] = own
             self._merge(node, what)
         takes = ", ".join(valid) if valid else ""
         out, seen = [], {}
