@@ -30,7 +30,7 @@ REG = builtin()
 KNOWN = known_device_names()
 OPS = list(REG.ops)
 BUDGETS = {"policy": 6500, "lists": 2000, "cli_devices": 700, "cli_ops": 500, "env": 600,
-           "api": 400, "sglang": 300}
+           "env_text": 400, "api": 400, "sglang": 300}
 RAN = collections.Counter()     # test -> examples run (the env test enumerates its whole space)
 
 
@@ -435,6 +435,42 @@ def test_every_variable_is_read_one_way(capsys, files, name, data, surface):
                 call()
             assert "\n" not in str(ei.value).strip() and not isinstance(ei.value, cd.Unsatisfiable)
     capsys.readouterr()
+
+
+ANY_TEXT = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=30) \
+    | st.sampled_from(["1", "0", "yes", "off", "warn", "required", "kv_quant=torch", "sim:rtx-3080",
+                       "sim:rtx-3080,", ",", os.pathsep, "60", "-1", "nan", " "])
+
+
+@settings(max_examples=BUDGETS["env_text"])
+@given(st.sampled_from(sorted(ENV_CASES) + ["CAPDISPATCH_SGLANG_DEVICES"]), ANY_TEXT,
+       st.sampled_from(["explain", "sglang"]))
+def test_any_variable_value_is_accepted_or_named(capsys, name, value, surface):
+    """Arbitrary text in any variable: exit 0, or exit 2 with one line naming the variable
+    (a policy file's own error names the file); never a traceback or an exit 1."""
+    RAN["test_any_variable_value_is_accepted_or_named"] += 1
+    if name in ("CAPDISPATCH_POLICY", "CAPDISPATCH_CACHE_DIR") and value.strip() and \
+            os.path.exists(os.path.expanduser(value.split(os.pathsep)[0].strip() or ".")):
+        return         # an existing path is the file tests' business, not arbitrary text's
+    if name == "CAPDISPATCH_SGLANG_DEVICES" and not value.strip():
+        return         # unset: the local GPUs, whose absence is the probe's tests' business
+    if surface == "explain":
+        rc = _run(["explain", "--device", "sim:rtx-3080", "--op", "kv_quant", "--brief"], {name: value})
+    else:
+        from capdispatch.adapters.sglang.cli import main as entry
+        env = {name: value}
+        if name != "CAPDISPATCH_SGLANG_DEVICES":
+            env["CAPDISPATCH_SGLANG_DEVICES"] = "sim:rtx-3080"
+        rc = _run(["plan", "--brief"], env, entry)
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err and "internal error" not in err, err
+    if name == "CAPDISPATCH_SGLANG_DEVICES" and surface == "explain":
+        assert rc == 0, err        # explain does not read the plugin's variable
+        return
+    assert rc in (0, 2, 3), (rc, err)
+    if rc == 2:
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        assert len(lines) == 1 and name in lines[0], (name, value, err)
 
 
 # --------------------------------------------------------------------------------------------
