@@ -36,6 +36,17 @@ _API = {
     "Context": ("capdispatch.dispatch", "Context"),
     "context": ("capdispatch.dispatch", "context"),
     "plan_in": ("capdispatch.dispatch", "plan_in"),
+    "target_libs": ("capdispatch.dispatch.explain", "target_libs"),
+    # One reading of each kind of input, for the command line, the API and the adapters.
+    "device_list": ("capdispatch.dispatch.inputs", "device_list"),
+    "op_list": ("capdispatch.dispatch.inputs", "op_list"),
+    "env_flag": ("capdispatch.dispatch.inputs", "env_flag"),
+    # Shell completion of an argparse action (argcomplete), for commands of adapters.
+    "complete_devices": ("capdispatch.dispatch.completion", "devices"),
+    "complete_ops": ("capdispatch.dispatch.completion", "ops"),
+    "complete_selections": ("capdispatch.dispatch.completion", "selections"),
+    "complete_libraries": ("capdispatch.dispatch.completion", "libraries"),
+    "complete_profiles": ("capdispatch.dispatch.completion", "profiles"),
     "policy_from_dict": ("capdispatch.dispatch", "policy_from_dict"),
     "agree": ("capdispatch.dispatch", "agree"),
     "AgreementError": ("capdispatch.dispatch", "AgreementError"),

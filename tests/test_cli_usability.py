@@ -95,14 +95,30 @@ def test_ascii_output_encoding_is_not_a_traceback(run_cli):
 
 # --- whose libraries ------------------------------------------------------------------------
 
-def test_simulated_devices_with_this_machines_libraries_say_so(dispatch):
+def test_simulated_devices_without_libs_use_the_default_profile_and_say_so(dispatch):
     rc, out, _ = dispatch("explain", "--device", "sim:rtx-5090", "--op", "decode_mla")
+    assert rc == 0
+    flat = " ".join(line.strip() for line in out.splitlines())
+    assert "libraries (the sglang-0.5.23 profile's (the default for simulated devices)):" in flat
+    assert "note: simulated devices, planned with the sglang-0.5.23 profile's libraries" in flat
+    assert "--libs local plans with this machine's" in flat
+    rc, out, _ = dispatch("explain", "--device", "sim:rtx-5090", "--op", "decode_mla", "--format", "json")
+    inv = json.loads(out)["inventory"]
+    assert inv["profile"] == "sglang-0.5.23" and inv["default"] is True and "--libs local" in inv["note"]
+    assert json.loads(out)["ops"]["decode_mla"]["per_device"]["sim:rtx-5090"]["backend"] == \
+        "flashinfer_sparse_mla"
+
+
+def test_libs_local_plans_simulated_devices_with_this_machines_libraries(dispatch):
+    rc, out, _ = dispatch("explain", "--device", "sim:rtx-5090", "--op", "decode_mla", "--libs", "local")
     assert rc == 0
     assert "libraries (this machine's):" in out
     assert "note: simulated devices, but this machine's libraries" in out and "--libs sglang-0.5.23" in out
-    rc, out, _ = dispatch("explain", "--device", "sim:rtx-5090", "--op", "decode_mla", "--format", "json")
+    rc, out, _ = dispatch("explain", "--device", "sim:rtx-5090", "--op", "decode_mla", "--format", "json",
+                          "--libs", "LOCAL")
     inv = json.loads(out)["inventory"]
     assert inv["whose"] == "this machine's" and inv["profile"] is None and "--libs" in inv["note"]
+    assert inv["default"] is False
 
 
 def test_libs_profile_plans_with_the_stacks_versions(dispatch):
@@ -267,6 +283,40 @@ def test_completion_of_devices_ops_and_backends(tmp_path):
     assert got["sg"] == {"sglang-0.5.23"}
 
 
+@pytest.mark.parametrize("line,want", [
+    ("dispatch sglang ", {"plan"}),
+    ("dispatch sglang plan --device sim:rtx-509", {"sim:rtx-5090"}),
+    ("dispatch sglang plan --libs lo", {"local"}),
+    ("dispatch verify --device cp", {"cpu"}),
+    ("dispatch verify --op kv_", {"kv_quant", "kv_dequant"}),
+    ("dispatch lock --device sim:h20", {"sim:h200"}),
+    ("dispatch lock --op kv_quant,kv_d", {"kv_quant,kv_dequant"}),
+    ("dispatch lock --libs de", {"default"}),
+    ("dispatch bench --op mo", {"moe"}),
+    ("dispatch bench --device cp", {"cpu"}),
+    ("dispatch devices --device sim:rtx-508", set()),
+    ("dispatch policy ", {"validate", "show", "-h", "--help"}),
+])
+def test_completion_of_every_command(tmp_path, line, want):
+    out = tmp_path / "completions"
+    env = dict(os.environ, _ARGCOMPLETE="1", _ARGCOMPLETE_IFS="\n",
+               _ARGCOMPLETE_STDOUT_FILENAME=str(out), COMP_LINE=line, COMP_POINT=str(len(line)))
+    subprocess.run([sys.executable, "-m", "capdispatch"], cwd=ROOT, timeout=60, check=True, env=env)
+    got = {c.strip() for c in out.read_text().split("\n") if c.strip()}
+    assert got == want
+
+
+def test_bare_dispatch_prints_the_help_and_every_command_has_examples(dispatch):
+    rc, out, _ = dispatch()
+    assert rc == 2 and "usage: dispatch" in out and "examples:" in out and "explain" in out
+    rc, out, _ = dispatch("-V")
+    assert rc == 0 and out.startswith("capdispatch ")
+    for cmd in (["lock"], ["verify"], ["bench"], ["ops"], ["policy", "validate"], ["policy", "show"],
+                ["sglang"], ["sglang", "plan"], ["explain"], ["devices"], ["catalog"], ["env"]):
+        rc, out, _ = dispatch(*cmd, "--help")
+        assert rc == 0 and "examples:\n  dispatch " in out, cmd
+
+
 # --- env, catalog ---------------------------------------------------------------------------
 
 def _read_vars():
@@ -335,7 +385,7 @@ def test_op_takes_commas(dispatch):
     rc, _, err = dispatch("explain", "--device", "sim:rtx-3080", "--op", "kv_quant,kv_deqant")
     assert rc == 2 and "did you mean 'kv_dequant'" in err
     rc, _, err = dispatch("explain", "--device", "sim:rtx-3080", "--op", ",")
-    assert rc == 2 and "names no op" in err
+    assert rc == 2 and "has an empty entry" in err
 
 
 def test_mixed_group_flag(dispatch):
@@ -494,7 +544,7 @@ def test_sglang_plan_doc_example_reproduces(plan_cmd):
 
 def test_sglang_plan_libs_replace_this_machines_libraries(plan_cmd, monkeypatch):
     _without_local(monkeypatch, "flashinfer-python")
-    rc, out, _ = plan_cmd("--device", RIG, "--format", "json")
+    rc, out, _ = plan_cmd("--device", RIG, "--libs", "local", "--format", "json")
     assert rc == 0
     here = json.loads(out)
     assert here["inventory"]["whose"] == "this machine's"
@@ -542,6 +592,12 @@ def test_sglang_plan_header_says_whose_libraries(plan_cmd, monkeypatch):
     rc, out, _ = plan_cmd("--device", RIG)
     assert rc == 0
     head = out.splitlines()[:5]
+    assert "libraries: the sglang-0.5.23 profile's (the default for simulated devices)" in head
+    assert any(line.startswith("note: simulated devices, planned with the sglang-0.5.23 profile's")
+               for line in head)
+    rc, out, _ = plan_cmd("--device", RIG, "--libs", "local")
+    assert rc == 0
+    head = out.splitlines()[:5]
     assert "libraries: this machine's" in head
     assert any(line.startswith("note: simulated devices, but this machine's libraries") for line in head)
     rc, out, _ = plan_cmd("--device", RIG, "--libs", "sglang-0.5.23")
@@ -556,8 +612,11 @@ def test_sglang_plan_opens_with_the_matrix_and_brief_is_the_matrix_alone(plan_cm
     assert rc == 0
     lines = brief.splitlines()
     assert "cuda:0 (rank 0)" in lines[0] and "RTX 5090, cc 12.0" in lines[1]
-    rows = {line.split()[0]: line for line in lines if line.startswith(" ") and line.split()
-            and line.split()[0] in ("kv_quant", "kv_dequant", "indexer", "decode_mla", "moe")}
+    rows = {}     # a table wider than the terminal continues below: a row's parts joined
+    for line in lines:
+        if line.startswith(" ") and line.split() and line.split()[0] in (
+                "kv_quant", "kv_dequant", "indexer", "decode_mla", "moe"):
+            rows[line.split()[0]] = rows.get(line.split()[0], "") + line
     assert "triton_u8 (routed)*" in rows["kv_dequant"] and "triton_fp8 (kept)" in rows["kv_dequant"]
     assert "≠" in rows["kv_dequant"] and "≠" not in rows["kv_quant"]
     assert "triton_w4a16 (routed)*" in rows["moe"]

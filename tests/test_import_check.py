@@ -83,3 +83,20 @@ def test_explain_on_a_real_device_survives_a_hanging_library(fake_modules):
     hangs, raises = res.candidates[0], res.candidates[1]
     assert not hangs.ok and "import cdtest_hangs failed: timed out after 0.5 s" in hangs.checks[0].message
     assert not raises.ok and "RuntimeError" in raises.checks[0].message
+
+
+def test_the_text_trace_says_why_an_import_failed(fake_modules):
+    from capdispatch.backends import builtin
+    from capdispatch.dispatch.explain import plan, render_text
+    reg = Registry()
+    for op in builtin().ops.values():
+        reg.add_op(op)
+        for b in builtin().backends(op.name):
+            reg.add_backend(b)
+    reg.add_op(Op("demo", "demo op", "demo(x)", reference="simple"))
+    reg.add_backend(Backend("demo", "raises", "cdtest_raises:f",
+                            requires=(Library("attrs", module="cdtest_raises"),)))
+    reg.add_backend(Backend("demo", "simple", "cdtest_fine:f",
+                            requires=(Library("attrs", module="cdtest_fine"),)))
+    text = " ".join(render_text(plan(["cpu"], ["demo"], registry=reg, log_warnings=False)).split())
+    assert "import failed (RuntimeError: no driver found here)" in text

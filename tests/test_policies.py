@@ -27,7 +27,7 @@ def _parse(text):
     ("devices:\n  - match: {id: gpu0}\n", 2, ["'gpu0' is not a device id"]),
     ("devices:\n  - ops: {kv_quant: [torch]}\n", 2, ["needs a 'match'"]),
     ("devices:\n  - match: {cc: '8.6'}\n    opps: {}\n", 3, ["unknown key 'opps'", "did you mean 'ops'"]),
-    ("ops:\n  kv_quant: !custom [torch]\n", 2, ["tag '!custom' is not allowed"]),
+    ("ops:\n  kv_quant: !custom [torch]\n", 2, ["tag !custom is not allowed"]),
     ("- just\n- a list\n", 1, ["the policy must be a mapping"]),
     ("ops:\n  kv_quant: [torch\n", 3, ["malformed YAML"]),
     # size buckets (more in test_buckets.py)
@@ -56,9 +56,13 @@ def test_single_name_is_a_list_and_cc_ranges_match():
     assert not pf.devices[0].matches(cd.probe("cpu"))
 
 
-def test_empty_file_is_an_empty_policy(tmp_path):
+@pytest.mark.parametrize("text", ["", "# nothing\n", "\n\n", "---\n", "--- # x\n...\n"])
+def test_a_file_without_a_policy_is_an_error_and_schema_1_is_the_empty_policy(tmp_path, text):
     p = tmp_path / "empty.yaml"
-    p.write_text("# nothing\n")
+    p.write_text(text)
+    with pytest.raises(PolicyError, match=r"empty.yaml: the file holds no policy .*write `schema: 1`"):
+        load_file(p, builtin())
+    p.write_text("# nothing to change\nschema: 1\n")
     assert load_file(p, builtin()).ops == {}
 
 
@@ -282,3 +286,61 @@ def test_the_h200_example_policy_loads_and_buckets_decode_by_tokens():
     # Another card is not matched by it: the built-in order decides there.
     assert cd.resolve("decode_mla", "sim:rtx-3080", policy=path, assume_libs=libs).backend_for(1) == \
         cd.resolve("decode_mla", "sim:rtx-3080", assume_libs=libs).backend_for(1)
+
+
+# --- explicit tags with values not of their kind ---------------------------------------------
+
+@pytest.mark.parametrize("text,line,needles", [
+    ("mixed_group: !!bool maybe\n", 1, ["mixed_group: !!bool 'maybe' is not a YAML bool",
+                                         "true, false, yes, no, on, off", "takes allow, warn, uniform, error"]),
+    ("verify: !!bool maybe\n", 1, ["verify: !!bool 'maybe'", "takes off, warn, required"]),
+    ("schema: !!bool 1\n", 1, ["schema: !!bool '1' is not a YAML bool", "schema takes 1"]),
+    ("schema: !!int x\n", 1, ["schema: !!int 'x' is not a YAML int", "a whole number"]),
+    ("schema: !!float x\n", 1, ["!!float 'x' is not a YAML float"]),
+    ("schema: !!null x\n", 1, ["!!null 'x' is not a null", "schema takes 1"]),
+    ("ops:\n  moe: [!!bool maybe]\n", 2, ["a backend of moe: !!bool 'maybe'", "triton_w4a16"]),
+    ("ops:\n  !!bool maybe: [torch]\n", 2, ["a key in ops: !!bool 'maybe'", "kv_quant"]),
+    ("devices:\n  - match: {cc: !!int 8.6}\n", 2, ["!!int '8.6' is not a YAML int"]),
+    ("ops: !!python/object/apply:os.system [ls]\n", 1, ["tag !!python/object/apply:os.system is not allowed"]),
+    ("ops: !!python/name:os.system\n", 1, ["tag !!python/name:os.system is not allowed"]),
+    ("ops:\n  kv_quant: !!set {torch}\n", 2, ["tag !!set is not allowed"]),
+    ("schema: !!timestamp 2001-01-01\n", 1, ["tag !!timestamp is not allowed"]),
+    ("schema: !!binary aGk=\n", 1, ["tag !!binary is not allowed"]),
+    ("schema: &a !!bool maybe\n", 1, ["schema: !!bool 'maybe'"]),
+])
+def test_explicit_tags_with_bad_values_name_line_tag_value_and_valid(text, line, needles):
+    with pytest.raises(PolicyError) as ei:
+        _parse(text)
+    msg = str(ei.value)
+    assert ei.value.line == line and msg.startswith(f"p.yaml:{line}: "), msg
+    for n in needles:
+        assert n in msg, msg
+
+
+@pytest.mark.parametrize("text", [
+    "schema: !!int 1\n", "mixed_group: !!str warn\n", "verify: !!str off\n",
+    "ops: !!map {kv_quant: !!seq [!!str torch]}\n", "ops:\n  kv_quant: ! torch\n",
+])
+def test_explicit_tags_with_good_values_load(text):
+    _parse(text)
+
+
+def test_merge_keys_merge_and_own_entries_override():
+    pf = _parse("devices:\n  - match: &m {cc: '8.6'}\n    ops: &o {kv_quant: [torch], kv_dequant: [torch]}\n"
+                "  - match: {<<: *m, name: rtx-3080}\n    ops:\n      <<: *o\n      kv_quant: [triton_u8]\n")
+    second = pf.devices[1]
+    assert second.match == {"cc": "8.6", "name": "rtx-3080"}
+    assert second.ops["kv_quant"].value == ("triton_u8",) and second.ops["kv_quant"].line == 7
+    assert second.ops["kv_dequant"].value == ("torch",) and second.ops["kv_dequant"].line == 3
+    with pytest.raises(PolicyError, match=r"p.yaml:2: ops: the merge key << takes a mapping"):
+        _parse("ops:\n  <<: 3\n")
+    with pytest.raises(PolicyError, match=r"given twice"):
+        _parse("ops:\n  kv_quant: [torch]\n  kv_quant: [torch]\n")
+
+
+def test_a_merged_mapping_reached_again_through_an_alias_reads_the_same():
+    pf = _parse("ops: &o\n  <<: {kv_quant: [torch]}\n  kv_quant: [triton_u8]\n  kv_dequant: [torch]\n"
+                "devices:\n  - match: {cc: '8.6'}\n    ops: *o\n")
+    assert pf.ops["kv_quant"].value == ("triton_u8",)
+    assert pf.devices[0].ops["kv_quant"].value == ("triton_u8",)
+    assert pf.devices[0].ops["kv_dequant"].value == ("torch",)

@@ -393,3 +393,20 @@ def _corrupt_written_byte(pool, loc, page_size):
     from capdispatch.backends.kv_cache import layout as L
     t = int(loc[len(loc) // 2])
     pool.view(torch.uint8)[t // page_size, (t % page_size) * L.DATA_BYTES + 3] ^= 0x10
+
+
+def test_required_warns_only_for_backends_that_would_run_but_for_their_canary(tmp_path):
+    # On the CPU (no TRITON_INTERPRET) the Triton backends cannot run at all: their missing
+    # canary is no news. Under the interpreter they could, and the warning says so.
+    env = {k: v for k, v in _env(tmp_path).items() if k != "TRITON_INTERPRET"}
+    env["CAPDISPATCH_VERIFY"] = "required"
+    cpu = cd.probe("cpu")
+    proof.store(cpu, "torch", _verdict("kv_dequant", "torch"), env=env)
+    r = cd.resolve("kv_dequant", "cpu", env=env)
+    assert r.backend == "torch" and r.warnings == ()
+    interp = dict(env, TRITON_INTERPRET="1")
+    proof.store(cpu, "torch", _verdict("kv_dequant", "torch"), env=interp)
+    r = cd.resolve("kv_dequant", "cpu", env=interp)
+    assert r.backend == "torch"
+    assert any("kv_dequant=triton_u8 has not passed its canary on this card" in w for w in r.warnings)
+    assert not any("triton_fp8" in w for w in r.warnings)    # the CPU lacks fp8 anyway

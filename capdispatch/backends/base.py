@@ -160,7 +160,7 @@ class Library:
             imp = import_check(self.module, env=f.env)
             if not imp.ok:
                 ok, msg = False, f"import {self.module} failed: {imp.error}"
-                found = f"{found}, import failed"
+                found = f"{found}, import failed ({imp.error})"   # the reason in the text trace too
         return Check(code=f"library:{self.dist}", need=need, found=found, ok=ok, message=msg)
 
 

@@ -49,6 +49,16 @@ def names() -> list:
     return sorted(profiles())
 
 
+# Keywords --libs takes besides a profile's name.
+LOCAL = "local"        # this machine's libraries
+DEFAULT = "default"    # default_name(): what plans simulated devices when nothing is said
+
+
+def default_name() -> str:
+    """The profile that plans simulated devices when neither --libs nor --assume-lib is given."""
+    return str(_data.load("lib_profiles.yaml").get("default") or names()[-1])
+
+
 def lookup(name: str) -> Profile:
     import difflib
     by_lower = {k.lower(): v for k, v in profiles().items()}
@@ -57,7 +67,8 @@ def lookup(name: str) -> Profile:
         close = difflib.get_close_matches(name.strip(), names(), n=3, cutoff=0.5)
         hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
         raise UnknownProfileError(f"unknown library profile {name!r}{hint} "
-                                  f"(known: {', '.join(names())})")
+                                  f"(known: {', '.join(names())}; or {LOCAL}: this machine's "
+                                  f"libraries, {DEFAULT}: {default_name()})")
     return found
 
 

@@ -84,16 +84,27 @@ class Inventory:
 
     assumed: tuple = ()     # ((name, version-or-None), ...)
     profile: Optional[object] = None    # lib_profiles.Profile; None: this machine's
+    default: bool = False   # the profile is the default for simulated devices (nothing was said)
+    # This machine's versions as read once for this inventory (one decision, one run): a
+    # plan of 128 cards asks for the same few distributions thousands of times.
+    _read: dict = attrs.field(factory=dict, eq=False, repr=False, alias="_read")
 
     @classmethod
     def with_assumptions(cls, assume_libs=None, *, libs=None, known=None) -> "Inventory":
         """KNOWN (distribution names): refuse any other name with a did-you-mean.
-        LIBS: a profile name (see lib_profiles.yaml) or None for this machine."""
+        LIBS: a profile name (see lib_profiles.yaml), "local" or None for this
+        machine's, "default" for the default profile of simulated devices."""
         from . import lib_profiles
-        profile = None
+        profile, default = None, False
         if libs is not None:
+            key = libs.strip().lower() if isinstance(libs, str) else None
             try:
-                profile = libs if isinstance(libs, lib_profiles.Profile) else lib_profiles.lookup(str(libs))
+                if isinstance(libs, lib_profiles.Profile):
+                    profile = libs
+                elif key == lib_profiles.DEFAULT:
+                    profile, default = lib_profiles.lookup(lib_profiles.default_name()), True
+                elif key != lib_profiles.LOCAL:
+                    profile = lib_profiles.lookup(str(libs))
             except lib_profiles.UnknownProfileError as exc:
                 raise AssumeLibError(f"--libs: {exc}") from None
         assumed = tuple(parse_assume(a) if isinstance(a, str) else tuple(a) for a in (assume_libs or ()))
@@ -107,12 +118,14 @@ class Inventory:
                                          f"that installs it is {modules[name]!r}: "
                                          f"--assume-lib {modules[name]}")
                 _check_known(name, dists)
-        return cls(assumed=assumed, profile=profile)
+        return cls(assumed=assumed, profile=profile, default=default)
 
     @property
     def whose(self) -> str:
         """Whose libraries the decisions use, for people."""
         base = f"the {self.profile.name} profile's" if self.profile else "this machine's"
+        if self.default:
+            base += " (the default for simulated devices)"
         return f"{base}, with assumptions" if self.assumed else base
 
     @property
@@ -130,13 +143,16 @@ class Inventory:
             # assumed: a profile describes another machine, so nothing is import-checked here.
             return LibraryFact(name, lib.version if lib else None, lib is not None, assumed=True,
                                source=f"profile {self.profile.name}")
-        try:
-            return LibraryFact(name, metadata.version(name), True)
-        except metadata.PackageNotFoundError:
-            return LibraryFact(name, None, False)
+        if name not in self._read:
+            try:
+                self._read[name] = LibraryFact(name, metadata.version(name), True)
+            except metadata.PackageNotFoundError:
+                self._read[name] = LibraryFact(name, None, False)
+        return self._read[name]
 
     def to_dict(self, dists=()) -> dict:
         return {"whose": self.whose, "profile": self.profile.name if self.profile else None,
+                "default": self.default,
                 "assumed": {n: v for n, v in self.assumed},
                 "versions": {d: self.get(d).describe() for d in dists}}
 

@@ -16,11 +16,21 @@ DEFAULT_THRESHOLD = 1.05
 
 
 def add_parser(subparsers):
+    from . import completion
     b = subparsers.add_parser(
-        "bench", help="time the runnable backends over a size ladder; write a calibrated policy")
-    b.add_argument("--device", default=None, metavar="DEV",
-                   help="cuda:N or cpu (default: cuda:0 when a CUDA device is visible, else cpu)")
-    b.add_argument("--op", action="append", default=[], metavar="OP", help="an op (repeatable; default: all)")
+        "bench", help="time the runnable backends over a size ladder; write a calibrated policy",
+        description="Time every runnable backend of each op over a ladder of sizes on one device "
+                    "(needs torch); with --write-policy, write the size-bucketed policy that picks "
+                    "the fastest per size.",
+        epilog="examples:\n"
+               "  dispatch bench --device cuda:0 --op kv_dequant\n"
+               "  dispatch bench --device cuda:0 --write-policy my-card.yaml\n"
+               "  dispatch bench --device cpu --op moe --sizes 1,16,256 --format json\n")
+    completion.devices(b.add_argument(
+        "--device", default=None, metavar="DEV",
+        help="cuda:N or cpu (default: cuda:0 when a CUDA device is visible, else cpu)"))
+    completion.ops(b.add_argument("--op", action="append", default=[], metavar="OP[,OP...]",
+                                  help="the ops to time (repeat the flag or use commas; default: all)"))
     b.add_argument("--sizes", default=None, metavar="N,N,...",
                    help="sizes of the ops' leading dimension (default: each op's ladder)")
     b.add_argument("--write-policy", default=None, metavar="FILE",
@@ -57,8 +67,12 @@ def add_parser(subparsers):
 
 def run(args, *, timer=None) -> int:
     """TIMER: `timer(fn, graph) -> ms` in place of the device's own (tests inject one)."""
+    import importlib.util
     import math
-
+    if importlib.util.find_spec("torch") is None:
+        from .errors import BadInput
+        raise BadInput("dispatch bench times kernels, which need torch: torch is not installed "
+                       "(pip install 'capdispatch[torch]', or your own CUDA build of torch)")
     from ..calibrate import choose, ladder, measure, served, timing, writer
     from ..policies import PolicyError, load_file
     from .binding import bind
@@ -77,17 +91,18 @@ def run(args, *, timer=None) -> int:
     for flag, value, low in (("--layers", args.layers, 1), ("--cuda-graph-max-bs", args.cuda_graph_max_bs, 0)):
         if value is not None and value < low:
             raise BadInput(f"{flag}: {value} is out of range (valid: a whole number >= {low})")
-    device = args.device or _default_device()
+    from .inputs import device_list
+    if args.device is not None:
+        devs = device_list(args.device, "--device")
+        if len(devs) != 1:
+            raise BadInput(f"--device {args.device!r}: bench times one device (valid: cuda:N or cpu)")
+    device = devs[0] if args.device is not None else _default_device()
     spec = as_spec(device)
     if spec.simulated:
         raise BadInput(f"--device {device}: a simulated device cannot be timed (valid: cuda:N, cpu)")
     ctx = context()
-    ops = args.op or list(ctx.registry.ops)
-    for op in ops:
-        if op not in ctx.registry.ops:
-            from ..policies.loader import _did_you_mean
-            raise BadInput(f"--op: unknown op {op!r}{_did_you_mean(op, ctx.registry.ops)} "
-                           f"(valid: {', '.join(ctx.registry.ops)})")
+    from .inputs import op_list
+    ops = op_list(args.op, "--op", ctx.registry) or list(ctx.registry.ops)
     try:
         sizes = ladder.parse_sizes(args.sizes) if args.sizes else None
     except ladder.SizesError as exc:

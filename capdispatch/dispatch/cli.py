@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import os
@@ -96,7 +97,7 @@ def _parser() -> argparse.ArgumentParser:
     from . import completion
     p = _Parser(prog="dispatch", description="Which kernel runs each op on each GPU, and why.",
                 epilog=EPILOG)
-    p.add_argument("--version", action="version", version=f"capdispatch {version()}",
+    p.add_argument("-V", "--version", action="version", version=f"capdispatch {version()}",
                    help="print capdispatch's version and exit")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser, metavar="COMMAND")
 
@@ -139,7 +140,9 @@ def _parser() -> argparse.ArgumentParser:
     completion.profiles(e.add_argument(
         "--libs", metavar="PROFILE",
         help="the target's whole library inventory from a profile (e.g. sglang-0.5.23: the "
-             "versions SGLang 0.5.23 installs) instead of this machine's; --assume-lib adds to it"))
+             "versions SGLang 0.5.23 installs) instead of this machine's; --assume-lib adds to it; "
+             "`local`: this machine's. Default: the default profile when every device is "
+             "simulated and no --assume-lib is given, else this machine's"))
     e.add_argument("--mixed-group", choices=("allow", "warn", "uniform", "error"),
                    help="what a group whose devices choose different backends does, above every "
                         "policy file: allow, warn (default), uniform (one kernel every device can "
@@ -152,14 +155,18 @@ def _parser() -> argparse.ArgumentParser:
     fmt(e); probe_opts(e)
 
     o = sub.add_parser("ops", help="the ops and their backends with what each needs",
-                       description="The ops and their backends in the built-in policy's order, with what each needs.")
+                       description="The ops and their backends in the built-in policy's order, with what each needs.",
+                       epilog="examples:\n  dispatch ops\n  dispatch ops --format json\n"
+                              "  dispatch explain --op kv_dequant --device sim:rtx-3080   (an op from the list)\n")
     fmt(o)
 
-    for name, (_, help_) in EXTENSIONS.items():
-        # `dispatch NAME ...` goes straight to the extension's own parser (see main).
-        sub.add_parser(name, help=help_ + f" (`dispatch {name} --help`)", add_help=False)
+    for name, (module, help_) in EXTENSIONS.items():
+        # `dispatch NAME ...` goes straight to the extension's own parser (see main); for
+        # completion, the extension's commands are mirrored here.
+        ext = sub.add_parser(name, help=help_ + f" (`dispatch {name} --help`)", add_help=False)
+        if "_ARGCOMPLETE" in os.environ:
+            importlib.import_module(module).add_commands(ext)
 
-    import importlib
     for mod in COMMANDS:
         m = importlib.import_module(f"{__package__}.{mod}")
         m.add_parser(sub).set_defaults(run=m.run)
@@ -169,23 +176,41 @@ def _parser() -> argparse.ArgumentParser:
                          epilog="examples:\n  dispatch policy validate my-rig.yaml\n"
                                 "  dispatch policy show --policy my-rig.yaml\n")
     psub = pol.add_subparsers(dest="policy_cmd", required=True, parser_class=_Parser)
-    v = psub.add_parser("validate", help="check policy files; exit 2 on the first error")
+    v = psub.add_parser("validate", help="check policy files; exit 2 on the first error",
+                        epilog="examples:\n  dispatch policy validate my-rig.yaml\n"
+                               "  dispatch policy validate a.yaml b.yaml    each file alone\n")
     v.add_argument("files", nargs="+", metavar="FILE", help="policy files to check")
-    s = psub.add_parser("show", help="the merged policy, with where each value came from")
+    s = psub.add_parser("show", help="the merged policy, with where each value came from",
+                        epilog="examples:\n  dispatch policy show\n"
+                               "  dispatch policy show --policy my-rig.yaml --format json\n")
     s.add_argument("--policy", action="append", default=[], metavar="FILE",
                    help="a policy file to layer above the default; repeat for more")
     fmt(s)
     return p
 
 
-def _devices_arg(values) -> list:
-    return [x.strip() for v in values for x in v.split(",") if x.strip()]
+def _devices_arg(values, source: str = "--device") -> list:
+    from .inputs import device_list
+    return device_list(values, source)
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to sys.stderr as it is when a record is emitted, not as it was when the
+    handler was made (main() may run many times in one process, stderr replaced between)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
 
 
 def _setup_logging():
     log = logging.getLogger("capdispatch")
     if not any(getattr(h, "_capdispatch", False) for h in log.handlers):
-        h = logging.StreamHandler(sys.stderr)
+        h = _StderrHandler()
         h.setFormatter(logging.Formatter("%(levelname)s capdispatch: %(message)s"))
         h._capdispatch = True
         log.addHandler(h)
@@ -214,6 +239,9 @@ def main(argv=None) -> int:
     if "_ARGCOMPLETE" in os.environ:
         from . import completion
         completion.autocomplete(parser)
+    if not argv:      # `dispatch` alone: what it does and how, not only "arguments are required"
+        parser.print_help()
+        return EXIT_BAD_INPUT
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:    # --help, or a usage error already printed: return its code
@@ -245,12 +273,9 @@ def _run(args) -> int:
 
 def _specs(args):
     from ..capabilities import local_devices
-    from .group import unique_ids
-    from .resolver import as_spec
-    devs = _devices_arg(args.device)
-    if not devs:
-        return local_devices(via=args.probe)
-    return unique_ids([as_spec(d, via=args.probe, assume_cuda=args.assume_cuda) for d in devs])
+    from .inputs import device_specs
+    specs = device_specs(args.device, "--device", via=args.probe, assume_cuda=args.assume_cuda)
+    return specs or local_devices(via=args.probe)
 
 
 def _cmd_devices(args) -> int:
@@ -276,15 +301,14 @@ def _cmd_devices(args) -> int:
 
 
 def _cmd_explain(args) -> int:
-    from .errors import BadInput
-    from .explain import plan, render_text
-    ops = _devices_arg(args.op)
-    if args.op and not ops:
-        raise BadInput(f"--op {' '.join(args.op)!r} names no op (valid: see `dispatch ops`)")
+    from ..backends import builtin
+    from .explain import plan, render_text, target_libs
+    from .inputs import op_list
+    ops = op_list(args.op, "--op", builtin())
     specs = _specs(args)
     p = plan(specs, ops or None, policy=args.policy or None,
              selections=args.set_ or None, assume_libs=args.assume_lib, strict=args.strict,
-             selection_origin="--set", libs=args.libs,
+             selection_origin="--set", libs=target_libs(specs, args.libs, args.assume_lib),
              settings={"mixed_group": args.mixed_group} if args.mixed_group else None,
              settings_origin="--mixed-group", log_warnings=False)
     from .lock import check

@@ -40,7 +40,7 @@ def _libraries():
 
 def _profiles():
     from ..capabilities import lib_profiles
-    return lib_profiles.names()
+    return lib_profiles.names() + [lib_profiles.LOCAL, lib_profiles.DEFAULT]
 
 
 def _attach(values):

@@ -20,6 +20,10 @@ class NoBackendError(Unsatisfiable):
             reasons = "; ".join(ch.message or f"{ch.code}: need {ch.need}, found {ch.found}"
                                 for ch in c.checks if not ch.ok)
             lines.append(f"  {c.backend}: {reasons}")
+        if any(ch.code.startswith("library:") and not ch.ok for c in candidates for ch in c.checks):
+            lines.append("  a library is missing: plan for the target's software with --libs PROFILE "
+                         "(e.g. sglang-0.5.23; `local`: this machine's) or --assume-lib NAME[==VERSION] "
+                         "(libs= / assume_libs= in the Python API)")
         super().__init__("\n".join(lines))
 
 
@@ -63,6 +67,12 @@ def run_guarded(prog: str, fn) -> int:
     """
     import os
     import sys
+    from .inputs import env_flag
+    try:
+        debug = env_flag(os.environ, "CAPDISPATCH_DEBUG")
+    except CapdispatchError as exc:
+        _say(f"{prog}: error: {exc}")
+        return exit_code(exc)
     try:
         return fn()
     except CapdispatchError as exc:
@@ -80,7 +90,7 @@ def run_guarded(prog: str, fn) -> int:
             pass
         return EXIT_OK
     except Exception as exc:
-        if os.environ.get("CAPDISPATCH_DEBUG", "").strip().lower() in ("1", "true", "yes", "on"):
+        if debug:
             raise
         _say(f"{prog}: internal error: {type(exc).__name__}: {exc}\n"
              f"  this is a bug in capdispatch; please report it with the command line and the "

@@ -43,11 +43,26 @@ def _device_dict(d, libraries) -> dict:
             "cuda": d.cuda, "probe": d.probe, "notes": list(d.notes)}
 
 
+def target_libs(specs, libs=None, assume_libs=()):
+    """The library inventory to plan SPECS with, as a --libs value: LIBS when given;
+    "default" (the default profile, said in the output) for a group of simulated devices
+    when neither LIBS nor ASSUME_LIBS says what the target has: this machine's libraries
+    say nothing of a simulated card's machine. Shared by explain, lock and sglang plan."""
+    if libs is None and not assume_libs and specs and all(s.simulated for s in specs):
+        from ..capabilities import lib_profiles
+        return lib_profiles.DEFAULT
+    return libs
+
+
 def inventory_note(specs, inventory) -> str:
-    """What to say when simulated devices are planned with this machine's libraries."""
+    """What to say when simulated devices are planned with libraries nobody named."""
+    from ..capabilities import lib_profiles
+    if inventory.default:
+        return (f"simulated devices, planned with the {inventory.profile.name} profile's libraries "
+                f"(no --libs or --assume-lib given); --libs local plans with this machine's, "
+                f"--libs PROFILE or --assume-lib NAME[==VERSION] with another's")
     if not inventory.local or not any(s.simulated for s in specs):
         return ""
-    from ..capabilities import lib_profiles
     names = lib_profiles.names()
     example = f"--libs {names[0]}" if names else "--libs PROFILE"
     return ("simulated devices, but this machine's libraries: a library missing here counts as "
@@ -72,7 +87,8 @@ def plan_in(ctx, devices, ops=None, *, via: str = "auto", assume_cuda: Optional[
             log_warnings: bool = True) -> Plan:
     """`plan` with an already built Context (`capdispatch.context(...)`): every op
     of the plan reads the same policy stack, selections and library inventory."""
-    specs = unique_ids([as_spec(d, via=via, assume_cuda=assume_cuda) for d in devices])
+    from .inputs import api_devices
+    specs = unique_ids([as_spec(d, via=via, assume_cuda=assume_cuda) for d in api_devices(devices)])
     names = list(ops) if ops else list(ctx.registry.ops)
     groups = {op: resolve_group_in(ctx, op, specs) for op in names}
     warnings = tuple(w for g in groups.values() for w in g.warnings)
@@ -134,17 +150,64 @@ def cell_kind(g, r) -> str:
     return "fallback" if r.fallback else "first"
 
 
+def positions_text(positions) -> str:
+    """[0, 1, 2, 5, 7, 8] -> '#0-2,5,7-8': group positions as ranges."""
+    parts, start = [], None
+    for i, p in enumerate(positions):
+        if start is None:
+            start = p
+        if i + 1 == len(positions) or positions[i + 1] != p + 1:
+            parts.append(f"{start}" if start == p else f"{start}-{p}")
+            start = None
+    return "#" + ",".join(parts)
+
+
+def _base_id(device_id: str) -> str:
+    return device_id.split("@", 1)[0]
+
+
+def device_columns(p: Plan, rows) -> tuple:
+    """(headers, rows) of the matrix with identical cards in one column: the same card
+    (name, compute capability) deciding the same in every row. A grouped column says
+    how many cards it holds and their positions in the group (#0-63)."""
+    groups = {}
+    for i, d in enumerate(p.devices):
+        key = (d.name, d.cc_str, d.simulated, tuple(r.cells[i] for r in rows))
+        groups.setdefault(key, []).append(i)
+    headers, members = [], list(groups.values())
+    for idx in members:
+        d = p.devices[idx[0]]
+        card = short_name(d.name) + (f", cc {d.cc_str}" if d.cc_str else "")
+        if len(idx) == 1:
+            headers.append(f"{d.id}\n{card}\n{positions_text(idx)}")
+            continue
+        bases = {_base_id(p.devices[i].id) for i in idx}
+        first = bases.pop() if len(bases) == 1 else f"{len(idx)} devices"
+        headers.append(f"{first} x{len(idx)}\n{card}\n{positions_text(idx)}")
+    grouped = [type(r)(r.label, tuple(r.cells[idx[0]] for idx in members), r.diverges) for r in rows]
+    return headers, grouped
+
+
 def matrix(p: Plan, *, color=None, width=None, ascii_only=None, stream=None,
            warnings_where: str = "") -> str:
     """The op x device table of plan P: the backend per cell, fallbacks and
-    divergences marked (see render.KINDS), whose libraries in the caption."""
-    from .render import Cell, Row, render_matrix
+    divergences marked (see render.KINDS), whose libraries in the caption. When the
+    table is wider than the terminal, identical cards share a column (with their
+    positions), and what still does not fit wraps below."""
+    from .render import Cell, Row, natural_width, render_matrix, terminal_width
     cols = [f"{d.id}\n{short_name(d.name)}" + (f", cc {d.cc_str}" if d.cc_str else "")
             for d in p.devices]
     rows = [Row(op, tuple(Cell(r.backend + _sized(r), cell_kind(g, r)) for r in g.per_device.values()),
                 diverges=not g.uniform)
             for op, g in p.ops.items()]
     caption = f"libraries: {p.whose.get('whose', DEFAULT_WHOSE)}"
+    limit = terminal_width(stream) if width is None else width
+    if rows and natural_width(cols, rows) > limit:
+        grouped_cols, grouped_rows = device_columns(p, rows)
+        if len(grouped_cols) < len(cols):
+            cols, rows = grouped_cols, grouped_rows
+            caption = (f"{len(p.devices)} devices in {len(cols)} columns: identical cards deciding "
+                       f"alike share one (xN cards, #positions in the group)\n" + caption)
     if any(_sized(r) for g in p.ops.values() for r in g.per_device.values()):
         caption = ("+N sized: N size buckets run another backend (the trace lists them)\n"
                    + caption)

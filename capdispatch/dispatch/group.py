@@ -61,12 +61,31 @@ def _label(upper, lower, key) -> str:
     return f"{key} > {lower}" if lower is not None else ""
 
 
+SUMMARY_FROM = 4   # devices of one card deciding alike: from this many, one entry names them all
+
+
+def _row(per_device, upper) -> str:
+    """Each device -> its backend; identical cards deciding alike summarised in one entry
+    (N x card, their positions) once there are SUMMARY_FROM of them."""
+    from .explain import positions_text
+    groups = {}
+    for i, (d, r) in enumerate(per_device.items()):
+        groups.setdefault((r.device.name, r.device.cc_str, _pick(r, upper)[0]), []).append((i, d))
+    parts = []
+    for (name, cc, backend), members in groups.items():
+        if len(members) < SUMMARY_FROM:
+            parts += [f"{d} ({name}, cc {cc}) -> {backend}" for _, d in members]
+        else:
+            parts.append(f"{len(members)} x {name} (cc {cc}; {positions_text([i for i, _ in members])}, "
+                         f"{members[0][1]} ...) -> {backend}")
+    return "; ".join(parts)
+
+
 def _table(per_device, bounds=(None,), key=None) -> str:
     parts = []
     lower = None
     for upper in bounds:
-        row = "; ".join(f"{d} ({r.device.name}, cc {r.device.cc_str}) -> {_pick(r, upper)[0]}"
-                        for d, r in per_device.items())
+        row = _row(per_device, upper)
         label = _label(upper, lower, key)
         parts.append(f"[{label}] {row}" if label else row)
         lower = upper
@@ -152,7 +171,8 @@ def resolve_group(op: str, devices, *, policy=None, selections=None, assume_libs
                   assume_cuda: Optional[str] = None, libs=None) -> GroupResolution:
     ctx = context(policy=policy, selections=selections, assume_libs=assume_libs,
                   strict=strict, registry=registry, env=env, libs=libs)
-    specs = unique_ids([as_spec(d, via=via, assume_cuda=assume_cuda) for d in devices])
+    from .inputs import api_devices
+    specs = unique_ids([as_spec(d, via=via, assume_cuda=assume_cuda) for d in api_devices(devices)])
     g = resolve_group_in(ctx, op, specs)
     for w in g.warnings:
         log.warning(w)

@@ -6,7 +6,7 @@ for errors), schema 1:
     schema: 1
     capdispatch: 0.1.0                 # the version that wrote it
     written: '2026-12-01T19:40:00Z'
-    inputs: {policy: [...], set: [...], assume_lib: [...]}   # what the decision was told
+    inputs: {policy: [...], set: [...], assume_lib: [...], libs: [...]}   # what the decision was told
     devices:
       - id: cuda:0
         name: NVIDIA H200
@@ -257,7 +257,8 @@ class _Reader:
             raise self.err(node, f"{what} must be a single value, not a {_KINDS[type(node).__name__]}")
         try:
             value = self._loader.construct_object(node, deep=True)
-        except (ValueError, TypeError, OverflowError, ArithmeticError, yaml.YAMLError) as exc:
+        except (ValueError, TypeError, LookupError, OverflowError, ArithmeticError, yaml.YAMLError) as exc:
+            # LookupError: an explicit `!!bool maybe` (the constructor looks the word up).
             raise self.err(node, f"{what}: {node.value[:60]!r} cannot be read "
                                  f"({type(exc).__name__}); quote it to give text") from None
         if value is None and null:
@@ -320,7 +321,7 @@ def parse(text: str, path: str = "<lock>", registry=None) -> Lock:
     inputs = {}
     if "inputs" in top:
         for key, (_, v) in r.mapping(top["inputs"][1], "inputs",
-                                     optional=("policy", "set", "assume_lib")).items():
+                                     optional=("policy", "set", "assume_lib", "libs")).items():
             inputs[key] = [r.scalar(x, f"inputs.{key} entry") for x in r.sequence(v, f"inputs.{key}")]
     devices, seen = [], {}
     dnodes = r.sequence(top["devices"][1], "devices")

@@ -18,17 +18,29 @@ EXIT_OK, EXIT_DRIFT = 0, 3
 
 
 def add_parser(subparsers):
-    p = subparsers.add_parser("lock", help="write the decisions to a lock file, or compare with one")
-    p.add_argument("--device", action="append", default=[], metavar="DEV[,DEV...]",
-                   help="cuda:N, cpu or sim:NAME (default: every local CUDA device, else cpu)")
-    p.add_argument("--op", action="append", default=[], metavar="OP",
-                   help="lock only this op (repeatable; default: all)")
+    from . import completion
+    p = subparsers.add_parser(
+        "lock", help="write the decisions to a lock file, or compare with one",
+        description="Write today's decisions per device (with the libraries' versions and canary "
+                    "state) to a lock file, or compare today's decisions with one.",
+        epilog="examples:\n"
+               "  dispatch lock -o rig.lock                   this machine's cards\n"
+               "  dispatch lock --check rig.lock              exit 3 when a decision changed\n"
+               "  dispatch lock --device sim:rtx-5090,sim:rtx-3080 --op kv_quant,kv_dequant\n"
+               "  dispatch lock --device sim:h200 --libs sglang-0.5.23 -o h200.lock\n")
+    completion.devices(p.add_argument("--device", action="append", default=[], metavar="DEV[,DEV...]",
+                                      help="cuda:N, cpu or sim:NAME (default: every local CUDA device, else cpu)"))
+    completion.ops(p.add_argument("--op", action="append", default=[], metavar="OP[,OP...]",
+                                  help="lock only these ops (repeat the flag or use commas; default: all)"))
     p.add_argument("--policy", action="append", default=[], metavar="FILE",
                    help="a policy file, as for explain (repeatable)")
-    p.add_argument("--set", action="append", default=[], metavar="OP=BACKEND", dest="set_",
-                   help="an explicit choice, as for explain")
-    p.add_argument("--assume-lib", action="append", default=[], metavar="NAME[==VERSION]",
-                   help="treat a library as installed (at VERSION), as for explain")
+    completion.selections(p.add_argument("--set", action="append", default=[], metavar="OP=BACKEND",
+                                         dest="set_", help="an explicit choice, as for explain"))
+    completion.libraries(p.add_argument("--assume-lib", action="append", default=[], metavar="NAME[==VERSION]",
+                                        help="treat a library as installed (at VERSION), as for explain"))
+    completion.profiles(p.add_argument("--libs", metavar="PROFILE",
+                   help="the target's library inventory from a profile, as for explain (simulated "
+                        "devices default to the default profile; `local`: this machine's)"))
     p.add_argument("--strict", action="store_true",
                    help="an explicit choice that cannot run is an error (exit 3), not a downgrade")
     out = p.add_mutually_exclusive_group()
@@ -48,9 +60,10 @@ def _specs(args, locked=None):
     from .errors import BadInput
     from .group import unique_ids
     from .resolver import as_spec
-    devs = [x.strip() for v in args.device for x in v.split(",") if x.strip()]
-    if devs:
-        return unique_ids([as_spec(d, via=args.probe, assume_cuda=args.assume_cuda) for d in devs])
+    from .inputs import device_specs
+    specs = device_specs(args.device, "--device", via=args.probe, assume_cuda=args.assume_cuda)
+    if specs:
+        return specs
     if locked is None:
         return local_devices(via=args.probe)
     # Checking: the lock's own devices; a CUDA device that is gone is a difference, not an error.
@@ -63,13 +76,17 @@ def _specs(args, locked=None):
         except (BadInput, ProbeError):
             if not d.id.startswith("cuda:"):
                 raise
-    return unique_ids(specs)
+    # Every locked CUDA device gone: today's are compared with the lock (each one missing
+    # is a difference).
+    return unique_ids(specs) if specs else local_devices(via=args.probe)
 
 
 def run(args) -> int:
     from . import lock as L
     from .errors import BadInput
-    from .explain import plan
+    from .explain import plan, target_libs
+    from ..backends import builtin
+    from .inputs import op_list
     for flag, value in (("--check", args.check), ("-o/--output", args.output)):
         if value is not None and not value.strip():
             raise BadInput(f"{flag}: an empty file name (give a lock file path"
@@ -81,9 +98,12 @@ def run(args) -> int:
         except FileError as exc:
             raise BadInput(f"-o {exc.path}: {exc.reason}") from None
     locked = L.load(args.check) if args.check is not None else None
-    ops = args.op or (list(dict.fromkeys(op for d in locked.devices for op in d.ops)) if locked else None)
-    p = plan(_specs(args, locked), ops, policy=args.policy or None, selections=args.set_ or None,
-             assume_libs=args.assume_lib, strict=args.strict, selection_origin="--set")
+    ops = op_list(args.op, "--op", builtin()) or \
+        (list(dict.fromkeys(op for d in locked.devices for op in d.ops)) if locked else None)
+    specs = _specs(args, locked)
+    p = plan(specs, ops, policy=args.policy or None, selections=args.set_ or None,
+             assume_libs=args.assume_lib, strict=args.strict, selection_origin="--set",
+             libs=target_libs(specs, args.libs, args.assume_lib))
     if locked is not None:
         drifts = L.compare(p, locked, partial=bool(args.op or args.device))
         for d in drifts:
@@ -95,7 +115,8 @@ def run(args) -> int:
         print(f"{args.check}: today's decisions match the lock ({len(locked.devices)} device(s), "
               f"{n} decision(s))")
         return EXIT_OK
-    lk = L.freeze(p, inputs={"policy": args.policy, "set": args.set_, "assume_lib": args.assume_lib})
+    lk = L.freeze(p, inputs={"policy": args.policy, "set": args.set_, "assume_lib": args.assume_lib,
+                                    "libs": [p.inventory.profile.name] if p.inventory.profile else []})
     if args.output and args.output != "-":
         lk.write(args.output)
         n = sum(len(d.ops) for d in lk.devices)

@@ -85,13 +85,39 @@ def terminal_width(stream=None) -> int:
     return WIDTH
 
 
+def _column_width(header: str, rows: Sequence[Row], i: int) -> int:
+    return 3 + max([len(x) for x in header.split("\n")]
+                   + [len(r.cells[i].text) + 1 for r in rows if i < len(r.cells)])
+
+
+def natural_width(columns: Sequence[str], rows: Sequence[Row], corner: str = "op") -> int:
+    """The width of the matrix with no cell folded."""
+    width = max(len(corner), *(len(r.label) + 2 for r in rows)) + 4 if rows else len(corner) + 4
+    return width + sum(_column_width(c, rows, i) for i, c in enumerate(columns))
+
+
+def _chunks(columns, rows, corner: str, width: int) -> list:
+    """Column index ranges whose tables each fit WIDTH (at least one column each)."""
+    base = natural_width([], rows, corner)
+    out, start, used = [], 0, base
+    for i, c in enumerate(columns):
+        w = _column_width(c, rows, i)
+        if i > start and used + w > width:
+            out.append(range(start, i))
+            start, used = i, base
+        used += w
+    out.append(range(start, len(columns)))
+    return out
+
+
 def render_matrix(columns: Sequence[str], rows: Sequence[Row], *, title: str = "",
                   caption: str = "", corner: str = "op", color: Optional[bool] = None,
                   width: Optional[int] = None, ascii_only: Optional[bool] = None,
                   stream=None) -> str:
     """A table: one row per op, one column per device (COLUMNS: header text, may hold
     newlines), a mark per cell kind, divergent rows flagged, a legend of the marks used.
-    COLOR / ASCII_ONLY / WIDTH default to what STREAM (stdout) supports."""
+    COLOR / ASCII_ONLY / WIDTH default to what STREAM (stdout) supports. Columns that do
+    not fit WIDTH wrap: the table continues below, the op labels repeated."""
     from rich import box
     from rich.console import Console
     from rich.table import Table
@@ -101,37 +127,41 @@ def render_matrix(columns: Sequence[str], rows: Sequence[Row], *, title: str = "
     ascii_only = (not encodes("─│≠", stream)) if ascii_only is None else ascii_only
     sym = ASCII if ascii_only else UNICODE
     width = terminal_width(stream) if width is None else width
-    # Never fold a backend name: a table wider than the terminal stays whole.
-    natural = max(len(corner), *(len(r.label) + 2 for r in rows)) + 4
-    for i, c in enumerate(columns):
-        natural += 3 + max([len(x) for x in c.split("\n")]
-                           + [len(r.cells[i].text) + 1 for r in rows if i < len(r.cells)])
-    width = max(width, natural)
-    table = Table(title=title or None, title_justify="left", caption=None,
-                  box=box.ASCII2 if ascii_only else box.SIMPLE_HEAVY, show_lines=False,
-                  pad_edge=False, header_style="bold" if color else "", title_style="bold" if color else "",
-                  safe_box=True)
-    table.add_column(corner, no_wrap=True, style="bold" if color else "")
-    for c in columns:
-        table.add_column(c, overflow="fold")
+    chunks = _chunks(columns, rows, corner, width)
+    # Never fold a backend name: a single column wider than the terminal stays whole.
+    width = max(width, *(natural_width([columns[i] for i in ch], [
+        Row(r.label, tuple(r.cells[i] for i in ch if i < len(r.cells)), r.diverges) for r in rows],
+        corner) for ch in chunks))
     used = set()
-    for row in rows:
-        label = Text(row.label + (f" {sym.differs}" if row.diverges else ""),
-                     style="yellow" if (color and row.diverges) else "")
-        cells = []
-        for cell in row.cells:
-            mark, style, _ = KINDS[cell.kind]
-            used.add(cell.kind)
-            cells.append(Text(cell.text + mark, style=style if color else ""))
-        table.add_row(label, *cells)
-    legend = [KINDS[k][2] for k in KINDS if k in used and KINDS[k][2]]
-    if any(r.diverges for r in rows):
-        legend.append(f"{sym.differs} the group's devices run different backends for that op")
     buf = io.StringIO()
     console = Console(file=buf, width=width, force_terminal=color, no_color=not color,
                       color_system="standard" if color else None, highlight=False,
                       emoji=False, legacy_windows=False, soft_wrap=False)
-    console.print(table)
+    for n, chunk in enumerate(chunks):
+        table = Table(title=(title or None) if n == 0 else None, title_justify="left", caption=None,
+                      box=box.ASCII2 if ascii_only else box.SIMPLE_HEAVY, show_lines=False,
+                      pad_edge=False, header_style="bold" if color else "",
+                      title_style="bold" if color else "", safe_box=True)
+        table.add_column(corner, no_wrap=True, style="bold" if color else "")
+        for i in chunk:
+            table.add_column(columns[i], overflow="fold")
+        for row in rows:
+            label = Text(row.label + (f" {sym.differs}" if row.diverges else ""),
+                         style="yellow" if (color and row.diverges) else "")
+            cells = []
+            for i in chunk:
+                if i >= len(row.cells):
+                    continue
+                mark, style, _ = KINDS[row.cells[i].kind]
+                used.add(row.cells[i].kind)
+                cells.append(Text(row.cells[i].text + mark, style=style if color else ""))
+            table.add_row(label, *cells)
+        if n:
+            console.print("")
+        console.print(table)
+    legend = [KINDS[k][2] for k in KINDS if k in used and KINDS[k][2]]
+    if any(r.diverges for r in rows):
+        legend.append(f"{sym.differs} the group's devices run different backends for that op")
     for line in legend + ([caption] if caption else []):
         console.print(Text(line, style="dim" if color else ""), overflow="fold")
     lines = [line.rstrip() for line in buf.getvalue().splitlines()]

@@ -126,21 +126,7 @@ class Context:
             or env_flag(self.env, "CAPDISPATCH_STRICT")
 
 
-FLAG_ON = ("1", "true", "yes", "on")
-FLAG_OFF = ("", "0", "false", "no", "off")
-
-
-def env_flag(env, name: str) -> bool:
-    """A yes/no environment variable: 1/true/yes/on, or 0/false/no/off/empty (any case)."""
-    raw = env.get(name, "")
-    value = raw.strip().lower()
-    if value in FLAG_ON:
-        return True
-    if value in FLAG_OFF:
-        return False
-    raise BadInput(f"{name}={ascii(raw) if len(raw) <= 40 else ascii(raw[:40]) + '...'} is not "
-                   f"a yes/no value (valid: {', '.join(FLAG_ON)} to turn it on; "
-                   f"{', '.join(v for v in FLAG_OFF if v)} or empty to leave it off)")
+from .inputs import FLAG_OFF, FLAG_ON, check_cache_dir, env_flag, shown  # noqa: E402,F401
 
 
 def known_device_names() -> dict:
@@ -196,11 +182,13 @@ def context(*, policy=None, selections=None, assume_libs=None, strict=False, reg
                                 settings_origin=settings_origin)
     except _policies.SelectionError as exc:
         raise BadInput(str(exc)) from None
-    env_flag(env, "CAPDISPATCH_STRICT")   # a bad value is refused now, not at the first fallback
+    # Bad values are refused now, not at the first fallback or the first canary.
+    env_flag(env, "CAPDISPATCH_STRICT")
+    check_cache_dir(env)
     verify = env.get("CAPDISPATCH_VERIFY")
     if verify and verify not in _policies.VERIFY:
-        raise BadInput(f"CAPDISPATCH_VERIFY={printable(repr(verify), 60)} is not valid "
-                       f"(valid: {', '.join(_policies.VERIFY)})")
+        raise BadInput(f"CAPDISPATCH_VERIFY={shown(verify)} is not valid{_policies.did_you_mean(verify, _policies.VERIFY)} "
+                       f"(valid: {', '.join(_policies.VERIFY)}; unset: the policy's verify)")
     return Context(registry, stack, inventory, env, strict)
 
 
@@ -340,7 +328,9 @@ def _decide(ctx: Context, op: str, device: DeviceSpec, wanted_list, origin: str,
         if downgraded == c.backend:
             continue
         failed = [ch for ch in c.checks if ch.code == "canary" and not ch.ok]
-        if failed:
+        # Only a backend that would run but for its canary: one that cannot run on this
+        # card anyway (a missing library, a feature) is no news of the canary's.
+        if failed and all(ch.ok for ch in c.checks if ch.code != "canary"):
             what = ("has not passed its canary on this card (verify: required)"
                     if failed[0].found == "not verified" else
                     f"failed its canary on this card ({failed[0].found})")

@@ -10,11 +10,21 @@ EXIT_OK, EXIT_FAILED = 0, 3
 
 
 def add_parser(subparsers):
-    v = subparsers.add_parser("verify", help="run each chosen backend's canary on the card, in a child process")
-    v.add_argument("--device", action="append", default=[], metavar="DEV[,DEV...]",
-                   help="cuda:N or cpu (default: every local CUDA device, else cpu)")
-    v.add_argument("--op", action="append", default=[], metavar="OP",
-                   help="verify only this op (repeatable; default: all)")
+    from . import completion
+    v = subparsers.add_parser(
+        "verify", help="run each chosen backend's canary on the card, in a child process",
+        description="Run each op's canary for the chosen (or every runnable) backend on each "
+                    "device, each in a child process against the op's torch reference; cache "
+                    "the verdicts the decisions then read.",
+        epilog="examples:\n"
+               "  dispatch verify                             every local card, the chosen backends\n"
+               "  dispatch verify --device cuda:1 --all       every runnable backend of cuda:1\n"
+               "  dispatch verify --device cpu --op kv_quant,kv_dequant --format json\n"
+               "  dispatch verify --clear-cache               forget the cached verdicts first\n")
+    completion.devices(v.add_argument("--device", action="append", default=[], metavar="DEV[,DEV...]",
+                                      help="cuda:N or cpu (default: every local CUDA device, else cpu)"))
+    completion.ops(v.add_argument("--op", action="append", default=[], metavar="OP[,OP...]",
+                                  help="verify only these ops (repeat the flag or use commas; default: all)"))
     v.add_argument("--backend", metavar="B", help="verify this backend (of each op that has it)")
     v.add_argument("--all", action="store_true", dest="every",
                    help="every candidate whose requirements hold, not only the chosen one")
@@ -25,8 +35,8 @@ def add_parser(subparsers):
                         "at most 8; a canary's time is mostly its process start and compile)")
     v.add_argument("--policy", action="append", default=[], metavar="FILE",
                    help="a policy file, as for explain (repeatable)")
-    v.add_argument("--set", action="append", default=[], metavar="OP=BACKEND", dest="set_",
-                   help="an explicit choice, as for explain")
+    completion.selections(v.add_argument("--set", action="append", default=[], metavar="OP=BACKEND",
+                                         dest="set_", help="an explicit choice, as for explain"))
     v.add_argument("--clear-cache", action="store_true",
                    help="forget every cached verdict first")
     v.add_argument("--format", choices=("text", "json"), default="text",
@@ -71,8 +81,7 @@ class _Progress:
 
 def run(args) -> int:
     from ..capabilities import local_devices
-    from .group import unique_ids
-    from .resolver import as_spec, context
+    from .resolver import context
     from . import verify
     verify.check_timeout(args.timeout)
     from .lock import lock_path
@@ -86,12 +95,9 @@ def run(args) -> int:
         print(f"cleared the verification cache {root}" if existed else
               f"no verification cache at {root}: nothing to clear", file=sys.stderr)
     ctx = context(policy=args.policy or None, selections=args.set_ or None, selection_origin="--set")
-    devs = [x.strip() for v in args.device for x in v.split(",") if x.strip()]
-    specs = unique_ids([as_spec(d, via=args.probe) for d in devs]) if devs else local_devices(via=args.probe)
-    for op in args.op:
-        from .resolver import _check_op
-        _check_op(ctx, op)
-    ops = args.op or list(ctx.registry.ops)
+    from .inputs import device_specs, op_list
+    specs = device_specs(args.device, "--device", via=args.probe) or local_devices(via=args.probe)
+    ops = op_list(args.op, "--op", ctx.registry) or list(ctx.registry.ops)
     todo = verify.jobs(ctx, specs, ops, backend=args.backend, every=args.every)
     with _Progress(len(todo)) as progress, _terminate_as_interrupt():
         results = verify.run(ctx, todo, timeout=args.timeout,

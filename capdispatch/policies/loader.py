@@ -65,9 +65,13 @@ def _char(c) -> str:
     return repr(c) if c.isprintable() else f"{ascii(c)} (U+{ord(c[:1] or chr(0)):04X})"
 
 
+_SM = re.compile(r"sm_?(\d{1,2})(\d)[af]?", re.ASCII | re.IGNORECASE)
+
+
 def cc_spec(text: str) -> Optional[SpecifierSet]:
-    """'8.6' -> ==8.6; '>=8.9,<13' -> that range; None when TEXT is neither."""
-    text = str(text).strip()
+    """'8.6' -> ==8.6; '>=8.9,<13' -> that range; 'sm_86' (as --device sim:sm_86 takes it,
+    also in a range: '>=sm_89') -> 8.6; None when TEXT is none of these."""
+    text = _SM.sub(lambda m: f"{int(m.group(1))}.{m.group(2)}", str(text)).strip()
     if not text or not all(_CC_CLAUSE.fullmatch(part) for part in text.split(",")):
         return None
     spec = text if text[0] in "<>=!~" else f"=={text}"
@@ -164,6 +168,7 @@ class _Reader:
     def __init__(self, path: str, text: str):
         self.path = path
         self.text = text
+        self._own = {}      # id(mapping node) -> its own key nodes, once merge keys are flattened
 
     def err(self, node_or_line, message: str) -> PolicyError:
         line = node_or_line if isinstance(node_or_line, int) or node_or_line is None \
@@ -193,18 +198,39 @@ class _Reader:
             _check_depth(self, node)
         return node
 
-    def scalar(self, node, what: str):
+    def explicit_tag(self, node) -> Optional[str]:
+        """The tag NODE was written with (`!!bool`, `!foo`), or None when it has none."""
+        text, i = self.text, node.start_mark.index
+        if text.startswith("&", i):        # an anchor comes before the tag
+            i += 1
+            while i < len(text) and not text[i].isspace():
+                i += 1
+            while i < len(text) and text[i] in " \t":
+                i += 1
+        return _short_tag(node.tag) if text.startswith("!", i) else None
+
+    def scalar(self, node, what: str, valid: str = ""):
+        """The value of scalar NODE at WHAT; VALID, when given, says what WHAT takes."""
         self._check_tag(node, what)
         if not isinstance(node, yaml.ScalarNode):
             raise self.err(node, f"{what} must be a single value, not a {_kind(node)}")
+        tag = self.explicit_tag(node)
+        kind = node.tag.rpartition(":")[2]
+        takes = f"; {what} takes {valid}" if valid else ""
+        if tag is not None and kind == "null" and node.value.strip() not in _NULL_FORMS:
+            raise self.err(node, f"{what}: {tag} {_show(node.value)} is not a null (valid for {tag}: "
+                                 f"~, null or nothing){takes}")
         try:
             return self._loader.construct_object(node, deep=True)
         except yaml.YAMLError as exc:
             raise self.err(node, f"{what}: {exc}") from None
-        except (ValueError, TypeError, OverflowError, ArithmeticError) as exc:
+        except (ValueError, TypeError, LookupError, OverflowError, ArithmeticError) as exc:
+            if tag is not None:
+                # An explicit tag on text that is not of its kind (`!!bool maybe`, `!!int x`).
+                raise self.err(node, f"{what}: {tag} {_show(node.value)} is not a YAML {kind} "
+                                     f"(valid for {tag}: {_TAG_FORMS.get(kind, kind)}){takes}") from None
             # Implicit int/float resolution accepts text that int()/float() then refuse
             # ("0x_", "._", a 5,000-digit number).
-            kind = node.tag.rpartition(":")[2]
             raise self.err(node, f"{what}: {_show(node.value)} reads as a YAML {kind} but is not "
                                  f"one ({type(exc).__name__}); quote it to give text") from None
 
@@ -219,40 +245,74 @@ class _Reader:
             raise self.err(node, f"{what} is empty (give {example})")
         return out
 
-    def mapping(self, node, what: str) -> list:
+    def mapping(self, node, what: str, valid=()) -> list:
+        """(key, key node, value node) of mapping NODE; VALID: the keys it takes, for messages.
+        Merge keys (`<<: *base`) are YAML's: the merged entries first, the mapping's own
+        entries after them override."""
+        self._check_tag(node, what)
         if not isinstance(node, yaml.MappingNode):
             raise self.err(node, f"{what} must be a mapping, not a {_kind(node)}")
-        self._check_tag(node, what)
+        # A mapping reached again through an alias is already flattened: its own keys
+        # are those it had before.
+        own = self._own[id(node)] if id(node) in self._own else \
+            [k for k, _ in node.value if k.tag != _MERGE]
+        if len(own) != len(node.value) and id(node) not in self._own:
+            self._own[id(node)] = own
+            self._merge(node, what)
+        takes = ", ".join(valid) if valid else ""
         out, seen = [], {}
         for k, v in node.value:
-            key = self.scalar(k, f"a key in {what}")
+            key = self.scalar(k, f"a key in {what}", valid=takes)
             if not isinstance(key, str):
-                raise self.err(k, f"{what}: key {key!r} must be a string")
+                raise self.err(k, f"{what}: key {_show(key)} must be a string"
+                                  f"{f' (valid: {takes})' if takes else ''}")
             if key in seen:
-                raise self.err(k, f"{what}: key {key!r} given twice (first at line {seen[key]})")
-            seen[key] = k.start_mark.line + 1
+                first, i = seen[key]
+                if out[i][1] not in own and k in own:   # the mapping's own entry overrides a merged one
+                    out[i] = (key, k, v)
+                    seen[key] = (k.start_mark.line + 1, i)
+                    continue
+                raise self.err(k, f"{what}: key {key!r} given twice (first at line {first})")
+            seen[key] = (k.start_mark.line + 1, len(out))
             out.append((key, k, v))
         return out
+
+    def _merge(self, node, what: str) -> None:
+        for k, v in node.value:
+            if k.tag == _MERGE:
+                self._check_tag(v, f"{what}: the merge key <<")
+                values = v.value if isinstance(v, yaml.SequenceNode) else [v]
+                for m in values:
+                    if not isinstance(m, yaml.MappingNode):
+                        raise self.err(m, f"{what}: the merge key << takes a mapping or a list of "
+                                          f"mappings (e.g. <<: *base), not a {_kind(m)}")
+                    self._check_tag(m, f"{what}: the merge key <<")
+        try:
+            self._loader.flatten_mapping(node)
+        except yaml.YAMLError as exc:
+            raise self.err(node, f"{what}: bad merge key <<: {getattr(exc, 'problem', None) or exc}") from None
 
     def sequence(self, node, what: str) -> list:
         if isinstance(node, yaml.ScalarNode):   # `op: torch` is a list of one
             return [node]
+        self._check_tag(node, what)
         if not isinstance(node, yaml.SequenceNode):
             raise self.err(node, f"{what} must be a list, not a {_kind(node)}")
-        self._check_tag(node, what)
         return list(node.value)
 
     def _check_tag(self, node, what):
         if node.tag in _PLAIN_TAGS:
             return
         implicit = tuple(f"tag:yaml.org,2002:{t}" for t in ("timestamp", "merge", "value"))
-        if isinstance(node, yaml.ScalarNode) and node.style is None and node.tag in implicit:
+        if isinstance(node, yaml.ScalarNode) and node.style is None and node.tag in implicit \
+                and self.explicit_tag(node) is None:
             kind = node.tag.rpartition(":")[2]
             raise self.err(node, f"{what}: {_show(node.value)} reads as a YAML {kind}; quote it "
                                  f"to give text (policy files hold strings, numbers, booleans, "
                                  f"lists and mappings)")
-        raise self.err(node, f"{what}: tag {_show(node.tag)} is not allowed (policy files are "
-                             f"plain YAML: strings, numbers, booleans, lists and mappings)")
+        raise self.err(node, f"{what}: tag {_show_tag(node.tag)} is not allowed (policy files are "
+                             f"plain YAML: strings, numbers, booleans, lists and mappings; valid "
+                             f"tags: {', '.join(_short_tag(t) for t in _PLAIN_TAGS)}, or none)")
 
 
 def _check_depth(r: _Reader, root) -> None:
@@ -272,6 +332,23 @@ def _check_depth(r: _Reader, root) -> None:
 
 
 _PLAIN_TAGS = tuple(f"tag:yaml.org,2002:{t}" for t in ("str", "int", "float", "bool", "null", "map", "seq"))
+_MERGE = "tag:yaml.org,2002:merge"
+_NULL_FORMS = ("", "~", "null", "Null", "NULL")
+# What the text of each explicitly tagged scalar may be (YAML 1.1, as the safe loader reads it).
+_TAG_FORMS = {"bool": "true, false, yes, no, on, off, in any case",
+              "int": "a whole number such as 1, -2, 0x1f, 0o17",
+              "float": "a number such as 1.5, -2e3, .inf, .nan"}
+
+
+def _short_tag(tag: str) -> str:
+    """tag:yaml.org,2002:bool -> !!bool; a local tag stays as written."""
+    prefix = "tag:yaml.org,2002:"
+    return "!!" + tag[len(prefix):] if tag.startswith(prefix) else tag
+
+
+def _show_tag(tag: str) -> str:
+    text = _short_tag(tag)
+    return text if len(text) <= 80 and text.isprintable() else _show(text)
 
 
 def _kind(node) -> str:
@@ -350,21 +427,25 @@ def parse(text: str, path: str, registry, *, known_devices=(), builtin: bool = F
         raise PolicyError(str(path), None, f"a policy is YAML text, not a {type(text).__name__}")
     r = _Reader(path, text)
     root = r.root()
-    if root is None:
-        return PolicyFile(path=path, builtin=builtin)
+    if root is None or isinstance(root, yaml.ScalarNode) and root.tag == _PLAIN_TAGS[4] \
+            and not root.value.strip() and r.explicit_tag(root) is None:
+        # A file that says nothing is a mistake more often than a choice (a truncated write,
+        # the wrong path in CAPDISPATCH_POLICY); a policy that changes nothing says `schema: 1`.
+        raise PolicyError(path, None, "the file holds no policy (it is empty or only comments); "
+                                      "write `schema: 1` for a policy that changes nothing")
     fields = {}
-    for key, knode, vnode in r.mapping(root, "the policy"):
+    for key, knode, vnode in r.mapping(root, "the policy", valid=TOP_KEYS):
         if key not in TOP_KEYS:
             raise r.err(knode, f"unknown key {key!r}{_did_you_mean(key, TOP_KEYS)} "
                                f"(valid: {', '.join(TOP_KEYS)})")
         if key == "schema":
-            v = r.scalar(vnode, "schema")
+            v = r.scalar(vnode, "schema", valid="1")
             if type(v) is not int or v != 1:   # bool is an int subclass: `schema: true` is not 1
                 raise r.err(vnode, f"schema {_show(vnode.value)[1:-1] if v is not None else '(empty)'} "
                                    f"is not supported (valid: 1)")
         elif key in SETTINGS:
             valid = SETTINGS[key]
-            v = r.scalar(vnode, key)
+            v = r.scalar(vnode, key, valid=", ".join(valid))
             if key == "verify" and v is False:   # YAML 1.1 reads a bare `off` as false
                 v = "off"
             if not isinstance(v, str) or v not in valid:
@@ -381,7 +462,7 @@ def parse(text: str, path: str, registry, *, known_devices=(), builtin: bool = F
 
 def _ops(r: _Reader, node, registry, what: str) -> dict:
     out = {}
-    for op, knode, vnode in r.mapping(node, what):
+    for op, knode, vnode in r.mapping(node, what, valid=tuple(registry.ops)):
         if op not in registry.ops:
             raise r.err(knode, f"unknown op {_show(op)}{_did_you_mean(op, registry.ops)} "
                                f"(valid: {', '.join(registry.ops)})")
@@ -402,7 +483,7 @@ def _names(r: _Reader, node, items, registry, op: str, what: str) -> tuple:
     names = []
     valid = [b.name for b in registry.backends(op)]
     for item in items:
-        name = r.scalar(item, f"a backend of {op}")
+        name = r.scalar(item, f"a backend of {op}", valid=", ".join(valid))
         if not isinstance(name, str) or name not in valid:
             shown = _show(item.value) if name is not None else "an empty entry"
             raise r.err(item, f"unknown backend {shown} for op {op}"
@@ -434,7 +515,7 @@ def _buckets(r: _Reader, node, items, registry, op: str, what: str) -> OpPrefere
                               f"buckets; write every entry as a bucket, e.g. {{{key}: \"<=16\", "
                               f"prefer: [...]}}, the last one {{prefer: [...]}}")
         body = {}
-        for k, kn, vn in r.mapping(item, where):
+        for k, kn, vn in r.mapping(item, where, valid=valid_keys):
             if k not in valid_keys:
                 other = "tokens" if key == "rows" else "rows"
                 hint = (f"; {op} buckets on {key} (the leading dimension of its argument "
@@ -456,7 +537,7 @@ def _buckets(r: _Reader, node, items, registry, op: str, what: str) -> OpPrefere
         upper = None
         if key in body:
             vn = body[key]
-            raw = r.scalar(vn, f"{where}.{key}")
+            raw = r.scalar(vn, f"{where}.{key}", valid='"<=N" with N a whole number >= 1')
             m = _BOUND.fullmatch(str(raw).strip()) if isinstance(raw, str) else None
             if m is None or int(m.group(1)) < 1:
                 raise r.err(vn, f"{where}.{key}: {_show(raw)} is not a bucket bound (valid: \"<=N\" with N a "
@@ -485,7 +566,7 @@ def _buckets(r: _Reader, node, items, registry, op: str, what: str) -> OpPrefere
 def _devices(r: _Reader, node, registry, known_devices):
     for i, item in enumerate(r.sequence(node, "devices")):
         where = f"devices[{i}]"
-        body = {k: (kn, vn) for k, kn, vn in r.mapping(item, where)}
+        body = {k: (kn, vn) for k, kn, vn in r.mapping(item, where, valid=DEVICE_KEYS)}
         for key, (kn, _) in body.items():
             if key not in DEVICE_KEYS:
                 raise r.err(kn, f"{where}: unknown key {key!r}{_did_you_mean(key, DEVICE_KEYS)} "
@@ -493,17 +574,17 @@ def _devices(r: _Reader, node, registry, known_devices):
         if "match" not in body:
             raise r.err(item, f"{where}: needs a 'match' (by id, name or cc)")
         match, catalog_key = {}, None
-        for key, kn, vn in r.mapping(body["match"][1], f"{where}.match"):
+        for key, kn, vn in r.mapping(body["match"][1], f"{where}.match", valid=MATCH_KEYS):
             if key not in MATCH_KEYS:
                 raise r.err(kn, f"{where}.match: unknown key {_show(key)}{_did_you_mean(key, MATCH_KEYS)} "
                                 f"(valid: {', '.join(MATCH_KEYS)})")
-            example = {"cc": 'a compute capability or range, e.g. "8.6", ">=8.9", ">=12.0,<13.0"',
+            example = {"cc": 'a compute capability or range, e.g. "8.6", "sm_86", ">=8.9", ">=12.0,<13.0"',
                        "name": "a catalog key such as rtx-5090, or the name the driver reports",
                        "id": "a device id: cuda:N, cpu or sim:NAME"}[key]
             value = r.nonempty_text(vn, f"{where}.match.{key}", example).strip()
             if key == "cc" and cc_spec(value) is None:
                 raise r.err(vn, f"{where}.match.cc: {_show(value)} is not a compute capability "
-                                f"or range (e.g. \"8.6\", \">=8.9\", \">=12.0,<13.0\")")
+                                f"or range (e.g. \"8.6\", \"sm_86\", \">=8.9\", \">=12.0,<13.0\")")
             if key == "name" and known_devices:
                 if value.lower() not in known_devices:
                     raise r.err(vn, f"{where}.match.name: unknown device {_show(value)}"

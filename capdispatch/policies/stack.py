@@ -169,6 +169,25 @@ def parse_settings(settings, origin: str) -> tuple:
     return tuple(out)
 
 
+def policy_paths(env, name: str = "CAPDISPATCH_POLICY") -> list:
+    """The policy files of variable NAME: paths separated by os.pathsep (':' on Linux and
+    macOS, ';' on Windows), as PATH is; unset or empty: none. An empty entry is refused
+    (the same rule as every comma list), and so is a comma list of existing files."""
+    raw = env.get(name, "")
+    if not raw.strip():
+        return []
+    sep = os.pathsep
+    parts = raw.split(sep)
+    if not all(p.strip() for p in parts):
+        raise PolicyError(name, None, f"{_show(raw)} has an empty entry (valid: FILE[{sep}FILE...], "
+                                      f"files separated by {sep!r}; no leading, trailing or doubled {sep!r})")
+    for p in parts:
+        if "," in p and not os.path.exists(p) and all(os.path.exists(q.strip()) for q in p.split(",")):
+            raise PolicyError(name, None, f"{_show(raw)}: no file {_show(p)}; {name} separates files "
+                                          f"with {sep!r} (os.pathsep, as PATH does), not ','")
+    return parts
+
+
 def build(registry, *, policy=None, selections=None, env=None, known_devices=(),
           selection_origin: str = "selections=", settings=None,
           settings_origin: str = "settings=") -> PolicyStack:
@@ -179,8 +198,7 @@ def build(registry, *, policy=None, selections=None, env=None, known_devices=(),
         stack = policy
     else:
         files = []
-        env_paths = [p for p in env.get("CAPDISPATCH_POLICY", "").split(os.pathsep) if p.strip()]
-        for p in env_paths:
+        for p in policy_paths(env):
             try:
                 files.append(load_file(p, registry, known_devices=known_devices))
             except PolicyError as exc:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_UNSAT = 0, 2, 3
@@ -20,37 +21,59 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser():
-    p = _Parser(prog=PROG, description="What capdispatch's SGLang plugin does for a launch.")
+    p = _Parser(prog=PROG, description="What capdispatch's SGLang plugin does for a launch.",
+                formatter_class=argparse.RawDescriptionHelpFormatter,
+                epilog="examples:\n"
+                       "  dispatch sglang plan --device sim:rtx-5090,sim:rtx-3080 --tp 2\n"
+                       "  dispatch sglang plan -- --model-path deepseek-ai/DeepSeek-V4-Flash --tp 2\n")
+    add_commands(p)
+    return p
+
+
+def add_commands(p):
+    """The subcommands of `dispatch sglang` on parser P (`dispatch` mirrors them for completion)."""
+    import capdispatch as cd
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
     plan = sub.add_parser(
         "plan", help="what the plugin would set for a launch, per rank, without launching",
         usage=f"{PROG} plan [--tp N] [--device DEV[,DEV...]] [options] [-- SGLANG ARGS...]",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Everything after `--` is passed to SGLang's own argument parsing and "
                     "resolution (as `python -m sglang.launch_server` would get it); without it, "
-                    "a DeepSeek-V4 launch with SGLang's defaults is assumed.")
+                    "a DeepSeek-V4 launch with SGLang's defaults is assumed.",
+        epilog="examples:\n"
+               "  dispatch sglang plan --device sim:rtx-5090,sim:rtx-3080,sim:rtx-3080 --tp 3\n"
+               "  dispatch sglang plan --device sim:h200 --libs sglang-0.5.23 --brief\n"
+               "  dispatch sglang plan --tp 2 -- --model-path deepseek-ai/DeepSeek-V4-Flash\n")
     plan.add_argument("--tp", type=int, metavar="N", help="tensor-parallel size (SGLang's --tp-size)")
-    plan.add_argument("--device", action="append", default=[], metavar="DEV[,DEV...]",
-                      help="the node's GPUs as CUDA numbers them (entry N is cuda:N): cuda:N or "
-                           "sim:NAME, e.g. sim:rtx-5090,sim:rtx-3080,sim:rtx-3080 (default: "
-                           "$CAPDISPATCH_SGLANG_DEVICES, else the local GPUs via NVML)")
+    cd.complete_devices(plan.add_argument(
+        "--device", action="append", default=[], metavar="DEV[,DEV...]",
+        help="the node's GPUs as CUDA numbers them (entry N is cuda:N): cuda:N or "
+             "sim:NAME, e.g. sim:rtx-5090,sim:rtx-3080,sim:rtx-3080 (default: "
+             "$CAPDISPATCH_SGLANG_DEVICES, else the local GPUs via NVML)"))
     plan.add_argument("--policy", action="append", default=[], metavar="FILE",
                       help="a capdispatch policy file, as the plugin's CAPDISPATCH_POLICY; repeat for more")
-    plan.add_argument("--set", action="append", default=[], metavar="OP=BACKEND", dest="set_",
-                      help="an explicit capdispatch choice, as CAPDISPATCH_SET (commas for several)")
+    cd.complete_selections(plan.add_argument(
+        "--set", action="append", default=[], metavar="OP=BACKEND", dest="set_",
+        help="an explicit capdispatch choice, as CAPDISPATCH_SET (commas for several)"))
     plan.add_argument("--strict", action="store_true",
                       help="an explicit choice that cannot run is an error (exit 3)")
-    plan.add_argument("--assume-lib", action="append", default=[], metavar="NAME[==VERSION]",
-                      help="treat a library as installed when deciding the attention and MoE ops "
-                           "(e.g. flashinfer-python, sgl-flash-mla)")
-    plan.add_argument("--libs", metavar="PROFILE",
-                      help="the target's whole library inventory from a profile (e.g. "
-                           "sglang-0.5.23: the versions SGLang 0.5.23 installs) instead of this "
-                           "machine's; --assume-lib adds to it")
+    cd.complete_libraries(plan.add_argument(
+        "--assume-lib", action="append", default=[], metavar="NAME[==VERSION]",
+        help="treat a library as installed when deciding the attention and MoE ops "
+             "(e.g. flashinfer-python, sgl-flash-mla)"))
+    cd.complete_profiles(plan.add_argument(
+        "--libs", metavar="PROFILE",
+        help="the target's whole library inventory from a profile (e.g. "
+             "sglang-0.5.23: the versions SGLang 0.5.23 installs) instead of this "
+             "machine's; --assume-lib adds to it; `local`: this machine's (default: "
+             "the default profile when every device is simulated and no "
+             "--assume-lib is given)"))
     plan.add_argument("--brief", action="store_true",
                       help="print the op x rank matrix alone")
     plan.add_argument("--format", choices=("text", "json"), default="text",
                       help="text for people (default) or JSON for programs")
-    return p
+    return sub
 
 
 def main(argv=None) -> int:
@@ -73,15 +96,22 @@ def main(argv=None) -> int:
 
 def _env_for(args) -> dict:
     """This process's environment plus the capdispatch flags a launch reads from
-    it (--policy, --strict, --device); --set, --assume-lib and --libs travel as
-    records.PlanOptions, so every part of the plan gets them the same way."""
+    it (--strict, --device); --policy, --set, --assume-lib and --libs travel as
+    records.PlanOptions, so every part of the plan gets them the same way and an
+    error names the flag, not a variable. --device is read as `dispatch explain`
+    reads it, and each device is checked here so that an unknown one names --device."""
+    import capdispatch as cd
     env = dict(os.environ)
-    if args.policy:
-        given = [p for p in [env.get("CAPDISPATCH_POLICY")] if p]
-        env["CAPDISPATCH_POLICY"] = os.pathsep.join(given + args.policy)
     if args.strict:
         env["CAPDISPATCH_STRICT"] = "1"
-    devices = [x.strip() for v in args.device for x in v.split(",") if x.strip()]
+    devices = cd.device_list(args.device, "--device")
+    for dev in devices:
+        if re.fullmatch(r"cuda:\d+", dev, re.ASCII):
+            continue        # a real GPU is read by the launch's own probe (NVML)
+        try:
+            cd.probe(dev)
+        except cd.UnknownDeviceError as exc:
+            raise cd.BadInput(f"--device: {exc}") from None
     if devices:
         from .rig import SIM_ENV
         env[SIM_ENV] = ",".join(devices)
@@ -89,10 +119,13 @@ def _env_for(args) -> dict:
 
 
 def _plan(args, sglang_args) -> int:
+    import capdispatch as cd
     from . import plan, render
     from .records import PlanOptions
+    cd.env_flag(os.environ, "CAPDISPATCH_DEBUG")   # read as `dispatch` reads it
     options = PlanOptions(selections=tuple(args.set_), selection_origin="--set",
-                          assume_libs=tuple(args.assume_lib), strict=args.strict, libs=args.libs)
+                          policy=tuple(args.policy), assume_libs=tuple(args.assume_lib),
+                          strict=args.strict, libs=args.libs)
     out = plan.build(tp=args.tp, sglang_args=sglang_args, options=options, env=_env_for(args))
     if args.format == "json":
         print(json.dumps(out, indent=2, default=str))

@@ -24,13 +24,16 @@ def _devices(ids, env):
                           f"without initialising CUDA: {exc.reason}; {hint}") from None
 
 
-def inventory(options, env):
+def inventory(options, env, specs=None):
     """The library inventory of OPTIONS.libs (a profile) with OPTIONS.assume_libs on
-    top, or None for this machine's; a bad name is refused now, before SGLang runs."""
+    top, or None for this machine's; a bad name is refused now, before SGLang runs.
+    SPECS all simulated and nothing said of libraries: the default profile
+    (cd.target_libs, as `dispatch explain` plans them)."""
     import capdispatch as cd
-    if options.libs is None:
+    libs = cd.target_libs(specs or (), options.libs, options.assume_libs)
+    if libs is None:
         return None
-    return cd.context(libs=options.libs, assume_libs=list(options.assume_libs) or None, env=env).inventory
+    return cd.context(libs=libs, assume_libs=list(options.assume_libs) or None, env=env).inventory
 
 
 def decision(specs, release, inputs, *, libs, env):
@@ -155,6 +158,7 @@ def build(*, tp=None, sglang_args=None, options, env: dict) -> dict:
         tp_size, layout, assumed = tp or (len(found) if found else 1), {}, True
     ids = rig.gpu_ids(tp_size=tp_size, **layout)
     specs = _devices(ids, env)
+    libs = inventory(options, env, specs)
     d, ctx = decision(specs, release, inputs, libs=libs, env=env)
     out.update(
         inventory=inventory_dict(d, ctx),

@@ -59,11 +59,7 @@ def simulated_rig(env=None) -> Optional[list]:
     text = env.get(SIM_ENV)
     if text is None or not text.strip():
         return None
-    items = [x.strip() for x in text.split(",")]
-    if any(not x for x in items):
-        raise cd.BadInput(f"{SIM_ENV}={text!r}: an empty entry; expected DEV[,DEV...] "
-                          f"with DEV a sim:NAME, cuda:N or cpu")
-    return items
+    return cd.device_list(text, SIM_ENV)
 
 
 def _spec(dev: str, origin: str, *, via: str):
