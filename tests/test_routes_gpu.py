@@ -65,6 +65,15 @@ def _ids(gen, b, topk, cap, valid):
     return x.view(b, 1, topk).cuda()
 
 
+def _sglang_schedule(bound):
+    """What SGLang passes as tile_scheduler_metadata: FlashMLA's schedule object where the
+    route runs FlashMLA, any object elsewhere (no other backend reads it)."""
+    if bound["decode_mla"][0] != "flashmla":
+        return object()
+    import flash_mla
+    return flash_mla.get_mla_metadata()[0]
+
+
 @pytest.mark.parametrize("b", [1, 64])
 def test_decode_route_at_dsv4_shapes(bound, b):
     from capdispatch.backends.decode_mla import reference as R
@@ -80,8 +89,10 @@ def test_decode_route_at_dsv4_shapes(bound, b):
     etl = torch.randint(0, 449, (b,), generator=gen, dtype=torch.int32).cuda()
     sink = (torch.randn(h, generator=gen) * 2).cuda()
     scale = 512 ** -0.5
+    # The route hands SGLang's per-batch schedule on to FlashMLA (a fresh one, as SGLang makes
+    # per batch); another backend ignores it.
     got = routes.mla_decode(_never, q=q, k_cache=view, block_table=None, cache_seqlens=None, head_dim_v=512,
-                            tile_scheduler_metadata=object(), softmax_scale=scale, is_fp8_kvcache=True,
+                            tile_scheduler_metadata=_sglang_schedule(bound), softmax_scale=scale, is_fp8_kvcache=True,
                             indices=idx, topk_length=tl, attn_sink=sink, extra_k_cache=eview,
                             extra_indices_in_kvcache=eidx, extra_topk_length=etl, use_legacy=True)
     want = R.decode_mla(q, pool, idx, 256, scale, tl, sink, epool, eidx, 64, etl)

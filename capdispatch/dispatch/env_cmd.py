@@ -21,6 +21,8 @@ VARIABLES = {
     "CAPDISPATCH_VERIFY": "what an unverified or failed canary does (above the policy's verify)",
     "CAPDISPATCH_CACHE_DIR": "where canary verdicts are cached (default: the user's cache directory)",
     "CAPDISPATCH_LOCK": "a lock file explain and verify compare the decisions with",
+    "CAPDISPATCH_REPORT_DIR": "where each SGLang rank writes its decision report (default: the user's "
+                              "cache directory)",
     "CAPDISPATCH_IMPORT_TIMEOUT": "seconds a library's import may take on a real device (default 60), "
                                   "and a plugin's import and register() (default 20)",
     "CAPDISPATCH_DEBUG": "1: an internal error shows its traceback",
