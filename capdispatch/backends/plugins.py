@@ -23,7 +23,7 @@ GROUP = "capdispatch.backends"
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
 _IMPL = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 REQUIREMENT_TYPES = (base.Feature, base.AnyFeature, base.Platform, base.TritonTarget,
-                     base.ComputeCapability, base.Library)
+                     base.ComputeCapability, base.Library, base.ShapeRange)
 
 
 @attrs.frozen

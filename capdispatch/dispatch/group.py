@@ -149,9 +149,9 @@ def _uniform(r, bounds, common, origin):
 
 def resolve_group(op: str, devices, *, policy=None, selections=None, assume_libs=None,
                   strict: bool = False, registry=None, env=None, via: str = "auto",
-                  assume_cuda: Optional[str] = None, libs=None) -> GroupResolution:
+                  assume_cuda: Optional[str] = None, libs=None, shapes=None) -> GroupResolution:
     ctx = context(policy=policy, selections=selections, assume_libs=assume_libs,
-                  strict=strict, registry=registry, env=env, libs=libs)
+                  strict=strict, registry=registry, env=env, libs=libs, shapes=shapes)
     specs = unique_ids([as_spec(d, via=via, assume_cuda=assume_cuda) for d in devices])
     g = resolve_group_in(ctx, op, specs)
     for w in g.warnings:
