@@ -169,3 +169,32 @@ def test_explain_layout_without_model_is_refused():
     assert p.returncode == 2 and "give --model" in p.stderr
     q = _cli("explain", "--device", "sim:h200", "--model", "deepseek-v4-flash", "--tp", "3")
     assert q.returncode == 2 and "heads 64 do not divide over tp 3" in q.stderr
+
+
+def test_sglang_plan_shows_shape_checks():
+    p = _cli("sglang", "plan", "--device", "sim:h200", "--libs", "sglang-0.5.23",
+             "--model", "deepseek-v4-flash", "--tp", "1", "--next-n", "3")
+    assert p.returncode == 0, p.stderr
+    text = " ".join(p.stdout.split())
+    assert "shapes: deepseek-v4-flash at tp 1" in text
+    assert "not runnable: indexer/deepgemm" in text and "need next_n in {1, 2}" in text
+    j = json.loads(_cli("sglang", "plan", "--device", "sim:h200", "--libs", "sglang-0.5.23",
+                        "--model", "deepseek-v4-flash", "--tp", "1", "--next-n", "3",
+                        "--format", "json").stdout)
+    assert j["shapes"]["next_n"] == 3
+    assert j["ranks"][0]["ops"]["indexer"]["backend"] != "deepgemm"
+    assert {(r["op"], r["backend"], r["code"]) for r in j["shape_rejections"]} >= {
+        ("indexer", "deepgemm", "shape:next_n")}
+    # At next_n 2 DeepGEMM's range admits the shapes.
+    ok = json.loads(_cli("sglang", "plan", "--device", "sim:h200", "--libs", "sglang-0.5.23",
+                         "--model", "deepseek-v4-flash", "--tp", "1", "--format", "json").stdout)
+    assert ok["shape_rejections"] == [] and ok["ranks"][0]["ops"]["indexer"]["backend"] == "deepgemm"
+
+
+def test_sglang_plan_refuses_seed_rig_layout():
+    p = _cli("sglang", "plan", "--device", "sim:rtx-5090,sim:rtx-3080,sim:rtx-3080",
+             "--libs", "sglang-0.5.23", "--model", "deepseek-v4-flash", "--tp", "3")
+    assert p.returncode == 2
+    assert "heads 64 do not divide over tp 3; tp 1, 2, 4, 8 would" in p.stderr
+    q = _cli("sglang", "plan", "--device", "sim:h200", "--ep", "2")
+    assert q.returncode == 2 and "give --model" in q.stderr
