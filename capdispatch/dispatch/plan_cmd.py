@@ -132,10 +132,16 @@ def text(p, *, brief: bool = False) -> str:
         for s in p.suggestions:
             out += wrap(f"- {s}", "  ", hang="    ")
     if not brief and p.ranks:
+        shown = []
         for r in p.ranks:
             out.append("")
+            twin = next((t for t in shown if t.memory == r.memory and t.card_bytes == r.card_bytes), None)
             out.append(f"rank {r.rank}: {r.device.id} {r.device.name}, "
-                       + (f"{_gib(r.card_bytes)} GiB, {_gib(r.budget)} usable" if r.card_bytes else "memory unknown"))
+                       + (f"{_gib(r.card_bytes)} GiB, {_gib(r.budget)} usable" if r.card_bytes else "memory unknown")
+                       + (f": the same as rank {twin.rank}" if twin is not None else ""))
+            if twin is not None:
+                continue
+            shown.append(r)
             for title, parts in (("weights", r.memory.weights), ("KV", r.memory.kv),
                                  ("workspace (estimated)", r.memory.workspace)):
                 out.append(f"  {title}:")

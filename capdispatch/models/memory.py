@@ -38,7 +38,8 @@ ELEMENT_BYTES = {"mxfp4": 17 / 32,          # 4-bit e2m1 + one E8M0 byte per 32:
 # What the estimate leaves out or can only approximate, with its margin.
 MARGINS = {"weights": 0.02, "kv": 0.05, "workspace": 0.5}
 MARGIN_TEXT = ("weights within 2% (formats and shapes are exact; norms and small buffers "
-               "approximated), KV within 5% (page rounding), workspace and CUDA graphs within 50% "
+               "approximated), KV within 5% (SGLang's paged layout, per-request page rounding not "
+               "counted), workspace and CUDA graphs within 50% "
                "(activations depend on SGLang's chunking and the kernels chosen)")
 
 
@@ -196,31 +197,93 @@ def state_ring_rows(ratio: int, speculative: bool) -> int:
     return 256 if speculative else 128
 
 
-def kv_parts(model: ModelShape, rank: RankShape, context: int, batch: int) -> tuple:
-    """The V4 pools for BATCH requests of CONTEXT tokens on this rank (every attention rank
-    holds the latent whole), the MTP layers' pools with them, and the compress-state rings
-    (one per request slot: batch + 1, as SGLang reserves one)."""
+PAGE_SIZE = 256            # tokens per page of the main pool (a compressed pool: PAGE_SIZE / ratio rows)
+INDEX_PAGE = 64            # c4 rows per index-K page (SGLang's block_kv for DSv4)
+ROW_ALIGN = 576            # a main-pool page is padded to a multiple of 576 bytes (kv_cache/layout.py)
+
+
+def page_bytes(rows: int, row_bytes: int = 584) -> int:
+    """One V4 pool page of ROWS 584-byte rows: [rows x 576 data][rows x 8 scales], padded
+    to a multiple of 576 bytes (capdispatch backends/kv_cache/layout.py bytes_per_page)."""
+    return -(-(rows * row_bytes) // ROW_ALIGN) * ROW_ALIGN
+
+
+@attrs.frozen
+class Pool:
+    """One kind of KV tensor as SGLang allocates it: COUNT tensors (one per layer) of SHAPE."""
+    name: str
+    count: int
+    shape: tuple = attrs.field(converter=tuple)
+    dtype: str                  # "uint8" or "float32"
+
+    @property
+    def bytes(self) -> int:
+        n = 4 if self.dtype == "float32" else 1
+        for d in self.shape:
+            n *= d
+        return n * self.count
+
+
+def kv_pools(model: ModelShape, rank: RankShape, context: int, batch: int, *,
+             page_size: int = PAGE_SIZE) -> tuple:
+    """The V4 pools for BATCH requests of CONTEXT tokens on this rank, one Pool per kind (every
+    attention rank holds the latent whole): window rings, c4 / c128 compressed rows and the c4
+    indexer keys, paged (pages of PAGE_SIZE tokens; PAGE_SIZE / ratio compressed rows), the MTP
+    layers' pools with them, and the compress-state rings (one per request slot: batch + 1, as
+    SGLang reserves one)."""
+    if isinstance(context, bool) or not isinstance(context, int) or context < 0:
+        raise ModelError(f"context {context!r} is not valid; valid: an integer >= 0 tokens")
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ModelError(f"batch {batch!r} is not valid; valid: an integer >= 1 (requests)")
-    per_req = rank.kv_bytes_per_request(context)
-    mtp = model.mtp if rank.next_n > 1 else 0
-    mtp_ratios = tuple(_ratio_of_mtp(model, i) for i in range(mtp))
-    if mtp_ratios:
-        per_req += attrs.evolve(rank, compress_ratios=mtp_ratios).kv_bytes_per_request(context)
-    ratios = list(rank.compress_ratios) + list(mtp_ratios)
     spec = rank.next_n > 1
-    c4, c128 = ratios.count(4), ratios.count(128)
-    state_c4 = c4 * state_ring_rows(4, spec) * 4 * (model.head_dim + model.indexer_dim) * STATE_BYTES
-    state_c128 = c128 * state_ring_rows(128, spec) * 2 * model.head_dim * STATE_BYTES
-    slots = batch + 1
+    mtp = model.mtp if spec else 0
+    ratios = list(rank.compress_ratios) + [_ratio_of_mtp(model, i) for i in range(mtp)]
     ring = min(context, rank.window + rank.next_n - 1)
+    row = rank.kv_bytes_per_token
+
+    def pages(rows, per_page):
+        return -(-rows // per_page)
+    out = [Pool("window rings", len(ratios), (pages(batch * ring, page_size), page_bytes(page_size, row)),
+                "uint8")]
+    for ratio in (4, 128):
+        n = ratios.count(ratio)
+        if not n:
+            continue
+        rows = batch * -(-context // ratio)
+        per_page = max(page_size // ratio, 1)
+        out.append(Pool(f"c{ratio} rows", n, (pages(rows, per_page), page_bytes(per_page, row)), "uint8"))
+        if ratio == 4:
+            out.append(Pool("c4 indexer keys", n, (pages(rows, INDEX_PAGE),
+                                                   INDEX_PAGE * rank.indexer_bytes_per_token), "uint8"))
+    slots = batch + 1
+    c4, c128 = ratios.count(4), ratios.count(128)
+    if c4:
+        out.append(Pool("c4 compress states", c4, (slots * state_ring_rows(4, spec),
+                                                   4 * (model.head_dim + model.indexer_dim)), "float32"))
+    if c128:
+        out.append(Pool("c128 compress states", c128, (slots * state_ring_rows(128, spec),
+                                                       2 * model.head_dim), "float32"))
+    return tuple(out)
+
+
+def kv_parts(model: ModelShape, rank: RankShape, context: int, batch: int, *,
+             page_size: int = PAGE_SIZE) -> tuple:
+    """kv_pools summed into two lines: the pools, and the compress-state rings."""
+    pools = kv_pools(model, rank, context, batch, page_size=page_size)
+    spec = rank.next_n > 1
+    ring = min(context, rank.window + rank.next_n - 1)
+    n_layers = pools[0].count
+    kv = sum(p.bytes for p in pools if "states" not in p.name)
+    st = sum(p.bytes for p in pools if "states" in p.name)
+    c4 = next((p.count for p in pools if p.name == "c4 rows"), 0)
+    c128 = next((p.count for p in pools if p.name == "c128 rows"), 0)
     return (
-        Part("KV pools", per_req * batch,
-             f"{batch} x {context} tokens: {len(ratios)} layers' window rings ({ring} rows of "
+        Part("KV pools", kv,
+             f"{batch} x {context} tokens: {n_layers} layers' window rings ({ring} rows of "
              f"{rank.kv_bytes_per_token} B), c4 and c128 rows, indexer keys "
-             f"({rank.indexer_bytes_per_token} B per c4 row)"),
-        Part("compress-state rings", (state_c4 + state_c128) * slots,
-             f"{slots} request slots x ({c4} c4 rings of {state_ring_rows(4, spec)} rows + {c128} c128 "
+             f"({rank.indexer_bytes_per_token} B per c4 row), in pages of {page_size} tokens"),
+        Part("compress-state rings", st,
+             f"{batch + 1} request slots x ({c4} c4 rings of {state_ring_rows(4, spec)} rows + {c128} c128 "
              f"rings of {state_ring_rows(128, spec)} rows), fp32"),
     )
 
