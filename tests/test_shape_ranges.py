@@ -198,3 +198,11 @@ def test_sglang_plan_refuses_seed_rig_layout():
     assert "heads 64 do not divide over tp 3; tp 1, 2, 4, 8 would" in p.stderr
     q = _cli("sglang", "plan", "--device", "sim:h200", "--ep", "2")
     assert q.returncode == 2 and "give --model" in q.stderr
+
+
+def test_bind_honours_shape_ranges():
+    # The torch MoE reference needs hidden a multiple of 32 (one E8M0 scale per 32 weights).
+    odd = attrs.evolve(FLASH8, hidden=48)
+    with pytest.raises(cd.Unsatisfiable, match="shape:hidden|hidden"):
+        cd.bind("moe", "cpu", backend="torch", shapes=odd)
+    assert callable(cd.bind("moe", "cpu", backend="torch", shapes=FLASH8))

@@ -85,6 +85,20 @@ def _layout(lay) -> str:
     return f"tp {lay.tp}" + (f" ep {lay.ep}" if lay.ep != 1 else "") + (" dp-attention" if lay.dp_attention else "")
 
 
+def _grouped(rows) -> list:
+    """Consecutive ranks with the same card kind and the same numbers as one row ("0-7")."""
+    out = []
+    for row in rows:
+        kind = row[1].split("@")[0]
+        if out and out[-1][1].split("@")[0].split(" x")[0] == kind and out[-1][2:] == row[2:]:
+            first = out[-1][0].split("-")[0]
+            n = int(row[0]) - int(first) + 1
+            out[-1] = (f"{first}-{row[0]}", f"{kind} x{n}") + row[2:]
+        else:
+            out.append(row)
+    return out
+
+
 def text(p, *, brief: bool = False) -> str:
     from ..models import memory as mem
     from . import rigplan
@@ -116,6 +130,8 @@ def text(p, *, brief: bool = False) -> str:
                          "?" if r.fits is None else "yes" if r.fits else "NO",
                          "?" if r.largest_context is None else str(r.largest_context) if r.largest_context
                          else "none"))
+        if brief:
+            rows = _grouped(rows)
         widths = [max(len(x[i]) for x in rows + [head]) for i in range(len(head))]
         out.append("  ".join(h.ljust(w) for h, w in zip(head, widths)) + "   (GiB)")
         out += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]

@@ -235,8 +235,9 @@ def _suggest(model, layout, specs, ranks, refusal, options, context, batch, next
         lays = _layouts(model, 8, 1, dp_attention)
         for lay in lays[::-1][:1]:
             shapes = model.for_rank(lay.tp, lay.ep, lay.dp_attention, next_n=next_n)
+            # The workspace as on the rig's largest card (its prefill chunk follows the card's size).
             need = _mem.rank_memory(model, shapes, context=context, batch=batch,
-                                    card_bytes=80 * _mem.GIB).total
+                                    card_bytes=max(s.memory or 0 for s in specs)).total
             card = int(need / (1 - RESERVE_FRACTION)) + 1
             cards = _catalog_cards(card)
             out.append(f"tp {lay.tp} needs {_gib(need)} per rank at {context} tokens x {batch}: cards of at "
