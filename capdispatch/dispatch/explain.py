@@ -93,9 +93,8 @@ def plan_in(ctx, devices, ops=None, *, via: str = "auto", assume_cuda: Optional[
 
 
 def shapes_line(shapes) -> str:
-    """One line naming the rank shapes a plan's shape ranges were checked against."""
-    if shapes is None:
-        return "shapes: no model given (--model): kernels' shape ranges not checked"
+    """One line naming the rank shapes a plan's shape ranges were checked against (shown only
+    when a model was given: without one, shape ranges are not evaluated)."""
     s = shapes
     layout = f"tp {s.tp}" + (f" ep {s.ep}" if s.ep != 1 else "") + (" dp-attention" if s.dp_attention else "")
     return (f"shapes: {s.model} at {layout}, per rank: heads {s.heads} x {s.head_dim}, indexer heads "
@@ -222,7 +221,8 @@ def render_text(p: Plan, *, brief: bool = False, color=None, stream=None) -> str
         for n in d.notes:
             out += wrap(f"note: {n}", "  ")
     out += libraries_lines(p.libraries, p.whose)
-    out += wrap(shapes_line(p.shapes), "")
+    if p.shapes is not None:
+        out += wrap(shapes_line(p.shapes), "")
     for op, g in p.ops.items():
         out.append("")
         tag = "" if len(p.devices) == 1 else ("  [uniform]" if g.uniform else "  [DIVERGES]")

@@ -12,6 +12,8 @@ examples:
   dispatch plan --model deepseek-v4-flash --device sim:h200 --tp 4 --context 131072 --batch 8
       one card kind, four ranks: memory per rank and the largest context that fits
   dispatch plan --model ./DeepSeek-V4-Pro/config.json --device sim:b200 --tp 8 --ep 8 --format json
+  dispatch plan --model deepseek-v4-flash --device sim:h200 --tp 4 --ep 4 --dp-attention --speed --libs sglang-0.5.23
+      with the predicted step per rank and op, and tokens per second
 
 exit codes: 0 every rank fits; 2 bad input (unknown model or device, bad numbers);
 3 the layout is one SGLang would refuse, or a rank's memory does not fit its card.
@@ -34,6 +36,17 @@ def add_parser(sub):
                    help="tokens per request the KV pools must hold (default 8192)")
     p.add_argument("--batch", type=int, default=None, metavar="N",
                    help="requests served at once at that context (default 1)")
+    p.add_argument("--libs", metavar="PROFILE",
+                   help="the target's libraries from a profile (e.g. sglang-0.5.23) for the kernel "
+                        "decisions the speed prediction times (default: this machine's)")
+    p.add_argument("--calibration", action="append", default=[], metavar="FILE",
+                   help="a calibrated policy or `dispatch bench` JSON whose measured times predict "
+                        "the step (default: the calibrations shipped in policies/examples)")
+    p.add_argument("--prefill", type=int, default=None, metavar="TOKENS",
+                   help="the prompt length the prefill prediction times (default 4096)")
+    p.add_argument("--speed", action="store_true",
+                   help="also predict the step time per rank and op (decode at batch 1, 8, 32 and a "
+                        "prefill) from calibrated times, and the group's tokens per second")
     p.add_argument("--brief", action="store_true", help="one screen: the verdict, the ranks and what would fit")
     p.add_argument("--format", choices=("text", "json"), default="text",
                    help="text for people (default) or JSON for programs")
@@ -69,11 +82,92 @@ def run(args) -> int:
     p = rigplan.build(model, specs, tp=tp, ep=args.ep, dp_attention=args.dp_attention, next_n=args.next_n,
                       context=rigplan.DEFAULT_CONTEXT if args.context is None else args.context,
                       batch=rigplan.DEFAULT_BATCH if args.batch is None else args.batch)
+    speeds = None
+    if args.speed and p.shapes is not None:
+        speeds = _speeds(args, p)
     if args.format == "json":
-        print(json.dumps(p.to_dict(), indent=2))
+        obj = p.to_dict()
+        obj["speed"] = _speed_dict(speeds) if speeds is not None else None
+        print(json.dumps(obj, indent=2))
     else:
-        print(text(p, brief=args.brief))
+        print(text(p, brief=args.brief, speeds=speeds))
     return EXIT_OK if p.fits else EXIT_UNSAT
+
+
+def _speeds(args, p):
+    from . import speed
+    from .errors import BadInput
+    from .explain import plan
+    prefill = speed.DEFAULT_PREFILL if args.prefill is None else args.prefill
+    if prefill < 1:
+        raise BadInput(f"--prefill {prefill} is not valid; valid: an integer >= 1 (tokens)")
+    try:
+        cals = speed.merged([speed.load(f) for f in args.calibration] or speed.default_calibrations())
+    except speed.SpeedError as exc:
+        raise BadInput(str(exc)) from None
+    decided = plan(list(p.devices), shapes=p.shapes, libs=args.libs, log_warnings=False)
+    decisions = {op: g.per_device for op, g in decided.ops.items()}
+    return speed.predict(p.model, p.shapes, list(p.devices), decisions, cals, prefill=prefill), cals
+
+
+def _speed_rows(rows):
+    """{(phase, size): [RankSpeed per rank]}"""
+    out = {}
+    for r in rows:
+        out.setdefault((r.phase, r.size), []).append(r)
+    return out
+
+
+def _speed_dict(speeds) -> dict:
+    from . import speed
+    rows, cals = speeds
+    steps = []
+    for (phase, size), ranks in _speed_rows(rows).items():
+        known = [r for r in ranks if r.total is not None]
+        slow = max(known, key=lambda r: r.total) if len(known) == len(ranks) else None
+        step = slow.total if slow else None
+        steps.append({"phase": phase, "size": size, "step_ms": step,
+                      "slowest_rank": slow.rank if slow else None,
+                      "slowest_op": slow.slowest_op().op if slow and slow.slowest_op() else None,
+                      "tokens_per_s": (size / step * 1e3) if step else None,
+                      "ranks": [r.to_dict() for r in ranks]})
+    return {"calibrations": [c.source for c in cals], "steps": steps, "cards": speed.CARDS_SOURCE,
+            "ignores": speed.__doc__.split("What it ignores, and says so: ")[1].strip()}
+
+
+def _speed_lines(speeds, brief) -> list:
+    from .render import wrap
+    d = _speed_dict(speeds)
+    out = ["", "predicted step (ms per step; decode: one token per request, MTP acceptance ignored):"]
+    for s in d["steps"]:
+        label = f"decode batch {s['size']}" if s["phase"] == "decode" else f"prefill {s['size']} tokens"
+        if s["step_ms"] is None:
+            missing = next(o["how"] for r in s["ranks"] for o in r["ops"] if o["ms"] is None)
+            out += wrap(f"{label}: {missing}", "  ", hang="    ")
+            continue
+        out += wrap(f"{label}: {s['step_ms']:.2f} ms, {s['tokens_per_s']:.0f} tokens/s; slowest: rank "
+                    f"{s['slowest_rank']} ({s['ranks'][s['slowest_rank']]['device']}), its largest op "
+                    f"{s['slowest_op']}", "  ", hang="    ")
+    if not brief:
+        for s in d["steps"]:
+            label = f"decode batch {s['size']}" if s["phase"] == "decode" else f"prefill {s['size']}"
+            shown = []
+            for r in s["ranks"]:
+                sig = [(o["backend"], o["ms"]) for o in r["ops"]] + [r["dense_ms"], r["comm_ms"]]
+                if sig in shown:
+                    continue
+                shown.append(sig)
+                out.append(f"  {label}, rank {r['rank']} ({r['device']}):")
+                for o in r["ops"]:
+                    ms = "?" if o["ms"] is None else f"{o['ms']:.3f}"
+                    out += wrap(f"{o['op']:<15} {o['backend']:<24} {ms:>8} ms  {o['how']}", "    ", hang="      ")
+                out.append(f"    {'other weights':<15} {'(read once per step)':<24} {r['dense_ms']:>8.3f} ms  "
+                           f"estimated: bytes / bandwidth at 70%")
+                out.append(f"    {'all-reduces':<15} {'(2 per layer)':<24} {r['comm_ms']:>8.3f} ms  "
+                           f"estimated over the cards' link")
+    out += wrap(f"calibrations: {', '.join(d['calibrations']) or 'none'}; {d['cards']}", "")
+    out += wrap(f"ignores: {d['ignores']}", "")
+    return out
 
 
 def _gib(n) -> str:
@@ -99,7 +193,7 @@ def _grouped(rows) -> list:
     return out
 
 
-def text(p, *, brief: bool = False) -> str:
+def text(p, *, brief: bool = False, speeds=None) -> str:
     from ..models import memory as mem
     from . import rigplan
     from .render import wrap
@@ -165,4 +259,6 @@ def text(p, *, brief: bool = False) -> str:
                     out += wrap(f"{_gib(part.bytes):>7} GiB  {part.name}: {part.note}", "    ", hang="      ")
     out.append("")
     out += wrap(f"margin: {mem.MARGIN_TEXT}", "")
+    if speeds is not None:
+        out += _speed_lines(speeds, brief)
     return "\n".join(out)
