@@ -152,11 +152,11 @@ def test_eight_cards_fast_and_without_torch():
     code = ("import sys, time, io, contextlib\n"
             "from capdispatch.dispatch.cli import main\n"
             "from capdispatch.dispatch import plan_cmd, rigplan\n"
-            "t = time.perf_counter()   # the plan itself: reading the model, 8 ranks, the layouts\n"
+            "t = time.process_time()   # the plan's own CPU time (a busy machine stretches wall time)\n"
             "with contextlib.redirect_stdout(io.StringIO()):\n"
             "    rc = main(['plan', '--model', 'deepseek-v4-pro', '--device', 'sim:rtx-5090,sim:rtx-3080,"
             "sim:rtx-3080,sim:rtx-4090,sim:h200,sim:h200,sim:h100,sim:b200', '--context', '131072'])\n"
-            "print(rc, time.perf_counter() - t, 'torch' in sys.modules)\n")
+            "print(rc, time.process_time() - t, 'torch' in sys.modules)\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     rc, secs, torch = p.stdout.split()
     assert rc == "3" and torch == "False"
