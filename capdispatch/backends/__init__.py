@@ -1,10 +1,10 @@
 """Ops and the backends that implement them, with what each backend needs."""
 from .base import (AnyFeature, Backend, Check, ComputeCapability, Facts, Feature, Library,
-                   Op, Platform, TORCH, TRITON, TritonTarget)
+                   Op, Platform, ShapeRange, TORCH, TRITON, TritonTarget)
 from .launch_limits import TileTarget, card_target, tiles_as
 from .plugins import PluginInfo
 from .registry import Registry, build, builtin
 
 __all__ = ["AnyFeature", "Backend", "Check", "ComputeCapability", "Facts", "Feature", "Library",
-           "Op", "Platform", "PluginInfo", "Registry", "TORCH", "TRITON", "TileTarget", "TritonTarget", "build", "builtin",
+           "Op", "Platform", "PluginInfo", "Registry", "ShapeRange", "TORCH", "TRITON", "TileTarget", "TritonTarget", "build", "builtin",
            "card_target", "tiles_as"]

@@ -38,6 +38,9 @@ class Facts:
     libraries: Inventory
     env: Mapping = attrs.field(factory=dict)   # snapshot taken when the decision is made
     check_imports: bool = False                # real devices only: planning never imports
+    # The rank's shapes (a capdispatch.models.RankShape, read by attribute) when the decision
+    # is made for a model and layout; None: shape requirements are not evaluated.
+    shapes: Optional[object] = None
 
 
 @attrs.frozen
@@ -165,6 +168,80 @@ class Library:
 
 
 
+# The RankShape attributes a ShapeRange may name (integers; capdispatch.models.RankShape).
+SHAPE_FIELDS = ("heads", "head_dim", "rope_dim", "indexer_heads", "indexer_dim", "index_topk", "window",
+                "next_n", "experts", "experts_total", "topk", "hidden", "moe_intermediate", "o_groups",
+                "kv_bytes_per_token", "attn_tp", "moe_tp", "tp", "ep")
+
+
+@attrs.frozen
+class ShapeRange:
+    """What a kernel supports of one of a rank's shapes (a RankShape attribute: heads,
+    head_dim, indexer_heads, next_n, hidden, moe_intermediate, ...): a set of allowed values,
+    or a min / max / multiple-of rule (any combination), with the SOURCE that states it
+    (a file of the library, or of capdispatch's adapter, and what it says).
+
+    Evaluated only when the decision has shapes (a model and layout); without them it
+    yields no check, so a decision for no model is unchanged."""
+    field: str
+    source: str
+    allowed: tuple = attrs.field(default=(), converter=tuple)
+    min: Optional[int] = None
+    max: Optional[int] = None
+    multiple_of: Optional[int] = None
+    what: str = ""          # the field in words ("query heads per rank"), for the message
+
+    def __attrs_post_init__(self):
+        if not (self.allowed or self.min is not None or self.max is not None or self.multiple_of):
+            raise ValueError(f"ShapeRange({self.field!r}) states no range")
+        if not self.source:
+            raise ValueError(f"ShapeRange({self.field!r}) has no source")
+        if self.field not in SHAPE_FIELDS:
+            raise ValueError(f"ShapeRange field {self.field!r} is not a rank shape (valid: {', '.join(SHAPE_FIELDS)})")
+
+    @property
+    def need(self) -> str:
+        parts = []
+        if self.allowed:
+            parts.append("in {" + ", ".join(str(v) for v in self.allowed) + "}")
+        if self.min is not None and self.max is not None:
+            parts.append(f"{self.min}..{self.max}")
+        elif self.min is not None:
+            parts.append(f">= {self.min}")
+        elif self.max is not None:
+            parts.append(f"<= {self.max}")
+        if self.multiple_of:
+            parts.append(f"a multiple of {self.multiple_of}")
+        return f"{self.field} " + " and ".join(parts) + f" ({self.source})"
+
+    def admits(self, value: int) -> bool:
+        return ((not self.allowed or value in self.allowed)
+                and (self.min is None or value >= self.min)
+                and (self.max is None or value <= self.max)
+                and (not self.multiple_of or value % self.multiple_of == 0))
+
+    def evaluate(self, f: Facts) -> Optional[Check]:
+        if f.shapes is None:
+            return None
+        value = getattr(f.shapes, self.field)
+        ok = self.admits(value)
+        where = f"{getattr(f.shapes, 'model', 'the model')} at {_layout_text(f.shapes)}"
+        found = f"{self.field} {value} ({where})"
+        what = self.what or self.field
+        return Check(code=f"shape:{self.field}", need=self.need, found=found, ok=ok,
+                     message="" if ok else f"{what} is {value} on each rank of {where}; "
+                                           f"the kernel needs {self.need}")
+
+
+def _layout_text(shapes) -> str:
+    text = f"tp {getattr(shapes, 'tp', '?')}"
+    if getattr(shapes, "ep", 1) != 1:
+        text += f" ep {shapes.ep}"
+    if getattr(shapes, "dp_attention", False):
+        text += " dp-attention"
+    return text
+
+
 # The requirements every kernel package shares, declared once so a minimum moves in
 # one place: torch for every backend, Triton (its interpreter included) for the
 # portable kernels.
@@ -230,7 +307,8 @@ class Backend:
         return getattr(importlib.import_module(module), attr)
 
     def evaluate(self, facts: Facts) -> list:
-        return [r.evaluate(facts) for r in self.requires]
+        """Every requirement's check; shape ranges give none when FACTS has no shapes."""
+        return [c for c in (r.evaluate(facts) for r in self.requires) if c is not None]
 
     def load(self):
         import importlib

@@ -30,7 +30,7 @@ _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
 _IMPL = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 PLUGIN_TIMEOUT_S = 20.0     # seconds one plugin's import and register() may take
 REQUIREMENT_TYPES = (base.Feature, base.AnyFeature, base.Platform, base.TritonTarget,
-                     base.ComputeCapability, base.Library)
+                     base.ComputeCapability, base.Library, base.ShapeRange)
 
 
 @attrs.frozen

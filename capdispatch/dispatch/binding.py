@@ -12,7 +12,7 @@ class BackendLoadError(Unsatisfiable):
 
 
 def bind(op: str, device, backend=None, *, policy=None, selections=None, strict: bool = False,
-         env=None, registry=None, checks: bool = True):
+         env=None, registry=None, checks: bool = True, shapes=None):
     """Return the kernel that runs OP on DEVICE: no wrapper, no lookup at call time.
 
     With BACKEND given the choice is explicit and strict: if it cannot run here,
@@ -23,13 +23,15 @@ def bind(op: str, device, backend=None, *, policy=None, selections=None, strict:
     Where the policy gives OP size buckets whose winners differ, the result is a
     dispatcher (see `sized.py`) whose only work is the bucket test on the leading
     dimension of the op's size argument; where every bucket picks one kernel, the
-    kernel itself.
+    kernel itself. SHAPES (a RankShape) checks the backends' shape ranges at this rank's
+    shapes: a backend outside its range is not bound (an explicit one raises).
     """
     sel = dict(selections or {})
     if backend is not None:
         sel[op] = backend
     ctx = context(policy=policy, selections=sel or None, strict=strict or backend is not None,
-                  env=env, registry=registry, selection_origin="bind(backend=...)" if backend else "selections=")
+                  env=env, registry=registry, selection_origin="bind(backend=...)" if backend else "selections=",
+                  shapes=shapes)
     res = resolve_in(ctx, op, as_spec(device))
     for w in res.warnings:
         log.warning(w)

@@ -19,7 +19,7 @@ EXTENSIONS = {
 
 # Subcommands in their own modules (capdispatch/dispatch/NAME.py): each has
 # add_parser(subparsers) and run(args) -> int.
-COMMANDS = ("bench_cmd", "catalog_cmd", "env_cmd", "lock_cmd", "model_cmd", "verify_cmd")
+COMMANDS = ("bench_cmd", "catalog_cmd", "env_cmd", "lock_cmd", "model_cmd", "plan_cmd", "verify_cmd")
 
 EPILOG = """\
 examples:
@@ -49,6 +49,8 @@ examples:
       plan for a machine with SGLang 0.5.23's libraries, not this one's
   dispatch explain --device sim:rtx-3080 --set kv_dequant=triton_fp8 --strict
       an explicit choice that cannot run: exit 3 with the reason
+  dispatch explain --device sim:h200 --libs sglang-0.5.23 --model deepseek-v4-pro --tp 16 --dp-attention
+      with a model and layout: each kernel's shape ranges checked at the rank's shapes
 
 matrix marks: * fallback (the first preference cannot run), ! downgraded (an explicit
 choice cannot run), = changed by mixed_group: uniform, and an op whose devices differ
@@ -152,6 +154,8 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--brief", action="store_true",
                    help="print the op x device matrix only, without the traces")
     e.add_argument("--lock", metavar="FILE", help="compare with this lock file (default: $CAPDISPATCH_LOCK)")
+    from .model_cmd import add_layout_options
+    add_layout_options(e)   # --model and a layout: kernels' shape ranges are checked per rank
     fmt(e); probe_opts(e)
 
     o = sub.add_parser("ops", help="the ops and their backends with what each needs",
@@ -302,11 +306,17 @@ def _cmd_devices(args) -> int:
 
 def _cmd_explain(args) -> int:
     from ..backends import builtin
+    from .errors import BadInput
     from .explain import plan, render_text, target_libs
     from .inputs import op_list
     ops = op_list(args.op, "--op", builtin())
+    from .model_cmd import shapes_from_args
+    _, shapes = shapes_from_args(args)
+    if shapes is None and (args.tp != 1 or args.ep != 1 or args.dp_attention or args.next_n is not None):
+        raise BadInput("--tp/--ep/--dp-attention/--next-n describe a model's layout: give --model "
+                       "NAME|PATH with them (`dispatch model` lists the built-ins)")
     specs = _specs(args)
-    p = plan(specs, ops or None, policy=args.policy or None,
+    p = plan(specs, ops or None, policy=args.policy or None, shapes=shapes,
              selections=args.set_ or None, assume_libs=args.assume_lib, strict=args.strict,
              selection_origin="--set", libs=target_libs(specs, args.libs, args.assume_lib),
              settings={"mixed_group": args.mixed_group} if args.mixed_group else None,
@@ -365,6 +375,8 @@ def _describe_req(r) -> str:
         return f"Triton target (CUDA cc >= {r.min_cc}, or cpu with TRITON_INTERPRET=1)"
     if isinstance(r, base.Platform):
         return f"{r.kind} device"
+    if isinstance(r, base.ShapeRange):
+        return f"shape {r.need}"
     return repr(r)
 
 

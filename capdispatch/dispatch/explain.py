@@ -25,6 +25,7 @@ class Plan:
     inventory: object = attrs.field(default=None, eq=False)   # the Inventory the decision read
     registry: object = attrs.field(default=None, eq=False)    # the registry it decided from
     whose: dict = attrs.field(factory=dict)   # whose libraries, for people: Inventory.to_dict() + note
+    shapes: object = None     # the RankShape the shape ranges were checked against, or None
 
     def to_dict(self) -> dict:
         return {
@@ -33,6 +34,9 @@ class Plan:
             "inventory": self.whose,
             "ops": {op: g.to_dict() for op, g in self.ops.items()},
             "warnings": list(self.warnings),
+            # The rank's shapes the backends' shape ranges were checked against (null: no
+            # model given, shape ranges not evaluated).
+            "shapes": self.shapes.to_dict() if self.shapes is not None else None,
         }
 
 
@@ -72,14 +76,15 @@ def inventory_note(specs, inventory) -> str:
 def plan(devices, ops=None, *, policy=None, selections=None, assume_libs=None,
          strict: bool = False, env=None, via: str = "auto", assume_cuda: Optional[str] = None,
          registry=None, selection_origin: str = "selections=", log_warnings: bool = True,
-         libs=None, settings=None, settings_origin: str = "settings=") -> Plan:
+         libs=None, settings=None, settings_origin: str = "settings=", shapes=None) -> Plan:
     """Resolve OPS (default: all) over DEVICES as one group; log its warnings once
     (LOG_WARNINGS=False: the caller logs them, e.g. rank 0 of a distributed group).
     LIBS names a library profile for the target's software; SETTINGS
-    ({"mixed_group": "uniform"}) sit above every policy file."""
+    ({"mixed_group": "uniform"}) sit above every policy file. SHAPES: the ranks' RankShape,
+    checked against the backends' shape ranges (None: not evaluated)."""
     ctx = context(policy=policy, selections=selections, assume_libs=assume_libs, strict=strict,
                   env=env, registry=registry, selection_origin=selection_origin, libs=libs,
-                  settings=settings, settings_origin=settings_origin)
+                  settings=settings, settings_origin=settings_origin, shapes=shapes)
     return plan_in(ctx, devices, ops, via=via, assume_cuda=assume_cuda, log_warnings=log_warnings)
 
 
@@ -99,7 +104,18 @@ def plan_in(ctx, devices, ops=None, *, via: str = "auto", assume_cuda: Optional[
                     for r in b.requires if hasattr(r, "dist")})
     libs_seen = {d: ctx.inventory.get(d).describe() for d in dists}
     whose = dict(ctx.inventory.to_dict(dists), note=inventory_note(specs, ctx.inventory))
-    return Plan(tuple(specs), groups, warnings, libs_seen, ctx.inventory, ctx.registry, whose)
+    return Plan(tuple(specs), groups, warnings, libs_seen, ctx.inventory, ctx.registry, whose,
+                shapes=ctx.shapes)
+
+
+def shapes_line(shapes) -> str:
+    """One line naming the rank shapes a plan's shape ranges were checked against (shown only
+    when a model was given: without one, shape ranges are not evaluated)."""
+    s = shapes
+    layout = f"tp {s.tp}" + (f" ep {s.ep}" if s.ep != 1 else "") + (" dp-attention" if s.dp_attention else "")
+    return (f"shapes: {s.model} at {layout}, per rank: heads {s.heads} x {s.head_dim}, indexer heads "
+            f"{s.indexer_heads} x {s.indexer_dim}, next_n {s.next_n}, experts {s.experts} of "
+            f"{s.experts_total} (top-{s.topk}), hidden {s.hidden}, expert intermediate {s.moe_intermediate}")
 
 
 def _gib(n):
@@ -268,6 +284,8 @@ def render_text(p: Plan, *, brief: bool = False, color=None, stream=None) -> str
         for n in d.notes:
             out += wrap(f"note: {n}", "  ")
     out += libraries_lines(p.libraries, p.whose)
+    if p.shapes is not None:
+        out += wrap(shapes_line(p.shapes), "")
     for op, g in p.ops.items():
         out.append("")
         tag = "" if len(p.devices) == 1 else ("  [uniform]" if g.uniform else "  [DIVERGES]")

@@ -168,9 +168,9 @@ def _uniform(r, bounds, common, origin):
 
 def resolve_group(op: str, devices, *, policy=None, selections=None, assume_libs=None,
                   strict: bool = False, registry=None, env=None, via: str = "auto",
-                  assume_cuda: Optional[str] = None, libs=None) -> GroupResolution:
+                  assume_cuda: Optional[str] = None, libs=None, shapes=None) -> GroupResolution:
     ctx = context(policy=policy, selections=selections, assume_libs=assume_libs,
-                  strict=strict, registry=registry, env=env, libs=libs)
+                  strict=strict, registry=registry, env=env, libs=libs, shapes=shapes)
     from .inputs import api_devices
     specs = unique_ids([as_spec(d, via=via, assume_cuda=assume_cuda) for d in api_devices(devices)])
     g = resolve_group_in(ctx, op, specs)

@@ -104,6 +104,9 @@ class Context:
     env: dict
     strict: bool
     cards: dict = attrs.field(factory=dict, eq=False)   # device id -> CardCache, read once
+    # The rank's shapes (capdispatch.models.RankShape) the decision is for: backends' shape
+    # ranges are checked against them; None: no model given, shape ranges not evaluated.
+    shapes: Optional[object] = None
 
     @property
     def verify_mode(self) -> str:
@@ -157,12 +160,15 @@ def library_modules(registry) -> dict:
 
 def context(*, policy=None, selections=None, assume_libs=None, strict=False, registry=None,
             env=None, selection_origin="selections=", libs=None, settings=None,
-            settings_origin="settings=") -> Context:
+            settings_origin="settings=", shapes=None) -> Context:
     """Read the environment and policies now, for the decisions about to be made.
     LIBS: a library profile naming the target's software (None: this machine's).
 
     One Context holds one policy stack and one library inventory; every decision
-    made with it (`plan_in`, `resolve_in`) sees the same assumptions."""
+    made with it (`plan_in`, `resolve_in`) sees the same assumptions. SHAPES: a rank's
+    shapes (`capdispatch.load_model(name).for_rank(tp, ep, ...)`) that the backends' shape
+    ranges are checked against; None: they are not evaluated."""
+    _check_shapes(shapes)
     from ..capabilities.libraries import AssumeLibError
     from ..safe_io import printable
     env = dict(os.environ if env is None else env)
@@ -189,7 +195,18 @@ def context(*, policy=None, selections=None, assume_libs=None, strict=False, reg
     if verify and verify not in _policies.VERIFY:
         raise BadInput(f"CAPDISPATCH_VERIFY={shown(verify)} is not valid{_policies.did_you_mean(verify, _policies.VERIFY)} "
                        f"(valid: {', '.join(_policies.VERIFY)}; unset: the policy's verify)")
-    return Context(registry, stack, inventory, env, strict)
+    return Context(registry, stack, inventory, env, strict, shapes=shapes)
+
+
+def _check_shapes(shapes) -> None:
+    from ..backends.base import SHAPE_FIELDS
+    if shapes is None:
+        return
+    missing = [f for f in SHAPE_FIELDS if not isinstance(getattr(shapes, f, None), int)]
+    if missing:
+        raise BadInput(f"shapes={type(shapes).__name__} is not a rank's shapes: it lacks integer "
+                       f"{', '.join(missing)} (valid: a RankShape, from "
+                       f"capdispatch.load_model(name).for_rank(tp, ep))")
 
 
 def policy_from_dict(data, origin: str = "policy_from_dict", *, registry=None):
@@ -281,7 +298,7 @@ def canary_check(verdict, mode: str, device: DeviceSpec, op: str, name: str,
 
 def evaluate(ctx: Context, op: str, device: DeviceSpec, names, preferred) -> list:
     feats = derive_features(device)
-    cheap = Facts(device, feats, ctx.inventory, ctx.env, check_imports=False)
+    cheap = Facts(device, feats, ctx.inventory, ctx.env, check_imports=False, shapes=ctx.shapes)
     card = ctx.card(device)
     out = []
     for name in names:
@@ -397,10 +414,11 @@ def as_spec(device, *, via="auto", assume_cuda=None) -> DeviceSpec:
 
 def resolve(op: str, device, *, policy=None, selections=None, assume_libs=None,
             strict: bool = False, registry=None, env=None, via: str = "auto",
-            assume_cuda: Optional[str] = None, libs=None) -> Resolution:
-    """Decide which backend runs OP on DEVICE, with the whole trace."""
+            assume_cuda: Optional[str] = None, libs=None, shapes=None) -> Resolution:
+    """Decide which backend runs OP on DEVICE, with the whole trace (SHAPES: a rank's
+    RankShape, checked against the backends' shape ranges)."""
     ctx = context(policy=policy, selections=selections, assume_libs=assume_libs,
-                  strict=strict, registry=registry, env=env, libs=libs)
+                  strict=strict, registry=registry, env=env, libs=libs, shapes=shapes)
     res = resolve_in(ctx, op, as_spec(device, via=via, assume_cuda=assume_cuda))
     for w in res.warnings:
         log.warning(w)

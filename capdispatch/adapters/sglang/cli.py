@@ -69,6 +69,17 @@ def add_commands(p):
              "machine's; --assume-lib adds to it; `local`: this machine's (default: "
              "the default profile when every device is simulated and no "
              "--assume-lib is given)"))
+    plan.add_argument("--model", metavar="NAME|PATH",
+                      help="a built-in model (`dispatch model` lists them) or a config.json: each "
+                           "rank's shapes under --tp/--ep are checked against the kernels' shape "
+                           "ranges (a layout SGLang would refuse is an error naming the layouts "
+                           "that would work)")
+    plan.add_argument("--ep", type=int, default=1, metavar="N",
+                      help="expert-parallel size with --model, as SGLang's --ep (default 1)")
+    plan.add_argument("--dp-attention", action="store_true",
+                      help="with --model: attention data parallel over all --tp ranks")
+    plan.add_argument("--next-n", type=int, metavar="N",
+                      help="with --model: query tokens per request per decode step (default 1 + MTP)")
     plan.add_argument("--brief", action="store_true",
                       help="print the op x rank matrix alone")
     plan.add_argument("--format", choices=("text", "json"), default="text",
@@ -126,7 +137,16 @@ def _plan(args, sglang_args) -> int:
     options = PlanOptions(selections=tuple(args.set_), selection_origin="--set",
                           policy=tuple(args.policy), assume_libs=tuple(args.assume_lib),
                           strict=args.strict, libs=args.libs)
-    out = plan.build(tp=args.tp, sglang_args=sglang_args, options=options, env=_env_for(args))
+    if args.model is None and (args.ep != 1 or args.dp_attention or args.next_n is not None):
+        import capdispatch as cd
+        raise cd.BadInput("--ep/--dp-attention/--next-n describe a model's layout: give --model "
+                          "NAME|PATH with them (`dispatch model` lists the built-ins)")
+    model = None
+    if args.model is not None:
+        model = {"name": args.model, "ep": args.ep, "dp_attention": args.dp_attention,
+                 "next_n": args.next_n}
+    out = plan.build(tp=args.tp, sglang_args=sglang_args, options=options, env=_env_for(args),
+                     model=model)
     if args.format == "json":
         print(json.dumps(out, indent=2, default=str))
     else:

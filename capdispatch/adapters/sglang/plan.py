@@ -36,7 +36,7 @@ def inventory(options, env, specs=None):
     return cd.context(libs=libs, assume_libs=list(options.assume_libs) or None, env=env).inventory
 
 
-def decision(specs, release, inputs, *, libs, env):
+def decision(specs, release, inputs, *, libs, env, shapes=None):
     """decide.decide_launch, with LIBS (an Inventory, or None: this machine's) in
     the one Context every op, rank and settings row of the plan reads."""
     import attrs
@@ -45,6 +45,8 @@ def decision(specs, release, inputs, *, libs, env):
     ctx = decide.context_of(release, inputs, env)
     if libs is not None:
         ctx = attrs.evolve(ctx, inventory=libs)
+    if shapes is not None:
+        ctx = attrs.evolve(ctx, shapes=shapes)
     return decide.decide_in(ctx, specs, inputs.ops, release, env=env,
                             explicit_fields=inputs.explicit_fields, field_values=inputs.field_values,
                             user_env=inputs.user_env), ctx
@@ -118,9 +120,35 @@ def rank_dict(i, gpu_id, spec, d, release) -> dict:
             "ops": {op: op_dict(row[spec.id]) for op, row in d.choices.items()}, "arch": platform}
 
 
-def build(*, tp=None, sglang_args=None, options, env: dict) -> dict:
+def rank_shapes(model, tp_size):
+    """The RankShape of MODEL ({"name", "ep", "dp_attention", "next_n"}) at TP_SIZE, or None."""
+    import capdispatch as cd
+    if model is None:
+        return None
+    return cd.load_model(model["name"]).for_rank(tp_size, model["ep"], model["dp_attention"],
+                                                 next_n=model["next_n"])
+
+
+def shape_rejections(d) -> list:
+    """Every backend a rank's shapes put outside its declared range: rank device, op,
+    backend, and the check's need and found."""
+    out = []
+    for op, row in d.choices.items():
+        for did, c in row.items():
+            res = c.resolution
+            for cand in (res.candidates if res is not None else ()):
+                for ch in cand.checks:
+                    if ch.code.startswith("shape:") and not ch.ok:
+                        out.append({"device": did, "op": op, "backend": cand.backend, "code": ch.code,
+                                    "need": ch.need, "found": ch.found})
+    return out
+
+
+def build(*, tp=None, sglang_args=None, options, env: dict, model=None) -> dict:
     """The plan for a launch. OPTIONS: records.PlanOptions; ENV: the environment a
-    launch would see (CAPDISPATCH_POLICY, CAPDISPATCH_STRICT, the simulated rig)."""
+    launch would see (CAPDISPATCH_POLICY, CAPDISPATCH_STRICT, the simulated rig); MODEL:
+    {"name", "ep", "dp_attention", "next_n"} to check the kernels' shape ranges at each
+    rank's shapes (None: not checked)."""
     import capdispatch as cd
 
     from . import decide, knobs, rig, versions
@@ -157,9 +185,10 @@ def build(*, tp=None, sglang_args=None, options, env: dict) -> dict:
         found = rig.simulated_rig(env)
         tp_size, layout, assumed = tp or (len(found) if found else 1), {}, True
     ids = rig.gpu_ids(tp_size=tp_size, **layout)
+    shapes = rank_shapes(model, tp_size)
     specs = _devices(ids, env)
     libs = inventory(options, env, specs)
-    d, ctx = decision(specs, release, inputs, libs=libs, env=env)
+    d, ctx = decision(specs, release, inputs, libs=libs, env=env, shapes=shapes)
     out.update(
         inventory=inventory_dict(d, ctx),
         model={"architecture": inputs.model, "assumed": assumed, "kv_cache_dtype": inputs.kv_cache_dtype},
@@ -171,7 +200,9 @@ def build(*, tp=None, sglang_args=None, options, env: dict) -> dict:
         sglang_settings=[{"kind": s.kind, "name": s.name, "ops": list(s.ops), "action": s.action,
                           "user": s.user, "wants": {v: list(ds) for v, ds in s.wants.items()},
                           "without": list(s.without), "routed": dict(s.routed), "why": s.why} for s in d.sglang],
-        warnings=list(d.warnings))
+        warnings=list(d.warnings),
+        shapes=shapes.to_dict() if shapes is not None else None,
+        shape_rejections=shape_rejections(d) if shapes is not None else [])
     if fields is not None:
         out["sglang_resolved"] = fields
     return out

@@ -85,6 +85,31 @@ def _inventory_lines(out) -> list:
     return lines
 
 
+def _shape_lines(out) -> list:
+    """The model's rank shapes and every backend they put outside its declared range."""
+    s = out.get("shapes")
+    if not s:
+        return []
+    layout = f"tp {s['tp']}" + (f" ep {s['ep']}" if s["ep"] != 1 else "") + \
+        (" dp-attention" if s["dp_attention"] else "")
+    lines = [f"shapes: {s['model']} at {layout}, per rank: heads {s['heads']}, indexer heads "
+             f"{s['indexer_heads']}, next_n {s['next_n']}, experts {s['experts']}, expert "
+             f"intermediate {s['moe_intermediate']}"]
+    rej = out.get("shape_rejections") or []
+    if not rej:
+        lines.append("  every backend's shape ranges admit these shapes")
+    seen = set()
+    for r in rej:
+        key = (r["op"], r["backend"], r["code"])
+        if key in seen:
+            continue
+        seen.add(key)
+        on = sorted({x["device"] for x in rej if (x["op"], x["backend"], x["code"]) == key})
+        lines.append(f"  not runnable: {r['op']}/{r['backend']} on {', '.join(on)}: {r['code']}: "
+                     f"need {r['need']}, found {r['found']}")
+    return lines
+
+
 def text(out, *, brief: bool = False, color=None, stream=None) -> str:
     """The plan for people: the op x rank matrix, then (unless BRIEF) the launch
     settings, each rank's choices and the SGLang settings."""
@@ -102,6 +127,7 @@ def text(out, *, brief: bool = False, color=None, stream=None) -> str:
                  + f"; capdispatch ops: {', '.join(out['ops']) or 'none'} ({out['reason']})")
     lines.append(f"GPUs: {', '.join(f'cuda:{g}' for g in out['gpu_ids'])}")
     lines += _inventory_lines(out)
+    lines += _shape_lines(out)
     lines.append("")
     table = matrix(out, color=color, stream=stream)
     if brief:

@@ -8,7 +8,7 @@ sink. Declarations only: kernels are imported when bound (reference.py, triton_k
 flashmla.py, flashinfer.py; library_args.py holds what both library adapters do to the
 arguments).
 """
-from ..base import AnyFeature, Backend, Feature, Library, Op, SizeArg, TORCH, TRITON, TritonTarget
+from ..base import AnyFeature, Backend, Feature, Library, Op, ShapeRange, SizeArg, TORCH, TRITON, TritonTarget
 
 _PKG = "capdispatch.backends.decode_mla"
 
@@ -34,23 +34,35 @@ _FLASHMLA = Library("sgl-flash-mla", ">=1.0", module="flash_mla")
 # what SGLang 0.5.23 pins (0.6.x needed 64-token pages and a private entry point).
 _FLASHINFER = Library("flashinfer-python", ">=0.7.2", module="flashinfer")
 
+# Shape ranges (checked against a rank's shapes when a decision has a model and layout).
+# Every kernel here reads the V4 pool's 512-wide rows (448 fp8 nope + 64 bf16 rope).
+_HEAD_DIM = ShapeRange("head_dim", "capdispatch decode_mla/ops.py DIM = 512: the V4 pool row "
+                       "(kv_cache/layout.py, 448 nope + 64 rope)", allowed=(512,), what="the MLA head dim")
+# FlashMLA instantiates h_q 64 and 128; flashmla.py pads fewer heads up (library_args.pad_heads).
+_FLASHMLA_HEADS = ShapeRange("heads", "capdispatch decode_mla/flashmla.py pad_heads(q, sink, (64, 128)): "
+                             "FlashMLA's kernels take h_q 64 or 128, fewer are zero-padded",
+                             min=1, max=128, what="query heads per rank")
+_FI_HEADS = ShapeRange("heads", "capdispatch decode_mla/flashinfer.py _FI_HEADS = (8, 16, 32, 64, 128): "
+                       "SparseMLASm120Wrapper's head counts, fewer are zero-padded",
+                       min=1, max=128, what="query heads per rank")
+
 
 BACKENDS = (
     Backend(
         "decode_mla", "flashmla", f"{_PKG}.flashmla:op_flashmla",
-        requires=(TORCH, _FLASHMLA, AnyFeature(("wgmma", "tcgen05"))),
+        requires=(TORCH, _FLASHMLA, AnyFeature(("wgmma", "tcgen05")), _FLASHMLA_HEADS, _HEAD_DIM),
         summary="FlashMLA sparse fp8 decode (legacy V4-format kernels: SM90a wgmma, SM100 tcgen05)"),
     Backend(
         "decode_mla", "flashinfer_sparse_mla", f"{_PKG}.flashinfer:op_flashinfer_sparse_mla",
-        requires=(TORCH, _FLASHINFER, Feature("sm120_block_scaled_mma")),
+        requires=(TORCH, _FLASHINFER, Feature("sm120_block_scaled_mma"), _FI_HEADS, _HEAD_DIM),
         summary="FlashInfer SM120 sparse MLA (block-scaled MMA); split-K scratch only for <= 64 tokens"),
     Backend(
         "decode_mla", "triton_fp8", f"{_PKG}.triton_kernels:op_decode_mla_fp8",
-        requires=(TORCH, TRITON, TritonTarget("8.0"), Feature("fp8_e4m3")),
+        requires=(TORCH, TRITON, TritonTarget("8.0"), Feature("fp8_e4m3"), _HEAD_DIM),
         summary="Triton with native fp8 loads (Triton admits fp8e4nv from cc 8.9)"),
     Backend(
         "decode_mla", "triton", f"{_PKG}.triton_kernels:op_decode_mla_u8",
-        requires=(TORCH, TRITON, TritonTarget("8.0")),
+        requires=(TORCH, TRITON, TritonTarget("8.0"), _HEAD_DIM),
         summary="Triton, pool read through uint8 with an integer e4m3 decode (any CUDA card from SM80); "
                 "split-K only for <= 64 tokens"),
     Backend(

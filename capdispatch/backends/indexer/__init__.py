@@ -4,7 +4,8 @@ Declarations only: the kernels live in reference.py (torch), triton_kernels.py,
 tilelang_kernel.py and deepgemm.py, and are imported when a backend is bound.
 Contract: reference.py's module docstring and docs/ops/indexer.md.
 """
-from ..base import AnyFeature, Backend, ComputeCapability, Library, Op, SizeArg, Platform, TORCH, TRITON, TritonTarget
+from ..base import (AnyFeature, Backend, ComputeCapability, Library, Op, SizeArg, Platform, ShapeRange, TORCH,
+                    TRITON, TritonTarget)
 
 _PKG = "capdispatch.backends.indexer"
 
@@ -29,19 +30,35 @@ _TILELANG = Library("tilelang", ">=0.1.12", module="tilelang")
 # symbol c10::cuda::CUDAErrorLogCapture). The import check rejects it there; a canary on the
 # card decides what requirements cannot see.
 _DEEPGEMM = Library("sgl-deep-gemm", ">=0.2.3", module="deep_gemm")
+# Shape ranges (checked against a rank's shapes when a decision has a model and layout).
+# The index-K page holds 128 fp8 values + one fp32 scale per token (indexer/layout.py HEAD_DIM).
+_DIM = ShapeRange("indexer_dim", "capdispatch indexer/layout.py HEAD_DIM = 128 (64-token pages of "
+                  "128 fp8 + fp32 scale, 8448 bytes)", allowed=(128,), what="the indexer head dim")
+# DeepGEMM's host checks of fp8_paged_mqa_logits (sgl-deep-gemm 0.2.3.post2, deep_gemm/_C.so:
+# "next_n == 1 or next_n == 2", "num_heads == 32 or num_heads == 64").
+_DG_HEADS = ShapeRange("indexer_heads", "sgl-deep-gemm 0.2.3.post2 fp8_paged_mqa_logits host check "
+                       "`num_heads == 32 or num_heads == 64` (deep_gemm/_C.so)", allowed=(32, 64),
+                       what="indexer heads per rank")
+_DG_NEXT_N = ShapeRange("next_n", "sgl-deep-gemm 0.2.3.post2 fp8_paged_mqa_logits host check "
+                        "`next_n == 1 or next_n == 2` (deep_gemm/_C.so)", allowed=(1, 2),
+                        what="query tokens per request per decode step")
+_TRITON_HEADS = ShapeRange("indexer_heads", "capdispatch indexer/triton_kernels.py _Plan: a power-of-two "
+                           "head count <= 128", allowed=(1, 2, 4, 8, 16, 32, 64, 128),
+                           what="indexer heads per rank")
 
 BACKENDS = (
     Backend("indexer", "deepgemm", f"{_PKG}.deepgemm:op_fp8_paged_mqa_logits",
-            requires=(TORCH, _DEEPGEMM, Platform("cuda"), AnyFeature(("wgmma", "tcgen05"))),
+            requires=(TORCH, _DEEPGEMM, Platform("cuda"), AnyFeature(("wgmma", "tcgen05")), _DG_HEADS,
+                      _DG_NEXT_N, _DIM),
             summary="DeepGEMM fp8_paged_mqa_logits (SM90 wgmma / SM100 tcgen05 kernels; JIT needs the CUDA toolkit; "
                     "its _C.so loads only with the torch it was built for: not torch 2.11)"),
     Backend("indexer", "tilelang", f"{_PKG}.tilelang_kernel:op_fp8_paged_mqa_logits",
-            requires=(TORCH, _TILELANG, Platform("cuda"), ComputeCapability(">=8.0")),
+            requires=(TORCH, _TILELANG, Platform("cuda"), ComputeCapability(">=8.0"), _DIM),
             summary="capdispatch's TileLang kernel: fp8 MMA from cc 8.9 (wgmma on SM90), fp16 MMA over "
                     "integer-widened fp8 below; JIT-built for the card's arch-specific target from SM90 "
                     "(sm_90a: wgmma needs it), needs the CUDA toolkit"),
     Backend("indexer", "triton", f"{_PKG}.triton_kernels:op_fp8_paged_mqa_logits",
-            requires=(TORCH, TRITON, TritonTarget("8.0")),
+            requires=(TORCH, TRITON, TritonTarget("8.0"), _TRITON_HEADS, _DIM),
             summary="Triton: native fp8 dot from cc 8.9, uint8 views widened to fp16 with integer ops below"),
     Backend("indexer", "torch", f"{_PKG}.reference:op_fp8_paged_mqa_logits",
             requires=(TORCH,),

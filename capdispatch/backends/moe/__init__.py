@@ -11,7 +11,8 @@ Weights are a ``MoeWeights`` (weights.py); a backend whose kernel consumes a
 shuffled layout needs ``prepare(weights, backend)`` once after loading (in
 place, bytes per expert unchanged).
 """
-from ..base import Backend, ComputeCapability, Feature, Library, Op, SizeArg, Platform, TORCH, TRITON, TritonTarget
+from ..base import (Backend, ComputeCapability, Feature, Library, Op, SizeArg, Platform, ShapeRange, TORCH,
+                    TRITON, TritonTarget)
 from .weights import LAYOUTS, LayoutError, MoeWeights, packed_bytes_per_expert, prepare
 
 __all__ = ["OPS", "register", "MoeWeights", "prepare", "packed_bytes_per_expert", "LayoutError",
@@ -56,28 +57,46 @@ SGLANG_RUNNER_BACKEND = {
 # SGLang runs one forward inside FlashInfer's autotuner before it captures graphs
 # (model_executor/runner/flashinfer_autotune.py): its MoE tactics are tuned when served.
 _FI_TUNE = "flashinfer.autotuner:autotune"
+# Shape ranges (checked against a rank's shapes when a decision has a model and layout): the
+# hidden size and each rank's share of the expert intermediate size (moe_intermediate / MoE TP).
+def _sizes(multiple: int, source: str) -> tuple:
+    return (ShapeRange("hidden", source, multiple_of=multiple, what="the hidden size"),
+            ShapeRange("moe_intermediate", source, multiple_of=multiple,
+                       what="the expert intermediate size per rank"))
+
+
+_FI_SIZES = _sizes(128, "capdispatch moe/flashinfer.py _check_shapes: FlashInfer's MXFP4 MoE needs H and I "
+                        "multiples of 128")
+_MARLIN_SIZES = (ShapeRange("hidden", "capdispatch moe/sglang_marlin.py prepare_marlin: H % 128 == 0 "
+                            "(Marlin's repack tiles)", multiple_of=128, what="the hidden size"),
+                 ShapeRange("moe_intermediate", "capdispatch moe/sglang_marlin.py prepare_marlin: I % 64 == 0 "
+                            "(Marlin's repack tiles; SGLang pads, capdispatch keeps the packed size)",
+                            multiple_of=64, what="the expert intermediate size per rank"))
+_TRITON_SIZES = _sizes(64, "capdispatch moe/triton_kernels.py: H and I multiples of 64 (its GEMM tiles)")
+_TORCH_SIZES = _sizes(32, "capdispatch moe/weights.py GROUP = 32: one E8M0 scale per 32 weights (MXFP4 block)")
+
 
 BACKENDS = (
     Backend("moe", "flashinfer_cutlass_w4a8", f"{_PKG}.flashinfer:op_moe_cutlass_w4a8",
-        requires=(TORCH, _CUDA, Feature("sm120_block_scaled_mma"), _FLASHINFER),
+        requires=(TORCH, _CUDA, Feature("sm120_block_scaled_mma"), _FLASHINFER) + _FI_SIZES,
         summary="FlashInfer CUTLASS MoE, MXFP8 activations x MXFP4 weights on the SM120 "
                 "block-scaled MMA (SGLang flashinfer_mxfp4 on SM120)", tune=_FI_TUNE),
     Backend("moe", "flashinfer_trtllm_w4a8", f"{_PKG}.flashinfer:op_moe_trtllm_w4a8",
-        requires=(TORCH, _CUDA, Feature("tcgen05"), _FLASHINFER),
+        requires=(TORCH, _CUDA, Feature("tcgen05"), _FLASHINFER) + _FI_SIZES,
         summary="FlashInfer TRT-LLM-gen routed MoE, MXFP8 x MXFP4 on tcgen05 (SM100 family; "
                 "cubins from flashinfer-cubin or FlashInfer's download cache)", tune=_FI_TUNE),
     Backend("moe", "flashinfer_cutlass_w4a16", f"{_PKG}.flashinfer:op_moe_cutlass_w4a16",
-        requires=(TORCH, _CUDA, Feature("wgmma"), _FLASHINFER),
+        requires=(TORCH, _CUDA, Feature("wgmma"), _FLASHINFER) + _FI_SIZES,
         summary="FlashInfer CUTLASS mixed-input MoE, bf16 x MXFP4 on wgmma (SM90; JIT-built)", tune=_FI_TUNE),
     Backend("moe", "marlin_w4a16", f"{_PKG}.sglang_marlin:op_moe_marlin",
-        requires=(TORCH, _CUDA, ComputeCapability(">=8.0"), _SGLANG, _SGL_KERNEL),
+        requires=(TORCH, _CUDA, ComputeCapability(">=8.0"), _SGLANG, _SGL_KERNEL) + _MARLIN_SIZES,
         summary="SGLang's MXFP4 Marlin MoE (bf16 x MXFP4, JIT), -1 routes dropped before it"),
     Backend("moe", "triton_w4a16", f"{_PKG}.triton_kernels:op_moe_w4a16",
-        requires=(TORCH, TRITON, TritonTarget("8.0")),
+        requires=(TORCH, TRITON, TritonTarget("8.0")) + _TRITON_SIZES,
         summary="Triton grouped GEMM, MXFP4 decoded on load, bf16 tensor cores (any card Triton "
                 "supports from cc 8.0)"),
     Backend("moe", "torch", f"{_PKG}.reference:op_moe",
-        requires=(TORCH,),
+        requires=(TORCH,) + _TORCH_SIZES,
         summary="torch reference, one expert chunk decoded at a time (runs anywhere)"),
 )
 

@@ -9,7 +9,7 @@ caches, not a bf16 K/V workspace, so they cannot serve this contract; on SM120 S
 runs extends through the paged kernel instead, which is the ``decode_mla`` op's
 ``flashinfer_sparse_mla`` backend (its extend path takes no split-K scratch).
 """
-from ..base import AnyFeature, Backend, Library, Op, SizeArg, TORCH, TRITON, TritonTarget
+from ..base import AnyFeature, Backend, Library, Op, ShapeRange, SizeArg, TORCH, TRITON, TritonTarget
 
 _PKG = "capdispatch.backends.sparse_prefill"
 
@@ -32,15 +32,23 @@ OPS = (
 # use_legacy / return_log2_lse arguments the adapter passes exist from 1.0.
 _FLASHMLA = Library("sgl-flash-mla", ">=1.0", module="flash_mla")
 
+# Shape ranges (checked against a rank's shapes when a decision has a model and layout).
+_HEAD_DIM = ShapeRange("head_dim", "capdispatch sparse_prefill/reference.py DIM = D_V = 512 (FlashMLA's "
+                       "sparse prefill supports d_v 512 only; the Triton kernels' DIM is 512)",
+                       allowed=(512,), what="the MLA head dim")
+_FLASHMLA_HEADS = ShapeRange("heads", "capdispatch sparse_prefill/flashmla.py _pad_heads: FlashMLA takes "
+                             "h_q 64 or 128, fewer are zero-padded, more are refused",
+                             min=1, max=128, what="query heads per rank")
+
 
 BACKENDS = (
     Backend(
         "sparse_prefill", "flashmla_sparse", f"{_PKG}.flashmla:op_flashmla_sparse",
-        requires=(TORCH, _FLASHMLA, AnyFeature(("wgmma", "tcgen05"))),
+        requires=(TORCH, _FLASHMLA, AnyFeature(("wgmma", "tcgen05")), _FLASHMLA_HEADS, _HEAD_DIM),
         summary="FlashMLA sparse prefill (legacy kernels: SM90a wgmma, SM100 tcgen05), as SGLang calls it"),
     Backend(
         "sparse_prefill", "triton", f"{_PKG}.triton_kernels:op_sparse_prefill",
-        requires=(TORCH, TRITON, TritonTarget("8.0")),
+        requires=(TORCH, TRITON, TritonTarget("8.0"), _HEAD_DIM),
         summary="Triton: one program per (query, head block), bf16 tensor-core dots, online softmax, "
                 "no scratch (any CUDA card from SM80)"),
     Backend(
