@@ -235,3 +235,28 @@ def test_libs_and_assume_lib_reach_sglangs_own_resolution_identically(clean_env,
     assert (h200["backend"], h200["action"]) == ("triton_fp8", "routed")
     r5090 = json.loads(results[3]["out"])["ranks"][0]["ops"]
     assert r5090["decode_mla"]["backend"] != "flashinfer_sparse_mla"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is None,
+                    reason="needs SGLang (see tests/requirements-nodeps.txt and tests/requirements.txt)")
+@pytest.mark.skipif(importlib.util.find_spec("torchvision") is not None,
+                    reason="torchvision is installed here: the placeholder is not needed")
+def test_planning_with_sglang_arguments_needs_no_torchvision(clean_env, tmp_path):
+    """A CPU planning machine has no torchvision (PyPI's is built for CUDA torch), yet SGLang's
+    argument resolution imports it: `dispatch sglang plan -- SGLANG ARGS` runs anyway, in a
+    process that never imported the tests' prelude."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, here)
+    import sglang_fake_models as fake
+    model = fake.write(str(tmp_path / "dsv4"), fake.DSV4)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CAPDISPATCH_", "SGLANG_", "TRITON_INTERPRET"))}
+    env.update(CAPDISPATCH_CACHE_DIR=os.environ["CAPDISPATCH_CACHE_DIR"], HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "-m", "capdispatch", "sglang", "plan", "--device", "sim:rtx-3080",
+                           "--format", "json", "--", "--model-path", model, "--skip-tokenizer-init",
+                           "--device", "cuda", "--tp-size", "1"],
+                          env=env, text=True, capture_output=True, timeout=600, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "torchvision" not in proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["model"]["assumed"] is False

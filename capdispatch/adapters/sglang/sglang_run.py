@@ -24,6 +24,7 @@ def run(sglang_args, release, env: dict, options, *, tp=None):
         os.environ.clear()
         os.environ.update(env)
         logger.setLevel(logging.ERROR)   # the plan says it all
+        _vision_placeholder()
         from sglang.srt.arg_groups.overrides import resolution_result
         from sglang.srt.server_args import prepare_server_args
         if tp is not None:
@@ -62,3 +63,43 @@ def run(sglang_args, release, env: dict, options, *, tp=None):
         os.environ.clear()
         os.environ.update(before)
         logger.setLevel(level)
+
+
+def _vision_placeholder() -> None:
+    """SGLang's argument resolution imports torchvision (sglang.srt.configs, for multimodal
+    models), which a CPU planning machine rarely has: PyPI's torchvision is built for CUDA
+    torch and does not load against a CPU one. Where torchvision is absent, this process
+    (planning only: it never serves) gets placeholder modules, put in after transformers has
+    decided torchvision is unavailable, so no vision code path is taken."""
+    import enum
+    import importlib.util
+    import sys
+    import types
+    if "torchvision" in sys.modules or importlib.util.find_spec("torchvision") is not None:
+        return
+    import transformers.utils.import_utils as iu
+    if iu.is_torchvision_available():
+        return
+
+    class InterpolationMode(enum.Enum):
+        NEAREST = "nearest"
+        BILINEAR = "bilinear"
+        BICUBIC = "bicubic"
+        LANCZOS = "lanczos"
+
+    def placeholder(name):
+        m = types.ModuleType(name)
+
+        def __getattr__(attr):
+            if attr.startswith("__"):
+                raise AttributeError(attr)
+            if attr == "InterpolationMode":
+                return InterpolationMode
+            return type(attr, (), {"__init__": lambda self, *a, **k: None})
+        m.__getattr__ = __getattr__
+        m.__capdispatch_placeholder__ = True
+        sys.modules[name] = m
+
+    for name in ("torchvision", "torchvision.transforms", "torchvision.transforms.functional",
+                 "torchvision.transforms.v2", "torchvision.io", "torchvision.ops"):
+        placeholder(name)
