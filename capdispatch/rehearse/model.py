@@ -1,0 +1,224 @@
+"""The rehearsal's small model: a DeepSeek-V4-shaped stack, shrunk, in the stored formats.
+
+Each layer: RMSNorm; attention (q projection to the rank's heads, one shared 512-wide MLA
+latent per token written to the V4 fp8 pool by kv_quant; the prefill reads the pool back
+through kv_dequant into sparse_prefill over a causal window; each decode step runs the
+indexer over the fp8 index-key pages and decode_mla over the pool); the output projection
+and a TP all-reduce; RMSNorm; routed MoE over MXFP4 experts with E8M0 scales (each rank
+holds its slice of every expert's intermediate, or its experts under EP) and a TP
+all-reduce; finally the vocabulary projection (replicated).
+
+What is shrunk, and how (`Dims`): layers, hidden size, vocabulary, experts (total, then
+split by EP as the layout splits them) and the experts' intermediate size (per rank); the
+attention heads per rank, the 512-wide latent, the window, the indexer's heads and width
+and the experts per token are the model's at the layout (`RankShape`).
+
+Routes are drawn per token from the seed, not from a router: a rounding difference between
+two backends then cannot flip an expert choice between the group and the reference. The
+rehearsal's contexts are shorter than the model's index_topk, so V4 selects every token and
+the indexer's logits do not change the hidden states; each call's logits are checked against
+the reference op on the rank's own inputs instead (as every op's output is).
+
+Weights derive from the seed alone: every rank and the reference build the same full model
+and take their shard, so the reference is the same model.
+"""
+from __future__ import annotations
+
+import attrs
+
+PAGE = 64                 # the V4 pool's page size (tokens)
+INDEX_PAGE = 64           # the indexer's fp8 page size (tokens)
+LATENT = 512              # V4's MLA latent: the KV row and the attention head width
+SCALE = LATENT ** -0.5
+
+
+@attrs.frozen
+class Dims:
+    """One rank's shapes in the small model."""
+    layers: int
+    hidden: int
+    vocab: int
+    heads: int              # query heads on this rank (the layout's)
+    ranks: int              # attention TP width
+    experts_total: int
+    experts: int            # experts on this rank
+    ep: int
+    moe_tp: int
+    intermediate: int       # each expert's intermediate size on this rank
+    topk: int
+    window: int
+    indexer_heads: int
+    indexer_dim: int
+    swiglu_limit: float
+
+    def to_dict(self) -> dict:
+        return attrs.asdict(self)
+
+
+def dims_of(shape, *, layers, hidden, vocab, experts, intermediate) -> Dims:
+    """The small model's dims from a rank's RankShape and the shrunk sizes."""
+    if experts % shape.ep:
+        from .errors import RehearseError
+        raise RehearseError(f"--experts {experts} does not divide over ep {shape.ep}")
+    return Dims(layers=layers, hidden=hidden, vocab=vocab, heads=shape.heads, ranks=shape.attn_tp,
+                experts_total=experts, experts=experts // shape.ep, ep=shape.ep, moe_tp=shape.moe_tp,
+                intermediate=intermediate, topk=min(shape.topk, experts), window=shape.window,
+                indexer_heads=shape.indexer_heads, indexer_dim=shape.indexer_dim,
+                swiglu_limit=shape.swiglu_limit if shape.swiglu_limit is not None else 10.0)
+
+
+def _gen(seed, *salt):
+    import torch
+    s = seed
+    for x in salt:
+        s = (s * 1000003 + x) % (2 ** 62)
+    return torch.Generator().manual_seed(s)
+
+
+def full_weights(d: Dims, seed: int) -> dict:
+    """The whole model's weights (every head, every expert slice), from SEED alone."""
+    import torch
+    from ..backends.moe import reference as MR
+    H = d.hidden
+    heads_total = d.heads * d.ranks
+    layers = []
+    for i in range(d.layers):
+        g = _gen(seed, i)
+        lw = {
+            "wq": (torch.randn(H, heads_total * LATENT, generator=g) * H ** -0.5).bfloat16(),
+            "wkv": (torch.randn(H, LATENT, generator=g) * H ** -0.5).bfloat16(),
+            "sink": torch.randn(heads_total, generator=g),
+            "wo": (torch.randn(heads_total * LATENT, H, generator=g) * (heads_total * LATENT) ** -0.5).bfloat16(),
+            "wiq": (torch.randn(H, d.indexer_heads * d.indexer_dim, generator=g) * H ** -0.5).bfloat16(),
+            "wik": (torch.randn(H, d.indexer_dim, generator=g) * H ** -0.5).bfloat16(),
+            "wiw": (torch.randn(H, d.indexer_heads, generator=g) * H ** -0.5).bfloat16(),
+            # Expert slices: [ep group][moe tp slice]; a full expert is its slices side by side
+            # along the intermediate dimension, so the TP sum of the slices is the expert.
+            "moe": [[MR.random_weights(d.experts, H, d.intermediate, gen=_gen(seed, i, 7, e, t),
+                                       swiglu_limit=d.swiglu_limit)
+                     for t in range(d.moe_tp)] for e in range(d.ep)],
+        }
+        layers.append(lw)
+    g = _gen(seed, 10 ** 6)
+    return {"layers": layers, "head": (torch.randn(H, d.vocab, generator=g) * H ** -0.5).bfloat16()}
+
+
+def shard(w: dict, d: Dims, rank: int) -> dict:
+    """RANK's part: its heads' columns / rows, its expert slice."""
+    h = d.heads
+    lo, hi = rank * h, (rank + 1) * h
+    out = []
+    for lw in w["layers"]:
+        e_group, t_slice = divmod(rank, d.moe_tp)
+        out.append(dict(lw, wq=lw["wq"][:, lo * LATENT:hi * LATENT].contiguous(), sink=lw["sink"][lo:hi].contiguous(),
+                        wo=lw["wo"][lo * LATENT:hi * LATENT].contiguous(),
+                        moe=lw["moe"][e_group][t_slice], expert_base=e_group * d.experts))
+    return {"layers": out, "head": w["head"]}
+
+
+def routes(d: Dims, seed: int, step: int, T: int):
+    """(weights [T, topk], global expert ids [T, topk]) for STEP's tokens, from the seed."""
+    from ..backends.moe import reference as MR
+    return MR.random_routing(T, d.topk, d.experts_total, gen=_gen(seed, 99, step))
+
+
+def tokens(d: Dims, seed: int, prompt: int, steps: int):
+    """The prompt's token ids and each decode step's token (teacher-forced, from the seed)."""
+    import torch
+    return torch.randint(0, d.vocab, (prompt + steps,), generator=_gen(seed, 5))
+
+
+def embedding(d: Dims, seed: int):
+    import torch
+    return (torch.randn(d.vocab, d.hidden, generator=_gen(seed, 6))).bfloat16()
+
+
+def rms(x):
+    import torch
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).bfloat16()
+
+
+class Layer:
+    """One layer's cache on one rank: the fp8 KV pool and the index-key rows."""
+
+    def __init__(self, d: Dims, max_tokens: int, device):
+        from ..backends.kv_cache import reference as KV
+        self.pages = -(-max_tokens // PAGE)
+        self.pool = KV.new_pool(self.pages, PAGE, device)
+        self.index_rows = []
+
+
+def forward(d: Dims, shards: list, ops, reduce, x, pos0: int, caches: list, step: int, seed: int, *,
+            prefill: bool):
+    """Hidden states -> logits of the last token, for tokens at positions POS0... (X: [T, hidden]).
+
+    SHARDS: the rank's one shard (a rank), or every rank's in rank order (the reference, which
+    sums the partials in rank order where the group all-reduces); CACHES[shard][layer].
+    OPS(name, layer, *args) runs an op (the rank's bound kernel, or the reference); REDUCE(partial)
+    is the TP all-reduce of a float32 partial sum (identity for the reference)."""
+    import torch
+    T, dev = x.shape[0], x.device
+    positions = torch.arange(pos0, pos0 + T, device=dev)
+    n = pos0 + T
+    for li in range(d.layers):
+        op = lambda name, *a: ops(name, li, *a)  # noqa: E731
+        hx = rms(x)
+        part = None
+        for w, cache in zip(shards, caches):
+            p = _attention(d, w["layers"][li], cache[li], hx, positions, n, op, prefill)
+            part = p if part is None else part + p
+        x = (x.float() + reduce(part)).bfloat16()
+        hx = rms(x)
+        tw, ids = routes(d, seed, step * 1000 + li, T)
+        part = None
+        for w in shards:
+            lw = w["layers"][li]
+            local = ids.to(dev) - lw["expert_base"]
+            local = torch.where((local >= 0) & (local < d.experts), local, torch.full_like(local, -1))
+            p = op("moe", hx, lw["moe"], tw.to(dev), local.to(torch.int32)).float()
+            part = p if part is None else part + p
+        x = (x.float() + reduce(part)).bfloat16()
+    return rms(x)[-1:].float() @ shards[0]["head"].float()
+
+
+def _attention(d, lw, cache, hx, positions, n, op, prefill):
+    """This shard's heads: the float32 partial of the output projection."""
+    import torch
+    T, dev = hx.shape[0], hx.device
+    q = (hx @ lw["wq"]).view(T, d.heads, LATENT)
+    op("kv_quant", (hx @ lw["wkv"]).contiguous(), cache.pool, positions, PAGE)
+    cache.index_rows.append((hx @ lw["wik"]).float())
+    if prefill:
+        rows = op("kv_dequant", cache.pool, torch.arange(n, device=dev), PAGE)
+        # Causal window: query t sees positions max(0, t - window + 1) .. t (-1: no token).
+        k = torch.arange(d.window, device=dev)
+        idx = positions[:, None] - d.window + 1 + k[None, :]
+        idx = torch.where(idx >= 0, idx, torch.full_like(idx, -1)).to(torch.int32).view(T, 1, d.window)
+        o = op("sparse_prefill", q, rows.view(n, 1, LATENT), idx, SCALE, LATENT, lw["sink"], None)[0]
+    else:
+        _indexer(d, lw, cache, hx, n, op)
+        width = min(n, d.window)
+        idx = torch.arange(n - width, n, device=dev, dtype=torch.int32).view(1, 1, width).expand(T, 1, width)
+        lengths = torch.full((T,), width, dtype=torch.int32, device=dev)
+        o = op("decode_mla", q.view(T, 1, d.heads, LATENT), cache.pool, idx.contiguous(), PAGE, SCALE,
+               lengths, lw["sink"])[0].view(T, d.heads, LATENT)
+    return (o.reshape(T, d.heads * LATENT) @ lw["wo"]).float()
+
+
+def _indexer(d: Dims, lw, cache, hx, n, op):
+    """The indexer's logits for the step's last token over every cached token's index key."""
+    import torch
+    from ..backends.indexer import reference as IR
+    dev = hx.device
+    rows = torch.cat(cache.index_rows)[:n]
+    pages = -(-n // INDEX_PAGE)
+    padded = torch.zeros(pages * INDEX_PAGE, d.indexer_dim, device=dev)
+    padded[:n] = rows
+    codes, scales = IR.quantize_index_k(padded.view(pages, INDEX_PAGE, d.indexer_dim))
+    kv = IR.pack_index_k(codes, scales)
+    q = (hx[-1:] @ lw["wiq"]).float().view(1, 1, d.indexer_heads, d.indexer_dim).to(torch.float8_e4m3fn)
+    wts = (hx[-1:] @ lw["wiw"]).float()
+    lens = torch.tensor([n], dtype=torch.int32, device=dev)
+    bt = torch.arange(pages, dtype=torch.int32, device=dev).view(1, pages)
+    op("indexer", q, kv, wts, lens, bt, None, pages * INDEX_PAGE, False)

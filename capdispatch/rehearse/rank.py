@@ -1,0 +1,248 @@
+"""One rank of a rehearsal: `python -m capdispatch.rehearse.rank CONFIG RANK`.
+
+Joins the group, decides for its own device and runs the agreement, binds each op's
+kernel from the decision (or DEV's own choice where an emulated card's kernel cannot run
+on DEV), then runs the small model's prefill and decode steps with the TP all-reduces,
+checking every call against the op's reference on the same inputs. Writes rankN.json
+(and rankN.pt, the logits) into the config's folder; rankN.progress names what it is
+doing, so that a rank that hangs is named with its op.
+
+CAPDISPATCH_REHEARSE_FAULT=RANK:OP:KIND plants a fault, for testing the rehearsal itself:
+KIND wrong (the op's output is scaled by 1.5 or its pool bytes flipped), raise, hang or
+exit (the process dies at once).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+FAULT_ENV = "CAPDISPATCH_REHEARSE_FAULT"
+FAULT_KINDS = ("wrong", "raise", "hang", "exit")
+
+
+def parse_fault(text):
+    """(rank, op, kind) from the env var's value, or None when unset/empty."""
+    from .checks import OPS
+    from .errors import RehearseError
+    if not text:
+        return None
+    parts = text.split(":")
+    if (len(parts) != 3 or not parts[0].isdigit() or parts[1] not in OPS or parts[2] not in FAULT_KINDS):
+        raise RehearseError(f"{FAULT_ENV}={text!r}: expected RANK:OP:KIND with OP one of {', '.join(OPS)} "
+                            f"and KIND one of {', '.join(FAULT_KINDS)}")
+    return int(parts[0]), parts[1], parts[2]
+
+
+class _Progress:
+    def __init__(self, path):
+        self.path, self.where = path, "starting"
+
+    def set(self, where):
+        self.where = where
+        with open(self.path, "w") as f:
+            f.write(where)
+
+
+def _bind_ops(rank, plan, run_spec):
+    """op -> dict(decided, ran, substituted, fn, resolution) for this rank."""
+    import capdispatch as cd
+    from ..errors import CapdispatchError
+    out = {}
+    for op, g in plan.ops.items():
+        res = list(g.per_device.values())[rank]
+        entry = {"decided": res.backend, "substituted": None}
+        try:
+            # Can the decided kernel run where this rank runs? (strict: no silent fallback)
+            run_res = cd.resolve(op, run_spec, selections={op: res.backend}, strict=True)
+        except CapdispatchError as exc:
+            run_res = cd.resolve(op, run_spec)
+            first = str(exc).strip().splitlines()
+            entry["substituted"] = (f"{res.backend} cannot run on {run_spec.id} "
+                                    f"({first[-1].strip() if first else 'not runnable'}); "
+                                    f"ran {run_spec.id}'s own choice {run_res.backend}")
+        entry["ran"] = run_res.backend
+        entry["fn"] = cd.bind_resolution(run_res, checks=False)
+        out[op] = entry
+    return out
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    cfg_path, rank = argv[0], int(argv[1])
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    folder = cfg["folder"]
+    prog = _Progress(os.path.join(folder, f"rank{rank}.progress"))
+    result = {"rank": rank, "device": cfg["devices"][rank], "ok": False, "error": None, "where": None,
+              "ops": {}, "decisions": None}
+    try:
+        _run(cfg, rank, prog, result)
+        result["ok"] = True
+    except BaseException as exc:   # noqa: B902 - any failure is the rank's result
+        tb = traceback.extract_tb(exc.__traceback__)
+        at = f" at {os.path.basename(tb[-1].filename)}:{tb[-1].lineno}" if tb else ""
+        result["error"] = f"{type(exc).__name__}: {exc}".strip()[:2000] + at
+        result["where"] = prog.where
+    finally:
+        with open(os.path.join(folder, f"rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+    return 0 if result["ok"] else 1
+
+
+def _run(cfg, rank, prog, result):
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    import capdispatch as cd
+
+    from . import checks, devices
+    from . import model as M
+
+    fault = parse_fault(os.environ.get(FAULT_ENV, ""))
+    dev = devices.parse(cfg["devices"][rank])
+    world = len(cfg["devices"])
+    if dev.run.startswith("cuda"):
+        torch.cuda.set_device(torch.device(dev.run))
+    timeout = timedelta(seconds=cfg["collective_timeout"])
+    prog.set("joining the group")
+    dist.init_process_group(cfg["backend"], init_method=f"tcp://127.0.0.1:{cfg['port']}", rank=rank,
+                            world_size=world, timeout=timeout)
+    try:
+        prog.set("deciding and agreeing")
+        spec = cd.probe(dev.decide)
+        if dev.emulated:
+            spec = spec.with_id(dev.text)
+        shape = cd.load_model(cfg["model"]).for_rank(cfg["tp"], cfg["ep"], False)
+        plan = cd.agree(spec, group=None, libs=cfg.get("libs"), shapes=shape)
+        run_spec = cd.probe(dev.run)
+        bound = _bind_ops(rank, plan, run_spec)
+        result["decisions"] = {op: {k: v for k, v in e.items() if k != "fn"} for op, e in bound.items()}
+        d = M.dims_of(shape, layers=cfg["layers"], hidden=cfg["hidden"], vocab=cfg["vocab"],
+                      experts=cfg["experts"], intermediate=cfg["intermediate"])
+        device = torch.device(dev.run)
+        seed = cfg["seed"]
+        w = M.shard(M.full_weights(d, seed), d, rank)
+        w = _to(w, device)
+        phase = ["prefill"]
+        stats = {op: {"calls": 0, "time_s": 0.0, "ok": True, "worst": None} for op in bound}
+        moe_layouts = {}
+
+        def ops(name, layer, *args):
+            e = bound[name]
+            prog.set(f"{name} (layer {layer}, {phase[0]})")
+            fn = e["fn"]
+            if fault and fault[0] == rank and fault[1] == name:
+                fn = _faulty(fn, name, fault[2])
+            mw = None
+            if name == "moe":
+                mw = moe_layouts.get(layer)
+                if mw is None:
+                    mw = moe_layouts[layer] = _moe_layout(args[1], e["ran"])
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            out, ok, detail = checks.call_checked(name, fn, args, mw)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            s = stats[name]
+            s["calls"] += 1
+            s["time_s"] += time.perf_counter() - t0
+            if not ok and s["ok"]:
+                s["ok"], s["worst"] = False, f"layer {layer}, {phase[0]}: {detail}"
+            elif s["worst"] is None:
+                s["worst"] = detail
+            if name == "kv_quant":
+                return None
+            if not ok and cfg.get("stop_on_mismatch", True):
+                raise OpMismatch(f"{name} (layer {layer}, {phase[0]}) on rank {rank} differs from the "
+                                 f"reference op on the same inputs: {detail}")
+            return out
+
+        reduce = _reducer(dist, device, cfg["backend"], timeout, prog, phase)
+        emb = M.embedding(d, seed).to(device)
+        toks = M.tokens(d, seed, cfg["prompt"], cfg["steps"])
+        caches = [[M.Layer(d, cfg["prompt"] + cfg["steps"], device) for _ in range(d.layers)]]
+        logits = []
+        with torch.no_grad():
+            x = emb[toks[:cfg["prompt"]].to(device)]
+            logits.append(M.forward(d, [w], ops, reduce, x, 0, caches, 0, seed, prefill=True).cpu())
+            for s in range(cfg["steps"]):
+                phase[0] = f"decode step {s + 1}"
+                pos = cfg["prompt"] + s
+                x = emb[toks[pos:pos + 1].to(device)]
+                logits.append(M.forward(d, [w], ops, reduce, x, pos, caches, s + 1, seed, prefill=False).cpu())
+        result["ops"] = stats
+        result["dims"] = d.to_dict()
+        torch.save(logits, os.path.join(cfg["folder"], f"rank{rank}.pt"))
+        prog.set("finished")
+    finally:
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+class OpMismatch(RuntimeError):
+    pass
+
+
+def _to(w, device):
+    from ..backends.moe.weights import MoeWeights
+    if device.type == "cpu":
+        return w
+    def mv(v):
+        if isinstance(v, MoeWeights):
+            return MoeWeights(v.w13.to(device), v.w13_scale.to(device), v.w2.to(device),
+                              v.w2_scale.to(device), swiglu_limit=v.swiglu_limit)
+        return v.to(device) if hasattr(v, "to") else v
+    return {"layers": [{k: mv(v) for k, v in lw.items()} for lw in w["layers"]], "head": w["head"].to(device)}
+
+
+def _moe_layout(base, backend):
+    """BASE laid out for BACKEND (`prepare`), on a copy: the reference keeps reading BASE."""
+    if backend in ("torch", "triton_w4a16"):
+        return base
+    from ..backends.moe import prepare
+    from ..calibrate.inputs import copy_weights
+    w = copy_weights(base)
+    prepare(w, backend)
+    return w
+
+
+def _reducer(dist, device, backend, timeout, prog, phase):
+    def reduce(t):
+        prog.set(f"all_reduce ({phase[0]})")
+        moved = backend == "gloo" and t.device.type != "cpu"
+        buf = t.cpu() if moved else t
+        work = dist.all_reduce(buf, async_op=True)
+        work.wait(timeout)
+        return buf.to(t.device) if moved else buf
+    return reduce
+
+
+def _faulty(fn, op, kind):
+    def wrapped(*args):
+        if kind == "raise":
+            raise RuntimeError(f"planted fault ({FAULT_ENV}): {op} raised")
+        if kind == "hang":
+            while True:
+                time.sleep(1)
+        if kind == "exit":
+            os._exit(17)
+        out = fn(*args)
+        if op == "kv_quant":
+            args[1][0, :8] ^= 0xFF          # flip the first page's first bytes
+            return out
+        if isinstance(out, tuple):
+            return (out[0] * 1.5,) + tuple(out[1:])
+        return out * 1.5
+    return wrapped
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,240 @@
+"""The parent of a rehearsal: start one process per rank, bound their time, gather their
+reports, and compare the group's logits with a single-process reference of the same model.
+
+Bounded time: every collective of a rank times out (the group's timeout, and each
+all-reduce's wait), and the parent kills every rank's process group when the whole
+rehearsal passes its timeout; a rank that did not finish is named with the op it was in.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Optional
+
+import attrs
+
+from .errors import RehearseError
+
+SCHEMA = "capdispatch.rehearse/1"
+# The group's logits against the reference's, per step: relative Frobenius error. The ops'
+# own bounds are 1e-2 (attention) and 1.5e-2 (MoE) per call; layers and bf16 residuals add up.
+LOGITS_REL_TOL = 3e-2
+
+
+@attrs.frozen
+class OpRun:
+    op: str
+    decided: str                  # the rank's decision (its card's)
+    ran: Optional[str]            # the kernel that ran where the rank runs
+    substituted: Optional[str]    # why ran differs from decided, or None
+    calls: int = 0
+    time_s: float = 0.0
+    ok: Optional[bool] = None     # every call matched the reference op on the same inputs
+    detail: Optional[str] = None
+
+
+@attrs.frozen
+class RankRun:
+    rank: int
+    device: str
+    decide: str
+    run: str
+    ok: bool
+    error: Optional[str]          # what failed, with the op it was in
+    ops: tuple                    # OpRun...
+    max_rel_err: Optional[float] = None   # its logits against the reference, worst step
+
+
+@attrs.frozen
+class Rehearsal:
+    model: str
+    tp: int
+    ep: int
+    backend: str                  # the collectives' backend: gloo or nccl
+    dims: dict
+    steps: int
+    ranks: tuple                  # RankRun...
+    ok: bool
+    tolerance: float
+    reference: Optional[str]      # why no comparison was made, or None
+    wall_s: float
+
+    def to_dict(self) -> dict:
+        d = attrs.asdict(self)
+        d["schema"] = SCHEMA
+        return d
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def plan_shape(model: str, tp: int, ep: int):
+    import capdispatch as cd
+    return cd.load_model(model).for_rank(tp, ep, False)
+
+
+def rehearse(devices, model: str, *, tp: Optional[int] = None, ep: int = 1, layers: int = 2,
+             hidden: int = 256, vocab: int = 512, experts: int = 8, intermediate: int = 64,
+             prompt: int = 8, steps: int = 3, seed: int = 0, timeout: float = 60.0,
+             libs: Optional[str] = None) -> Rehearsal:
+    """Rehearse DEVICES (RankDevice..., one per rank) as one TP group on MODEL."""
+    from . import model as M
+    from .rank import FAULT_ENV, parse_fault
+    parse_fault(os.environ.get(FAULT_ENV, ""))        # a bad value is bad input, before any start
+    tp = len(devices) if tp is None else tp
+    if tp != len(devices):
+        raise RehearseError(f"--tp {tp} needs {tp} devices, one per rank; --device gave {len(devices)}")
+    for flag, v, lo in (("--layers", layers, 1), ("--hidden", hidden, 64), ("--vocab", vocab, 2),
+                        ("--experts", experts, 1), ("--intermediate", intermediate, 64),
+                        ("--prompt", prompt, 1), ("--steps", steps, 0)):
+        if v < lo:
+            raise RehearseError(f"{flag} {v}: must be at least {lo}")
+    if hidden % 64 or intermediate % 64:
+        raise RehearseError(f"--hidden {hidden} / --intermediate {intermediate}: must be multiples of 64 "
+                            f"(MXFP4 blocks of 32, packed two per byte)")
+    if not timeout > 0:
+        raise RehearseError(f"--timeout {timeout}: must be a positive number of seconds")
+    shape = plan_shape(model, tp, ep)       # a layout the model cannot take is refused here
+    d = M.dims_of(shape, layers=layers, hidden=hidden, vocab=vocab, experts=experts,
+                  intermediate=intermediate)
+    runs = [dv.run for dv in devices]
+    backend = "nccl" if all(r.startswith("cuda") for r in runs) and len(set(runs)) == len(runs) else "gloo"
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="capdispatch-rehearse-") as folder:
+        cfg = dict(devices=[dv.text for dv in devices], model=model, tp=tp, ep=ep, layers=layers,
+                   hidden=hidden, vocab=vocab, experts=experts, intermediate=intermediate,
+                   prompt=prompt, steps=steps, seed=seed, libs=libs, backend=backend, port=_port(),
+                   folder=folder, collective_timeout=max(1.0, timeout * 0.5))
+        cfg_path = os.path.join(folder, "config.json")
+        with open(cfg_path, "w") as f:
+            json.dump(cfg, f)
+        results, logits = _spawn(cfg_path, folder, len(devices), timeout)
+    ref_logits, why = None, None
+    if any(lg is not None for lg in logits):
+        ref_logits = reference_logits(d, tp, seed, prompt, steps)
+    else:
+        why = "no rank finished: nothing to compare"
+    ranks = []
+    for r, dv in enumerate(devices):
+        res, lg = results[r], logits[r]
+        err = None
+        if lg is not None and ref_logits is not None:
+            err = max(_rel(a, b) for a, b in zip(lg, ref_logits))
+        ops = tuple(_op_run(op, e, (res.get("ops") or {}).get(op))
+                    for op, e in (res.get("decisions") or {}).items())
+        error = res.get("error")
+        ok = bool(res.get("ok")) and err is not None and err <= LOGITS_REL_TOL
+        if res.get("ok") and err is not None and err > LOGITS_REL_TOL:
+            error = (f"rank {r}: logits differ from the reference: relative error {err:.2e} "
+                     f"(bound {LOGITS_REL_TOL:.0e}) though every op matched its reference")
+        ranks.append(RankRun(r, dv.text, dv.decide, dv.run, ok, error, ops, err))
+    return Rehearsal(model, tp, ep, backend, d.to_dict(), steps, tuple(ranks),
+                     all(r.ok for r in ranks), LOGITS_REL_TOL, why, round(time.monotonic() - t0, 2))
+
+
+def _rel(a, b) -> float:
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _op_run(op, e, s) -> OpRun:
+    s = s or {}
+    return OpRun(op, e["decided"], e.get("ran"), e.get("substituted"), s.get("calls", 0),
+                 round(s.get("time_s", 0.0), 6), s.get("ok"), s.get("worst"))
+
+
+def _spawn(cfg_path, folder, world, timeout):
+    """Run the ranks; (per-rank result dicts, per-rank logits or None)."""
+    import torch
+    env = dict(os.environ)
+    procs = []
+    for r in range(world):
+        log = open(os.path.join(folder, f"rank{r}.log"), "wb")
+        procs.append(subprocess.Popen([sys.executable, "-m", "capdispatch.rehearse.rank", cfg_path, str(r)],
+                                      stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True))
+        log.close()
+    deadline = time.monotonic() + timeout
+    first_failure = None
+    while time.monotonic() < deadline:
+        codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes):
+            break
+        if first_failure is None and any(c not in (None, 0) for c in codes):
+            # The others fail on their next collective; give them the collective timeout.
+            first_failure = time.monotonic()
+            deadline = min(deadline, first_failure + max(2.0, timeout * 0.5) + 2.0)
+        time.sleep(0.05)
+    killed = []
+    for r, p in enumerate(procs):
+        if p.poll() is None:
+            killed.append(r)
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+    results, logits = [], []
+    for r, p in enumerate(procs):
+        path = os.path.join(folder, f"rank{r}.json")
+        res = None
+        if os.path.exists(path):
+            with open(path) as f:
+                res = json.load(f)
+        where = _read(os.path.join(folder, f"rank{r}.progress")) or "starting"
+        if res is None:
+            if r in killed:
+                why = f"rank {r}: did not finish within {timeout:g} s (killed) in {where}"
+            else:
+                tail = _read(os.path.join(folder, f"rank{r}.log"))[-400:].strip()
+                why = f"rank {r}: died (exit {p.returncode}) in {where}" + (f": {tail}" if tail else "")
+            res = {"ok": False, "error": why}
+        elif res.get("error"):
+            res["error"] = f"rank {r}: {res['error']}" + (f" (in {res['where']})" if res.get("where") else "")
+        results.append(res)
+        pt = os.path.join(folder, f"rank{r}.pt")
+        logits.append(torch.load(pt) if res.get("ok") and os.path.exists(pt) else None)
+    return results, logits
+
+
+def _read(path) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def reference_logits(d, tp, seed, prompt, steps) -> list:
+    """The same model in one process: each rank's shard in turn through the ops' references,
+    the partials summed in rank order where the group all-reduces."""
+    import torch
+
+    from . import checks
+    from . import model as M
+    w = M.full_weights(d, seed)
+    shards = [M.shard(w, d, r) for r in range(tp)]
+    caches = [[M.Layer(d, prompt + steps, "cpu") for _ in range(d.layers)] for _ in range(tp)]
+
+    def ops(name, layer, *args):
+        out = checks.reference(name)(*args)
+        return out
+
+    emb = M.embedding(d, seed)
+    toks = M.tokens(d, seed, prompt, steps)
+    out = []
+    with torch.no_grad():
+        out.append(M.forward(d, shards, ops, lambda t: t, emb[toks[:prompt]], 0, caches, 0, seed, prefill=True))
+        for s in range(steps):
+            pos = prompt + s
+            out.append(M.forward(d, shards, ops, lambda t: t, emb[toks[pos:pos + 1]], pos, caches, s + 1, seed,
+                                 prefill=False))
+    return out
