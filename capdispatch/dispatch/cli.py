@@ -19,7 +19,7 @@ EXTENSIONS = {
 
 # Subcommands in their own modules (capdispatch/dispatch/NAME.py): each has
 # add_parser(subparsers) and run(args) -> int.
-COMMANDS = ("bench_cmd", "catalog_cmd", "env_cmd", "lock_cmd", "model_cmd", "plan_cmd", "verify_cmd")
+COMMANDS = ("bench_cmd", "catalog_cmd", "env_cmd", "lock_cmd", "model_cmd", "plan_cmd", "rehearse_cmd", "verify_cmd")
 
 EPILOG = """\
 examples:

@@ -1,0 +1,107 @@
+"""`dispatch rehearse`: one process per rank, each running its own decisions on a small
+model with the target model's layer structure and per-rank shapes, with the group's
+all-reduces, against a single-process reference of the same model. Exit codes: 0 the group
+matched the reference; 2 bad input (device, layout the model cannot take, sizes); 3 a rank
+failed, hung or differed."""
+from __future__ import annotations
+
+EPILOG = """\
+examples:
+  dispatch rehearse --device emu:rtx-5090@cpu,emu:rtx-3080@cpu --model deepseek-v4-flash
+      the seed rig's cards, two ranks, on this CPU: each rank's decisions, what ran, the check
+  dispatch rehearse --device emu:rtx-5090@cpu,emu:rtx-3080@cpu,emu:rtx-3080@cpu --model ./config.json
+      three ranks of a model whose heads divide over 3
+  dispatch rehearse --device cuda:0,cuda:1 --model deepseek-v4-flash --layers 4 --format json
+
+devices: cpu, cuda:N, or emu:NAME@DEV: decide as the catalog card NAME, run on DEV (cpu or
+cuda:N); a kernel the card chose that cannot run on DEV is replaced by DEV's own choice and
+marked. One device with --tp N stands for N ranks on it.
+exit codes: 0 every rank matched the reference; 2 bad input; 3 a rank failed, hung or differed.
+"""
+
+
+def add_parser(sub):
+    import argparse
+    p = sub.add_parser("rehearse", help="run the group's chosen kernels together on a small model, "
+                                        "against a reference",
+                       description="One process per rank, each running its own decisions on a small model "
+                                   "with the target model's layer structure and per-rank shapes, with the "
+                                   "group's all-reduces, against a single-process reference.",
+                       epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", action="append", default=[], metavar="DEV[,DEV...]", required=True,
+                   help="one device per rank, in rank order: cpu, cuda:N or emu:NAME@DEV")
+    p.add_argument("--model", required=True, metavar="NAME|PATH",
+                   help="a built-in model (`dispatch model` lists them) or a Hugging Face config.json")
+    p.add_argument("--tp", type=int, default=None, metavar="N", help="TP ranks (default: one per device)")
+    p.add_argument("--ep", type=int, default=1, metavar="N", help="expert-parallel ranks; divides --tp (default 1)")
+    p.add_argument("--layers", type=int, default=2, metavar="N", help="layers of the small model (default 2)")
+    p.add_argument("--hidden", type=int, default=256, metavar="N", help="its hidden size (default 256)")
+    p.add_argument("--vocab", type=int, default=512, metavar="N", help="its vocabulary (default 512)")
+    p.add_argument("--experts", type=int, default=8, metavar="N",
+                   help="its routed experts in all, split by --ep (default 8)")
+    p.add_argument("--intermediate", type=int, default=64, metavar="N",
+                   help="each expert's intermediate size per rank (default 64)")
+    p.add_argument("--prompt", type=int, default=8, metavar="TOKENS", help="prefill tokens (default 8)")
+    p.add_argument("--steps", type=int, default=3, metavar="N", help="decode steps (default 3)")
+    p.add_argument("--seed", type=int, default=0, metavar="N", help="weights, tokens and routes (default 0)")
+    p.add_argument("--timeout", type=float, default=60.0, metavar="S",
+                   help="seconds the whole rehearsal may take; each collective may take half (default 60)")
+    p.add_argument("--libs", metavar="PROFILE",
+                   help="decide for the target's libraries (e.g. sglang-0.5.23); kernels run with this "
+                        "machine's, and a chosen kernel missing here is a marked substitution")
+    p.add_argument("--format", choices=("text", "json"), default="text",
+                   help="text for people (default) or JSON for programs")
+    return p
+
+
+def run(args) -> int:
+    import json
+
+    from ..rehearse import devices, runner
+    from .cli import EXIT_OK, EXIT_UNSAT
+    devs = devices.parse_list(args.device)
+    if len(devs) == 1 and args.tp is not None and args.tp > 1:
+        devs = devs * args.tp
+    r = runner.rehearse(devs, args.model, tp=args.tp, ep=args.ep, layers=args.layers, hidden=args.hidden,
+                        vocab=args.vocab, experts=args.experts, intermediate=args.intermediate,
+                        prompt=args.prompt, steps=args.steps, seed=args.seed, timeout=args.timeout,
+                        libs=args.libs)
+    if args.format == "json":
+        print(json.dumps(r.to_dict(), indent=2))
+    else:
+        print(render(r))
+    return EXIT_OK if r.ok else EXIT_UNSAT
+
+
+def render(r) -> str:
+    d = r.dims
+    lines = [f"rehearsal of {r.model}: tp {r.tp}, ep {r.ep}, {r.backend}; small model: {d['layers']} layers, "
+             f"hidden {d['hidden']}, vocab {d['vocab']}, {d['heads']} heads/rank x 512, "
+             f"{d['experts']}/{d['experts_total']} experts/rank (topk {d['topk']}, intermediate "
+             f"{d['intermediate']}/rank); prefill + {r.steps} decode steps; {r.wall_s:.1f} s", ""]
+    subs = []
+    for k in r.ranks:
+        err = "-" if k.max_rel_err is None else f"{k.max_rel_err:.1e}"
+        lines.append(f"rank {k.rank}  {k.device}  ({'ok' if k.ok else 'FAILED'}; logits rel err {err})")
+        for o in k.ops:
+            mark = "*" if o.substituted else " "
+            check = "-" if o.ok is None else ("ok" if o.ok else "DIFFERS")
+            lines.append(f"  {o.op:<15} {o.decided:<24}{mark} ran {str(o.ran):<10} {o.calls:>3} calls "
+                         f"{o.time_s * 1e3:>8.1f} ms  {check}")
+            if o.substituted:
+                subs.append(f"  rank {k.rank} {o.op}: {o.substituted}")
+            if o.ok is False:
+                lines.append(f"    {o.detail}")
+        if k.error:
+            lines.append(f"  error: {k.error}")
+    lines.append("")
+    if subs:
+        lines.append("* substituted (the decided kernel cannot run where the rank runs):")
+        lines.extend(subs)
+        lines.append("")
+    if r.reference:
+        lines.append(f"no comparison: {r.reference}")
+    verdict = "PASSED" if r.ok else "FAILED"
+    lines.append(f"{verdict}: each call checked against its op's reference on the same inputs; the group's "
+                 f"logits against a single-process reference (relative error <= {r.tolerance:.0e} per step)")
+    return "\n".join(lines)
