@@ -75,45 +75,35 @@ def _gen(seed, *salt):
     return torch.Generator().manual_seed(s)
 
 
-def full_weights(d: Dims, seed: int) -> dict:
-    """The whole model's weights (every head, every expert slice), from SEED alone."""
+def rank_weights(d: Dims, seed: int, rank: int) -> dict:
+    """RANK's weights: its heads' columns and rows, its expert slice, and the replicated rest.
+
+    Every part is drawn from SEED and the part's own coordinates (layer, and rank for a
+    sharded part), so a rank draws only its own part and the reference draws every rank's:
+    the same model either way. A full expert is its MoE TP slices side by side along the
+    intermediate dimension, so the TP sum of the slices' outputs is the expert's."""
     import torch
     from ..backends.moe import reference as MR
-    H = d.hidden
-    heads_total = d.heads * d.ranks
+    H, h = d.hidden, d.heads
+    e_group, t_slice = divmod(rank, d.moe_tp)
     layers = []
     for i in range(d.layers):
-        g = _gen(seed, i)
-        lw = {
-            "wq": (torch.randn(H, heads_total * LATENT, generator=g) * H ** -0.5).bfloat16(),
+        g = _gen(seed, i)                       # replicated on every rank
+        r = _gen(seed, i, 1, rank)              # this rank's heads
+        layers.append({
             "wkv": (torch.randn(H, LATENT, generator=g) * H ** -0.5).bfloat16(),
-            "sink": torch.randn(heads_total, generator=g),
-            "wo": (torch.randn(heads_total * LATENT, H, generator=g) * (heads_total * LATENT) ** -0.5).bfloat16(),
             "wiq": (torch.randn(H, d.indexer_heads * d.indexer_dim, generator=g) * H ** -0.5).bfloat16(),
             "wik": (torch.randn(H, d.indexer_dim, generator=g) * H ** -0.5).bfloat16(),
             "wiw": (torch.randn(H, d.indexer_heads, generator=g) * H ** -0.5).bfloat16(),
-            # Expert slices: [ep group][moe tp slice]; a full expert is its slices side by side
-            # along the intermediate dimension, so the TP sum of the slices is the expert.
-            "moe": [[MR.random_weights(d.experts, H, d.intermediate, gen=_gen(seed, i, 7, e, t),
-                                       swiglu_limit=d.swiglu_limit)
-                     for t in range(d.moe_tp)] for e in range(d.ep)],
-        }
-        layers.append(lw)
+            "wq": (torch.randn(H, h * LATENT, generator=r) * H ** -0.5).bfloat16(),
+            "sink": torch.randn(h, generator=r),
+            "wo": (torch.randn(h * LATENT, H, generator=r) * (d.ranks * h * LATENT) ** -0.5).bfloat16(),
+            "moe": MR.random_weights(d.experts, H, d.intermediate, gen=_gen(seed, i, 7, e_group, t_slice),
+                                     swiglu_limit=d.swiglu_limit),
+            "expert_base": e_group * d.experts,
+        })
     g = _gen(seed, 10 ** 6)
     return {"layers": layers, "head": (torch.randn(H, d.vocab, generator=g) * H ** -0.5).bfloat16()}
-
-
-def shard(w: dict, d: Dims, rank: int) -> dict:
-    """RANK's part: its heads' columns / rows, its expert slice."""
-    h = d.heads
-    lo, hi = rank * h, (rank + 1) * h
-    out = []
-    for lw in w["layers"]:
-        e_group, t_slice = divmod(rank, d.moe_tp)
-        out.append(dict(lw, wq=lw["wq"][:, lo * LATENT:hi * LATENT].contiguous(), sink=lw["sink"][lo:hi].contiguous(),
-                        wo=lw["wo"][lo * LATENT:hi * LATENT].contiguous(),
-                        moe=lw["moe"][e_group][t_slice], expert_base=e_group * d.experts))
-    return {"layers": out, "head": w["head"]}
 
 
 def routes(d: Dims, seed: int, step: int, T: int):

@@ -38,9 +38,12 @@ def parse_fault(text):
 
 class _Progress:
     def __init__(self, path):
-        self.path, self.where = path, "starting"
+        self.path, self.where, self.phases = path, "starting", [["starting", time.monotonic()]]
 
     def set(self, where):
+        now = time.monotonic()
+        if not self.phases or self.where != where and " (" not in where:
+            self.phases.append([where, now])
         self.where = where
         with open(self.path, "w") as f:
             f.write(where)
@@ -127,11 +130,12 @@ def _run(cfg, rank, prog, result):
         run_spec = cd.probe(dev.run)
         bound = _bind_ops(rank, plan, run_spec)
         result["decisions"] = {op: {k: v for k, v in e.items() if k != "fn"} for op, e in bound.items()}
+        prog.set("building")
         d = M.dims_of(shape, layers=cfg["layers"], hidden=cfg["hidden"], vocab=cfg["vocab"],
                       experts=cfg["experts"], intermediate=cfg["intermediate"])
         device = torch.device(dev.run)
         seed = cfg["seed"]
-        w = M.shard(M.full_weights(d, seed), d, rank)
+        w = M.rank_weights(d, seed, rank)
         w = _to(w, device)
         phase = ["prefill"]
         stats = {op: {"calls": 0, "time_s": 0.0, "ok": True, "worst": None} for op in bound}
@@ -190,6 +194,11 @@ def _run(cfg, rank, prog, result):
                 x = emb[toks[pos:pos + 1].to(device)]
                 logits.append(M.forward(d, [w], ops, reduce, x, pos, caches, s + 1, seed, prefill=False).cpu())
         result["ops"] = stats
+        ends = prog.phases[1:] + [["end", time.monotonic()]]
+        names = {"starting": "start", "joining the group": "join", "deciding and agreeing": "decide",
+                 "building": "run"}
+        result["phases_s"] = {names[p[0]]: round(e[1] - p[1], 3) for p, e in zip(prog.phases, ends)
+                              if p[0] in names}
         result["dims"] = d.to_dict()
         torch.save(logits, os.path.join(cfg["folder"], f"rank{rank}.pt"))
         prog.set("finished")

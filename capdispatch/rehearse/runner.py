@@ -49,6 +49,7 @@ class RankRun:
     error: Optional[str]          # what failed, with the op it was in
     ops: tuple                    # OpRun...
     max_rel_err: Optional[float] = None   # its logits against the reference, worst step
+    phases_s: dict = attrs.field(factory=dict)   # seconds: start (imports), join, decide (+ agree), run (build, forward, checks)
 
 
 @attrs.frozen
@@ -136,8 +137,8 @@ def rehearse(devices, model: str, *, tp: Optional[int] = None, ep: int = 1, laye
         if res.get("ok") and err is not None and err > LOGITS_REL_TOL:
             error = (f"rank {r}: logits differ from the reference: relative error {err:.2e} "
                      f"(bound {LOGITS_REL_TOL:.0e}) though every op matched its reference")
-        ranks.append(RankRun(r, dv.text, dv.decide, dv.run, ok, error, ops, err))
-    return Rehearsal(model, tp, ep, backend, d.to_dict(), steps, tuple(ranks),
+        ranks.append(RankRun(r, dv.text, dv.decide, dv.run, ok, error, ops, err, res.get("phases_s") or {}))
+    return Rehearsal(shape.model, tp, ep, backend, d.to_dict(), steps, tuple(ranks),
                      all(r.ok for r in ranks), LOGITS_REL_TOL, why, round(time.monotonic() - t0, 2))
 
 
@@ -220,8 +221,7 @@ def reference_logits(d, tp, seed, prompt, steps) -> list:
 
     from . import checks
     from . import model as M
-    w = M.full_weights(d, seed)
-    shards = [M.shard(w, d, r) for r in range(tp)]
+    shards = [M.rank_weights(d, seed, r) for r in range(tp)]
     caches = [[M.Layer(d, prompt + steps, "cpu") for _ in range(d.layers)] for _ in range(tp)]
 
     def ops(name, layer, *args):
