@@ -45,7 +45,10 @@ def add_parser(sub):
     p.add_argument("--steps", type=int, default=3, metavar="N", help="decode steps (default 3)")
     p.add_argument("--seed", type=int, default=0, metavar="N", help="weights, tokens and routes (default 0)")
     p.add_argument("--timeout", type=float, default=60.0, metavar="S",
-                   help="seconds the whole rehearsal may take; each collective may take half (default 60)")
+                   help="seconds a rank may go without progress (an op or all-reduce beginning), and "
+                        "each all-reduce may wait; then every rank still running is killed (default 60)")
+    p.add_argument("--start-timeout", type=float, default=120.0, metavar="S",
+                   help="seconds a rank may take to start: imports, device, joining (default 120)")
     p.add_argument("--libs", metavar="PROFILE",
                    help="decide for the target's libraries (e.g. sglang-0.5.23); kernels run with this "
                         "machine's, and a chosen kernel missing here is a marked substitution")
@@ -65,7 +68,7 @@ def run(args) -> int:
     r = runner.rehearse(devs, args.model, tp=args.tp, ep=args.ep, layers=args.layers, hidden=args.hidden,
                         vocab=args.vocab, experts=args.experts, intermediate=args.intermediate,
                         prompt=args.prompt, steps=args.steps, seed=args.seed, timeout=args.timeout,
-                        libs=args.libs)
+                        libs=args.libs, start_timeout=args.start_timeout)
     if args.format == "json":
         print(json.dumps(r.to_dict(), indent=2))
     else:
@@ -101,6 +104,8 @@ def render(r) -> str:
         lines.append("")
     if r.reference:
         lines.append(f"no comparison: {r.reference}")
+    if r.cause:
+        lines.append(f"first failure: {r.cause}")
     verdict = "PASSED" if r.ok else "FAILED"
     lines.append(f"{verdict}: each call checked against its op's reference on the same inputs; the group's "
                  f"logits against a single-process reference (relative error <= {r.tolerance:.0e} per step)")

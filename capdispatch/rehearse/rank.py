@@ -118,8 +118,9 @@ def _run(cfg, rank, prog, result):
         torch.cuda.set_device(torch.device(dev.run))
     timeout = timedelta(seconds=cfg["collective_timeout"])
     prog.set("joining the group")
+    # The rendezvous waits for ranks still starting; each all-reduce waits TIMEOUT at most.
     dist.init_process_group(cfg["backend"], init_method=f"tcp://127.0.0.1:{cfg['port']}", rank=rank,
-                            world_size=world, timeout=timeout)
+                            world_size=world, timeout=timedelta(seconds=cfg["start_timeout"]))
     try:
         prog.set("deciding and agreeing")
         spec = cd.probe(dev.decide)

@@ -49,6 +49,7 @@ class RankRun:
     error: Optional[str]          # what failed, with the op it was in
     ops: tuple                    # OpRun...
     max_rel_err: Optional[float] = None   # its logits against the reference, worst step
+    failed_op: Optional[str] = None       # the op the rank was in when it failed, if in one
     phases_s: dict = attrs.field(factory=dict)   # seconds: start (imports), join, decide (+ agree), run (build, forward, checks)
 
 
@@ -65,6 +66,7 @@ class Rehearsal:
     tolerance: float
     reference: Optional[str]      # why no comparison was made, or None
     wall_s: float
+    cause: Optional[str] = None   # the first failure, not a consequence of another rank's
 
     def to_dict(self) -> dict:
         d = attrs.asdict(self)
@@ -86,8 +88,12 @@ def plan_shape(model: str, tp: int, ep: int):
 def rehearse(devices, model: str, *, tp: Optional[int] = None, ep: int = 1, layers: int = 2,
              hidden: int = 256, vocab: int = 512, experts: int = 8, intermediate: int = 64,
              prompt: int = 8, steps: int = 3, seed: int = 0, timeout: float = 60.0,
-             libs: Optional[str] = None) -> Rehearsal:
-    """Rehearse DEVICES (RankDevice..., one per rank) as one TP group on MODEL."""
+             libs: Optional[str] = None, start_timeout: float = 120.0) -> Rehearsal:
+    """Rehearse DEVICES (RankDevice..., one per rank) as one TP group on MODEL.
+
+    TIMEOUT: seconds a rank may go without progress (and each all-reduce may wait);
+    START_TIMEOUT: seconds a rank may take to start (imports, device)."""
+    from . import checks
     from . import model as M
     from .rank import FAULT_ENV, parse_fault
     parse_fault(os.environ.get(FAULT_ENV, ""))        # a bad value is bad input, before any start
@@ -102,8 +108,9 @@ def rehearse(devices, model: str, *, tp: Optional[int] = None, ep: int = 1, laye
     if hidden % 64 or intermediate % 64:
         raise RehearseError(f"--hidden {hidden} / --intermediate {intermediate}: must be multiples of 64 "
                             f"(MXFP4 blocks of 32, packed two per byte)")
-    if not timeout > 0:
-        raise RehearseError(f"--timeout {timeout}: must be a positive number of seconds")
+    for flag, v in (("--timeout", timeout), ("--start-timeout", start_timeout)):
+        if not v > 0:
+            raise RehearseError(f"{flag} {v}: must be a positive number of seconds")
     shape = plan_shape(model, tp, ep)       # a layout the model cannot take is refused here
     d = M.dims_of(shape, layers=layers, hidden=hidden, vocab=vocab, experts=experts,
                   intermediate=intermediate)
@@ -114,11 +121,11 @@ def rehearse(devices, model: str, *, tp: Optional[int] = None, ep: int = 1, laye
         cfg = dict(devices=[dv.text for dv in devices], model=model, tp=tp, ep=ep, layers=layers,
                    hidden=hidden, vocab=vocab, experts=experts, intermediate=intermediate,
                    prompt=prompt, steps=steps, seed=seed, libs=libs, backend=backend, port=_port(),
-                   folder=folder, collective_timeout=max(1.0, timeout * 0.5))
+                   folder=folder, collective_timeout=timeout, start_timeout=start_timeout)
         cfg_path = os.path.join(folder, "config.json")
         with open(cfg_path, "w") as f:
             json.dump(cfg, f)
-        results, logits = _spawn(cfg_path, folder, len(devices), timeout)
+        results, logits = _spawn(cfg_path, folder, len(devices), timeout, start_timeout)
     ref_logits, why = None, None
     if any(lg is not None for lg in logits):
         ref_logits = reference_logits(d, tp, seed, prompt, steps)
@@ -137,9 +144,22 @@ def rehearse(devices, model: str, *, tp: Optional[int] = None, ep: int = 1, laye
         if res.get("ok") and err is not None and err > LOGITS_REL_TOL:
             error = (f"rank {r}: logits differ from the reference: relative error {err:.2e} "
                      f"(bound {LOGITS_REL_TOL:.0e}) though every op matched its reference")
-        ranks.append(RankRun(r, dv.text, dv.decide, dv.run, ok, error, ops, err, res.get("phases_s") or {}))
+        where = res.get("where") or ""
+        op = where.split(" ")[0] if where.split(" ")[0] in checks.OPS else None
+        ranks.append(RankRun(r, dv.text, dv.decide, dv.run, ok, error, ops, err, op, res.get("phases_s") or {}))
     return Rehearsal(shape.model, tp, ep, backend, d.to_dict(), steps, tuple(ranks),
-                     all(r.ok for r in ranks), LOGITS_REL_TOL, why, round(time.monotonic() - t0, 2))
+                     all(r.ok for r in ranks), LOGITS_REL_TOL, why, round(time.monotonic() - t0, 2),
+                     _cause(ranks))
+
+
+def _cause(ranks) -> Optional[str]:
+    """The failure to read first: a rank that failed in one of its ops (not in a collective
+    that another rank's failure broke), else the first failing rank."""
+    failed = [k for k in ranks if not k.ok]
+    if not failed:
+        return None
+    first = next((k for k in failed if k.failed_op), failed[0])
+    return first.error or f"rank {first.rank} failed"
 
 
 def _rel(a, b) -> float:
@@ -153,7 +173,7 @@ def _op_run(op, e, s) -> OpRun:
                  round(s.get("time_s", 0.0), 6), s.get("ok"), s.get("worst"))
 
 
-def _spawn(cfg_path, folder, world, timeout):
+def _spawn(cfg_path, folder, world, timeout, start_timeout):
     """Run the ranks; (per-rank result dicts, per-rank logits or None)."""
     import torch
     env = dict(os.environ)
@@ -163,18 +183,33 @@ def _spawn(cfg_path, folder, world, timeout):
         procs.append(subprocess.Popen([sys.executable, "-m", "capdispatch.rehearse.rank", cfg_path, str(r)],
                                       stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True))
         log.close()
-    deadline = time.monotonic() + timeout
-    first_failure = None
-    while time.monotonic() < deadline:
+    # Watchdog: a rank must start (imports, device) within START_TIMEOUT; a started rank that
+    # makes no progress (no op or collective begins) for TIMEOUT seconds is stalled, and then
+    # every rank still running is killed. A rank that fails ends the others within TIMEOUT:
+    # their next collective times out.
+    t0 = time.monotonic()
+    killed, stalled = [], None
+    progress = [os.path.join(folder, f"rank{r}.progress") for r in range(world)]
+    while True:
         codes = [p.poll() for p in procs]
         if all(c is not None for c in codes):
             break
-        if first_failure is None and any(c not in (None, 0) for c in codes):
-            # The others fail on their next collective; give them the collective timeout.
-            first_failure = time.monotonic()
-            deadline = min(deadline, first_failure + max(2.0, timeout * 0.5) + 2.0)
+        now = time.monotonic()
+        for r, p in enumerate(procs):
+            if codes[r] is not None:
+                continue
+            try:
+                age = time.time() - os.path.getmtime(progress[r])
+            except OSError:
+                age = None
+            if age is None and now - t0 > start_timeout:
+                stalled = stalled or (r, f"did not start within {start_timeout:g} s")
+            elif age is not None and age > timeout + _grace(progress[r]):
+                stalled = stalled or (r, f"made no progress for {timeout:g} s")
+        if stalled:
+            break
         time.sleep(0.05)
-    killed = []
+    stalls = {}
     for r, p in enumerate(procs):
         if p.poll() is None:
             killed.append(r)
@@ -183,6 +218,7 @@ def _spawn(cfg_path, folder, world, timeout):
             except ProcessLookupError:
                 pass
             p.wait()
+            stalls[r] = stalled[1] if stalled and stalled[0] == r else f"still running when rank {stalled[0]} stalled"
     results, logits = [], []
     for r, p in enumerate(procs):
         path = os.path.join(folder, f"rank{r}.json")
@@ -193,17 +229,24 @@ def _spawn(cfg_path, folder, world, timeout):
         where = _read(os.path.join(folder, f"rank{r}.progress")) or "starting"
         if res is None:
             if r in killed:
-                why = f"rank {r}: did not finish within {timeout:g} s (killed) in {where}"
+                why = f"rank {r}: {stalls[r]} (killed) in {where}"
             else:
                 tail = _read(os.path.join(folder, f"rank{r}.log"))[-400:].strip()
                 why = f"rank {r}: died (exit {p.returncode}) in {where}" + (f": {tail}" if tail else "")
-            res = {"ok": False, "error": why}
+            res = {"ok": False, "error": why, "where": where}
         elif res.get("error"):
-            res["error"] = f"rank {r}: {res['error']}" + (f" (in {res['where']})" if res.get("where") else "")
+            msg = res["error"].splitlines()[0][:400]
+            res["error"] = f"rank {r}: {msg}" + (f" (in {res['where']})" if res.get("where") else "")
         results.append(res)
         pt = os.path.join(folder, f"rank{r}.pt")
         logits.append(torch.load(pt) if res.get("ok") and os.path.exists(pt) else None)
     return results, logits
+
+
+def _grace(progress_path) -> float:
+    """A rank waiting in a collective times out there itself (and says so): a few seconds more."""
+    where = _read(progress_path)
+    return 5.0 if where.startswith(("all_reduce", "joining", "deciding")) else 0.0
 
 
 def _read(path) -> str:
