@@ -92,7 +92,7 @@ def render(r) -> str:
             lines.append(f"  {o.op:<15} {o.decided:<24}{mark} ran {str(o.ran):<10} {o.calls:>3} calls "
                          f"{o.time_s * 1e3:>8.1f} ms  {check}")
             if o.substituted:
-                subs.append(f"  rank {k.rank} {o.op}: {o.substituted}")
+                subs.append((o.op, o.substituted, k.rank))
             if o.ok is False:
                 lines.append(f"    {o.detail}")
         if k.error:
@@ -100,7 +100,11 @@ def render(r) -> str:
     lines.append("")
     if subs:
         lines.append("* substituted (the decided kernel cannot run where the rank runs):")
-        lines.extend(subs)
+        seen = {}
+        for op, why, rank in subs:          # one line per op and reason, naming its ranks
+            seen.setdefault((op, why), []).append(str(rank))
+        for (op, why), ranks in seen.items():
+            lines.append(f"  {op} (rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)}): {why}")
         lines.append("")
     if r.reference:
         lines.append(f"no comparison: {r.reference}")
