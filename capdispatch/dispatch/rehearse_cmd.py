@@ -89,7 +89,7 @@ def render(r) -> str:
         for o in k.ops:
             mark = "*" if o.substituted else " "
             check = "-" if o.ok is None else ("ok" if o.ok else "DIFFERS")
-            lines.append(f"  {o.op:<15} {o.decided:<24}{mark} ran {str(o.ran):<10} {o.calls:>3} calls "
+            lines.append(f"  {o.op:<15} {o.decided:<24}{mark} ran {str(o.ran):<14} {o.calls:>3} calls "
                          f"{o.time_s * 1e3:>8.1f} ms  {check}")
             if o.substituted:
                 subs.append((o.op, o.substituted, k.rank))
