@@ -20,8 +20,8 @@ SEED_RIG = "emu:rtx-5090@cpu,emu:rtx-3080@cpu,emu:rtx-3080@cpu"
 SMALL = dict(layers=1, prompt=4, steps=2)
 
 
-def _rehearse(devs, model="deepseek-v4-flash", **kw):
-    return runner.rehearse(devices.parse_list([devs]), model, libs="sglang-0.5.23", **kw)
+def _rehearse(devs, model="deepseek-v4-flash", libs="sglang-0.5.23", **kw):
+    return runner.rehearse(devices.parse_list([devs]), model, libs=libs, **kw)
 
 
 def test_seed_rig_emulated_on_cpu_matches_reference():
@@ -108,3 +108,27 @@ def test_cli_bad_input_exits_2(monkeypatch, capsys):
     monkeypatch.delenv(FAULT_ENV)
     assert main(["rehearse", "--device", "cpu,cpu", "--tp", "3", "--model", "deepseek-v4-flash"]) == 2
     assert main(["rehearse", "--device", "cpu", "--model", "deepseek-v4-flash", "--hidden", "100"]) == 2
+
+
+# --- on a CUDA card (skipped without one) -----------------------------------------------------
+
+@pytest.mark.gpu
+def test_seed_rig_emulated_on_one_card():
+    """The seed rig's cards as three processes on cuda:0 (gloo: the ranks share the card): the
+    decisions are the cards', what cannot run on this card is a marked substitution."""
+    r = _rehearse("emu:rtx-5090@cuda:0,emu:rtx-3080@cuda:0,emu:rtx-3080@cuda:0", TP3,
+                  layers=2, prompt=8, steps=3, timeout=120)
+    assert r.ok, r.cause
+    assert r.backend == "gloo"
+    for k in r.ranks:
+        assert k.max_rel_err <= runner.LOGITS_REL_TOL
+        for o in k.ops:
+            assert o.ok and (o.substituted is None) == (o.decided == o.ran), o
+
+
+@pytest.mark.gpu
+def test_one_card_at_the_model_heads():
+    # This machine's libraries decide: every chosen kernel is one that can run here.
+    r = _rehearse("cuda:0", libs=None, layers=2, prompt=8, steps=3, timeout=120)
+    assert r.ok, r.cause
+    assert r.dims["heads"] == 64 and all(o.substituted is None for o in r.ranks[0].ops)
