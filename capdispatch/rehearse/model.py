@@ -188,8 +188,11 @@ def _attention(d, lw, cache, hx, positions, n, op, prefill):
         o = op("sparse_prefill", q, rows.view(n, 1, LATENT), idx, SCALE, LATENT, lw["sink"], None)[0]
     else:
         _indexer(d, lw, cache, hx, n, op)
+        # The window's positions first, -1 after them up to the window's width: the index list
+        # keeps the model's top-k width (what the kernels' shape ranges were checked at).
         width = min(n, d.window)
-        idx = torch.arange(n - width, n, device=dev, dtype=torch.int32).view(1, 1, width).expand(T, 1, width)
+        idx = torch.full((T, 1, d.window), -1, dtype=torch.int32, device=dev)
+        idx[:, 0, :width] = torch.arange(n - width, n, device=dev, dtype=torch.int32)
         lengths = torch.full((T,), width, dtype=torch.int32, device=dev)
         o = op("decode_mla", q.view(T, 1, d.heads, LATENT), cache.pool, idx.contiguous(), PAGE, SCALE,
                lengths, lw["sink"])[0].view(T, d.heads, LATENT)
