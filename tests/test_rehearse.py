@@ -64,11 +64,12 @@ def test_hang_is_bounded_and_named(monkeypatch):
     assert not r.ranks[0].ok and "all_reduce" in r.ranks[0].error   # it waited, bounded, in its all-reduce
 
 
-def test_exception_is_named(monkeypatch):
-    monkeypatch.setenv(FAULT_ENV, "0:kv_quant:raise")
+@pytest.mark.parametrize("kind, says", [("raise", "planted fault"), ("exit", "died (exit 17)")])
+def test_exception_or_death_is_named(monkeypatch, kind, says):
+    monkeypatch.setenv(FAULT_ENV, f"0:kv_quant:{kind}")
     r = _rehearse("cpu,cpu", timeout=60, **SMALL)
     assert not r.ok and r.ranks[0].failed_op == "kv_quant"
-    assert "planted fault" in r.cause and r.cause.startswith("rank 0:")
+    assert says in r.cause and r.cause.startswith("rank 0:")
 
 
 # --- bad input: refused before any process starts ---------------------------------------------
