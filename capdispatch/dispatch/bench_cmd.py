@@ -76,6 +76,7 @@ def run(args, *, timer=None) -> int:
     from ..calibrate import choose, ladder, measure, served, timing, writer
     from ..policies import PolicyError, load_file
     from .binding import bind
+    from ..errors import CapdispatchError
     from .errors import BadInput
     from .resolver import as_spec, context, evaluate, known_device_names, order
 
@@ -107,8 +108,20 @@ def run(args, *, timer=None) -> int:
         sizes = ladder.parse_sizes(args.sizes) if args.sizes else None
     except ladder.SizesError as exc:
         raise BadInput(str(exc)) from None
+    ladders = {}
+    for op in ops:          # what an op must declare to be timed, checked before anything runs
+        if not ctx.registry.ops[op].case:
+            from ..calibrate.inputs import builder_of
+            try:
+                builder_of(op, ctx.registry)
+            except CapdispatchError as exc:
+                raise BadInput(f"--op {op}: {exc}") from None
+        try:
+            ladders[op] = sizes or ladder.sizes_of(op, ctx.registry)
+        except ladder.SizesError as exc:
+            raise BadInput(f"--op {op}: {exc}") from None
     for op in ops if sizes else ():
-        top = ladder.max_size(op)
+        top = ladder.max_size(op, ctx.registry)
         if sizes[-1] > top:
             raise BadInput(f"--sizes: {sizes[-1]} is larger than {op} is timed at (valid: up to {top} "
                            f"{ctx.registry.ops[op].size.key}, 16 times its ladder's largest)")
@@ -181,7 +194,7 @@ def run(args, *, timer=None) -> int:
                 continue
             # The served form: what serving binds, without argument checks.
             fns[c.backend] = bind(op, dev, backend=c.backend, checks=False)
-        plan.append((op, fns, skipped, sizes or ladder.DEFAULT_SIZES[op]))
+        plan.append((op, fns, skipped, ladders[op]))
 
     total = sum(len(f) * len(s) for _, f, _, s in plan)
     results = {}
