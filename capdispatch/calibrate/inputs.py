@@ -31,15 +31,28 @@ class UndeclaredError(CapdispatchError, ValueError):
     """An op lacks a declaration that calibration or a benchmark needs."""
 
 
+def undeclared(spec, sizes_given: bool = False) -> str:
+    """What op SPEC (an Op) lacks to be calibrated, in words naming the field to declare;
+    "" when nothing. SIZES_GIVEN: the sizes come from the caller (--sizes), not Op.sizes."""
+    if not spec.case:
+        return (f"op {spec.name!r} declares no calibration case: add case=\"module:function\" to "
+                f"its Op (a builder(size, gen, device, profile, batch=None, layer_state=None) "
+                f"returning a capdispatch.backends.cases.Case; see docs/contributing.md)")
+    if not spec.sizes and not sizes_given:
+        return (f"op {spec.name!r} declares no size ladder: add sizes=(...) to its Op (the sizes "
+                f"`dispatch bench` times it at; see docs/contributing.md), or give --sizes")
+    if spec.size is None:
+        return (f"op {spec.name!r} declares no size argument: add size=SizeArg(key, index, name) "
+                f"to its Op (the leading dimension calibration buckets on; see docs/contributing.md)")
+    return ""
+
+
 def builder_of(op: str, registry=None):
     """OP's case builder (its Op.case), or UndeclaredError naming the op and the field."""
     from ..backends import builtin
     spec = (registry or builtin()).ops[op]
     if not spec.case:
-        raise UndeclaredError(
-            f"op {op!r} declares no calibration case: add case=\"module:function\" to its Op "
-            f"(a builder(size, gen, device, profile, batch=None, layer_state=None) returning a "
-            f"capdispatch.backends.cases.Case; see docs/contributing.md)")
+        raise UndeclaredError(undeclared(spec))
     return spec.load_case()
 
 

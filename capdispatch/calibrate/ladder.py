@@ -4,15 +4,6 @@ from __future__ import annotations
 from ..errors import CapdispatchError
 
 # Each op's default sizes are its Op.sizes (declared in its folder, with the op).
-def sizes_of(op: str, registry=None) -> tuple:
-    """OP's default ladder (its Op.sizes), or an error naming the op and the field to declare."""
-    from ..backends import builtin
-    sizes = (registry or builtin()).ops[op].sizes
-    if not sizes:
-        raise SizesError(f"op {op!r} declares no size ladder: add sizes=(...) to its Op "
-                         f"(the sizes `dispatch bench` times it at; see docs/contributing.md), "
-                         f"or give --sizes")
-    return sizes
 
 
 # Problem dimensions other than the bucketed one. "full" are DeepSeek-V4's at 64 attention

@@ -76,7 +76,6 @@ def run(args, *, timer=None) -> int:
     from ..calibrate import choose, ladder, measure, served, timing, writer
     from ..policies import PolicyError, load_file
     from .binding import bind
-    from ..errors import CapdispatchError
     from .errors import BadInput
     from .resolver import as_spec, context, evaluate, known_device_names, order
 
@@ -108,18 +107,19 @@ def run(args, *, timer=None) -> int:
         sizes = ladder.parse_sizes(args.sizes) if args.sizes else None
     except ladder.SizesError as exc:
         raise BadInput(str(exc)) from None
-    ladders = {}
-    for op in ops:          # what an op must declare to be timed, checked before anything runs
-        if not ctx.registry.ops[op].case:
-            from ..calibrate.inputs import builder_of
-            try:
-                builder_of(op, ctx.registry)
-            except CapdispatchError as exc:
-                raise BadInput(f"--op {op}: {exc}") from None
-        try:
-            ladders[op] = sizes or ladder.sizes_of(op, ctx.registry)
-        except ladder.SizesError as exc:
-            raise BadInput(f"--op {op}: {exc}") from None
+    # What an op must declare to be timed, checked before anything runs: an op named by
+    # --op is refused without it; with no --op, it is left out and said so.
+    ladders, named = {}, bool(args.op)
+    for op in list(ops):
+        from ..calibrate.inputs import undeclared
+        why = undeclared(ctx.registry.ops[op], sizes is not None)
+        if why and named:
+            raise BadInput(f"--op {op}: {why}")
+        if why:
+            print(f"dispatch bench: {op} left out: {why}", file=sys.stderr)
+            ops.remove(op)
+            continue
+        ladders[op] = sizes or ctx.registry.ops[op].sizes
     for op in ops if sizes else ():
         top = ladder.max_size(op, ctx.registry)
         if sizes[-1] > top:
