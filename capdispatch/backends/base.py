@@ -287,6 +287,15 @@ class Op:
     case: str = ""
     # The sizes `dispatch bench` times the op at by default (its SizeArg's leading dimension).
     sizes: tuple = attrs.field(default=(), converter=tuple)
+    # "module:function" giving the op's Triton kernels to compile offline for a card
+    # (compile_matrix.py: function(Target) -> [Job]); ops sharing one function name it once
+    # each. "": the op has no Triton kernel.
+    compile_jobs: str = ""
+
+    def load_compile_jobs(self):
+        import importlib
+        module, _, attr = self.compile_jobs.partition(":")
+        return getattr(importlib.import_module(module), attr)
 
     def load_case(self):
         import importlib

@@ -25,6 +25,7 @@ OPS = (
        "out 0 where no entry is valid); ids < 0, >= num_pages*page_size or past topk_length are masked",
        reference="torch", size=SizeArg("tokens", 0, "q"), canary=f"{_PKG}.canary:decode_mla",
        case=f"{_PKG}.calibration:decode_mla_case", sizes=DECODE_SIZES,
+       compile_jobs="capdispatch.backends.compile_matrix:attention_jobs",
        # The valid counts (topk_length, extra_topk_length) are the batch's: FlashMLA's schedule
        # is derived from them once per batch (SGLang passes it to every layer).
        served="decode", batch_args=(5, 10)),

@@ -19,6 +19,7 @@ OPS = (Op(
     size=SizeArg("tokens", 0, "q"),     # B: decode batch rows, or prefill query rows
     canary=f"{_PKG}.canary:indexer",
     case=f"{_PKG}.calibration:indexer_case", sizes=DECODE_SIZES,
+    compile_jobs="capdispatch.backends.compile_matrix:indexer_jobs",
     # Context lengths, block table and DeepGEMM's schedule are the batch's; q, weights and the
     # index-K pages each layer's.
     served="decode", batch_args=(3, 4),

@@ -13,6 +13,7 @@ OPS = (
        "kv_quant(k, pool, loc, page_size) -> None", reference="torch",
        size=SizeArg("rows", 0, "k"), canary=f"{_PKG}.canary:kv_quant",
        case=f"{_PKG}.calibration:kv_quant_case", sizes=DECODE_SIZES + (16384,),
+       compile_jobs="capdispatch.backends.compile_matrix:kv_cache_jobs",
        # Every step stores its tokens; the slot map is the batch's, the pool each layer's.
        served="decode", batch_args=(2,)),
     Op("kv_dequant",
@@ -20,6 +21,7 @@ OPS = (
        "kv_dequant(pool, token_ids, page_size, out=None) -> Tensor", reference="torch",
        size=SizeArg("rows", 1, "token_ids"), canary=f"{_PKG}.canary:kv_dequant",
        case=f"{_PKG}.calibration:kv_dequant_case", sizes=(64, 256, 1024, 4096, 16384, 65536, 262144),
+       compile_jobs="capdispatch.backends.compile_matrix:kv_cache_jobs",
        # SGLang dequantizes the pool for sparse prefill (deepseek_v4_backend.py); the token ids
        # are the batch's, the pool each layer's.
        served="prefill", batch_args=(1,)),

@@ -29,6 +29,7 @@ OPS = (
        layouts={name: layout for name, (layout, _) in LAYOUTS.items()},
        canary=f"{_PKG}.canary:moe",
        case=f"{_PKG}.calibration:MoeCase", sizes=DECODE_SIZES,
+       compile_jobs="capdispatch.backends.compile_matrix:moe_jobs",
        # Routing is each layer's own; decode steps replay it from CUDA graphs.
        served="decode"),
 )
