@@ -28,9 +28,9 @@ def _resolves(path: str) -> bool:
     parts = path.split(".")
     if parts[0] in capdispatch.__all__:
         return True
-    for i in range(len(parts), 0, -1):
+    for i in range(len(parts), -1, -1):
         try:
-            obj = importlib.import_module("capdispatch." + ".".join(parts[:i]))
+            obj = importlib.import_module(".".join(["capdispatch", *parts[:i]]))
         except ImportError:
             continue
         try:
