@@ -59,3 +59,12 @@ def test_the_bare_fixture_plugin_loads(monkeypatch):
     monkeypatch.syspath_prepend(BARE)
     reg = build()
     assert "bare_rows" in reg.ops and [p.name for p in reg.plugins if p.ok] == ["bareop"]
+
+
+def test_the_largest_size_follows_the_ladder_or_a_fixed_bound_without_one():
+    """--sizes may reach 16 times an op's ladder's largest; for an op without a ladder, 4096."""
+    from capdispatch.calibrate import ladder
+    reg = Registry()
+    reg.add_op(_op(size=SizeArg("rows", 0, "x"), case="m:f"))
+    assert ladder.max_size("bare", reg) == 4096
+    assert ladder.max_size("kv_dequant") == 16 * max(builtin().ops["kv_dequant"].sizes)

@@ -51,7 +51,7 @@ class SizesError(CapdispatchError, ValueError):
 def max_size(op: str, registry=None) -> int:
     """The largest size `--sizes` may time OP at: 16 times its ladder's largest (the
     inputs grow with it; a typo of a few digits must not allocate the card away); an op
-    without a ladder, 4096."""
+    without a ladder (Op.sizes), 4096."""
     from ..backends import builtin
     sizes = (registry or builtin()).ops[op].sizes
     return 16 * max(sizes) if sizes else 4096

@@ -123,8 +123,10 @@ def run(args, *, timer=None) -> int:
     for op in ops if sizes else ():
         top = ladder.max_size(op, ctx.registry)
         if sizes[-1] > top:
+            why = ("16 times its ladder's largest" if ctx.registry.ops[op].sizes
+                   else "the bound for an op without a ladder")
             raise BadInput(f"--sizes: {sizes[-1]} is larger than {op} is timed at (valid: up to {top} "
-                           f"{ctx.registry.ops[op].size.key}, 16 times its ladder's largest)")
+                           f"{ctx.registry.ops[op].size.key}, {why})")
     known = known_device_names()
     checked = _checked_policies(args.check, ctx, known)
     profile_name = args.profile or ("full" if spec.platform == "cuda" else "small")
