@@ -36,6 +36,7 @@ _API = {
     "Context": ("capdispatch.dispatch", "Context"),
     "context": ("capdispatch.dispatch", "context"),
     "plan_in": ("capdispatch.dispatch", "plan_in"),
+    "Plan": ("capdispatch.dispatch.explain", "Plan"),     # what plan() and plan_in() return
     "target_libs": ("capdispatch.dispatch.explain", "target_libs"),
     # One reading of each kind of input, for the command line, the API and the adapters.
     "device_list": ("capdispatch.dispatch.inputs", "device_list"),
@@ -52,6 +53,8 @@ _API = {
     "AgreementError": ("capdispatch.dispatch", "AgreementError"),
     "plan_digest": ("capdispatch.dispatch.agreement", "digest"),
     "verify_decisions": ("capdispatch.dispatch", "verify_decisions"),
+    # The cached canary verdict of a backend on a card (None: not verified with today's software).
+    "cached_verdict": ("capdispatch.proof", "lookup"),
     "Verification": ("capdispatch.dispatch", "Verification"),
     "lock": ("capdispatch.dispatch.lock", "freeze"),
     "load_lock": ("capdispatch.dispatch.lock", "load"),
@@ -85,6 +88,12 @@ _API = {
 }
 
 __all__ = sorted(_API)
+
+
+def __dir__():
+    # The face is __all__: submodules imported on the way (capdispatch.dispatch, ...) are
+    # implementation, reachable but not listed.
+    return sorted(set(__all__) | {n for n in globals() if n.startswith("__") and n.endswith("__")})
 
 
 def __getattr__(name):

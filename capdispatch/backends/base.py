@@ -248,6 +248,9 @@ def _layout_text(shapes) -> str:
 TORCH = Library("torch", ">=2.4", module="torch", extra="torch")
 TRITON = Library("triton", ">=3.2", module="triton", extra="triton")
 
+# The size ladder of decode-time ops (Op.sizes): 1-4096 tokens, SGLang's decode batches and extends.
+DECODE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
 
 @attrs.frozen
 class SizeArg:
@@ -279,6 +282,25 @@ class Op:
     # such as valid counts or slot maps): work a library derives from them once per batch
     # is shared by the layers inside `capdispatch.batch()`, and calibration times it so.
     batch_args: tuple = attrs.field(default=(), converter=tuple)
+    # "module:function" of the op's calibration and benchmark case builder
+    # (backends/cases.py says its call), imported only when inputs are built.
+    case: str = ""
+    # The sizes `dispatch bench` times the op at by default (its SizeArg's leading dimension).
+    sizes: tuple = attrs.field(default=(), converter=tuple)
+    # "module:function" giving the op's Triton kernels to compile offline for a card
+    # (compile_matrix.py: function(Target) -> [Job]); ops sharing one function name it once
+    # each. "": the op has no Triton kernel.
+    compile_jobs: str = ""
+
+    def load_compile_jobs(self):
+        import importlib
+        module, _, attr = self.compile_jobs.partition(":")
+        return getattr(importlib.import_module(module), attr)
+
+    def load_case(self):
+        import importlib
+        module, _, attr = self.case.partition(":")
+        return getattr(importlib.import_module(module), attr)
 
     def load_canary(self):
         import importlib

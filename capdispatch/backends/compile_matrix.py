@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import io
+import os
 import re
 from typing import Callable, Optional
 
@@ -27,7 +28,7 @@ import attrs
 from ..capabilities import catalog
 from ..capabilities.features import derive
 
-__all__ = ["TARGETS", "Target", "Job", "Row", "target", "jobs_for", "covering_set", "compile_job", "run"]
+__all__ = ["TARGETS", "Target", "Job", "Row", "target", "jobs_for", "kv_cache_jobs", "indexer_jobs", "attention_jobs", "moe_jobs", "covering_set", "compile_job", "run"]
 
 # Catalog architecture keys; Triton builds cc 9.0 / 10.0 / 12.0 as sm_90a / sm_100a / sm_120a.
 TARGETS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120")
@@ -106,7 +107,12 @@ _PKG = __name__.rsplit(".", 1)[0]
 
 
 def _mod(path: str):
-    return importlib.import_module(f"{_PKG}.{path}")
+    """A kernel module: a path under capdispatch.backends (built-in ops name theirs so, e.g.
+    "kv_cache.triton_kernels"), else an absolute module path (a plugin's)."""
+    first = path.split(".", 1)[0]
+    if os.path.isdir(os.path.join(os.path.dirname(os.path.abspath(__file__)), first)):
+        return importlib.import_module(f"{_PKG}.{path}")
+    return importlib.import_module(path)
 
 
 def _cfg_label(cfg: dict) -> str:
@@ -114,7 +120,7 @@ def _cfg_label(cfg: dict) -> str:
     return s + (f"<=t{cfg['max_tokens']}" if "max_tokens" in cfg else "")
 
 
-def _kv_cache_jobs(t: Target) -> list:
+def kv_cache_jobs(t: Target) -> list:
     K = _mod("kv_cache.triton_kernels")
     L = _mod("kv_cache.layout")
     out = []
@@ -130,7 +136,7 @@ def _kv_cache_jobs(t: Target) -> list:
     return out
 
 
-def _indexer_jobs(t: Target) -> list:
+def indexer_jobs(t: Target) -> list:
     K = _mod("indexer.triton_kernels")
     native = "fp8_e4m3" in t.features     # as _native_fp8_default: cc >= 8.9
     out = []
@@ -165,7 +171,7 @@ def attention_job(op: str, kv_mode: int, kind: str, cfg: dict) -> Job:
                K.compile_signature(kv_mode), consts, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
-def _attention_jobs(t: Target) -> list:
+def attention_jobs(t: Target) -> list:
     K = _mod("sparse_attention.kernels")
     L = _mod("sparse_attention.launch_table")
     out = [attention_job("sparse_prefill", 0, "prefill", c) for c in L.configs_for(t.cc, "prefill")]
@@ -189,7 +195,7 @@ MOE_SIZE_CLASSES = (1.0, 64.0, 128.0, 1024.0)
 MOE_SHAPE = dict(H=7168, I=2048, TOPK=6)
 
 
-def _moe_jobs(t: Target) -> list:
+def moe_jobs(t: Target) -> list:
     K = _mod("moe.triton_kernels")
     sig = K.COMPILE_SIGNATURES
     out = []
@@ -223,13 +229,18 @@ def _moe_jobs(t: Target) -> list:
     return out
 
 
-_OPS: dict[str, Callable[[Target], list]] = {
-    "kv_cache": _kv_cache_jobs, "indexer": _indexer_jobs, "attention": _attention_jobs, "moe": _moe_jobs}
-
-
-def jobs_for(t: Target) -> list:
-    """Every (kernel, variant) the policy can choose on target ``t``."""
-    return [j for fn in _OPS.values() for j in fn(t)]
+def jobs_for(t: Target, registry=None) -> list:
+    """Every (kernel, variant) the policy can choose on target ``t``: the jobs each op of
+    REGISTRY (default: this process's) names in its Op.compile_jobs, a function shared by
+    several ops run once."""
+    from .registry import builtin
+    reg = registry or builtin()
+    seen, out = set(), []
+    for op in reg.ops.values():
+        if op.compile_jobs and op.compile_jobs not in seen:
+            seen.add(op.compile_jobs)
+            out += op.load_compile_jobs()(t)
+    return out
 
 
 _REGS = re.compile(r"Used (\d+) registers")

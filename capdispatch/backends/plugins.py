@@ -144,10 +144,10 @@ def _dist_of(ep) -> str:
 
 def _timeout(env) -> float:
     """CAPDISPATCH_IMPORT_TIMEOUT when set (checked as for libraries), else PLUGIN_TIMEOUT_S."""
-    from ..capabilities.libraries import _import_timeout
+    from ..capabilities.libraries import import_timeout
     if not str(env.get("CAPDISPATCH_IMPORT_TIMEOUT", "")).strip():
         return PLUGIN_TIMEOUT_S
-    return _import_timeout(env)
+    return import_timeout(env)
 
 
 class _Captured(io.StringIO):

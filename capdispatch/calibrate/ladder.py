@@ -3,18 +3,7 @@ from __future__ import annotations
 
 from ..errors import CapdispatchError
 
-# Decode-time ops: 1-4096 tokens (SGLang's decode batches and extends); prefill up to 16k
-# query tokens; the KV ops by rows (decode writes a batch's tokens, prefill gathers up to
-# a whole context).
-_DECODE = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
-DEFAULT_SIZES = {
-    "decode_mla": _DECODE,
-    "indexer": _DECODE,
-    "moe": _DECODE,
-    "sparse_prefill": (256, 512, 1024, 2048, 4096, 8192, 16384),
-    "kv_quant": _DECODE + (16384,),
-    "kv_dequant": (64, 256, 1024, 4096, 16384, 65536, 262144),
-}
+# Each op's default sizes are its Op.sizes (declared in its folder, with the op).
 
 
 # Problem dimensions other than the bucketed one. "full" are DeepSeek-V4's at 64 attention
@@ -59,10 +48,13 @@ class SizesError(CapdispatchError, ValueError):
     pass
 
 
-def max_size(op: str) -> int:
+def max_size(op: str, registry=None) -> int:
     """The largest size `--sizes` may time OP at: 16 times its ladder's largest (the
-    inputs grow with it; a typo of a few digits must not allocate the card away)."""
-    return 16 * max(DEFAULT_SIZES[op])
+    inputs grow with it; a typo of a few digits must not allocate the card away); an op
+    without a ladder (Op.sizes), 4096."""
+    from ..backends import builtin
+    sizes = (registry or builtin()).ops[op].sizes
+    return 16 * max(sizes) if sizes else 4096
 
 
 def parse_sizes(text: str) -> tuple:

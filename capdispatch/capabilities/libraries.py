@@ -184,7 +184,8 @@ class ImportCheck:
 DEFAULT_IMPORT_TIMEOUT = 60.0   # seconds; a cold import of torch or triton takes a few
 
 
-def _import_timeout(env) -> float:
+def import_timeout(env) -> float:
+    """Seconds one import check may take: CAPDISPATCH_IMPORT_TIMEOUT (checked), else the default."""
     raw = env.get("CAPDISPATCH_IMPORT_TIMEOUT", "")
     if not raw.strip():
         return DEFAULT_IMPORT_TIMEOUT
@@ -220,7 +221,7 @@ def import_check(module: str, *, timeout: Optional[float] = None, env=None) -> I
     if module in sys.modules and module not in _pending:
         return ImportCheck(module, True)
     if timeout is None:
-        timeout = _import_timeout(os.environ if env is None else env)
+        timeout = import_timeout(os.environ if env is None else env)
     with _pending_lock:
         worker = _pending.get(module)
         if worker is None:

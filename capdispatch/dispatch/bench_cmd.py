@@ -107,11 +107,26 @@ def run(args, *, timer=None) -> int:
         sizes = ladder.parse_sizes(args.sizes) if args.sizes else None
     except ladder.SizesError as exc:
         raise BadInput(str(exc)) from None
+    # What an op must declare to be timed, checked before anything runs: an op named by
+    # --op is refused without it; with no --op, it is left out and said so.
+    ladders, named = {}, bool(args.op)
+    for op in list(ops):
+        from ..calibrate.inputs import undeclared
+        why = undeclared(ctx.registry.ops[op], sizes is not None)
+        if why and named:
+            raise BadInput(f"--op {op}: {why}")
+        if why:
+            print(f"dispatch bench: {op} left out: {why}", file=sys.stderr)
+            ops.remove(op)
+            continue
+        ladders[op] = sizes or ctx.registry.ops[op].sizes
     for op in ops if sizes else ():
-        top = ladder.max_size(op)
+        top = ladder.max_size(op, ctx.registry)
         if sizes[-1] > top:
+            why = ("16 times its ladder's largest" if ctx.registry.ops[op].sizes
+                   else "the bound for an op without a ladder")
             raise BadInput(f"--sizes: {sizes[-1]} is larger than {op} is timed at (valid: up to {top} "
-                           f"{ctx.registry.ops[op].size.key}, 16 times its ladder's largest)")
+                           f"{ctx.registry.ops[op].size.key}, {why})")
     known = known_device_names()
     checked = _checked_policies(args.check, ctx, known)
     profile_name = args.profile or ("full" if spec.platform == "cuda" else "small")
@@ -181,7 +196,7 @@ def run(args, *, timer=None) -> int:
                 continue
             # The served form: what serving binds, without argument checks.
             fns[c.backend] = bind(op, dev, backend=c.backend, checks=False)
-        plan.append((op, fns, skipped, sizes or ladder.DEFAULT_SIZES[op]))
+        plan.append((op, fns, skipped, ladders[op]))
 
     total = sum(len(f) * len(s) for _, f, _, s in plan)
     results = {}

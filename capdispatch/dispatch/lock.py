@@ -280,9 +280,9 @@ class _Reader:
             if key in out:
                 raise self.err(k, f"{what}: key {key!r} given twice (first at line {out[key][0].start_mark.line + 1})")
             if (required or optional) and key not in required + optional:
-                from ..policies.loader import _did_you_mean
+                from ..policies import did_you_mean
                 valid = required + optional
-                raise self.err(k, f"{what}: unknown key {key!r}{_did_you_mean(key, valid)} "
+                raise self.err(k, f"{what}: unknown key {key!r}{did_you_mean(key, valid)} "
                                   f"(valid: {', '.join(valid)})")
             out[key] = (k, v)
         missing = [k for k in required if k not in out]
@@ -340,8 +340,8 @@ def parse(text: str, path: str = "<lock>", registry=None) -> Lock:
         ops = {}
         for op, (knode, onode) in r.mapping(d["ops"][1], f"{did}: ops").items():
             if op not in registry.ops:
-                from ..policies.loader import _did_you_mean
-                raise r.err(knode, f"{did}: unknown op {op!r}{_did_you_mean(op, registry.ops)} "
+                from ..policies import did_you_mean
+                raise r.err(knode, f"{did}: unknown op {op!r}{did_you_mean(op, registry.ops)} "
                                    f"(valid: {', '.join(registry.ops)})")
             o = r.mapping(onode, f"{did} {op}", required=("backend",),
                           optional=("libraries", "verified", "buckets"))
@@ -350,9 +350,9 @@ def parse(text: str, path: str = "<lock>", registry=None) -> Lock:
             def backend_of(node, what):
                 name = r.scalar(node, what)
                 if name not in names:
-                    from ..policies.loader import _did_you_mean
+                    from ..policies import did_you_mean
                     raise r.err(node, f"{what}: unknown backend {name!r}"
-                                      f"{_did_you_mean(name, names)} (valid: {', '.join(names)})")
+                                      f"{did_you_mean(name, names)} (valid: {', '.join(names)})")
                 return name
             backend = backend_of(o["backend"][1], f"{did} {op}: backend")
             buckets = []

@@ -217,8 +217,8 @@ def policy_from_dict(data, origin: str = "policy_from_dict", *, registry=None):
 
 def _check_op(ctx: Context, op: str) -> None:
     if op not in ctx.registry.ops:
-        from ..policies.loader import _did_you_mean
-        raise BadInput(f"unknown op {op!r}{_did_you_mean(op, ctx.registry.ops)} "
+        from ..policies import did_you_mean
+        raise BadInput(f"unknown op {op!r}{did_you_mean(op, ctx.registry.ops)} "
                        f"(valid: {', '.join(ctx.registry.ops)})")
 
 

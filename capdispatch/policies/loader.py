@@ -50,7 +50,6 @@ def did_you_mean(value: str, valid) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
-_did_you_mean = did_you_mean
 
 
 def _show(value, limit: int = 80) -> str:
@@ -436,7 +435,7 @@ def parse(text: str, path: str, registry, *, known_devices=(), builtin: bool = F
     fields = {}
     for key, knode, vnode in r.mapping(root, "the policy", valid=TOP_KEYS):
         if key not in TOP_KEYS:
-            raise r.err(knode, f"unknown key {key!r}{_did_you_mean(key, TOP_KEYS)} "
+            raise r.err(knode, f"unknown key {key!r}{did_you_mean(key, TOP_KEYS)} "
                                f"(valid: {', '.join(TOP_KEYS)})")
         if key == "schema":
             v = r.scalar(vnode, "schema", valid="1")
@@ -450,7 +449,7 @@ def parse(text: str, path: str, registry, *, known_devices=(), builtin: bool = F
                 v = "off"
             if not isinstance(v, str) or v not in valid:
                 shown = _show(vnode.value) if v is not None else "empty"
-                raise r.err(vnode, f"{key}: {shown} is not valid{_did_you_mean(vnode.value, valid)} "
+                raise r.err(vnode, f"{key}: {shown} is not valid{did_you_mean(vnode.value, valid)} "
                                    f"(valid: {', '.join(valid)})")
             fields[key] = Marked(v, vnode.start_mark.line + 1)
         elif key == "ops":
@@ -464,7 +463,7 @@ def _ops(r: _Reader, node, registry, what: str) -> dict:
     out = {}
     for op, knode, vnode in r.mapping(node, what, valid=tuple(registry.ops)):
         if op not in registry.ops:
-            raise r.err(knode, f"unknown op {_show(op)}{_did_you_mean(op, registry.ops)} "
+            raise r.err(knode, f"unknown op {_show(op)}{did_you_mean(op, registry.ops)} "
                                f"(valid: {', '.join(registry.ops)})")
         if isinstance(vnode, yaml.ScalarNode) and vnode.tag.endswith(":null"):
             valid = [b.name for b in registry.backends(op)]
@@ -487,7 +486,7 @@ def _names(r: _Reader, node, items, registry, op: str, what: str) -> tuple:
         if not isinstance(name, str) or name not in valid:
             shown = _show(item.value) if name is not None else "an empty entry"
             raise r.err(item, f"unknown backend {shown} for op {op}"
-                              f"{_did_you_mean(item.value, valid)} (valid: {', '.join(valid)})")
+                              f"{did_you_mean(item.value, valid)} (valid: {', '.join(valid)})")
         if name in names:
             raise r.err(item, f"backend {name!r} listed twice for op {op}")
         names.append(name)
@@ -519,7 +518,7 @@ def _buckets(r: _Reader, node, items, registry, op: str, what: str) -> OpPrefere
             if k not in valid_keys:
                 other = "tokens" if key == "rows" else "rows"
                 hint = (f"; {op} buckets on {key} (the leading dimension of its argument "
-                        f"{size.name!r})" if k == other else _did_you_mean(k, valid_keys))
+                        f"{size.name!r})" if k == other else did_you_mean(k, valid_keys))
                 raise r.err(kn, f"{where}: unknown key {k!r}{hint} (valid: {', '.join(valid_keys)})")
             body[k] = vn
         if "prefer" not in body:
@@ -569,14 +568,14 @@ def _devices(r: _Reader, node, registry, known_devices):
         body = {k: (kn, vn) for k, kn, vn in r.mapping(item, where, valid=DEVICE_KEYS)}
         for key, (kn, _) in body.items():
             if key not in DEVICE_KEYS:
-                raise r.err(kn, f"{where}: unknown key {key!r}{_did_you_mean(key, DEVICE_KEYS)} "
+                raise r.err(kn, f"{where}: unknown key {key!r}{did_you_mean(key, DEVICE_KEYS)} "
                                 f"(valid: {', '.join(DEVICE_KEYS)})")
         if "match" not in body:
             raise r.err(item, f"{where}: needs a 'match' (by id, name or cc)")
         match, catalog_key = {}, None
         for key, kn, vn in r.mapping(body["match"][1], f"{where}.match", valid=MATCH_KEYS):
             if key not in MATCH_KEYS:
-                raise r.err(kn, f"{where}.match: unknown key {_show(key)}{_did_you_mean(key, MATCH_KEYS)} "
+                raise r.err(kn, f"{where}.match: unknown key {_show(key)}{did_you_mean(key, MATCH_KEYS)} "
                                 f"(valid: {', '.join(MATCH_KEYS)})")
             example = {"cc": 'a compute capability or range, e.g. "8.6", "sm_86", ">=8.9", ">=12.0,<13.0"',
                        "name": "a catalog key such as rtx-5090, or the name the driver reports",
@@ -588,7 +587,7 @@ def _devices(r: _Reader, node, registry, known_devices):
             if key == "name" and known_devices:
                 if value.lower() not in known_devices:
                     raise r.err(vn, f"{where}.match.name: unknown device {_show(value)}"
-                                    f"{_did_you_mean(value.lower(), known_devices)} "
+                                    f"{did_you_mean(value.lower(), known_devices)} "
                                     f"(a catalog key such as rtx-5090, or the name the driver reports)")
                 if isinstance(known_devices, dict):
                     catalog_key = known_devices[value.lower()]

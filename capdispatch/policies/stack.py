@@ -7,7 +7,7 @@ from typing import Optional
 import attrs
 
 from ..errors import CapdispatchError
-from .loader import MIXED_GROUP, ON_UNSUPPORTED, PolicyError, PolicyFile, _did_you_mean, _show, load_default, load_file
+from .loader import MIXED_GROUP, ON_UNSUPPORTED, PolicyError, PolicyFile, _show, did_you_mean, load_default, load_file
 
 
 @attrs.frozen
@@ -141,12 +141,12 @@ def parse_selections(items, origin: str, registry) -> list:
     out = []
     for op, backend in pairs:
         if not isinstance(op, str) or op not in registry.ops:
-            raise SelectionError(f"{origin}: unknown op {_show(op)}{_did_you_mean(op, registry.ops)} "
+            raise SelectionError(f"{origin}: unknown op {_show(op)}{did_you_mean(op, registry.ops)} "
                                  f"(valid: {', '.join(registry.ops)})")
         valid = [b.name for b in registry.backends(op)]
         if not isinstance(backend, str) or backend not in valid:
             raise SelectionError(f"{origin}: unknown backend {_show(backend)} for op {op}"
-                                 f"{_did_you_mean(backend, valid)} (valid: {', '.join(valid)})")
+                                 f"{did_you_mean(backend, valid)} (valid: {', '.join(valid)})")
         out.append(Selection(op, backend, origin))
     return out
 
@@ -159,12 +159,12 @@ def parse_settings(settings, origin: str) -> tuple:
     out = []
     for key, value in dict(settings or {}).items():
         if key not in SETTING_VALUES:
-            raise SelectionError(f"{origin}: unknown setting {key!r}{_did_you_mean(key, SETTING_VALUES)} "
+            raise SelectionError(f"{origin}: unknown setting {key!r}{did_you_mean(key, SETTING_VALUES)} "
                                  f"(valid: {', '.join(SETTING_VALUES)})")
         valid = SETTING_VALUES[key]
         if value not in valid:
             raise SelectionError(f"{origin}: {key} {value!r} is not one of {', '.join(valid)}"
-                                 f"{_did_you_mean(str(value), valid)}")
+                                 f"{did_you_mean(str(value), valid)}")
         out.append((key, Setting(value, origin)))
     return tuple(out)
 

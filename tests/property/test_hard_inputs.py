@@ -420,8 +420,8 @@ def test_every_variable_is_read_one_way(capsys, files, name, data, surface):
         return
     with mock.patch.dict(os.environ, env):
         if surface == "api-import":
-            from capdispatch.capabilities.libraries import _import_timeout
-            call = lambda: _import_timeout(os.environ)   # noqa: E731
+            from capdispatch.capabilities.libraries import import_timeout
+            call = lambda: import_timeout(os.environ)   # noqa: E731
         elif name == "CAPDISPATCH_DEBUG":
             from capdispatch.dispatch.errors import run_guarded
             call = lambda: run_guarded("t", lambda: 0) == 0 or (_ for _ in ()).throw(  # noqa: E731

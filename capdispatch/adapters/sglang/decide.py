@@ -311,6 +311,9 @@ def choose(release, op: str, res, spec, user_env=None, moe_launch=None, strict=F
     method on each card; STRICT: a user value that cannot run there is refused, and so
     is an explicit choice SGLang gives no routable site for on this card."""
     entry = release.entry(op, res.backend)
+    unmapped = release.unmapped_of(op, res.backend) if entry is None else None
+    if unmapped is not None:        # a plugin's backend the knob map does not say how to run
+        return OpChoice(op, spec.id, res, "reported", unmapped.message, (), None, None, ())
     setting = entry.settings if entry is not None and entry.kind == "sglang" else ()
     route = release.route(op, spec)
     warning, buckets = None, ()

@@ -5,6 +5,7 @@ SGLang names against the installed package."""
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from typing import Optional
 
@@ -19,8 +20,21 @@ DEFAULT_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "knobs.y
 ENTRY_KINDS = ("sglang", "route", "none")
 
 
+log = logging.getLogger("capdispatch")
+
+
 class KnobsError(cd.CapdispatchError, ValueError):
     pass
+
+
+@attrs.frozen
+class Unmapped:
+    """A plugin's backend of a model op that the knob map has no entry for: its decisions
+    are reported, not carried out inside SGLang. MESSAGE names it and the entry to add."""
+    op: str
+    backend: str
+    plugin: str
+    message: str
 
 
 def _label(kind: str, name: str, value: str) -> str:
@@ -153,6 +167,7 @@ class Release:
     routes: tuple
     arch: dict
     entries: dict = attrs.field(factory=dict)    # (op, backend) -> Entry
+    unmapped: tuple = ()                         # Unmapped: plugin backends without an entry
 
     def route(self, op: str, device=None) -> Optional[Route]:
         """The site SGLang calls for OP on DEVICE (the first route of OP without one)."""
@@ -168,6 +183,9 @@ class Release:
 
     def entry(self, op: str, backend: Optional[str]) -> Optional[Entry]:
         return self.entries.get((op, backend))
+
+    def unmapped_of(self, op: str, backend: Optional[str]) -> Optional[Unmapped]:
+        return next((u for u in self.unmapped if (u.op, u.backend) == (op, backend)), None)
 
     def sglang_names(self, ops) -> tuple:
         """(kind, name) of every SGLang setting the entries of OPS name, in file order."""
@@ -401,13 +419,29 @@ def _release(c: _Checker, d, where: str) -> Release:
                 raise c.err(e, f"{we}.none", f"expected true, got {e['none']!r}", "none")
             entries[(op, backend)] = Entry(op, backend, kind, sets, names, str(e.get("why", "")),
                                            per.line_of(backend))
+    # A built-in backend without an entry is an error of the packaged map; a plugin's is
+    # reported (its name and the entry to add) and its decisions are not carried out.
+    from_plugin = {b: p.name for p in c.registry.plugins if p.ok for b in p.backends}
+    unmapped = []
     for arch_name, m in models.items():
         for op in m.ops:
             missing = [b.name for b in c.registry.backends(op) if (op, b.name) not in entries]
-            if missing:
+            builtin_missing = [b for b in missing if f"{op}/{b}" not in from_plugin]
+            if builtin_missing:
                 raise c.err(table, f"{where}.backends.{op}",
-                            f"no entry for {op} backend(s) {', '.join(missing)} (every backend of a "
-                            f"model op needs one: sglang, route or none)", op if op in table else None)
+                            f"no entry for {op} backend(s) {', '.join(builtin_missing)} (every backend of a "
+                            f"model op needs one: sglang, route or none; e.g. "
+                            f"{builtin_missing[0]}: {{none: true, why: \"...\"}})", op if op in table else None)
+            for b in missing:
+                if any((u.op, u.backend) == (op, b) for u in unmapped):
+                    continue
+                plugin = from_plugin[f"{op}/{b}"]
+                at = f"{c.path}:{table.line_of(op)}" if op in table and hasattr(table, "line_of") else c.path
+                unmapped.append(Unmapped(op, b, plugin, (
+                    f"the knob map has no entry for {op} backend {b} (plugin {plugin!r}): add "
+                    f"`{b}: {{none: true, why: \"...\"}}` (or sglang: [...], or route: [NAME]) under "
+                    f"{where}.backends.{op} ({at}); until then a decision for it is reported, "
+                    f"not carried out inside SGLang")))
     arch = c.need(d, "arch", where, dict)
     for key in ("module", "probes", "platform", "globals", "jit_arch"):
         c.need(arch, key, f"{where}.arch")
@@ -420,7 +454,7 @@ def _release(c: _Checker, d, where: str) -> Release:
         if g.get("fact") not in facts:
             raise c.err(g, f"{where}.arch.globals[{i}]", f"fact {g.get('fact')!r} is not a probe or sm/cc")
     return Release(spec, dict(hooks), models, tuple(settings), tuple(selects), tuple(routes),
-                   _plain(arch), entries)
+                   _plain(arch), entries, tuple(unmapped))
 
 
 def _plain(x):
@@ -455,5 +489,8 @@ def load(path: Optional[str] = None) -> Knobs:
     c.need(data, "tested", "the knob map")
     tested = c.spec(data, "tested", "the knob map")
     releases = c.need(data, "releases", "the knob map", list)
-    return Knobs(path, tested, tuple(_release(c, r, f"releases[{i}]") for i, r in enumerate(releases)),
-                 str(data["tested"]))
+    out = Knobs(path, tested, tuple(_release(c, r, f"releases[{i}]") for i, r in enumerate(releases)),
+                str(data["tested"]))
+    for message in dict.fromkeys(u.message for r in out.releases for u in r.unmapped):
+        log.warning("capdispatch: %s", message)
+    return out

@@ -63,10 +63,10 @@ def verified(spec, decide, *, env=None, budget_s: float = VERIFY_BUDGET_S):
 
 def _describe(spec, final: dict, failed: list, env) -> str:
     """'verified on this card: ...', what failed and what replaced it, what is unverified."""
-    from capdispatch.proof import lookup
+    import capdispatch as cd
     ok, unverified = [], []
     for op, b in final.items():
-        v = lookup(spec, op, b, env=env)
+        v = cd.cached_verdict(spec, op, b, env=env)
         (ok if v is not None and v.passed else unverified).append(f"{op}={b}")
     parts = ["verified on this card: " + ", ".join(ok)] if ok else []
     parts += [f"{r.job.op}={r.job.backend} failed its canary on this card ({r.verdict.describe()}), "

@@ -8,7 +8,7 @@ sink. Declarations only: kernels are imported when bound (reference.py, triton_k
 flashmla.py, flashinfer.py; library_args.py holds what both library adapters do to the
 arguments).
 """
-from ..base import AnyFeature, Backend, Feature, Library, Op, ShapeRange, SizeArg, TORCH, TRITON, TritonTarget
+from ..base import DECODE_SIZES, AnyFeature, Backend, Feature, Library, Op, ShapeRange, SizeArg, TORCH, TRITON, TritonTarget
 
 _PKG = "capdispatch.backends.decode_mla"
 
@@ -24,6 +24,8 @@ OPS = (
        "-> (out [b,s_q,h,512] bf16, lse [b,h,s_q] fp32 natural log, sink not included, +inf and "
        "out 0 where no entry is valid); ids < 0, >= num_pages*page_size or past topk_length are masked",
        reference="torch", size=SizeArg("tokens", 0, "q"), canary=f"{_PKG}.canary:decode_mla",
+       case=f"{_PKG}.calibration:decode_mla_case", sizes=DECODE_SIZES,
+       compile_jobs="capdispatch.backends.compile_matrix:attention_jobs",
        # The valid counts (topk_length, extra_topk_length) are the batch's: FlashMLA's schedule
        # is derived from them once per batch (SGLang passes it to every layer).
        served="decode", batch_args=(5, 10)),

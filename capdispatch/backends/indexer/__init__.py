@@ -4,7 +4,7 @@ Declarations only: the kernels live in reference.py (torch), triton_kernels.py,
 tilelang_kernel.py and deepgemm.py, and are imported when a backend is bound.
 Contract: reference.py's module docstring and docs/ops/indexer.md.
 """
-from ..base import (AnyFeature, Backend, ComputeCapability, Library, Op, SizeArg, Platform, ShapeRange, TORCH,
+from ..base import (DECODE_SIZES, AnyFeature, Backend, ComputeCapability, Library, Op, SizeArg, Platform, ShapeRange, TORCH,
                     TRITON, TritonTarget)
 
 _PKG = "capdispatch.backends.indexer"
@@ -18,6 +18,8 @@ OPS = (Op(
     reference="torch",
     size=SizeArg("tokens", 0, "q"),     # B: decode batch rows, or prefill query rows
     canary=f"{_PKG}.canary:indexer",
+    case=f"{_PKG}.calibration:indexer_case", sizes=DECODE_SIZES,
+    compile_jobs="capdispatch.backends.compile_matrix:indexer_jobs",
     # Context lengths, block table and DeepGEMM's schedule are the batch's; q, weights and the
     # index-K pages each layer's.
     served="decode", batch_args=(3, 4),

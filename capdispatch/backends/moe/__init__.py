@@ -11,7 +11,7 @@ Weights are a ``MoeWeights`` (weights.py); a backend whose kernel consumes a
 shuffled layout needs ``prepare(weights, backend)`` once after loading (in
 place, bytes per expert unchanged).
 """
-from ..base import (Backend, ComputeCapability, Feature, Library, Op, SizeArg, Platform, ShapeRange, TORCH,
+from ..base import (DECODE_SIZES, Backend, ComputeCapability, Feature, Library, Op, SizeArg, Platform, ShapeRange, TORCH,
                     TRITON, TritonTarget)
 from .weights import LAYOUTS, LayoutError, MoeWeights, packed_bytes_per_expert, prepare
 
@@ -28,6 +28,8 @@ OPS = (
        size=SizeArg("tokens", 0, "x"),
        layouts={name: layout for name, (layout, _) in LAYOUTS.items()},
        canary=f"{_PKG}.canary:moe",
+       case=f"{_PKG}.calibration:MoeCase", sizes=DECODE_SIZES,
+       compile_jobs="capdispatch.backends.compile_matrix:moe_jobs",
        # Routing is each layer's own; decode steps replay it from CUDA graphs.
        served="decode"),
 )

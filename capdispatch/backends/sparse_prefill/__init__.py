@@ -24,6 +24,8 @@ OPS = (
        "statistics, a query with no valid index gives out 0, max_logits -inf, lse +inf; "
        "use_legacy=False: natural log, lse +inf for such a query",
        reference="torch", size=SizeArg("tokens", 0, "q"), canary=f"{_PKG}.canary:sparse_prefill",
+       case=f"{_PKG}.calibration:sparse_prefill_case", sizes=(256, 512, 1024, 2048, 4096, 8192, 16384),
+       compile_jobs="capdispatch.backends.compile_matrix:attention_jobs",
        # Top-k indices come from each layer's indexer: nothing is the batch's alone.
        served="prefill"),
 )

@@ -1,0 +1,121 @@
+"""docs/contributing.md stays true: the op it builds as its example (the fixture package
+tests/plugins/newop, with a torch and a Triton backend) appears in `dispatch ops`,
+`dispatch explain`, `dispatch verify`, `dispatch bench` and the compile matrix with no
+other file changed; the package holds exactly the files the guide lists and uses only
+public names; every built-in op has the files and declarations the guide lists."""
+import ast
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from capdispatch.backends import build
+from capdispatch.backends.registry import BUILTIN_OP_PACKAGES
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+NEWOP = os.path.join(HERE, "plugins", "newop")
+GUIDE = os.path.join(ROOT, "docs", "contributing.md")
+
+
+def _cli(*args, interpret=False):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CAPDISPATCH_", "TRITON_INTERPRET"))}
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, NEWOP])
+    env["CAPDISPATCH_CACHE_DIR"] = os.environ["CAPDISPATCH_CACHE_DIR"]     # the test's own cache
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    p = subprocess.run([sys.executable, "-m", "capdispatch", *args], env=env, capture_output=True,
+                       text=True, timeout=300, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    return p.stdout
+
+
+def _guide_tree() -> set:
+    text = open(GUIDE).read()
+    block = text.split("<!-- the newop tree:", 1)[1].split("```", 2)[1]
+    return {line.split()[0] for line in block.strip().splitlines()}
+
+
+def test_the_fixture_package_holds_exactly_the_files_the_guide_lists():
+    have = {os.path.relpath(os.path.join(d, f), NEWOP).replace(os.sep, "/")
+            for d, _, files in os.walk(NEWOP) if "__pycache__" not in d for f in files}
+    assert have == _guide_tree()
+
+
+def test_the_guides_op_declaration_is_the_fixtures():
+    """The `Op(...)` the guide shows is the one the fixture declares."""
+    text = open(GUIDE).read()
+    shown = re.search(r"OPS = \(\n(.*?)\n\)\n", text, re.S).group(1)
+    src = open(os.path.join(NEWOP, "capdispatch_newop", "__init__.py")).read()
+    assert shown in src
+
+
+def test_the_fixture_uses_only_public_names_of_capdispatch():
+    bad = []
+    for d, _, files in os.walk(NEWOP):
+        for f in files:
+            if not f.endswith(".py"):
+                continue
+            path = os.path.join(d, f)
+            for node in ast.walk(ast.parse(open(path).read(), path)):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("capdispatch"):
+                    bad += [f"{f}: {node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+                    bad += [f"{f}: {node.module}" for part in node.module.split(".") if part.startswith("_")]
+    assert not bad
+
+
+def test_the_new_op_is_listed_and_explained():
+    ops = json.loads(_cli("ops", "--format", "json"))
+    assert [b["name"] for b in ops["ops"]["row_scale"]["backends"]] == ["torch", "triton"]
+    assert [p["name"] for p in ops["plugins"] if p["ok"]] == ["newop"]
+    explained = json.loads(_cli("explain", "--device", "cpu", "--op", "row_scale", "--format", "json"))
+    assert explained["ops"]["row_scale"]["per_device"]["cpu"]["backend"] == "torch"
+
+
+def test_the_new_op_is_benched_from_its_case_and_ladder():
+    out = json.loads(_cli("bench", "--device", "cpu", "--op", "row_scale", "--sizes", "1", "--format", "json",
+                          interpret=True))
+    rows = out["ops"]["row_scale"]["rows"]
+    assert {(r["backend"], r["size"], r["ok"]) for r in rows} == {("torch", 1, True), ("triton", 1, True)}
+    assert all(r["detail"] == "bit-identical to the reference" for r in rows)
+
+
+def test_the_new_op_is_verified_by_its_canary():
+    out = _cli("verify", "--device", "cpu", "--op", "row_scale", "--all", interpret=True)
+    assert re.search(r"row_scale\s+cpu\s+torch\s+pass", out) and re.search(r"row_scale\s+cpu\s+triton\s+pass", out)
+
+
+def test_the_new_ops_kernels_are_in_the_compile_matrix():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, NEWOP]))
+    code = ("from capdispatch.backends import compile_matrix as M\n"
+            "print([(j.op, j.kernel) for j in M.jobs_for(M.target('sm_80')) if j.op == 'row_scale'])")
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    assert "('row_scale', 'capdispatch_newop.triton_kernels:_row_scale_kernel')" in p.stdout
+
+
+BUILTIN_FILES = ("__init__.py", "reference.py", "canary.py", "calibration.py")
+
+
+@pytest.mark.parametrize("pkg", BUILTIN_OP_PACKAGES)
+def test_every_builtin_op_folder_has_what_the_guide_lists(pkg):
+    folder = os.path.join(ROOT, *pkg.split("."))
+    missing = [f for f in BUILTIN_FILES if not os.path.exists(os.path.join(folder, f))]
+    assert not missing
+    reg = build(plugins=False)
+    mine = [op for op in reg.ops.values() if pkg in op.canary]
+    assert mine
+    for op in mine:
+        assert op.case.startswith(f"{pkg}.calibration:") and op.canary.startswith(f"{pkg}.canary:")
+        assert op.sizes and op.size is not None and op.compile_jobs
+
+
+def test_the_guide_names_the_places_that_exist():
+    text = open(GUIDE).read()
+    for path in re.findall(r"`((?:capdispatch|tests|docs|benchmarks)/[\w./<>-]+\.(?:py|yaml|md|toml))`", text):
+        if "<" not in path:
+            assert os.path.exists(os.path.join(ROOT, path)), path
+    assert "BUILTIN_OP_PACKAGES" in text and "default.yaml" in text
