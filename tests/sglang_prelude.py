@@ -16,7 +16,6 @@ Import first, before anything imports sglang. It
 """
 from __future__ import annotations
 
-import enum
 import os
 import sys
 import types
@@ -26,34 +25,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
 def _install_torchvision_standin() -> None:
-    if "torchvision" in sys.modules:
-        return
-    import transformers.utils.import_utils as iu
-    if iu.is_torchvision_available():
-        return      # a real torchvision: leave it alone
-
-    class InterpolationMode(enum.Enum):
-        NEAREST = "nearest"
-        BILINEAR = "bilinear"
-        BICUBIC = "bicubic"
-        LANCZOS = "lanczos"
-
-    def module(name):
-        m = types.ModuleType(name)
-
-        def __getattr__(attr, _n=name):
-            if attr.startswith("__"):
-                raise AttributeError(attr)
-            if attr == "InterpolationMode":
-                return InterpolationMode
-            return type(attr, (), {"__init__": lambda self, *a, **k: None})
-
-        m.__getattr__ = __getattr__
-        sys.modules[name] = m
-
-    for name in ("torchvision", "torchvision.transforms", "torchvision.transforms.functional",
-                 "torchvision.transforms.v2", "torchvision.io", "torchvision.ops"):
-        module(name)
+    # The planning command's own placeholder: one definition for both.
+    from capdispatch.adapters.sglang.sglang_run import vision_placeholder
+    vision_placeholder()
 
 
 _install_torchvision_standin()

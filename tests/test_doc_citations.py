@@ -4,18 +4,13 @@ import os
 import re
 
 import pytest
+from doc_files import docs as _docs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT = os.path.join(ROOT, "capdispatch", "policies", "default.yaml")
 CITE = re.compile(r"default\.yaml:(\d+)")
 
 
-def _docs():
-    yield "README.md"
-    for base, _, files in os.walk(os.path.join(ROOT, "docs")):
-        for f in sorted(files):
-            if f.endswith(".md"):
-                yield os.path.relpath(os.path.join(base, f), ROOT)
 
 
 def _citations():

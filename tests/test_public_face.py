@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from doc_files import docs as _docs
 
 import capdispatch
 
@@ -15,12 +16,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAME = re.compile(r"(?<![\w./-])(cd|capdispatch)\.([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)")
 
 
-def _docs():
-    yield "README.md"
-    for base, _, files in os.walk(os.path.join(ROOT, "docs")):
-        for f in sorted(files):
-            if f.endswith(".md"):
-                yield os.path.relpath(os.path.join(base, f), ROOT)
 
 
 def _resolves(path: str) -> bool:

@@ -8,7 +8,7 @@ from __future__ import annotations
 EPILOG = """\
 examples:
   dispatch plan --model deepseek-v4-flash --device sim:rtx-5090,sim:rtx-3080,sim:rtx-3080 --tp 3
-      the seed rig: the layout SGLang refuses, the weights against the cards, layouts that would load
+      the mixed rig (an RTX 5090 beside two RTX 3080s): the layout SGLang refuses, the weights against the cards, layouts that would load
   dispatch plan --model deepseek-v4-flash --device sim:h200 --tp 4 --context 131072 --batch 8
       one card kind, four ranks: memory per rank and the largest context that fits
   dispatch plan --model ./DeepSeek-V4-Pro/config.json --device sim:b200 --tp 8 --ep 8 --format json

@@ -8,7 +8,7 @@ from __future__ import annotations
 EPILOG = """\
 examples:
   dispatch rehearse --device emu:rtx-5090@cpu,emu:rtx-3080@cpu --model deepseek-v4-flash
-      the seed rig's cards, two ranks, on this CPU: each rank's decisions, what ran, the check
+      the mixed rig's cards (an RTX 5090 beside two RTX 3080s), two ranks, on this CPU: each rank's decisions, what ran, the check
   dispatch rehearse --device emu:rtx-5090@cpu,emu:rtx-3080@cpu,emu:rtx-3080@cpu --model ./config.json
       three ranks of a model whose heads divide over 3
   dispatch rehearse --device cuda:0,cuda:1 --model deepseek-v4-flash --layers 4 --format json

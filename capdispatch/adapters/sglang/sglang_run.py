@@ -24,7 +24,7 @@ def run(sglang_args, release, env: dict, options, *, tp=None):
         os.environ.clear()
         os.environ.update(env)
         logger.setLevel(logging.ERROR)   # the plan says it all
-        _vision_placeholder()
+        vision_placeholder()
         from sglang.srt.arg_groups.overrides import resolution_result
         from sglang.srt.server_args import prepare_server_args
         if tp is not None:
@@ -65,12 +65,13 @@ def run(sglang_args, release, env: dict, options, *, tp=None):
         logger.setLevel(level)
 
 
-def _vision_placeholder() -> None:
+def vision_placeholder() -> None:
     """SGLang's argument resolution imports torchvision (sglang.srt.configs, for multimodal
     models), which a CPU planning machine rarely has: PyPI's torchvision is built for CUDA
     torch and does not load against a CPU one. Where torchvision is absent, this process
     (planning only: it never serves) gets placeholder modules, put in after transformers has
-    decided torchvision is unavailable, so no vision code path is taken."""
+    decided torchvision is unavailable, so no vision code path is taken. The tests' prelude
+    (tests/sglang_prelude.py) calls it too."""
     import enum
     import importlib.util
     import sys
