@@ -22,7 +22,7 @@ On a CUDA GPU:
   3. the torch reference's peak memory at 8k and 32k tokens of prefill (rows =
      tokens, C4 context = tokens / 4) with torch.cuda.max_memory_allocated, beside the
      accounted bound of one step (reference.plan_steps) and what gathering a whole
-     1024-row chunk's index-K in float32 would take (the seed's OOM);
+     1024-row chunk's index-K in float32 would take (what ran out of memory before the step plan);
   4. writes indexer_<device>_<stamp>.json and .md into --out.
 
 With --tiles 99kb only the Triton backends are timed (the torch reference still checks
@@ -34,7 +34,7 @@ Without a GPU (or with --cpu-memory) it prints and writes item 3's accounting al
 the reference's step plan (query chunk, pages per step, accounted bytes) at 8k, 32k
 and 128k tokens, which is what bounds its peak memory on any device.
 
-TileLang and DeepGEMM on the H200: carry their wheels (docs/ops/indexer.md, "Running on the H200").
+TileLang and DeepGEMM: install them beside capdispatch (docs/ops/indexer.md, "Running on a GPU").
 """
 
 from __future__ import annotations

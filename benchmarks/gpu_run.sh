@@ -12,6 +12,7 @@
 #                    machines; benchmarks/README.md says what it must hold)
 #   --extras LIST    capdispatch extras to install besides `test` (comma list: flashinfer,
 #                    tilelang, nvml, sglang)
+#   --also REQ       one more package to install (repeatable), e.g. --also sgl-flash-mla==1.0.0
 #   --pip-args ARGS  more pip arguments (e.g. "--extra-index-url https://download.pytorch.org/whl/cu128")
 #   --no-install     install nothing: the environment has what the suites need
 #   --no-tests       skip the GPU tests
@@ -29,14 +30,15 @@ die() { echo "gpu_run.sh: $1" >&2; exit "${2:-2}"; }
 
 [ $# -ge 1 ] || { usage >&2; exit 2; }
 case $1 in -h|--help) usage; exit 0 ;; -*) die "the first argument is the output folder, not $1 (usage: bash $0 OUT_DIR [options])" ;; esac
-OUT=$1; shift
-suites=(); venv=""; wheels=""; extras=""; pip_args=""; install=1; tests=1; test_paths="tests/"; jobs=4
+OUT_DIR=$1; shift
+suites=(); also=(); venv=""; wheels=""; extras=""; pip_args=""; install=1; tests=1; test_paths="tests/"; jobs=4
 while [ $# -gt 0 ]; do
   case $1 in
     --suite) [ $# -ge 2 ] || die "--suite needs a value"; suites+=("$2"); shift 2 ;;
     --venv) [ $# -ge 2 ] || die "--venv needs a folder"; venv=$2; shift 2 ;;
     --wheels) [ $# -ge 2 ] || die "--wheels needs a folder"; wheels=$2; shift 2 ;;
     --extras) [ $# -ge 2 ] || die "--extras needs a list"; extras=$2; shift 2 ;;
+    --also) [ $# -ge 2 ] || die "--also needs a requirement"; also+=("$2"); shift 2 ;;
     --pip-args) [ $# -ge 2 ] || die "--pip-args needs a value"; pip_args=$2; shift 2 ;;
     --no-install) install=0; shift ;;
     --no-tests) tests=0; shift ;;
@@ -44,7 +46,7 @@ while [ $# -gt 0 ]; do
     --jobs) [ $# -ge 2 ] || die "--jobs needs a number"; jobs=$2; shift 2 ;;
     --) shift; break ;;
     -h|--help) usage; exit 0 ;;
-    *) die "unknown option $1 (valid: --suite --venv --wheels --extras --pip-args --no-install --no-tests --tests --jobs, then -- runner options)" ;;
+    *) die "unknown option $1 (valid: --suite --venv --wheels --extras --also --pip-args --no-install --no-tests --tests --jobs, then -- runner options)" ;;
   esac
 done
 [ ${#suites[@]} -gt 0 ] || suites=(kernels)
@@ -52,8 +54,8 @@ done
 case $jobs in ''|*[!0-9]*) die "--jobs $jobs: not a whole number" ;; esac
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-mkdir -p "$OUT" || die "cannot create the output folder $OUT"
-OUT=$(cd "$OUT" && pwd)
+mkdir -p "$OUT_DIR" || die "cannot create the output folder $OUT_DIR"
+OUT_DIR=$(cd "$OUT_DIR" && pwd)
 PY=${PYTHON:-python3}
 if [ -n "$venv" ]; then
   [ -x "$venv/bin/python" ] || "$PY" -m venv "$venv" || die "cannot create a virtual environment in $venv"
@@ -67,17 +69,17 @@ if [ "$install" = 1 ]; then
   src=()
   [ -n "$wheels" ] && src=(--no-index --find-links "$wheels")
   want="test${extras:+,$extras}"
-  echo "installing capdispatch[$want]${wheels:+ from $wheels} into $PY (log: $OUT/install.log)"
+  echo "installing capdispatch[$want]${wheels:+ from $wheels} into $PY (log: $OUT_DIR/install.log)"
   # shellcheck disable=SC2086  # pip_args is a word list on purpose
-  "$PY" -m pip install "${src[@]}" $pip_args ".[$want]" > "$OUT/install.log" 2>&1 \
-    || die "pip could not install capdispatch[$want]: see $OUT/install.log" 2
+  "$PY" -m pip install "${src[@]}" $pip_args ".[$want]" "${also[@]}" > "$OUT_DIR/install.log" 2>&1 \
+    || die "pip could not install capdispatch[$want] ${also[*]}: see $OUT_DIR/install.log" 2
   # The serving suite and the SGLang GPU tests need SGLang and its light dependencies; SGLang
   # itself without its dependencies (its pins would replace the installed torch).
   case " ${suites[*]} " in *" serving "*)
     # shellcheck disable=SC2086
     { "$PY" -m pip install "${src[@]}" $pip_args -r tests/requirements.txt \
-      && "$PY" -m pip install "${src[@]}" $pip_args --no-deps -r tests/requirements-nodeps.txt; } >> "$OUT/install.log" 2>&1 \
-      || die "pip could not install SGLang and its dependencies for the serving suite: see $OUT/install.log" 2 ;;
+      && "$PY" -m pip install "${src[@]}" $pip_args --no-deps -r tests/requirements-nodeps.txt; } >> "$OUT_DIR/install.log" 2>&1 \
+      || die "pip could not install SGLang and its dependencies for the serving suite: see $OUT_DIR/install.log" 2 ;;
   esac
 fi
 
@@ -98,22 +100,22 @@ EOF
 sargs=(); for s in "${suites[@]}"; do [ "$s" = none ] || sargs+=(--suite "$s"); done
 # The suites and runner options are checked before anything runs (bad ones: exit 2).
 if [ ${#sargs[@]} -gt 0 ]; then
-  PYTHONPATH=$ROOT "$PY" -m benchmarks "${sargs[@]}" --out "$OUT" --dry-run "$@" > /dev/null || exit $?
+  PYTHONPATH=$ROOT "$PY" -m benchmarks "${sargs[@]}" --out "$OUT_DIR" --dry-run "$@" > /dev/null || exit $?
 fi
 
 rc=0
 if [ "$tests" = 1 ]; then
-  args=(-q -p no:cacheprovider -m gpu -rfEs --junitxml "$OUT/gpu_tests.xml")
+  args=(-q -p no:cacheprovider -m gpu -rfEs --junitxml "$OUT_DIR/gpu_tests.xml")
   "$PY" -c "import xdist" 2>/dev/null && [ "$jobs" -gt 1 ] && args+=(-n "$jobs")
-  echo "GPU tests: pytest -m gpu $test_paths (output: $OUT/gpu_tests.txt)"
+  echo "GPU tests: pytest -m gpu $test_paths (output: $OUT_DIR/gpu_tests.txt)"
   # shellcheck disable=SC2086  # test_paths is a path list
-  PYTHONPATH=$ROOT "$PY" -m pytest "${args[@]}" $test_paths > "$OUT/gpu_tests.txt" 2>&1
-  t=$?; tail -3 "$OUT/gpu_tests.txt"
+  PYTHONPATH=$ROOT "$PY" -m pytest "${args[@]}" $test_paths > "$OUT_DIR/gpu_tests.txt" 2>&1
+  t=$?; tail -3 "$OUT_DIR/gpu_tests.txt"
   [ $t -eq 0 ] || { echo "GPU tests: exit $t"; rc=1; }
 fi
 
 if [ ${#sargs[@]} -gt 0 ]; then
-  PYTHONPATH=$ROOT "$PY" -m benchmarks "${sargs[@]}" --out "$OUT" "$@"
+  PYTHONPATH=$ROOT "$PY" -m benchmarks "${sargs[@]}" --out "$OUT_DIR" "$@"
   b=$?
   [ $b -eq 0 ] || { [ $b -ge 2 ] && exit $b; rc=1; }
 fi
