@@ -149,6 +149,13 @@ BENCHMARKS = (
 )
 
 
+# Scripts run by hand, not benchmarks: what each is for (benchmarks/README.md's table too).
+TOOLS = {
+    "probe_imports.py": "every module an import chain lacks, in one run",
+    "results_dir.py": "moves older runs of benchmarks/results/ into its archive/",
+}
+
+
 def by_name() -> dict:
     return {b.name: b for b in BENCHMARKS}
 
