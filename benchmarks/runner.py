@@ -180,7 +180,7 @@ def plan(suite: str, a, *, device: str, card: str, run_dir: str, registry_ops, c
                 argv += list(b.quick) if a.quick else []
                 argv += extra.get(b.name, [])
                 label = b.name + (f" {op}" if op else "") + (f" (tiles {tiles})" if tiles != "card" else "")
-                runs.append((label, b, argv))
+                runs.append((label, b, argv, op))
     return Plan(suite, runs, skipped)
 
 
@@ -212,7 +212,7 @@ def _resolve_globs(argv):
     return out, missing
 
 
-def _run_one(label, b, argv, *, log_path, limit, device_env) -> dict:
+def _run_one(label, b, argv, op, *, log_path, limit, device_env) -> dict:
     argv, missing = _resolve_globs(argv)
     row = {"name": label, "benchmark": b.name, "command": shlex.join(argv[1:]), "log": log_path}
     if missing:
@@ -222,7 +222,7 @@ def _run_one(label, b, argv, *, log_path, limit, device_env) -> dict:
     before = _listing(argv, os.path.dirname(log_path))
     print(f"=== {label}: {row['command']} (limit {limit:.0f} s)", flush=True)
     t0 = time.monotonic()
-    stdout_path = b.stdout and os.path.join(os.path.dirname(log_path), b.stdout.format(op=label.split()[-1]))
+    stdout_path = b.stdout and os.path.join(os.path.dirname(log_path), b.stdout.format(op=op or ""))
     with open(log_path, "w", encoding="utf-8") as log:
         out = open(stdout_path, "w", encoding="utf-8") if stdout_path else log
         try:
@@ -231,12 +231,16 @@ def _run_one(label, b, argv, *, log_path, limit, device_env) -> dict:
                 rc = proc.wait(timeout=limit)
                 status = "ok" if rc == 0 else "failed"
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
                 rc, status = None, "timeout"
+            finally:
+                # Its own process group goes whole (over its limit, when this runner is
+                # interrupted, or what it left running), so nothing of it skews the next timing.
+                _kill(proc)
         finally:
             if stdout_path:
                 out.close()
+                if os.path.getsize(stdout_path) == 0:   # nothing written: no file for the later steps
+                    os.remove(stdout_path)
     row.update(status=status, exit=rc, seconds=round(time.monotonic() - t0, 1),
                files=sorted(_listing(argv, os.path.dirname(log_path)) - before))
     tail = _tail(log_path)
@@ -245,6 +249,14 @@ def _run_one(label, b, argv, *, log_path, limit, device_env) -> dict:
     if status != "ok":
         row["tail"] = tail
     return row
+
+
+def _kill(proc):
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 def _listing(argv, run_dir) -> set:
@@ -303,6 +315,10 @@ def main(argv=None) -> int:
     except cd.CapdispatchError as exc:
         print(f"python -m benchmarks: {exc}", file=sys.stderr)
         return 3 if isinstance(exc, cd.Unsatisfiable) else 2
+    except KeyboardInterrupt:
+        print("python -m benchmarks: interrupted; the running benchmark was stopped, no report written",
+              file=sys.stderr)
+        return 130
 
 
 def _main(a) -> int:
@@ -353,17 +369,17 @@ def _main(a) -> int:
         p = plan(suite, a, device=device, card=card, run_dir=run_dir, registry_ops=list(reg.ops),
                  chosen_ops=chosen, only=only, skip=skip, sizes=sizes, extra=extra)
         if a.dry_run:
-            for label, b, argv in p.runs:
+            for label, b, argv, _ in p.runs:
                 print(f"{label}: {shlex.join(argv[1:]).replace('@glob ', '')}")
             for name, why in p.skipped:
                 print(f"{name}: skipped ({why})")
             continue
         os.makedirs(run_dir, exist_ok=True)     # the output folder too
         rows = []
-        for label, b, argv in p.runs:
+        for label, b, argv, op in p.runs:
             log = os.path.join(run_dir, label.replace(" (tiles ", "_tiles_").replace(")", "").replace(" ", "_") + ".log")
             limit = a.timeout or b.limit
-            rows.append(_run_one(label, b, argv, log_path=log, limit=limit, device_env=device_env))
+            rows.append(_run_one(label, b, argv, op, log_path=log, limit=limit, device_env=device_env))
         for name, why in p.skipped:
             print(f"=== {name}: skipped ({why})")
         options = dict(device=device, ops=chosen or "all", sizes=sizes, graphs=a.graphs, tiles=a.tiles,

@@ -162,3 +162,13 @@ def test_bench_overhead_takes_its_ops_from_the_registry():
                        capture_output=True, text=True, env=env, timeout=120)
     import capdispatch as cd
     assert r.returncode == 2 and f"(valid: {', '.join(cd.registry().ops)})" in r.stderr
+
+
+def test_a_benchmark_over_its_limit_is_stopped_and_reported(tmp_path):
+    out = tmp_path / "out"
+    r = runner("--suite", "host", "--only", "cli_cold", "--timeout", "1", "--device", "cpu", "--out", str(out))
+    assert r.returncode == 1, r.stderr
+    (js,) = out.glob("host_cpu-host_*.json")
+    (row,) = json.loads(js.read_text())["benchmarks"]
+    assert row["status"] == "timeout" and row["exit"] is None and row["seconds"] < 30
+    assert "| cli_cold | timeout |" in js.with_suffix(".md").read_text()
