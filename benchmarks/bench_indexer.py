@@ -48,6 +48,7 @@ import sys
 
 from ceilings import bench as _bench, bench_graph as _bench_graph, copy_bandwidth, describe, matmul_rate, run_facts  # noqa: E402 (the script's own folder)
 from results_dir import archive_previous  # noqa: E402 (the script's own folder)
+from report import card_slug  # noqa: E402 (the script's own folder)
 import tile_modes  # noqa: E402 (the script's own folder)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -321,8 +322,7 @@ def _versions():
 
 def series(device: str, tiles: str = "card") -> str:
     """The results series of a run on DEVICE with --tiles TILES."""
-    slug = "".join(ch if ch.isalnum() else "_" for ch in device).strip("_").lower()
-    return f"indexer_{slug}{tile_modes.suffix(tiles)}"
+    return f"indexer_{card_slug(device)}{tile_modes.suffix(tiles)}"
 
 
 def _write(out_dir, meta, rows, picks, acc, mem=()):

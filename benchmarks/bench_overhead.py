@@ -45,6 +45,7 @@ import sys
 import time
 
 from results_dir import archive_previous  # the script's own folder
+from report import card_slug  # noqa: E402 (the script's own folder)
 
 # The ops `inputs` builds a decode-sized problem for; the ops measured come from the registry,
 # and one without a problem here gets a row saying so.
@@ -390,7 +391,7 @@ def main(argv=None) -> int:
               f"{small} direct {us['direct']:.1f} us, dispatcher cost {us['dispatcher'] - us['direct']:.2f} us")
 
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S")
-    slug = (facts.get("gpu") or "cpu-host").lower().replace(" ", "_")
+    slug = card_slug(facts.get("gpu"))
     os.makedirs(args.out, exist_ok=True)
     archive_previous(args.out, f"overhead_{slug}")
     base = os.path.join(args.out, f"overhead_{slug}_{stamp}")
