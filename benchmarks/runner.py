@@ -14,11 +14,14 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import re
 import shlex
 import signal
 import subprocess
 import sys
 import time
+
+import attrs
 
 import report
 import suites as S
@@ -72,11 +75,21 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-class Plan:
-    """What a suite run will do: the benchmarks' commands, or why each is left out."""
+@attrs.frozen
+class Run:
+    """One benchmark process: its label in the report, its table entry, its command, its op."""
+    label: str
+    bench: S.Bench
+    argv: tuple
+    op: str | None
 
-    def __init__(self, suite, runs, skipped):
-        self.suite, self.runs, self.skipped = suite, runs, skipped
+
+@attrs.frozen
+class Plan:
+    """What a suite run will do: the benchmarks' runs, and (name, why) for each left out."""
+    suite: str
+    runs: tuple
+    skipped: tuple
 
 
 def _names(values, flag) -> list:
@@ -167,7 +180,7 @@ def plan(suite: str, a, *, device: str, card: str, run_dir: str, registry_ops, c
         missing = [m for m in b.needs if not _importable(m)]
         if missing:
             skipped.append((b.name, f"needs {', '.join(missing)}, not importable here "
-                                    "(see benchmarks/README.md, 'What each suite installs')"))
+                                    "(benchmarks/README.md, 'On a machine with one GPU', says how to add it)"))
             continue
         # Ops go to the benchmark only when they narrow what it runs by default.
         pass_ops = ops if chosen_ops else []
@@ -180,8 +193,8 @@ def plan(suite: str, a, *, device: str, card: str, run_dir: str, registry_ops, c
                 argv += list(b.quick) if a.quick else []
                 argv += extra.get(b.name, [])
                 label = b.name + (f" {op}" if op else "") + (f" (tiles {tiles})" if tiles != "card" else "")
-                runs.append((label, b, argv, op))
-    return Plan(suite, runs, skipped)
+                runs.append(Run(label, b, tuple(argv), op))
+    return Plan(suite, tuple(runs), tuple(skipped))
 
 
 def _expand(arg: str):
@@ -212,8 +225,9 @@ def _resolve_globs(argv):
     return out, missing
 
 
-def _run_one(label, b, argv, op, *, log_path, limit, device_env) -> dict:
-    argv, missing = _resolve_globs(argv)
+def _run_one(run: Run, *, log_path, limit, device_env) -> dict:
+    label, b, op = run.label, run.bench, run.op
+    argv, missing = _resolve_globs(list(run.argv))
     row = {"name": label, "benchmark": b.name, "command": shlex.join(argv[1:]), "log": log_path}
     if missing:
         return dict(row, status="skipped", reason=f"no file matches {', '.join(missing)} (an earlier step wrote none)")
@@ -369,17 +383,16 @@ def _main(a) -> int:
         p = plan(suite, a, device=device, card=card, run_dir=run_dir, registry_ops=list(reg.ops),
                  chosen_ops=chosen, only=only, skip=skip, sizes=sizes, extra=extra)
         if a.dry_run:
-            for label, b, argv, _ in p.runs:
-                print(f"{label}: {shlex.join(argv[1:]).replace('@glob ', '')}")
+            for run in p.runs:
+                print(f"{run.label}: {shlex.join(run.argv[1:]).replace('@glob ', '')}")
             for name, why in p.skipped:
                 print(f"{name}: skipped ({why})")
             continue
         os.makedirs(run_dir, exist_ok=True)     # the output folder too
         rows = []
-        for label, b, argv, op in p.runs:
-            log = os.path.join(run_dir, label.replace(" (tiles ", "_tiles_").replace(")", "").replace(" ", "_") + ".log")
-            limit = a.timeout or b.limit
-            rows.append(_run_one(label, b, argv, op, log_path=log, limit=limit, device_env=device_env))
+        for run in p.runs:
+            log = os.path.join(run_dir, re.sub(r"[^\w.-]+", "_", run.label).strip("_") + ".log")
+            rows.append(_run_one(run, log_path=log, limit=a.timeout or run.bench.limit, device_env=device_env))
         for name, why in p.skipped:
             print(f"=== {name}: skipped ({why})")
         options = dict(device=device, ops=chosen or "all", sizes=sizes, graphs=a.graphs, tiles=a.tiles,
