@@ -172,3 +172,18 @@ def test_a_benchmark_over_its_limit_is_stopped_and_reported(tmp_path):
     (row,) = json.loads(js.read_text())["benchmarks"]
     assert row["status"] == "timeout" and row["exit"] is None and row["seconds"] < 30
     assert "| cli_cold | timeout |" in js.with_suffix(".md").read_text()
+
+
+def test_the_gpu_script_stops_in_one_line_without_a_cuda_device(tmp_path):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible: the script would run the suites")
+    script = os.path.join(BENCH, "gpu_run.sh")
+    env = dict(os.environ, PYTHON=sys.executable)
+    r = subprocess.run(["bash", script, str(tmp_path / "out"), "--no-install", "--suite", "kernels"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 3 and r.stderr.strip().startswith("gpu_run.sh: torch ") and "sees no CUDA device" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    w = subprocess.run(["bash", script, str(tmp_path / "out"), "--wheels", str(tmp_path / "none")],
+                       capture_output=True, text=True, env=env, timeout=60)
+    assert w.returncode == 2 and "--wheels" in w.stderr and "no such folder" in w.stderr
