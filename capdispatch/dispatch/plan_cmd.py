@@ -61,21 +61,17 @@ def run(args) -> int:
     from ..models import load_model
     from . import rigplan
     from .errors import EXIT_OK, EXIT_UNSAT, BadInput
-    from .inputs import device_list
-    from .group import unique_ids
-    from .resolver import as_spec
+    from .inputs import device_list, device_specs
     if not args.model:
         raise BadInput("--model NAME|PATH is required (`dispatch model` lists the built-ins)")
     model = load_model(args.model)
     ids = device_list(args.device, "--device")
     if not ids:
         raise BadInput("--device names no device (valid: sim:NAME or cuda:N, commas for several)")
-    tp = args.tp if args.tp is not None else len(ids)
-    if tp < 1:
-        raise BadInput(f"--tp {tp} is not valid; valid: an integer >= 1")
+    tp = args.tp if args.tp is not None else len(ids)     # --tp is checked when parsed
     if len(ids) == 1 and tp > 1:
         ids = ids * tp
-    specs = unique_ids([as_spec(d, via=args.probe if hasattr(args, "probe") else "auto") for d in ids])
+    specs = device_specs(ids, "--device")
     p = rigplan.build(model, specs, tp=tp, ep=args.ep, dp_attention=args.dp_attention, next_n=args.next_n,
                       context=rigplan.DEFAULT_CONTEXT if args.context is None else args.context,
                       batch=rigplan.DEFAULT_BATCH if args.batch is None else args.batch)
