@@ -30,7 +30,7 @@ class Check:
     @property
     def wording(self) -> str:
         """The one wording of a check as need against found: 'CODE: need NEED, found FOUND'."""
-        return f"{self.code}: need {self.need}, found {self.found}"
+        return need_found(self.code, self.need, self.found)
 
     @property
     def reason(self) -> str:
@@ -39,6 +39,12 @@ class Check:
 
     def to_dict(self) -> dict:
         return attrs.asdict(self)
+
+
+def need_found(what: str, need, found) -> str:
+    """'WHAT: need NEED, found FOUND': how capdispatch words anything checked against what
+    it needs (a requirement on a device, a cached verdict's key against today's)."""
+    return f"{what}: need {need}, found {found}"
 
 
 def failed_checks(checks, *, exact: bool = False) -> str:

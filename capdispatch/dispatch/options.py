@@ -202,6 +202,7 @@ def add(parser, *keys: str, unset: Optional[str] = None, help: Optional[str] = N
         if required:
             kw["required"] = True
         action = parser.add_argument(*o.flags, **kw)
+        action.option = key          # which shared option it is (tests check every command's)
         if o.complete:
             from . import completion
             getattr(completion, o.complete)(action)
