@@ -159,3 +159,14 @@ def test_the_sglang_command_runs_under_the_one_handler(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert err.startswith("dispatch sglang: internal error: RuntimeError: boom") and "Traceback" not in err
     assert sglang_cli.main(["plan", "--frobnicate"]) == 2
+
+
+def test_commands_import_one_way():
+    """cli.py imports the command modules; none of them (nor options.py or command.py)
+    imports cli.py back, by name or through importlib."""
+    here = os.path.join(ROOT, "capdispatch", "dispatch")
+    back = re.compile(r"from \.cli import|from \. import cli\b|import_module\([^)]*cli|dispatch\.cli\b")
+    modules = [f for f in os.listdir(here) if f.endswith("_cmd.py")] + ["options.py", "command.py"]
+    assert len(modules) >= 10
+    bad = [f for f in modules if back.search(open(os.path.join(here, f), encoding="utf-8").read())]
+    assert bad == []

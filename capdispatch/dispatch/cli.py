@@ -130,6 +130,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    command.safe_streams()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in EXTENSIONS:
         # The extension's main runs under the same handler (command.run), as its own prog.
