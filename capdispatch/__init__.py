@@ -47,6 +47,7 @@ _API = {
     "add_option": ("capdispatch.dispatch.options", "add"),
     "CommandParser": ("capdispatch.dispatch.options", "Parser"),
     "run_command": ("capdispatch.dispatch.command", "run"),
+    "check_layout": ("capdispatch.dispatch.options", "check_layout"),
     # Shell completion of an argparse action (argcomplete), for commands of adapters.
     "complete_devices": ("capdispatch.dispatch.completion", "devices"),
     "complete_ops": ("capdispatch.dispatch.completion", "ops"),

@@ -11,7 +11,7 @@ import sys
 
 from . import command
 from .errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_UNSAT  # noqa: F401  (the exit codes, named here too)
-from .options import LAYOUT, LAYOUT_NEEDS_MODEL, Parser, version
+from .options import LAYOUT, Parser, check_layout, version
 
 # Subcommands that live with an adapter, named by module so that the core never
 # imports an adapter: `dispatch NAME ARGS...` runs `MODULE.main(ARGS)`.
@@ -94,7 +94,9 @@ def _parser() -> argparse.ArgumentParser:
     add(e, "strict")
     add(e, "brief", help="the op x device matrix, without the traces")
     add(e, "lock")
-    add(e, *LAYOUT)   # --model and a layout: kernels' shape ranges are checked per rank
+    add(e, "model", help="the model whose rank shapes under --tp/--ep are checked against the "
+        "kernels' shape ranges")
+    add(e, *LAYOUT[1:])
     add(e, "format", "probe", "assume_cuda")
 
     o = sub.add_parser("ops", help="the ops and their backends with what each needs",
@@ -197,14 +199,12 @@ def _cmd_devices(args) -> int:
 
 def _cmd_explain(args) -> int:
     from ..backends import builtin
-    from .errors import BadInput
     from .explain import plan, render_text, target_libs
     from .inputs import op_list
     ops = op_list(args.op, "--op", builtin())
     from .model_cmd import shapes_from_args
     _, shapes = shapes_from_args(args)
-    if shapes is None and (args.tp != 1 or args.ep != 1 or args.dp_attention or args.next_n is not None):
-        raise BadInput(f"--tp/--ep/--dp-attention/--next-n {LAYOUT_NEEDS_MODEL}")
+    check_layout(args)
     specs = _specs(args)
     p = plan(specs, ops or None, policy=args.policy or None, shapes=shapes,
              selections=args.set_ or None, assume_libs=args.assume_lib, strict=args.strict,

@@ -112,8 +112,6 @@ class Option:
         return self.flags[-1]
 
 
-LAYOUT_NEEDS_MODEL = "describe a model's layout: give --model NAME|PATH with them (`dispatch model` lists the built-ins)"
-
 OPTIONS = {o.flag.lstrip("-").replace("-", "_"): o for o in (
     Option(("--format",), "text for people (default) or JSON for programs",
            choices=("text", "json"), default="text"),
@@ -160,6 +158,19 @@ OPTIONS = {o.flag.lstrip("-").replace("-", "_"): o for o in (
 )}
 
 LAYOUT = ("model", "tp", "ep", "dp_attention", "next_n")
+
+
+def check_layout(args, keys=LAYOUT[1:]) -> None:
+    """Refuse layout options (KEYS, as parsed into ARGS) given without --model: a layout
+    is of a model. An option at its declared default counts as not given."""
+    from .errors import BadInput
+    if getattr(args, "model", None) is not None:
+        return
+    if any(getattr(args, OPTIONS[k].dest or k) != (False if OPTIONS[k].switch else OPTIONS[k].default)
+           for k in keys):
+        flags = "/".join(OPTIONS[k].flag for k in keys)
+        raise BadInput(f"{flags} describe a model's layout: give --model NAME|PATH with them "
+                       "(`dispatch model` lists the built-ins)")
 
 
 def add(parser, *keys: str, unset: Optional[str] = None, help: Optional[str] = None,

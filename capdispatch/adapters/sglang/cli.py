@@ -43,14 +43,17 @@ def add_commands(p):
     add(plan, "device", help="the node's GPUs as CUDA numbers them (entry N is cuda:N)",
         unset="$CAPDISPATCH_SGLANG_DEVICES, else the local GPUs via NVML")
     add(plan, "policy", "set", "strict", "assume_lib", "libs")
+    add(plan, "model", help="the model whose rank shapes under --tp/--ep are checked against the "
+        "kernels' shape ranges (a layout SGLang would refuse is an error naming the layouts that "
+        "would work)")
     add(plan, *LAYOUT_WITHOUT_TP)
     add(plan, "brief", help="the op x rank matrix")
     add(plan, "format")
     return sub
 
 
-# The model and its layout but --tp, which is the launch's own (SGLang's --tp-size).
-LAYOUT_WITHOUT_TP = ("model", "ep", "dp_attention", "next_n")
+# The model's layout but --tp, which is the launch's own (SGLang's --tp-size).
+LAYOUT_WITHOUT_TP = ("ep", "dp_attention", "next_n")
 
 
 def main(argv=None) -> int:
@@ -97,9 +100,7 @@ def _plan(args, sglang_args) -> int:
     options = PlanOptions(selections=tuple(args.set_), selection_origin="--set",
                           policy=tuple(args.policy), assume_libs=tuple(args.assume_lib),
                           strict=args.strict, libs=args.libs)
-    if args.model is None and (args.ep != 1 or args.dp_attention or args.next_n is not None):
-        raise cd.BadInput("--ep/--dp-attention/--next-n describe a model's layout: give --model "
-                          "NAME|PATH with them (`dispatch model` lists the built-ins)")
+    cd.check_layout(args, LAYOUT_WITHOUT_TP)
     model = None
     if args.model is not None:
         model = {"name": args.model, "ep": args.ep, "dp_attention": args.dp_attention,
