@@ -19,7 +19,7 @@ from typing import Callable, Optional
 
 import attrs
 
-from .inputs import DEVICE_FORMS
+from .inputs import DEVICE_FORMS, shown
 
 
 def version() -> str:
@@ -70,12 +70,16 @@ def _plain(message: str) -> str:
 # ------------------------------------------------------------------ parse-time checks
 
 def refused(flag: str, value: str, valid: str) -> argparse.ArgumentTypeError:
-    """The one wording of a refused option value: '--tp 0: expected an integer >= 1'."""
+    """The one wording of a refused option value: '--tp 0: expected an integer >= 1' (a
+    long or unprintable value quoted and cut)."""
+    if not (value.isprintable() and not any(c.isspace() for c in value) and 0 < len(value) <= 40):
+        value = shown(value, 40)
     return argparse.ArgumentTypeError(f"{flag} {value}: expected {valid}")
 
 
 def whole(low: int = 1) -> Callable:
-    """A type for a whole number >= LOW; its errors name the flag (see `add`)."""
+    """A type for a whole number >= LOW. `add` gives it the flag first (flag_aware), so that
+    its error names the flag as every other check does."""
     def parse(flag: str, text: str) -> int:
         try:
             value = int(text, 10)
