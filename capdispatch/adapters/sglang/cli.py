@@ -96,7 +96,6 @@ def _plan(args, sglang_args) -> int:
     import capdispatch as cd
     from . import plan, render
     from .records import PlanOptions
-    cd.env_flag(os.environ, "CAPDISPATCH_DEBUG")   # read as `dispatch` reads it
     options = PlanOptions(selections=tuple(args.set_), selection_origin="--set",
                           policy=tuple(args.policy), assume_libs=tuple(args.assume_lib),
                           strict=args.strict, libs=args.libs)
