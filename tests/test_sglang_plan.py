@@ -115,7 +115,7 @@ def test_the_reported_contradiction_cannot_happen(clean_env):
     p = check_one_decision(["sim:h200"], ["sgl-flash-mla==0.9.0"])
     ops = p["ranks"][0]["ops"]
     assert ops["decode_mla"]["backend"] == "triton_fp8" and ops["decode_mla"]["routed"]
-    assert "needs sgl-flash-mla>=1.0, has 0.9.0 (assumed)" in ops["decode_mla"]["why"]
+    assert "library:sgl-flash-mla: need sgl-flash-mla>=1.0, found 0.9.0 (assumed)" in ops["decode_mla"]["why"]
     attn = next(x for x in p["sglang_settings"] if x["name"] == "dsv4_attn_backend")
     assert attn["wants"] == {} and attn["without"] == [] and attn["routed"] == {"cuda:0": "triton_fp8"}
     p = check_one_decision(["sim:h200"], ["sgl-flash-mla==1.0.0"])

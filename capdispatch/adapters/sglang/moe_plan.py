@@ -121,10 +121,6 @@ def launch_value(release, specs, *, explicit_fields=(), field_values=None) -> Op
                        False)
 
 
-def _failed(candidate) -> str:
-    return "; ".join(f"needs {ch.need}, has {ch.found}" for ch in candidate.checks if not ch.ok)
-
-
 def route_choice(route, res, spec, launch: Optional[LaunchValue], strict: bool = False):
     """(routed, why, warning) for moe on SPEC, resolved as RES (a capdispatch selection
     included: where it names the kernel SGLang's method runs, that method is kept).
@@ -152,7 +148,7 @@ def route_choice(route, res, spec, launch: Optional[LaunchValue], strict: bool =
         # SGLang's method could run; the decision (explicit choice, mixed_group: uniform) is another.
         return True, (f"{said}capdispatch {res.backend} ({res.source}) runs at {site} in place of SGLang's "
                       f"{method} under {setting}"), None
-    cannot = (_failed(cand) if cand is not None else nb.reason(launch.value)) or "no kernel for this card"
+    cannot = (cand.why_not(exact=True) if cand is not None else nb.reason(launch.value)) or "no kernel for this card"
     what = f"{native}'s kernel" if native else "no MXFP4 kernel here"
     why = (f"{said}SGLang's {method} under {setting} cannot run on this card ({what}: {cannot}); "
            f"capdispatch {res.backend} runs at {site} instead, with its weights prepared at load")
