@@ -184,6 +184,8 @@ class Reader:
         text = read_text(path, limit=limit, kind=kind, error=error, hint=hint)
         return cls(display(path), text, error=error, kind=kind, **kw)
 
+    line = staticmethod(line_of)
+
     def err(self, at, message: str) -> Exception:
         """The error at AT (a node, a line number or None) saying MESSAGE."""
         line = at if isinstance(at, int) or at is None else line_of(at)
