@@ -106,19 +106,11 @@ def read_text(path, *, limit: int, kind: str, error: ErrorClass, hint: str = "")
     from .safe_io import FileError, read_bytes
     shown = display(path)
     try:
-        path = os.fspath(path)
-    except TypeError:
-        raise error(shown, None, f"a {kind} is a file path, not a {type(path).__name__}") from None
-    if isinstance(path, str) and "\0" in path or isinstance(path, bytes) and b"\0" in path:
-        raise error(shown, None, f"cannot read {kind}: the path contains a NUL byte")
-    try:
-        if isinstance(path, str):
+        if isinstance(path, str) and "\0" not in path:
             os.fsencode(path)
     except UnicodeError:
         raise error(shown, None, f"cannot read {kind}: the path is not valid in this file system's "
                                  f"encoding") from None
-    if os.path.isdir(path):
-        raise error(shown, None, f"cannot read {kind}: it is a directory (give a .yaml file)")
     try:    # never blocks on a FIFO, never reads a device, never more than the bound
         data = read_bytes(path, limit=limit, what=kind)
     except FileError as exc:
@@ -229,6 +221,13 @@ class Reader:
                 [n for kv in node.value for n in kv]
             stack.extend((c, depth + 1) for c in children)
 
+    def _shape(self, node, what: str, cls) -> None:
+        """Count NODE against the bound, check its tag, refuse it unless it is a CLS node."""
+        self._spend(node)
+        self.check_tag(node, what)
+        if not isinstance(node, cls):
+            raise self.err(node, f"{what} must be a {_KINDS[cls]}, not a {kind_of(node)}")
+
     def _spend(self, node, n: int = 1) -> None:
         self._left -= n
         if self._left < 0:
@@ -266,10 +265,7 @@ class Reader:
     def scalar(self, node, what: str, valid: str = ""):
         """The value of scalar NODE at WHAT (str, int, float, bool or None); VALID, when
         given, says what WHAT takes."""
-        self._spend(node)
-        self.check_tag(node, what)
-        if not isinstance(node, yaml.ScalarNode):
-            raise self.err(node, f"{what} must be a single value, not a {kind_of(node)}")
+        self._shape(node, what, yaml.ScalarNode)
         tag = self.explicit_tag(node)
         kind = node.tag.rpartition(":")[2]
         takes = f"; {what} takes {valid}" if valid else ""
@@ -298,10 +294,7 @@ class Reader:
         """(key, key node, value node) of mapping NODE, keys strings, none twice; VALID: the
         keys it takes, for messages. Merge keys (`<<: *base`) are YAML's: the merged
         entries first, the mapping's own entries after them override."""
-        self._spend(node)
-        self.check_tag(node, what)
-        if not isinstance(node, yaml.MappingNode):
-            raise self.err(node, f"{what} must be a mapping, not a {kind_of(node)}")
+        self._shape(node, what, yaml.MappingNode)
         # A mapping reached again through an alias is already flattened: its own keys
         # are those it had before.
         own = self._own[id(node)] if id(node) in self._own else \
@@ -346,11 +339,14 @@ class Reader:
         """The item nodes of list NODE (ONE_IS_LIST: a single value is a list of one)."""
         if one_is_list and isinstance(node, yaml.ScalarNode):
             return [node]
-        self._spend(node)
-        self.check_tag(node, what)
-        if not isinstance(node, yaml.SequenceNode):
-            raise self.err(node, f"{what} must be a list, not a {kind_of(node)}")
+        self._shape(node, what, yaml.SequenceNode)
         return list(node.value)
+
+    def rows(self, node, what: str):
+        """(WHAT[i], item node) of list NODE; none for an absent or empty value (None, null)."""
+        if node is None or self.is_null(node):
+            return ()
+        return [(f"{what}[{i}]", item) for i, item in enumerate(self.sequence(node, what))]
 
     def fields(self, node, what: str, *, required=(), optional=(), hint=None, top: bool = False) -> "Fields":
         """Mapping NODE of declared keys: every REQUIRED one present, OPTIONAL ones (names,
@@ -424,14 +420,20 @@ class Reader:
                                  f"(valid: {', '.join(choices)})")
         return value
 
-    def names(self, node, what: str, valid=None, *, noun: str = "name") -> tuple:
-        """A list of text (or a single one), none twice; VALID: the names it takes."""
+    def name(self, node, what: str, valid, *, noun: str = "name", of: str = "") -> str:
+        """One of the names VALID; OF follows the name in the message (" for kv_quant")."""
+        name = self.text(node, what, need=f"a {noun}")
+        if name not in valid:
+            raise self.err(node, f"{what}: unknown {noun} {show(name)}{of}{did_you_mean(name, valid)} "
+                                 f"(valid: {', '.join(valid)})")
+        return name
+
+    def names(self, node, what: str, valid=None, *, noun: str = "name", of: str = "") -> tuple:
+        """A list of names (or a single one), none twice; VALID: the names it takes."""
         out = []
         for item in self.sequence(node, what, one_is_list=True):
-            name = self.text(item, what, need=f"a {noun}")
-            if valid is not None and name not in valid:
-                raise self.err(item, f"{what}: unknown {noun} {show(name)}{did_you_mean(name, valid)} "
-                                     f"(valid: {', '.join(valid)})")
+            name = self.text(item, what, need=f"a {noun}") if valid is None else \
+                self.name(item, what, valid, noun=noun, of=of)
             if name in out:
                 raise self.err(item, f"{what}: {name!r} listed twice")
             out.append(name)

@@ -36,7 +36,7 @@ from typing import Optional
 import attrs
 import yaml
 
-from ..marked_yaml import Reader, did_you_mean, line_of, read_text
+from ..marked_yaml import Reader, line_of, read_text
 from .errors import BadInput, Unsatisfiable
 
 log = logging.getLogger("capdispatch")
@@ -265,9 +265,7 @@ def _device(r: Reader, node, registry) -> LockedDevice:
     did = r.text(d["id"], "device id")
     ops = {}
     for op, knode, onode in r.mapping(d["ops"], f"{did}: ops"):
-        if op not in registry.ops:
-            raise r.err(knode, f"{did}: unknown op {op!r}{did_you_mean(op, registry.ops)} "
-                               f"(valid: {', '.join(registry.ops)})")
+        r.name(knode, did, list(registry.ops), noun="op")
         ops[op] = _op(r, onode, f"{did} {op}", [b.name for b in registry.backends(op)])
     return LockedDevice(did, r.text(d["name"], f"{did}: name"),
                         d.get("cc", r.text, what=f"{did}: cc", null=True),
@@ -278,11 +276,7 @@ def _op(r: Reader, node, what: str, names) -> LockedOp:
     o = r.fields(node, what, **_OP_KEYS)
 
     def backend_of(bnode, where):
-        name = r.text(bnode, where)
-        if name not in names:
-            raise r.err(bnode, f"{where}: unknown backend {name!r}"
-                               f"{did_you_mean(name, names)} (valid: {', '.join(names)})")
-        return name
+        return r.name(bnode, where, names, noun="backend")
     buckets = []
     for bnode in (r.sequence(o["buckets"], f"{what}: buckets") if "buckets" in o else ()):
         b = r.fields(bnode, f"{what}: a bucket", required=("upper", "backend"))

@@ -41,27 +41,6 @@ class Unmapped:
     message: str
 
 
-def _label(kind: str, name: str, value: str) -> str:
-    """How plans and warnings name a server-args field or an environment switch."""
-    return f"{name}={value}" if kind == "field" else f"env {name}={value}"
-
-
-@attrs.frozen
-class Setting:
-    """A launch-time setting, the same for every rank (knobs.yaml `settings`)."""
-    ops: tuple
-    backends: Optional[tuple]     # None: any backend
-    routed: bool
-    kind: str                     # "field" | "env"
-    name: str
-    value: str
-    why: str
-
-    @property
-    def label(self) -> str:
-        return _label(self.kind, self.name, self.value)
-
-
 @attrs.frozen
 class SglangSetting:
     """One SGLang name and the value an entry or a route needs."""
@@ -71,7 +50,17 @@ class SglangSetting:
 
     @property
     def label(self) -> str:
-        return _label(self.kind, self.name, self.value)
+        """How plans and warnings name a server-args field or an environment switch."""
+        return f"{self.name}={self.value}" if self.kind == "field" else f"env {self.name}={self.value}"
+
+
+@attrs.frozen
+class Setting(SglangSetting):
+    """A launch-time setting, the same for every rank (knobs.yaml `settings`)."""
+    ops: tuple
+    backends: Optional[tuple]     # None: any backend
+    routed: bool
+    why: str
 
 
 @attrs.frozen
@@ -285,21 +274,12 @@ def _spec(r, node, where: str) -> SpecifierSet:
 
 def _op(r, node, where: str, registry) -> str:
     """An op name of the registry."""
-    name = r.text(node, where, need="an op")
-    if name not in registry.ops:
-        raise r.err(node, f"{where}: unknown op {name!r}{cd.did_you_mean(name, registry.ops)} "
-                          f"(valid: {', '.join(registry.ops)})")
-    return name
+    return r.name(node, where, list(registry.ops), noun="op")
 
 
-def _backend(r, node, where: str, op: str, registry, name: Optional[str] = None) -> str:
-    """A backend of OP: NAME, or the text of NODE; WHERE: the row it stands in."""
-    name = r.text(node, where, need=f"a backend of {op}") if name is None else name
-    valid = [b.name for b in registry.backends(op)]
-    if name not in valid:
-        raise r.err(node, f"{where}: unknown backend {name!r} for {op}{cd.did_you_mean(name, valid)} "
-                          f"(valid: {', '.join(valid)})")
-    return name
+def _backend(r, node, where: str, op: str, registry) -> str:
+    """A backend name of OP; WHERE: the row it stands in."""
+    return r.name(node, where, [b.name for b in registry.backends(op)], noun="backend", of=f" for {op}")
 
 
 def _one_of(r, f, node, where: str, keys) -> str:
@@ -344,30 +324,27 @@ def _setting(r, node, where: str) -> SglangSetting:
 def _settings(r, node, where: str, registry) -> tuple:
     """Launch-time settings, the same for every rank: one name never set to two values."""
     rows, seen = [], {}
-    for i, snode in enumerate(r.sequence(node, where) if node is not None else ()):
-        w = f"{where}[{i}]"
+    for w, snode in r.rows(node, where):
         s = r.fields(snode, w, **_SETTING_KEYS)
         ops = r.names(s["ops"], s.where("ops"), list(registry.ops), noun="op")
         backends = s.get("backends", r.names, noun="backend")
         backends = None if backends in (None, ("*",)) else backends     # "*": any backend
-        for op in ops:
-            for b in backends or ():
-                _backend(r, s["backends"], w, op, registry, b)
+        for op in ops if backends else ():
+            r.names(s["backends"], w, [b.name for b in registry.backends(op)], noun="backend", of=f" for {op}")
         knob = _sglang_setting(r, s, snode, w)
         if seen.get((knob.kind, knob.name), knob.value) != knob.value:
             raise r.err(s["value"], f"{w}: {knob.name} is set to {knob.value!r} here and "
                                     f"{seen[(knob.kind, knob.name)]!r} in another row")
         seen[(knob.kind, knob.name)] = knob.value
-        rows.append(Setting(ops, backends, s.get("routed", r.boolean), knob.kind, knob.name, knob.value,
-                            s.get("why", r.text)))
+        rows.append(Setting(knob.kind, knob.name, knob.value, ops=ops, backends=backends,
+                            routed=s.get("routed", r.boolean), why=s.get("why", r.text)))
     return tuple(rows)
 
 
 def _selects(r, node, where: str, registry) -> tuple:
     """SGLang flag values that name a capdispatch backend (one, or one per device family)."""
     rows = []
-    for i, snode in enumerate(r.sequence(node, where) if node is not None else ()):
-        w = f"{where}[{i}]"
+    for w, snode in r.rows(node, where):
         s = r.fields(snode, w, **_SELECT_KEYS)
         op = _op(r, s["op"], w, registry)
         if _one_of(r, s, snode, w, ("backend", "backends")) == "backend":
@@ -396,8 +373,7 @@ def _families(r, node, where: str, row: str, op: str, registry) -> tuple:
 def _routes(r, node, where: str, registry) -> tuple:
     """Call sites a rank can route to the bound capdispatch kernel; targets and names unique."""
     rows = []
-    for i, rnode in enumerate(r.sequence(node, where) if node is not None else ()):
-        w = f"{where}[{i}]"
+    for w, rnode in r.rows(node, where):
         row = _route(r, rnode, w, registry)
         if any(o.target == row.target for o in rows):
             raise r.err(rnode, f"{w}: {row.target} is routed twice")
@@ -512,9 +488,9 @@ def _arch(r, node, where: str) -> dict:
         probe = r.text(pnode, f"{where}.platform.{fact}")
         if probe not in facts:
             raise r.err(pnode, f"{where}.platform.{fact}: {probe!r} is not a probe or sm/cc")
-    for i, gnode in enumerate(r.sequence(f["globals"], f.where("globals"))):
-        g = r.fields(gnode, f"{where}.globals[{i}]", required=("module", "name", "fact"))
+    for w, gnode in r.rows(f["globals"], f.where("globals")):
+        g = r.fields(gnode, w, required=("module", "name", "fact"))
         fact = r.text(g["fact"], g.where("fact"))
         if fact not in facts:
-            raise r.err(g["fact"], f"{where}.globals[{i}]: fact {fact!r} is not a probe or sm/cc")
+            raise r.err(g["fact"], f"{w}: fact {fact!r} is not a probe or sm/cc")
     return r.plain(node, where)
