@@ -12,7 +12,7 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
 from .. import marked_yaml
 from ..errors import CapdispatchError
-from ..marked_yaml import MarkedList, MarkedMap, Reader, did_you_mean, line_of
+from ..marked_yaml import Reader, did_you_mean, line_of
 from ..marked_yaml import show as _show
 
 MIXED_GROUP = ("allow", "warn", "uniform", "error")

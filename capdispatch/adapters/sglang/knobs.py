@@ -253,15 +253,18 @@ def _knobs(r, path: str, registry) -> Knobs:
 
 
 def _release(r, node, where: str, registry) -> Release:
+    """One release range's rows, section by section."""
     f = r.fields(node, where, **_RELEASE_KEYS)
+    spec = _spec(r, f["sglang"], f.where("sglang"))
+    hooks = _hooks(r, f["hooks"], f.where("hooks"))
     models = _models(r, f["models"], f.where("models"), registry)
+    settings = _settings(r, f.get("settings"), f.where("settings"), registry)
+    selects = _selects(r, f.get("selects"), f.where("selects"), registry)
     routes = _routes(r, f.get("routes"), f.where("routes"), registry)
     entries, lines = _entries(r, f.get("backends"), f.where("backends"), registry, routes)
-    return Release(_spec(r, f["sglang"], f.where("sglang")), _hooks(r, f["hooks"], f.where("hooks")), models,
-                   _settings(r, f.get("settings"), f.where("settings"), registry),
-                   _selects(r, f.get("selects"), f.where("selects"), registry), routes,
-                   _arch(r, f["arch"], f.where("arch")), entries,
-                   _unmapped(r, models, entries, lines, f.where("backends"), registry))
+    unmapped = _unmapped(r, models, entries, lines, f.where("backends"), registry)
+    return Release(spec, hooks, models, settings, selects, routes, _arch(r, f["arch"], f.where("arch")),
+                   entries, unmapped)
 
 
 def _spec(r, node, where: str) -> SpecifierSet:
