@@ -286,6 +286,10 @@ class Reader:
             raise self.err(node, f"{what}: {show(node.value)} reads as a YAML {kind} but is not "
                                  f"one ({type(exc).__name__}); quote it to give text") from None
 
+    def is_scalar(self, node) -> bool:
+        """Is NODE a single value (not a list or a mapping)?"""
+        return isinstance(node, yaml.ScalarNode)
+
     def is_null(self, node) -> bool:
         """Is NODE an empty value or a null (`key:`, `key: ~`)?"""
         return isinstance(node, yaml.ScalarNode) and node.tag == _NULL

@@ -353,7 +353,9 @@ def _selects(r, node, where: str, registry) -> tuple:
         if _one_of(r, s, snode, w, ("backend", "backends")) == "backend":
             backend, per = _backend(r, s["backend"], w, op, registry), ()
         else:
-            backend, per = None, _families(r, s["backends"], s.where("backends"), w, op, registry)
+            per = _by_family(r, s["backends"], s.where("backends"), other=False,
+                             backends=[b.name for b in registry.backends(op)], op=op)
+            backend = None
         row = Select(r.text(s["field"], s.where("field")), r.text(s["value"], s.where("value")), op, backend, per)
         if any(o.field == row.field and o.value == row.value for o in rows):
             raise r.err(snode, f"{w}: {row.field}={row.value} is mapped twice")
@@ -361,16 +363,45 @@ def _selects(r, node, where: str, registry) -> tuple:
     return tuple(rows)
 
 
-def _families(r, node, where: str, row: str, op: str, registry) -> tuple:
-    """((family, backend), ...) of a mapping of device families (sm90, sm120, ...)."""
-    need = "expected a mapping of device families (sm90, sm100, sm120, ...) to backends"
+def _by_family(r, node, where: str, *, other: bool, backends=None, op: str = "") -> tuple:
+    """((family, name), ...) of a mapping of device families (sm90, sm120, ...; OTHER: also
+    `other`, any family not listed, and null names); BACKENDS: the names it takes."""
+    families = "sm90, sm100, sm120, ..." + (", other" if other else "")
     pairs = r.mapping(node, where)
     if not pairs:
-        raise r.err(node, f"{where}: {need}, found an empty mapping")
-    for fam, knode, _ in pairs:
-        if not (fam.startswith("sm") and fam[2:].isdigit()):
-            raise r.err(knode, f"{where}: {need}, found {fam!r}")
-    return tuple((fam, _backend(r, bnode, row, op, registry)) for fam, _, bnode in pairs)
+        raise r.err(node, f"{where}: expected a mapping of device families ({families}), found an empty one")
+    out = []
+    for fam, knode, vnode in pairs:
+        if not (other and fam == "other" or fam.startswith("sm") and fam[2:].isdigit()):
+            raise r.err(knode, f"{where}: {fam!r} is not a device family; expected a mapping of device "
+                               f"families ({families})")
+        name = r.text(vnode, f"{where}.{fam}", null=other)
+        if name is not None and backends is not None:
+            r.name(vnode, f"{where}.{fam}", backends, noun="backend", of=f" for {op}")
+        out.append((fam, name))
+    return tuple(out)
+
+
+def _native_by(r, node, where: str, op: str, registry):
+    """The moe route's `native_by`: per launch value of one SGLang field, the method SGLang
+    builds on each card family and the capdispatch backend whose kernel it runs."""
+    from .moe_plan import NativeBy
+    f = r.fields(node, where, required=("field", "default", "values", "methods"), optional={"why": None})
+    backends = [b.name for b in registry.backends(op)]
+    values = [(v, _by_family(r, vn, f"{where}.values.{v}", other=True, backends=backends, op=op))
+              for v, _, vn in r.mapping(f["values"], f.where("values"))]
+    if not values:
+        raise r.err(f["values"], f"{where}.values: expected a mapping of launch values to device families")
+    methods = r.mapping(f["methods"], f.where("methods"))
+    if {v for v, _, _ in methods} != {v for v, _ in values}:
+        raise r.err(f["methods"], f"{where}.methods: expected one SGLang method name per value of `values` "
+                                  f"({', '.join(v for v, _ in values)})")
+    why = r.mapping(f["why"], f.where("why")) if f.get("why") is not None else ()
+    return NativeBy(r.text(f["field"], f.where("field"), nonempty=True),
+                    _by_family(r, f["default"], f.where("default"), other=True), tuple(values),
+                    tuple((v, r.text(m, f"{where}.methods.{v}") if r.is_scalar(m) else
+                           _by_family(r, m, f"{where}.methods.{v}", other=True)) for v, _, m in methods),
+                    tuple((v, " ".join(r.text(t, f"{where}.why.{v}").split())) for v, _, t in why))
 
 
 def _routes(r, node, where: str, registry) -> tuple:
@@ -398,15 +429,8 @@ def _route(r, node, w: str, registry) -> Route:
                 r.text(f["name"], f.where("name"), nonempty=True),
                 f.get("runner", lambda n, what: _setting(r, n, what)),
                 f.get("prepare", lambda n, what: _prepare(r, n, what)))
-    nb = f.get("native_by")
-    if nb is None:
-        return row
-    from .moe_plan import check_native_by     # moe: SGLang's method depends on the launch's value
-    try:
-        return attrs.evolve(row, native_by=check_native_by(r.plain(nb, f.where("native_by")),
-                                                           f.where("native_by"), registry, op))
-    except ValueError as exc:
-        raise r.err(nb, str(exc)) from None
+    nb = f.get("native_by")      # moe: SGLang's method depends on a launch-wide value
+    return row if nb is None else attrs.evolve(row, native_by=_native_by(r, nb, f.where("native_by"), op, registry))
 
 
 def _env(r, node, where: str) -> tuple:
