@@ -88,6 +88,8 @@ _API = {
     "ModelLayout": ("capdispatch.models", "Layout"),
     "ModelError": ("capdispatch.models", "ModelError"),
     "load_marked": ("capdispatch.policies", "load_marked"),
+    # The marked YAML reader of every YAML input (file:line in each error), for adapters' files.
+    "YamlReader": ("capdispatch.marked_yaml", "Reader"),
     # Bounded, non-blocking reading of a regular file (adapters read their own files so).
     "read_file": ("capdispatch.safe_io", "read_bytes"),
     "FileError": ("capdispatch.safe_io", "FileError"),
