@@ -144,7 +144,14 @@ def _decode_halves(w_ptrs, s_ptrs, mask_n, BN: tl.constexpr, BK: tl.constexpr, F
     interpreter) decodes in float32 with Triton ops; the GPU path decodes to bf16 in PTX
     (_E2M1_ASM), the same values bit for bit."""
     wb = tl.load(w_ptrs, mask=mask_n[:, None], other=0)
-    sb = tl.load(s_ptrs, mask=mask_n[:, None], other=127).to(tl.int32)
+    sb = tl.load(s_ptrs, mask=mask_n[:, None], other=127)
+    return _decode_loaded(wb, sb, BN, BK, F32)
+
+
+@triton.jit
+def _decode_loaded(wb, sb, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
+    """_decode_halves of bytes already loaded: wb uint8 [BN, BK/2], sb uint8 [BN, BK/32]."""
+    sb = sb.to(tl.int32)
     if F32:
         w = tl.reshape(wb.to(tl.int32), (BN, BK // 32, 16))
         sc = _e8m0_to_f32(sb)[:, :, None]
@@ -184,6 +191,19 @@ def _dot_dequant(acc, a, w_ptrs, s_ptrs, mask_n, BN: tl.constexpr, BK: tl.conste
         acc = tl.dot(a_odd, tl.trans(hi), acc)
     else:
         acc = tl.dot(a, tl.trans(_dequant_tile(w_ptrs, s_ptrs, mask_n, BN, BK, F32)), acc)
+    return acc
+
+
+@triton.jit
+def _dot_loaded(acc, a, wb, sb, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
+    """_dot_dequant of weight bytes and scales already loaded (the prefetching loops)."""
+    lo, hi = _decode_loaded(wb, sb, BN, BK, F32)
+    if a.shape[0] < SPLIT_MAX_BM:
+        a_even, a_odd = tl.split(tl.reshape(a, (a.shape[0], BK // 2, 2)))
+        acc = tl.dot(a_even, tl.trans(lo), acc)
+        acc = tl.dot(a_odd, tl.trans(hi), acc)
+    else:
+        acc = tl.dot(a, tl.trans(tl.reshape(tl.join(lo, hi), (BN, BK))), acc)
     return acc
 
 
@@ -285,10 +305,14 @@ def routing_tables(topk_ids: torch.Tensor, E: int, BM: int, force_torch: bool = 
 def _gemm1_swiglu_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, sorted_ptr, blk_expert_ptr, blk_start_ptr,
                          blk_end_ptr, H, I, R, stride_x, limit: tl.float32,
                          TOPK: tl.constexpr, HAS_LIMIT: tl.constexpr, F32: tl.constexpr,
-                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr = 1):
+                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr = 1,
+                         PREFETCH: tl.constexpr = 0):
     """SPLIT == 1: h = SwiGLU(x @ [gate; up]^T) stored bf16. SPLIT > 1: program (b, n, s)
     sums the s-th of SPLIT equal K ranges and stores gate and up float32 partials at
-    part[s, position, 0:I] and [I:2I] (_swiglu_reduce_kernel finishes them)."""
+    part[s, position, 0:I] and [I:2I] (_swiglu_reduce_kernel finishes them).
+    PREFETCH: the next K tile's weight bytes and scales are loaded into registers before
+    this tile is decoded, so each warp keeps two tiles of loads in flight (the decoded
+    loads feed register arithmetic, which Triton's pipeliner does not stage)."""
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
     KS = H // SPLIT
@@ -313,14 +337,39 @@ def _gemm1_swiglu_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, sorted_ptr, blk_e
         kx = tl.arange(0, BK)
         acc_g = tl.zeros((BM, BN), dtype=tl.float32)
         acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(k_lo, k_lo + KS, BK):
-            a = tl.load(x_ptr + tok[:, None] * stride_x + (k0 + kx)[None, :], mask=mask_m[:, None], other=0.0)
-            if F32:
-                a = a.to(tl.float32)
-            acc_g = _dot_dequant(acc_g, a, w_base + rows_g[:, None] * (H // 2) + (k0 // 2 + kb)[None, :],
-                                 s_base + rows_g[:, None] * (H // 32) + (k0 // 32 + ks)[None, :], mask_n, BN, BK, F32)
-            acc_u = _dot_dequant(acc_u, a, w_base + rows_u[:, None] * (H // 2) + (k0 // 2 + kb)[None, :],
-                                 s_base + rows_u[:, None] * (H // 32) + (k0 // 32 + ks)[None, :], mask_n, BN, BK, F32)
+        if PREFETCH:
+            wg_p = w_base + rows_g[:, None] * (H // 2) + kb[None, :]
+            wu_p = w_base + rows_u[:, None] * (H // 2) + kb[None, :]
+            sg_p = s_base + rows_g[:, None] * (H // 32) + ks[None, :]
+            su_p = s_base + rows_u[:, None] * (H // 32) + ks[None, :]
+            nwg = tl.load(wg_p + k_lo // 2, mask=mask_n[:, None], other=0)
+            nwu = tl.load(wu_p + k_lo // 2, mask=mask_n[:, None], other=0)
+            nsg = tl.load(sg_p + k_lo // 32, mask=mask_n[:, None], other=127)
+            nsu = tl.load(su_p + k_lo // 32, mask=mask_n[:, None], other=127)
+            for k0 in range(k_lo, k_lo + KS, BK):
+                cwg, cwu, csg, csu = nwg, nwu, nsg, nsu
+                kn = k0 + BK
+                pm = (mask_n & (offs_n * 0 + kn < k_lo + KS))[:, None]     # the last tile prefetches nothing
+                nwg = tl.load(wg_p + kn // 2, mask=pm, other=0)
+                nwu = tl.load(wu_p + kn // 2, mask=pm, other=0)
+                nsg = tl.load(sg_p + kn // 32, mask=pm, other=127)
+                nsu = tl.load(su_p + kn // 32, mask=pm, other=127)
+                a = tl.load(x_ptr + tok[:, None] * stride_x + (k0 + kx)[None, :], mask=mask_m[:, None], other=0.0)
+                if F32:
+                    a = a.to(tl.float32)
+                acc_g = _dot_loaded(acc_g, a, cwg, csg, BN, BK, F32)
+                acc_u = _dot_loaded(acc_u, a, cwu, csu, BN, BK, F32)
+        else:
+            for k0 in range(k_lo, k_lo + KS, BK):
+                a = tl.load(x_ptr + tok[:, None] * stride_x + (k0 + kx)[None, :], mask=mask_m[:, None], other=0.0)
+                if F32:
+                    a = a.to(tl.float32)
+                acc_g = _dot_dequant(acc_g, a, w_base + rows_g[:, None] * (H // 2) + (k0 // 2 + kb)[None, :],
+                                     s_base + rows_g[:, None] * (H // 32) + (k0 // 32 + ks)[None, :], mask_n, BN,
+                                     BK, F32)
+                acc_u = _dot_dequant(acc_u, a, w_base + rows_u[:, None] * (H // 2) + (k0 // 2 + kb)[None, :],
+                                     s_base + rows_u[:, None] * (H // 32) + (k0 // 32 + ks)[None, :], mask_n, BN,
+                                     BK, F32)
         if SPLIT > 1:
             prow = (tl.program_id(2) * R + offs_m).to(tl.int64)[:, None] * (2 * I)
             pmask = mask_m[:, None] & mask_n[None, :]
@@ -364,9 +413,11 @@ def _swiglu_reduce_kernel(part_ptr, h_ptr, ids_ptr, R, I, limit: tl.float32,
 @triton.jit
 def _gemm2_kernel(h_ptr, w_ptr, s_ptr, tw_ptr, routed_ptr, sorted_ptr, blk_expert_ptr, blk_start_ptr, blk_end_ptr,
                   H, I, R, F32: tl.constexpr,
-                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr = 1):
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr = 1,
+                  PREFETCH: tl.constexpr = 0):
     """routed[s, route] = top-k weight * (h @ w2^T) over the s-th of SPLIT equal K ranges
-    (SPLIT == 1: the whole of I, s = 0); the combine sums the SPLIT partials in order."""
+    (SPLIT == 1: the whole of I, s = 0); the combine sums the SPLIT partials in order.
+    PREFETCH: as _gemm1_swiglu_kernel's."""
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
     KS = I // SPLIT
@@ -388,13 +439,31 @@ def _gemm2_kernel(h_ptr, w_ptr, s_ptr, tw_ptr, routed_ptr, sorted_ptr, blk_exper
         ks = tl.arange(0, BK // 32)
         kx = tl.arange(0, BK)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(k_lo, k_lo + KS, BK):
-            a = tl.load(h_ptr + offs_m.to(tl.int64)[:, None] * I + (k0 + kx)[None, :], mask=mask_m[:, None],
-                        other=0.0)
-            if F32:
-                a = a.to(tl.float32)
-            acc = _dot_dequant(acc, a, w_base + rows[:, None] * (I // 2) + (k0 // 2 + kb)[None, :],
-                               s_base + rows[:, None] * (I // 32) + (k0 // 32 + ks)[None, :], mask_n, BN, BK, F32)
+        if PREFETCH:
+            w_p = w_base + rows[:, None] * (I // 2) + kb[None, :]
+            s_p = s_base + rows[:, None] * (I // 32) + ks[None, :]
+            nw = tl.load(w_p + k_lo // 2, mask=mask_n[:, None], other=0)
+            ns = tl.load(s_p + k_lo // 32, mask=mask_n[:, None], other=127)
+            for k0 in range(k_lo, k_lo + KS, BK):
+                cw, cs = nw, ns
+                kn = k0 + BK
+                pm = (mask_n & (offs_n * 0 + kn < k_lo + KS))[:, None]     # the last tile prefetches nothing
+                nw = tl.load(w_p + kn // 2, mask=pm, other=0)
+                ns = tl.load(s_p + kn // 32, mask=pm, other=127)
+                a = tl.load(h_ptr + offs_m.to(tl.int64)[:, None] * I + (k0 + kx)[None, :], mask=mask_m[:, None],
+                            other=0.0)
+                if F32:
+                    a = a.to(tl.float32)
+                acc = _dot_loaded(acc, a, cw, cs, BN, BK, F32)
+        else:
+            for k0 in range(k_lo, k_lo + KS, BK):
+                a = tl.load(h_ptr + offs_m.to(tl.int64)[:, None] * I + (k0 + kx)[None, :], mask=mask_m[:, None],
+                            other=0.0)
+                if F32:
+                    a = a.to(tl.float32)
+                acc = _dot_dequant(acc, a, w_base + rows[:, None] * (I // 2) + (k0 // 2 + kb)[None, :],
+                                   s_base + rows[:, None] * (I // 32) + (k0 // 32 + ks)[None, :], mask_n, BN, BK,
+                                   F32)
         tw = tl.load(tw_ptr + route, mask=mask_m, other=0.0).to(tl.float32)
         acc = acc * tw[:, None]
         if SPLIT > 1:
@@ -483,8 +552,10 @@ class _Plan:
                            BM)
         self.g1_grid = (MAXB, cdiv(I, BN1)) + ((SK1,) if SK1 > 1 else ())
         self.g2_grid = (MAXB, cdiv(H, BN2)) + ((SK2,) if SK2 > 1 else ())
-        self.g1_tail, self.g1_opts = (K, has_limit, INTERPRETED, BM, BN1, BK1, SK1), dict(num_warps=W1, num_stages=S1)
-        self.g2_tail, self.g2_opts = (INTERPRETED, BM, BN2, BK2, SK2), dict(num_warps=W2, num_stages=S2)
+        PF = tiles.PF
+        self.g1_tail = (K, has_limit, INTERPRETED, BM, BN1, BK1, SK1, PF)
+        self.g2_tail = (INTERPRETED, BM, BN2, BK2, SK2, PF)
+        self.g1_opts, self.g2_opts = dict(num_warps=W1, num_stages=S1), dict(num_warps=W2, num_stages=S2)
         BNA = min(1024, triton.next_power_of_2(I))
         self.a_grid = (R, cdiv(I, BNA))
         self.a_tail = (SK1, has_limit, INTERPRETED, max(16, triton.next_power_of_2(R)), BNA)
