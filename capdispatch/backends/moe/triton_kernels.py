@@ -315,8 +315,9 @@ def _gemm1_swiglu_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, sorted_ptr, blk_e
     loads feed register arithmetic, which Triton's pipeliner does not stage)."""
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
-    KS = H // SPLIT
-    k_lo = tl.program_id(2) * KS if SPLIT > 1 else 0
+    # Each part is whole K tiles (the host checks): say so, or the loads lose their vector width.
+    KS = tl.multiple_of(H // SPLIT, BK) if SPLIT > 1 else H
+    k_lo = tl.multiple_of(tl.program_id(2) * KS, BK) if SPLIT > 1 else 0
     e = tl.load(blk_expert_ptr + pid_b)
     if e >= 0:
         start = tl.load(blk_start_ptr + pid_b)
@@ -346,7 +347,8 @@ def _gemm1_swiglu_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, sorted_ptr, blk_e
             nwu = tl.load(wu_p + k_lo // 2, mask=mask_n[:, None], other=0)
             nsg = tl.load(sg_p + k_lo // 32, mask=mask_n[:, None], other=127)
             nsu = tl.load(su_p + k_lo // 32, mask=mask_n[:, None], other=127)
-            for k0 in range(k_lo, k_lo + KS, BK):
+            for kk in range(0, KS, BK):
+                k0 = k_lo + kk
                 cwg, cwu, csg, csu = nwg, nwu, nsg, nsu
                 kn = k0 + BK
                 pm = (mask_n & (offs_n * 0 + kn < k_lo + KS))[:, None]     # the last tile prefetches nothing
@@ -360,7 +362,8 @@ def _gemm1_swiglu_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, sorted_ptr, blk_e
                 acc_g = _dot_loaded(acc_g, a, cwg, csg, BN, BK, F32)
                 acc_u = _dot_loaded(acc_u, a, cwu, csu, BN, BK, F32)
         else:
-            for k0 in range(k_lo, k_lo + KS, BK):
+            for kk in range(0, KS, BK):
+                k0 = k_lo + kk
                 a = tl.load(x_ptr + tok[:, None] * stride_x + (k0 + kx)[None, :], mask=mask_m[:, None], other=0.0)
                 if F32:
                     a = a.to(tl.float32)
@@ -420,8 +423,9 @@ def _gemm2_kernel(h_ptr, w_ptr, s_ptr, tw_ptr, routed_ptr, sorted_ptr, blk_exper
     PREFETCH: as _gemm1_swiglu_kernel's."""
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
-    KS = I // SPLIT
-    k_lo = tl.program_id(2) * KS if SPLIT > 1 else 0
+    # Each part is whole K tiles (the host checks): say so, or the loads lose their vector width.
+    KS = tl.multiple_of(I // SPLIT, BK) if SPLIT > 1 else I
+    k_lo = tl.multiple_of(tl.program_id(2) * KS, BK) if SPLIT > 1 else 0
     e = tl.load(blk_expert_ptr + pid_b)
     if e >= 0:
         start = tl.load(blk_start_ptr + pid_b)
@@ -444,7 +448,8 @@ def _gemm2_kernel(h_ptr, w_ptr, s_ptr, tw_ptr, routed_ptr, sorted_ptr, blk_exper
             s_p = s_base + rows[:, None] * (I // 32) + ks[None, :]
             nw = tl.load(w_p + k_lo // 2, mask=mask_n[:, None], other=0)
             ns = tl.load(s_p + k_lo // 32, mask=mask_n[:, None], other=127)
-            for k0 in range(k_lo, k_lo + KS, BK):
+            for kk in range(0, KS, BK):
+                k0 = k_lo + kk
                 cw, cs = nw, ns
                 kn = k0 + BK
                 pm = (mask_n & (offs_n * 0 + kn < k_lo + KS))[:, None]     # the last tile prefetches nothing
@@ -456,7 +461,8 @@ def _gemm2_kernel(h_ptr, w_ptr, s_ptr, tw_ptr, routed_ptr, sorted_ptr, blk_exper
                     a = a.to(tl.float32)
                 acc = _dot_loaded(acc, a, cw, cs, BN, BK, F32)
         else:
-            for k0 in range(k_lo, k_lo + KS, BK):
+            for kk in range(0, KS, BK):
+                k0 = k_lo + kk
                 a = tl.load(h_ptr + offs_m.to(tl.int64)[:, None] * I + (k0 + kx)[None, :], mask=mask_m[:, None],
                             other=0.0)
                 if F32:
