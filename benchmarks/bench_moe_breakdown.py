@@ -213,36 +213,65 @@ def check_ours(tk, R, w, tiles, T, gen, dev):
     return not why, nrm, mx, "; ".join(why)
 
 
-def sass_facts(configs, ccs=(86, 90)):
-    """Offline compiles of each GEMM configuration: regs, spills, smem, occupancy, loop size."""
+def _compile_one(job):
+    """One offline compile (a worker process): the SASS facts of one GEMM configuration."""
     from sass_tools import compile_kernel, main_loop, occupancy
 
     from capdispatch.backends.moe import triton_kernels as tk
-    sig = tk.COMPILE_SIGNATURES
-    rows, seen = [], set()
+    label, cc, name, consts, warps, stages = job
+    fn = tk._gemm1_swiglu_kernel if name == "gemm1" else tk._gemm2_kernel
+    sig = tk.COMPILE_SIGNATURES["_gemm1_swiglu_kernel" if name == "gemm1" else "_gemm2_kernel"]
+    row = dict(config=label, cc=cc, kernel=name, constexprs=consts, num_warps=warps, num_stages=stages)
+    try:
+        c = compile_kernel(fn, sig, consts, warps, stages, cc)
+        occ = occupancy(c.regs or 0, c.smem, warps)
+        row.update(regs=c.regs, spill_stores=c.spill_stores, spill_loads=c.spill_loads, smem=c.smem,
+                   blocks_per_sm=occ.blocks, warps_per_sm=occ.warps, occupancy_limiter=occ.limiter,
+                   main_loop_instructions=main_loop(c.sass)[0])
+    except Exception as exc:   # the row says why; the run goes on
+        row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    return row
+
+
+def sass_facts(configs, ccs=(86, 90), workers=1):
+    """Offline compiles of each GEMM configuration: regs, spills, smem, occupancy, loop size.
+    WORKERS > 1 compiles in forked processes: call it before CUDA is initialised."""
+    jobs, seen = [], set()
     for label, t in configs:
-        jobs = [("gemm1", tk._gemm1_swiglu_kernel, sig["_gemm1_swiglu_kernel"],
-                 dict(TOPK=TOPK, HAS_LIMIT=True, F32=False, BM=t.BM, BN=t.BN1, BK=t.BK1, SPLIT=t.SK1,
-                      PREFETCH=t.PF), t.W1, t.S1),
-                ("gemm2", tk._gemm2_kernel, sig["_gemm2_kernel"],
-                 dict(F32=False, BM=t.BM, BN=t.BN2, BK=t.BK2, SPLIT=t.SK2, PREFETCH=t.PF), t.W2, t.S2)]
         for cc in ccs:
-            for name, fn, s, consts, warps, stages in jobs:
+            for name, consts, warps, stages in (
+                    ("gemm1", dict(TOPK=TOPK, HAS_LIMIT=True, F32=False, BM=t.BM, BN=t.BN1, BK=t.BK1, SPLIT=t.SK1,
+                                   PREFETCH=t.PF), t.W1, t.S1),
+                    ("gemm2", dict(F32=False, BM=t.BM, BN=t.BN2, BK=t.BK2, SPLIT=t.SK2, PREFETCH=t.PF), t.W2, t.S2)):
                 key = (cc, name, tuple(sorted(consts.items())), warps, stages)
-                if key in seen:
-                    continue
-                seen.add(key)
-                row = dict(config=label, cc=cc, kernel=name, constexprs=consts, num_warps=warps, num_stages=stages)
-                try:
-                    c = compile_kernel(fn, s, consts, warps, stages, cc)
-                    occ = occupancy(c.regs or 0, c.smem, warps)
-                    row.update(regs=c.regs, spill_stores=c.spill_stores, spill_loads=c.spill_loads, smem=c.smem,
-                               blocks_per_sm=occ.blocks, warps_per_sm=occ.warps, occupancy_limiter=occ.limiter,
-                               main_loop_instructions=main_loop(c.sass)[0])
-                except Exception as exc:   # the row says why; the run goes on
-                    row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-                rows.append(row)
-    return rows
+                if key not in seen:
+                    seen.add(key)
+                    jobs.append((label, cc, name, consts, warps, stages))
+    if workers <= 1:
+        return [_compile_one(j) for j in jobs]
+    import multiprocessing as mp
+    with mp.get_context("fork").Pool(min(workers, len(jobs))) as pool:
+        return pool.map(_compile_one, jobs)
+
+
+def sass_configs(tokens, cands):
+    """(label, tiles) of every configuration the run times, each tiles once."""
+    from capdispatch.backends.moe.launch_table import tiles_for
+    out = []
+    for T in tokens:
+        for c in configs_for(T, cands, tiles_for):
+            if c[1] not in [s[1] for s in out]:
+                out.append((f"{c[0]}@{T}", c[1]))
+    return out
+
+
+def configs_for(T, cands, tiles_for):
+    """The launch table's tiles at T tokens, and each candidate's change of them (decode sizes)."""
+    base = tiles_for(T * TOPK / max(1, min(E, T * TOPK)), H, I, False)
+    out = [("table", base)]
+    if T <= CANDIDATE_MAX_TOKENS:
+        out += [(n, base._replace(SK1=CANDIDATES[n][0], SK2=CANDIDATES[n][1], PF=CANDIDATES[n][2])) for n in cands]
+    return out
 
 
 def run(a):
@@ -257,6 +286,12 @@ def run(a):
     from capdispatch.calibrate.served import forward
     from ceilings import bench_graph, run_facts
 
+    cands = parse_candidates(a.candidates)
+    sass = []
+    if not a.no_sass:           # first: the compiles fork, before CUDA is initialised
+        t1 = time.time()
+        sass = sass_facts(sass_configs(a.tokens, cands), workers=max(1, min(16, (os.cpu_count() or 2) - 1)))
+        print(f"[bd] SASS facts: {len(sass)} offline compiles in {time.time() - t1:.0f} s", flush=True)
     facts = run_facts(a.seed)
     gen = torch.Generator().manual_seed(facts["seed"])
     dev = "cuda"
@@ -268,15 +303,9 @@ def run(a):
 
     w = R.random_weights(E, H, I, gen=gen, device=dev, swiglu_limit=SWIGLU_LIMIT)
     served = cd.bind("moe", "cuda:0", backend="triton_w4a16", checks=False)
-    cands = parse_candidates(a.candidates)
 
     def configs_at(T):
-        base = tiles_for(T * TOPK / max(1, min(E, T * TOPK)), H, I, False)
-        out = [("table", base)]
-        if T <= CANDIDATE_MAX_TOKENS:
-            out += [(n, base._replace(SK1=CANDIDATES[n][0], SK2=CANDIDATES[n][1], PF=CANDIDATES[n][2]))
-                    for n in cands]
-        return out
+        return configs_for(T, cands, tiles_for)
 
     # Correctness of every configuration, timed sizes and tails.
     checks = []
@@ -349,17 +378,6 @@ def run(a):
         if invoke is not None:
             row["peer"] = peer_row(invoke, pw, x, tw, ids, T, bound, bench_graph, capture)
         rows.append(row)
-
-    sass = []
-    if not a.no_sass:
-        seen = []
-        for T in a.tokens:
-            for c in configs_at(T):
-                if c[1] not in [s[1] for s in seen]:
-                    seen.append((f"{c[0]}@{T}", c[1]))
-        t1 = time.time()
-        sass = sass_facts(seen)
-        print(f"[bd] SASS facts: {len(sass)} compiles in {time.time() - t1:.0f} s", flush=True)
 
     meta = dict(facts, shape=dict(E=E, H=H, I=I, topk=TOPK, swiglu_limit=SWIGLU_LIMIT, route_skew=SERVED_ROUTE_SKEW),
                 packed_bytes_per_expert=w.packed_bytes_per_expert(), ceilings=ceil, candidates=cands,
