@@ -215,16 +215,19 @@ def check_ours(tk, R, w, tiles, T, gen, dev):
 
 def _compile_one(job):
     """One offline compile (a worker process): the SASS facts of one GEMM configuration."""
-    from sass_tools import compile_kernel, main_loop, occupancy
+    from sass_tools import H200, SMLimits, compile_kernel, main_loop, occupancy
 
     from capdispatch.backends.moe import triton_kernels as tk
     label, cc, name, consts, warps, stages = job
+    # Per-SM limits of the build's card: cc 8.6 has 1536 threads, 16 blocks and 100 KB of
+    # shared memory per SM (CUDA C++ Programming Guide, compute capabilities table).
+    lim = SMLimits(smem=100 * 1024, warps=48, blocks=16) if cc == 86 else H200
     fn = tk._gemm1_swiglu_kernel if name == "gemm1" else tk._gemm2_kernel
     sig = tk.COMPILE_SIGNATURES["_gemm1_swiglu_kernel" if name == "gemm1" else "_gemm2_kernel"]
     row = dict(config=label, cc=cc, kernel=name, constexprs=consts, num_warps=warps, num_stages=stages)
     try:
         c = compile_kernel(fn, sig, consts, warps, stages, cc)
-        occ = occupancy(c.regs or 0, c.smem, warps)
+        occ = occupancy(c.regs or 0, c.smem, warps, lim)
         row.update(regs=c.regs, spill_stores=c.spill_stores, spill_loads=c.spill_loads, smem=c.smem,
                    blocks_per_sm=occ.blocks, warps_per_sm=occ.warps, occupancy_limiter=occ.limiter,
                    main_loop_instructions=main_loop(c.sass)[0])
