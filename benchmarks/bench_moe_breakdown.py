@@ -381,6 +381,9 @@ def run(a):
         if invoke is not None:
             row["peer"] = peer_row(invoke, pw, x, tw, ids, T, bound, bench_graph, capture)
         rows.append(row)
+        with open(os.path.join(a.out, "moe_breakdown_partial.json"), "w") as f:     # what a cut-off run keeps
+            json.dump(dict(facts=facts, ceilings=ceil, checks=checks, peer=peer, rows=rows, sass=sass), f,
+                      indent=1, default=str)
 
     meta = dict(facts, shape=dict(E=E, H=H, I=I, topk=TOPK, swiglu_limit=SWIGLU_LIMIT, route_skew=SERVED_ROUTE_SKEW),
                 packed_bytes_per_expert=w.packed_bytes_per_expert(), ceilings=ceil, candidates=cands,
