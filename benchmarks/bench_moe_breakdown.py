@@ -547,6 +547,9 @@ def main(argv=None):
     md = to_markdown(res)
     with open(base + ".md", "w") as f:
         f.write(md)
+    partial = os.path.join(a.out, "moe_breakdown_partial.json")
+    if os.path.exists(partial):
+        os.remove(partial)
     print(md)
     return 0
 
