@@ -8,8 +8,7 @@ __all__ = ["Tiles", "tiles_for"]
 
 
 class Tiles(NamedTuple):
-    """Tile sizes, warps, pipeline stages, split-K parts, weight prefetch and operand order of the two
-    GEMM launches."""
+    """Tile sizes, warps, pipeline stages, split-K parts and weight prefetch of the two GEMM launches."""
     BM: int           # routes per block (one expert's rows)
     BN1: int          # GEMM1 N tile (over I; gate and up tiles both)
     BK1: int          # GEMM1 K tile (over H)
@@ -22,7 +21,6 @@ class Tiles(NamedTuple):
     SK1: int = 1      # GEMM1 split-K parts (> 1: float32 partials, then a SwiGLU reduce launch)
     SK2: int = 1      # GEMM2 split-K parts (> 1: float32 partials, summed by the combine)
     PF: int = 0       # 1: both GEMMs load the next K tile's weight bytes before decoding this one
-    SW: int = 0       # 1: "swap AB": dequant(W) @ x^T, the decoded weights the dots' left operand (not with PF)
 
 
 def tiles_for(avg_rows: float, H: int, I: int, interpreted: bool) -> Tiles:

@@ -195,21 +195,6 @@ def _dot_dequant(acc, a, w_ptrs, s_ptrs, mask_n, BN: tl.constexpr, BK: tl.conste
 
 
 @triton.jit
-def _dot_swapped(acc_t, a, w_ptrs, s_ptrs, mask_n, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
-    """acc_t [BN, BM] + dequant(w) @ a^T ("swap AB"): the decoded weights are the dot's
-    left operand and the few rows of ``a`` its right one, so the weights' BN rows fill
-    the MMA's M side (16 and more) and the BM routes its N side. On mma.sync the left
-    operand is read from registers, where the weights are decoded; the activations go
-    through shared memory as the right operand. Low and high nibbles pair with the even
-    and odd columns of ``a``, as in _dot_dequant."""
-    lo, hi = _decode_halves(w_ptrs, s_ptrs, mask_n, BN, BK, F32)
-    a_even, a_odd = tl.split(tl.reshape(a, (a.shape[0], BK // 2, 2)))
-    acc_t = tl.dot(lo, tl.trans(a_even), acc_t)
-    acc_t = tl.dot(hi, tl.trans(a_odd), acc_t)
-    return acc_t
-
-
-@triton.jit
 def _dot_loaded(acc, a, wb, sb, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
     """_dot_dequant of weight bytes and scales already loaded (the prefetching loops)."""
     lo, hi = _decode_loaded(wb, sb, BN, BK, F32)
@@ -321,15 +306,13 @@ def _gemm1_swiglu_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, sorted_ptr, blk_e
                          blk_end_ptr, H, I, R, stride_x, limit: tl.float32,
                          TOPK: tl.constexpr, HAS_LIMIT: tl.constexpr, F32: tl.constexpr,
                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr = 1,
-                         PREFETCH: tl.constexpr = 0, SWAP: tl.constexpr = 0):
+                         PREFETCH: tl.constexpr = 0):
     """SPLIT == 1: h = SwiGLU(x @ [gate; up]^T) stored bf16. SPLIT > 1: program (b, n, s)
     sums the s-th of SPLIT equal K ranges and stores gate and up float32 partials at
     part[s, position, 0:I] and [I:2I] (_swiglu_reduce_kernel finishes them).
     PREFETCH: the next K tile's weight bytes and scales are loaded into registers before
     this tile is decoded, so each warp keeps two tiles of loads in flight (the decoded
-    loads feed register arithmetic, which Triton's pipeliner does not stage).
-    SWAP (not with PREFETCH): the accumulators are [BN, BM], summed by _dot_swapped, and
-    transposed once after the K loop."""
+    loads feed register arithmetic, which Triton's pipeliner does not stage)."""
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
     # Each part is whole K tiles (the host checks): say so, or the loads lose their vector width.
@@ -353,12 +336,8 @@ def _gemm1_swiglu_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, sorted_ptr, blk_e
         kb = tl.arange(0, BK // 2)
         ks = tl.arange(0, BK // 32)
         kx = tl.arange(0, BK)
-        if SWAP:
-            acc_g = tl.zeros((BN, BM), dtype=tl.float32)
-            acc_u = tl.zeros((BN, BM), dtype=tl.float32)
-        else:
-            acc_g = tl.zeros((BM, BN), dtype=tl.float32)
-            acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+        acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+        acc_u = tl.zeros((BM, BN), dtype=tl.float32)
         if PREFETCH:
             wg_p = w_base + rows_g[:, None] * (H // 2) + kb[None, :]
             wu_p = w_base + rows_u[:, None] * (H // 2) + kb[None, :]
@@ -388,19 +367,12 @@ def _gemm1_swiglu_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, sorted_ptr, blk_e
                 a = tl.load(x_ptr + tok[:, None] * stride_x + (k0 + kx)[None, :], mask=mask_m[:, None], other=0.0)
                 if F32:
                     a = a.to(tl.float32)
-                wg = w_base + rows_g[:, None] * (H // 2) + (k0 // 2 + kb)[None, :]
-                sg = s_base + rows_g[:, None] * (H // 32) + (k0 // 32 + ks)[None, :]
-                wu = w_base + rows_u[:, None] * (H // 2) + (k0 // 2 + kb)[None, :]
-                su = s_base + rows_u[:, None] * (H // 32) + (k0 // 32 + ks)[None, :]
-                if SWAP:
-                    acc_g = _dot_swapped(acc_g, a, wg, sg, mask_n, BN, BK, F32)
-                    acc_u = _dot_swapped(acc_u, a, wu, su, mask_n, BN, BK, F32)
-                else:
-                    acc_g = _dot_dequant(acc_g, a, wg, sg, mask_n, BN, BK, F32)
-                    acc_u = _dot_dequant(acc_u, a, wu, su, mask_n, BN, BK, F32)
-            if SWAP:
-                acc_g = tl.trans(acc_g)
-                acc_u = tl.trans(acc_u)
+                acc_g = _dot_dequant(acc_g, a, w_base + rows_g[:, None] * (H // 2) + (k0 // 2 + kb)[None, :],
+                                     s_base + rows_g[:, None] * (H // 32) + (k0 // 32 + ks)[None, :], mask_n, BN,
+                                     BK, F32)
+                acc_u = _dot_dequant(acc_u, a, w_base + rows_u[:, None] * (H // 2) + (k0 // 2 + kb)[None, :],
+                                     s_base + rows_u[:, None] * (H // 32) + (k0 // 32 + ks)[None, :], mask_n, BN,
+                                     BK, F32)
         if SPLIT > 1:
             prow = (tl.program_id(2) * R + offs_m).to(tl.int64)[:, None] * (2 * I)
             pmask = mask_m[:, None] & mask_n[None, :]
@@ -445,10 +417,10 @@ def _swiglu_reduce_kernel(part_ptr, h_ptr, ids_ptr, R, I, limit: tl.float32,
 def _gemm2_kernel(h_ptr, w_ptr, s_ptr, tw_ptr, routed_ptr, sorted_ptr, blk_expert_ptr, blk_start_ptr, blk_end_ptr,
                   H, I, R, F32: tl.constexpr,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr = 1,
-                  PREFETCH: tl.constexpr = 0, SWAP: tl.constexpr = 0):
+                  PREFETCH: tl.constexpr = 0):
     """routed[s, route] = top-k weight * (h @ w2^T) over the s-th of SPLIT equal K ranges
     (SPLIT == 1: the whole of I, s = 0); the combine sums the SPLIT partials in order.
-    PREFETCH and SWAP: as _gemm1_swiglu_kernel's."""
+    PREFETCH: as _gemm1_swiglu_kernel's."""
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
     # Each part is whole K tiles (the host checks): say so, or the loads lose their vector width.
@@ -470,10 +442,7 @@ def _gemm2_kernel(h_ptr, w_ptr, s_ptr, tw_ptr, routed_ptr, sorted_ptr, blk_exper
         kb = tl.arange(0, BK // 2)
         ks = tl.arange(0, BK // 32)
         kx = tl.arange(0, BK)
-        if SWAP:
-            acc = tl.zeros((BN, BM), dtype=tl.float32)
-        else:
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
         if PREFETCH:
             w_p = w_base + rows[:, None] * (I // 2) + kb[None, :]
             s_p = s_base + rows[:, None] * (I // 32) + ks[None, :]
@@ -498,14 +467,9 @@ def _gemm2_kernel(h_ptr, w_ptr, s_ptr, tw_ptr, routed_ptr, sorted_ptr, blk_exper
                             other=0.0)
                 if F32:
                     a = a.to(tl.float32)
-                w_t = w_base + rows[:, None] * (I // 2) + (k0 // 2 + kb)[None, :]
-                s_t = s_base + rows[:, None] * (I // 32) + (k0 // 32 + ks)[None, :]
-                if SWAP:
-                    acc = _dot_swapped(acc, a, w_t, s_t, mask_n, BN, BK, F32)
-                else:
-                    acc = _dot_dequant(acc, a, w_t, s_t, mask_n, BN, BK, F32)
-            if SWAP:
-                acc = tl.trans(acc)
+                acc = _dot_dequant(acc, a, w_base + rows[:, None] * (I // 2) + (k0 // 2 + kb)[None, :],
+                                   s_base + rows[:, None] * (I // 32) + (k0 // 32 + ks)[None, :], mask_n, BN, BK,
+                                   F32)
         tw = tl.load(tw_ptr + route, mask=mask_m, other=0.0).to(tl.float32)
         acc = acc * tw[:, None]
         if SPLIT > 1:
@@ -594,12 +558,9 @@ class _Plan:
                            BM)
         self.g1_grid = (MAXB, cdiv(I, BN1)) + ((SK1,) if SK1 > 1 else ())
         self.g2_grid = (MAXB, cdiv(H, BN2)) + ((SK2,) if SK2 > 1 else ())
-        PF, SW = tiles.PF, tiles.SW
-        if PF and SW:
-            raise ArgumentError(f"triton_w4a16 tiles: PF={PF} and SW={SW} together; the swapped dots have no "
-                                "prefetching loop (set one of them to 0)")
-        self.g1_tail = (K, has_limit, INTERPRETED, BM, BN1, BK1, SK1, PF, SW)
-        self.g2_tail = (INTERPRETED, BM, BN2, BK2, SK2, PF, SW)
+        PF = tiles.PF
+        self.g1_tail = (K, has_limit, INTERPRETED, BM, BN1, BK1, SK1, PF)
+        self.g2_tail = (INTERPRETED, BM, BN2, BK2, SK2, PF)
         self.g1_opts, self.g2_opts = dict(num_warps=W1, num_stages=S1), dict(num_warps=W2, num_stages=S2)
         BNA = min(1024, triton.next_power_of_2(I))
         self.a_grid = (R, cdiv(I, BNA))
