@@ -1,7 +1,7 @@
 """Where the Triton W4A16 MoE's time goes, its decode candidates, and SGLang's Triton peer.
 
     python benchmarks/bench_moe_breakdown.py --out DIR [--tokens 1 8 64 4096]
-        [--candidates all|none|NAME,...] [--peer] [--no-sass] [--seed N]
+        [--tiles both|card|99kb] [--candidates none|all|NAME,...] [--peer] [--no-sass] [--seed N]
 
 Shapes: E = 64 local experts, H = 4096, I = 2048, top-6, packed MXFP4 + E8M0 (13,369,344 B
 per expert), clamped SwiGLU (limit 10); routing skewed as calibration serves it
@@ -10,6 +10,11 @@ per expert), clamped SwiGLU (limit 10); routing skewed as calibration serves it
 1. Ceilings measured in this run: device-to-device copy of fresh 2 GiB buffers (40x the
    H200's L2) COPY_REPEATS times, bytes read + written, median and spread; the bf16
    8192^3 matmul rate, MATMUL_REPEATS times.
+Configurations: the launch table's tiles with this card's tables and with the 99 KB cards'
+tables (``--tiles``; tile_modes.py: inside a 99 KB run every launch is compiled first and
+checked against SM86/SM89/SM120's 101376 B of shared memory per block), and the decode
+candidates named by ``--candidates`` (none by default; split-K and prefetch stay selectable).
+
 2. Correctness first: every configuration (the launch table's and each candidate) against
    the torch reference at each token count and at tail sizes, on fresh inputs with a quarter
    of the routes masked to -1 (EP), output and scratch buffers poisoned with NaN; rows of
@@ -27,6 +32,10 @@ per expert), clamped SwiGLU (limit 10); routing skewed as calibration serves it
 6. SASS facts (offline compile, no GPU needed) of the sm_86 and sm_90a builds of every
    timed GEMM configuration: registers, spill bytes, shared memory, theoretical occupancy,
    main-loop instructions (sass_tools.py).
+
+7. Targets (issue 29 item 3): per token count and table set, % of the roofline against the
+   target (>= 60% of the weight-bytes roofline at 1-64 tokens, >= 55% of compute at 4096) and
+   the ratio to the peer's best in the same run.
 
 Writes moe_breakdown_<gpu>_<utc>.json and .md into --out, with card, versions and date.
 """
@@ -46,6 +55,8 @@ for _p in (ROOT, HERE):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
+import tile_modes  # noqa: E402 (the script's own folder)
+
 E, H, I, TOPK = 64, 4096, 2048, 6
 SWIGLU_LIMIT = 10.0
 DEFAULT_TOKENS = (1, 8, 64, 4096)
@@ -57,7 +68,9 @@ PEER_NORM = 1.5e-2                          # an external W4A16 kernel against i
 PROFILE_REPLAYS = 20
 
 # Decode candidates: the launch table's tiles at 1-64 tokens with split-K parts (SK1, SK2) and
-# the prefetching loop (PF). Name -> (SK1, SK2, PF).
+# the prefetching loop (PF). Name -> (SK1, SK2, PF). All are slower than the table on an H200
+# (2026-12-03 breakdown: 75-87 against 67 us at 1 token), so none runs unless --candidates names it.
+DEFAULT_CANDIDATES = "none"
 CANDIDATES = {
     "split2": (2, 2, 0),
     "split4": (4, 4, 0),
@@ -65,6 +78,24 @@ CANDIDATES = {
     "prefetch": (1, 1, 1),
     "split4+prefetch": (4, 4, 1),
 }
+
+
+TILE_SETS = ("both",) + tile_modes.TILES       # --tiles: both, card, 99kb
+# Targets of issue 29 item 3: fraction of the roofline, by what bounds the size.
+TARGET_BYTES, TARGET_FLOPS = 0.60, 0.55
+
+
+def tile_modes_of(choice: str) -> list:
+    """The tile_modes modes a --tiles choice runs, this card's first."""
+    if choice == "both":
+        return list(tile_modes.TILES)
+    if choice not in tile_modes.TILES:
+        raise SystemExit(f"--tiles: unknown {choice}; valid: {', '.join(TILE_SETS)}")
+    return [choice]
+
+
+def table_label(mode: str) -> str:
+    return "table" if mode == "card" else f"table {mode}"
 
 
 def parse_candidates(text: str) -> list:
@@ -258,22 +289,45 @@ def sass_facts(configs, ccs=(86, 90), workers=1):
 
 
 def sass_configs(tokens, cands):
-    """(label, tiles) of every configuration the run times, each tiles once."""
+    """(label, tiles) of every configuration the run times, each tiles once (the 99 KB
+    tables' tiles are compiled once where they equal this card's)."""
     from capdispatch.backends.moe.launch_table import tiles_for
     out = []
     for T in tokens:
-        for c in configs_for(T, cands, tiles_for):
-            if c[1] not in [s[1] for s in out]:
-                out.append((f"{c[0]}@{T}", c[1]))
+        for label, tiles, _ in configs_for(T, cands, tiles_for, ["card"]):
+            if tiles not in [s[1] for s in out]:
+                out.append((f"{label}@{T}", tiles))
     return out
 
 
-def configs_for(T, cands, tiles_for):
-    """The launch table's tiles at T tokens, and each candidate's change of them (decode sizes)."""
+def configs_for(T, cands, tiles_for, modes=("card",)):
+    """(label, tiles, tile mode) at T tokens: the launch table's tiles in each tile mode, then
+    each candidate's change of this card's tiles (decode sizes). The MoE launch table keys on
+    the mean routes per expert, not the capability, so both table sets pick the same tiles;
+    a 99 KB run differs in checking every launch against the 99 KB cards' shared memory."""
     base = tiles_for(T * TOPK / max(1, min(E, T * TOPK)), H, I, False)
-    out = [("table", base)]
+    out = [(table_label(m), base, m) for m in modes]
     if T <= CANDIDATE_MAX_TOKENS:
-        out += [(n, base._replace(SK1=CANDIDATES[n][0], SK2=CANDIDATES[n][1], PF=CANDIDATES[n][2])) for n in cands]
+        out += [(n, base._replace(SK1=CANDIDATES[n][0], SK2=CANDIDATES[n][1], PF=CANDIDATES[n][2]), "card")
+                for n in cands]
+    return out
+
+
+def targets(rows) -> list:
+    """Per token count and configuration of the launch table: % of the roofline against the
+    size's target, and the ratio of its time to the peer's best in the same run."""
+    out = []
+    for r in rows:
+        flops_bound = r["bound_by"] == "flops"
+        goal = TARGET_FLOPS if flops_bound else TARGET_BYTES
+        best = [p for p in r["peer"] if p.get("best")]
+        for c in r["configs"]:
+            if not c["config"].startswith("table") or "us" not in c:
+                continue
+            peer_us = best[0]["us"] if best else None
+            out.append(dict(tokens=r["tokens"], config=c["config"], us=c["us"], frac=c["frac_roofline"],
+                            bound_by=r["bound_by"], goal=goal, met=c["frac_roofline"] >= goal,
+                            peer_us=peer_us, vs_peer=c["us"] / peer_us if peer_us else None))
     return out
 
 
@@ -290,6 +344,7 @@ def run(a):
     from ceilings import bench_graph, run_facts
 
     cands = parse_candidates(a.candidates)
+    modes = tile_modes_of(a.tiles)
     sass = []
     if not a.no_sass:           # first: the compiles fork, before CUDA is initialised
         t1 = time.time()
@@ -308,17 +363,24 @@ def run(a):
     served = cd.bind("moe", "cuda:0", backend="triton_w4a16", checks=False)
 
     def configs_at(T):
-        return configs_for(T, cands, tiles_for)
+        return configs_for(T, cands, tiles_for, modes)
 
-    # Correctness of every configuration, timed sizes and tails.
+    # Correctness of every configuration, timed sizes and tails; in a 99 KB mode every launch
+    # is compiled and checked against those cards' shared memory first (tile_modes.checked).
     checks = []
     for T in sorted(set(a.tokens) | set(t for t in TAIL_TOKENS if t <= max(a.tokens))):
-        for label, tiles in configs_at(T if T in a.tokens else min(a.tokens, key=lambda s: abs(s - T))):
+        for label, tiles, mode in configs_at(T if T in a.tokens else min(a.tokens, key=lambda s: abs(s - T))):
+            launches = []
             try:
-                ok, nrm, mx, why = check_ours(tk, R, w, tiles, T, gen, dev)
+                got, launches, err = tile_modes.checked(
+                    mode, lambda tiles=tiles, T=T: check_ours(tk, R, w, tiles, T, gen, dev))
+                if err is not None:
+                    raise err
+                ok, nrm, mx, why = got
             except Exception as exc:
                 ok, nrm, mx, why = False, None, None, f"{type(exc).__name__}: {str(exc)[:300]}"
-            checks.append(dict(tokens=T, config=label, tiles=list(tiles), ok=ok, norm_rel=nrm, max_rel=mx, why=why))
+            checks.append(dict(tokens=T, config=label, tiles=list(tiles), mode=mode, ok=ok, norm_rel=nrm, max_rel=mx,
+                               why=why, launches=tile_modes.launch_rows(launches)))
             print(f"[bd] check T={T:5d} {label:16s} {'ok' if ok else 'FAILED: ' + why}"
                   + (f" (norm {nrm:.1e})" if nrm is not None else ""), flush=True)
     failed = {(c["tokens"], c["config"]) for c in checks if not c["ok"]}
@@ -348,19 +410,20 @@ def run(a):
                    bound_by="bytes" if t_bw >= t_fl else "flops", configs=[], peer=[])
         bound = max(t_bw, t_fl)
         out = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
-        for label, tiles in configs_at(T):
+        for label, tiles, mode in configs_at(T):
             if label in failed_cfg:
                 row["configs"].append(dict(config=label, tiles=list(tiles), skipped="failed its check"))
                 continue
-            if label == "table":
+            if label.startswith("table"):          # the launch table: the served op
                 call = forward([lambda: served(x, w, tw, ids, out)])
             else:
                 call = forward([lambda tiles=tiles: tk.moe_w4a16(x, w, tw, ids, out=out, checks=False,
                                                                  tiles=tiles)])
             try:
-                ms = bench_graph(call, rep=100)
-                replay = capture(call)
-                launches, how = profile_parts(call, replay, ours_parts)
+                with tile_modes.timing(mode):
+                    ms = bench_graph(call, rep=100)
+                    replay = capture(call)
+                    launches, how = profile_parts(call, replay, ours_parts)
             except Exception as exc:
                 row["configs"].append(dict(config=label, tiles=list(tiles), error=f"{type(exc).__name__}: {exc}"))
                 print(f"[bd] T={T:5d} {label}: {type(exc).__name__}: {exc}", flush=True)
@@ -372,7 +435,7 @@ def run(a):
                 lr.update(bytes=b, flops=f, GBps=b / (lr["us"] * 1e3) if lr["us"] else None,
                           frac_copy=(b / (lr["us"] * 1e3)) / bw if lr["us"] else None,
                           frac_matmul=(f / (lr["us"] * 1e6)) / rate if lr["us"] else None)
-            row["configs"].append(dict(config=label, tiles=list(tiles), split_used=[SK1, SK2], us=ms * 1e3,
+            row["configs"].append(dict(config=label, tiles=list(tiles), mode=mode, split_used=[SK1, SK2], us=ms * 1e3,
                                        frac_roofline=bound / ms, launches=launches, profiled_from=how,
                                        launch_count=sum(lr["launches"] for lr in launches),
                                        kernels_us_sum=sum(lr["us"] for lr in launches)))
@@ -387,10 +450,14 @@ def run(a):
 
     meta = dict(facts, shape=dict(E=E, H=H, I=I, topk=TOPK, swiglu_limit=SWIGLU_LIMIT, route_skew=SERVED_ROUTE_SKEW),
                 packed_bytes_per_expert=w.packed_bytes_per_expert(), ceilings=ceil, candidates=cands,
+                tile_modes={m: dict(label=tile_modes.label(m), shared_limit=(tile_modes.target(m).shared_bytes
+                                                                            if m != "card" else None))
+                            for m in modes},
                 candidate_defs={n: dict(zip(("SK1", "SK2", "PF"), CANDIDATES[n])) for n in cands},
                 triton_version=triton.__version__, seconds=round(time.time() - t0, 1),
                 served="bound without checks, in capdispatch.batch(), replayed from a CUDA graph")
-    return dict(meta=meta, checks=checks, failed=sorted(failed), peer=peer, rows=rows, sass=sass)
+    return dict(meta=meta, checks=checks, failed=sorted(failed), peer=peer, rows=rows, sass=sass,
+                targets=targets(rows))
 
 
 def peer_row(invoke, pw, x, tw, ids, T, bound, bench_graph, capture):
@@ -436,6 +503,16 @@ def peer_row(invoke, pw, x, tw, ids, T, bound, bench_graph, capture):
     return res
 
 
+def table_sets_lines(sets: dict) -> list:
+    """Markdown lines naming the run's launch-table sets (meta's tile_modes)."""
+    if not sets:
+        return []
+    parts = [f"`{table_label(k)}`: {v['label']}" + (
+        f" (every launch compiled and checked against {v['shared_limit']} B of shared memory per block first; "
+        "timed on this GPU)" if v.get("shared_limit") else "") for k, v in sets.items()]
+    return ["Table sets: " + "; ".join(parts) + ".", ""]
+
+
 def to_markdown(res) -> str:
     m = res["meta"]
     c = m["ceilings"]
@@ -448,6 +525,7 @@ def to_markdown(res) -> str:
          f"Ceilings (this run): copy {cp['median']:.0f} GB/s median of {len(cp['runs'])} "
          f"(min {cp['min']:.0f}, max {cp['max']:.0f}, spread {cp['spread_pct']:.1f}%; {c['copy_note']}); "
          f"bf16 matmul {mm['median']:.0f} TFLOP/s (spread {mm['spread_pct']:.1f}%).", "",
+         ] + table_sets_lines(m.get("tile_modes") or {}) + [
          "## Whole call", "",
          "| tokens | experts | roofline us (bound) | config | us | % roofline | launches | sum of kernels us |",
          "| ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
@@ -468,6 +546,14 @@ def to_markdown(res) -> str:
             if p["config"] == "sglang_default" and "us" in p:
                 L.append(f"| {r['tokens']} | {r['experts_touched']} | {rl:.1f} ({r['bound_by']}) | peer SGLang "
                          f"default | {p['us']:.1f} | {100 * p['frac_roofline']:.1f}% | | |")
+    if res.get("targets"):
+        L += ["", "## Targets (issue 29 item 3)", "",
+              "| tokens | config | us | bound | % roofline | target | met | peer best us | ours / peer |",
+              "| ---: | --- | ---: | --- | ---: | ---: | --- | ---: | ---: |"]
+        for t in res["targets"]:
+            L.append(f"| {t['tokens']} | {t['config']} | {t['us']:.1f} | {t['bound_by']} | {100 * t['frac']:.1f}% | "
+                     f">= {100 * t['goal']:.0f}% | {'yes' if t['met'] else 'no'} | "
+                     + (f"{t['peer_us']:.1f} | {t['vs_peer']:.2f}x |" if t["peer_us"] else "not run | |"))
     L += ["", "## Per launch (mean GPU time per call from torch.profiler)", "",
           "| tokens | config | part | kernel | us | launches/call | MB | GFLOP | GB/s | % copy | % matmul |",
           "| ---: | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -485,6 +571,11 @@ def to_markdown(res) -> str:
     for ck in res["checks"]:
         nrm = "" if ck["norm_rel"] is None else f"{ck['norm_rel']:.1e}"
         L.append(f"| {ck['tokens']} | {ck['config']} | {'yes' if ck['ok'] else 'NO'} | {nrm} | {ck['why']} |")
+    entries = [((ck["tokens"], ck["config"]), e) for ck in res["checks"] for e in ck.get("launches") or ()]
+    if entries:
+        limits = {v["shared_limit"] for v in (m.get("tile_modes") or {}).values() if v.get("shared_limit")}
+        L += tile_modes.entries_table(tile_modes.LABEL_99KB, max(limits) if limits else None,
+                                      (("tokens", "---:"), ("config", "---")), entries)
     p = res["peer"]
     L += ["", "## Peer: SGLang Triton fused MoE, int4 W4A16", ""]
     if p["status"] != "ran":
@@ -506,7 +597,8 @@ def to_markdown(res) -> str:
               "| limiter | loop instr |", "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
               "| --- | ---: |"]
         for s in res["sass"]:
-            k = ", ".join(f"{a}={b}" for a, b in s["constexprs"].items() if a in ("BM", "BN", "BK", "SPLIT", "PREFETCH"))
+            shown = ("BM", "BN", "BK", "SPLIT", "PREFETCH")
+            k = ", ".join(f"{a}={b}" for a, b in s["constexprs"].items() if a in shown)
             if "error" in s:
                 L.append(f"| {s['config']} | {s['cc']} | {s['kernel']} | {k} | {s['num_warps']} | {s['num_stages']} | "
                          f"error: {s['error']} | | | | | | |")
@@ -524,7 +616,10 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--tokens", type=int, nargs="+", default=list(DEFAULT_TOKENS))
-    ap.add_argument("--candidates", default="all", help="all, none, or a comma list of " + ", ".join(CANDIDATES))
+    ap.add_argument("--tiles", default="both", choices=TILE_SETS,
+                    help="launch-table sets: both (default), this card's own (card) or the 99 KB cards' (99kb)")
+    ap.add_argument("--candidates", default=DEFAULT_CANDIDATES,
+                    help="decode candidates: none (default), all, or a comma list of " + ", ".join(CANDIDATES))
     ap.add_argument("--peer", action="store_true", help="also time SGLang's Triton int4 W4A16 fused MoE")
     ap.add_argument("--no-sass", action="store_true", help="skip the offline sm_86 / sm_90a compiles")
     ap.add_argument("--seed", type=int, default=None)
