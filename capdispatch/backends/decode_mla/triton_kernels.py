@@ -119,7 +119,7 @@ class DecodeMla:
         bpp = pool.shape[1]
         has_len2 = has_extra and extra_topk_length is not None
         key = (dev, b, s_q, h, n_idx, n_idx2, page_size, bpp, has_extra, eps, ebpp, topk_length is not None,
-               has_len2, attn_sink is not None) + _limits.plan_key()
+               has_len2, attn_sink is not None) + _limits.plan_key() + attn.table_key()
         forced = config is not None or num_splits is not None
         plan = None if forced else self.plans.get(key)
         if plan is None:

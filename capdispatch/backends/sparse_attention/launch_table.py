@@ -6,7 +6,8 @@ from __future__ import annotations
 from ...errors import ArgumentError
 
 __all__ = ["PORTABLE_CONFIGS", "TIMED_PORTABLE", "MEASURED_CONFIGS", "KINDS", "INTERP_CONFIG", "configs_for",
-           "DECODE_MAX_TOKENS", "COMBINE_BLOCK_H", "COMBINE_BLOCK_D", "COMBINE_WARPS", "MAX_SPLITS"]
+           "DECODE_MAX_TOKENS", "COMBINE_BLOCK_H", "COMBINE_BLOCK_D", "COMBINE_WARPS", "MAX_SPLITS",
+           "CANDIDATE_TABLES", "CANDIDATE_TABLES_99KB", "CANDIDATE_CC", "table_configs"]
 
 # Launch configurations per call kind, tried in order until one compiles within the
 # device's shared memory (Triton raises OutOfResources at compile time). Kinds:
@@ -87,3 +88,72 @@ COMBINE_BLOCK_H = 8
 COMBINE_BLOCK_D = 64
 COMBINE_WARPS = 2
 MAX_SPLITS = 32   # a power of two: the combine kernel's split axis (one compile for any split count)
+
+
+# --------------------------------------------------------------------------- #
+# Candidate tables (issue: the Triton attention fallbacks within 1.3x / 1.5x of FlashMLA
+# at decode and at >= 45% of compute for prefill). Whole tables in the format of
+# MEASURED_CONFIGS[cc], not used by any backend until a benchmark on the card
+# (benchmarks/bench_attention_candidates.py) puts a winner into MEASURED_CONFIGS or
+# PORTABLE_CONFIGS. Each says what it changes; the reasons, per size, are in
+# docs/ops/attention-kernels.md ("Why the Triton kernels miss").
+# --------------------------------------------------------------------------- #
+_SINGLE_TOKEN = dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=2, max_tokens=1)
+_W16 = dict(BLOCK_H=64, BLOCK_N=64, num_warps=16, num_stages=1)
+_BN32S2 = dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2)
+_BN32W16S2 = dict(BLOCK_H=64, BLOCK_N=32, num_warps=16, num_stages=2)
+_HP16 = dict(BLOCK_H=64, BLOCK_N=16, num_warps=8, num_stages=1)
+_HP16S2 = dict(BLOCK_H=64, BLOCK_N=16, num_warps=8, num_stages=2)
+_HP32S1 = dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=1)
+
+# For this card's capability (cc 9.0, 227 KB): name -> (what it changes, table).
+CANDIDATE_TABLES = {
+    "w16": ("64x64 tiles on 16 warps instead of 8: the same head packing (each gathered row "
+            "dequantised once for all 64 heads) with half the registers per thread (the fp32 "
+            "accumulator 64 instead of 128, the dequantised tile 64 instead of 128 values), "
+            "so no spills",
+            {"prefill": (_W16,) + MEASURED_CONFIGS[(9, 0)]["prefill"],
+             "decode": (_W16,) + MEASURED_CONFIGS[(9, 0)]["decode"],
+             "decode_split": (_SINGLE_TOKEN, _W16) + MEASURED_CONFIGS[(9, 0)]["decode_split"][1:]}),
+    "bn32s2": ("64 heads x 32 rows, 2 stages: the next block's gather (bf16 rows: cp.async) "
+               "overlaps this block's dots; 128 KB instead of 196 KB of shared memory",
+               {"prefill": (_BN32S2,) + MEASURED_CONFIGS[(9, 0)]["prefill"],
+                "decode": (_BN32S2,) + MEASURED_CONFIGS[(9, 0)]["decode"],
+                "decode_split": (_SINGLE_TOKEN, _BN32S2) + MEASURED_CONFIGS[(9, 0)]["decode_split"][1:]}),
+    "bn32w16s2": ("64 heads x 32 rows on 16 warps, 2 stages: both of the above",
+                  {"prefill": (_BN32W16S2,) + MEASURED_CONFIGS[(9, 0)]["prefill"],
+                   "decode": (_BN32W16S2,) + MEASURED_CONFIGS[(9, 0)]["decode"],
+                   "decode_split": (_SINGLE_TOKEN, _BN32W16S2) + MEASURED_CONFIGS[(9, 0)]["decode_split"][1:]}),
+    "hp16": ("split-K decode with all 64 heads in one program from the first token (64 x 16 "
+             "rows): every gathered row is dequantised once, not once per 16-head block, "
+             "and 16-row blocks give a one-token list 40 blocks to split over",
+             {"prefill": MEASURED_CONFIGS[(9, 0)]["prefill"],
+              "decode": MEASURED_CONFIGS[(9, 0)]["decode"],
+              "decode_split": (_HP16,) + MEASURED_CONFIGS[(9, 0)]["decode_split"][1:]}),
+}
+CANDIDATE_CC = (9, 0)
+
+# For the 99 KB cards (SM86, SM89, SM120: 101376 B per block), in PORTABLE_CONFIGS' format.
+CANDIDATE_TABLES_99KB = {
+    "hp16": ("64 heads x 16 rows: head packing within 99 KB (the 64 x 512 query tile is 64 KB, "
+             "a 16-row K tile 16 KB), so each gathered row is dequantised once for 64 heads "
+             "instead of twice (32-head tiles)",
+             {"prefill": (_HP16S2,) + PORTABLE_CONFIGS["prefill"],
+              "decode": (_HP16,) + PORTABLE_CONFIGS["decode"],
+              "decode_split": (_HP16,) + PORTABLE_CONFIGS["decode_split"]}),
+    "hp32": ("64 heads x 32 rows, one stage (96 KB): head packing with the portable row block",
+             {"prefill": (_HP32S1,) + PORTABLE_CONFIGS["prefill"],
+              "decode": (_HP32S1,) + PORTABLE_CONFIGS["decode"],
+              "decode_split": (_HP32S1,) + PORTABLE_CONFIGS["decode_split"]}),
+}
+
+
+def table_configs(table: dict, kind: str, tokens: int | None = None) -> tuple:
+    """``configs_for`` over TABLE (one capability's {kind: configurations}) instead of the
+    launch table: a candidate table's configurations for KIND and TOKENS, best first."""
+    if kind not in KINDS:
+        raise ArgumentError(f"unknown kernel kind {kind!r}; valid: {', '.join(KINDS)}")
+    configs = table[kind]
+    if tokens is None:
+        return configs
+    return tuple(c for c in configs if c.get("max_tokens", tokens) >= tokens)
