@@ -50,6 +50,7 @@ def _tiles(kinds):
 def _only(cfg):
     c = dict(cfg)
     c.pop("max_tokens", None)
+    c.pop("max_splits", None)
     return {k: (c,) for k in LT.KINDS}
 
 
@@ -143,7 +144,9 @@ def test_candidate_tables_are_well_formed():
         for kind in LT.KINDS:
             assert table[kind], (name, kind)
             for c in table[kind]:
-                assert set(c) - {"max_tokens"} == {"BLOCK_H", "BLOCK_N", "num_warps", "num_stages"}, (name, c)
+                assert set(c) - {"max_tokens", "max_splits"} == {"BLOCK_H", "BLOCK_N", "num_warps", "num_stages"}, \
+                    (name, c)
+                assert 1 <= c.get("max_splits", 1) <= LT.MAX_SPLITS, (name, c)
                 assert LT.table_configs(table, kind, 4096) or kind == "decode_split", (name, kind)
 
 
@@ -154,24 +157,26 @@ def _compile_jobs():
     jobs, seen = [], set()
 
     def add(cc, mode, cfg, splits):
-        c = {k: v for k, v in cfg.items() if k != "max_tokens"}
+        c = {k: v for k, v in cfg.items() if k not in ("max_tokens", "max_splits")}
         key = (cc, mode, tuple(sorted(c.items())), splits)
         if key not in seen:
             seen.add(key)
             jobs.append((cc, mode, c, mode != 0, splits))
 
-    measured = {tuple(sorted(c.items())) for t in LT.MEASURED_CONFIGS.values() for k in t for c in t[k]}
-    portable = {tuple(sorted(c.items())) for k in LT.PORTABLE_CONFIGS for c in LT.PORTABLE_CONFIGS[k]}
+    def norm(c):
+        return tuple(sorted((k, v) for k, v in c.items() if k != "max_splits"))
+    measured = {norm(c) for t in LT.MEASURED_CONFIGS.values() for k in t for c in t[k]}
+    portable = {norm(c) for k in LT.PORTABLE_CONFIGS for c in LT.PORTABLE_CONFIGS[k]}
     known = measured | portable
     for _, (_, table) in LT.CANDIDATE_TABLES.items():
         for kind, splits in (("prefill", 1), ("decode", 1), ("decode_split", 4)):
             for c in table[kind]:
-                if tuple(sorted((k, v) for k, v in c.items())) not in known:
+                if norm(c) not in known:
                     add(90, 0 if kind == "prefill" else 2, c, splits)
     for _, (_, table) in LT.CANDIDATE_TABLES_99KB.items():
         for kind, splits in (("prefill", 1), ("decode", 1), ("decode_split", 4)):
             for c in table[kind]:
-                if tuple(sorted(c.items())) in known:
+                if norm(c) in known:
                     continue
                 if kind == "prefill":
                     for cc in (80, 86, 89, 120):
@@ -200,3 +205,12 @@ def test_candidate_entries_compile_within_shared_memory():
         assert r["ptxas_rc"] == 0, (job, r["log"])
         assert r["regs"] <= 255, (job, r)
         assert r["shared"] <= SMEM_OPTIN[job[0]], (job, r)
+
+
+def test_split_cap_bounds_the_plan():
+    """A table entry's ``max_splits`` caps the split planner (fewer partials to merge)."""
+    pytest.importorskip("triton")
+    from capdispatch.backends.sparse_attention import kernels as K
+    assert K.plan_splits(8, 10, 132) > 4          # uncapped: 8 tokens spread over more ranges
+    for cap in (1, 2, 4):
+        assert 1 <= K.plan_splits(8, 10, 132, cap) <= cap

@@ -530,13 +530,15 @@ def plan_splits(programs: int, blocks: int, sms: int, max_splits: int = MAX_SPLI
 
 
 def decode_splits(device: torch.device, T: int, H: int, total_index_entries: int, block_h: int = 32,
-                  block_n: int = 32) -> int:
+                  block_n: int = 32, max_splits: int = MAX_SPLITS) -> int:
     """Split-K factor: >1 only for decode-sized calls (T <= DECODE_MAX_TOKENS) that would
-    otherwise leave the GPU idle (fewer than ~2 programs per SM); see plan_splits."""
+    otherwise leave the GPU idle (fewer than ~2 programs per SM); see plan_splits.
+    MAX_SPLITS caps it (a launch-table entry's ``max_splits``: fewer fp32 partials to write
+    and merge)."""
     if device.type != "cuda" or T > DECODE_MAX_TOKENS or T == 0:
         return 1
     programs = T * cdiv(H, block_h)
     sms = num_sms(device.index if device.index is not None else torch.cuda.current_device())
     if programs >= 2 * sms:
         return 1
-    return plan_splits(programs, cdiv(max(total_index_entries, 1), block_n), sms)
+    return plan_splits(programs, cdiv(max(total_index_entries, 1), block_n), sms, min(max_splits, MAX_SPLITS))

@@ -25,7 +25,8 @@ __all__ = ["PORTABLE_CONFIGS", "TIMED_PORTABLE", "MEASURED_CONFIGS", "KINDS", "I
 # single token wants more, smaller programs, 16 x 16 on 4 warps (16.0 us against 19.0 us).
 # Not yet timed on a 99 KB card itself.
 # MEASURED: tables timed on hardware, keyed by compute capability. An entry with
-# "max_tokens" is only used for calls of at most that many query tokens.
+# "max_tokens" is only used for calls of at most that many query tokens; a split-K entry
+# with "max_splits" caps the split count (kernels.decode_splits).
 # The H200 (SM90), 2026-11-29, CUDA graphs, DeepSeek-V4 shapes (benchmarks/results/archive/
 # attention_nvidia_h200_20261129T222412.md and the sweep of ...T220941; the defaults
 # re-measured in ...T223206 and ...T223630): 64-head x
@@ -106,6 +107,8 @@ _HP16 = dict(BLOCK_H=64, BLOCK_N=16, num_warps=8, num_stages=1)
 _HP16S2 = dict(BLOCK_H=64, BLOCK_N=16, num_warps=8, num_stages=2)
 _HP32S1 = dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=1)
 
+_W16_S4 = dict(_W16, max_splits=4)
+
 # For this card's capability (cc 9.0, 227 KB): name -> (what it changes, table).
 CANDIDATE_TABLES = {
     "w16": ("64x64 tiles on 16 warps instead of 8: the same head packing (each gathered row "
@@ -130,6 +133,12 @@ CANDIDATE_TABLES = {
              {"prefill": MEASURED_CONFIGS[(9, 0)]["prefill"],
               "decode": MEASURED_CONFIGS[(9, 0)]["decode"],
               "decode_split": (_HP16,) + MEASURED_CONFIGS[(9, 0)]["decode_split"][1:]}),
+    "w16s4": ("as w16, with split-K decode capped at 4 ranges per token: each split writes a "
+              "64 x 512 fp32 partial (128 KB) that the combine reads back, 10 MB at 8 tokens with "
+              "10 splits against 3 MB of K/V; fewer, longer programs trade SM fill for that traffic",
+              {"prefill": (_W16,) + MEASURED_CONFIGS[(9, 0)]["prefill"],
+               "decode": (_W16,) + MEASURED_CONFIGS[(9, 0)]["decode"],
+               "decode_split": (_SINGLE_TOKEN, _W16_S4) + MEASURED_CONFIGS[(9, 0)]["decode_split"][1:]}),
 }
 CANDIDATE_CC = (9, 0)
 
