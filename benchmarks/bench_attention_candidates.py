@@ -28,7 +28,7 @@ Whatever is not started within --budget-s seconds is reported as skipped.
 Writes attention_candidates_<card>_<stamp>.json and .md into --out.
 
 Why the current kernels miss (H200, 132 SMs; the issue's figures): see
-docs/ops/attention-kernels.md, "Why the Triton kernels miss".
+docs/ops/sparse_attention.md, "Why the Triton kernels miss, per size, and the candidate tables".
 """
 from __future__ import annotations
 

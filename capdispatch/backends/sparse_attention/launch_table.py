@@ -92,12 +92,13 @@ MAX_SPLITS = 32   # a power of two: the combine kernel's split axis (one compile
 
 
 # --------------------------------------------------------------------------- #
-# Candidate tables (issue: the Triton attention fallbacks within 1.3x / 1.5x of FlashMLA
-# at decode and at >= 45% of compute for prefill). Whole tables in the format of
+# Candidate tables, toward the targets of the Triton attention fallbacks (decode within
+# 1.3x of FlashMLA at 1-64 tokens and 1.5x at 4096, prefill at >= 45% of compute; served
+# form). Whole tables in the format of
 # MEASURED_CONFIGS[cc], not used by any backend until a benchmark on the card
 # (benchmarks/bench_attention_candidates.py) puts a winner into MEASURED_CONFIGS or
 # PORTABLE_CONFIGS. Each says what it changes; the reasons, per size, are in
-# docs/ops/attention-kernels.md ("Why the Triton kernels miss").
+# docs/ops/sparse_attention.md ("Why the Triton kernels miss, per size, and the candidate tables").
 # --------------------------------------------------------------------------- #
 _SINGLE_TOKEN = dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=2, max_tokens=1)
 _W16 = dict(BLOCK_H=64, BLOCK_N=64, num_warps=16, num_stages=1)
