@@ -192,12 +192,14 @@ def _compile_jobs():
     return jobs
 
 
-def test_candidate_entries_compile_within_shared_memory():
-    """Every candidate entry builds (ptxas included) for its targets within their opt-in
-    shared memory; a 99 KB entry must fit sm_86 / sm_89 / sm_120a."""
+@pytest.mark.parametrize("cc", [80, 86, 89, 90, 120])
+def test_candidate_entries_compile_within_shared_memory(cc):
+    """Every candidate entry builds (ptxas included) for the targets that would get it,
+    within their opt-in shared memory: the card tables for sm_90a, the 99 KB tables for
+    sm_80, sm_86, sm_89 and sm_120a. One target per test: a target's builds take minutes."""
     pytest.importorskip("triton")
     from test_sparse_prefill import SMEM_OPTIN, compile_offline
-    jobs = _compile_jobs()
+    jobs = [j for j in _compile_jobs() if j[0] == cc]
     assert jobs
     res = compile_offline(jobs)
     for job, r in zip(jobs, res):
@@ -205,6 +207,8 @@ def test_candidate_entries_compile_within_shared_memory():
         assert r["ptxas_rc"] == 0, (job, r["log"])
         assert r["regs"] <= 255, (job, r)
         assert r["shared"] <= SMEM_OPTIN[job[0]], (job, r)
+    print("\n".join(f"sm_{cc} kv_mode {j[1]} splits {j[4]} {j[2]}: shared {r['shared']} B, regs {r['regs']}, "
+                    f"spills {r['spill']}" for j, r in zip(jobs, res)))
 
 
 def test_split_cap_bounds_the_plan():
@@ -214,3 +218,41 @@ def test_split_cap_bounds_the_plan():
     assert K.plan_splits(8, 10, 132) > 4          # uncapped: 8 tokens spread over more ranges
     for cap in (1, 2, 4):
         assert 1 <= K.plan_splits(8, 10, 132, cap) <= cap
+
+
+def _bench_module():
+    import importlib
+    import os
+    import sys
+    bdir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    if bdir not in sys.path:
+        sys.path.insert(0, bdir)
+    return importlib.import_module("bench_attention_candidates")
+
+
+def test_candidates_benchmark_arguments_tables_and_report(tmp_path):
+    """The benchmark (CPU side): bad arguments are usage errors, each table set is the
+    current table plus every candidate, and the report carries the targets table with
+    card, versions and date."""
+    B = _bench_module()
+    for bad in (["--decode-tokens", "0"], ["--budget-s", "-1"], ["--tiles", "nope"]):
+        with pytest.raises(SystemExit) as e:
+            B.parse_args(bad)
+        assert e.value.code == 2, bad
+    assert [t[0] for t in B.tables("card")] == ["current"] + list(LT.CANDIDATE_TABLES)
+    assert [t[0] for t in B.tables("99kb")] == ["current"] + list(LT.CANDIDATE_TABLES_99KB)
+    assert (B.decode_target(1), B.decode_target(64), B.decode_target(128), B.decode_target(4096)) == \
+        (1.3, 1.3, None, 1.5)
+    meta = dict(device="NVIDIA H200", date="2026-12-03T12:00:00+00:00", torch="2.11.0+cu130", triton="3.6.0",
+                cuda="13.0", compute_capability="9.0", seed=7, heads=64, copy_gbps=4200.0, bf16_tflops=700.0,
+                capture_max_bs=256, elapsed_s=100.0, budget_s=300.0,
+                tables={t: {n: w for n, w, _ in B.tables(t)} for t in ("card", "99kb")})
+    rows = [dict(op="decode_mla", size=8, tiles="card", backend="triton_fp8", table="w16", ms=0.02, graph=True,
+                 correct=True, over_flashmla=1.4, frac_compute=0.01, frac_memory=0.1, launches=[]),
+            dict(summary=True, op="decode_mla", size=8, tiles="card", backend="triton_fp8", best="w16",
+                 best_ms=0.02, current_ms=0.022, flashmla_ms=0.0141, value=1.42, target=1.3, met=False)]
+    B.write(str(tmp_path), meta, rows)
+    md = (tmp_path / "attention_candidates_nvidia_h200_20261203T120000.md").read_text()
+    assert "NVIDIA H200" in md and "triton 3.6.0" in md and "2026-12-03" in md
+    assert "| decode_mla | 8 | card | triton_fp8 | w16 | 0.0200 | 0.0220 | 0.0141 | 1.42x FlashMLA | <= 1.3x | no |" \
+        in md
