@@ -106,7 +106,8 @@ _BN32S2 = dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2)
 _BN32W16S2 = dict(BLOCK_H=64, BLOCK_N=32, num_warps=16, num_stages=2)
 _HP16 = dict(BLOCK_H=64, BLOCK_N=16, num_warps=8, num_stages=1)
 _HP16S2 = dict(BLOCK_H=64, BLOCK_N=16, num_warps=8, num_stages=2)
-_HP32S1 = dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=1)
+_HP16W16 = dict(BLOCK_H=64, BLOCK_N=16, num_warps=16, num_stages=1)
+_HP16W16S2 = dict(BLOCK_H=64, BLOCK_N=16, num_warps=16, num_stages=2)
 
 _W16_S4 = dict(_W16, max_splits=4)
 
@@ -151,10 +152,11 @@ CANDIDATE_TABLES_99KB = {
              {"prefill": (_HP16S2,) + PORTABLE_CONFIGS["prefill"],
               "decode": (_HP16,) + PORTABLE_CONFIGS["decode"],
               "decode_split": (_HP16,) + PORTABLE_CONFIGS["decode_split"]}),
-    "hp32": ("64 heads x 32 rows, one stage (96 KB): head packing with the portable row block",
-             {"prefill": (_HP32S1,) + PORTABLE_CONFIGS["prefill"],
-              "decode": (_HP32S1,) + PORTABLE_CONFIGS["decode"],
-              "decode_split": (_HP32S1,) + PORTABLE_CONFIGS["decode_split"]}),
+    "hp16w16": ("as hp16 on 16 warps: half the registers per thread for the 64 x 512 accumulator "
+                "and the dequantised rows (64 x 32 rows needs 112-128 KB: over 99 KB)",
+                {"prefill": (_HP16W16S2,) + PORTABLE_CONFIGS["prefill"],
+                 "decode": (_HP16W16,) + PORTABLE_CONFIGS["decode"],
+                 "decode_split": (_HP16W16,) + PORTABLE_CONFIGS["decode_split"]}),
 }
 
 
