@@ -153,6 +153,12 @@ def run(args):
         for b, why in a.items():
             print(f"[{op}] {b}: {'runnable' if why is None else 'not runnable: ' + why}")
 
+    def meta():
+        return dict(facts, copy_gbps=bw, bf16_tflops=tflops, heads=BA.H, capture_max_bs=R.capture,
+                    budget_s=args.budget_s, elapsed_s=time.monotonic() - start, availability=avail,
+                    do_bench=dict(warmup_ms=args.warmup, rep_ms=args.rep, return_mode="median"),
+                    tables={t: {n: w for n, w, _ in tables(t)} for t in args.tiles})
+
     # Inputs and reference once per size; FlashMLA served once per size (card tiles only).
     cases = [("decode_mla", T) for T in args.decode_tokens] + [("sparse_prefill", s) for s in args.prefill_tokens]
     flash = {}
@@ -218,11 +224,8 @@ def run(args):
                                             (val <= tgt if op == "decode_mla" else val >= tgt))))
         del inputs, want
         torch.cuda.empty_cache()
-    meta = dict(facts, copy_gbps=bw, bf16_tflops=tflops, heads=BA.H, capture_max_bs=R.capture,
-                budget_s=args.budget_s, elapsed_s=time.monotonic() - start, availability=avail,
-                do_bench=dict(warmup_ms=args.warmup, rep_ms=args.rep, return_mode="median"),
-                tables={t: {n: w for n, w, _ in tables(t)} for t in args.tiles})
-    write(args.out, meta, R.rows)
+        write(args.out, meta(), R.rows, quiet=True)    # after every size: a run stopped from outside keeps its rows
+    write(args.out, meta(), R.rows)
     return 0 if all(r.get("correct", True) for r in R.rows) else 1
 
 
@@ -230,7 +233,7 @@ def _slug(name):
     return "".join(c if c.isalnum() else "_" for c in name.lower()).strip("_")
 
 
-def write(out, meta, rows):
+def write(out, meta, rows, quiet=False):
     os.makedirs(out, exist_ok=True)
     stamp = meta["date"].replace("-", "").replace(":", "").split("+")[0]
     base = os.path.join(out, f"attention_candidates_{_slug(meta['device'])}_{stamp}")
@@ -277,7 +280,8 @@ def write(out, meta, rows):
                  + f" | {r.get('correct')} | {la} |")
     with open(base + ".md", "w") as f:
         f.write("\n".join(L) + "\n")
-    print(f"wrote {base}.json and {base}.md")
+    if not quiet:
+        print(f"wrote {base}.json and {base}.md")
 
 
 def _launch_cell(e):
