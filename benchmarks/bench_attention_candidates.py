@@ -48,6 +48,7 @@ if ROOT not in sys.path:
 import bench_attention as BA  # noqa: E402 (the script's own folder)
 import tile_modes  # noqa: E402
 from ceilings import bench as _bench, copy_bandwidth, describe, matmul_rate, run_facts  # noqa: E402
+from results_dir import archive_previous  # noqa: E402
 
 DECODE_TARGETS = ((64, 1.3), (1 << 62, 1.5))   # (up to tokens, served Triton / served FlashMLA)
 PREFILL_TARGET = 0.45                          # fraction of the bf16 matmul rate
@@ -142,6 +143,8 @@ def run(args):
     start = time.monotonic()
     facts = run_facts(args.seed)
     print(describe(facts))
+    # Once per run: the report is rewritten after every size under this run's stamp.
+    archive_previous(args.out, series(facts["device"]))
     bw, _ = copy_bandwidth(args.copy_bytes, args.warmup, args.rep)
     tflops, _ = matmul_rate(8192, args.warmup, args.rep)
     print(f"copy bandwidth {bw:.0f} GB/s (read+write); bf16 matmul {tflops:.0f} TFLOP/s")
@@ -233,10 +236,15 @@ def _slug(name):
     return "".join(c if c.isalnum() else "_" for c in name.lower()).strip("_")
 
 
+def series(device):
+    """The results series of a run on DEVICE."""
+    return f"attention_candidates_{_slug(device)}"
+
+
 def write(out, meta, rows, quiet=False):
     os.makedirs(out, exist_ok=True)
     stamp = meta["date"].replace("-", "").replace(":", "").split("+")[0]
-    base = os.path.join(out, f"attention_candidates_{_slug(meta['device'])}_{stamp}")
+    base = os.path.join(out, f"{series(meta['device'])}_{stamp}")
     with open(base + ".json", "w") as f:
         json.dump(dict(meta=meta, rows=rows), f, indent=1, default=str)
     L = [f"# Attention launch-table candidates on {meta['device']}", "",

@@ -30,9 +30,10 @@ __all__ = ["PORTABLE_CONFIGS", "TIMED_PORTABLE", "MEASURED_CONFIGS", "KINDS", "I
 # tokens and 5.17 ms against 9.28 ms at 4096 (triton_fp8; the uint8 codec 0.181 / 5.50
 # against 0.330 / 10.39), but slower at 1-64 tokens, where the 32-head entry stays
 # (benchmarks/bench_attention_candidates.py, 2026-12-03, 64 heads, the 99 KB candidate
-# hp16; results/attention_candidates_nvidia_h200_20261203T134314.md). 65-127 tokens
-# were not timed and keep the 32-head entry. Timed on an H200 under the 99 KB limits
-# with mma.sync tiles, not on an SM86/SM89/SM120 card itself.
+# hp16; benchmarks/results/attention_candidates_nvidia_h200_20261203T134314.md);
+# 65-127 tokens were not timed and keep the 32-head entry. Timed on an H200 under the
+# 99 KB limits, compiled for sm_90a (80 KB there against 96 KB for the others: another
+# instruction selection), not on an SM86/SM89/SM120 card itself.
 # MEASURED: tables timed on hardware, keyed by compute capability. An entry with
 # "max_tokens" is only used for calls of at most that many query tokens; a split-K entry
 # with "max_splits" caps the split count (kernels.decode_splits).
