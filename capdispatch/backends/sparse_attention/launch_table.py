@@ -32,8 +32,9 @@ __all__ = ["PORTABLE_CONFIGS", "TIMED_PORTABLE", "MEASURED_CONFIGS", "KINDS", "I
 # (benchmarks/bench_attention_candidates.py, 2026-12-03, 64 heads, the 99 KB candidate
 # hp16; benchmarks/results/attention_candidates_nvidia_h200_20261203T134314.md);
 # 65-127 tokens were not timed and keep the 32-head entry. Timed on an H200 under the
-# 99 KB limits, compiled for sm_90a (80 KB there against 96 KB for the others: another
-# instruction selection), not on an SM86/SM89/SM120 card itself.
+# 99 KB limits, not on an SM86/SM89/SM120 card: compiled for sm_90a, this tile's dots are
+# wgmma there (80 KB) and mma.sync on those cards (96 KB); what it saves, half the
+# gathers and dequant of the 32-head tile, does not depend on the MMA instruction.
 # MEASURED: tables timed on hardware, keyed by compute capability. An entry with
 # "max_tokens" is only used for calls of at most that many query tokens; a split-K entry
 # with "max_splits" caps the split count (kernels.decode_splits).
