@@ -142,6 +142,10 @@ BENCHMARKS = (
     Bench("moe_tiles", "tune", ("benchmarks/sweep_moe_triton.py",),
           "the Triton W4A16 MoE tile space, every candidate checked, replayed from a CUDA graph",
           needs=("triton",), takes=("out", "seed", "tokens"), ops=("moe",), limit=600),
+    Bench("attention_candidates", "tune", ("benchmarks/bench_attention_candidates.py",),
+          "the attention launch-table candidates against the shipped tables and FlashMLA, served form",
+          needs=("triton",), takes=("out", "seed", "decode-tokens"), ops=("sparse_prefill", "decode_mla"),
+          quick=("--decode-tokens", "1", "64", "--prefill-tokens", "4096"), limit=400),
     Bench("moe_breakdown", "tune", ("benchmarks/bench_moe_breakdown.py",),
           "the Triton W4A16 MoE per launch against the ceilings, its targets, SGLang's Triton "
           "int4 MoE as a peer when SGLang imports", needs=("triton",),

@@ -549,6 +549,30 @@ def test_decode_kernels_compile_for_gpu_targets():
     assert "fp8e4nv not supported" in res[-1].get("error", ""), res[-1]
 
 
+@pytest.mark.parametrize("cc", [86, 89, 120])
+def test_portable_decode_entries_compile_for_the_99kb_targets(cc):
+    """Every one-pass decode entry of the portable table (the 64-head x 16-row tile that
+    serves 128 tokens and more included) builds for sm_86, sm_89 and sm_120a with each
+    codec their policy can choose (uint8 everywhere, native fp8 from sm_89), with the main
+    + extra pools, within the 99 KB of those cards; only the entries timed with their
+    spills (TIMED_PORTABLE) may spill. One target per test: a target's builds take a minute."""
+    from capdispatch.backends.sparse_attention import launch_table as LT
+    from test_sparse_prefill import SMEM_OPTIN, compile_offline
+    cfgs = []
+    for c in LT.PORTABLE_CONFIGS["decode"]:
+        c = {k: v for k, v in c.items() if k != "max_tokens"}
+        if c not in cfgs:
+            cfgs.append(c)
+    assert dict(BLOCK_H=64, BLOCK_N=16, num_warps=8, num_stages=1) in cfgs
+    jobs = [(cc, mode, c, True) for mode in ((1,) if cc < 89 else (1, 2)) for c in cfgs]
+    res = compile_offline(jobs)
+    for job, r in zip(jobs, res):
+        assert "error" not in r, (job, r)
+        assert r["ptxas_rc"] == 0, (job, r["log"])
+        assert r["regs"] <= 255 and (r["measured"] or r["spill"] == 0), (job, r)
+        assert r["shared"] <= SMEM_OPTIN[cc], (job, r)
+
+
 # --------------------------------------------------------------------------- #
 # GPU: full DeepSeek-V4 shapes
 # --------------------------------------------------------------------------- #

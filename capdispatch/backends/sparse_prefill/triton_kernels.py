@@ -52,7 +52,7 @@ def sparse_prefill(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_lengt
         xs = indices.stride()
     topk = indices.shape[-1]
     has_len, has_sink = topk_length is not None, attn_sink is not None
-    key = (dev, s if _PREFILL_BY_TOKENS else None, h, topk, has_len, has_sink, bool(use_legacy)) + _limits.plan_key()
+    key = (dev, s if _PREFILL_BY_TOKENS else None, h, topk, has_len, has_sink, bool(use_legacy)) + _limits.plan_key() + attn.table_key()
     plan = _plans.get(key)
     if plan is None:
         consts = (0, 1, 1, 1, 1, has_len, False, False, has_sink, 0 if use_legacy else 1)
