@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ieee_fp8 as F  # noqa: E402
 
 from capdispatch.backends.decode_mla import reference as R  # noqa: E402
-from capdispatch.backends.kv_cache import layout as L  # noqa: E402
+from capdispatch.backends import v4_layout as L  # noqa: E402
 from capdispatch.backends.kv_cache import reference as KV  # noqa: E402
 
 from attention_checks import (ASSUME, OUT_RTOL, SCALE, STAT_ATOL, assert_stats_close,  # noqa: E402,F401

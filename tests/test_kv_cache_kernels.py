@@ -47,7 +47,7 @@ from triton_env import HAS_CUDA, INTERPRET, _triton_interpreter  # noqa: E402,F4
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ieee_fp8 as F  # noqa: E402
 
-from capdispatch.backends.kv_cache import layout as L  # noqa: E402
+from capdispatch.backends import v4_layout as L  # noqa: E402
 from capdispatch.backends.kv_cache import reference as R  # noqa: E402
 
 

@@ -39,7 +39,7 @@ _FLASHINFER = Library("flashinfer-python", ">=0.7.2", module="flashinfer")
 # Shape ranges (checked against a rank's shapes when a decision has a model and layout).
 # Every kernel here reads the V4 pool's 512-wide rows (448 fp8 nope + 64 bf16 rope).
 _HEAD_DIM = ShapeRange("head_dim", "capdispatch decode_mla/ops.py DIM = 512: the V4 pool row "
-                       "(kv_cache/layout.py, 448 nope + 64 rope)", allowed=(512,), what="the MLA head dim")
+                       "(backends/v4_layout.py, 448 nope + 64 rope)", allowed=(512,), what="the MLA head dim")
 # FlashMLA instantiates h_q 64 and 128; flashmla.py pads fewer heads up (library_args.pad_heads).
 _FLASHMLA_HEADS = ShapeRange("heads", "capdispatch decode_mla/flashmla.py pad_heads(q, sink, (64, 128)): "
                              "FlashMLA's kernels take h_q 64 or 128, fewer are zero-padded",

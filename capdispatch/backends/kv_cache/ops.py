@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..torch_ops import CHECKS, define, op_name, pair_unchecked, named_bound, tracing
-from .layout import DIM
+from ..v4_layout import DIM
 
 __all__ = ["kv_quant_op", "kv_dequant_op"]
 

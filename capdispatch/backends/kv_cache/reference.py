@@ -23,7 +23,7 @@ import torch
 
 from ...errors import ArgumentError
 from ..arg_checks import dtype_in, index_dtype, same_device, tensor, unit_last_stride
-from .layout import (
+from ..v4_layout import (
     DATA_BYTES,
     DIM,
     DIM_NOPE,

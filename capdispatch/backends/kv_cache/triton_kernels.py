@@ -28,7 +28,7 @@ import triton.language as tl
 from .. import launch_limits as _limits
 from ..device_scope import cdiv, on_device_of
 from ..triton_common.env import check_device, interpreted, jit_module
-from .layout import DATA_BYTES, DIM, DIM_NOPE, FP8_MAX, NUM_TILES, SCALE_BYTES, SCALE_EPS, TILE
+from ..v4_layout import DATA_BYTES, DIM, DIM_NOPE, FP8_MAX, NUM_TILES, SCALE_BYTES, SCALE_EPS, TILE
 from .reference import check_dequant_args, check_quant_args
 
 __all__ = ["kv_quant_fp8", "kv_quant_u8", "kv_dequant_fp8", "kv_dequant_u8"]

@@ -1,4 +1,5 @@
-"""DeepSeek-V4 ("V4") paged KV-cache byte layout, byte-compatible with SGLang 0.5.23.
+"""DeepSeek-V4 ("V4") paged KV-cache byte layout, byte-compatible with SGLang 0.5.23: the data
+format kv_cache writes and reads, decode_mla and the shared Triton row loader read.
 
 Pure Python on purpose (no torch import) so that registries and tooling can read
 the constants without pulling in a tensor library.
@@ -19,7 +20,7 @@ at slot ``loc % P``.
 
 from __future__ import annotations
 
-from ...errors import ArgumentError, ArgumentTypeError
+from ..errors import ArgumentError, ArgumentTypeError
 
 DIM_NOPE = 448  # fp8-quantised part of a K row
 DIM_ROPE = 64  # raw bf16 part of a K row
