@@ -442,6 +442,18 @@ def _release(c: _Checker, d, where: str) -> Release:
                     f"`{b}: {{none: true, why: \"...\"}}` (or sglang: [...], or route: [NAME]) under "
                     f"{where}.backends.{op} ({at}); until then a decision for it is reported, "
                     f"not carried out inside SGLang")))
+    # A plugin's op no model lists: decided at the launch and reported, with what to add.
+    listed = {op for m in models.values() for op in m.ops}
+    for op in c.registry.ops:
+        names = [f"{op}/{b.name}" for b in c.registry.backends(op)]
+        if op in listed or not names or not all(n in from_plugin for n in names):
+            continue
+        plugin = from_plugin[names[0]]
+        message = (f"the knob map's models do not list op {op} (plugin {plugin!r}): add it to "
+                   f"{where}.models.{next(iter(models), 'ARCHITECTURE')}.ops and an entry per backend under "
+                   f"{where}.backends.{op} ({c.path}); until then a decision for it is reported, not carried "
+                   f"out inside SGLang")
+        unmapped += [Unmapped(op, n.split("/", 1)[1], plugin, message) for n in names]
     arch = c.need(d, "arch", where, dict)
     for key in ("module", "probes", "platform", "globals", "jit_arch"):
         c.need(arch, key, f"{where}.arch")

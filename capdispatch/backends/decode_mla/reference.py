@@ -248,6 +248,7 @@ def decode_mla(q, pool, indices, page_size, sm_scale, topk_length=None, attn_sin
 
 
 # Custom op (backends/torch_ops.py): what the registry binds.
-from .ops import decode_mla_op  # noqa: E402
+from ..torch_ops import custom_op  # noqa: E402
+from . import OPS  # noqa: E402
 
-op_decode_mla = decode_mla_op("torch", decode_mla)
+op_decode_mla = custom_op(OPS[0], "torch", decode_mla)

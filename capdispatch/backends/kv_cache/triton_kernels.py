@@ -209,12 +209,13 @@ def kv_dequant_u8(pool: torch.Tensor, token_ids: torch.Tensor, page_size: int,
 
 
 # Custom ops (backends/torch_ops.py): what the registry binds.
-from .ops import kv_dequant_op, kv_quant_op  # noqa: E402
+from ..torch_ops import custom_op  # noqa: E402
+from . import OPS  # noqa: E402
 
-op_kv_quant_fp8 = kv_quant_op("triton_fp8", kv_quant_fp8)
-op_kv_quant_u8 = kv_quant_op("triton_u8", kv_quant_u8)
-op_kv_dequant_fp8 = kv_dequant_op("triton_fp8", kv_dequant_fp8)
-op_kv_dequant_u8 = kv_dequant_op("triton_u8", kv_dequant_u8)
+op_kv_quant_fp8 = custom_op(OPS[0], "triton_fp8", kv_quant_fp8)
+op_kv_quant_u8 = custom_op(OPS[0], "triton_u8", kv_quant_u8)
+op_kv_dequant_fp8 = custom_op(OPS[1], "triton_fp8", kv_dequant_fp8)
+op_kv_dequant_u8 = custom_op(OPS[1], "triton_u8", kv_dequant_u8)
 
 
 # Types of each kernel's runtime arguments (uint8 pool; the native variant passes it as
