@@ -1,7 +1,7 @@
 """Errors of a decision. BadInput -> exit 2; Unsatisfiable -> exit 3."""
 from __future__ import annotations
 
-from ..errors import BadInput, Unsatisfiable  # noqa: F401 (the two kinds, kept below every room)
+from ..errors import BadInput, CapdispatchError, Unsatisfiable  # noqa: F401 (the two kinds live below every room)
 
 
 class NoBackendError(Unsatisfiable):
