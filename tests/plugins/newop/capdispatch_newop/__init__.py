@@ -7,9 +7,9 @@ _PKG = "capdispatch_newop"
 
 OPS = (
     Op("row_scale", "x [n, d] times w [n] per row", "row_scale(Tensor x, Tensor w) -> Tensor",
-       outputs=(Out(("x.0", "x.1"), "x"),), reference="torch", size=SizeArg("rows", 0, "x"), canary=f"{_PKG}.canary:row_scale",
-       case=f"{_PKG}.calibration:row_scale_case", sizes=(1, 16, 256), served="prefill",
-       compile_jobs=f"{_PKG}.compile_jobs:jobs"),
+       outputs=(Out(("x.0", "x.1"), "x"),), reference="torch", size=SizeArg("rows", 0, "x"),
+       canary=f"{_PKG}.canary:row_scale", case=f"{_PKG}.calibration:row_scale_case",
+       sizes=(1, 16, 256), served="prefill", compile_jobs=f"{_PKG}.compile_jobs:jobs"),
 )
 
 BACKENDS = (
