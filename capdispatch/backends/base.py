@@ -38,8 +38,9 @@ class Facts:
     libraries: Inventory
     env: Mapping = attrs.field(factory=dict)   # snapshot taken when the decision is made
     check_imports: bool = False                # real devices only: planning never imports
-    # The rank's shapes (a capdispatch.models.RankShape, read by attribute) when the decision
-    # is made for a model and layout; None: shape requirements are not evaluated.
+    # The rank's shapes (a capdispatch.models.RankShape, read by attribute: models stands above
+    # backends, so it is not imported here) when the decision is made for a model and layout;
+    # None: shape requirements are not evaluated.
     shapes: Optional[object] = None
 
 
