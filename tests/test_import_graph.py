@@ -137,3 +137,73 @@ def test_the_reader_sees_an_arrow_up(tmp_path, src, found):
 
 def test_the_circle_finder_finds_one():
     assert _circles({("a", "b", ""), ("b", "a", "")})
+
+
+def _private_uses(modules) -> list:
+    """'module:line name' for every private name one room takes from another: imported by
+    name, or read as an attribute of a module imported from it."""
+    bad = []
+    for name, path in modules.items():
+        pkg = name if path.endswith("__init__.py") else name.rsplit(".", 1)[0]
+        tree = ast.parse(open(path).read(), path)
+        aliases = {}
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            base = node.module or ""
+            if node.level:
+                up = pkg.split(".")[:len(pkg.split(".")) - node.level + 1]
+                base = ".".join(up + ([node.module] if node.module else []))
+            for a in node.names:
+                target = f"{base}.{a.name}"
+                owner = target if target in modules else base
+                while owner and owner not in modules:
+                    owner = owner.rpartition(".")[0]
+                if not owner or room(owner) == room(name):
+                    continue
+                if a.name.startswith("_") and not a.name.startswith("__"):
+                    bad.append(f"{name}:{node.lineno} {base}.{a.name}")
+                elif target in modules:
+                    aliases[a.asname or a.name] = target
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases
+                    and node.attr.startswith("_") and not node.attr.startswith("__")):
+                bad.append(f"{name}:{node.lineno} {aliases[node.value.id]}.{node.attr}")
+    return bad
+
+
+def test_no_room_takes_another_rooms_private_names():
+    """A helper used across rooms is public in its home (did_you_mean, cached_verdict, ...)."""
+    assert not _private_uses(_modules())
+
+
+def test_the_private_name_reader_sees_both_forms(tmp_path):
+    mods = dict(_modules())
+    bad = tmp_path / "bad.py"
+    bad.write_text("from ..policies.loader import _mark\nfrom ..backends import compile_matrix as M\nM._mod('x')\n")
+    mods["capdispatch.dispatch.bad"] = str(bad)
+    found = _private_uses(mods)
+    assert any("capdispatch.policies.loader._mark" in f for f in found)
+    assert any("capdispatch.backends.compile_matrix._mod" in f for f in found)
+
+
+def test_adapters_use_only_the_face():
+    """An adapter imports capdispatch as `import capdispatch as cd` (or a face name from it),
+    never a submodule, and nothing of capdispatch outside its own package."""
+    bad = []
+    for name, path in _modules().items():
+        if room(name) != "adapters.sglang":
+            continue
+        pkg = name if path.endswith("__init__.py") else name.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                up = pkg.split(".")[:len(pkg.split(".")) - node.level + 1]
+                if not ".".join(up).startswith("capdispatch.adapters.sglang"):
+                    bad.append(f"{name}:{node.lineno}")
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("capdispatch."):
+                if not node.module.startswith("capdispatch.adapters.sglang"):
+                    bad.append(f"{name}:{node.lineno} {node.module}")
+            elif isinstance(node, ast.Import):
+                bad += [f"{name}:{node.lineno} {a.name}" for a in node.names
+                        if a.name.startswith("capdispatch.") and not a.name.startswith("capdispatch.adapters.sglang")]
+    assert not bad, "adapter imports past the face: " + "; ".join(bad)

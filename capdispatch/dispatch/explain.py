@@ -35,7 +35,7 @@ class Plan:
     def to_dict(self) -> dict:
         return {
             "schema": SCHEMA,
-            "devices": [_device_dict(d, self.libraries) for d in self.devices],
+            "devices": [device_dict(d, self.libraries) for d in self.devices],
             "inventory": self.whose,
             "ops": {op: g.to_dict() for op, g in self.ops.items()},
             "warnings": list(self.warnings),
@@ -45,7 +45,7 @@ class Plan:
         }
 
 
-def _device_dict(d, libraries) -> dict:
+def device_dict(d, libraries) -> dict:
     return {"id": d.id, "name": d.name, "cc": d.cc_str, "features": sorted(derive_features(d)),
             "libraries": libraries, "platform": d.platform, "sm_count": d.sm_count,
             "smem_optin_per_block": d.smem_optin_per_block, "memory": d.memory,
