@@ -62,17 +62,3 @@ def bytes_per_page(page_size: int) -> int:
     """Padded page length: P x 584 rounded up to a multiple of 576."""
     need = min_bytes_per_page(page_size)
     return -(-need // PAGE_ALIGN) * PAGE_ALIGN
-
-
-def token_data_offset(loc: int, page_size: int, page_bytes: int | None = None) -> int:
-    """Flat byte offset of token ``loc``'s 576 data bytes in a pool."""
-    page_bytes = bytes_per_page(page_size) if page_bytes is None else page_bytes
-    page, slot = divmod(loc, page_size)
-    return page * page_bytes + slot * DATA_BYTES
-
-
-def token_scale_offset(loc: int, page_size: int, page_bytes: int | None = None) -> int:
-    """Flat byte offset of token ``loc``'s 8 scale bytes in a pool."""
-    page_bytes = bytes_per_page(page_size) if page_bytes is None else page_bytes
-    page, slot = divmod(loc, page_size)
-    return page * page_bytes + scale_offset(page_size) + slot * SCALE_BYTES
