@@ -163,3 +163,11 @@ def test_a_derived_op_runs_traces_and_refuses_a_missing_size():
     buf = torch.zeros(6, 4)
     got, first = fn(x, 4, out=buf)
     assert got is buf and bool((buf == 1).all())
+
+
+def test_a_parameter_named_like_the_bound_functions_own_names_is_refused():
+    from capdispatch.backends.torch_ops import custom_op
+    spec = Op("decl_clash", "clash", "decl_clash(Tensor x, Tensor impl) -> Tensor", reference="torch",
+              outputs=(Out(("x.0",), "x"),))
+    with pytest.raises(ValueError, match="op 'decl_clash': parameter name.s. impl are taken"):
+        custom_op(spec, "torch", lambda x, impl, *, checks=True: x)

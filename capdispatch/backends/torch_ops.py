@@ -142,10 +142,15 @@ def custom_op(op, backend: str, impl, fake=None):
     parts = {t: cls.PARTS for t, cls in classes.items()}
     contract = [p for p in call.params if p is not call.out]
     positional = [p for p in contract if not p.kw_only]
-    keywords = [p.name for p in contract if p.kw_only]
     widths = {p.name: len(_part_names(parts[p.type])) for p in positional if p.type in parts}
     flat = [n for p in positional for n in (_part_names(parts[p.type]) if p.type in parts else [p.name])]
     defaults = {p.name: _default(p.default) for p in contract if p.default is not None and p.type not in parts}
+    # The generated bound function's own names (_bound_source) cannot be parameters.
+    taken = sorted({p.name for p in call.params} & ({"impl", "functional", "with_out", "tracing", "rest",
+                                                     "ArgumentTypeError", op.name} | set(classes)))
+    if taken:
+        raise ValueError(f"op {op.name!r}: parameter name(s) {', '.join(taken)} are taken by the bound "
+                         f"function's own names; rename them")
     # The results live where the first tensor argument does.
     like = next(p.name for p in contract if p.type.startswith("Tensor") and p.type != "Tensor[]")
 
@@ -190,11 +195,13 @@ def custom_op(op, backend: str, impl, fake=None):
         with_out = define(op_name(op.name, backend, out=True), call.schema(parts, with_out=True), out_impl,
                           out_fake)
 
+    env = dict(impl=impl, functional=functional, with_out=with_out, tracing=tracing,
+               ArgumentTypeError=ArgumentTypeError, **classes)
+
     def bound(checks: bool):
-        env = dict(impl=impl, functional=functional, with_out=with_out, tracing=tracing,
-                   ArgumentTypeError=ArgumentTypeError, **classes)
-        exec(_bound_source(op.name, call, parts, checks), env)      # the contract's own parameters
-        return named_bound(env[op.name], op.name, backend, impl, functional, with_out)
+        scope = dict(env)
+        exec(_bound_source(op.name, call, parts, checks), scope)    # the contract's own parameters
+        return named_bound(scope[op.name], op.name, backend, impl, functional, with_out)
 
     return pair_unchecked(bound(True), bound(False))
 
