@@ -1,4 +1,4 @@
-"""Triton kernels for the DeepSeek-V4 paged KV cache (layout: see layout.py).
+"""Triton kernels for the DeepSeek-V4 paged KV cache (layout: backends/v4_layout.py).
 
 Two codecs share one kernel body per direction, selected by the ``NATIVE_FP8``
 constexpr:
@@ -135,7 +135,7 @@ def _kv_dequant_kernel(
     tl.store(out_ptr + tok[:, None, None] * out_stride + col[None, :, :], out, mask=tmask[:, None, None])
 
 
-# The kernels hard-code the layout; keep them honest if layout.py ever changes.
+# The kernels hard-code the layout; keep them honest if backends/v4_layout.py ever changes.
 assert (DIM, DIM_NOPE, TILE, DATA_BYTES, SCALE_BYTES) == (512, 448, 64, 576, 8)
 assert FP8_MAX == 448.0 and SCALE_EPS == 1e-8
 
