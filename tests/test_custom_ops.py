@@ -102,10 +102,17 @@ def as_fake(mode, args, kwargs):
     return _map_tensors(args, kwargs, mode.from_tensor)
 
 
+def _written(op) -> list:
+    """Positions of the arguments OP's declaration says it writes (kv_quant's pool), not `out`."""
+    from capdispatch.backends import builtin
+    call = builtin().ops[op].call()
+    return [i for i, p in enumerate(call.params) if p.type.startswith("Tensor(a!)") and p is not call.out]
+
+
 def results(op, out, args):
-    """The op's outputs as a tuple of tensors (kv_quant: the pool it wrote)."""
-    if op == "kv_quant":
-        return (args[1],)
+    """The op's outputs as a tuple of tensors (an op that returns nothing: what it wrote)."""
+    if out is None:
+        return tuple(args[i] for i in _written(op))
     return out if isinstance(out, tuple) else (out,)
 
 
@@ -186,17 +193,20 @@ def test_names_and_declared_mutations(op, backend, module, attr, interp):
     fn = getattr(kernel_module(module), attr)
     ns = torch.ops.capdispatch
     assert fn.__name__ == f"{op}_{backend}"
-    if op == "kv_quant":
-        assert fn.functional is getattr(ns, f"kv_quant_{backend}").default and fn.with_out is None
-        ops = {fn.functional: "pool"}
+    from capdispatch.backends import builtin
+    call = builtin().ops[op].call()
+    written = [call.params[i].name for i in _written(op)]
+    assert fn.functional is getattr(ns, f"{op}_{backend}").default
+    if call.out is None:
+        assert fn.with_out is None
+        ops = {fn.functional: written}
     else:
-        assert fn.__name__ == f"{op}_{backend}"
-        assert fn.functional is getattr(ns, f"{op}_{backend}").default
         assert fn.with_out is getattr(ns, f"{op}_{backend}_out").default
-        ops = {fn.functional: None, fn.with_out: "out"}
+        ops = {fn.functional: written, fn.with_out: written + ["out"]}
+    assert ops[fn.functional] == (["pool"] if op == "kv_quant" else [])     # the declaration says so
     for o, mutated in ops.items():
         writes = [a.name for a in o._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
-        assert writes == ([mutated] if mutated else []), (o, writes)
+        assert writes == mutated, (o, writes)
         assert [a.name for a in o._schema.arguments if a.kwarg_only][-1] == "checks"
 
 
@@ -471,7 +481,7 @@ def test_gpu_matrix(op, backend, mode, with_out):
         if mode == "reduce_overhead":
             # A mutated argument must be a static input for Inductor's CUDA graphs (as a
             # server's KV pool and output workspaces are): the declared mutation does the rest.
-            for t in ([a1[1]] if op == "kv_quant" else []) + ([k1["out"]] if with_out else []):
+            for t in [a1[i] for i in _written(op)] + ([k1["out"]] if with_out else []):
                 torch._dynamo.mark_static_address(t)
         compiled = torch.compile(fn, fullgraph=True,
                                  mode="reduce-overhead" if mode == "reduce_overhead" else None)
