@@ -152,7 +152,9 @@ def custom_op(op, backend: str, impl, fake=None):
         raise ValueError(f"op {op.name!r}: parameter name(s) {', '.join(taken)} are taken by the bound "
                          f"function's own names; rename them")
     # The results live where the first tensor argument does.
-    like = next(p.name for p in contract if p.type.startswith("Tensor") and p.type != "Tensor[]")
+    like = next((p.name for p in contract if p.type.startswith("Tensor") and p.type != "Tensor[]"), None)
+    if like is None and op.outputs:
+        raise ValueError(f"op {op.name!r}: its results need a tensor argument to take their device from")
 
     def contract_args(args):
         # The dispatcher may leave out trailing arguments at their defaults: IMPL's apply.
@@ -215,9 +217,12 @@ def _bound_source(name: str, call, parts: dict, checks: bool) -> str:
             star = True
         sig.append(p.name if p.default is None else f"{p.name}={p.default}")
     contract = [p for p in call.params if p is not call.out]
-    kw = "".join(f", {p.name}={p.name}" for p in contract if p.kw_only)
-    eager = ", ".join(p.name for p in contract if not p.kw_only)
-    traced = ", ".join(f"*{p.name}.parts()" if p.type in parts else p.name for p in contract if not p.kw_only)
+    kw = [f"{p.name}={p.name}" for p in contract if p.kw_only]
+    eager = [p.name for p in contract if not p.kw_only]
+    traced = [f"*{p.name}.parts()" if p.type in parts else p.name for p in contract if not p.kw_only]
+
+    def args(*groups) -> str:
+        return ", ".join(a for g in groups for a in g)
     lines = [f"def {name}({', '.join(sig)}):"]
     if checks:
         for p in contract:
@@ -225,15 +230,16 @@ def _bound_source(name: str, call, parts: dict, checks: bool) -> str:
                 lines += [f"    if not isinstance({p.name}, {p.type}):",
                           f"        raise ArgumentTypeError(f'{p.name} must be a {p.type}, got "
                           f"{{type({p.name}).__name__}}')"]
-    give_out = ", out=out" if call.out is not None else ""
+    check = [f"checks={checks}"]
+    give_out = ["out=out"] if call.out is not None else []
     lines += ["    if not tracing():",
-              f"        return impl({eager}{kw}{give_out}, checks={checks})"]
+              f"        return impl({args(eager, kw, give_out, check)})"]
     if call.out is None:
-        lines.append(f"    return functional({traced}{kw}, checks={checks})")
+        lines.append(f"    return functional({args(traced, kw, check)})")
     else:
         rest = {1: "", 2: ", rest"}.get(len(call.returns), ", *rest")
         lines += ["    if out is None:",
-                  f"        return functional({traced}{kw}, checks={checks})",
-                  f"    rest = with_out({traced}{kw}, out=out, checks={checks})",
+                  f"        return functional({args(traced, kw, check)})",
+                  f"    rest = with_out({args(traced, kw, give_out, check)})",
                   f"    return {'out' if len(call.returns) == 1 else f'(out{rest})'}"]
     return "\n".join(lines) + "\n"
