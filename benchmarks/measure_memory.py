@@ -27,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from capdispatch.backends.kv_cache.layout import bytes_per_page  # noqa: E402 (after the path insertion)
+from capdispatch.backends.v4_layout import bytes_per_page  # noqa: E402 (after the path insertion)
 from capdispatch.models import load_model  # noqa: E402
 from capdispatch.models import memory as mem  # noqa: E402
 
@@ -50,7 +50,7 @@ def measure(args) -> dict:
                                                    page_size=args.page_size)}
     pools = mem.kv_pools(model, rank, args.context, args.batch, page_size=args.page_size)
     # The plan's page layout is capdispatch's kv_cache layout (what SGLang allocates).
-    assert pools[0].shape[1] == bytes_per_page(args.page_size), "page layout drifted from kv_cache/layout.py"
+    assert pools[0].shape[1] == bytes_per_page(args.page_size), "page layout drifted from backends/v4_layout.py"
     E, H, I = rank.experts, model.hidden, rank.moe_intermediate
     experts = [mem.Pool("routed experts, one layer: w13", 1, (E, 2 * I, H // 2), "uint8"),
                mem.Pool("routed experts, one layer: w13 E8M0 scales", 1, (E, 2 * I, H // 32), "uint8"),

@@ -45,7 +45,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ieee_fp8 as F  # noqa: E402
 
 from capdispatch.backends.decode_mla import reference as R  # noqa: E402
-from capdispatch.backends.kv_cache import layout as L  # noqa: E402
+from capdispatch.backends import v4_layout as L  # noqa: E402
+import v4_offsets as O  # noqa: E402
 from capdispatch.backends.kv_cache import reference as KV  # noqa: E402
 
 from attention_checks import (ASSUME, OUT_RTOL, SCALE, STAT_ATOL, assert_stats_close,  # noqa: E402,F401
@@ -136,8 +137,8 @@ def dequant_f64(pool, page_size, token):
     torch's fp8 dtype and of the KV op's code (IEEE table + layout offsets)."""
     flat = pool.cpu().contiguous().view(-1)
     bpp = pool.shape[1]
-    d = L.token_data_offset(token, page_size, bpp)
-    s = L.token_scale_offset(token, page_size, bpp)
+    d = O.token_data_offset(token, page_size, bpp)
+    s = O.token_scale_offset(token, page_size, bpp)
     codes = flat[d:d + 448].long()
     scales = torch.tensor([math.ldexp(1.0, int(x) - 127) for x in flat[s:s + 7].tolist()], dtype=torch.float64)
     nope = _e4m3_table()[codes] * scales.repeat_interleave(64)

@@ -122,7 +122,7 @@ def _cfg_label(cfg: dict) -> str:
 
 def kv_cache_jobs(t: Target) -> list:
     K = _mod("kv_cache.triton_kernels")
-    L = _mod("kv_cache.layout")
+    from . import v4_layout as L
     out = []
     for native in _codecs(t):
         for name, tokens, warps in (("_kv_quant_kernel", K.QUANT_TOKENS_PER_PROG, K.QUANT_NUM_WARPS),

@@ -178,7 +178,7 @@ def _specs(args):
 def _cmd_devices(args) -> int:
     from ..backends import builtin
     from ..capabilities import Inventory, derive_features
-    from .explain import _device_dict, device_line, libraries_lines
+    from .explain import device_dict, device_line, libraries_lines
     from .render import wrap
     from .resolver import library_names
     specs = _specs(args)
@@ -192,7 +192,7 @@ def _cmd_devices(args) -> int:
     inventory = inv.to_dict(sorted(library_names(builtin())))
     text += libraries_lines(inventory["versions"], inventory)
     _emit(args, {"schema": 1, "devices": [
-        {k: v for k, v in _device_dict(d, None).items() if k != "libraries"} for d in specs],
+        {k: v for k, v in device_dict(d, None).items() if k != "libraries"} for d in specs],
         "inventory": inventory}, "\n".join(text))
     return EXIT_OK
 

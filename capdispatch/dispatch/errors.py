@@ -1,15 +1,7 @@
 """Errors of a decision. BadInput -> exit 2; Unsatisfiable -> exit 3."""
 from __future__ import annotations
 
-from ..errors import CapdispatchError
-
-
-class BadInput(CapdispatchError, ValueError):
-    """Unknown op, device or backend; a bad flag value."""
-
-
-class Unsatisfiable(CapdispatchError, RuntimeError):
-    """Nothing can run, or a strict choice cannot run, or a group may not diverge."""
+from ..errors import BadInput, CapdispatchError, Unsatisfiable  # noqa: F401 (the two kinds live below every room)
 
 
 class NoBackendError(Unsatisfiable):

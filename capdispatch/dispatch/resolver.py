@@ -3,15 +3,18 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import attrs
 
 from .. import policies as _policies
-from ..backends import Check, Facts, builtin, failed_checks
+from ..backends import Check, Facts, Registry, builtin, failed_checks
 from ..capabilities import DeviceSpec, Inventory, derive_features, probe
 from ..capabilities import catalog as _catalog
 from .errors import BadInput, NoBackendError, StrictFallbackError
+
+if TYPE_CHECKING:
+    from ..models import RankShape
 
 log = logging.getLogger("capdispatch")
 
@@ -102,7 +105,7 @@ class Resolution:
 @attrs.frozen
 class Context:
     """Everything one decision reads, gathered once: registry, policy stack, libraries, env."""
-    registry: object
+    registry: Registry
     stack: _policies.PolicyStack
     inventory: Inventory
     env: dict
@@ -110,7 +113,7 @@ class Context:
     cards: dict = attrs.field(factory=dict, eq=False)   # device id -> CardCache, read once
     # The rank's shapes (capdispatch.models.RankShape) the decision is for: backends' shape
     # ranges are checked against them; None: no model given, shape ranges not evaluated.
-    shapes: Optional[object] = None
+    shapes: Optional[RankShape] = None
 
     @property
     def verify_mode(self) -> str:

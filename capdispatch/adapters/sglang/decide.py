@@ -105,19 +105,21 @@ class Decision:
 
 
 def applicable_ops(release, model_arch: Optional[str], kv_cache_dtype: Optional[str]):
-    """(ops, reason): the capdispatch ops this model runs with this KV-cache dtype."""
+    """(ops, reason): the capdispatch ops this model runs with this KV-cache dtype, then the
+    plugins' ops no model lists (decided and reported: the knob map says what to add)."""
     if not model_arch:
         return (), "the model architecture is unknown"
     model = release.models.get(model_arch)
     if model is None:
         return (), f"{model_arch} runs no capdispatch op"
     dtype = kv_cache_dtype or "auto"
+    unlisted = tuple(dict.fromkeys(u.op for u in release.unmapped if u.op not in model.ops))
     if dtype not in model.kv_cache_dtypes:
-        ops = tuple(op for op in model.ops if op in model.any_kv_cache_dtype)
+        ops = tuple(op for op in model.ops if op in model.any_kv_cache_dtype) + unlisted
         return ops, (f"kv_cache_dtype={dtype}: {model_arch}'s KV and attention ops run with "
                      f"{' or '.join(model.kv_cache_dtypes)} only"
                      + (f"; {', '.join(ops)} run{'s' if len(ops) == 1 else ''} with any" if ops else ""))
-    return tuple(model.ops), f"{model_arch} with kv_cache_dtype={dtype}"
+    return tuple(model.ops) + unlisted, f"{model_arch} with kv_cache_dtype={dtype}"
 
 
 def _flag(s) -> str:

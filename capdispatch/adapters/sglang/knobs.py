@@ -503,6 +503,19 @@ def _unmapped(r, models: dict, entries: dict, lines: dict, where: str, registry)
             f"`{b}: {{none: true, why: \"...\"}}` (or sglang: [...], or route: [NAME]) under "
             f"{where}.{op} ({at}); until then a decision for it is reported, "
             f"not carried out inside SGLang")) for b in missing]
+    # A plugin's op no model lists: decided at the launch and reported, with what to add.
+    listed = {op for m in models.values() for op in m.ops}
+    release = where.rsplit(".", 1)[0] if where.endswith(".backends") else where
+    for op in registry.ops:
+        names = [f"{op}/{b.name}" for b in registry.backends(op)]
+        if op in listed or not names or not all(n in from_plugin for n in names):
+            continue
+        plugin = from_plugin[names[0]]
+        message = (f"the knob map's models do not list op {op} (plugin {plugin!r}): add it to "
+                   f"{release}.models.{next(iter(models), 'ARCHITECTURE')}.ops and an entry per backend "
+                   f"under {where}.{op} ({r.path}); until then a decision for it is reported, not carried "
+                   f"out inside SGLang")
+        out += [Unmapped(op, n.split("/", 1)[1], plugin, message) for n in names]
     return tuple(out)
 
 

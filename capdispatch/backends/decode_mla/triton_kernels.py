@@ -183,7 +183,8 @@ def forget_plans() -> None:
 
 
 # Custom ops (backends/torch_ops.py): what the registry binds.
-from .ops import decode_mla_op  # noqa: E402
+from ..torch_ops import custom_op  # noqa: E402
+from . import OPS  # noqa: E402
 
-op_decode_mla_fp8 = decode_mla_op("triton_fp8", decode_mla_fp8)
-op_decode_mla_u8 = decode_mla_op("triton", decode_mla_u8)
+op_decode_mla_fp8 = custom_op(OPS[0], "triton_fp8", decode_mla_fp8)
+op_decode_mla_u8 = custom_op(OPS[0], "triton", decode_mla_u8)

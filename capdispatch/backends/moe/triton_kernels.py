@@ -637,6 +637,7 @@ def moe_w4a16(x, weights, topk_weights, topk_ids, out=None, *, checks: bool = Tr
 
 
 # Custom ops (backends/torch_ops.py): what the registry binds.
-from .ops import moe_op  # noqa: E402
+from ..torch_ops import custom_op  # noqa: E402
+from . import OPS  # noqa: E402
 
-op_moe_w4a16 = moe_op("triton_w4a16", moe_w4a16)
+op_moe_w4a16 = custom_op(OPS[0], "triton_w4a16", moe_w4a16)

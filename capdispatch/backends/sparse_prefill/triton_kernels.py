@@ -85,6 +85,7 @@ def forget_plans() -> None:
 
 
 # Custom op (backends/torch_ops.py): what the registry binds.
-from .ops import sparse_prefill_op  # noqa: E402
+from ..torch_ops import custom_op  # noqa: E402
+from . import OPS  # noqa: E402
 
-op_sparse_prefill = sparse_prefill_op("triton", sparse_prefill)
+op_sparse_prefill = custom_op(OPS[0], "triton", sparse_prefill)
