@@ -20,6 +20,7 @@ PKG = os.path.join(ROOT, "capdispatch")
 
 FLOORS = (
     ("errors", "safe_io"),
+    ("marked_yaml",),                                 # the one marked YAML reader
     ("capabilities",),
     ("backends",),                                    # declarations, registry, base, v4_layout
     ("backends.triton_common",),
