@@ -239,9 +239,9 @@ def test_launch_value_user_then_device_0():
 def test_explicit_value_that_cannot_run_warns_per_device_or_refuses_under_strict():
     import capdispatch as cd
     from capdispatch.adapters.sglang import decide
-    from capdispatch.adapters.sglang import rig
+    from capdispatch.adapters.sglang import gpus
     rel = _release()
-    specs = rig.devices([0, 1, 2], env={rig.SIM_ENV: RIG})
+    specs = gpus.devices([0, 1, 2], env={gpus.SIM_ENV: RIG})
     given = dict(explicit_fields={"moe_runner_backend"}, field_values={"moe_runner_backend": "flashinfer_mxfp4"})
     d = decide.decide(specs, ("moe",), rel, env={}, **given)
     row = d.choices["moe"]

@@ -11,7 +11,7 @@ import attrs
 import pytest
 
 import capdispatch as cd
-from capdispatch.adapters.sglang import archfacts, decide, knobs, launch, render, rig, versions
+from capdispatch.adapters.sglang import sglang_facts, decide, knobs, launch, render, gpus, versions
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 POL = os.path.join(HERE, "policies")
@@ -22,11 +22,11 @@ VERSION = "0.5.23"
 @pytest.fixture
 def env(monkeypatch):
     """A clean decision environment: no capdispatch variables, no SGLang KV layout."""
-    for k in ("CAPDISPATCH_POLICY", "CAPDISPATCH_SET", "CAPDISPATCH_STRICT", rig.SIM_ENV,
+    for k in ("CAPDISPATCH_POLICY", "CAPDISPATCH_SET", "CAPDISPATCH_STRICT", gpus.SIM_ENV,
               "SGLANG_DSV4_KV_LAYOUT"):
         monkeypatch.delenv(k, raising=False)
     e = {k: v for k, v in os.environ.items()}
-    e[rig.SIM_ENV] = RIG
+    e[gpus.SIM_ENV] = RIG
     return e
 
 
@@ -36,7 +36,7 @@ def release():
 
 
 def _decide(env, release, ids=(0, 1, 2), **kw):
-    specs = rig.devices(list(ids), env=env)
+    specs = gpus.devices(list(ids), env=env)
     return decide.decide(specs, ("kv_quant", "kv_dequant"), release, env=env, **kw)
 
 
@@ -153,7 +153,7 @@ def test_register_outside_range_warns_once_and_registers_nothing(monkeypatch, ca
     (dict(tp_size=4, nnodes=2, node_rank=1), [0, 1]),
 ])
 def test_gpu_ids_follow_sglangs_launcher(kw, ids):
-    assert rig.gpu_ids(**kw) == ids
+    assert gpus.gpu_ids(**kw) == ids
 
 
 @pytest.mark.parametrize("kw,message", [(dict(tp_size=0), "tp_size=0"),
@@ -161,15 +161,15 @@ def test_gpu_ids_follow_sglangs_launcher(kw, ids):
                                         (dict(tp_size="2"), "tp_size='2'")])
 def test_gpu_ids_bad_input(kw, message):
     with pytest.raises(cd.BadInput, match=message):
-        rig.gpu_ids(**kw)
+        gpus.gpu_ids(**kw)
 
 
 def test_simulated_rig_is_read_at_call_time(monkeypatch):
-    monkeypatch.setenv(rig.SIM_ENV, "sim:h200,sim:rtx-3080")
-    d = rig.device(1)
+    monkeypatch.setenv(gpus.SIM_ENV, "sim:h200,sim:rtx-3080")
+    d = gpus.device(1)
     assert (d.id, d.name, d.cc, d.simulated) == ("cuda:1", "NVIDIA GeForce RTX 3080", (8, 6), True)
-    monkeypatch.setenv(rig.SIM_ENV, "sim:rtx-5090")
-    assert rig.device(0).cc == (12, 0)
+    monkeypatch.setenv(gpus.SIM_ENV, "sim:rtx-5090")
+    assert gpus.device(0).cc == (12, 0)
 
 
 @pytest.mark.parametrize("value,index,message", [
@@ -179,7 +179,7 @@ def test_simulated_rig_is_read_at_call_time(monkeypatch):
 ])
 def test_simulated_rig_bad_input(value, index, message):
     with pytest.raises(cd.BadInput, match=message):
-        rig.device(index, env={rig.SIM_ENV: value})
+        gpus.device(index, env={gpus.SIM_ENV: value})
 
 
 # --------------------------------------------------------------------------- decisions
@@ -380,7 +380,7 @@ def test_mixed_rig_routes_only_where_sglangs_kernel_cannot_run(env, release):
 
 
 def test_same_generation_rig_changes_nothing_at_the_call_sites(env, release):
-    env[rig.SIM_ENV] = "sim:rtx-5090,sim:h200"
+    env[gpus.SIM_ENV] = "sim:rtx-5090,sim:h200"
     d = _decide(env, release, ids=(0, 1))
     assert not any(c.routed for row in d.choices.values() for c in row.values())
     assert [s.setting.name for s in d.settings] == ["kv_cache_dtype"]
@@ -461,18 +461,18 @@ def test_summary_names_devices_and_reasons(env, release):
 
 def test_architecture_facts_are_the_cards_own(release):
     arch = release.arch
-    f86 = archfacts.facts(cd.probe("sim:rtx-3080"), arch)
+    f86 = sglang_facts.facts(cd.probe("sim:rtx-3080"), arch)
     assert (f86["sm"], f86["cc"], f86["get_device_sm"]) == (86, (8, 6), 86)
     assert f86["is_sm80_supported"] and not f86["is_sm90_supported"] and not f86["is_sm120_supported"]
-    f120 = archfacts.facts(cd.probe("sim:rtx-5090"), arch)
+    f120 = sglang_facts.facts(cd.probe("sim:rtx-5090"), arch)
     assert f120["is_sm120_supported"] and f120["is_blackwell_supported"] and f120["is_sm120"]
     assert not f120["is_sm100_supported"]
-    assert archfacts.facts(cd.probe("sim:h200"), arch)["is_sm90_supported"]
-    fcpu = archfacts.facts(cd.probe("cpu"), arch)
+    assert sglang_facts.facts(cd.probe("sim:h200"), arch)["is_sm90_supported"]
+    fcpu = sglang_facts.facts(cd.probe("cpu"), arch)
     assert fcpu["sm"] == 0 and not any(v for k, v in fcpu.items() if k.startswith("is_"))
     # A known CUDA toolkit counts, as SGLang's probes check it.
     old_toolkit = cd.probe("sim:rtx-5090", assume_cuda="12.4")
-    assert not archfacts.facts(old_toolkit, arch)["is_sm120_supported"]
+    assert not sglang_facts.facts(old_toolkit, arch)["is_sm120_supported"]
 
 
 def test_explicit_fields_of_an_engine_call():
@@ -492,7 +492,7 @@ def _plan(capsys, *argv):
 
 
 def test_plan_text_for_the_mixed_rig(env, capsys, monkeypatch):
-    monkeypatch.delenv(rig.SIM_ENV, raising=False)
+    monkeypatch.delenv(gpus.SIM_ENV, raising=False)
     rc, out, err = _plan(capsys, "--device", RIG)
     assert rc == 0, err
     assert "GPUs: cuda:0, cuda:1, cuda:2" in out
@@ -505,7 +505,7 @@ def test_plan_text_for_the_mixed_rig(env, capsys, monkeypatch):
 
 
 def test_plan_json(env, capsys, monkeypatch):
-    monkeypatch.setenv(rig.SIM_ENV, RIG)
+    monkeypatch.setenv(gpus.SIM_ENV, RIG)
     rc, out, err = _plan(capsys, "--tp", "2", "--format", "json")
     assert rc == 0, err
     p = json.loads(out)
@@ -551,8 +551,8 @@ LIBS = ("sgl-flash-mla", "flashinfer-python", "sgl-deep-gemm", "sglang", "sglang
 
 def _knobs(env, release, rig_=KNOB_RIG, libs=LIBS, values=None, **kw):
     """The one decision over every op of DeepSeek-V4 (routed and setting ops alike)."""
-    env[rig.SIM_ENV] = rig_
-    specs = rig.devices(list(range(len(rig_.split(",")))), env=env)
+    env[gpus.SIM_ENV] = rig_
+    specs = gpus.devices(list(range(len(rig_.split(",")))), env=env)
     values = values or {}
     ops, _ = decide.applicable_ops(release, "DeepseekV4ForCausalLM", "auto")
     return decide.decide(specs, ops, release, env=env, explicit_fields=set(values), field_values=values,
@@ -792,7 +792,7 @@ def test_knob_flags_leave_the_kv_selections_alone(release):
 
 
 def test_plan_shows_every_op_and_the_sglang_settings_per_rank(env, capsys, monkeypatch):
-    monkeypatch.delenv(rig.SIM_ENV, raising=False)
+    monkeypatch.delenv(gpus.SIM_ENV, raising=False)
     libs = [a for lib in LIBS for a in ("--assume-lib", lib)]
     rc, out, err = _plan(capsys, "--device", KNOB_RIG, *libs)
     assert rc == 0, err

@@ -5,11 +5,12 @@ Installed as the entry point `capdispatch` in SGLang's general plugin group
 scheduler (TP-rank) process. See docs/sglang.md.
 
 Modules: versions (tested range), knobs (+ knobs.yaml: the knob map), records
-(the typed records between modules), rig (the launch's GPUs), decide (the one
+(the typed records between modules), gpus (the launch's GPUs), decide (the one
 decision pass, without SGLang), render (text: the plan and the log lines),
-launch (main process), rank (per rank + agreement), archfacts, routes, and
-`dispatch sglang plan`: cli (argparse front), plan (the plan as data),
-sglang_run (SGLang's own resolution, in process).
+launch (main process), rank (per rank + agreement), sglang_facts (SGLang's
+architecture facts, corrected per rank), routes, and `dispatch sglang plan`:
+cli (argparse front), plan (the plan as data), sglang_run (SGLang's own
+resolution, in process).
 """
 from __future__ import annotations
 

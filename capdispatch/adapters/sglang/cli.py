@@ -124,7 +124,7 @@ def _env_for(args) -> dict:
         except cd.UnknownDeviceError as exc:
             raise cd.BadInput(f"--device: {exc}") from None
     if devices:
-        from .rig import SIM_ENV
+        from .gpus import SIM_ENV
         env[SIM_ENV] = ",".join(devices)
     return env
 

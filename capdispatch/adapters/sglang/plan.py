@@ -15,9 +15,9 @@ def newest(k) -> str:
 def _devices(ids, env):
     import capdispatch as cd
 
-    from . import rig
+    from . import gpus
     try:
-        return rig.devices(ids, env=env, via="nvml")
+        return gpus.devices(ids, env=env, via="nvml")
     except cd.ProbeError as exc:
         hint = exc.hint or "simulate them with --device sim:NAME[,sim:NAME...]"
         raise cd.BadInput(f"cannot read the launch's GPUs ({', '.join(f'cuda:{g}' for g in ids)}) "
@@ -113,8 +113,8 @@ def op_dict(c) -> dict:
 
 
 def rank_dict(i, gpu_id, spec, d, release) -> dict:
-    from . import archfacts
-    facts = archfacts.facts(spec, release.arch)
+    from . import sglang_facts
+    facts = sglang_facts.facts(spec, release.arch)
     platform = {f: facts[src] for f, src in release.arch["platform"].items() if f in PLATFORM_FACTS}
     return {"rank": i, "gpu_id": gpu_id, "device": spec.to_dict(),
             "ops": {op: op_dict(row[spec.id]) for op, row in d.choices.items()}, "arch": platform}
@@ -151,7 +151,7 @@ def build(*, tp=None, sglang_args=None, options, env: dict, model=None) -> dict:
     rank's shapes (None: not checked)."""
     import capdispatch as cd
 
-    from . import decide, knobs, rig, versions
+    from . import decide, knobs, gpus, versions
     from .records import LaunchInputs
     if tp is not None and tp < 1:
         raise cd.BadInput(f"--tp {tp}: expected an integer >= 1")
@@ -182,9 +182,9 @@ def build(*, tp=None, sglang_args=None, options, env: dict, model=None) -> dict:
                               {n: env[n] for n in release.route_env_names() if n in env},
                               options.selections, options.selection_origin, options.policy,
                               options.assume_libs, options.strict)
-        found = rig.simulated_rig(env)
+        found = gpus.simulated_devices(env)
         tp_size, layout, assumed = tp or (len(found) if found else 1), {}, True
-    ids = rig.gpu_ids(tp_size=tp_size, **layout)
+    ids = gpus.gpu_ids(tp_size=tp_size, **layout)
     shapes = rank_shapes(model, tp_size)
     specs = _devices(ids, env)
     libs = inventory(options, env, specs)

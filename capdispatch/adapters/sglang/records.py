@@ -82,5 +82,5 @@ class SglangRun:
     """What SGLang's own argument preparation and resolution gave (`-- SGLANG ARGS`)."""
     inputs: LaunchInputs
     tp_size: int
-    layout: dict                 # rig.gpu_ids keywords other than tp_size
+    layout: dict                 # gpus.gpu_ids keywords other than tp_size
     fields: dict                 # the ServerArgs fields and environment names the plan shows

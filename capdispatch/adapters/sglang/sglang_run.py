@@ -9,7 +9,7 @@ import os
 
 def run(sglang_args, release, env: dict, options, *, tp=None):
     """Prepare and resolve SGLANG_ARGS as `python -m sglang.launch_server` would,
-    under ENV (the environment a launch would see) and OPTIONS (records.PlanOptions).
+    under ENV (the environment a launch would see) and OPTIONS_ATTR (records.PlanOptions).
     Returns a records.SglangRun."""
     import capdispatch as cd
 
@@ -41,14 +41,14 @@ def run(sglang_args, release, env: dict, options, *, tp=None):
         except SystemExit as exc:
             raise cd.BadInput(f"SGLang rejected the arguments {' '.join(sglang_args)!r} "
                               f"(argparse exit {exc.code})") from None
-        setattr(sa, launch.OPTIONS, options)
+        setattr(sa, launch.OPTIONS_ATTR, options)
         try:
             sa.resolve_once()
         except (cd.BadInput, cd.Unsatisfiable):
             raise
         except Exception as exc:
             raise cd.BadInput(f"SGLang's argument resolution failed: {type(exc).__name__}: {exc}") from None
-        inputs = getattr(sa, launch.STASH, None)
+        inputs = getattr(sa, launch.INPUTS_ATTR, None)
         if inputs is None:      # the plugin's step did not run: read the record as a rank would
             inputs = launch.record_inputs(sa, release, lambda f: resolution_result(sa, f))
         names = {s.name for s in release.settings if s.kind == "field"} | {"kv_cache_dtype", "tp_size"}
