@@ -115,7 +115,7 @@ def test_knob_map_errors_point_at_the_line(tmp_path):
 @pytest.mark.parametrize("version,ok", [("0.5.23", True), ("0.5.23.post1", True), ("0.5.24", False),
                                         ("0.5.22", False), ("0.4.0", False), ("1.0.0", False)])
 def test_version_range(version, ok):
-    v = versions.check(version)
+    v = versions.check(version, knobs.load())
     assert v.ok is ok
     if not ok:
         assert "outside the tested range >=0.5.23,<0.5.24" in v.message
@@ -123,7 +123,7 @@ def test_version_range(version, ok):
 
 
 def test_version_unreadable():
-    v = versions.check("not-a-version")
+    v = versions.check("not-a-version", knobs.load())
     assert not v.ok and "cannot read the SGLang version 'not-a-version'" in v.message
 
 
@@ -373,7 +373,7 @@ def test_mixed_rig_routes_only_where_sglangs_kernel_cannot_run(env, release):
     # SGLang's JIT store runs everywhere; nobody asked for a capdispatch store.
     assert d.resolved == ("kv_dequant",)
     assert all(c.backend is None and not c.routed for c in d.choices["kv_quant"].values())
-    settings = {s.setting.name: (s.action, s.value, s.devices) for s in d.settings}
+    settings = {s.name: (s.action, s.value, s.devices) for s in d.settings}
     assert settings == {"kv_cache_dtype": ("set", "fp8_e4m3", ("cuda:0", "cuda:1", "cuda:2")),
                         "SGLANG_DSV4_KV_LAYOUT": ("set", "v4", ("cuda:1", "cuda:2"))}
     assert len(d.warnings) == 1 and "kv_dequant: the group's devices choose different backends" in d.warnings[0]
@@ -383,7 +383,7 @@ def test_same_generation_rig_changes_nothing_at_the_call_sites(env, release):
     env[gpus.SIM_ENV] = "sim:rtx-5090,sim:h200"
     d = _decide(env, release, ids=(0, 1))
     assert not any(c.routed for row in d.choices.values() for c in row.values())
-    assert [s.setting.name for s in d.settings] == ["kv_cache_dtype"]
+    assert [s.name for s in d.settings] == ["kv_cache_dtype"]
     assert d.warnings == ()
 
 
@@ -418,7 +418,7 @@ def test_user_settings_are_kept_and_conflicts_said(env, release):
     env["SGLANG_DSV4_KV_LAYOUT"] = "v41"
     d = _decide(env, release, explicit_fields={"kv_cache_dtype"},
                 field_values={"kv_cache_dtype": "fp8_e4m3"})
-    settings = {s.setting.name: (s.action, s.value) for s in d.settings}
+    settings = {s.name: (s.action, s.value) for s in d.settings}
     assert settings == {"kv_cache_dtype": ("kept", "fp8_e4m3"), "SGLANG_DSV4_KV_LAYOUT": ("kept", "v41")}
     conflict = [w for w in d.warnings if w.startswith("SGLANG_DSV4_KV_LAYOUT=v41 was set by the user")]
     assert len(conflict) == 1 and "cuda:1, cuda:2 need SGLANG_DSV4_KV_LAYOUT=v4" in conflict[0]

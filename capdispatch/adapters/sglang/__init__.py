@@ -29,18 +29,17 @@ def register(*, sglang_version=None) -> bool:
     SGLANG_VERSION replaces the installed version (for checking the range)."""
     if "result" in _done:
         return _done["result"]
-    from . import versions
-    verdict = versions.check(sglang_version)
+    from . import knobs, versions
+    verdict = versions.check(sglang_version, knobs.load())
     if not verdict.ok:
         _done["result"] = False
         log.warning(verdict.message)
         return False
-    from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from . import knobs, launch, rank
+    from . import launch, rank
     hooks = knobs.load().release(verdict.version).hooks
-    register_resolution_hook(hooks["resolution_step"])(launch.resolution_hook)
+    launch.register_step(hooks["resolution_step"])
     HookRegistry.register(hooks["rank"], rank.after_configure, HookType.AFTER)
     HookRegistry.register(hooks["group"], rank.after_parallel_ready, HookType.AFTER)
     _done["result"] = True

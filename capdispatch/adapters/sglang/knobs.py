@@ -15,6 +15,8 @@ from packaging.version import InvalidVersion, Version
 
 import capdispatch as cd
 
+from .records import LaunchRule, SglangSetting
+
 MAX_BYTES = 1 << 20     # the knob map is ~20 KiB
 DEFAULT_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "knobs.yaml")
 ENTRY_KINDS = ("sglang", "route", "none")
@@ -35,39 +37,6 @@ class Unmapped:
     backend: str
     plugin: str
     message: str
-
-
-def _label(kind: str, name: str, value: str) -> str:
-    """How plans and warnings name a server-args field or an environment switch."""
-    return f"{name}={value}" if kind == "field" else f"env {name}={value}"
-
-
-@attrs.frozen
-class Setting:
-    """A launch-time setting, the same for every rank (knobs.yaml `settings`)."""
-    ops: tuple
-    backends: Optional[tuple]     # None: any backend
-    routed: bool
-    kind: str                     # "field" | "env"
-    name: str
-    value: str
-    why: str
-
-    @property
-    def label(self) -> str:
-        return _label(self.kind, self.name, self.value)
-
-
-@attrs.frozen
-class SglangSetting:
-    """One SGLang name and the value an entry or a route needs."""
-    kind: str                     # "field" | "env"
-    name: str
-    value: str
-
-    @property
-    def label(self) -> str:
-        return _label(self.kind, self.name, self.value)
 
 
 @attrs.frozen
@@ -314,7 +283,7 @@ def _release(c: _Checker, d, where: str) -> Release:
         if len(kinds) != 1:
             raise c.err(s, w, "give exactly one of 'field' or 'env'")
         kind = kinds[0]
-        row = Setting(ops, backends, bool(s.get("routed", False)), kind, str(s[kind]),
+        row = LaunchRule(ops, backends, bool(s.get("routed", False)), kind, str(s[kind]),
                       str(c.need(s, "value", w)), str(s.get("why", "")))
         key = (kind, row.name)
         if key in seen and seen[key] != row.value:

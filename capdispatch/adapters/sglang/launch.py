@@ -127,8 +127,8 @@ def prepare(server_args, release, *, env=None):
         return None
     d = decide.decide_launch(specs, release, inputs, env=env)
     for s in d.settings:
-        if s.action == "set" and s.setting.kind == "env":
-            env[s.setting.name] = s.setting.value
+        if s.action == "set" and s.kind == "env":
+            env[s.name] = s.value
     setattr(server_args, INPUTS_ATTR, attrs.evolve(inputs, devices=tuple(gpus.describe(s) for s in specs)))
     return d
 
@@ -148,16 +148,28 @@ def finish(server_args, release, d) -> None:
         setattr(server_args, INPUTS_ATTR, inputs)
         log.info("capdispatch: SGLang resolved %s; capdispatch's ops do not run", reason)
         return
-    fields = {s.setting.name: s.setting.value for s in d.settings
-              if s.action == "set" and s.setting.kind == "field"}
+    fields = {s.name: s.value for s in d.settings if s.action == "set" and s.kind == "field"}
     if fields:
         declare_resolution(server_args, decide.SOURCE, **fields)
-    inputs = attrs.evolve(inputs, applied={s.setting.name: s.value for s in d.settings if s.action == "set"})
+    inputs = attrs.evolve(inputs, applied={s.name: s.value for s in d.settings if s.action == "set"})
     setattr(server_args, INPUTS_ATTR, inputs)
     for w in d.warnings:
         log.warning("capdispatch: %s", w)
     log.info("capdispatch: SGLang launch of %s on %s: %s", inputs.reason,
              "; ".join(gpus.describe(s) for s in d.devices), render.summary(d))
+
+
+_STEPS: set = set()     # per process: the resolution steps whose wrapper is registered
+
+
+def register_step(step: str) -> None:
+    """Wrap SGLang's resolution step STEP with resolution_hook, once per process (the
+    plugin's register() and `dispatch sglang plan`'s in-process resolution both ask)."""
+    if step in _STEPS:
+        return
+    from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
+    register_resolution_hook(step)(resolution_hook)
+    _STEPS.add(step)
 
 
 def resolution_hook(server_args, previous) -> None:

@@ -59,65 +59,12 @@ def inventory_dict(d, ctx) -> dict:
     return dict(ctx.inventory.to_dict(), note="")
 
 
-def kind(res) -> str:
-    """How the matrix marks a resolution (capdispatch.dispatch.render.KINDS): first
-    preference, fallback, downgraded explicit choice, or changed by mixed_group: uniform."""
-    if res is None:
-        return "first"
-    if res.downgraded_from:
-        return "downgraded"
-    if res.source.startswith("mixed_group: uniform"):
-        return "uniform"
-    return "fallback" if res.fallback else "first"
-
-
-def cell_kind(c) -> str:
-    """The matrix's mark for choice C: its resolution's (kind), except where SGLang's own
-    kernel runs in place of the decision (a kept op with no routable site): that cell
-    names SGLang's kernel, marked only as downgraded when an explicit choice was not
-    carried out (C's warning says so)."""
-    if c.action == "kept" and c.resolution is not None and c.runs != c.backend:
-        return "downgraded" if c.warning else "first"
-    return kind(c.resolution)
-
-
-def bucket_rows(c) -> list:
-    """The size buckets of choice C, each with what runs there and how: C's own per-bucket
-    choices (a route keeps SGLang's call for some sizes), else the resolution's buckets
-    carried out as the whole op is. Empty without buckets."""
-    res = c.resolution
-    if res is None or not res.buckets:
-        return []
-    key = res.size_key or "size"
-    if c.buckets:
-        rows = [(b.label(), b.lower, b.upper, b.backend, b.action, b.runs) for b in c.buckets]
-    else:
-        rows = [(b.label(key), b.lower, b.upper, b.backend, c.action,
-                 b.backend if c.action == "routed" else c.runs) for b in res.buckets]
-    return [{key: label, "lower": lower, "upper": upper, "backend": backend, "action": action, "runs": runs}
-            for label, lower, upper, backend, action, runs in rows]
-
-
-def op_dict(c) -> dict:
-    """One op on one rank: what runs, how, and why. `backend` is capdispatch's decision
-    (the catch-all bucket's), `runs` the kernel that runs (SGLang's own where kept),
-    `buckets` the size buckets with kept / routed per bucket."""
-    res = c.resolution
-    return {"backend": c.backend, "runs": c.runs, "action": c.action, "routed": c.routed, "why": c.why,
-            "kind": cell_kind(c),
-            "setting": [s.label for s in c.setting] if c.setting else None,
-            "source": res.source if res else None,
-            "downgraded_from": res.downgraded_from if res else None,
-            "size_key": res.size_key if res is not None and res.buckets else None,
-            "buckets": bucket_rows(c)}
-
-
 def rank_dict(i, gpu_id, spec, d, release) -> dict:
     from . import sglang_facts
     facts = sglang_facts.facts(spec, release.arch)
     platform = {f: facts[src] for f, src in release.arch["platform"].items() if f in PLATFORM_FACTS}
     return {"rank": i, "gpu_id": gpu_id, "device": spec.to_dict(),
-            "ops": {op: op_dict(row[spec.id]) for op, row in d.choices.items()}, "arch": platform}
+            "ops": {op: row[spec.id].to_dict() for op, row in d.choices.items()}, "arch": platform}
 
 
 def rank_shapes(model, tp_size):
@@ -193,8 +140,8 @@ def build(*, tp=None, sglang_args=None, options, env: dict, model=None) -> dict:
         inventory=inventory_dict(d, ctx),
         model={"architecture": inputs.model, "assumed": assumed, "kv_cache_dtype": inputs.kv_cache_dtype},
         ops=list(inputs.ops), reason=inputs.reason, gpu_ids=ids,
-        launch=[{"kind": s.setting.kind, "name": s.setting.name, "value": s.value,
-                 "wants": s.setting.value, "action": s.action, "why": s.setting.why,
+        launch=[{"kind": s.kind, "name": s.name, "value": s.value,
+                 "wants": s.rule.value, "action": s.action, "why": s.why,
                  "devices": list(s.devices)} for s in d.settings],
         ranks=[rank_dict(i, g, spec, d, release) for i, (g, spec) in enumerate(zip(ids, specs))],
         sglang_settings=[{"kind": s.kind, "name": s.name, "ops": list(s.ops), "action": s.action,

@@ -213,9 +213,9 @@ def summary(d, *, settings: bool = True) -> str:
         parts.append(f"{op}: {'; '.join(text)}")
     for s in d.settings if settings else ():
         if s.action == "kept":
-            parts.append(f"kept the user's {s.setting.name}={s.value}")
-        elif s.setting.routed:
-            parts.append(f"set {s.setting.label} for {', '.join(s.devices)} ({s.setting.why})")
+            parts.append(f"kept the user's {s.name}={s.value}")
+        elif s.rule.routed:
+            parts.append(f"set {s.label} for {', '.join(s.devices)} ({s.why})")
         else:
-            parts.append(f"set {s.setting.label} ({s.setting.why})")
+            parts.append(f"set {s.label} ({s.why})")
     return "; ".join(parts)

@@ -52,8 +52,7 @@ def _canaries(c) -> dict:
 
 
 def op_entry(c, route) -> dict:
-    from .plan import op_dict
-    d = op_dict(c)
+    d = c.to_dict()
     d["route"] = None if route is None else route.target
     d["install"] = c.install
     d["canary"] = _canaries(c)

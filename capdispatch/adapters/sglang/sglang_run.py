@@ -9,11 +9,11 @@ import os
 
 def run(sglang_args, release, env: dict, options, *, tp=None):
     """Prepare and resolve SGLANG_ARGS as `python -m sglang.launch_server` would,
-    under ENV (the environment a launch would see) and OPTIONS_ATTR (records.PlanOptions).
+    under ENV (the environment a launch would see) and OPTIONS (records.PlanOptions).
     Returns a records.SglangRun."""
     import capdispatch as cd
 
-    from . import launch, register
+    from . import launch
     from .records import SglangRun
     argv = list(sglang_args)
     given = launch.cli_fields(argv)
@@ -35,7 +35,7 @@ def run(sglang_args, release, env: dict, options, *, tp=None):
                 argv += ["--tp-size", str(tp)]
         if "log_level" not in given:
             argv += ["--log-level", "warning"]
-        register()
+        launch.register_step(release.hooks["resolution_step"])
         try:
             sa = prepare_server_args(argv)
         except SystemExit as exc:
