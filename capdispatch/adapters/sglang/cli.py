@@ -148,7 +148,7 @@ def _plan(args, sglang_args) -> int:
     out = plan.build(tp=args.tp, sglang_args=sglang_args, options=options, env=_env_for(args),
                      model=model)
     if args.format == "json":
-        print(json.dumps(out, indent=2, default=str))
+        print(json.dumps(out.to_dict(), indent=2, default=str))
     else:
         print(render.text(out, brief=args.brief))
     return EXIT_OK

@@ -1,9 +1,122 @@
-"""What `dispatch sglang plan` shows, as data: one decision (decide.decide_in with
-one Context: the plan's policies, selections and library inventory) for the launch's GPUs, in the plan JSON schema (docs/sglang.md). No rendering here."""
+"""What `dispatch sglang plan` shows, as data: one decision (decide.decide_in with one
+Context: the plan's policies, selections and library inventory) for the launch's GPUs, as
+frozen records (LaunchPlan); `LaunchPlan.to_dict()` is the plan JSON schema
+(docs/sglang.md). No rendering here (render.py writes the text from the records)."""
 from __future__ import annotations
+
+from typing import Optional
+
+import attrs
 
 SCHEMA = 2
 PLATFORM_FACTS = ("is_sm90", "is_sm100", "is_sm120", "is_blackwell", "device_sm")
+
+
+@attrs.frozen
+class SglangRelease:
+    """The SGLang the plan is for: its version, whether it is installed here, the knob
+    map's tested range, and whether the version is inside it."""
+    version: str
+    installed: bool
+    tested: str
+    in_range: bool
+
+    def to_dict(self) -> dict:
+        return attrs.asdict(self)
+
+
+@attrs.frozen
+class ModelInfo:
+    """The launch's model architecture (ASSUMED: no SGLang arguments were given) and KV dtype."""
+    architecture: Optional[str]
+    assumed: bool
+    kv_cache_dtype: Optional[str]
+
+    def to_dict(self) -> dict:
+        return attrs.asdict(self)
+
+
+@attrs.frozen
+class RankPlan:
+    """One rank: its GPU, its card, per op its choice, and the SGLang platform facts set for it."""
+    rank: int
+    gpu_id: int
+    device: object               # DeviceSpec
+    choices: dict                # op -> records.OpChoice
+    arch: dict                   # platform fact -> value
+
+    def to_dict(self) -> dict:
+        return {"rank": self.rank, "gpu_id": self.gpu_id, "device": self.device.to_dict(),
+                "ops": {op: c.to_dict() for op, c in self.choices.items()}, "arch": dict(self.arch)}
+
+
+@attrs.frozen
+class ShapeRejection:
+    """A backend a rank's shapes put outside its declared range, with the check's need and found."""
+    device: str
+    op: str
+    backend: str
+    code: str
+    need: str
+    found: str
+
+    def to_dict(self) -> dict:
+        return attrs.asdict(self)
+
+
+def _launch_dict(s) -> dict:
+    return {"kind": s.kind, "name": s.name, "value": s.value, "wants": s.rule.value, "action": s.action,
+            "why": s.why, "devices": list(s.devices)}
+
+
+def _sglang_dict(s) -> dict:
+    return {"kind": s.kind, "name": s.name, "ops": list(s.ops), "action": s.action, "user": s.user,
+            "wants": {v: list(ds) for v, ds in s.wants.items()}, "without": list(s.without),
+            "routed": dict(s.routed), "why": s.why}
+
+
+@attrs.frozen
+class LaunchPlan:
+    """The plan for a launch. Outside the tested range only SGLANG and NOTE say anything.
+    LAUNCH: the launch settings (records.GroupSetting with a rule); SGLANG_SETTINGS: the
+    SGLang settings the choices need (reported); INVENTORY: whose libraries the decision
+    used, as `dispatch explain --format json` says it; SHAPES: the model's RankShape
+    (None: no --model); RESOLVED: the fields SGLang's own resolution gave (`-- SGLANG ARGS`)."""
+    sglang: SglangRelease
+    note: Optional[str] = None
+    inventory: dict = attrs.field(factory=dict)
+    model: Optional[ModelInfo] = None
+    ops: tuple = ()
+    reason: str = ""
+    gpu_ids: tuple = ()
+    launch: tuple = ()
+    ranks: tuple = ()
+    sglang_settings: tuple = ()
+    warnings: tuple = ()
+    shapes: object = None
+    shape_rejections: tuple = ()
+    resolved: Optional[dict] = None
+
+    @property
+    def whose(self) -> str:
+        return self.inventory.get("whose", "this machine's")
+
+    def to_dict(self) -> dict:
+        """The plan JSON (schema SCHEMA, docs/sglang.md)."""
+        out = {"schema": SCHEMA, "sglang": self.sglang.to_dict()}
+        if not self.sglang.in_range:
+            out.update(note=self.note, launch=[], ranks=[], sglang_settings=[], warnings=[])
+            return out
+        out.update(
+            inventory=dict(self.inventory), model=self.model.to_dict(), ops=list(self.ops), reason=self.reason,
+            gpu_ids=list(self.gpu_ids), launch=[_launch_dict(s) for s in self.launch],
+            ranks=[r.to_dict() for r in self.ranks],
+            sglang_settings=[_sglang_dict(s) for s in self.sglang_settings], warnings=list(self.warnings),
+            shapes=self.shapes.to_dict() if self.shapes is not None else None,
+            shape_rejections=[r.to_dict() for r in self.shape_rejections])
+        if self.resolved is not None:
+            out["sglang_resolved"] = dict(self.resolved)
+        return out
 
 
 def newest(k) -> str:
@@ -59,12 +172,11 @@ def inventory_dict(d, ctx) -> dict:
     return dict(ctx.inventory.to_dict(), note="")
 
 
-def rank_dict(i, gpu_id, spec, d, release) -> dict:
+def rank_plan(i, gpu_id, spec, d, release) -> RankPlan:
     from . import sglang_facts
     facts = sglang_facts.facts(spec, release.arch)
     platform = {f: facts[src] for f, src in release.arch["platform"].items() if f in PLATFORM_FACTS}
-    return {"rank": i, "gpu_id": gpu_id, "device": spec.to_dict(),
-            "ops": {op: row[spec.id].to_dict() for op, row in d.choices.items()}, "arch": platform}
+    return RankPlan(i, gpu_id, spec, {op: row[spec.id] for op, row in d.choices.items()}, platform)
 
 
 def rank_shapes(model, tp_size):
@@ -76,9 +188,8 @@ def rank_shapes(model, tp_size):
                                                  next_n=model["next_n"])
 
 
-def shape_rejections(d) -> list:
-    """Every backend a rank's shapes put outside its declared range: rank device, op,
-    backend, and the check's need and found."""
+def shape_rejections(d) -> tuple:
+    """Every backend a rank's shapes put outside its declared range (ShapeRejection...)."""
     out = []
     for op, row in d.choices.items():
         for did, c in row.items():
@@ -86,14 +197,13 @@ def shape_rejections(d) -> list:
             for cand in (res.candidates if res is not None else ()):
                 for ch in cand.checks:
                     if ch.code.startswith("shape:") and not ch.ok:
-                        out.append({"device": did, "op": op, "backend": cand.backend, "code": ch.code,
-                                    "need": ch.need, "found": ch.found})
-    return out
+                        out.append(ShapeRejection(did, op, cand.backend, ch.code, ch.need, ch.found))
+    return tuple(out)
 
 
-def build(*, tp=None, sglang_args=None, options, env: dict, model=None) -> dict:
+def build(*, tp=None, sglang_args=None, options, env: dict, model=None) -> LaunchPlan:
     """The plan for a launch. OPTIONS: records.PlanOptions; ENV: the environment a
-    launch would see (CAPDISPATCH_POLICY, CAPDISPATCH_STRICT, the simulated rig); MODEL:
+    launch would see (CAPDISPATCH_POLICY, CAPDISPATCH_STRICT, the simulated GPUs); MODEL:
     {"name", "ep", "dp_attention", "next_n"} to check the kernels' shape ranges at each
     rank's shapes (None: not checked)."""
     import capdispatch as cd
@@ -109,12 +219,10 @@ def build(*, tp=None, sglang_args=None, options, env: dict, model=None) -> dict:
         raise cd.BadInput("SGLang arguments were given after `--` but SGLang is not installed; "
                           "install it, or plan without `-- ...` (a DeepSeek-V4 launch with defaults)")
     version = installed or newest(k)
-    verdict = versions.check(version, knobs=k)
-    out = {"schema": SCHEMA, "sglang": {"version": version, "installed": installed is not None,
-                                        "tested": verdict.tested, "in_range": verdict.ok}}
+    verdict = versions.check(version, k)
+    release_info = SglangRelease(version, installed is not None, verdict.tested, verdict.ok)
     if not verdict.ok:
-        out.update(note=verdict.message, launch=[], ranks=[], sglang_settings=[], warnings=[])
-        return out
+        return LaunchPlan(release_info, note=verdict.message)
     release = k.release(version)
     fields = None
     if sglang_args is not None:
@@ -136,20 +244,10 @@ def build(*, tp=None, sglang_args=None, options, env: dict, model=None) -> dict:
     specs = _devices(ids, env)
     libs = inventory(options, env, specs)
     d, ctx = decision(specs, release, inputs, libs=libs, env=env, shapes=shapes)
-    out.update(
-        inventory=inventory_dict(d, ctx),
-        model={"architecture": inputs.model, "assumed": assumed, "kv_cache_dtype": inputs.kv_cache_dtype},
-        ops=list(inputs.ops), reason=inputs.reason, gpu_ids=ids,
-        launch=[{"kind": s.kind, "name": s.name, "value": s.value,
-                 "wants": s.rule.value, "action": s.action, "why": s.why,
-                 "devices": list(s.devices)} for s in d.settings],
-        ranks=[rank_dict(i, g, spec, d, release) for i, (g, spec) in enumerate(zip(ids, specs))],
-        sglang_settings=[{"kind": s.kind, "name": s.name, "ops": list(s.ops), "action": s.action,
-                          "user": s.user, "wants": {v: list(ds) for v, ds in s.wants.items()},
-                          "without": list(s.without), "routed": dict(s.routed), "why": s.why} for s in d.sglang],
-        warnings=list(d.warnings),
-        shapes=shapes.to_dict() if shapes is not None else None,
-        shape_rejections=shape_rejections(d) if shapes is not None else [])
-    if fields is not None:
-        out["sglang_resolved"] = fields
-    return out
+    return LaunchPlan(
+        release_info, inventory=inventory_dict(d, ctx),
+        model=ModelInfo(inputs.model, assumed, inputs.kv_cache_dtype),
+        ops=tuple(inputs.ops), reason=inputs.reason, gpu_ids=tuple(ids), launch=d.settings,
+        ranks=tuple(rank_plan(i, g, spec, d, release) for i, (g, spec) in enumerate(zip(ids, specs))),
+        sglang_settings=d.sglang, warnings=tuple(d.warnings), shapes=shapes,
+        shape_rejections=shape_rejections(d) if shapes is not None else (), resolved=fields)
