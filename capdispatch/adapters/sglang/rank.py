@@ -218,6 +218,7 @@ def agree(state, group):
     import torch.distributed as dist
 
     from . import decide
+    from .records import Agreement
     release, inputs = state.release, state.inputs
     ops = list(state.resolved)      # the same on every rank: derived from settings, not cards
     ctx = decide.context_of(release, inputs, state.env)
@@ -256,9 +257,8 @@ def agree(state, group):
     dist.all_gather_object(outcomes, {op: outcome(c) for op, c in mine.items()}, group=group)
     missed = carried_out(plan, choices, outcomes)
     digest = cd.plan_digest(plan)
-    agreement = {"ranks": [d.id for d in plan.devices], "rank": rank, "plan_digest": digest,
-                 "digest": install_digest(digest, outcomes), "installs": outcomes,
-                 "agreed": not missed, "not_carried_out": missed}
+    agreement = Agreement(tuple(d.id for d in plan.devices), rank, digest, install_digest(digest, outcomes),
+                          tuple(outcomes), tuple(missed))
     state = attrs.evolve(state, choices=mine, agreed=plan, agreement=agreement)
     _RANKS[state.gpu_id] = state = _report(state)
     if missed:

@@ -60,6 +60,28 @@ class PlanOptions:
 
 
 @attrs.frozen
+class Agreement:
+    """The TP group's record after agreement (rank.agree): the ranks' devices, this rank's
+    index, the decision's digest and the digest with every rank's route-install outcomes
+    in it, those outcomes (per rank, op -> outcome), and what a rank did not carry out."""
+    ranks: tuple                 # device ids in rank order
+    rank: int
+    plan_digest: str
+    digest: str
+    installs: tuple              # per rank: {op: "installed" | "failed: ..." | action}
+    not_carried_out: tuple = ()  # one line per op and rank
+
+    @property
+    def agreed(self) -> bool:
+        return not self.not_carried_out
+
+    def to_dict(self) -> dict:
+        return {"ranks": list(self.ranks), "rank": self.rank, "plan_digest": self.plan_digest,
+                "digest": self.digest, "installs": [dict(i) for i in self.installs], "agreed": self.agreed,
+                "not_carried_out": list(self.not_carried_out)}
+
+
+@attrs.frozen
 class RankState:
     """One rank of this process (never another GPU's): its card, its decision, what it routed."""
     gpu_id: int
@@ -74,7 +96,7 @@ class RankState:
     agreed: object = None        # the group Plan after agreement
     moe_launch: object = None    # SglangSetting: the launch's moe_runner_backend, as SGLang resolved it
     proof: Optional[str] = None  # the rank's verification line (proof.verified), None on a simulated card
-    agreement: Optional[dict] = None   # the group's record after agreement (rank.agree; in the report)
+    agreement: Optional[Agreement] = None   # the group's record after agreement (in the report)
     report: Optional[str] = None       # where the rank's report was last written (report.py)
 
 
