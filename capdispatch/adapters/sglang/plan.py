@@ -8,6 +8,8 @@ from typing import Optional
 
 import attrs
 
+import capdispatch as cd
+
 SCHEMA = 2
 PLATFORM_FACTS = ("is_sm90", "is_sm100", "is_sm120", "is_blackwell", "device_sm")
 
@@ -41,7 +43,7 @@ class RankPlan:
     """One rank: its GPU, its card, per op its choice, and the SGLang platform facts set for it."""
     rank: int
     gpu_id: int
-    device: object               # DeviceSpec
+    device: cd.DeviceSpec
     choices: dict                # op -> records.OpChoice
     arch: dict                   # platform fact -> value
 
@@ -93,7 +95,7 @@ class LaunchPlan:
     ranks: tuple = ()
     sglang_settings: tuple = ()
     warnings: tuple = ()
-    shapes: object = None
+    shapes: Optional[cd.RankShape] = None
     shape_rejections: tuple = ()
     resolved: Optional[dict] = None
 
@@ -126,7 +128,6 @@ def newest(k) -> str:
 
 
 def _devices(ids, env):
-    import capdispatch as cd
 
     from . import gpus
     try:
@@ -142,7 +143,6 @@ def inventory(options, env, specs=None):
     top, or None for this machine's; a bad name is refused now, before SGLang runs.
     SPECS all simulated and nothing said of libraries: the default profile
     (cd.target_libs, as `dispatch explain` plans them)."""
-    import capdispatch as cd
     libs = cd.target_libs(specs or (), options.libs, options.assume_libs)
     if libs is None:
         return None
@@ -181,7 +181,6 @@ def rank_plan(i, gpu_id, spec, d, release) -> RankPlan:
 
 def rank_shapes(model, tp_size):
     """The RankShape of MODEL ({"name", "ep", "dp_attention", "next_n"}) at TP_SIZE, or None."""
-    import capdispatch as cd
     if model is None:
         return None
     return cd.load_model(model["name"]).for_rank(tp_size, model["ep"], model["dp_attention"],
@@ -206,7 +205,6 @@ def build(*, tp=None, sglang_args=None, options, env: dict, model=None) -> Launc
     launch would see (CAPDISPATCH_POLICY, CAPDISPATCH_STRICT, the simulated GPUs); MODEL:
     {"name", "ep", "dp_attention", "next_n"} to check the kernels' shape ranges at each
     rank's shapes (None: not checked)."""
-    import capdispatch as cd
 
     from . import decide, knobs, gpus, versions
     from .records import LaunchInputs

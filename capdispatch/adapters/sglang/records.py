@@ -6,6 +6,8 @@ from typing import Optional
 
 import attrs
 
+import capdispatch as cd
+
 
 def _strs(values) -> dict:
     return {str(k): str(v) for k, v in (values or {}).items()}
@@ -85,7 +87,7 @@ class Agreement:
 class RankState:
     """One rank of this process (never another GPU's): its card, its decision, what it routed."""
     gpu_id: int
-    spec: object                 # DeviceSpec
+    spec: cd.DeviceSpec
     key: tuple                   # (device type, index) the route wrappers look tensors up by
     inputs: LaunchInputs
     release: object              # knobs.Release
@@ -93,8 +95,8 @@ class RankState:
     choices: dict                # op -> OpChoice for this rank's card
     changes: tuple               # SGLang architecture facts corrected: (what, before, after)
     env: Optional[dict] = None   # the process environment the rank reads and switches (None: os.environ)
-    agreed: object = None        # the group Plan after agreement
-    moe_launch: object = None    # SglangSetting: the launch's moe_runner_backend, as SGLang resolved it
+    agreed: Optional[cd.Plan] = None     # the group's decision after agreement
+    moe_launch: Optional[SglangSetting] = None   # the launch's moe_runner_backend, as SGLang resolved it
     proof: Optional[str] = None  # the rank's verification line (proof.verified), None on a simulated card
     agreement: Optional[Agreement] = None   # the group's record after agreement (in the report)
     report: Optional[str] = None       # where the rank's report was last written (report.py)
@@ -131,7 +133,7 @@ class BucketChoice:
 class OpChoice:
     op: str
     device: str
-    resolution: object       # capdispatch Resolution; None where no decision was needed
+    resolution: Optional[cd.Resolution]   # None where no decision was needed
     action: str              # "routed" | "kept" | "reported"
     why: str
     setting: tuple = ()      # SglangSetting...: what SGLang needs to run this backend itself
@@ -292,7 +294,7 @@ class Decision:
     ops: tuple
     resolved: tuple          # the ops capdispatch decided (see decide.resolved_ops)
     devices: tuple           # DeviceSpecs in group order
-    plan: object             # capdispatch Plan over `resolved` (None when empty)
+    plan: Optional[cd.Plan]  # every op of `resolved` decided over `devices` (None when empty)
     choices: dict            # op -> {device id: OpChoice}
     settings: tuple          # GroupSetting... with a rule: the launch settings that fire
     sglang: tuple            # GroupSetting...: the SGLang settings the choices need, reported, never set
