@@ -85,9 +85,10 @@ def context_for(release, *, selections=None, selection_origin="selections=", pol
 
 def context_of(release, inputs, env=None):
     """context_for from a LaunchInputs record."""
-    return context_for(release, selections=inputs.selections, selection_origin=inputs.selection_origin,
-                       policy=inputs.policy, field_values=inputs.field_values,
-                       assume_libs=inputs.assume_libs, strict=inputs.strict, env=env, libs=inputs.libs)
+    o = inputs.options
+    return context_for(release, selections=o.selections, selection_origin=o.selection_origin,
+                       policy=o.policy, field_values=inputs.field_values,
+                       assume_libs=o.assume_libs, strict=o.strict, env=env, libs=o.libs)
 
 
 def _failed(candidate) -> str:

@@ -92,11 +92,8 @@ def record_inputs(server_args, release, read, *, user_env=None):
     dtype = read("kv_cache_dtype")
     ops, reason = decide.applicable_ops(release, arch, dtype)
     opts = getattr(server_args, OPTIONS_ATTR, None)
-    extra = {} if opts is None else dict(
-        selections=opts.selections, selection_origin=opts.selection_origin, policy=opts.policy,
-        assume_libs=opts.assume_libs, libs=opts.libs, strict=opts.strict)
     return LaunchInputs(arch, None if dtype is None else str(dtype), ops, reason, frozenset(explicit),
-                        values, user_env, **extra)
+                        values, user_env, **({} if opts is None else {"options": opts}))
 
 
 def prepare(server_args, release, *, env=None):

@@ -232,9 +232,7 @@ def build(*, tp=None, sglang_args=None, options, env: dict, model=None) -> Launc
         arch = next(iter(release.models))
         ops, reason = decide.applicable_ops(release, arch, "auto")
         inputs = LaunchInputs(arch, "auto", ops, reason, frozenset(), {},
-                              {n: env[n] for n in release.route_env_names() if n in env},
-                              options.selections, options.selection_origin, options.policy,
-                              options.assume_libs, options.strict)
+                              {n: env[n] for n in release.route_env_names() if n in env}, options)
         found = gpus.simulated_devices(env)
         tp_size, layout, assumed = tp or (len(found) if found else 1), {}, True
     ids = gpus.gpu_ids(tp_size=tp_size, **layout)

@@ -18,6 +18,22 @@ def _strs_or_none(values):
 
 
 @attrs.frozen
+class PlanOptions:
+    """capdispatch's own inputs that `dispatch sglang plan` adds to a launch's (--set,
+    --policy, --assume-lib, --strict, --libs), carried into SGLang's in-process resolution
+    on the ServerArgs object so the plugin's launch step decides with them too. LIBS names
+    a library profile that replaces this machine's inventory in the plan's decision (None:
+    this machine's libraries). A real launch has none of them: it reads CAPDISPATCH_POLICY,
+    CAPDISPATCH_SET and CAPDISPATCH_STRICT from the environment of the process that decides."""
+    selections: tuple = ()                       # "op=backend"
+    selection_origin: str = "--set"
+    policy: tuple = ()                           # policy file paths
+    assume_libs: tuple = ()                      # NAME[==VERSION]
+    strict: bool = False
+    libs: Optional[str] = None
+
+
+@attrs.frozen
 class LaunchInputs:
     """What a launch asks of the adapter: the model, what the user set on SGLang's
     command line and in the environment, and capdispatch's own inputs. The launcher
@@ -35,30 +51,10 @@ class LaunchInputs:
     # The route switches the user set, recorded by the launcher before SGLang's own
     # defaults ran; None: not recorded (the launcher's plugin did not run).
     user_env: Optional[dict] = attrs.field(default=None, converter=_strs_or_none)
-    selections: tuple = ()                       # extra "op=backend" (dispatch sglang plan --set)
-    selection_origin: str = "--set"
-    policy: tuple = ()                           # extra policy paths (dispatch sglang plan --policy)
-    assume_libs: tuple = ()                      # NAME[==VERSION] (dispatch sglang plan --assume-lib)
-    strict: bool = False
+    options: PlanOptions = PlanOptions()         # what `dispatch sglang plan` adds
     applied: dict = attrs.field(factory=dict)    # what the launcher set: name -> value
     devices: tuple = ()                          # the launcher's view of the GPUs (descriptions)
     schema: int = 1
-    libs: Optional[str] = None                   # a library profile (dispatch sglang plan --libs)
-
-
-@attrs.frozen
-class PlanOptions:
-    """capdispatch's own inputs of `dispatch sglang plan` (--set, --policy,
-    --assume-lib, --strict, --libs), carried into SGLang's in-process resolution on
-    the ServerArgs object so the plugin's launch step decides with them too.
-    LIBS names a library profile that replaces this machine's inventory in the
-    plan's decision (None: this machine's libraries)."""
-    selections: tuple = ()
-    selection_origin: str = "--set"
-    policy: tuple = ()
-    assume_libs: tuple = ()
-    strict: bool = False
-    libs: Optional[str] = None
 
 
 @attrs.frozen
