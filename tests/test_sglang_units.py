@@ -142,7 +142,7 @@ def test_register_outside_range_warns_once_and_registers_nothing(monkeypatch, ca
     assert not any(m.startswith("sglang.srt.plugins") for m in set(sys.modules) - before)
 
 
-# --------------------------------------------------------------------------- the rig
+# --------------------------------------------------------------------------- the launch's GPUs
 
 @pytest.mark.parametrize("kw,ids", [
     (dict(tp_size=3), [0, 1, 2]),
@@ -164,7 +164,7 @@ def test_gpu_ids_bad_input(kw, message):
         gpus.gpu_ids(**kw)
 
 
-def test_simulated_rig_is_read_at_call_time(monkeypatch):
+def test_simulated_gpus_are_read_at_call_time(monkeypatch):
     monkeypatch.setenv(gpus.SIM_ENV, "sim:h200,sim:rtx-3080")
     d = gpus.device(1)
     assert (d.id, d.name, d.cc, d.simulated) == ("cuda:1", "NVIDIA GeForce RTX 3080", (8, 6), True)
@@ -177,7 +177,7 @@ def test_simulated_rig_is_read_at_call_time(monkeypatch):
     ("sim:rtx-5090,,sim:rtx-3080", 0, "an empty entry"),
     ("sim:rtx-9999", 0, "entry 0: .*rtx-9999"),
 ])
-def test_simulated_rig_bad_input(value, index, message):
+def test_simulated_gpus_bad_input(value, index, message):
     with pytest.raises(cd.BadInput, match=message):
         gpus.device(index, env={gpus.SIM_ENV: value})
 
