@@ -11,7 +11,7 @@ import capdispatch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WING = os.path.join(ROOT, "capdispatch", "adapters", "sglang")
 PACKAGE = "capdispatch.adapters.sglang"
-FLOORS = 7
+FLOORS = 6
 
 
 def imports(path: str, modules) -> set:

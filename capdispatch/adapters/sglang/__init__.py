@@ -9,8 +9,8 @@ Modules: versions (tested range), knobs (+ knobs.yaml: the knob map), records
 decision pass, without SGLang), render (text: the plan and the log lines),
 launch (main process), rank (per rank + agreement), sglang_facts (SGLang's
 architecture facts, corrected per rank), routes, and `dispatch sglang plan`:
-cli (argparse front), plan (the plan as data), sglang_run (SGLang's own
-resolution, in process).
+cli (argparse front), plan (the plan as records, with SGLang's own resolution
+run in process).
 """
 from __future__ import annotations
 
