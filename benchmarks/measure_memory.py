@@ -21,6 +21,7 @@ import os
 import sys
 
 from results_dir import archive_previous  # noqa: E402 (the script's own folder)
+from report import card_slug  # noqa: E402 (the script's own folder)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -99,8 +100,7 @@ def _cmp(what, estimate, rows) -> dict:
 
 
 def series(device: str) -> str:
-    slug = "".join(c if c.isalnum() else "_" for c in device).strip("_").lower()
-    return f"memory_{slug}"
+    return f"memory_{card_slug(device)}"
 
 
 def write(out_dir: str, result: dict) -> str:

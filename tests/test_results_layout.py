@@ -169,7 +169,8 @@ def test_a_writer_archives_its_previous_run_in_the_results_folder_only(tmp_path,
 
 
 WRITERS = ("bench_attention.py", "regret_report.py", "bench_sglang_decode_route.py", "bench_cli_cold.py", "bench_indexer.py", "bench_kv_cache.py",
-           "bench_moe.py", "bench_overhead.py", "bench_sglang_moe_route.py", "bench_verify.py", "sweep_moe_triton.py")
+           "bench_moe.py", "bench_overhead.py", "bench_sglang_moe_route.py", "bench_verify.py", "sweep_moe_triton.py",
+           "report.py")
 
 
 @pytest.mark.parametrize("script", WRITERS)

@@ -19,14 +19,38 @@ from ..capabilities.libraries import import_check
 
 @attrs.frozen
 class Check:
+    """One requirement evaluated on one device: what was needed, what was found, and (when
+    it failed) a sentence the requirement wrote for people."""
     code: str
     need: str
     found: str
     ok: bool
     message: str = ""
 
+    @property
+    def wording(self) -> str:
+        """The one wording of a check as need against found: 'CODE: need NEED, found FOUND'."""
+        return need_found(self.code, self.need, self.found)
+
+    @property
+    def reason(self) -> str:
+        """Why it failed, for an error or a warning: its message, else its wording."""
+        return self.message or self.wording
+
     def to_dict(self) -> dict:
         return attrs.asdict(self)
+
+
+def need_found(what: str, need, found) -> str:
+    """'WHAT: need NEED, found FOUND': how capdispatch words anything checked against what
+    it needs (a requirement on a device, a cached verdict's key against today's)."""
+    return f"{what}: need {need}, found {found}"
+
+
+def failed_checks(checks, *, exact: bool = False) -> str:
+    """The failed ones of CHECKS, joined by '; ': each its reason, or with EXACT its
+    wording (need against found, as a trace shows it)."""
+    return "; ".join(ch.wording if exact else ch.reason for ch in checks if not ch.ok)
 
 
 @attrs.frozen

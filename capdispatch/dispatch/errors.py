@@ -17,9 +17,7 @@ class NoBackendError(Unsatisfiable):
         self.op, self.device_id, self.candidates = op, device_id, candidates
         lines = [f"no backend of {op} can run on {device_id}:"]
         for c in candidates:
-            reasons = "; ".join(ch.message or f"{ch.code}: need {ch.need}, found {ch.found}"
-                                for ch in c.checks if not ch.ok)
-            lines.append(f"  {c.backend}: {reasons}")
+            lines.append(f"  {c.backend}: {c.why_not()}")
         if any(ch.code.startswith("library:") and not ch.ok for c in candidates for ch in c.checks):
             lines.append("  a library is missing: plan for the target's software with --libs PROFILE "
                          "(e.g. sglang-0.5.23; `local`: this machine's) or --assume-lib NAME[==VERSION] "

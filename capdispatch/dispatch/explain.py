@@ -315,12 +315,12 @@ def render_text(p: Plan, *, brief: bool = False, color=None, stream=None) -> str
                     out.append(f"      {mark} {c.backend}{tag}")
                 elif len(bad) == 1:
                     ch = bad[0]
-                    out += wrap(f"{mark} {c.backend}: {ch.code}: need {ch.need}, found {ch.found}{tag}",
+                    out += wrap(f"{mark} {c.backend}: {ch.wording}{tag}",
                                 "      ", hang="    ")
                 else:
                     out.append(f"      {mark} {c.backend}:{tag}")
                     for ch in bad:
-                        out += wrap(f"{ch.code}: need {ch.need}, found {ch.found}", "          ",
+                        out += wrap(ch.wording, "          ",
                                     hang="    ")
     if p.warnings:
         out.append("")

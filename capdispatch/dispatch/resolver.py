@@ -8,7 +8,7 @@ from typing import Optional
 import attrs
 
 from .. import policies as _policies
-from ..backends import Check, Facts, builtin
+from ..backends import Check, Facts, builtin, failed_checks
 from ..capabilities import DeviceSpec, Inventory, derive_features, probe
 from ..capabilities import catalog as _catalog
 from .errors import BadInput, NoBackendError, StrictFallbackError
@@ -32,6 +32,10 @@ class Candidate:
                 return "not verified" if c.found == "not verified" else "verified" if c.found.startswith("pass") \
                     else "failed"
         return None
+
+    def why_not(self, *, exact: bool = False) -> str:
+        """Its failed checks in the one wording (backends.base.failed_checks)."""
+        return failed_checks(self.checks, exact=exact)
 
     def to_dict(self) -> dict:
         d = {"backend": self.backend, "ok": self.ok, "checks": [c.to_dict() for c in self.checks]}
@@ -333,8 +337,7 @@ def _decide(ctx: Context, op: str, device: DeviceSpec, wanted_list, origin: str,
     if fallback and user:
         downgraded = wanted
         first = candidates[names.index(wanted)] if wanted in names else candidates[0]
-        why = "; ".join(ch.message or f"{ch.code}: need {ch.need}, found {ch.found}"
-                        for ch in first.checks if not ch.ok)
+        why = first.why_not()
         text = (f"{device.id} ({device.name}): {op}{where}={wanted} was asked for ({origin}) "
                 f"but cannot run: {why}; running {winner.backend} instead")
         if ctx.strict_effective:

@@ -39,8 +39,8 @@ def register(*, sglang_version=None) -> bool:
 
     from . import launch, rank
     hooks = knobs.load().release(verdict.version).hooks
-    launch.register_step(hooks["resolution_step"])
-    HookRegistry.register(hooks["rank"], rank.after_configure, HookType.AFTER)
-    HookRegistry.register(hooks["group"], rank.after_parallel_ready, HookType.AFTER)
+    launch.register_step(hooks.resolution_step)
+    HookRegistry.register(hooks.rank, rank.after_configure, HookType.AFTER)
+    HookRegistry.register(hooks.group, rank.after_parallel_ready, HookType.AFTER)
     _done["result"] = True
     return True

@@ -91,10 +91,6 @@ def context_of(release, inputs, env=None):
                        assume_libs=o.assume_libs, strict=o.strict, env=env, libs=o.libs)
 
 
-def _failed(candidate) -> str:
-    return "; ".join(f"needs {ch.need}, has {ch.found}" for ch in candidate.checks if not ch.ok)
-
-
 def _same(a: str, b: str) -> bool:
     """Environment values as SGLang's EnvBool reads them (true/1/yes/y, false/0/no/n)."""
     truth = {"true": "1", "1": "1", "yes": "1", "y": "1", "false": "0", "0": "0", "no": "0", "n": "0"}
@@ -155,7 +151,7 @@ def route_choice(route, op: str, res, user_env=None):
         native = next((c for c in res.candidates if c.backend == route.native), None)
         cannot = native is not None and not native.ok
         why = f"the user set {said}: SGLang's own {op} choice kept" + (
-            f"; SGLang's default {site} cannot run there ({_failed(native)}), and capdispatch "
+            f"; SGLang's default {site} cannot run there ({native.why_not(exact=True)}), and capdispatch "
             f"would run {res.backend}" if cannot else "")
         return False, why, why if cannot else None
     rows = _bucket_rows(res)
@@ -182,10 +178,10 @@ def route_choice(route, op: str, res, user_env=None):
     native = next((c for c in res.candidates if c.backend == route.native), None)
     if native is not None and not native.ok and route.env:
         # The site is a function SGLang takes only under the switches the rank sets.
-        return True, (f"SGLang's default cannot run there ({route.why}): {_failed(native)}; capdispatch "
+        return True, (f"SGLang's default cannot run there ({route.why}): {native.why_not(exact=True)}; capdispatch "
                       f"{res.backend} runs at {site}, which this rank switches on"), None
     if native is not None and not native.ok:
-        return True, f"SGLang's own {site} cannot run there: {_failed(native)}", None
+        return True, f"SGLang's own {site} cannot run there: {native.why_not(exact=True)}", None
     # SGLang's kernel could run, but the decision (a size bucket, mixed_group: uniform) is another one.
     return True, f"{what} runs at {site} ({res.source}){tail}", None
 

@@ -65,6 +65,7 @@ class ShapeRejection:
     code: str
     need: str
     found: str
+    wording: str                 # the check's one wording (need vs found)
 
     def to_dict(self) -> dict:
         return attrs.asdict(self)
@@ -200,7 +201,7 @@ def shape_rejections(d) -> tuple:
             for cand in (res.candidates if res is not None else ()):
                 for ch in cand.checks:
                     if ch.code.startswith("shape:") and not ch.ok:
-                        out.append(ShapeRejection(did, op, cand.backend, ch.code, ch.need, ch.found))
+                        out.append(ShapeRejection(did, op, cand.backend, ch.code, ch.need, ch.found, ch.wording))
     return tuple(out)
 
 
@@ -280,7 +281,7 @@ def sglang_resolution(sglang_args, release, env: dict, options, *, tp=None):
                 argv += ["--tp-size", str(tp)]
         if "log_level" not in given:
             argv += ["--log-level", "warning"]
-        launch.register_step(release.hooks["resolution_step"])
+        launch.register_step(release.hooks.resolution_step)
         try:
             sa = prepare_server_args(argv)
         except SystemExit as exc:

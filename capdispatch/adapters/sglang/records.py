@@ -224,8 +224,8 @@ class SglangSetting:
     kind: str                     # "field" | "env"
     name: str
     value: str
-    origin: str = ""
-    user: bool = False
+    origin: str = attrs.field(default="", kw_only=True)
+    user: bool = attrs.field(default=False, kw_only=True)
 
     @property
     def label(self) -> str:
@@ -233,21 +233,14 @@ class SglangSetting:
 
 
 @attrs.frozen
-class LaunchRule:
-    """A knob-map `settings` row: capdispatch sets NAME=VALUE at launch, the same for every
-    rank, when a device decides one of BACKENDS (None: any) for one of OPS (and, with
+class LaunchRule(SglangSetting):
+    """A knob-map `settings` row: capdispatch sets this setting at launch, the same for
+    every rank, when a device decides one of BACKENDS (None: any) for one of OPS (and, with
     ROUTED, routes it) -- unless the user set it."""
-    ops: tuple
-    backends: Optional[tuple]     # None: any backend
-    routed: bool
-    kind: str                     # "field" | "env"
-    name: str
-    value: str
-    why: str
-
-    @property
-    def label(self) -> str:
-        return _label(self.kind, self.name, self.value)
+    ops: tuple = attrs.field(kw_only=True)
+    backends: Optional[tuple] = attrs.field(kw_only=True)     # None: any backend
+    routed: bool = attrs.field(kw_only=True)
+    why: str = attrs.field(kw_only=True)
 
 
 @attrs.frozen
