@@ -142,6 +142,10 @@ BENCHMARKS = (
     Bench("moe_tiles", "tune", ("benchmarks/sweep_moe_triton.py",),
           "the Triton W4A16 MoE tile space, every candidate checked, replayed from a CUDA graph",
           needs=("triton",), takes=("out", "seed", "tokens"), ops=("moe",), limit=600),
+    Bench("moe_breakdown", "tune", ("benchmarks/bench_moe_breakdown.py",),
+          "the Triton W4A16 MoE per launch against the ceilings, its targets, SGLang's Triton "
+          "int4 MoE as a peer when SGLang imports", needs=("triton",),
+          takes=("out", "seed", "tiles", "tokens"), ops=("moe",), quick=("--tokens", "1", "64"), limit=400),
     Bench("attention_tiles", "tune", ("benchmarks/bench_attention.py", "--tune"),
           "Triton attention launch configurations timed per shape", needs=("triton",),
           takes=_KERNEL + ("ops", "decode-tokens"), ops=("sparse_prefill", "decode_mla"),
