@@ -31,7 +31,7 @@ def load():
     import importlib
     import importlib.metadata as md
 
-    from capdispatch.adapters.sglang.sglang_run import vision_placeholder
+    from capdispatch.adapters.sglang.plan import vision_placeholder
     vision_placeholder()            # sglang.srt imports torchvision at import time
     mod = importlib.import_module(SGLANG_MODULE)
     return mod.invoke_fused_moe_kernel, md.version("sglang")

@@ -26,7 +26,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 def _install_torchvision_standin() -> None:
     # The planning command's own placeholder: one definition for both.
-    from capdispatch.adapters.sglang.sglang_run import vision_placeholder
+    from capdispatch.adapters.sglang.plan import vision_placeholder
     vision_placeholder()
 
 

@@ -4,7 +4,7 @@ For an SM90/SM100 card with SGLang 0.5.23 and sgl-flash-mla installed (passed on
 H200, 2026-12-02); everywhere else it skips, saying why.
 
 What runs, with nothing simulated and no interpreter:
-  * cuda:0 is probed as a rank probes its card (`rig.device(0, via="auto")`), and the
+  * cuda:0 is probed as a rank probes its card (`gpus.device(0, via="auto")`), and the
     plugin's one decision pass decides for it with the routes forced by
     CAPDISPATCH_SET=decode_mla=triton_fp8,sparse_prefill=triton,indexer=triton;
     `rank.apply_routes` installs them through SGLang's HookRegistry on SGLang's real
@@ -70,7 +70,7 @@ def sg():
     """SGLang's modules with the plugin's routes installed for cuda:0, as a rank does."""
     import sglang_prelude  # noqa: F401  (before SGLang: offline; torchvision stand-in if absent)
 
-    from capdispatch.adapters.sglang import decide, knobs, rank, rig, routes, versions
+    from capdispatch.adapters.sglang import decide, knobs, rank, gpus, routes, versions
     from capdispatch.adapters.sglang.records import LaunchInputs
     release = knobs.load().release(versions.installed() or "")
     if release is None:
@@ -79,7 +79,7 @@ def sg():
     ind = importlib.import_module("sglang.srt.layers.attention.dsv4.indexer")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CAPDISPATCH_", "SGLANG_"))}
     env["CAPDISPATCH_SET"] = ",".join(f"{op}={b}" for op, b in FORCED.items())
-    spec = rig.device(0, env=env, via="auto")
+    spec = gpus.device(0, env=env, via="auto")
     assert not spec.simulated and spec.id == "cuda:0"
     model = "DeepseekV4ForCausalLM"
     ops, reason = decide.applicable_ops(release, model, "fp8_e4m3")

@@ -226,11 +226,11 @@ def test_launch_value_user_then_device_0():
     rel = _release()
     sm86, sm120 = cd.probe("sim:rtx-3080"), cd.probe("sim:rtx-5090")
     v = moe_plan.launch_value(rel, [sm120, sm86])
-    assert (v.value, v.explicit) == ("flashinfer_mxfp4", False) and "device 0 (sim:rtx-5090" in v.origin
+    assert (v.value, v.user) == ("flashinfer_mxfp4", False) and "device 0 (sim:rtx-5090" in v.origin
     assert moe_plan.launch_value(rel, [sm86, sm120]).value == "auto"
     v = moe_plan.launch_value(rel, [sm120], explicit_fields={"moe_runner_backend"},
                               field_values={"moe_runner_backend": "marlin"})
-    assert (v.value, v.explicit) == ("marlin", True)
+    assert (v.value, v.user) == ("marlin", True)
     nb = moe_plan.route_of(rel).native_by
     assert nb.native("marlin", sm86) is None and nb.native("marlin", sm120) == "marlin_w4a16"
     assert nb.native("triton", sm120) is None and nb.method("flashinfer_mxfp4", sm86) == "Mxfp4FlashinferTrtllmMoEMethod"
@@ -239,9 +239,9 @@ def test_launch_value_user_then_device_0():
 def test_explicit_value_that_cannot_run_warns_per_device_or_refuses_under_strict():
     import capdispatch as cd
     from capdispatch.adapters.sglang import decide
-    from capdispatch.adapters.sglang import rig
+    from capdispatch.adapters.sglang import gpus
     rel = _release()
-    specs = rig.devices([0, 1, 2], env={rig.SIM_ENV: RIG})
+    specs = gpus.devices([0, 1, 2], env={gpus.SIM_ENV: RIG})
     given = dict(explicit_fields={"moe_runner_backend"}, field_values={"moe_runner_backend": "flashinfer_mxfp4"})
     d = decide.decide(specs, ("moe",), rel, env={}, **given)
     row = d.choices["moe"]

@@ -11,7 +11,7 @@ import attrs
 import pytest
 
 import capdispatch as cd
-from capdispatch.adapters.sglang import archfacts, decide, knobs, launch, render, rig, versions
+from capdispatch.adapters.sglang import sglang_facts, decide, knobs, launch, render, gpus, versions
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 POL = os.path.join(HERE, "policies")
@@ -22,11 +22,11 @@ VERSION = "0.5.23"
 @pytest.fixture
 def env(monkeypatch):
     """A clean decision environment: no capdispatch variables, no SGLang KV layout."""
-    for k in ("CAPDISPATCH_POLICY", "CAPDISPATCH_SET", "CAPDISPATCH_STRICT", rig.SIM_ENV,
+    for k in ("CAPDISPATCH_POLICY", "CAPDISPATCH_SET", "CAPDISPATCH_STRICT", gpus.SIM_ENV,
               "SGLANG_DSV4_KV_LAYOUT"):
         monkeypatch.delenv(k, raising=False)
     e = {k: v for k, v in os.environ.items()}
-    e[rig.SIM_ENV] = RIG
+    e[gpus.SIM_ENV] = RIG
     return e
 
 
@@ -36,7 +36,7 @@ def release():
 
 
 def _decide(env, release, ids=(0, 1, 2), **kw):
-    specs = rig.devices(list(ids), env=env)
+    specs = gpus.devices(list(ids), env=env)
     return decide.decide(specs, ("kv_quant", "kv_dequant"), release, env=env, **kw)
 
 
@@ -115,7 +115,7 @@ def test_knob_map_errors_point_at_the_line(tmp_path):
 @pytest.mark.parametrize("version,ok", [("0.5.23", True), ("0.5.23.post1", True), ("0.5.24", False),
                                         ("0.5.22", False), ("0.4.0", False), ("1.0.0", False)])
 def test_version_range(version, ok):
-    v = versions.check(version)
+    v = versions.check(version, knobs.load())
     assert v.ok is ok
     if not ok:
         assert "outside the tested range >=0.5.23,<0.5.24" in v.message
@@ -123,7 +123,7 @@ def test_version_range(version, ok):
 
 
 def test_version_unreadable():
-    v = versions.check("not-a-version")
+    v = versions.check("not-a-version", knobs.load())
     assert not v.ok and "cannot read the SGLang version 'not-a-version'" in v.message
 
 
@@ -142,7 +142,7 @@ def test_register_outside_range_warns_once_and_registers_nothing(monkeypatch, ca
     assert not any(m.startswith("sglang.srt.plugins") for m in set(sys.modules) - before)
 
 
-# --------------------------------------------------------------------------- the rig
+# --------------------------------------------------------------------------- the launch's GPUs
 
 @pytest.mark.parametrize("kw,ids", [
     (dict(tp_size=3), [0, 1, 2]),
@@ -153,7 +153,7 @@ def test_register_outside_range_warns_once_and_registers_nothing(monkeypatch, ca
     (dict(tp_size=4, nnodes=2, node_rank=1), [0, 1]),
 ])
 def test_gpu_ids_follow_sglangs_launcher(kw, ids):
-    assert rig.gpu_ids(**kw) == ids
+    assert gpus.gpu_ids(**kw) == ids
 
 
 @pytest.mark.parametrize("kw,message", [(dict(tp_size=0), "tp_size=0"),
@@ -161,15 +161,15 @@ def test_gpu_ids_follow_sglangs_launcher(kw, ids):
                                         (dict(tp_size="2"), "tp_size='2'")])
 def test_gpu_ids_bad_input(kw, message):
     with pytest.raises(cd.BadInput, match=message):
-        rig.gpu_ids(**kw)
+        gpus.gpu_ids(**kw)
 
 
-def test_simulated_rig_is_read_at_call_time(monkeypatch):
-    monkeypatch.setenv(rig.SIM_ENV, "sim:h200,sim:rtx-3080")
-    d = rig.device(1)
+def test_simulated_gpus_are_read_at_call_time(monkeypatch):
+    monkeypatch.setenv(gpus.SIM_ENV, "sim:h200,sim:rtx-3080")
+    d = gpus.device(1)
     assert (d.id, d.name, d.cc, d.simulated) == ("cuda:1", "NVIDIA GeForce RTX 3080", (8, 6), True)
-    monkeypatch.setenv(rig.SIM_ENV, "sim:rtx-5090")
-    assert rig.device(0).cc == (12, 0)
+    monkeypatch.setenv(gpus.SIM_ENV, "sim:rtx-5090")
+    assert gpus.device(0).cc == (12, 0)
 
 
 @pytest.mark.parametrize("value,index,message", [
@@ -177,9 +177,9 @@ def test_simulated_rig_is_read_at_call_time(monkeypatch):
     ("sim:rtx-5090,,sim:rtx-3080", 0, "an empty entry"),
     ("sim:rtx-9999", 0, "entry 0: .*rtx-9999"),
 ])
-def test_simulated_rig_bad_input(value, index, message):
+def test_simulated_gpus_bad_input(value, index, message):
     with pytest.raises(cd.BadInput, match=message):
-        rig.device(index, env={rig.SIM_ENV: value})
+        gpus.device(index, env={gpus.SIM_ENV: value})
 
 
 # --------------------------------------------------------------------------- decisions
@@ -373,17 +373,17 @@ def test_mixed_rig_routes_only_where_sglangs_kernel_cannot_run(env, release):
     # SGLang's JIT store runs everywhere; nobody asked for a capdispatch store.
     assert d.resolved == ("kv_dequant",)
     assert all(c.backend is None and not c.routed for c in d.choices["kv_quant"].values())
-    settings = {s.setting.name: (s.action, s.value, s.devices) for s in d.settings}
+    settings = {s.name: (s.action, s.value, s.devices) for s in d.settings}
     assert settings == {"kv_cache_dtype": ("set", "fp8_e4m3", ("cuda:0", "cuda:1", "cuda:2")),
                         "SGLANG_DSV4_KV_LAYOUT": ("set", "v4", ("cuda:1", "cuda:2"))}
     assert len(d.warnings) == 1 and "kv_dequant: the group's devices choose different backends" in d.warnings[0]
 
 
 def test_same_generation_rig_changes_nothing_at_the_call_sites(env, release):
-    env[rig.SIM_ENV] = "sim:rtx-5090,sim:h200"
+    env[gpus.SIM_ENV] = "sim:rtx-5090,sim:h200"
     d = _decide(env, release, ids=(0, 1))
     assert not any(c.routed for row in d.choices.values() for c in row.values())
-    assert [s.setting.name for s in d.settings] == ["kv_cache_dtype"]
+    assert [s.name for s in d.settings] == ["kv_cache_dtype"]
     assert d.warnings == ()
 
 
@@ -418,7 +418,7 @@ def test_user_settings_are_kept_and_conflicts_said(env, release):
     env["SGLANG_DSV4_KV_LAYOUT"] = "v41"
     d = _decide(env, release, explicit_fields={"kv_cache_dtype"},
                 field_values={"kv_cache_dtype": "fp8_e4m3"})
-    settings = {s.setting.name: (s.action, s.value) for s in d.settings}
+    settings = {s.name: (s.action, s.value) for s in d.settings}
     assert settings == {"kv_cache_dtype": ("kept", "fp8_e4m3"), "SGLANG_DSV4_KV_LAYOUT": ("kept", "v41")}
     conflict = [w for w in d.warnings if w.startswith("SGLANG_DSV4_KV_LAYOUT=v41 was set by the user")]
     assert len(conflict) == 1 and "cuda:1, cuda:2 need SGLANG_DSV4_KV_LAYOUT=v4" in conflict[0]
@@ -461,18 +461,18 @@ def test_summary_names_devices_and_reasons(env, release):
 
 def test_architecture_facts_are_the_cards_own(release):
     arch = release.arch
-    f86 = archfacts.facts(cd.probe("sim:rtx-3080"), arch)
+    f86 = sglang_facts.facts(cd.probe("sim:rtx-3080"), arch)
     assert (f86["sm"], f86["cc"], f86["get_device_sm"]) == (86, (8, 6), 86)
     assert f86["is_sm80_supported"] and not f86["is_sm90_supported"] and not f86["is_sm120_supported"]
-    f120 = archfacts.facts(cd.probe("sim:rtx-5090"), arch)
+    f120 = sglang_facts.facts(cd.probe("sim:rtx-5090"), arch)
     assert f120["is_sm120_supported"] and f120["is_blackwell_supported"] and f120["is_sm120"]
     assert not f120["is_sm100_supported"]
-    assert archfacts.facts(cd.probe("sim:h200"), arch)["is_sm90_supported"]
-    fcpu = archfacts.facts(cd.probe("cpu"), arch)
+    assert sglang_facts.facts(cd.probe("sim:h200"), arch)["is_sm90_supported"]
+    fcpu = sglang_facts.facts(cd.probe("cpu"), arch)
     assert fcpu["sm"] == 0 and not any(v for k, v in fcpu.items() if k.startswith("is_"))
     # A known CUDA toolkit counts, as SGLang's probes check it.
     old_toolkit = cd.probe("sim:rtx-5090", assume_cuda="12.4")
-    assert not archfacts.facts(old_toolkit, arch)["is_sm120_supported"]
+    assert not sglang_facts.facts(old_toolkit, arch)["is_sm120_supported"]
 
 
 def test_explicit_fields_of_an_engine_call():
@@ -492,7 +492,7 @@ def _plan(capsys, *argv):
 
 
 def test_plan_text_for_the_mixed_rig(env, capsys, monkeypatch):
-    monkeypatch.delenv(rig.SIM_ENV, raising=False)
+    monkeypatch.delenv(gpus.SIM_ENV, raising=False)
     rc, out, err = _plan(capsys, "--device", RIG)
     assert rc == 0, err
     assert "GPUs: cuda:0, cuda:1, cuda:2" in out
@@ -505,7 +505,7 @@ def test_plan_text_for_the_mixed_rig(env, capsys, monkeypatch):
 
 
 def test_plan_json(env, capsys, monkeypatch):
-    monkeypatch.setenv(rig.SIM_ENV, RIG)
+    monkeypatch.setenv(gpus.SIM_ENV, RIG)
     rc, out, err = _plan(capsys, "--tp", "2", "--format", "json")
     assert rc == 0, err
     p = json.loads(out)
@@ -552,8 +552,8 @@ LIBS = ("sgl-flash-mla", "flashinfer-python", "sgl-deep-gemm", "sglang", "sglang
 
 def _knobs(env, release, rig_=KNOB_RIG, libs=LIBS, values=None, **kw):
     """The one decision over every op of DeepSeek-V4 (routed and setting ops alike)."""
-    env[rig.SIM_ENV] = rig_
-    specs = rig.devices(list(range(len(rig_.split(",")))), env=env)
+    env[gpus.SIM_ENV] = rig_
+    specs = gpus.devices(list(range(len(rig_.split(",")))), env=env)
     values = values or {}
     ops, _ = decide.applicable_ops(release, "DeepseekV4ForCausalLM", "auto")
     return decide.decide(specs, ops, release, env=env, explicit_fields=set(values), field_values=values,
@@ -793,7 +793,7 @@ def test_knob_flags_leave_the_kv_selections_alone(release):
 
 
 def test_plan_shows_every_op_and_the_sglang_settings_per_rank(env, capsys, monkeypatch):
-    monkeypatch.delenv(rig.SIM_ENV, raising=False)
+    monkeypatch.delenv(gpus.SIM_ENV, raising=False)
     libs = [a for lib in LIBS for a in ("--assume-lib", lib)]
     rc, out, err = _plan(capsys, "--device", KNOB_RIG, *libs)
     assert rc == 0, err

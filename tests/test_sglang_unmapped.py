@@ -15,13 +15,13 @@ UNMAPPED = os.path.join(HERE, "plugins", "unmapped")
 SCRIPT = r"""
 import json, logging, os, sys
 logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(message)s")
-from capdispatch.adapters.sglang import decide, knobs, rig
+from capdispatch.adapters.sglang import decide, knobs, gpus
 release = knobs.load().release("0.5.23")
 env = dict(os.environ)
 if release.unmapped:
     env["CAPDISPATCH_SET"] = "decode_mla=plug_unmapped"
-env[rig.SIM_ENV] = "sim:h200"
-d = decide.decide(rig.devices([0], env=env), ("decode_mla", "kv_dequant"), release, env=env,
+env[gpus.SIM_ENV] = "sim:h200"
+d = decide.decide(gpus.devices([0], env=env), ("decode_mla", "kv_dequant"), release, env=env,
                   assume_libs=["torch"])
 print(json.dumps({"unmapped": [[u.op, u.backend, u.plugin, u.message] for u in release.unmapped],
                   "choices": {op: [c.resolution.backend, c.action, c.why]

@@ -5,11 +5,12 @@ Installed as the entry point `capdispatch` in SGLang's general plugin group
 scheduler (TP-rank) process. See docs/sglang.md.
 
 Modules: versions (tested range), knobs (+ knobs.yaml: the knob map), records
-(the typed records between modules), rig (the launch's GPUs), decide (the one
+(the typed records between modules), gpus (the launch's GPUs), decide (the one
 decision pass, without SGLang), render (text: the plan and the log lines),
-launch (main process), rank (per rank + agreement), archfacts, routes, and
-`dispatch sglang plan`: cli (argparse front), plan (the plan as data),
-sglang_run (SGLang's own resolution, in process).
+launch (main process), rank (per rank + agreement), sglang_facts (SGLang's
+architecture facts, corrected per rank), routes, and `dispatch sglang plan`:
+cli (argparse front), plan (the plan as records, with SGLang's own resolution
+run in process).
 """
 from __future__ import annotations
 
@@ -28,18 +29,17 @@ def register(*, sglang_version=None) -> bool:
     SGLANG_VERSION replaces the installed version (for checking the range)."""
     if "result" in _done:
         return _done["result"]
-    from . import versions
-    verdict = versions.check(sglang_version)
+    from . import knobs, versions
+    verdict = versions.check(sglang_version, knobs.load())
     if not verdict.ok:
         _done["result"] = False
         log.warning(verdict.message)
         return False
-    from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from . import knobs, launch, rank
+    from . import launch, rank
     hooks = knobs.load().release(verdict.version).hooks
-    register_resolution_hook(hooks.resolution_step)(launch.resolution_hook)
+    launch.register_step(hooks.resolution_step)
     HookRegistry.register(hooks.rank, rank.after_configure, HookType.AFTER)
     HookRegistry.register(hooks.group, rank.after_parallel_ready, HookType.AFTER)
     _done["result"] = True

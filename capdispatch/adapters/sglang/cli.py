@@ -87,7 +87,7 @@ def _env_for(args) -> dict:
         except cd.UnknownDeviceError as exc:
             raise cd.BadInput(f"--device: {exc}") from None
     if devices:
-        from .rig import SIM_ENV
+        from .gpus import SIM_ENV
         env[SIM_ENV] = ",".join(devices)
     return env
 
@@ -107,7 +107,7 @@ def _plan(args, sglang_args) -> int:
     out = plan.build(tp=args.tp, sglang_args=sglang_args, options=options, env=_env_for(args),
                      model=model)
     if args.format == "json":
-        print(json.dumps(out, indent=2, default=str))
+        print(json.dumps(out.to_dict(), indent=2, default=str))
     else:
         print(render.text(out, brief=args.brief))
     return EXIT_OK

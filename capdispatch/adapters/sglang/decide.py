@@ -14,94 +14,10 @@ from typing import Optional
 
 import attrs
 
+from .records import BucketChoice, Decision, GroupSetting, OpChoice
+
 SOURCE = "capdispatch"
 ACTIONS = ("routed", "kept", "reported")
-
-
-@attrs.frozen
-class BucketChoice:
-    """One size bucket of a routed or kept op: sizes in (LOWER, UPPER] (None: from 1 /
-    every larger size), the backend capdispatch decided for them, and what runs there."""
-    lower: Optional[int]
-    upper: Optional[int]
-    backend: str             # capdispatch's decision for these sizes
-    action: str              # "routed" (capdispatch's kernel) | "kept" (SGLang's own call stays)
-    runs: str                # the kernel that runs: `backend` where routed, SGLang's own where kept
-
-    def label(self) -> str:
-        if self.upper is not None:
-            return f"<={self.upper}"
-        return f">{self.lower}" if self.lower is not None else "any"
-
-
-@attrs.frozen
-class OpChoice:
-    op: str
-    device: str
-    resolution: object       # capdispatch Resolution; None where no decision was needed
-    action: str              # "routed" | "kept" | "reported"
-    why: str
-    setting: tuple = ()      # knobs.SglangSetting...: what SGLang needs to run this backend itself
-    warning: Optional[str] = None   # to log: SGLang's kernel kept where it cannot run (a user switch)
-    # The kernel that runs: a capdispatch backend's name ("torch/flashmla" across buckets),
-    # SGLang's own by the backend it is, or "sglang" where it has no capdispatch name.
-    runs: Optional[str] = None
-    buckets: tuple = ()      # BucketChoice...: per size bucket, where the resolution has buckets
-    # How the rank's route install went (rank.apply_routes): "installed", "failed: <why>",
-    # "removed" (SGLang's own again); None where the rank did not touch a route.
-    install: Optional[str] = None
-
-    @property
-    def routed(self) -> bool:
-        """A capdispatch kernel replaces SGLang's own at the call site (for some sizes at least)."""
-        return self.action == "routed"
-
-    @property
-    def backend(self):
-        """capdispatch's backend, or None where no decision was needed (SGLang's own runs)."""
-        return None if self.resolution is None else self.resolution.backend
-
-    @property
-    def routed_backends(self) -> str:
-        """The capdispatch backends a routed op runs ("torch/triton" across buckets)."""
-        if self.buckets:
-            return "/".join(dict.fromkeys(b.backend for b in self.buckets if b.action == "routed"))
-        return self.backend
-
-
-@attrs.frozen
-class LaunchSetting:
-    """A knobs.yaml `settings` row that fires for the group: set unless the user set it."""
-    setting: object          # knobs.Setting
-    action: str              # "set" | "kept" (the user set it)
-    value: str               # what is in force
-    devices: tuple           # the devices that made the row fire
-
-
-@attrs.frozen
-class SglangName:
-    """One SGLang setting over the group: the value each device's choice needs."""
-    kind: str                # "field" | "env"
-    name: str
-    ops: tuple
-    wants: dict              # value -> (device, ...)
-    without: tuple           # devices running one of `ops` decided, neither set nor routed (reported)
-    user: Optional[str]      # the user's value, when the user set it
-    action: str              # "agree" | "split" | "none" | "kept"
-    why: str
-    routed: dict = attrs.field(factory=dict)   # device -> capdispatch backend routed at SGLang's call site
-
-
-@attrs.frozen
-class Decision:
-    ops: tuple
-    resolved: tuple          # the ops capdispatch decided (see resolved_ops)
-    devices: tuple           # DeviceSpecs in group order
-    plan: object             # capdispatch Plan over `resolved` (None when empty)
-    choices: dict            # op -> {device id: OpChoice}
-    settings: tuple          # LaunchSetting...
-    sglang: tuple            # SglangName...: reported, never set
-    warnings: tuple          # to log: downgrades, divergences, user settings kept against a need
 
 
 def applicable_ops(release, model_arch: Optional[str], kv_cache_dtype: Optional[str]):
@@ -171,9 +87,10 @@ def context_for(release, *, selections=None, selection_origin="selections=", pol
 
 def context_of(release, inputs, env=None):
     """context_for from a LaunchInputs record."""
-    return context_for(release, selections=inputs.selections, selection_origin=inputs.selection_origin,
-                       policy=inputs.policy, field_values=inputs.field_values,
-                       assume_libs=inputs.assume_libs, strict=inputs.strict, env=env, libs=inputs.libs)
+    o = inputs.options
+    return context_for(release, selections=o.selections, selection_origin=o.selection_origin,
+                       policy=o.policy, field_values=inputs.field_values,
+                       assume_libs=o.assume_libs, strict=o.strict, env=env, libs=o.libs)
 
 
 def _same(a: str, b: str) -> bool:
@@ -305,7 +222,7 @@ def _no_site_why(entry, res) -> tuple:
 
 def choose(release, op: str, res, spec, user_env=None, moe_launch=None, strict=False) -> OpChoice:
     """How the resolution RES of OP on SPEC is carried out inside SGLang. MOE_LAUNCH
-    (moe_plan.LaunchValue): the launch's moe_runner_backend, which picks SGLang's MoE
+    (an SglangSetting): the launch's moe_runner_backend, which picks SGLang's MoE
     method on each card; STRICT: a user value that cannot run there is refused, and so
     is an explicit choice SGLang gives no routable site for on this card."""
     entry = release.entry(op, res.backend)
@@ -391,8 +308,8 @@ def kept_choices(release, op: str, specs) -> dict:
 
 
 def settings_for(release, choices: dict, *, explicit_fields=(), env=None, field_values=None):
-    """The launch settings that fire, and whether the user's value stands. Returns
-    (LaunchSetting..., warnings)."""
+    """The launch settings that fire (the knob map's rules), and whether the user's value
+    stands. Returns (GroupSetting..., warnings)."""
     env = os.environ if env is None else env
     field_values = field_values or {}
     out, warnings = [], []
@@ -403,11 +320,12 @@ def settings_for(release, choices: dict, *, explicit_fields=(), env=None, field_
             continue
         devices = tuple(dict.fromkeys(c.device for c in hits))
         user = (s.name in explicit_fields) if s.kind == "field" else (s.name in env)
+        common = dict(why=s.why, ops=s.ops, wants={s.value: devices}, rule=s)
         if not user:
-            out.append(LaunchSetting(s, "set", s.value, devices))
+            out.append(GroupSetting(s.kind, s.name, "set", **common))
             continue
         value = str(field_values.get(s.name)) if s.kind == "field" else env[s.name]
-        out.append(LaunchSetting(s, "kept", value, devices))
+        out.append(GroupSetting(s.kind, s.name, "kept", user=value, **common))
         if value.lower() != s.value.lower():
             warnings.append(f"{s.name}={value} was set by the user and is kept, but "
                             f"{', '.join(devices)} need {s.name}={s.value} ({s.why})")
@@ -420,7 +338,7 @@ def _need(ds) -> str:
 
 def sglang_settings(release, choices: dict, *, explicit_fields=(), env=None, field_values=None):
     """Per SGLang name the entries of the decided ops use: the value each device's
-    choice needs, and whether the user set it. Returns (SglangName..., warnings)."""
+    choice needs, and whether the user set it. Returns (GroupSetting..., warnings)."""
     env = os.environ if env is None else env
     field_values = field_values or {}
     out, warnings = [], []
@@ -474,12 +392,12 @@ def sglang_settings(release, choices: dict, *, explicit_fields=(), env=None, fie
                             + [f"{_need(ds)} {v}" for v, ds in wants.items()] + tail)
         else:
             why = "; ".join([f"{_need(ds)} {v}" for v, ds in wants.items()] + tail)
-        out.append(SglangName(kind, name, rops, wants, without, user, action, why, routed))
+        out.append(GroupSetting(kind, name, action, why, rops, wants, user, without, routed))
     return tuple(out), warnings
 
 
 def moe_launch_of(release, specs, *, explicit_fields=(), field_values=None, moe_launch=None):
-    """The launch's moe_runner_backend (moe_plan.LaunchValue): MOE_LAUNCH where the
+    """The launch's moe_runner_backend (an SglangSetting): MOE_LAUNCH where the
     caller has SGLang's resolved value (a rank), else the user's, else SGLang's
     DeepSeek-V4 default for device 0 of SPECS."""
     from . import moe_plan

@@ -15,6 +15,8 @@ from packaging.version import InvalidVersion, Version
 
 import capdispatch as cd
 
+from .records import LaunchRule, SglangSetting
+
 MAX_BYTES = 1 << 20     # the knob map is ~20 KiB
 DEFAULT_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "knobs.yaml")
 ENTRY_KINDS = ("sglang", "route", "none")
@@ -39,28 +41,6 @@ class Unmapped:
     backend: str
     plugin: str
     message: str
-
-
-@attrs.frozen
-class SglangSetting:
-    """One SGLang name and the value an entry or a route needs."""
-    kind: str                     # "field" | "env"
-    name: str
-    value: str
-
-    @property
-    def label(self) -> str:
-        """How plans and warnings name a server-args field or an environment switch."""
-        return f"{self.name}={self.value}" if self.kind == "field" else f"env {self.name}={self.value}"
-
-
-@attrs.frozen
-class Setting(SglangSetting):
-    """A launch-time setting, the same for every rank (knobs.yaml `settings`)."""
-    ops: tuple
-    backends: Optional[tuple]     # None: any backend
-    routed: bool
-    why: str
 
 
 @attrs.frozen
@@ -339,8 +319,8 @@ def _settings(r, node, where: str, registry) -> tuple:
             raise r.err(s["value"], f"{w}: {knob.name} is set to {knob.value!r} here and "
                                     f"{seen[(knob.kind, knob.name)]!r} in another row")
         seen[(knob.kind, knob.name)] = knob.value
-        rows.append(Setting(knob.kind, knob.name, knob.value, ops=ops, backends=backends,
-                            routed=s.get("routed", r.boolean), why=s.get("why", r.text)))
+        rows.append(LaunchRule(knob.kind, knob.name, knob.value, ops=ops, backends=backends,
+                               routed=s.get("routed", r.boolean), why=s.get("why", r.text)))
     return tuple(rows)
 
 

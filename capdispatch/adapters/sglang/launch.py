@@ -5,7 +5,7 @@ Runs as a wrapper of one resolution step (register_resolution_hook): the
 environment is set before the step, so SGLang's DeepSeek-V4 defaults read it;
 fields are declared after it, so they are the last word unless the user spoke.
 What the launch asks (records.LaunchInputs) rides to every scheduler process on
-the record (STASH), so each rank decides from the same inputs.
+the record (INPUTS_ATTR), so each rank decides from the same inputs.
 """
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import os
 
 log = logging.getLogger("capdispatch.sglang")
 
-STASH = "_capdispatch"      # a bookkeeping attribute: pickled with the record
-OPTIONS = "_capdispatch_plan"   # records.PlanOptions, set by `dispatch sglang plan` only
+INPUTS_ATTR = "_capdispatch"      # a bookkeeping attribute: pickled with the record
+OPTIONS_ATTR = "_capdispatch_plan"   # records.PlanOptions, set by `dispatch sglang plan` only
 
 
 def explicit_fields(launch_command) -> set:
@@ -70,8 +70,8 @@ def model_arch(server_args):
 
 
 def gpu_ids_of(cfg) -> list:
-    from . import rig
-    return rig.gpu_ids(tp_size=cfg.tp_size, pp_size=cfg.pp_size, nnodes=cfg.nnodes,
+    from . import gpus
+    return gpus.gpu_ids(tp_size=cfg.tp_size, pp_size=cfg.pp_size, nnodes=cfg.nnodes,
                        node_rank=cfg.node_rank, base_gpu_id=cfg.base_gpu_id,
                        gpu_id_step=cfg.gpu_id_step, dp_size=cfg.dp_size,
                        dp_attention=bool(cfg.enable_dp_attention) or cfg.attn_dp_size > 1)
@@ -91,12 +91,9 @@ def record_inputs(server_args, release, read, *, user_env=None):
     arch = model_arch(server_args)
     dtype = read("kv_cache_dtype")
     ops, reason = decide.applicable_ops(release, arch, dtype)
-    opts = getattr(server_args, OPTIONS, None)
-    extra = {} if opts is None else dict(
-        selections=opts.selections, selection_origin=opts.selection_origin, policy=opts.policy,
-        assume_libs=opts.assume_libs, libs=opts.libs, strict=opts.strict)
+    opts = getattr(server_args, OPTIONS_ATTR, None)
     return LaunchInputs(arch, None if dtype is None else str(dtype), ops, reason, frozenset(explicit),
-                        values, user_env, **extra)
+                        values, user_env, **({} if opts is None else {"options": opts}))
 
 
 def prepare(server_args, release, *, env=None):
@@ -106,20 +103,20 @@ def prepare(server_args, release, *, env=None):
     import capdispatch as cd
     from sglang.srt.arg_groups.overrides import resolving_view
 
-    from . import decide, rig
+    from . import decide, gpus
     env = os.environ if env is None else env
     cfg = resolving_view(server_args)
     # Before SGLang's own DeepSeek-V4 defaults set any of them (on SM120 it turns
     # its TileLang and torch indexer switches on): what the user set, for the ranks.
     user_env = {n: env[n] for n in release.route_env_names() if n in env}
     inputs = record_inputs(server_args, release, lambda f: getattr(cfg, f), user_env=user_env)
-    setattr(server_args, STASH, inputs)
+    setattr(server_args, INPUTS_ATTR, inputs)
     if not inputs.ops:
         log.info("capdispatch: %s; nothing to decide at launch", inputs.reason)
         return None
     ids = gpu_ids_of(cfg)
     try:
-        specs = rig.devices(ids, env=env, via="nvml")
+        specs = gpus.devices(ids, env=env, via="nvml")
     except cd.ProbeError as exc:
         log.warning("capdispatch: cannot read the launch's GPUs %s without initialising CUDA (%s); "
                     "launch-time settings skipped, each rank still decides for its own card",
@@ -127,9 +124,9 @@ def prepare(server_args, release, *, env=None):
         return None
     d = decide.decide_launch(specs, release, inputs, env=env)
     for s in d.settings:
-        if s.action == "set" and s.setting.kind == "env":
-            env[s.setting.name] = s.setting.value
-    setattr(server_args, STASH, attrs.evolve(inputs, devices=tuple(rig.describe(s) for s in specs)))
+        if s.action == "set" and s.kind == "env":
+            env[s.name] = s.value
+    setattr(server_args, INPUTS_ATTR, attrs.evolve(inputs, devices=tuple(gpus.describe(s) for s in specs)))
     return d
 
 
@@ -138,26 +135,38 @@ def finish(server_args, release, d) -> None:
     import attrs
     from sglang.srt.arg_groups.overrides import declare_resolution, resolution_result
 
-    from . import decide, render, rig
-    inputs = getattr(server_args, STASH)
+    from . import decide, render, gpus
+    inputs = getattr(server_args, INPUTS_ATTR)
     dtype = resolution_result(server_args, "kv_cache_dtype")
     ops, reason = decide.applicable_ops(release, inputs.model, dtype)
     inputs = attrs.evolve(inputs, kv_cache_dtype=None if dtype is None else str(dtype), reason=reason,
                           ops=tuple(op for op in inputs.ops if op in ops))
     if not inputs.ops:
-        setattr(server_args, STASH, inputs)
+        setattr(server_args, INPUTS_ATTR, inputs)
         log.info("capdispatch: SGLang resolved %s; capdispatch's ops do not run", reason)
         return
-    fields = {s.setting.name: s.setting.value for s in d.settings
-              if s.action == "set" and s.setting.kind == "field"}
+    fields = {s.name: s.value for s in d.settings if s.action == "set" and s.kind == "field"}
     if fields:
         declare_resolution(server_args, decide.SOURCE, **fields)
-    inputs = attrs.evolve(inputs, applied={s.setting.name: s.value for s in d.settings if s.action == "set"})
-    setattr(server_args, STASH, inputs)
+    inputs = attrs.evolve(inputs, applied={s.name: s.value for s in d.settings if s.action == "set"})
+    setattr(server_args, INPUTS_ATTR, inputs)
     for w in d.warnings:
         log.warning("capdispatch: %s", w)
     log.info("capdispatch: SGLang launch of %s on %s: %s", inputs.reason,
-             "; ".join(rig.describe(s) for s in d.devices), render.summary(d))
+             "; ".join(gpus.describe(s) for s in d.devices), render.summary(d))
+
+
+_STEPS: set = set()     # per process: the resolution steps whose wrapper is registered
+
+
+def register_step(step: str) -> None:
+    """Wrap SGLang's resolution step STEP with resolution_hook, once per process (the
+    plugin's register() and `dispatch sglang plan`'s in-process resolution both ask)."""
+    if step in _STEPS:
+        return
+    from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
+    register_resolution_hook(step)(resolution_hook)
+    _STEPS.add(step)
 
 
 def resolution_hook(server_args, previous) -> None:

@@ -35,8 +35,6 @@ import attrs
 
 log = logging.getLogger("capdispatch.sglang")
 
-OP = "moe"
-
 
 @attrs.frozen
 class MoePrepared:
@@ -52,22 +50,6 @@ class MoePrepared:
     bytes_per_expert_after: float
     packed_bytes_per_expert: int
     aux_bytes: int
-
-
-def backend_name(kernel) -> str:
-    """The registered moe backend whose function KERNEL is: its implementation, or the
-    bound custom op `bind` returns for it (named ``moe_<backend>``). For a size
-    dispatcher, the catch-all's backend: every bucket of one call site shares its weight
-    layout (the resolver refuses others), so the weights are prepared for it."""
-    import capdispatch as cd
-    buckets = getattr(kernel, "buckets", None)
-    if buckets:
-        return buckets[-1][1]
-    impl = f"{kernel.__module__}:{kernel.__name__}"
-    for b in cd.registry().backends(OP):
-        if b.impl == impl or kernel.__name__ == f"{OP}_{b.name}":
-            return b.name
-    raise LookupError(f"{impl} is not a registered {OP} backend")
 
 
 def not_covered(quant_config, layer, prefix: str) -> Optional[str]:
@@ -117,13 +99,13 @@ class CapdispatchMxfp4MoEMethod:
     fuse_routed_scaling_factor_in_topk = True
     load_up_proj_weight_first = False        # [gate; up]: the order MoeWeights takes
 
-    def __init__(self, quant_config, prefix: str, kernel, key, backend: Optional[str] = None):
+    def __init__(self, quant_config, prefix: str, kernel, key, backend: str):
         from sglang.srt.layers.quantization.fp8 import Fp8MoEMethod
         self._fp8 = Fp8MoEMethod(quant_config)   # SGLang's FP4-expert parameters and loader attributes
         self.prefix = prefix
         self.kernel = kernel
         self.key = key
-        self.backend = backend or backend_name(kernel)
+        self.backend = backend                  # the decided backend KERNEL is: its weight layout
         self.runner = None                      # FusedMoE reads it; no SGLang runner runs here
         self.moe_runner_config = None
         self.weights = None
@@ -189,9 +171,11 @@ class CapdispatchMxfp4MoEMethod:
         return StandardCombineInput(hidden_states=out)
 
 
-def make(quant_config, layer, prefix: str, kernel, key):
-    """The capdispatch method for LAYER, or None (with the reason logged at
-    DEBUG) where it does not apply and SGLang's own choice stands."""
+def make(quant_config, layer, prefix: str, kernel, key, backend: str):
+    """The capdispatch method for LAYER running KERNEL (the decided moe BACKEND, bound; for
+    a size dispatcher its catch-all bucket's backend: every bucket of one call site shares
+    its weight layout, so the weights are prepared for it), or None (with the reason logged
+    at DEBUG) where it does not apply and SGLang's own choice stands."""
     why = not_covered(quant_config, layer, prefix)
     if why is not None:
         # Not an MXFP4 expert layer: nothing to route. An MXFP4 layer the op does
@@ -201,4 +185,4 @@ def make(quant_config, layer, prefix: str, kernel, key):
         (log.debug if quiet else log.warning)(
             "capdispatch: moe %s on %s stays with SGLang's method: %s", prefix or "layer", _where(key), why)
         return None
-    return CapdispatchMxfp4MoEMethod(quant_config, prefix, kernel, key)
+    return CapdispatchMxfp4MoEMethod(quant_config, prefix, kernel, key, backend)

@@ -15,6 +15,8 @@ from typing import Optional
 
 import attrs
 
+from .records import SglangSetting
+
 OTHER = "other"        # a device family, or a value, not listed
 
 
@@ -46,14 +48,6 @@ class NativeBy:
         return self._lookup(self.why, value, "")
 
 
-@attrs.frozen
-class LaunchValue:
-    """The launch's moe_runner_backend and where it comes from."""
-    value: str
-    origin: str
-    explicit: bool            # the user set it
-
-
 def _family(device) -> Optional[str]:
     cc = getattr(device, "cc", None)
     return None if not cc or getattr(device, "platform", "cuda") != "cuda" else f"sm{cc[0] * 10}"
@@ -64,7 +58,7 @@ def route_of(release):
     return next((r for r in release.routes if getattr(r, "native_by", None) is not None), None)
 
 
-def launch_value(release, specs, *, explicit_fields=(), field_values=None) -> Optional[LaunchValue]:
+def launch_value(release, specs, *, explicit_fields=(), field_values=None) -> Optional[SglangSetting]:
     """What SGLang's launch runs before SGLang resolved it (the launcher, `dispatch
     sglang plan`): the user's value, else SGLang's DeepSeek-V4 default for device 0
     (MXFP4 experts, no all-to-all backend: the case its default rule covers). A rank
@@ -75,15 +69,16 @@ def launch_value(release, specs, *, explicit_fields=(), field_values=None) -> Op
     nb = route.native_by
     given = (field_values or {}).get(nb.field)
     if nb.field in set(explicit_fields or ()) and given is not None and str(given) != "auto":
-        return LaunchValue(str(given), f"set by the user (--{nb.field.replace('_', '-')})", True)
+        return SglangSetting("field", nb.field, str(given), origin=f"set by the user (--{nb.field.replace('_', '-')})",
+                             user=True)
     if not specs:
         return None
     d0 = specs[0]
-    return LaunchValue(nb.default_for(d0), f"SGLang's DeepSeek-V4 default from device 0 ({d0.id}, {d0.name})",
-                       False)
+    return SglangSetting("field", nb.field, nb.default_for(d0),
+                         origin=f"SGLang's DeepSeek-V4 default from device 0 ({d0.id}, {d0.name})")
 
 
-def route_choice(route, res, spec, launch: Optional[LaunchValue], strict: bool = False):
+def route_choice(route, res, spec, launch: Optional[SglangSetting], strict: bool = False):
     """(routed, why, warning) for moe on SPEC, resolved as RES (a capdispatch selection
     included: where it names the kernel SGLang's method runs, that method is kept).
     Raises capdispatch.Unsatisfiable under STRICT where the user's value cannot run."""
@@ -115,7 +110,7 @@ def route_choice(route, res, spec, launch: Optional[LaunchValue], strict: bool =
     why = (f"{said}SGLang's {method} under {setting} cannot run on this card ({what}: {cannot}); "
            f"capdispatch {res.backend} runs at {site} instead, with its weights prepared at load")
     warning = None
-    if launch.explicit and not res.downgraded_from:
+    if launch.user and not res.downgraded_from:
         warning = (f"{nb.field}={launch.value} was set by the user, but SGLang's {method} cannot run on "
                    f"this card ({spec.name}; {what}: {cannot}); running capdispatch {res.backend} instead")
         if strict:
@@ -123,7 +118,7 @@ def route_choice(route, res, spec, launch: Optional[LaunchValue], strict: bool =
     return True, why, warning
 
 
-def record_value(server_args, release, explicit_fields=()) -> Optional[LaunchValue]:
+def record_value(server_args, release, explicit_fields=()) -> Optional[SglangSetting]:
     """A rank: the launch's value as SGLang resolved it on the record, and whether
     the user set it (EXPLICIT_FIELDS: the fields of the launch command, as the
     launcher recorded them); None where the record holds no resolved value."""
@@ -139,4 +134,4 @@ def record_value(server_args, release, explicit_fields=()) -> Optional[LaunchVal
         return None
     explicit = field in set(explicit_fields or ()) and value != "auto"
     origin = f"set by the user (--{field.replace('_', '-')})" if explicit else "as SGLang resolved it"
-    return LaunchValue(value, origin, explicit)
+    return SglangSetting("field", field, value, origin=origin, user=explicit)

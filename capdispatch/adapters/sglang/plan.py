@@ -1,9 +1,129 @@
-"""What `dispatch sglang plan` shows, as data: one decision (decide.decide_in with
-one Context: the plan's policies, selections and library inventory) for the launch's GPUs, in the plan JSON schema (docs/sglang.md). No rendering here."""
+"""What `dispatch sglang plan` shows, as data: one decision (decide.decide_in with one
+Context: the plan's policies, selections and library inventory) for the launch's GPUs, as
+frozen records (LaunchPlan); `LaunchPlan.to_dict()` is the plan JSON schema
+(docs/sglang.md). With `-- SGLANG ARGS` the launch is what SGLang's own argument
+resolution makes of them, run in this process with the plugin's launch step
+(sglang_resolution). No rendering here (render.py writes the text from the records)."""
 from __future__ import annotations
+
+import logging
+import os
+from typing import Optional
+
+import attrs
+
+import capdispatch as cd
 
 SCHEMA = 2
 PLATFORM_FACTS = ("is_sm90", "is_sm100", "is_sm120", "is_blackwell", "device_sm")
+
+
+@attrs.frozen
+class SglangRelease:
+    """The SGLang the plan is for: its version, whether it is installed here, the knob
+    map's tested range, and whether the version is inside it."""
+    version: str
+    installed: bool
+    tested: str
+    in_range: bool
+
+    def to_dict(self) -> dict:
+        return attrs.asdict(self)
+
+
+@attrs.frozen
+class ModelInfo:
+    """The launch's model architecture (ASSUMED: no SGLang arguments were given) and KV dtype."""
+    architecture: Optional[str]
+    assumed: bool
+    kv_cache_dtype: Optional[str]
+
+    def to_dict(self) -> dict:
+        return attrs.asdict(self)
+
+
+@attrs.frozen
+class RankPlan:
+    """One rank: its GPU, its card, per op its choice, and the SGLang platform facts set for it."""
+    rank: int
+    gpu_id: int
+    device: cd.DeviceSpec
+    choices: dict                # op -> records.OpChoice
+    arch: dict                   # platform fact -> value
+
+    def to_dict(self) -> dict:
+        return {"rank": self.rank, "gpu_id": self.gpu_id, "device": self.device.to_dict(),
+                "ops": {op: c.to_dict() for op, c in self.choices.items()}, "arch": dict(self.arch)}
+
+
+@attrs.frozen
+class ShapeRejection:
+    """A backend a rank's shapes put outside its declared range, with the check's need and found."""
+    device: str
+    op: str
+    backend: str
+    code: str
+    need: str
+    found: str
+    wording: str                 # the check's one wording (need vs found)
+
+    def to_dict(self) -> dict:
+        return attrs.asdict(self)
+
+
+def _launch_dict(s) -> dict:
+    return {"kind": s.kind, "name": s.name, "value": s.value, "wants": s.rule.value, "action": s.action,
+            "why": s.why, "devices": list(s.devices)}
+
+
+def _sglang_dict(s) -> dict:
+    return {"kind": s.kind, "name": s.name, "ops": list(s.ops), "action": s.action, "user": s.user,
+            "wants": {v: list(ds) for v, ds in s.wants.items()}, "without": list(s.without),
+            "routed": dict(s.routed), "why": s.why}
+
+
+@attrs.frozen
+class LaunchPlan:
+    """The plan for a launch. Outside the tested range only SGLANG and NOTE say anything.
+    LAUNCH: the launch settings (records.GroupSetting with a rule); SGLANG_SETTINGS: the
+    SGLang settings the choices need (reported); INVENTORY: whose libraries the decision
+    used, as `dispatch explain --format json` says it; SHAPES: the model's RankShape
+    (None: no --model); RESOLVED: the fields SGLang's own resolution gave (`-- SGLANG ARGS`)."""
+    sglang: SglangRelease
+    note: Optional[str] = None
+    inventory: dict = attrs.field(factory=dict)
+    model: Optional[ModelInfo] = None
+    ops: tuple = ()
+    reason: str = ""
+    gpu_ids: tuple = ()
+    launch: tuple = ()
+    ranks: tuple = ()
+    sglang_settings: tuple = ()
+    warnings: tuple = ()
+    shapes: Optional[cd.RankShape] = None
+    shape_rejections: tuple = ()
+    resolved: Optional[dict] = None
+
+    @property
+    def whose(self) -> str:
+        return self.inventory.get("whose", "this machine's")
+
+    def to_dict(self) -> dict:
+        """The plan JSON (schema SCHEMA, docs/sglang.md)."""
+        out = {"schema": SCHEMA, "sglang": self.sglang.to_dict()}
+        if not self.sglang.in_range:
+            out.update(note=self.note, launch=[], ranks=[], sglang_settings=[], warnings=[])
+            return out
+        out.update(
+            inventory=dict(self.inventory), model=self.model.to_dict(), ops=list(self.ops), reason=self.reason,
+            gpu_ids=list(self.gpu_ids), launch=[_launch_dict(s) for s in self.launch],
+            ranks=[r.to_dict() for r in self.ranks],
+            sglang_settings=[_sglang_dict(s) for s in self.sglang_settings], warnings=list(self.warnings),
+            shapes=self.shapes.to_dict() if self.shapes is not None else None,
+            shape_rejections=[r.to_dict() for r in self.shape_rejections])
+        if self.resolved is not None:
+            out["sglang_resolved"] = dict(self.resolved)
+        return out
 
 
 def newest(k) -> str:
@@ -13,11 +133,10 @@ def newest(k) -> str:
 
 
 def _devices(ids, env):
-    import capdispatch as cd
 
-    from . import rig
+    from . import gpus
     try:
-        return rig.devices(ids, env=env, via="nvml")
+        return gpus.devices(ids, env=env, via="nvml")
     except cd.ProbeError as exc:
         hint = exc.hint or "simulate them with --device sim:NAME[,sim:NAME...]"
         raise cd.BadInput(f"cannot read the launch's GPUs ({', '.join(f'cuda:{g}' for g in ids)}) "
@@ -29,7 +148,6 @@ def inventory(options, env, specs=None):
     top, or None for this machine's; a bad name is refused now, before SGLang runs.
     SPECS all simulated and nothing said of libraries: the default profile
     (cd.target_libs, as `dispatch explain` plans them)."""
-    import capdispatch as cd
     libs = cd.target_libs(specs or (), options.libs, options.assume_libs)
     if libs is None:
         return None
@@ -59,79 +177,23 @@ def inventory_dict(d, ctx) -> dict:
     return dict(ctx.inventory.to_dict(), note="")
 
 
-def kind(res) -> str:
-    """How the matrix marks a resolution (capdispatch.dispatch.render.KINDS): first
-    preference, fallback, downgraded explicit choice, or changed by mixed_group: uniform."""
-    if res is None:
-        return "first"
-    if res.downgraded_from:
-        return "downgraded"
-    if res.source.startswith("mixed_group: uniform"):
-        return "uniform"
-    return "fallback" if res.fallback else "first"
-
-
-def cell_kind(c) -> str:
-    """The matrix's mark for choice C: its resolution's (kind), except where SGLang's own
-    kernel runs in place of the decision (a kept op with no routable site): that cell
-    names SGLang's kernel, marked only as downgraded when an explicit choice was not
-    carried out (C's warning says so)."""
-    if c.action == "kept" and c.resolution is not None and c.runs != c.backend:
-        return "downgraded" if c.warning else "first"
-    return kind(c.resolution)
-
-
-def bucket_rows(c) -> list:
-    """The size buckets of choice C, each with what runs there and how: C's own per-bucket
-    choices (a route keeps SGLang's call for some sizes), else the resolution's buckets
-    carried out as the whole op is. Empty without buckets."""
-    res = c.resolution
-    if res is None or not res.buckets:
-        return []
-    key = res.size_key or "size"
-    if c.buckets:
-        rows = [(b.label(), b.lower, b.upper, b.backend, b.action, b.runs) for b in c.buckets]
-    else:
-        rows = [(b.label(key), b.lower, b.upper, b.backend, c.action,
-                 b.backend if c.action == "routed" else c.runs) for b in res.buckets]
-    return [{key: label, "lower": lower, "upper": upper, "backend": backend, "action": action, "runs": runs}
-            for label, lower, upper, backend, action, runs in rows]
-
-
-def op_dict(c) -> dict:
-    """One op on one rank: what runs, how, and why. `backend` is capdispatch's decision
-    (the catch-all bucket's), `runs` the kernel that runs (SGLang's own where kept),
-    `buckets` the size buckets with kept / routed per bucket."""
-    res = c.resolution
-    return {"backend": c.backend, "runs": c.runs, "action": c.action, "routed": c.routed, "why": c.why,
-            "kind": cell_kind(c),
-            "setting": [s.label for s in c.setting] if c.setting else None,
-            "source": res.source if res else None,
-            "downgraded_from": res.downgraded_from if res else None,
-            "size_key": res.size_key if res is not None and res.buckets else None,
-            "buckets": bucket_rows(c)}
-
-
-def rank_dict(i, gpu_id, spec, d, release) -> dict:
-    from . import archfacts
-    facts = archfacts.facts(spec, release.arch)
+def rank_plan(i, gpu_id, spec, d, release) -> RankPlan:
+    from . import sglang_facts
+    facts = sglang_facts.facts(spec, release.arch)
     platform = {f: facts[src] for f, src in release.arch["platform"].items() if f in PLATFORM_FACTS}
-    return {"rank": i, "gpu_id": gpu_id, "device": spec.to_dict(),
-            "ops": {op: op_dict(row[spec.id]) for op, row in d.choices.items()}, "arch": platform}
+    return RankPlan(i, gpu_id, spec, {op: row[spec.id] for op, row in d.choices.items()}, platform)
 
 
 def rank_shapes(model, tp_size):
     """The RankShape of MODEL ({"name", "ep", "dp_attention", "next_n"}) at TP_SIZE, or None."""
-    import capdispatch as cd
     if model is None:
         return None
     return cd.load_model(model["name"]).for_rank(tp_size, model["ep"], model["dp_attention"],
                                                  next_n=model["next_n"])
 
 
-def shape_rejections(d) -> list:
-    """Every backend a rank's shapes put outside its declared range: rank device, op,
-    backend, and the check's need and found."""
+def shape_rejections(d) -> tuple:
+    """Every backend a rank's shapes put outside its declared range (ShapeRejection...)."""
     out = []
     for op, row in d.choices.items():
         for did, c in row.items():
@@ -139,19 +201,17 @@ def shape_rejections(d) -> list:
             for cand in (res.candidates if res is not None else ()):
                 for ch in cand.checks:
                     if ch.code.startswith("shape:") and not ch.ok:
-                        out.append({"device": did, "op": op, "backend": cand.backend, "code": ch.code,
-                                    "need": ch.need, "found": ch.found, "wording": ch.wording})
-    return out
+                        out.append(ShapeRejection(did, op, cand.backend, ch.code, ch.need, ch.found, ch.wording))
+    return tuple(out)
 
 
-def build(*, tp=None, sglang_args=None, options, env: dict, model=None) -> dict:
+def build(*, tp=None, sglang_args=None, options, env: dict, model=None) -> LaunchPlan:
     """The plan for a launch. OPTIONS: records.PlanOptions; ENV: the environment a
-    launch would see (CAPDISPATCH_POLICY, CAPDISPATCH_STRICT, the simulated rig); MODEL:
+    launch would see (CAPDISPATCH_POLICY, CAPDISPATCH_STRICT, the simulated GPUs); MODEL:
     {"name", "ep", "dp_attention", "next_n"} to check the kernels' shape ranges at each
     rank's shapes (None: not checked)."""
-    import capdispatch as cd
 
-    from . import decide, knobs, rig, versions
+    from . import decide, knobs, gpus, versions
     from .records import LaunchInputs
     if tp is not None and tp < 1:
         raise cd.BadInput(f"--tp {tp}: expected an integer >= 1")
@@ -162,47 +222,131 @@ def build(*, tp=None, sglang_args=None, options, env: dict, model=None) -> dict:
         raise cd.BadInput("SGLang arguments were given after `--` but SGLang is not installed; "
                           "install it, or plan without `-- ...` (a DeepSeek-V4 launch with defaults)")
     version = installed or newest(k)
-    verdict = versions.check(version, knobs=k)
-    out = {"schema": SCHEMA, "sglang": {"version": version, "installed": installed is not None,
-                                        "tested": verdict.tested, "in_range": verdict.ok}}
+    verdict = versions.check(version, k)
+    release_info = SglangRelease(version, installed is not None, verdict.tested, verdict.ok)
     if not verdict.ok:
-        out.update(note=verdict.message, launch=[], ranks=[], sglang_settings=[], warnings=[])
-        return out
+        return LaunchPlan(release_info, note=verdict.message)
     release = k.release(version)
     fields = None
     if sglang_args is not None:
-        from . import sglang_run
-        run = sglang_run.run(sglang_args, release, env, options, tp=tp)
+        run = sglang_resolution(sglang_args, release, env, options, tp=tp)
         inputs, tp_size, layout, fields = run.inputs, run.tp_size, run.layout, run.fields
         assumed = False
     else:
         arch = next(iter(release.models))
         ops, reason = decide.applicable_ops(release, arch, "auto")
         inputs = LaunchInputs(arch, "auto", ops, reason, frozenset(), {},
-                              {n: env[n] for n in release.route_env_names() if n in env},
-                              options.selections, options.selection_origin, options.policy,
-                              options.assume_libs, options.strict)
-        found = rig.simulated_rig(env)
+                              {n: env[n] for n in release.route_env_names() if n in env}, options)
+        found = gpus.simulated_devices(env)
         tp_size, layout, assumed = tp or (len(found) if found else 1), {}, True
-    ids = rig.gpu_ids(tp_size=tp_size, **layout)
+    ids = gpus.gpu_ids(tp_size=tp_size, **layout)
     shapes = rank_shapes(model, tp_size)
     specs = _devices(ids, env)
     libs = inventory(options, env, specs)
     d, ctx = decision(specs, release, inputs, libs=libs, env=env, shapes=shapes)
-    out.update(
-        inventory=inventory_dict(d, ctx),
-        model={"architecture": inputs.model, "assumed": assumed, "kv_cache_dtype": inputs.kv_cache_dtype},
-        ops=list(inputs.ops), reason=inputs.reason, gpu_ids=ids,
-        launch=[{"kind": s.setting.kind, "name": s.setting.name, "value": s.value,
-                 "wants": s.setting.value, "action": s.action, "why": s.setting.why,
-                 "devices": list(s.devices)} for s in d.settings],
-        ranks=[rank_dict(i, g, spec, d, release) for i, (g, spec) in enumerate(zip(ids, specs))],
-        sglang_settings=[{"kind": s.kind, "name": s.name, "ops": list(s.ops), "action": s.action,
-                          "user": s.user, "wants": {v: list(ds) for v, ds in s.wants.items()},
-                          "without": list(s.without), "routed": dict(s.routed), "why": s.why} for s in d.sglang],
-        warnings=list(d.warnings),
-        shapes=shapes.to_dict() if shapes is not None else None,
-        shape_rejections=shape_rejections(d) if shapes is not None else [])
-    if fields is not None:
-        out["sglang_resolved"] = fields
-    return out
+    return LaunchPlan(
+        release_info, inventory=inventory_dict(d, ctx),
+        model=ModelInfo(inputs.model, assumed, inputs.kv_cache_dtype),
+        ops=tuple(inputs.ops), reason=inputs.reason, gpu_ids=tuple(ids), launch=d.settings,
+        ranks=tuple(rank_plan(i, g, spec, d, release) for i, (g, spec) in enumerate(zip(ids, specs))),
+        sglang_settings=d.sglang, warnings=tuple(d.warnings), shapes=shapes,
+        shape_rejections=shape_rejections(d) if shapes is not None else (), resolved=fields)
+
+
+def sglang_resolution(sglang_args, release, env: dict, options, *, tp=None):
+    """SGLang's own argument preparation and resolution of SGLANG_ARGS, as `python -m
+    sglang.launch_server` would run them, with the plugin's launch step, in this process,
+    under ENV (the environment a launch would see) and OPTIONS (records.PlanOptions). The
+    process environment and the plugin's log level are restored afterwards, whatever
+    happens. Returns a records.SglangRun."""
+    from . import launch
+    from .records import SglangRun
+    argv = list(sglang_args)
+    given = launch.cli_fields(argv)
+    before = dict(os.environ)
+    logger = logging.getLogger("capdispatch.sglang")
+    level = logger.level
+    try:
+        os.environ.clear()
+        os.environ.update(env)
+        logger.setLevel(logging.ERROR)   # the plan says it all
+        vision_placeholder()
+        from sglang.srt.arg_groups.overrides import resolution_result
+        from sglang.srt.server_args import prepare_server_args
+        if tp is not None:
+            if "tp_size" in given:
+                if prepare_server_args(argv).tp_size != tp:
+                    raise cd.BadInput(f"--tp {tp} disagrees with SGLang's --tp-size in the SGLang arguments")
+            else:
+                argv += ["--tp-size", str(tp)]
+        if "log_level" not in given:
+            argv += ["--log-level", "warning"]
+        launch.register_step(release.hooks.resolution_step)
+        try:
+            sa = prepare_server_args(argv)
+        except SystemExit as exc:
+            raise cd.BadInput(f"SGLang rejected the arguments {' '.join(sglang_args)!r} "
+                              f"(argparse exit {exc.code})") from None
+        setattr(sa, launch.OPTIONS_ATTR, options)
+        try:
+            sa.resolve_once()
+        except (cd.BadInput, cd.Unsatisfiable):
+            raise
+        except Exception as exc:
+            raise cd.BadInput(f"SGLang's argument resolution failed: {type(exc).__name__}: {exc}") from None
+        inputs = getattr(sa, launch.INPUTS_ATTR, None)
+        if inputs is None:      # the plugin's step did not run: read the record as a rank would
+            inputs = launch.record_inputs(sa, release, lambda f: resolution_result(sa, f))
+        names = {s.name for s in release.settings if s.kind == "field"} | {"kv_cache_dtype", "tp_size"}
+        fields = {f: resolution_result(sa, f) for f in sorted(names)}
+        fields.update({s.name: os.environ.get(s.name) for s in release.settings if s.kind == "env"})
+        layout = {f: resolution_result(sa, f) for f in ("pp_size", "nnodes", "node_rank", "base_gpu_id",
+                                                         "gpu_id_step", "dp_size")}
+        layout["dp_attention"] = (bool(resolution_result(sa, "enable_dp_attention"))
+                                  or resolution_result(sa, "attn_dp_size") > 1)
+        return SglangRun(inputs, resolution_result(sa, "tp_size"), layout, fields)
+    finally:
+        os.environ.clear()
+        os.environ.update(before)
+        logger.setLevel(level)
+
+
+def vision_placeholder() -> None:
+    """SGLang's argument resolution imports torchvision (sglang.srt.configs, for multimodal
+    models), which a CPU planning machine rarely has: PyPI's torchvision is built for CUDA
+    torch and does not load against a CPU one. Where torchvision is absent, this process
+    (planning only: it never serves) gets placeholder modules, put in after transformers has
+    decided torchvision is unavailable, so no vision code path is taken. The tests' prelude
+    (tests/sglang_prelude.py) calls it too."""
+    import enum
+    import importlib.util
+    import sys
+    import types
+    if "torchvision" in sys.modules or importlib.util.find_spec("torchvision") is not None:
+        return
+    import transformers.utils.import_utils as iu
+    if iu.is_torchvision_available():
+        return
+
+    class InterpolationMode(enum.Enum):
+        NEAREST = "nearest"
+        BILINEAR = "bilinear"
+        BICUBIC = "bicubic"
+        LANCZOS = "lanczos"
+
+    def placeholder(name):
+        m = types.ModuleType(name)
+
+        def __getattr__(attr):
+            if attr.startswith("__"):
+                raise AttributeError(attr)
+            if attr == "InterpolationMode":
+                return InterpolationMode
+            return type(attr, (), {"__init__": lambda self, *a, **k: None})
+        m.__getattr__ = __getattr__
+        m.__capdispatch_placeholder__ = True
+        sys.modules[name] = m
+
+    for name in ("torchvision", "torchvision.transforms", "torchvision.transforms.functional",
+                 "torchvision.transforms.v2", "torchvision.io", "torchvision.ops"):
+        placeholder(name)

@@ -32,7 +32,7 @@ def _decided(decision, spec) -> dict:
 def verified(spec, decide, *, env=None, budget_s: float = VERIFY_BUDGET_S):
     """(decision, log text or None). DECIDE(env) makes this rank's decision."""
     import capdispatch as cd
-    if spec.simulated:               # a simulated rig has no card to prove anything on
+    if spec.simulated:               # nothing to prove on a simulated card
         return decide(env), None
     base = dict(os.environ if env is None else env)
     trial = env if base.get("CAPDISPATCH_VERIFY") else dict(base, CAPDISPATCH_VERIFY="warn")

@@ -29,7 +29,7 @@ def _release():
 def _inputs(server_args, release):
     """The launcher's LaunchInputs, or (its plugin was not loaded there) the record's own."""
     from . import launch
-    inputs = getattr(server_args, launch.STASH, None)
+    inputs = getattr(server_args, launch.INPUTS_ATTR, None)
     if inputs is not None:
         return inputs
     from sglang.srt.arg_groups.overrides import resolution_result
@@ -131,13 +131,13 @@ def configure(server_args, gpu_id: int, *, env=None):
     """Everything a rank does before its model exists. Returns its RankState."""
     import attrs
 
-    from . import archfacts, decide, moe_plan, proof, render, rig
+    from . import sglang_facts, decide, moe_plan, proof, render, gpus
     from .records import RankState
     release = _release()
     if release is None:
         return None
-    spec = rig.device(gpu_id, env=env, via="auto")
-    changes = archfacts.correct(spec, release.arch)
+    spec = gpus.device(gpu_id, env=env, via="auto")
+    changes = sglang_facts.correct(spec, release.arch)
     inputs = _inputs(server_args, release)
     inputs = attrs.evolve(inputs, user_env=user_env(release, inputs, env))
     moe_launch = moe_plan.record_value(server_args, release, inputs.explicit_fields)
@@ -157,7 +157,7 @@ def configure(server_args, gpu_id: int, *, env=None):
     facts = ", ".join(f"{n} {b!r} -> {a!r}" for n, b, a in changes) or "already this card's"
     what = render.summary(d, settings=False) if inputs.ops else f"no op to decide ({inputs.reason})"
     log.info("capdispatch: rank on %s (gpu_id %d): %s; SGLang's architecture facts: %s%s",
-             rig.describe(spec), gpu_id, what, facts, f"; {proof_text}" if proof_text else "")
+             gpus.describe(spec), gpu_id, what, facts, f"; {proof_text}" if proof_text else "")
     state = _report(state)
     _RANKS[gpu_id] = state
     return state
@@ -218,6 +218,7 @@ def agree(state, group):
     import torch.distributed as dist
 
     from . import decide
+    from .records import Agreement
     release, inputs = state.release, state.inputs
     ops = list(state.resolved)      # the same on every rank: derived from settings, not cards
     ctx = decide.context_of(release, inputs, state.env)
@@ -256,9 +257,8 @@ def agree(state, group):
     dist.all_gather_object(outcomes, {op: outcome(c) for op, c in mine.items()}, group=group)
     missed = carried_out(plan, choices, outcomes)
     digest = cd.plan_digest(plan)
-    agreement = {"ranks": [d.id for d in plan.devices], "rank": rank, "plan_digest": digest,
-                 "digest": install_digest(digest, outcomes), "installs": outcomes,
-                 "agreed": not missed, "not_carried_out": missed}
+    agreement = Agreement(tuple(d.id for d in plan.devices), rank, digest, install_digest(digest, outcomes),
+                          tuple(outcomes), tuple(missed))
     state = attrs.evolve(state, choices=mine, agreed=plan, agreement=agreement)
     _RANKS[state.gpu_id] = state = _report(state)
     if missed:

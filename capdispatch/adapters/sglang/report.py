@@ -52,8 +52,7 @@ def _canaries(c) -> dict:
 
 
 def op_entry(c, route) -> dict:
-    from .plan import op_dict
-    d = op_dict(c)
+    d = c.to_dict()
     d["route"] = None if route is None else route.target
     d["install"] = c.install
     d["canary"] = _canaries(c)
@@ -62,7 +61,7 @@ def op_entry(c, route) -> dict:
 
 def build(state, *, proof=None, agreement=None) -> dict:
     """The report of STATE (records.RankState); PROOF: the rank's verification line;
-    AGREEMENT: the group's record (rank.agree), None before the group exists."""
+    AGREEMENT: the group's records.Agreement, None before the group exists."""
     import time
 
     import capdispatch as cd
@@ -78,7 +77,7 @@ def build(state, *, proof=None, agreement=None) -> dict:
         "ops": {op: op_entry(c, state.release.route(op, state.spec)) for op, c in state.choices.items()},
         "architecture_facts": [{"name": n, "before": repr(b), "after": repr(a)} for n, b, a in state.changes],
         "verification": proof,
-        "agreement": agreement,
+        "agreement": None if agreement is None else agreement.to_dict(),
     }
 
 
@@ -114,6 +113,6 @@ def summary_line(state, path, agreement=None) -> str:
         parts.append(f"{op}={what} {how}")
     text = f"capdispatch: rank {state.spec.id} (gpu_id {state.gpu_id}): " + ", ".join(parts)
     if agreement is not None:
-        text += (f"; group of {len(agreement['ranks'])}: digest {agreement['digest'][:12]}"
-                 + ("" if agreement["agreed"] else " (NOT agreed: see the warning)"))
+        text += (f"; group of {len(agreement.ranks)}: digest {agreement.digest[:12]}"
+                 + ("" if agreement.agreed else " (NOT agreed: see the warning)"))
     return text + f"; report {path if path is not None else 'not written'}"

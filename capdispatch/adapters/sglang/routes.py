@@ -26,6 +26,7 @@ import capdispatch as cd
 log = logging.getLogger("capdispatch.sglang")
 
 _KERNELS: dict = {}       # op -> {(device type, device index): kernel}
+_BACKENDS: dict = {}      # op -> {(device type, device index): the decided backend the kernel is}
 _INSTALLED: set = set()   # targets this process has hooked
 _ENV_SAVED: dict = {}     # target -> {name: value before the route switched it (None: unset)}
 _SAID: set = set()        # targets whose "cannot be hooked here" line this process logged
@@ -160,7 +161,7 @@ def moe_quant_method(original, self, layer, prefix):
     from .moe_method import make, new_tensor_key
     key = new_tensor_key()
     fn = _KERNELS.get("moe", {}).get(key)
-    method = None if fn is None else make(self, layer, prefix, fn, key)
+    method = None if fn is None else make(self, layer, prefix, fn, key, _BACKENDS["moe"][key])
     return original(self, layer, prefix) if method is None else method
 
 
@@ -265,8 +266,8 @@ def resolve(target: str) -> None:
 
 
 def install(route, kernel_fn, device_key, backend=None):
-    """Route ROUTE's call site to KERNEL_FN (capdispatch BACKEND) for tensors on
-    DEVICE_KEY. Returns None once routed, else why the route did not take effect
+    """Route ROUTE's call site to KERNEL_FN, the decided capdispatch BACKEND bound (for a
+    size dispatcher: its catch-all bucket's backend), for tensors on DEVICE_KEY. Returns None once routed, else why the route did not take effect
     (said in one WARNING per target and process)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookSource, HookType
     what = f"{route.op}" + (f" (capdispatch {backend})" if backend else "")
@@ -298,6 +299,7 @@ def install(route, kernel_fn, device_key, backend=None):
             return f"SGLang could not hook {route.target}"
         _INSTALLED.add(route.target)
     _KERNELS.setdefault(route.op, {})[device_key] = kernel_fn
+    _BACKENDS.setdefault(route.op, {})[device_key] = backend
     return None
 
 
@@ -343,3 +345,4 @@ def clear_env(route, environ, keep) -> list:
 def remove(op: str, device_key) -> None:
     """SGLang's own kernel again for DEVICE_KEY (the hook stays and passes through)."""
     _KERNELS.get(op, {}).pop(device_key, None)
+    _BACKENDS.get(op, {}).pop(device_key, None)

@@ -1,4 +1,5 @@
-"""Which SGLang releases the adapter acts on (the knob map's `tested` range)."""
+"""Which SGLang releases the adapter acts on (the knob map's `tested` range; the caller
+loads the knob map and hands it in)."""
 from __future__ import annotations
 
 from typing import NamedTuple, Optional
@@ -22,10 +23,10 @@ def installed() -> Optional[str]:
         return None
 
 
-def check(version: Optional[str] = None, knobs=None) -> Verdict:
-    """Is VERSION (default: the installed SGLang) one the adapter was tested with?"""
-    from . import knobs as _knobs
-    k = knobs or _knobs.load()
+def check(version: Optional[str], knobs) -> Verdict:
+    """Is VERSION (None: the installed SGLang) one the adapter was tested with, by the
+    knob map KNOBS (knobs.Knobs)?"""
+    k = knobs
     tested = k.tested_text or str(k.tested)
     version = version if version is not None else installed()
     if version is None:

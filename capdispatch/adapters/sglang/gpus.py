@@ -52,7 +52,7 @@ def gpu_ids(*, tp_size: int, pp_size: int = 1, nnodes: int = 1, node_rank: int =
     return out
 
 
-def simulated_rig(env=None) -> Optional[list]:
+def simulated_devices(env=None) -> Optional[list]:
     """The SIM_ENV device list, or None when unset."""
     import capdispatch as cd
     env = os.environ if env is None else env
@@ -77,13 +77,13 @@ def device(gpu_id: int, *, env=None, via: str = "nvml"):
     via="auto" falls back to torch.
     """
     import capdispatch as cd
-    rig = simulated_rig(env)
-    if rig is None:
+    listed = simulated_devices(env)
+    if listed is None:
         return _spec(f"cuda:{gpu_id}", "SGLang GPU", via=via)
-    if gpu_id >= len(rig):
-        raise cd.BadInput(f"{SIM_ENV} lists {len(rig)} device(s) (cuda:0..cuda:{len(rig) - 1}) "
+    if gpu_id >= len(listed):
+        raise cd.BadInput(f"{SIM_ENV} lists {len(listed)} device(s) (cuda:0..cuda:{len(listed) - 1}) "
                           f"but the launch uses cuda:{gpu_id}")
-    return _spec(rig[gpu_id], f"{SIM_ENV} entry {gpu_id}", via=via).with_id(f"cuda:{gpu_id}")
+    return _spec(listed[gpu_id], f"{SIM_ENV} entry {gpu_id}", via=via).with_id(f"cuda:{gpu_id}")
 
 
 def devices(ids, *, env=None, via: str = "nvml") -> list:

@@ -35,7 +35,7 @@ def facts(spec, arch: dict) -> dict:
     return out
 
 
-class Fixed:
+class PinnedProbe:
     """A probe that answers for this rank's card. Keeps lru_cache's helpers so
     callers of cache_clear()/cache_info() still work."""
 
@@ -55,17 +55,17 @@ class Fixed:
         return info() if info else None
 
     def __repr__(self) -> str:
-        return f"<capdispatch fixed {self.__name__}() -> {self.value!r}>"
+        return f"<capdispatch pinned {self.__name__}() -> {self.value!r}>"
 
 
 def _original(obj):
-    return obj.__wrapped__ if type(obj) is Fixed else obj
+    return obj.__wrapped__ if type(obj) is PinnedProbe else obj
 
 
 def _cached_value(fn):
     """The value SGLang had cached, without computing one."""
     info = getattr(fn, "cache_info", None)
-    if isinstance(fn, Fixed):
+    if isinstance(fn, PinnedProbe):
         return fn.value
     if info is not None and info().currsize:
         return fn()
@@ -74,7 +74,7 @@ def _cached_value(fn):
 
 def _rebind(replacements: dict) -> int:
     """Replace every module global that is one of the originals (by identity),
-    or an earlier Fixed of it, across loaded modules: from-import copies too."""
+    or an earlier PinnedProbe of it, across loaded modules: from-import copies too."""
     count = 0
     for mod in list(sys.modules.values()):
         try:
@@ -85,7 +85,7 @@ def _rebind(replacements: dict) -> int:
             continue
         for attr, value in list(d.items()):
             # type() and id() only: module globals may be proxies that misbehave on access.
-            new = replacements.get(id(value.__wrapped__ if type(value) is Fixed else value))
+            new = replacements.get(id(value.__wrapped__ if type(value) is PinnedProbe else value))
             if new is not None and value is not new:
                 try:
                     setattr(mod, attr, new)
@@ -107,8 +107,8 @@ def correct(spec, arch: dict) -> list:
         if current is None:
             continue
         before = _cached_value(current)
-        fixed = Fixed(name, values[name], _original(current))
-        replacements[id(fixed.__wrapped__)] = fixed
+        pinned = PinnedProbe(name, values[name], _original(current))
+        replacements[id(pinned.__wrapped__)] = pinned
         if before != "(not computed)" and before != values[name]:
             changes.append((name, before, values[name]))
     _rebind(replacements)
