@@ -133,3 +133,56 @@ def test_one_card_at_the_model_heads():
     r = _rehearse("cuda:0", libs=None, layers=2, prompt=8, steps=3, timeout=120)
     assert r.ok, r.cause
     assert r.dims["heads"] == 64 and all(o.substituted is None for o in r.ranks[0].ops)
+
+
+# --- emulated cards on a CUDA device: decisions, substitutions and the report (no GPU) -----------
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_a_card_kernel_the_device_lacks_runs_the_cards_next_preference(one_rank_group):
+    """An RTX 5090 emulated on an H200 (its facts simulated here): its SM120 kernels cannot run
+    there, so the rank runs the card's next runnable preference, marked; every kernel that ran
+    says what of the card's limits it does not take."""
+    import capdispatch as cd
+    from capdispatch.rehearse.rank import _bind_ops
+    spec = cd.probe("sim:rtx-5090").with_id("emu:rtx-5090@cuda:0")
+    plan = cd.agree(spec, group=None, libs="sglang-0.5.23",
+                    shapes=cd.load_model("deepseek-v4-flash").for_rank(1, 1, False))
+    bound = _bind_ops(0, plan, cd.probe("sim:h200"), True)
+    dm = bound["decode_mla"]
+    assert dm["decided"] == "flashinfer_sparse_mla" and dm["ran"] != dm["decided"]
+    assert "lacks sm120_block_scaled_mma" in dm["substituted"]
+    assert f"the card's next runnable preference {dm['ran']}" in dm["substituted"]
+    card = list(plan.ops["decode_mla"].per_device.values())[0]
+    names = [c.backend for c in card.candidates]
+    assert names.index(dm["ran"]) > names.index(dm["decided"])     # a later preference of the card's own
+    for e in bound.values():
+        assert (e["substituted"] is None) == (e["decided"] == e["ran"]) and e["not_emulated"]
+    assert _bind_ops(0, plan, cd.probe("sim:h200"), False)["moe"]["not_emulated"] is None
+
+
+def test_report_shows_the_emulated_facts_and_what_is_not_emulated():
+    from capdispatch.dispatch.rehearse_cmd import render
+    from capdispatch.rehearse.runner import OpRun, RankRun, Rehearsal
+    facts = dict(device="cuda:0", label="emu:rtx-3080@cuda:0", cc="8.6", sm_count=68,
+                 smem_optin_per_block=101376, memory=10 * 2 ** 30, fp8=False, card="rtx-3080",
+                 emulated=True, memory_cap=10 * 2 ** 30, note=None)
+    ops = (OpRun("moe", "flashinfer_cutlass_w4a8", "triton_w4a16", "flashinfer_cutlass_w4a8 cannot run on "
+                 "cuda:0 (...): ran the card's next runnable preference triton_w4a16", 2, 0.01, True, "ok",
+                 "compiled for the real card"),)
+    r = Rehearsal("m", 1, 1, "gloo", dict(layers=1, hidden=256, vocab=512, heads=64, experts=8, experts_total=8,
+                                          topk=6, intermediate=64), 1,
+                  (RankRun(0, "emu:rtx-3080@cuda:0", "sim:rtx-3080", "cuda:0", True, None, ops, 0.0, facts=facts),),
+                  True, 3e-2, None, 1.0)
+    text = render(r)
+    assert ("as rtx-3080 on cuda:0: launch tables of cc 8.6, 99 KB smem, 68 SMs, no fp8 (uint8 decode), "
+            "memory capped at 10 GiB") in text
+    assert "moe (rank 0): flashinfer_cutlass_w4a8 cannot run on cuda:0" in text
+    assert "not emulated" in text and "triton_w4a16 (rank 0): compiled for the real card" in text
+    assert r.to_dict()["ranks"][0]["facts"]["sm_count"] == 68

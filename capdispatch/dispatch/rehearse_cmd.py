@@ -82,10 +82,12 @@ def render(r) -> str:
              f"hidden {d['hidden']}, vocab {d['vocab']}, {d['heads']} heads/rank x 512, "
              f"{d['experts']}/{d['experts_total']} experts/rank (topk {d['topk']}, intermediate "
              f"{d['intermediate']}/rank); prefill + {r.steps} decode steps; {r.wall_s:.1f} s", ""]
-    subs = []
+    subs, notes = [], {}
     for k in r.ranks:
         err = "-" if k.max_rel_err is None else f"{k.max_rel_err:.1e}"
         lines.append(f"rank {k.rank}  {k.device}  ({'ok' if k.ok else 'FAILED'}; logits rel err {err})")
+        if k.facts.get("emulated"):
+            lines.append("  " + facts_line(k.facts))
         for o in k.ops:
             mark = "*" if o.substituted else " "
             check = "-" if o.ok is None else ("ok" if o.ok else "DIFFERS")
@@ -95,6 +97,8 @@ def render(r) -> str:
                 subs.append((o.op, o.substituted, k.rank))
             if o.ok is False:
                 lines.append(f"    {o.detail}")
+            if o.not_emulated:
+                notes.setdefault((o.ran, o.not_emulated), []).append(str(k.rank))
         if k.error:
             lines.append(f"  error: {k.error}")
     lines.append("")
@@ -106,6 +110,11 @@ def render(r) -> str:
         for (op, why), ranks in seen.items():
             lines.append(f"  {op} (rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)}): {why}")
         lines.append("")
+    if notes:
+        lines.append("not emulated (the emulated cards' limits a kernel that ran does not take):")
+        for (ran, what), ranks in notes.items():
+            lines.append(f"  {ran} (rank{'s' if len(ranks) > 1 else ''} {', '.join(dict.fromkeys(ranks))}): {what}")
+        lines.append("")
     if r.reference:
         lines.append(f"no comparison: {r.reference}")
     if r.cause:
@@ -114,3 +123,13 @@ def render(r) -> str:
     lines.append(f"{verdict}: each call checked against its op's reference on the same inputs; the group's "
                  f"logits against a single-process reference (relative error <= {r.tolerance:.0e} per step)")
     return "\n".join(lines)
+
+
+def facts_line(f: dict) -> str:
+    """One line: the emulated card's facts the rank's kernels launched by."""
+    if f.get("note"):
+        return f"as {f['card']}: {f['note']}"
+    smem = f"{f['smem_optin_per_block'] // 1024} KB smem" if f.get("smem_optin_per_block") else "smem ?"
+    mem = f"memory capped at {f['memory_cap'] / 2 ** 30:.0f} GiB" if f.get("memory_cap") else "memory not capped"
+    return (f"as {f['card']} on {f['device']}: launch tables of cc {f['cc']}, {smem}, {f['sm_count']} SMs, "
+            f"{'fp8' if f['fp8'] else 'no fp8 (uint8 decode)'}, {mem}")

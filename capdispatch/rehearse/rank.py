@@ -49,22 +49,42 @@ class _Progress:
             f.write(where)
 
 
-def _bind_ops(rank, plan, run_spec):
-    """op -> dict(decided, ran, substituted, fn, resolution) for this rank."""
+def _bind_ops(rank, plan, run_spec, emulated_on_gpu=False):
+    """op -> dict(decided, ran, substituted, not_emulated, fn) for this rank.
+
+    Where the card's decided kernel cannot run on the rank's device, the rank runs the
+    card's next preference that can (one the card could run too), else the device's own
+    choice; either is a marked substitution."""
     import capdispatch as cd
     from ..errors import CapdispatchError
+    from .emulation import not_emulated
     out = {}
     for op, g in plan.ops.items():
         res = list(g.per_device.values())[rank]
-        entry = {"decided": res.backend, "substituted": None}
+        entry = {"decided": res.backend, "substituted": None, "not_emulated": None}
         try:
             # Can the decided kernel run where this rank runs? (strict: no silent fallback)
             run_res = cd.resolve(op, run_spec, selections={op: res.backend}, strict=True)
         except CapdispatchError as exc:
-            run_res = cd.resolve(op, run_spec)
-            entry["substituted"] = (f"{res.backend} cannot run on {run_spec.id} ({_why(str(exc))}): "
-                                    f"ran {run_spec.id}'s own choice {run_res.backend}")
+            why = _why(str(exc))
+            run_res, what = None, None
+            names = [c.backend for c in res.candidates]
+            later = names[names.index(res.backend) + 1:] if res.backend in names else []
+            for c in res.candidates:
+                if c.backend in later and c.ok:
+                    try:
+                        run_res = cd.resolve(op, run_spec, selections={op: c.backend}, strict=True)
+                        what = f"the card's next runnable preference {c.backend}"
+                        break
+                    except CapdispatchError:
+                        continue
+            if run_res is None:
+                run_res = cd.resolve(op, run_spec)
+                what = f"{run_spec.id}'s own choice {run_res.backend}"
+            entry["substituted"] = f"{res.backend} cannot run on {run_spec.id} ({why}): ran {what}"
         entry["ran"] = run_res.backend
+        if emulated_on_gpu:
+            entry["not_emulated"] = not_emulated(run_res.backend)
         entry["fn"] = cd.bind_resolution(run_res, checks=False)
         out[op] = entry
     return out
@@ -116,6 +136,9 @@ def _run(cfg, rank, prog, result):
     world = len(cfg["devices"])
     if dev.run.startswith("cuda"):
         torch.cuda.set_device(torch.device(dev.run))
+    from .emulation import install
+    installed = install(dev)        # the card's facts for every launch of this process
+    result["facts"] = installed.to_dict()
     timeout = timedelta(seconds=cfg["collective_timeout"])
     prog.set("joining the group")
     # The rendezvous waits for ranks still starting; each all-reduce waits TIMEOUT at most.
@@ -129,7 +152,7 @@ def _run(cfg, rank, prog, result):
         shape = cd.load_model(cfg["model"]).for_rank(cfg["tp"], cfg["ep"], False)
         plan = cd.agree(spec, group=None, libs=cfg.get("libs"), shapes=shape)
         run_spec = cd.probe(dev.run)
-        bound = _bind_ops(rank, plan, run_spec)
+        bound = _bind_ops(rank, plan, run_spec, dev.emulated and dev.run != "cpu")
         result["decisions"] = {op: {k: v for k, v in e.items() if k != "fn"} for op, e in bound.items()}
         prog.set("building")
         d = M.dims_of(shape, layers=cfg["layers"], hidden=cfg["hidden"], vocab=cfg["vocab"],

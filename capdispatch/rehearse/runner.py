@@ -37,6 +37,7 @@ class OpRun:
     time_s: float = 0.0
     ok: Optional[bool] = None     # every call matched the reference op on the same inputs
     detail: Optional[str] = None
+    not_emulated: Optional[str] = None   # on an emulated card: what of its limits this kernel does not take
 
 
 @attrs.frozen
@@ -51,6 +52,7 @@ class RankRun:
     max_rel_err: Optional[float] = None   # its logits against the reference, worst step
     failed_op: Optional[str] = None       # the op the rank was in when it failed, if in one
     phases_s: dict = attrs.field(factory=dict)   # seconds: start (imports), join, decide (+ agree), run (build, forward, checks)
+    facts: dict = attrs.field(factory=dict)      # the DeviceFacts the rank's kernels launched by (+ memory_cap, note)
 
 
 @attrs.frozen
@@ -146,7 +148,8 @@ def rehearse(devices, model: str, *, tp: Optional[int] = None, ep: int = 1, laye
                      f"(bound {LOGITS_REL_TOL:.0e}) though every op matched its reference")
         where = res.get("where") or ""
         op = where.split(" ")[0] if where.split(" ")[0] in checks.OPS else None
-        ranks.append(RankRun(r, dv.text, dv.decide, dv.run, ok, error, ops, err, op, res.get("phases_s") or {}))
+        ranks.append(RankRun(r, dv.text, dv.decide, dv.run, ok, error, ops, err, op, res.get("phases_s") or {},
+                             res.get("facts") or {}))
     return Rehearsal(shape.model, tp, ep, backend, d.to_dict(), steps, tuple(ranks),
                      all(r.ok for r in ranks), LOGITS_REL_TOL, why, round(time.monotonic() - t0, 2),
                      _cause(ranks))
@@ -170,7 +173,7 @@ def _rel(a, b) -> float:
 def _op_run(op, e, s) -> OpRun:
     s = s or {}
     return OpRun(op, e["decided"], e.get("ran"), e.get("substituted"), s.get("calls", 0),
-                 round(s.get("time_s", 0.0), 6), s.get("ok"), s.get("worst"))
+                 round(s.get("time_s", 0.0), 6), s.get("ok"), s.get("worst"), e.get("not_emulated"))
 
 
 def _spawn(cfg_path, folder, world, timeout, start_timeout):
