@@ -186,3 +186,54 @@ def test_report_shows_the_emulated_facts_and_what_is_not_emulated():
     assert "moe (rank 0): flashinfer_cutlass_w4a8 cannot run on cuda:0" in text
     assert "not emulated" in text and "triton_w4a16 (rank 0): compiled for the real card" in text
     assert r.to_dict()["ranks"][0]["facts"]["sm_count"] == 68
+
+
+# --- CUDA graphs: the plan on CPU; capture and replay on a card (gpu) ----------------------------
+
+def test_graph_plan_follows_the_served_form():
+    from capdispatch.backends import builtin
+    from capdispatch.rehearse.graphs import graph_plan
+    ops = builtin().ops
+    cpu = graph_plan("cpu", True, None, 1, 1)
+    assert not cpu.on and "runs on the CPU" in cpu.why and not cpu.in_graph(ops["decode_mla"], 1, True)
+    assert "--no-graphs" in graph_plan("cuda:0", False, 10 * 2 ** 30, 3, 1).why
+    gib10 = graph_plan("cuda:0", True, 10 * 2 ** 30, 3, 2)        # an RTX 3080 at tp 3: bound 8 x next_n 2
+    assert gib10.on and gib10.capture_tokens == 16 and "capture bound 8" in gib10.why
+    assert gib10.in_graph(ops["decode_mla"], 16, True) and not gib10.in_graph(ops["decode_mla"], 17, True)
+    assert not gib10.in_graph(ops["decode_mla"], 1, False)          # prefill: eager
+    assert not gib10.in_graph(ops["sparse_prefill"], 1, True)       # a prefill-served op: eager
+    assert graph_plan("cuda:0", True, 141 * 2 ** 30, 1, 1).capture_tokens == 256
+
+
+def test_cpu_ranks_say_they_ran_eagerly():
+    from capdispatch.dispatch.rehearse_cmd import render
+    from capdispatch.rehearse.runner import OpRun, RankRun, Rehearsal
+    ops = (OpRun("moe", "torch", "torch", None, 2, 0.01, True, "ok"),)
+    r = Rehearsal("m", 2, 1, "gloo", dict(layers=1, hidden=256, vocab=512, heads=32, experts=8, experts_total=8,
+                                          topk=6, intermediate=64), 1,
+                  tuple(RankRun(i, "cpu", "cpu", "cpu", True, None, ops, 0.0,
+                                graphs="off: the rank runs on the CPU (no CUDA graphs), every call eager")
+                        for i in range(2)), True, 3e-2, None, 1.0)
+    assert "CUDA graphs: none on the CPU (ranks 0, 1): every call eager" in render(r)
+    assert "graphed" not in render(r)
+
+
+@pytest.mark.gpu
+def test_decode_steps_replay_from_cuda_graphs_on_a_card():
+    """cuda:0 alone and an emulated RTX 3080 on it: the decode steps' decode-served calls are
+    captured once per layer and shape and replayed (each replay checked against the reference),
+    prefill calls eager; --no-graphs runs them all eagerly."""
+    for devs in ("cuda:0", "emu:rtx-3080@cuda:0"):
+        r = _rehearse(devs, libs=None if devs == "cuda:0" else "sglang-0.5.23", layers=2, prompt=8, steps=3,
+                      timeout=120)
+        assert r.ok, r.cause
+        k = r.ranks[0]
+        assert "replayed from CUDA graphs" in k.graphs
+        by = {o.op: o for o in k.ops}
+        for op in ("decode_mla", "indexer", "moe", "kv_quant"):
+            assert by[op].ok and by[op].graphed == 2 * 3, by[op]          # 2 layers x 3 decode steps
+            assert 1 <= by[op].captures <= by[op].graphed
+        assert by["decode_mla"].captures == 2            # one shape per layer: replayed with new inputs
+        assert by["sparse_prefill"].graphed == 0 and by["kv_dequant"].graphed == 0
+    eager = _rehearse("cuda:0", libs=None, graphs=False, **SMALL)
+    assert eager.ok and all(o.graphed == 0 for o in eager.ranks[0].ops) and "--no-graphs" in eager.ranks[0].graphs

@@ -52,6 +52,9 @@ def add_parser(sub):
     p.add_argument("--libs", metavar="PROFILE",
                    help="decide for the target's libraries (e.g. sglang-0.5.23); kernels run with this "
                         "machine's, and a chosen kernel missing here is a marked substitution")
+    p.add_argument("--no-graphs", dest="graphs", action="store_false",
+                   help="run every call eagerly on CUDA ranks (default: decode steps' calls replayed from "
+                        "CUDA graphs within SGLang's capture bound, as served)")
     p.add_argument("--format", choices=("text", "json"), default="text",
                    help="text for people (default) or JSON for programs")
     return p
@@ -68,7 +71,7 @@ def run(args) -> int:
     r = runner.rehearse(devs, args.model, tp=args.tp, ep=args.ep, layers=args.layers, hidden=args.hidden,
                         vocab=args.vocab, experts=args.experts, intermediate=args.intermediate,
                         prompt=args.prompt, steps=args.steps, seed=args.seed, timeout=args.timeout,
-                        libs=args.libs, start_timeout=args.start_timeout)
+                        libs=args.libs, start_timeout=args.start_timeout, graphs=args.graphs)
     if args.format == "json":
         print(json.dumps(r.to_dict(), indent=2))
     else:
@@ -88,10 +91,13 @@ def render(r) -> str:
         lines.append(f"rank {k.rank}  {k.device}  ({'ok' if k.ok else 'FAILED'}; logits rel err {err})")
         if k.facts.get("emulated"):
             lines.append("  " + facts_line(k.facts))
+        if k.graphs and k.run != "cpu":
+            lines.append(f"  graphs: {k.graphs}")
         for o in k.ops:
             mark = "*" if o.substituted else " "
             check = "-" if o.ok is None else ("ok" if o.ok else "DIFFERS")
-            lines.append(f"  {o.op:<15} {o.decided:<24}{mark} ran {str(o.ran):<14} {o.calls:>3} calls "
+            graphed = f" ({o.graphed} graphed)" if o.graphed else ""
+            lines.append(f"  {o.op:<15} {o.decided:<24}{mark} ran {str(o.ran):<14} {o.calls:>3} calls{graphed} "
                          f"{o.time_s * 1e3:>8.1f} ms  {check}")
             if o.substituted:
                 subs.append((o.op, o.substituted, k.rank))
@@ -115,6 +121,10 @@ def render(r) -> str:
         for (ran, what), ranks in notes.items():
             lines.append(f"  {ran} (rank{'s' if len(ranks) > 1 else ''} {', '.join(dict.fromkeys(ranks))}): {what}")
         lines.append("")
+    cpu = [str(k.rank) for k in r.ranks if k.run == "cpu"]
+    if cpu:
+        lines.append(f"CUDA graphs: none on the CPU (rank{'s' if len(cpu) > 1 else ''} {', '.join(cpu)}): "
+                     f"every call eager")
     if r.reference:
         lines.append(f"no comparison: {r.reference}")
     if r.cause:

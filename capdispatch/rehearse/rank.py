@@ -164,6 +164,12 @@ def _run(cfg, rank, prog, result):
         phase = ["prefill"]
         stats = {op: {"calls": 0, "time_s": 0.0, "ok": True, "worst": None} for op in bound}
         moe_layouts = {}
+        from ..backends import builtin
+        from .graphs import Graphs, graph_plan
+        decls = builtin().ops
+        gplan = graph_plan(dev.run, cfg.get("graphs", True), installed.facts.memory, cfg["tp"], shape.next_n)
+        graphs = Graphs(device) if gplan.on else None
+        result["graphs"] = gplan.why
 
         def ops(name, layer, *args):
             e = bound[name]
@@ -177,9 +183,16 @@ def _run(cfg, rank, prog, result):
                 if mw is None:
                     mw = moe_layouts[layer] = _moe_layout(args[1], e["ran"])
             spent = []
+            call_args = tuple(args) if mw is None else (args[0], mw) + tuple(args[2:])
+            size = args[0].shape[0] * (args[0].shape[1] if name == "decode_mla" else 1)
+            entry = None
+            if graphs is not None and gplan.in_graph(decls[name], size, phase[0] != "prefill"):
+                entry = graphs.call(name, layer, fn, call_args)
 
             def timed(*a):
-                # The kernel's time alone: the reference check around it is not counted.
+                # The kernel's time alone (a graph's replay): the reference check is not counted.
+                if entry is not None:
+                    return graphs.replay(entry, a, spent)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 t0 = time.perf_counter()
@@ -191,6 +204,8 @@ def _run(cfg, rank, prog, result):
 
             out, ok, detail = checks.call_checked(name, timed, args, mw)
             s = stats[name]
+            if entry is not None:
+                s["graphed"] = s.get("graphed", 0) + 1
             s["calls"] += 1
             s["time_s"] += sum(spent)
             if not ok and s["ok"]:
@@ -217,6 +232,8 @@ def _run(cfg, rank, prog, result):
                 pos = cfg["prompt"] + s
                 x = emb[toks[pos:pos + 1].to(device)]
                 logits.append(M.forward(d, [w], ops, reduce, x, pos, caches, s + 1, seed, prefill=False).cpu())
+        for op_name, n in (graphs.captures.items() if graphs is not None else ()):
+            stats[op_name]["captures"] = n
         result["ops"] = stats
         ends = prog.phases[1:] + [["end", time.monotonic()]]
         names = {"starting": "start", "joining the group": "join", "deciding and agreeing": "decide",

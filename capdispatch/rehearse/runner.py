@@ -38,6 +38,8 @@ class OpRun:
     ok: Optional[bool] = None     # every call matched the reference op on the same inputs
     detail: Optional[str] = None
     not_emulated: Optional[str] = None   # on an emulated card: what of its limits this kernel does not take
+    graphed: int = 0              # calls replayed from a CUDA graph (the rest ran eagerly)
+    captures: int = 0             # graphs captured (one per layer and call shape)
 
 
 @attrs.frozen
@@ -53,6 +55,7 @@ class RankRun:
     failed_op: Optional[str] = None       # the op the rank was in when it failed, if in one
     phases_s: dict = attrs.field(factory=dict)   # seconds: start (imports), join, decide (+ agree), run (build, forward, checks)
     facts: dict = attrs.field(factory=dict)      # the DeviceFacts the rank's kernels launched by (+ memory_cap, note)
+    graphs: Optional[str] = None  # where the rank replays CUDA graphs, or why it does not
 
 
 @attrs.frozen
@@ -90,11 +93,12 @@ def plan_shape(model: str, tp: int, ep: int):
 def rehearse(devices, model: str, *, tp: Optional[int] = None, ep: int = 1, layers: int = 2,
              hidden: int = 256, vocab: int = 512, experts: int = 8, intermediate: int = 64,
              prompt: int = 8, steps: int = 3, seed: int = 0, timeout: float = 60.0,
-             libs: Optional[str] = None, start_timeout: float = 120.0) -> Rehearsal:
+             libs: Optional[str] = None, start_timeout: float = 120.0, graphs: bool = True) -> Rehearsal:
     """Rehearse DEVICES (RankDevice..., one per rank) as one TP group on MODEL.
 
     TIMEOUT: seconds a rank may go without progress (and each all-reduce may wait);
-    START_TIMEOUT: seconds a rank may take to start (imports, device)."""
+    START_TIMEOUT: seconds a rank may take to start (imports, device); GRAPHS: replay decode
+    steps' calls from CUDA graphs on CUDA ranks (graphs.py)."""
     from . import checks
     from . import model as M
     from .rank import FAULT_ENV, parse_fault
@@ -123,7 +127,7 @@ def rehearse(devices, model: str, *, tp: Optional[int] = None, ep: int = 1, laye
         cfg = dict(devices=[dv.text for dv in devices], model=model, tp=tp, ep=ep, layers=layers,
                    hidden=hidden, vocab=vocab, experts=experts, intermediate=intermediate,
                    prompt=prompt, steps=steps, seed=seed, libs=libs, backend=backend, port=_port(),
-                   folder=folder, collective_timeout=timeout, start_timeout=start_timeout)
+                   folder=folder, collective_timeout=timeout, start_timeout=start_timeout, graphs=graphs)
         cfg_path = os.path.join(folder, "config.json")
         with open(cfg_path, "w") as f:
             json.dump(cfg, f)
@@ -149,7 +153,7 @@ def rehearse(devices, model: str, *, tp: Optional[int] = None, ep: int = 1, laye
         where = res.get("where") or ""
         op = where.split(" ")[0] if where.split(" ")[0] in checks.OPS else None
         ranks.append(RankRun(r, dv.text, dv.decide, dv.run, ok, error, ops, err, op, res.get("phases_s") or {},
-                             res.get("facts") or {}))
+                             res.get("facts") or {}, res.get("graphs")))
     return Rehearsal(shape.model, tp, ep, backend, d.to_dict(), steps, tuple(ranks),
                      all(r.ok for r in ranks), LOGITS_REL_TOL, why, round(time.monotonic() - t0, 2),
                      _cause(ranks))
@@ -173,7 +177,8 @@ def _rel(a, b) -> float:
 def _op_run(op, e, s) -> OpRun:
     s = s or {}
     return OpRun(op, e["decided"], e.get("ran"), e.get("substituted"), s.get("calls", 0),
-                 round(s.get("time_s", 0.0), 6), s.get("ok"), s.get("worst"), e.get("not_emulated"))
+                 round(s.get("time_s", 0.0), 6), s.get("ok"), s.get("worst"), e.get("not_emulated"),
+                 s.get("graphed", 0), s.get("captures", 0))
 
 
 def _spawn(cfg_path, folder, world, timeout, start_timeout):
