@@ -237,3 +237,16 @@ def test_decode_steps_replay_from_cuda_graphs_on_a_card():
         assert by["sparse_prefill"].graphed == 0 and by["kv_dequant"].graphed == 0
     eager = _rehearse("cuda:0", libs=None, graphs=False, **SMALL)
     assert eager.ok and all(o.graphed == 0 for o in eager.ranks[0].ops) and "--no-graphs" in eager.ranks[0].graphs
+
+
+def test_dp_attention_layout_matches_reference():
+    """SGLang's DP attention at tp 2, ep 2: each rank its own sequence with the whole attention
+    (64 heads), the MoE over both ranks' rows gathered, each rank against its own sequence."""
+    r = _rehearse("cpu,cpu", dp_attention=True, ep=2, timeout=90, **SMALL)
+    assert r.ok, r.cause
+    assert r.dp_attention and r.dims["heads"] == 64 and r.dims["dp"] == 2 and r.dims["experts"] == 4
+    for k in r.ranks:
+        assert k.max_rel_err is not None and k.max_rel_err <= runner.LOGITS_REL_TOL
+        assert all(o.ok and o.calls > 0 for o in k.ops)
+    assert main(["rehearse", "--device", "cpu,cpu", "--model", "deepseek-v4-flash", "--dp-attention",
+                 "--ep", "3"]) == 2

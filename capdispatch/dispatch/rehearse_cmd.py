@@ -34,6 +34,9 @@ def add_parser(sub):
                    help="a built-in model (`dispatch model` lists them) or a Hugging Face config.json")
     p.add_argument("--tp", type=int, default=None, metavar="N", help="TP ranks (default: one per device)")
     p.add_argument("--ep", type=int, default=1, metavar="N", help="expert-parallel ranks; divides --tp (default 1)")
+    p.add_argument("--dp-attention", action="store_true",
+                   help="SGLang's --enable-dp-attention layout: each rank serves its own sequence with the "
+                        "whole attention, the MoE runs over every rank's rows (gathered)")
     p.add_argument("--layers", type=int, default=2, metavar="N", help="layers of the small model (default 2)")
     p.add_argument("--hidden", type=int, default=256, metavar="N", help="its hidden size (default 256)")
     p.add_argument("--vocab", type=int, default=512, metavar="N", help="its vocabulary (default 512)")
@@ -71,7 +74,8 @@ def run(args) -> int:
     r = runner.rehearse(devs, args.model, tp=args.tp, ep=args.ep, layers=args.layers, hidden=args.hidden,
                         vocab=args.vocab, experts=args.experts, intermediate=args.intermediate,
                         prompt=args.prompt, steps=args.steps, seed=args.seed, timeout=args.timeout,
-                        libs=args.libs, start_timeout=args.start_timeout, graphs=args.graphs)
+                        libs=args.libs, start_timeout=args.start_timeout, graphs=args.graphs,
+                        dp_attention=args.dp_attention)
     if args.format == "json":
         print(json.dumps(r.to_dict(), indent=2))
     else:
@@ -81,7 +85,8 @@ def run(args) -> int:
 
 def render(r) -> str:
     d = r.dims
-    lines = [f"rehearsal of {r.model}: tp {r.tp}, ep {r.ep}, {r.backend}; small model: {d['layers']} layers, "
+    dp = ", dp-attention" if r.dp_attention else ""
+    lines = [f"rehearsal of {r.model}: tp {r.tp}, ep {r.ep}{dp}, {r.backend}; small model: {d['layers']} layers, "
              f"hidden {d['hidden']}, vocab {d['vocab']}, {d['heads']} heads/rank x 512, "
              f"{d['experts']}/{d['experts_total']} experts/rank (topk {d['topk']}, intermediate "
              f"{d['intermediate']}/rank); prefill + {r.steps} decode steps; {r.wall_s:.1f} s", ""]

@@ -149,7 +149,7 @@ def _run(cfg, rank, prog, result):
         spec = cd.probe(dev.decide)
         if dev.emulated:
             spec = spec.with_id(dev.text)
-        shape = cd.load_model(cfg["model"]).for_rank(cfg["tp"], cfg["ep"], False)
+        shape = cd.load_model(cfg["model"]).for_rank(cfg["tp"], cfg["ep"], cfg.get("dp_attention", False))
         plan = cd.agree(spec, group=None, libs=cfg.get("libs"), shapes=shape)
         run_spec = cd.probe(dev.run)
         bound = _bind_ops(rank, plan, run_spec, dev.emulated and dev.run != "cpu")
@@ -220,18 +220,26 @@ def _run(cfg, rank, prog, result):
             return out
 
         reduce = _reducer(dist, device, cfg["backend"], timeout, prog, phase)
+        dp_rank = rank // d.ranks
+        if d.dp == 1:
+            comm = M.Comm(reduce, lambda rows: rows[0], reduce, lambda full: [full])
+        else:   # DP attention (attention TP 1): the whole attention here, the MoE over every rank's rows
+            gather = _gatherer(dist, device, cfg["backend"], timeout, prog, phase, world)
+            comm = M.Comm(lambda t: t, lambda rows: gather(rows[0]), reduce,
+                          lambda full: [full.chunk(d.dp)[dp_rank]])
         emb = M.embedding(d, seed).to(device)
-        toks = M.tokens(d, seed, cfg["prompt"], cfg["steps"])
-        caches = [[M.Layer(d, cfg["prompt"] + cfg["steps"], device) for _ in range(d.layers)]]
+        toks = M.tokens(d, seed, cfg["prompt"], cfg["steps"], dp_rank)
+        caches = [[[M.Layer(d, cfg["prompt"] + cfg["steps"], device) for _ in range(d.layers)]]]
         logits = []
         with torch.no_grad():
             x = emb[toks[:cfg["prompt"]].to(device)]
-            logits.append(M.forward(d, [w], ops, reduce, x, 0, caches, 0, seed, prefill=True).cpu())
+            logits.append(M.forward(d, [w], [w], ops, comm, [x], 0, caches, 0, seed, prefill=True)[0].cpu())
             for s in range(cfg["steps"]):
                 phase[0] = f"decode step {s + 1}"
                 pos = cfg["prompt"] + s
                 x = emb[toks[pos:pos + 1].to(device)]
-                logits.append(M.forward(d, [w], ops, reduce, x, pos, caches, s + 1, seed, prefill=False).cpu())
+                logits.append(M.forward(d, [w], [w], ops, comm, [x], pos, caches, s + 1, seed,
+                                        prefill=False)[0].cpu())
         for op_name, n in (graphs.captures.items() if graphs is not None else ()):
             stats[op_name]["captures"] = n
         result["ops"] = stats
@@ -286,6 +294,22 @@ def _reducer(dist, device, backend, timeout, prog, phase):
         work.wait(timeout)
         return buf.to(t.device) if moved else buf
     return reduce
+
+
+def _gatherer(dist, device, backend, timeout, prog, phase, world):
+    """The all-gather of every rank's rows (DP attention), in rank order, bounded by TIMEOUT."""
+    import torch
+
+    def gather(t):
+        prog.set(f"all_gather ({phase[0]})")
+        moved = backend == "gloo" and t.device.type != "cpu"
+        buf = (t.cpu() if moved else t).contiguous()
+        outs = [torch.empty_like(buf) for _ in range(world)]
+        work = dist.all_gather(outs, buf, async_op=True)
+        work.wait(timeout)
+        full = torch.cat(outs)
+        return full.to(t.device) if moved else full
+    return gather
 
 
 def _faulty(fn, op, kind):
