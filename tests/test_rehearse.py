@@ -50,6 +50,11 @@ def test_wrong_output_is_named_with_rank_and_op(monkeypatch):
     bad = r.ranks[1]
     assert bad.failed_op == "moe" and "differs from the reference" in bad.error
     assert r.cause.startswith("rank 1:") and "moe" in r.cause
+    # The failed verdict is recorded for these cards, software and decisions (proof/rehearsals.py).
+    import json
+    body = json.loads(Path(r.recorded).read_text())
+    assert body["verdict"]["ok"] is False and body["verdict"]["cause"] == r.cause
+    assert len(body["group"]["cards"]) == 2 and set(body["decisions"]) == {o.op for o in r.ranks[0].ops}
 
 
 def test_hang_is_bounded_and_named(monkeypatch):

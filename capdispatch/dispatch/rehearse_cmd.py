@@ -132,6 +132,8 @@ def render(r) -> str:
                      f"every call eager")
     if r.reference:
         lines.append(f"no comparison: {r.reference}")
+    if r.recorded:
+        lines.append(f"verdict recorded for these cards, software and decisions: {r.recorded}")
     if r.cause:
         lines.append(f"first failure: {r.cause}")
     verdict = "PASSED" if r.ok else "FAILED"

@@ -152,6 +152,11 @@ def _run(cfg, rank, prog, result):
         shape = cd.load_model(cfg["model"]).for_rank(cfg["tp"], cfg["ep"], cfg.get("dp_attention", False))
         plan = cd.agree(spec, group=None, libs=cfg.get("libs"), shapes=shape)
         run_spec = cd.probe(dev.run)
+        # The rehearsal cache's key (proof/rehearsals.py): this rank's card, the group's decisions.
+        from ..capabilities import Inventory
+        from ..proof import rehearsals
+        result["card"] = rehearsals.rank_card(run_spec, Inventory(), emulated_spec=spec if dev.emulated else None)
+        result["plan_decisions"] = rehearsals.decisions_of(plan)
         bound = _bind_ops(rank, plan, run_spec, dev.emulated and dev.run != "cpu")
         result["decisions"] = {op: {k: v for k, v in e.items() if k != "fn"} for op, e in bound.items()}
         prog.set("building")

@@ -73,6 +73,7 @@ class Rehearsal:
     wall_s: float
     cause: Optional[str] = None   # the first failure, not a consequence of another rank's
     dp_attention: bool = False    # SGLang's DP-attention layout
+    recorded: Optional[str] = None   # the rehearsal cache file of this verdict (proof/rehearsals.py), or None
 
     def to_dict(self) -> dict:
         d = attrs.asdict(self)
@@ -95,14 +96,15 @@ def rehearse(devices, model: str, *, tp: Optional[int] = None, ep: int = 1, laye
              hidden: int = 256, vocab: int = 512, experts: int = 8, intermediate: int = 64,
              prompt: int = 8, steps: int = 3, seed: int = 0, timeout: float = 60.0,
              libs: Optional[str] = None, start_timeout: float = 120.0, graphs: bool = True,
-             dp_attention: bool = False) -> Rehearsal:
+             dp_attention: bool = False, record: bool = True) -> Rehearsal:
     """Rehearse DEVICES (RankDevice..., one per rank) as one TP group on MODEL.
 
     TIMEOUT: seconds a rank may go without progress (and each all-reduce may wait);
     START_TIMEOUT: seconds a rank may take to start (imports, device); GRAPHS: replay decode
     steps' calls from CUDA graphs on CUDA ranks (graphs.py); DP_ATTENTION: SGLang's
     --enable-dp-attention layout (each rank its own sequence, the whole attention; the MoE
-    over every rank's rows)."""
+    over every rank's rows); RECORD: store the verdict in the rehearsal cache, where a serving
+    launch on the same cards, software and decisions finds it."""
     from . import checks
     from . import model as M
     from .rank import FAULT_ENV, parse_fault
@@ -159,9 +161,27 @@ def rehearse(devices, model: str, *, tp: Optional[int] = None, ep: int = 1, laye
         op = where.split(" ")[0] if where.split(" ")[0] in checks.OPS else None
         ranks.append(RankRun(r, dv.text, dv.decide, dv.run, ok, error, ops, err, op, res.get("phases_s") or {},
                              res.get("facts") or {}, res.get("graphs")))
-    return Rehearsal(shape.model, tp, ep, backend, d.to_dict(), steps, tuple(ranks),
-                     all(r.ok for r in ranks), LOGITS_REL_TOL, why, round(time.monotonic() - t0, 2),
-                     _cause(ranks), dp_attention)
+    out = Rehearsal(shape.model, tp, ep, backend, d.to_dict(), steps, tuple(ranks),
+                    all(r.ok for r in ranks), LOGITS_REL_TOL, why, round(time.monotonic() - t0, 2),
+                    _cause(ranks), dp_attention)
+    if record:
+        out = attrs.evolve(out, recorded=_record(out, results))
+    return out
+
+
+def _record(r: Rehearsal, results) -> Optional[str]:
+    """Store R's verdict in the rehearsal cache when every rank said its card and the group's
+    decisions were made (a rank that failed before deciding leaves nothing to key by)."""
+    from ..proof import rehearsals
+    cards = [res.get("card") for res in results]
+    decisions = next((res.get("plan_decisions") for res in results if res.get("plan_decisions")), None)
+    if any(c is None for c in cards) or decisions is None:
+        return None
+    errs = [k.max_rel_err for k in r.ranks if k.max_rel_err is not None]
+    v = rehearsals.RehearsalVerdict(r.ok, r.cause, tuple(k.device for k in r.ranks), r.model, r.tp, r.ep,
+                                    r.dp_attention, max(errs) if errs else None, rehearsals.now())
+    path = rehearsals.store(cards, decisions, v)
+    return None if path is None else str(path)
 
 
 def _cause(ranks) -> Optional[str]:

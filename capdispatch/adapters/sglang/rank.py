@@ -259,8 +259,12 @@ def agree(state, group):
     agreement = {"ranks": [d.id for d in plan.devices], "rank": rank, "plan_digest": digest,
                  "digest": install_digest(digest, outcomes), "installs": outcomes,
                  "agreed": not missed, "not_carried_out": missed}
+    from .rehearsal import check as rehearsal_check      # CAPDISPATCH_REQUIRE_REHEARSAL: a refusal
+    agreement["rehearsal"], refusal = rehearsal_check(plan, ops, inputs.model, state.env)
     state = attrs.evolve(state, choices=mine, agreed=plan, agreement=agreement)
     _RANKS[state.gpu_id] = state = _report(state)
+    if refusal is not None:        # after the report, which records why
+        raise refusal
     if missed:
         text = "the ranks did not carry out the group decision alike: " + "; ".join(missed)
         if ctx.strict_effective:
