@@ -14,8 +14,11 @@ examples:
   dispatch rehearse --device cuda:0,cuda:1 --model deepseek-v4-flash --layers 4 --format json
 
 devices: cpu, cuda:N, or emu:NAME@DEV: decide as the catalog card NAME, run on DEV (cpu or
-cuda:N); a kernel the card chose that cannot run on DEV is replaced by DEV's own choice and
-marked. One device with --tp N stands for N ranks on it.
+cuda:N; on cuda:N under the card's launch tables, shared memory, SM count, fp8 support and
+memory); a kernel the card chose that cannot run on DEV is replaced by the card's next
+runnable preference and marked. One device with --tp N stands for N ranks on it.
+The verdict is recorded for SGLang launches on the same cards, software and decisions
+(CAPDISPATCH_REQUIRE_REHEARSAL=1 there requires a passed one).
 exit codes: 0 every rank matched the reference; 2 bad input; 3 a rank failed, hung or differed.
 """
 

@@ -6,7 +6,9 @@ through kv_dequant into sparse_prefill over a causal window; each decode step ru
 indexer over the fp8 index-key pages and decode_mla over the pool); the output projection
 and a TP all-reduce; RMSNorm; routed MoE over MXFP4 experts with E8M0 scales (each rank
 holds its slice of every expert's intermediate, or its experts under EP) and a TP
-all-reduce; finally the vocabulary projection (replicated).
+all-reduce; finally the vocabulary projection (replicated). Under DP attention (attention
+TP 1) each rank runs the whole attention on its own sequence, and the MoE runs over every
+rank's rows, all-gathered, before each rank keeps its own.
 
 What is shrunk, and how (`Dims`): layers, hidden size, vocabulary, experts (total, then
 split by EP as the layout splits them) and the experts' intermediate size (per rank); the
