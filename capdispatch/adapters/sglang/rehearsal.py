@@ -15,7 +15,8 @@ ENV_REQUIRE = "CAPDISPATCH_REQUIRE_REHEARSAL"
 
 def command(plan, model) -> str:
     """The command that rehearses PLAN's group for MODEL."""
-    devices = ",".join(d.id for d in plan.devices)
+    # The agreement names each rank's device "rankN:ID".
+    devices = ",".join(d.id.split(":", 1)[1] if d.id.startswith("rank") else d.id for d in plan.devices)
     return f"dispatch rehearse --device {devices} --model {model or 'MODEL'} --tp {len(plan.devices)}"
 
 
@@ -30,7 +31,9 @@ def check(plan, ops, model, env=None) -> tuple:
              "verdict": None if v is None else v.to_dict()}
     if not required or (v is not None and v.ok):
         return entry, None
-    if v is None:
+    if any(d.simulated for d in plan.devices):
+        why = "the group's cards are simulated: a rehearsal is recorded for real cards only"
+    elif v is None:
         why = "no rehearsal is recorded for these cards, this software and these decisions"
     else:
         why = f"the rehearsal recorded for them at {v.at} FAILED: {v.cause or 'see its report'}"
