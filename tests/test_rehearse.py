@@ -255,3 +255,65 @@ def test_dp_attention_layout_matches_reference():
         assert all(o.ok and o.calls > 0 for o in k.ops)
     assert main(["rehearse", "--device", "cpu,cpu", "--model", "deepseek-v4-flash", "--dp-attention",
                  "--ep", "3"]) == 2
+
+
+class _FakeCuda:
+    """CudaGraphs' stand-in on the CPU: 'capture' runs FN once to allocate its outputs and
+    keeps FN and the static inputs; 'replay' runs FN on them and writes into those outputs,
+    as a replayed graph writes into the memory it captured."""
+
+    def __init__(self):
+        self.captured = 0
+
+    def capture(self, fn, static):
+        self.captured += 1
+        out = fn(*[a.clone() if hasattr(a, "clone") else a for a in static])   # not into STATIC
+        return (fn, static, out), out
+
+    def replay(self, graph):
+        fn, static, out = graph
+        got = fn(*static)
+        for o, g in zip(out if isinstance(out, tuple) else (out,), got if isinstance(got, tuple) else (got,)):
+            if o is not None:
+                o.copy_(g)
+
+    def synchronize(self):
+        pass
+
+
+def test_graphs_capture_once_per_shape_and_replay_each_steps_inputs():
+    import torch
+
+    from capdispatch.rehearse.graphs import GraphCaptureError, Graphs
+
+    def quant(k, pool, loc, page):        # writes into its input, as kv_quant does
+        pool[loc] = k.sum(-1)
+
+    def attn(q, lengths):
+        return q * 2, lengths + 1
+
+    fake = _FakeCuda()
+    g = Graphs("cuda:0", cuda=fake)
+    pool = torch.zeros(8)
+    for step in range(3):
+        k, loc = torch.full((1, 4), float(step + 1)), torch.tensor([step])
+        e = g.call("kv_quant", 0, quant, (k, pool, loc, 64))
+        spent = []
+        assert g.replay(e, (k, pool, loc, 64), spent) is None and len(spent) == 1
+        q = torch.randn(1, 3)
+        e = g.call("decode_mla", 0, attn, (q, torch.tensor([step])))
+        out, lens = g.replay(e, (q, torch.tensor([step])), [])
+        assert torch.equal(out, q * 2) and int(lens) == step + 1          # this step's inputs
+        kept = out.clone()
+        g.replay(e, (q + 1, torch.tensor([0])), [])
+        assert torch.equal(out, kept)                                      # outputs are copies
+    assert pool[:3].tolist() == [4.0, 8.0, 12.0]                           # written back each step
+    assert g.captures == {"kv_quant": 1, "decode_mla": 1} and g.replays == {"kv_quant": 3, "decode_mla": 3}
+    g.call("decode_mla", 1, attn, (torch.randn(2, 3), torch.tensor([0, 1])))   # another layer, shape
+    assert g.captures["decode_mla"] == 2 and fake.captured == 3
+
+    def sync_in_kernel(x):
+        raise RuntimeError("operation not permitted when stream is capturing")
+    with pytest.raises(GraphCaptureError, match=r"indexer \(layer 0\) failed under CUDA-graph capture: "
+                                                r"RuntimeError: operation not permitted"):
+        g.call("indexer", 0, sync_in_kernel, (torch.zeros(1),))

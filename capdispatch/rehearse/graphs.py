@@ -68,13 +68,45 @@ class _Entry:
         self.graph, self.static, self.out = graph, static, out
 
 
-class Graphs:
-    """One rank's captured graphs, keyed by (op, layer, call signature)."""
+class CudaGraphs:
+    """torch.cuda's graphs, as Graphs uses them (a stand-in can replace it in tests)."""
 
     def __init__(self, device):
         import torch
         self.device = device
         self.pool = torch.cuda.graph_pool_handle()
+
+    def capture(self, fn, static):
+        """Warm FN up on a side stream (compiles, lazy workspaces), then capture FN(*STATIC):
+        (the graph, its output tensors). STATIC's tensors are restored after the warm-up."""
+        import torch
+        saved = [a.clone() if isinstance(a, torch.Tensor) else None for a in static]
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            fn(*static)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        for s, a in zip(static, saved):          # the warm-up may have written into them
+            if a is not None:
+                s.copy_(a)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self.pool):
+            out = fn(*static)
+        return g, out
+
+    def replay(self, graph):
+        graph.replay()
+
+    def synchronize(self):
+        import torch
+        torch.cuda.synchronize(self.device)
+
+
+class Graphs:
+    """One rank's captured graphs, keyed by (op, layer, call signature)."""
+
+    def __init__(self, device, cuda=None):
+        self.cuda = cuda if cuda is not None else CudaGraphs(device)
         self.entries: dict = {}
         self.captures: dict = {}       # op -> graphs captured
         self.replays: dict = {}        # op -> calls replayed
@@ -87,13 +119,13 @@ class Graphs:
         e = self.entries.get(key)
         try:
             if e is None:
-                e = self.entries[key] = self._capture(fn, args)
+                static = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+                graph, out = self.cuda.capture(fn, static)
+                e = self.entries[key] = _Entry(graph, static, out)
                 self.captures[op] = self.captures.get(op, 0) + 1
             for s, a in zip(e.static, args):
                 if isinstance(a, torch.Tensor):
                     s.copy_(a)
-        except GraphCaptureError:
-            raise
         except Exception as exc:   # noqa: BLE001 - named with the op: the kernel is not graph-safe
             raise GraphCaptureError(f"{op} (layer {layer}) failed under CUDA-graph capture: "
                                     f"{type(exc).__name__}: {exc}") from exc
@@ -106,31 +138,15 @@ class Graphs:
         import time
 
         import torch
-        torch.cuda.synchronize(self.device)
+        self.cuda.synchronize()
         t0 = time.perf_counter()
-        e.graph.replay()
-        torch.cuda.synchronize(self.device)
+        self.cuda.replay(e.graph)
+        self.cuda.synchronize()
         spent.append(time.perf_counter() - t0)
         for s, a in zip(e.static, args):
             if isinstance(a, torch.Tensor):
                 a.copy_(s)
         return _clone(e.out)
-
-    def _capture(self, fn, args):
-        import torch
-        static = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            fn(*static)                          # warm-up: compiles, lazy workspaces
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        for s, a in zip(static, args):           # the warm-up may have written into them
-            if isinstance(a, torch.Tensor):
-                s.copy_(a)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.pool):
-            out = fn(*static)
-        return _Entry(g, static, out)
 
 
 def _clone(out):
