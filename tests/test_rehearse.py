@@ -177,7 +177,9 @@ def test_report_shows_the_emulated_facts_and_what_is_not_emulated():
     from capdispatch.rehearse.runner import OpRun, RankRun, Rehearsal
     facts = dict(device="cuda:0", label="emu:rtx-3080@cuda:0", cc="8.6", sm_count=68,
                  smem_optin_per_block=101376, memory=10 * 2 ** 30, fp8=False, card="rtx-3080",
-                 emulated=True, memory_cap=10 * 2 ** 30, note=None)
+                 emulated=True, memory_cap=10 * 2 ** 30, note=None,
+                 launches=[dict(kernel="k", config={}, shared=73728, fits=True),
+                           dict(kernel="k", config={}, shared=120000, fits=False)])
     ops = (OpRun("moe", "flashinfer_cutlass_w4a8", "triton_w4a16", "flashinfer_cutlass_w4a8 cannot run on "
                  "cuda:0 (...): ran the card's next runnable preference triton_w4a16", 2, 0.01, True, "ok",
                  "compiled for the real card"),)
@@ -187,7 +189,8 @@ def test_report_shows_the_emulated_facts_and_what_is_not_emulated():
                   True, 3e-2, None, 1.0)
     text = render(r)
     assert ("as rtx-3080 on cuda:0: launch tables of cc 8.6, 99 KB smem, 68 SMs, no fp8 (uint8 decode), "
-            "memory capped at 10 GiB") in text
+            "memory capped at 10 GiB; 2 Triton kernel configurations checked against its shared memory "
+            "(largest admitted 72 KB), 1 over it moved to a smaller tile") in text
     assert "moe (rank 0): flashinfer_cutlass_w4a8 cannot run on cuda:0" in text
     assert "not emulated" in text and "triton_w4a16 (rank 0): compiled for the real card" in text
     assert r.to_dict()["ranks"][0]["facts"]["sm_count"] == 68
@@ -242,6 +245,24 @@ def test_decode_steps_replay_from_cuda_graphs_on_a_card():
         assert by["sparse_prefill"].graphed == 0 and by["kv_dequant"].graphed == 0
     eager = _rehearse("cuda:0", libs=None, graphs=False, **SMALL)
     assert eager.ok and all(o.graphed == 0 for o in eager.ranks[0].ops) and "--no-graphs" in eager.ranks[0].graphs
+
+
+@pytest.mark.gpu
+def test_an_emulated_card_launches_under_its_limits_on_a_card():
+    """An RTX 3080 emulated on cuda:0: the rank's facts are the card's, its Triton launches are
+    admitted under 99 KB, the indexer runs the uint8 codec (no fp8 on the card), and each kernel
+    that ran says what is not emulated."""
+    r = _rehearse("emu:rtx-3080@cuda:0", layers=1, prompt=8, steps=2, timeout=120)
+    assert r.ok, r.cause
+    k = r.ranks[0]
+    f = k.facts
+    assert (f["card"], f["sm_count"], f["smem_optin_per_block"], f["fp8"]) == ("rtx-3080", 68, 101376, False)
+    assert f["memory_cap"] == 10 * 2 ** 30
+    admitted = [x for x in f["launches"] if x["fits"]]
+    assert admitted and all(x["shared"] is None or x["shared"] <= 101376 for x in admitted)
+    by = {o.op: o for o in k.ops}
+    assert by["indexer"].ran == "triton" and by["indexer"].ok      # the 3080's choice: uint8 decode
+    assert all(o.not_emulated for o in k.ops)
 
 
 def test_dp_attention_layout_matches_reference():

@@ -151,5 +151,13 @@ def facts_line(f: dict) -> str:
         return f"as {f['card']}: {f['note']}"
     smem = f"{f['smem_optin_per_block'] // 1024} KB smem" if f.get("smem_optin_per_block") else "smem ?"
     mem = f"memory capped at {f['memory_cap'] / 2 ** 30:.0f} GiB" if f.get("memory_cap") else "memory not capped"
-    return (f"as {f['card']} on {f['device']}: launch tables of cc {f['cc']}, {smem}, {f['sm_count']} SMs, "
+    text = (f"as {f['card']} on {f['device']}: launch tables of cc {f['cc']}, {smem}, {f['sm_count']} SMs, "
             f"{'fp8' if f['fp8'] else 'no fp8 (uint8 decode)'}, {mem}")
+    launches = f.get("launches")
+    if launches:
+        fit = [x["shared"] for x in launches if x["fits"] and x["shared"] is not None]
+        over = sum(1 for x in launches if not x["fits"])
+        text += (f"; {len(launches)} Triton kernel configurations checked against its shared memory"
+                 + (f" (largest admitted {max(fit) / 1024:.0f} KB)" if fit else "")
+                 + (f", {over} over it moved to a smaller tile" if over else ""))
+    return text

@@ -248,6 +248,11 @@ def _run(cfg, rank, prog, result):
         for op_name, n in (graphs.captures.items() if graphs is not None else ()):
             stats[op_name]["captures"] = n
         result["ops"] = stats
+        if installed.facts.emulated and installed.facts.index is not None:
+            from ..backends import launch_limits
+            scope = launch_limits.device_scope(installed.facts.index)
+            result["facts"]["launches"] = [{"kernel": r.kernel, "config": {k: v for k, v in r.config.items()},
+                                            "shared": r.shared, "fits": r.fits} for r in scope.launches]
         ends = prog.phases[1:] + [["end", time.monotonic()]]
         names = {"starting": "start", "joining the group": "join", "deciding and agreeing": "decide",
                  "building": "run"}
