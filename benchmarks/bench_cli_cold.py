@@ -2,8 +2,8 @@
 
     python benchmarks/bench_cli_cold.py [--runs 21] [--out DIR | --file PATH]
 
-Each run starts a new interpreter (nothing cached), explains the seed's mixed
-rig for every op, and is timed with a monotonic host clock. Target: median <= 0.5 s.
+Each run starts a new interpreter (nothing cached), explains the mixed rig
+(an RTX 5090 beside two RTX 3080s) for every op, and is timed with a monotonic host clock. Target: median <= 0.5 s.
 The result goes to a new file, DIR/cli_cold_<UTC timestamp>.json (DIR: benchmarks/results),
 or to PATH: a measurement never rewrites an earlier one.
 """

@@ -22,7 +22,7 @@ On a CUDA GPU:
   3. the torch reference's peak memory at 8k and 32k tokens of prefill (rows =
      tokens, C4 context = tokens / 4) with torch.cuda.max_memory_allocated, beside the
      accounted bound of one step (reference.plan_steps) and what gathering a whole
-     1024-row chunk's index-K in float32 would take (the seed's OOM);
+     1024-row chunk's index-K in float32 would take (what ran out of memory before the step plan);
   4. writes indexer_<device>_<stamp>.json and .md into --out.
 
 With --tiles 99kb only the Triton backends are timed (the torch reference still checks
@@ -34,7 +34,7 @@ Without a GPU (or with --cpu-memory) it prints and writes item 3's accounting al
 the reference's step plan (query chunk, pages per step, accounted bytes) at 8k, 32k
 and 128k tokens, which is what bounds its peak memory on any device.
 
-TileLang and DeepGEMM on the H200: carry their wheels (docs/ops/indexer.md, "Running on the H200").
+TileLang and DeepGEMM: install them beside capdispatch (docs/ops/indexer.md, "Running on a GPU").
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ import sys
 
 from ceilings import bench as _bench, bench_graph as _bench_graph, copy_bandwidth, describe, matmul_rate, run_facts  # noqa: E402 (the script's own folder)
 from results_dir import archive_previous  # noqa: E402 (the script's own folder)
+from report import card_slug  # noqa: E402 (the script's own folder)
 import tile_modes  # noqa: E402 (the script's own folder)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -321,8 +322,7 @@ def _versions():
 
 def series(device: str, tiles: str = "card") -> str:
     """The results series of a run on DEVICE with --tiles TILES."""
-    slug = "".join(ch if ch.isalnum() else "_" for ch in device).strip("_").lower()
-    return f"indexer_{slug}{tile_modes.suffix(tiles)}"
+    return f"indexer_{card_slug(device)}{tile_modes.suffix(tiles)}"
 
 
 def _write(out_dir, meta, rows, picks, acc, mem=()):

@@ -32,6 +32,7 @@ import sys
 
 from ceilings import bench as _bench, copy_bandwidth, describe, run_facts  # noqa: E402 (the script's own folder)
 from results_dir import archive_previous  # noqa: E402 (the script's own folder)
+from report import card_slug  # noqa: E402 (the script's own folder)
 import tile_modes  # noqa: E402 (the script's own folder)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -189,8 +190,7 @@ def run(args):
 
 def series(device: str, tiles: str = "card") -> str:
     """The results series of a run on DEVICE with --tiles TILES."""
-    slug = "".join(c if c.isalnum() else "_" for c in device).strip("_").lower()
-    return f"kv_cache_{slug}{tile_modes.suffix(tiles)}"
+    return f"kv_cache_{card_slug(device)}{tile_modes.suffix(tiles)}"
 
 
 def _write(out_dir, meta, rows):

@@ -45,8 +45,11 @@ import sys
 import time
 
 from results_dir import archive_previous  # the script's own folder
+from report import card_slug  # noqa: E402 (the script's own folder)
 
-OPS = ("kv_quant", "kv_dequant", "decode_mla", "sparse_prefill", "indexer", "moe")
+# The ops `inputs` builds a decode-sized problem for; the ops measured come from the registry,
+# and one without a problem here gets a row saying so.
+PROBLEMS = ("kv_quant", "kv_dequant", "decode_mla", "sparse_prefill", "indexer", "moe")
 TARGET_RATIO, TARGET_US = 1.2, 30.0
 TARGET_OPS = ("kv_dequant", "decode_mla")
 
@@ -287,7 +290,8 @@ def host_facts(device):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default=None, help="cpu or cuda:N (default: cuda:0 when present, else cpu)")
-    ap.add_argument("--op", action="append", choices=OPS, help="ops to measure (default: all)")
+    ap.add_argument("--op", action="append", default=[], metavar="OP[,OP]",
+                    help="ops to measure (default: every op capdispatch registers)")
     ap.add_argument("--skip-torch", action="store_true",
                     help="leave out the torch reference backends (slow on a GPU at these shapes)")
     ap.add_argument("--iters", type=int, default=200)
@@ -319,9 +323,17 @@ def main(argv=None) -> int:
           f"{floor['bucket_direct']:.2f} us direct")
 
     reg = builtin()
+    try:
+        ops = cd.op_list(args.op, "--op", reg) if args.op else list(reg.ops)
+    except cd.BadInput as exc:
+        ap.error(str(exc))
     rows = []
     runnable = {}            # op -> [(backend, serving fn, args, kwargs)] in registry order
-    for op in args.op or OPS:
+    for op in ops:
+        if op not in PROBLEMS:
+            rows.append(dict(op=op, backend="*", skipped="no decode-sized problem for this op in "
+                             "benchmarks/bench_overhead.py `inputs`; add one there to measure it"))
+            continue
         for backend in reg.backends(op):
             name = backend.name
             if args.skip_torch and name == "torch":
@@ -379,7 +391,7 @@ def main(argv=None) -> int:
               f"{small} direct {us['direct']:.1f} us, dispatcher cost {us['dispatcher'] - us['direct']:.2f} us")
 
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S")
-    slug = (facts.get("gpu") or "cpu-host").lower().replace(" ", "_")
+    slug = card_slug(facts.get("gpu"))
     os.makedirs(args.out, exist_ok=True)
     archive_previous(args.out, f"overhead_{slug}")
     base = os.path.join(args.out, f"overhead_{slug}_{stamp}")

@@ -22,6 +22,7 @@ import os
 import sys
 
 from results_dir import archive_previous  # the script's own folder
+from report import card_slug  # noqa: E402 (the script's own folder)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -101,7 +102,7 @@ def _write(args, rows):
     import torch
     import triton
     name = torch.cuda.get_device_name(0)
-    slug = name.lower().replace(" ", "_")
+    slug = card_slug(name)
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S")
     os.makedirs(args.out, exist_ok=True)
     series = f"sglang_decode_route_{slug}"

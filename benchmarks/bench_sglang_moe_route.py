@@ -43,6 +43,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import ceilings
     from results_dir import archive_previous
+    from report import card_slug
     import sglang_moe_scenario as sc   # imports sglang_prelude first
     import sglang_fake_models as fake
     import torch
@@ -86,7 +87,7 @@ def main(argv=None) -> int:
                      "local_masked_routes": check["local_masked"], "routes": t * sc.TOPK})
         print(f"T={t:5d}  {ms * 1e3:9.1f} us  (floor {floor_us:.1f} us, {experts} experts)  rel_err {check['rel_err']:.2e}  "
               f"masked {check['local_masked']}/{t * sc.TOPK}", flush=True)
-    name = torch.cuda.get_device_name(0).lower().replace(" ", "_")
+    name = card_slug(torch.cuda.get_device_name(0))
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%S")
     os.makedirs(args.out, exist_ok=True)
     archive_previous(args.out, f"sglang_moe_route_{name}")

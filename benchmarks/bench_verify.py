@@ -21,7 +21,6 @@ import argparse
 import datetime
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -30,6 +29,7 @@ import time
 from importlib import metadata
 
 from results_dir import archive_previous  # the script's own folder
+from report import card_slug  # noqa: E402 (the script's own folder)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET_S = 60.0
@@ -174,7 +174,7 @@ def main(argv=None) -> int:
             "warm_wall": second["wall"] if second else None, "target_s": TARGET_S,
             "ops": list(args.op) or "all", "jobs": args.jobs}
     table = rows(first, second)
-    slug = re.sub(r"[^a-z0-9]+", "_", card.lower()).strip("_") or "device"
+    slug = card_slug(card)
     stem = os.path.join(args.out, f"verify_{slug}_{now.strftime('%Y%m%dT%H%M%S')}")
     os.makedirs(args.out, exist_ok=True)
     archive_previous(args.out, f"verify_{slug}")

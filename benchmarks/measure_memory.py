@@ -21,12 +21,13 @@ import os
 import sys
 
 from results_dir import archive_previous  # noqa: E402 (the script's own folder)
+from report import card_slug  # noqa: E402 (the script's own folder)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from capdispatch.backends.kv_cache.layout import bytes_per_page  # noqa: E402 (after the path insertion)
+from capdispatch.backends.v4_layout import bytes_per_page  # noqa: E402 (after the path insertion)
 from capdispatch.models import load_model  # noqa: E402
 from capdispatch.models import memory as mem  # noqa: E402
 
@@ -49,7 +50,7 @@ def measure(args) -> dict:
                                                    page_size=args.page_size)}
     pools = mem.kv_pools(model, rank, args.context, args.batch, page_size=args.page_size)
     # The plan's page layout is capdispatch's kv_cache layout (what SGLang allocates).
-    assert pools[0].shape[1] == bytes_per_page(args.page_size), "page layout drifted from kv_cache/layout.py"
+    assert pools[0].shape[1] == bytes_per_page(args.page_size), "page layout drifted from backends/v4_layout.py"
     E, H, I = rank.experts, model.hidden, rank.moe_intermediate
     experts = [mem.Pool("routed experts, one layer: w13", 1, (E, 2 * I, H // 2), "uint8"),
                mem.Pool("routed experts, one layer: w13 E8M0 scales", 1, (E, 2 * I, H // 32), "uint8"),
@@ -99,8 +100,7 @@ def _cmp(what, estimate, rows) -> dict:
 
 
 def series(device: str) -> str:
-    slug = "".join(c if c.isalnum() else "_" for c in device).strip("_").lower()
-    return f"memory_{slug}"
+    return f"memory_{card_slug(device)}"
 
 
 def write(out_dir: str, result: dict) -> str:

@@ -2,12 +2,12 @@
 
     python benchmarks/probe_imports.py sglang.srt.layers.moe.fused_moe_triton.fused_marlin_moe
 
-A device call that only learns the first missing module of a deep chain (SGLang's
-CUDA import path, say) costs a whole machine start per module. This imports the
+A machine without a package index that learns only the first missing module of a deep
+chain (SGLang's CUDA import path, say) needs one install round per module. This imports the
 target; on ModuleNotFoundError it records the name, puts a placeholder module in
 its place (any name imported from it is an empty class) and tries again, until the import succeeds or something other than a missing
-module stops it. Probe only: nothing it imports is run, and it prints the list to
-carry (as wheels) before the real run.
+module stops it. Probe only: nothing it imports is run, and it prints the list of
+packages to add to the wheel folder (benchmarks/README.md, "Offline installs") before the real run.
 """
 from __future__ import annotations
 

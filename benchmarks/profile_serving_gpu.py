@@ -24,6 +24,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_overhead as BO  # noqa: E402 (the script's own folder: the same inputs)
+from report import card_slug  # noqa: E402 (the script's own folder)
 
 CASES = ("kv_dequant:triton_fp8", "kv_quant:triton_fp8", "decode_mla:triton_fp8", "decode_mla:triton",
          "sparse_prefill:triton", "indexer:triton", "moe:triton_w4a16")
@@ -108,8 +109,7 @@ def main(argv=None) -> int:
     meta = dict(device_name=name, date=stamp.isoformat(timespec="seconds"), torch=torch.__version__,
                 triton=triton.__version__, iters=a.iters)
     if a.out:
-        slug = "".join(c if c.isalnum() else "_" for c in name).strip("_").lower()
-        base = os.path.join(a.out, f"profile_serving_{slug}_{stamp:%Y%m%dT%H%M%S}")
+        base = os.path.join(a.out, f"profile_serving_{card_slug(name)}_{stamp:%Y%m%dT%H%M%S}")
         with open(base + ".json", "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=2)
         with open(base + ".md", "w") as f:

@@ -3,7 +3,7 @@
     python benchmarks/regret_report.py --label "calibration run" RUN.json ... \
         [--label "re-check" RUN.json ...] --card nvidia_h200 [--out DIR]
 
-Each --label starts a group of JSON files (one per op, as benchmarks/calibrate_served.sh
+Each --label starts a group of JSON files (one per op, as the runner's calibrate suite
 writes them). Per group, per checked policy: the worst picked / fastest ratio of every op and
 the sizes above the threshold, then per op and size the times of every backend (served form:
 per layer, per-batch work included) and each policy's pick. Writes

@@ -3,13 +3,13 @@
 A series is one benchmark kind on one card: a result file is named
 `<kind>_<card>_<YYYYMMDDTHHMMSS[Z]>.<ext>` and its series is everything before the
 timestamp (`attention_nvidia_h200`, `moe_tiles_nvidia_h200`, `overhead_cpu-host`,
-`cli_cold`). A session folder (the logs of one lent machine's calls) is named
+`cli_cold`). A log folder (the logs of one day's runs on one machine) is named
 `<rig>-<YYYY-MM-DD>[-<what>]`; the newest folder of each rig stays at the top.
 
     python benchmarks/results_dir.py [DIR]
 
-moves every older run and session folder of DIR (default benchmarks/results) into
-DIR/archive/, which is what to run after copying a device run's files in. Writers call
+moves every older run and log folder of DIR (default benchmarks/results) into
+DIR/archive/, which is what to run after copying a run's files in. Writers call
 `archive_previous(out_dir, series)` before writing a new run, which does the same for
 that series when out_dir is benchmarks/results and nothing elsewhere.
 """
@@ -32,7 +32,7 @@ def parse_run(name: str):
 
 
 def parse_session(name: str):
-    """(rig, date) of a session folder name, or None."""
+    """(rig, date) of a log folder name, or None."""
     m = SESSION.match(name)
     return (m["rig"], m["date"]) if m else None
 
@@ -54,7 +54,7 @@ def archive_previous(out_dir: str, series: str, results: str | None = None) -> l
 
 def _scan(results: str):
     """{series: {stamp: [names]}} of the top-level result files (stamp "" for an
-    untimestamped `<series>.<ext>`) and {rig: [(date, name)]} of the session folders."""
+    untimestamped `<series>.<ext>`) and {rig: [(date, name)]} of the log folders."""
     runs, sessions = {}, {}
     for n in sorted(os.listdir(results)):
         p = os.path.join(results, n)
@@ -68,7 +68,7 @@ def _scan(results: str):
 
 
 def tidy(results: str = RESULTS) -> list:
-    """Keep the newest run of each series and the newest session folder of each rig at the
+    """Keep the newest run of each series and the newest log folder of each rig at the
     top of `results`; move the rest into archive/. Returns the paths moved to."""
     runs, sessions = _scan(results)
     old = []
@@ -83,7 +83,7 @@ def tidy(results: str = RESULTS) -> list:
 
 def top_level_duplicates(results: str = RESULTS) -> list:
     """A message for each series with more than one run, and each rig with more than one
-    session folder, at the top of `results`."""
+    log folder, at the top of `results`."""
     runs, sessions = _scan(results)
     found = [(f"series {s!r}", sorted(st or "untimestamped" for st in by)) for s, by in runs.items()]
     found += [(f"rig {r!r}", sorted(n for _, n in folders)) for r, folders in sessions.items()]

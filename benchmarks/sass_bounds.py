@@ -70,16 +70,17 @@ def jobs(only=None) -> list:
     out = []
     # MoE: 1/8/64 tokens over 64 experts are 1-6 routes per expert (one tile class), 4096 tokens 384.
     for row, avg in (("moe_decode", 1.0), ("moe_prefill", 384.0)):
-        BM, BN1, BK1, W1, S1, BN2, BK2, W2, S2 = ML.tiles_for(avg, MOE_H, MOE_I, False)
+        BM, BN1, BK1, W1, S1, BN2, BK2, W2, S2 = ML.tiles_for(avg, MOE_H, MOE_I, False)[:9]
         sig = MK.COMPILE_SIGNATURES
         out.append((row, M.Job("moe", "moe.triton_kernels:_gemm1_swiglu_kernel", f"BM={BM} n{BN1}k{BK1}w{W1}s{S1}",
                                dict(sig["_gemm1_swiglu_kernel"]),
-                               dict(TOPK=MOE_TOPK, HAS_LIMIT=True, F32=False, BM=BM, BN=BN1, BK=BK1),
+                               dict(TOPK=MOE_TOPK, HAS_LIMIT=True, F32=False, BM=BM, BN=BN1, BK=BK1, SPLIT=1,
+                                    PREFETCH=0),
                                num_warps=W1, num_stages=S1),
                     dict(weight_bytes=2 * BN1 * BK1 // 2 + 2 * BN1 * BK1 // 32, act_bytes=BM * BK1 * 2,
                          flops=2 * BM * 2 * BN1 * BK1, dtype="bf16", iters=MOE_H // BK1)))
         out.append((row, M.Job("moe", "moe.triton_kernels:_gemm2_kernel", f"BM={BM} n{BN2}k{BK2}w{W2}s{S2}",
-                               dict(sig["_gemm2_kernel"]), dict(F32=False, BM=BM, BN=BN2, BK=BK2),
+                               dict(sig["_gemm2_kernel"]), dict(F32=False, BM=BM, BN=BN2, BK=BK2, SPLIT=1, PREFETCH=0),
                                num_warps=W2, num_stages=S2),
                     dict(weight_bytes=BN2 * BK2 // 2 + BN2 * BK2 // 32, act_bytes=BM * BK2 * 2,
                          flops=2 * BM * BN2 * BK2, dtype="bf16", iters=MOE_I // BK2)))

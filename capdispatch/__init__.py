@@ -42,6 +42,12 @@ _API = {
     "device_list": ("capdispatch.dispatch.inputs", "device_list"),
     "op_list": ("capdispatch.dispatch.inputs", "op_list"),
     "env_flag": ("capdispatch.dispatch.inputs", "env_flag"),
+    # For commands of adapters: the shared options (declared once, checked at parse time,
+    # completed by the shell), the parser they go on, and the one command handler.
+    "add_option": ("capdispatch.dispatch.options", "add"),
+    "CommandParser": ("capdispatch.dispatch.options", "Parser"),
+    "run_command": ("capdispatch.dispatch.command", "run"),
+    "check_layout": ("capdispatch.dispatch.options", "check_layout"),
     # Shell completion of an argparse action (argcomplete), for commands of adapters.
     "complete_devices": ("capdispatch.dispatch.completion", "devices"),
     "complete_ops": ("capdispatch.dispatch.completion", "ops"),
@@ -86,6 +92,8 @@ _API = {
     "ModelLayout": ("capdispatch.models", "Layout"),
     "ModelError": ("capdispatch.models", "ModelError"),
     "load_marked": ("capdispatch.policies", "load_marked"),
+    # The marked YAML reader of every YAML input (file:line in each error), for adapters' files.
+    "YamlReader": ("capdispatch.marked_yaml", "Reader"),
     # Bounded, non-blocking reading of a regular file (adapters read their own files so).
     "read_file": ("capdispatch.safe_io", "read_bytes"),
     "FileError": ("capdispatch.safe_io", "FileError"),

@@ -16,6 +16,15 @@ class CapdispatchError(Exception):
     """Raised on purpose by capdispatch: the message says what was needed and what was found."""
 
 
+# The two kinds the command line tells apart; every room's errors derive from one of them
+# (or from the root), so they live here, below every room.
+class BadInput(CapdispatchError, ValueError):
+    """Unknown op, device or backend; a bad flag value."""
+
+
+class Unsatisfiable(CapdispatchError, RuntimeError):
+    """Nothing can run, or a strict choice cannot run, or a group may not diverge."""
+
 
 class ArgumentError(CapdispatchError, ValueError):
     """A kernel called with arguments that break its op's contract (a shape, a size, a layout)."""

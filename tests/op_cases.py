@@ -1,13 +1,14 @@
 """Small random inputs for every op, as (args, kwargs) of the op contract, and its out buffer.
 
 Built from the op test modules' own case makers (fresh random data, -1 holes, out-of-range
-ids, lengths, sinks); shared by test_custom_ops.py. Nothing here is zero-filled.
+ids, lengths, sinks); shared by test_custom_ops.py, which enumerates the ops and backends
+from the registry. An op without a maker here (a new one) is tested on its declared
+calibration case (Op.case) at its smallest size. Nothing here is zero-filled.
 """
 from __future__ import annotations
 
 import torch
 
-OPS = ("kv_quant", "kv_dequant", "decode_mla", "sparse_prefill", "indexer", "moe")
 
 
 def _filled_pool(gen, num_pages, page_size, device):
@@ -62,4 +63,17 @@ def case(op: str, gen: torch.Generator, device="cpu"):
         tw, ids = M.random_routing(5, 2, 4, gen=gen, device=device, mask_frac=0.2)
         x = (torch.randn(5, hid, generator=gen)).bfloat16().to(device)
         return (x, w, tw, ids), {}, torch.empty((5, hid), dtype=torch.bfloat16, device=device)
-    raise ValueError(f"no case for op {op!r}")
+    return _declared_case(op, gen, device)
+
+
+def _declared_case(op, gen, device):
+    """(args, {}, out) from OP's calibration case builder (Op.case) at the smallest size of its
+    ladder, on the CPU profile; out: a buffer like the reference's first result."""
+    from capdispatch.backends import builtin
+    from capdispatch.calibrate import ladder
+    spec = builtin().ops[op]
+    c = spec.load_case()(spec.sizes[0], gen, device, ladder.PROFILES["small"])
+    if spec.call().out is None:
+        return c.args, {}, None
+    first = builtin().backend(op, spec.reference).load()(*c.args)
+    return c.args, {}, torch.empty_like(first[0] if isinstance(first, tuple) else first)

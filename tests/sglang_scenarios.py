@@ -108,10 +108,10 @@ def check_knob_names() -> list:
             problems.append(f"{name}: {type(exc).__name__}: {exc}")
 
     h = release.hooks
-    if h["resolution_step"] not in resolution_hooks._OVERRIDABLE_HOOKS:
-        problems.append(f"resolution step {h['resolution_step']} is not overridable")
-    for key in ("rank", "group", "tp_group"):
-        resolves(h[key])
+    if h.resolution_step not in resolution_hooks._OVERRIDABLE_HOOKS:
+        problems.append(f"resolution step {h.resolution_step} is not overridable")
+    for name in (h.rank, h.group, h.tp_group):
+        resolves(name)
     for s in release.settings:
         if s.kind == "field" and s.name not in fields:
             problems.append(f"setting: {s.name} is not a ServerArgs field")

@@ -145,7 +145,8 @@ def test_bind_triton_on_cpu_under_interpreter(clean_env):
 
 def test_op_handle_binds_per_device(clean_env):
     import torch
-    from capdispatch.backends.kv_cache import layout, reference
+    from capdispatch.backends import v4_layout as layout
+    from capdispatch.backends.kv_cache import reference
     h = cd.OpHandle("kv_dequant")
     pool = torch.randint(0, 255, (2, layout.bytes_per_page(4)), dtype=torch.uint8)
     out = h(pool, torch.tensor([0, 5]), 4)

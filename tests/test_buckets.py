@@ -210,7 +210,7 @@ def test_bind_returns_the_kernel_itself_when_no_bucket_changes_the_choice(clean_
 
 def test_bind_with_buckets_on_a_real_op_matches_the_reference(clean_env, tmp_path):
     import torch
-    from capdispatch.backends.kv_cache import layout
+    from capdispatch.backends import v4_layout as layout
     clean_env.setenv("TRITON_INTERPRET", "1")
     pol = _policy(tmp_path, "ops:\n  kv_dequant:\n    - {rows: '<=2', prefer: [torch]}\n"
                             "    - {prefer: [triton_u8]}\n")

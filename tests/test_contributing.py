@@ -1,7 +1,8 @@
 """docs/contributing.md stays true: the op it builds as its example (the fixture package
 tests/plugins/newop, with a torch and a Triton backend) appears in `dispatch ops`,
-`dispatch explain`, `dispatch verify`, `dispatch bench` and the compile matrix with no
-other file changed; the package holds exactly the files the guide lists and uses only
+`dispatch explain`, `dispatch verify`, `dispatch bench`, the compile matrix and
+`dispatch sglang plan` with no other file changed; its backends are torch custom ops
+derived from its one declaration; the package holds exactly the files the guide lists and uses only
 public names; every built-in op has the files and declarations the guide lists."""
 import ast
 import json
@@ -21,7 +22,7 @@ NEWOP = os.path.join(HERE, "plugins", "newop")
 GUIDE = os.path.join(ROOT, "docs", "contributing.md")
 
 
-def _cli(*args, interpret=False):
+def _cli(*args, interpret=False, stderr=False):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CAPDISPATCH_", "TRITON_INTERPRET"))}
     env["PYTHONPATH"] = os.pathsep.join([ROOT, NEWOP])
     env["CAPDISPATCH_CACHE_DIR"] = os.environ["CAPDISPATCH_CACHE_DIR"]     # the test's own cache
@@ -30,7 +31,7 @@ def _cli(*args, interpret=False):
     p = subprocess.run([sys.executable, "-m", "capdispatch", *args], env=env, capture_output=True,
                        text=True, timeout=300, cwd=ROOT)
     assert p.returncode == 0, p.stderr
-    return p.stdout
+    return (p.stdout, p.stderr) if stderr else p.stdout
 
 
 def _guide_tree() -> set:
@@ -95,6 +96,41 @@ def test_the_new_ops_kernels_are_in_the_compile_matrix():
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert p.returncode == 0, p.stderr
     assert "('row_scale', 'capdispatch_newop.triton_kernels:_row_scale_kernel')" in p.stdout
+
+
+def test_the_new_op_is_in_the_sglang_plan_reported_with_the_entry_to_add():
+    """No knob-map model lists a plugin's op: each rank decides it, and the plan reports it
+    (not carried out inside SGLang) with the knob-map entries to add; the rest is planned as before."""
+    out, err = _cli("sglang", "plan", "--device", "sim:h200,sim:rtx-3080", "--tp", "2", "--format", "json",
+                    stderr=True)
+    plan = json.loads(out)
+    assert plan["ops"][-1] == "row_scale" and "moe" in plan["ops"]
+    for rank in plan["ranks"]:
+        row = rank["ops"]["row_scale"]
+        assert (row["backend"], row["action"]) == ("torch", "reported")
+        assert "the knob map's models do not list op row_scale (plugin 'newop'): add it to " \
+               "releases[0].models.DeepseekV4ForCausalLM.ops" in row["why"]
+        assert rank["ops"]["kv_dequant"]["action"] in ("kept", "routed")
+    assert "do not list op row_scale" in err            # said once, when the knob map is read
+
+
+def test_the_new_ops_backends_are_custom_ops_from_its_declaration():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, NEWOP]), TRITON_INTERPRET="1")
+    code = ("import torch\n"
+            "from capdispatch_newop import kernels, triton_kernels\n"
+            "from torch._subclasses.fake_tensor import FakeTensorMode\n"
+            "f = torch.ops.capdispatch.row_scale_triton.default\n"
+            "print(f._schema)\n"
+            "with FakeTensorMode() as m:\n"
+            "    y = f(torch.empty(5, 64), torch.empty(5))\n"
+            "print(tuple(y.shape), y.dtype)\n"
+            "x, w = torch.randn(3, 64), torch.randn(3)\n"
+            "print(torch.equal(triton_kernels.row_scale(x, w), kernels.reference(x, w)))\n")
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split("\n")[:3] == [
+        "capdispatch::row_scale_triton(Tensor x, Tensor w, *, bool checks=True) -> Tensor",
+        "(5, 64) torch.float32", "True"]
 
 
 BUILTIN_FILES = ("__init__.py", "reference.py", "canary.py", "calibration.py")

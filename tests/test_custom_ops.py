@@ -31,40 +31,33 @@ import op_cases  # noqa: E402
 _interp = pytest.mark.skipif(not INTERPRET, reason="Triton on CPU needs TRITON_INTERPRET=1")
 
 _B = "capdispatch.backends."
-# (op, backend, kernel module, bound attribute, direct function, needs the Triton interpreter)
-CPU_BACKENDS = [
-    ("kv_quant", "torch", "kv_cache.reference", "op_kv_quant", "kv_quant", False),
-    ("kv_quant", "triton_u8", "kv_cache.triton_kernels", "op_kv_quant_u8", "kv_quant_u8", True),
-    ("kv_quant", "triton_fp8", "kv_cache.triton_kernels", "op_kv_quant_fp8", "kv_quant_fp8", True),
-    ("kv_dequant", "torch", "kv_cache.reference", "op_kv_dequant", "kv_dequant", False),
-    ("kv_dequant", "triton_u8", "kv_cache.triton_kernels", "op_kv_dequant_u8", "kv_dequant_u8", True),
-    ("kv_dequant", "triton_fp8", "kv_cache.triton_kernels", "op_kv_dequant_fp8", "kv_dequant_fp8", True),
-    ("decode_mla", "torch", "decode_mla.reference", "op_decode_mla", "decode_mla", False),
-    ("decode_mla", "triton", "decode_mla.triton_kernels", "op_decode_mla_u8", "decode_mla_u8", True),
-    ("decode_mla", "triton_fp8", "decode_mla.triton_kernels", "op_decode_mla_fp8", "decode_mla_fp8", True),
-    ("sparse_prefill", "torch", "sparse_prefill.reference", "op_sparse_prefill", "sparse_prefill", False),
-    ("sparse_prefill", "triton", "sparse_prefill.triton_kernels", "op_sparse_prefill", "sparse_prefill", True),
-    ("indexer", "torch", "indexer.reference", "op_fp8_paged_mqa_logits", "fp8_paged_mqa_logits", False),
-    ("indexer", "triton", "indexer.triton_kernels", "op_fp8_paged_mqa_logits", "fp8_paged_mqa_logits", True),
-    ("moe", "torch", "moe.reference", "op_moe", "moe", False),
-    ("moe", "triton_w4a16", "moe.triton_kernels", "op_moe_w4a16", "moe_w4a16", True),
-]
-# Backends of libraries that do not run on a CPU: (op, backend, module, bound attribute).
-EXTERNAL_BACKENDS = [
-    ("decode_mla", "flashmla", "decode_mla.flashmla", "op_flashmla"),
-    ("decode_mla", "flashinfer_sparse_mla", "decode_mla.flashinfer", "op_flashinfer_sparse_mla"),
-    ("sparse_prefill", "flashmla_sparse", "sparse_prefill.flashmla", "op_flashmla_sparse"),
-    ("indexer", "tilelang", "indexer.tilelang_kernel", "op_fp8_paged_mqa_logits"),
-    ("indexer", "deepgemm", "indexer.deepgemm", "op_fp8_paged_mqa_logits"),
-    ("moe", "flashinfer_cutlass_w4a8", "moe.flashinfer", "op_moe_cutlass_w4a8"),
-    ("moe", "flashinfer_trtllm_w4a8", "moe.flashinfer", "op_moe_trtllm_w4a8"),
-    ("moe", "flashinfer_cutlass_w4a16", "moe.flashinfer", "op_moe_cutlass_w4a16"),
-    ("moe", "marlin_w4a16", "moe.sglang_marlin", "op_moe_marlin"),
-]
+
+
+def _backend_rows():
+    """From the registry: (op, backend, kernel module, bound attribute, needs the Triton
+    interpreter) of every backend that runs on a CPU (it needs no library but torch and
+    Triton), and (op, backend, module, attribute) of every other (a GPU library's)."""
+    from capdispatch.backends import Library, Platform, build
+    reg = build(plugins=False)
+    cpu, external = [], []
+    for op in reg.ops:
+        for b in reg.backends(op):
+            module, attr = b.impl.split(":")
+            module = module.removeprefix(_B)
+            libs = {r.dist for r in b.requires if isinstance(r, Library)}
+            cuda_only = any(isinstance(r, Platform) and r.kind == "cuda" for r in b.requires)
+            if libs <= {"torch", "triton"} and not cuda_only:
+                cpu.append((op, b.name, module, attr, "triton" in libs))
+            else:
+                external.append((op, b.name, module, attr))
+    return cpu, external
+
+
+CPU_BACKENDS, EXTERNAL_BACKENDS = _backend_rows()
 
 
 def _param(row):
-    marks = [_interp] if row[5] else []
+    marks = [_interp] if row[4] else []
     return pytest.param(*row, id=f"{row[0]}-{row[1]}", marks=marks)
 
 
@@ -109,10 +102,17 @@ def as_fake(mode, args, kwargs):
     return _map_tensors(args, kwargs, mode.from_tensor)
 
 
+def _written(op) -> list:
+    """Positions of the arguments OP's declaration says it writes (kv_quant's pool), not `out`."""
+    from capdispatch.backends import builtin
+    call = builtin().ops[op].call()
+    return [i for i, p in enumerate(call.params) if p.type.startswith("Tensor(a!)") and p is not call.out]
+
+
 def results(op, out, args):
-    """The op's outputs as a tuple of tensors (kv_quant: the pool it wrote)."""
-    if op == "kv_quant":
-        return (args[1],)
+    """The op's outputs as a tuple of tensors (an op that returns nothing: what it wrote)."""
+    if out is None:
+        return tuple(args[i] for i in _written(op))
     return out if isinstance(out, tuple) else (out,)
 
 
@@ -162,8 +162,8 @@ def test_import_capdispatch_defines_no_op_and_imports_no_torch():
     assert p.stdout.strip() == "[]"
 
 
-@pytest.mark.parametrize("op,backend,module,attr,direct,interp", CPU_PARAMS)
-def test_eager_calls_skip_the_dispatcher_traced_calls_use_the_op(op, backend, module, attr, direct, interp):
+@pytest.mark.parametrize("op,backend,module,attr,interp", CPU_PARAMS)
+def test_eager_calls_skip_the_dispatcher_traced_calls_use_the_op(op, backend, module, attr, interp):
     """Eagerly the bound function runs the kernel function (no capdispatch op reaches the
     dispatcher: the profiler records none); under a dispatch mode (what fake tensors,
     make_fx and export use) the call goes through its custom op."""
@@ -188,30 +188,33 @@ def test_eager_calls_skip_the_dispatcher_traced_calls_use_the_op(op, backend, mo
     assert f"capdispatch.{op}_{backend}.default" in seen, seen[:5]
 
 
-@pytest.mark.parametrize("op,backend,module,attr,direct,interp", CPU_PARAMS)
-def test_names_and_declared_mutations(op, backend, module, attr, direct, interp):
+@pytest.mark.parametrize("op,backend,module,attr,interp", CPU_PARAMS)
+def test_names_and_declared_mutations(op, backend, module, attr, interp):
     fn = getattr(kernel_module(module), attr)
     ns = torch.ops.capdispatch
     assert fn.__name__ == f"{op}_{backend}"
-    if op == "kv_quant":
-        assert fn.functional is getattr(ns, f"kv_quant_{backend}").default and fn.with_out is None
-        ops = {fn.functional: "pool"}
+    from capdispatch.backends import builtin
+    call = builtin().ops[op].call()
+    written = [call.params[i].name for i in _written(op)]
+    assert fn.functional is getattr(ns, f"{op}_{backend}").default
+    if call.out is None:
+        assert fn.with_out is None
+        ops = {fn.functional: written}
     else:
-        assert fn.__name__ == f"{op}_{backend}"
-        assert fn.functional is getattr(ns, f"{op}_{backend}").default
         assert fn.with_out is getattr(ns, f"{op}_{backend}_out").default
-        ops = {fn.functional: None, fn.with_out: "out"}
+        ops = {fn.functional: written, fn.with_out: written + ["out"]}
+    assert ops[fn.functional] == (["pool"] if op == "kv_quant" else [])     # the declaration says so
     for o, mutated in ops.items():
         writes = [a.name for a in o._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
-        assert writes == ([mutated] if mutated else []), (o, writes)
+        assert writes == mutated, (o, writes)
         assert [a.name for a in o._schema.arguments if a.kwarg_only][-1] == "checks"
 
 
 # --------------------------------------------------------------------------- #
 # CPU backends: opcheck, fake tensors, dynamo, compile, eager equality
 # --------------------------------------------------------------------------- #
-@pytest.mark.parametrize("op,backend,module,attr,direct,interp", CPU_PARAMS)
-def test_opcheck(op, backend, module, attr, direct, interp):
+@pytest.mark.parametrize("op,backend,module,attr,interp", CPU_PARAMS)
+def test_opcheck(op, backend, module, attr, interp):
     gen, seed = new_gen()
     fn = getattr(kernel_module(module), attr)
     args, kwargs, out = op_cases.case(op, gen)
@@ -225,11 +228,12 @@ def test_opcheck(op, backend, module, attr, direct, interp):
                               test_utils=("test_schema", "test_faketensor"))
 
 
-@pytest.mark.parametrize("op,backend,module,attr,direct,interp", CPU_PARAMS)
-def test_bound_equals_direct_and_fake_matches(op, backend, module, attr, direct, interp):
+@pytest.mark.parametrize("op,backend,module,attr,interp", CPU_PARAMS)
+def test_bound_equals_direct_and_fake_matches(op, backend, module, attr, interp):
     gen, seed = new_gen()
     mod = kernel_module(module)
-    fn, raw = getattr(mod, attr), getattr(mod, direct)
+    fn = getattr(mod, attr)
+    raw = fn.kernel
     from capdispatch.backends.torch_ops import without_checks
     args, kwargs, out = op_cases.case(op, gen)
     a1, k1 = clone_args(args, kwargs)
@@ -253,8 +257,8 @@ def test_bound_equals_direct_and_fake_matches(op, backend, module, attr, direct,
         assert (f.shape, f.dtype, f.stride()) == (w.shape, w.dtype, w.stride()), (op, backend)
 
 
-@pytest.mark.parametrize("op,backend,module,attr,direct,interp", CPU_PARAMS)
-def test_dynamo_fullgraph_no_breaks_and_equal_outputs(op, backend, module, attr, direct, interp):
+@pytest.mark.parametrize("op,backend,module,attr,interp", CPU_PARAMS)
+def test_dynamo_fullgraph_no_breaks_and_equal_outputs(op, backend, module, attr, interp):
     gen, seed = new_gen()
     fn = getattr(kernel_module(module), attr)
     args, kwargs, out = op_cases.case(op, gen)
@@ -374,9 +378,9 @@ def test_external_backend_fake_traces(op, backend, module, attr, monkeypatch):
     gen, seed = new_gen()
     fn = getattr(_external(module, monkeypatch), attr)
     assert fn.__name__ == f"{op}_{backend}"
-    ref = getattr(kernel_module(f"{op}.reference" if op != "indexer" else "indexer.reference"),
-                  {"decode_mla": "op_decode_mla", "sparse_prefill": "op_sparse_prefill",
-                   "indexer": "op_fp8_paged_mqa_logits", "moe": "op_moe"}[op])
+    from capdispatch.backends import builtin
+    ref_module, ref_attr = builtin().backend(op, builtin().ops[op].reference).impl.split(":")
+    ref = getattr(kernel_module(ref_module.removeprefix(_B)), ref_attr)
     args, kwargs, out = op_cases.case(op, gen)
     want = results(op, ref(*clone_args(args, kwargs)[0], **kwargs), args)
     mode = FakeTensorMode()
@@ -477,7 +481,7 @@ def test_gpu_matrix(op, backend, mode, with_out):
         if mode == "reduce_overhead":
             # A mutated argument must be a static input for Inductor's CUDA graphs (as a
             # server's KV pool and output workspaces are): the declared mutation does the rest.
-            for t in ([a1[1]] if op == "kv_quant" else []) + ([k1["out"]] if with_out else []):
+            for t in [a1[i] for i in _written(op)] + ([k1["out"]] if with_out else []):
                 torch._dynamo.mark_static_address(t)
         compiled = torch.compile(fn, fullgraph=True,
                                  mode="reduce-overhead" if mode == "reduce_overhead" else None)

@@ -45,7 +45,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ieee_fp8 as F  # noqa: E402
 
 from capdispatch.backends.decode_mla import reference as R  # noqa: E402
-from capdispatch.backends.kv_cache import layout as L  # noqa: E402
+from capdispatch.backends import v4_layout as L  # noqa: E402
+import v4_offsets as O  # noqa: E402
 from capdispatch.backends.kv_cache import reference as KV  # noqa: E402
 
 from attention_checks import (ASSUME, OUT_RTOL, SCALE, STAT_ATOL, assert_stats_close,  # noqa: E402,F401
@@ -136,8 +137,8 @@ def dequant_f64(pool, page_size, token):
     torch's fp8 dtype and of the KV op's code (IEEE table + layout offsets)."""
     flat = pool.cpu().contiguous().view(-1)
     bpp = pool.shape[1]
-    d = L.token_data_offset(token, page_size, bpp)
-    s = L.token_scale_offset(token, page_size, bpp)
+    d = O.token_data_offset(token, page_size, bpp)
+    s = O.token_scale_offset(token, page_size, bpp)
     codes = flat[d:d + 448].long()
     scales = torch.tensor([math.ldexp(1.0, int(x) - 127) for x in flat[s:s + 7].tolist()], dtype=torch.float64)
     nope = _e4m3_table()[codes] * scales.repeat_interleave(64)
@@ -547,6 +548,30 @@ def test_decode_kernels_compile_for_gpu_targets():
         assert r["shared"] <= SMEM_OPTIN[cc], (cc, mode, r)
     assert [r.get("measured") for r in res[:-1]] == [False] * 5 + [True, True]
     assert "fp8e4nv not supported" in res[-1].get("error", ""), res[-1]
+
+
+@pytest.mark.parametrize("cc", [86, 89, 120])
+def test_portable_decode_entries_compile_for_the_99kb_targets(cc):
+    """Every one-pass decode entry of the portable table (the 64-head x 16-row tile that
+    serves 128 tokens and more included) builds for sm_86, sm_89 and sm_120a with each
+    codec their policy can choose (uint8 everywhere, native fp8 from sm_89), with the main
+    + extra pools, within the 99 KB of those cards; only the entries timed with their
+    spills (TIMED_PORTABLE) may spill. One target per test: a target's builds take a minute."""
+    from capdispatch.backends.sparse_attention import launch_table as LT
+    from test_sparse_prefill import SMEM_OPTIN, compile_offline
+    cfgs = []
+    for c in LT.PORTABLE_CONFIGS["decode"]:
+        c = {k: v for k, v in c.items() if k != "max_tokens"}
+        if c not in cfgs:
+            cfgs.append(c)
+    assert dict(BLOCK_H=64, BLOCK_N=16, num_warps=8, num_stages=1) in cfgs
+    jobs = [(cc, mode, c, True) for mode in ((1,) if cc < 89 else (1, 2)) for c in cfgs]
+    res = compile_offline(jobs)
+    for job, r in zip(jobs, res):
+        assert "error" not in r, (job, r)
+        assert r["ptxas_rc"] == 0, (job, r["log"])
+        assert r["regs"] <= 255 and (r["measured"] or r["spill"] == 0), (job, r)
+        assert r["shared"] <= SMEM_OPTIN[cc], (job, r)
 
 
 # --------------------------------------------------------------------------- #

@@ -47,7 +47,8 @@ from triton_env import HAS_CUDA, INTERPRET, _triton_interpreter  # noqa: E402,F4
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ieee_fp8 as F  # noqa: E402
 
-from capdispatch.backends.kv_cache import layout as L  # noqa: E402
+from capdispatch.backends import v4_layout as L  # noqa: E402
+import v4_offsets as O  # noqa: E402
 from capdispatch.backends.kv_cache import reference as R  # noqa: E402
 
 
@@ -282,8 +283,8 @@ def test_layout_constants():
         got = L.bytes_per_page(p)
         assert got == want and got % 576 == 0 and got >= p * 584 and got - p * 584 < 576
     assert L.scale_offset(64) == 64 * 576
-    assert L.token_data_offset(65, 64) == 37440 + 576
-    assert L.token_scale_offset(65, 64) == 37440 + 64 * 576 + 8
+    assert O.token_data_offset(65, 64) == 37440 + 576
+    assert O.token_scale_offset(65, 64) == 37440 + 64 * 576 + 8
     with pytest.raises(ValueError):
         L.bytes_per_page(0)
     assert "import torch" not in inspect.getsource(L)  # pure Python on purpose

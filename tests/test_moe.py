@@ -537,6 +537,44 @@ def test_triton_masked_poisoned_and_bitstable(device, monkeypatch):
 
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=_interp, id="interp"),
                                     pytest.param("cuda", marks=_gpu + [_no_interp_on_gpu], id="cuda")])
+@pytest.mark.parametrize("split,prefetch", [((2, 2), 0), ((2, 1), 1), ((1, 2), 1)])
+@pytest.mark.parametrize("T", [1, 7])
+def test_triton_split_k_and_prefetch_poisoned(device, split, prefetch, T, monkeypatch):
+    """The decode candidates (split-K GEMMs with float32 partials, the prefetching loop):
+    fresh inputs, a masked token and masked routes, output and scratch poisoned with NaN;
+    equal to the reference within the Triton tolerance, all-masked tokens exactly 0."""
+    seed = new_seed()
+    msg = f"triton/{device} split={split} prefetch={prefetch} T={T} seed={seed}"
+    tk = _tk()
+    w, x, tw, ids = make_case(seed, **SMALL, T=T, device=device, mask_frac=0.3)
+    if T > 1:
+        ids[T // 2] = -1
+    base = tk.tiles_for(1.0, SMALL["H"], SMALL["I"], tk.INTERPRETED)
+    tiles = base._replace(SK1=split[0], SK2=split[1], PF=prefetch)
+    plan = tk._Plan(T, SMALL["K"], SMALL["E"], SMALL["H"], SMALL["I"], True, tiles, False)
+    assert (plan.SK1, plan.SK2) == split, f"{msg}: the split was not taken ({plan.SK1}, {plan.SK2})"
+    out = torch.full((T, SMALL["H"]), float("nan"), dtype=torch.bfloat16, device=device)
+    monkeypatch.setattr(tk, "_alloc", lambda shape, dtype, dev: torch.full(shape, float("nan"), dtype=dtype,
+                                                                           device=dev))
+    got = tk.moe_w4a16(x, poisoned_weights(w), tw, ids, out=out, tiles=tiles)
+    assert got is out, msg
+    assert_close_w4a16(got, R.moe(x, w, tw, ids), msg, tight=True)
+    masked_rows_zero(got, ids, msg)
+
+
+def test_split_k_falls_back_to_parts_that_divide():
+    """A split whose parts would not hold whole K tiles takes fewer parts (down to 1)."""
+    tk = _tk()
+    base = tk.Tiles(16, 32, 128, 4, 3, 64, 128, 4, 3)
+    plan = tk._Plan(1, 6, 64, 4096, 2048, True, base._replace(SK1=8, SK2=8), False)
+    assert (plan.SK1, plan.SK2) == (8, 8)
+    plan = tk._Plan(1, 6, 64, 384, 256, True, base._replace(SK1=8, SK2=4), False)
+    assert (plan.SK1, plan.SK2) == (1, 2)        # 384 = 3 x 128: no split; 256 = 2 x 128
+    assert len(plan.g1_grid) == 2 and plan.g2_grid[2] == 2
+
+
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=_interp, id="interp"),
+                                    pytest.param("cuda", marks=_gpu + [_no_interp_on_gpu], id="cuda")])
 def test_triton_routing_tables_both_paths(device):
     """The one-program routing kernel and the torch path build the same tables."""
     seed = new_seed()

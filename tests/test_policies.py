@@ -255,7 +255,7 @@ def test_every_error_is_a_capdispatch_error():
                       (cd.UnsupportedDeviceError, RuntimeError)]:
         assert issubclass(cls, cd.CapdispatchError) and issubclass(cls, base), cls
     # A kernel's own argument check raises under the root too.
-    from capdispatch.backends.kv_cache.layout import bytes_per_page
+    from capdispatch.backends.v4_layout import bytes_per_page
     with pytest.raises(cd.ArgumentError):
         bytes_per_page(0)
 

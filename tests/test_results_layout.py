@@ -168,8 +168,9 @@ def test_a_writer_archives_its_previous_run_in_the_results_folder_only(tmp_path,
     assert len(os.listdir(elsewhere)) == 4
 
 
-WRITERS = ("bench_attention.py", "regret_report.py", "bench_sglang_decode_route.py", "bench_cli_cold.py", "bench_indexer.py", "bench_kv_cache.py",
-           "bench_moe.py", "bench_overhead.py", "bench_sglang_moe_route.py", "bench_verify.py", "sweep_moe_triton.py")
+WRITERS = ("bench_attention.py", "bench_attention_candidates.py", "regret_report.py", "bench_sglang_decode_route.py", "bench_cli_cold.py", "bench_indexer.py", "bench_kv_cache.py",
+           "bench_moe.py", "bench_overhead.py", "bench_sglang_moe_route.py", "bench_verify.py", "sweep_moe_triton.py",
+           "report.py")
 
 
 @pytest.mark.parametrize("script", WRITERS)

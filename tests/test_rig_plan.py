@@ -166,7 +166,7 @@ def test_eight_cards_fast_and_without_torch():
 def test_kv_pools_are_sglang_pages():
     r = FLASH.for_rank(8)
     pools = {p.name: p for p in mem.kv_pools(FLASH, r, 32768, 4)}
-    from capdispatch.backends.kv_cache.layout import bytes_per_page
+    from capdispatch.backends.v4_layout import bytes_per_page
     assert pools["window rings"].shape[1] == bytes_per_page(256)
     assert pools["c4 rows"].shape[1] == bytes_per_page(64)
     assert pools["c128 rows"].shape[1] == bytes_per_page(2)

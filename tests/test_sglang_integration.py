@@ -263,7 +263,7 @@ def test_each_rank_decides_for_its_own_card(ranks):
     assert all("moe_runner_backend=auto (as SGLang resolved it)" in s["choices"]["moe"]["why"] for s in states)
     assert states[0]["choices"]["sparse_prefill"]["why"] == "SGLang calls no routable sparse_prefill site on this card"
     assert states[1]["choices"]["decode_mla"]["why"].startswith(
-        "SGLang's own flash_mla_with_kvcache cannot run there: needs ")
+        "SGLang's own flash_mla_with_kvcache cannot run there: feature:")
     # The indexer route turns SGLang's torch switch on in the rank's own process.
     for s in states:
         assert s["env"] == {"SGLANG_FP8_PAGED_MQA_LOGITS_TORCH": "true",

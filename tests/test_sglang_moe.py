@@ -160,7 +160,7 @@ def test_plan_names_sglangs_default_from_device_0():
     _, out = _plan("--device", RIG)
     why = out["ranks"][1]["ops"]["moe"]["why"]
     assert "moe_runner_backend=flashinfer_mxfp4 (SGLang's DeepSeek-V4 default from device 0 (cuda:0" in why
-    assert "Mxfp4FlashinferTrtllmMoEMethod" in why and "needs tcgen05" in why
+    assert "Mxfp4FlashinferTrtllmMoEMethod" in why and "need tcgen05" in why
     assert not [w for w in out["warnings"] if "was set by the user" in w]
 
 

@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import capdispatch as cd
+from capdispatch.dispatch import explain
 
 RIG_ENV = "CAPDISPATCH_SGLANG_DEVICES"
 CARDS = ("sim:rtx-5090", "sim:rtx-3080", "sim:h200", "sim:rtx-pro-6000", "sim:sm_86", "sim:b200",
@@ -62,8 +63,11 @@ def check_one_decision(rig, libs, extra=()):
     # 1. Every decided op of every rank is capdispatch's own resolution for the same
     #    inputs (--assume-lib and --set reach the rank table).
     ops = p["ops"]
+    # The plan names the target's libraries the CLI's way: simulated devices with no
+    # library named are planned with the default profile, so the reference is too.
+    target = explain.target_libs([cd.probe(d) for d in rig], None, list(libs))
     ref = cd.plan(list(rig), ops, assume_libs=list(libs) or None, selections=sels or None,
-                  policy=pols or None, log_warnings=False)
+                  policy=pols or None, log_warnings=False, libs=target)
     for r, (pid, _) in zip(ranks, zip(ref.devices, rig)):
         for op in ops:
             c = r["ops"][op]
@@ -115,7 +119,7 @@ def test_the_reported_contradiction_cannot_happen(clean_env):
     p = check_one_decision(["sim:h200"], ["sgl-flash-mla==0.9.0"])
     ops = p["ranks"][0]["ops"]
     assert ops["decode_mla"]["backend"] == "triton_fp8" and ops["decode_mla"]["routed"]
-    assert "needs sgl-flash-mla>=1.0, has 0.9.0 (assumed)" in ops["decode_mla"]["why"]
+    assert "library:sgl-flash-mla: need sgl-flash-mla>=1.0, found 0.9.0 (assumed)" in ops["decode_mla"]["why"]
     attn = next(x for x in p["sglang_settings"] if x["name"] == "dsv4_attn_backend")
     assert attn["wants"] == {} and attn["without"] == [] and attn["routed"] == {"cuda:0": "triton_fp8"}
     p = check_one_decision(["sim:h200"], ["sgl-flash-mla==1.0.0"])

@@ -369,7 +369,7 @@ def test_mixed_rig_routes_only_where_sglangs_kernel_cannot_run(env, release):
     dq = d.choices["kv_dequant"]
     assert {k: (c.backend, c.routed) for k, c in dq.items()} == {
         "cuda:0": ("triton_fp8", False), "cuda:1": ("triton_u8", True), "cuda:2": ("triton_u8", True)}
-    assert "needs fp8_e4m3 (cc >=8.9), has cc 8.6" in dq["cuda:1"].why
+    assert "feature:fp8_e4m3: need fp8_e4m3 (cc >=8.9), found cc 8.6" in dq["cuda:1"].why
     # SGLang's JIT store runs everywhere; nobody asked for a capdispatch store.
     assert d.resolved == ("kv_dequant",)
     assert all(c.backend is None and not c.routed for c in d.choices["kv_quant"].values())
@@ -516,7 +516,8 @@ def test_plan_json(env, capsys, monkeypatch):
     assert dq == {
         "backend": "triton_u8", "runs": "triton_u8", "action": "routed", "routed": True,
         "downgraded_from": None, "setting": None, "kind": "fallback", "size_key": None, "buckets": [],
-        "why": "SGLang's own dequantize_k_cache_paged_dsv4 cannot run there: needs fp8_e4m3 (cc >=8.9), has cc 8.6"}
+        "why": "SGLang's own dequantize_k_cache_paged_dsv4 cannot run there: "
+               "feature:fp8_e4m3: need fp8_e4m3 (cc >=8.9), found cc 8.6"}
     assert p["ranks"][1]["arch"]["device_sm"] == 86
     assert {x["name"]: x["action"] for x in p["launch"]} == {"kv_cache_dtype": "set", "SGLANG_DSV4_KV_LAYOUT": "set"}
 

@@ -428,6 +428,14 @@ def test_launch_configs_per_capability():
     assert K.configs_for((8, 6), "decode_split", 1)[0] == dict(BLOCK_H=16, BLOCK_N=16, num_warps=4, num_stages=1,
                                                              max_tokens=1)
     assert K.configs_for((8, 6), "decode_split", 2)[0]["BLOCK_H"] == 32
+    # One-pass decode there: the 32-head tile up to 127 tokens, 64 heads x 16 rows from 128
+    # (timed at 128 and 4096); the split list never takes the 64-head tile.
+    hp16 = dict(BLOCK_H=64, BLOCK_N=16, num_warps=8, num_stages=1)
+    for t in (1, 64, 127):
+        assert K.configs_for((8, 6), "decode", t)[0]["BLOCK_H"] == 32, t
+    for t in (128, 4096):
+        assert K.configs_for((8, 6), "decode", t)[0] == hp16, t
+    assert hp16 not in K.configs_for((8, 6), "decode_split")
     with pytest.raises(ValueError, match="unknown kernel kind 'decode-split'; valid: prefill, decode, decode_split"):
         K.configs_for((9, 0), "decode-split")
 

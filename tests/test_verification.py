@@ -390,7 +390,7 @@ def test_each_canary_passes_the_reference_and_catches_one_wrong_element(op):
 
 
 def _corrupt_written_byte(pool, loc, page_size):
-    from capdispatch.backends.kv_cache import layout as L
+    from capdispatch.backends import v4_layout as L
     t = int(loc[len(loc) // 2])
     pool.view(torch.uint8)[t // page_size, (t % page_size) * L.DATA_BYTES + 3] ^= 0x10
 

@@ -19,14 +19,38 @@ from ..capabilities.libraries import import_check
 
 @attrs.frozen
 class Check:
+    """One requirement evaluated on one device: what was needed, what was found, and (when
+    it failed) a sentence the requirement wrote for people."""
     code: str
     need: str
     found: str
     ok: bool
     message: str = ""
 
+    @property
+    def wording(self) -> str:
+        """The one wording of a check as need against found: 'CODE: need NEED, found FOUND'."""
+        return need_found(self.code, self.need, self.found)
+
+    @property
+    def reason(self) -> str:
+        """Why it failed, for an error or a warning: its message, else its wording."""
+        return self.message or self.wording
+
     def to_dict(self) -> dict:
         return attrs.asdict(self)
+
+
+def need_found(what: str, need, found) -> str:
+    """'WHAT: need NEED, found FOUND': how capdispatch words anything checked against what
+    it needs (a requirement on a device, a cached verdict's key against today's)."""
+    return f"{what}: need {need}, found {found}"
+
+
+def failed_checks(checks, *, exact: bool = False) -> str:
+    """The failed ones of CHECKS, joined by '; ': each its reason, or with EXACT its
+    wording (need against found, as a trace shows it)."""
+    return "; ".join(ch.wording if exact else ch.reason for ch in checks if not ch.ok)
 
 
 @attrs.frozen
@@ -38,8 +62,9 @@ class Facts:
     libraries: Inventory
     env: Mapping = attrs.field(factory=dict)   # snapshot taken when the decision is made
     check_imports: bool = False                # real devices only: planning never imports
-    # The rank's shapes (a capdispatch.models.RankShape, read by attribute) when the decision
-    # is made for a model and layout; None: shape requirements are not evaluated.
+    # The rank's shapes (a capdispatch.models.RankShape, read by attribute: models stands above
+    # backends, so it is not imported here) when the decision is made for a model and layout;
+    # None: shape requirements are not evaluated.
     shapes: Optional[object] = None
 
 
@@ -265,6 +290,8 @@ class SizeArg:
 class Op:
     name: str
     summary: str
+    # The op contract. Typed (torch.library's schema language, backends/signature.py), it is
+    # also the custom ops' schema; an untyped one ("bare(x) -> Tensor") only describes the call.
     signature: str
     reference: str          # the backend that defines the op's meaning
     size: Optional[SizeArg] = None   # what size buckets test; None: the op takes no buckets
@@ -291,6 +318,29 @@ class Op:
     # (compile_matrix.py: function(Target) -> [Job]); ops sharing one function name it once
     # each. "": the op has no Triton kernel.
     compile_jobs: str = ""
+    # Each result's shape and dtype (signature.Out), in the signature's order: with a typed
+    # signature, what torch_ops.custom_op derives the schemas and fake implementations from.
+    # None: the op declares no custom op (its backends are plain functions).
+    outputs: Optional[tuple] = attrs.field(default=None, converter=attrs.converters.optional(tuple))
+    # Record types the signature names -> "module:Class" (the class gives PARTS, the schema of
+    # its parts, parts() and from_parts(*parts)): a custom op passes a record as its parts.
+    records: Optional[dict] = attrs.field(default=None, eq=False)
+
+    def __attrs_post_init__(self):
+        if self.outputs is not None:        # refused at declaration, by name, before any bind
+            from .signature import parse
+            try:
+                call = parse(self.signature, tuple(self.records or ()))
+            except ValueError as e:
+                raise ValueError(f"op {self.name!r}: {e}") from None
+            if len(call.returns) != len(self.outputs):
+                raise ValueError(f"op {self.name!r}: its signature returns {len(call.returns)} result(s), "
+                                 f"outputs= describes {len(self.outputs)}")
+
+    def call(self):
+        """The parsed typed signature (signature.Call)."""
+        from .signature import parse
+        return parse(self.signature, tuple(self.records or ()))
 
     def load_compile_jobs(self):
         import importlib

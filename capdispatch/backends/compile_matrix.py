@@ -122,7 +122,7 @@ def _cfg_label(cfg: dict) -> str:
 
 def kv_cache_jobs(t: Target) -> list:
     K = _mod("kv_cache.triton_kernels")
-    L = _mod("kv_cache.layout")
+    from . import v4_layout as L
     out = []
     for native in _codecs(t):
         for name, tokens, warps in (("_kv_quant_kernel", K.QUANT_TOKENS_PER_PROG, K.QUANT_NUM_WARPS),
@@ -193,6 +193,8 @@ def attention_jobs(t: Target) -> list:
 # Mean routes per active expert at which moe's tiles_for changes tiles (one per size class).
 MOE_SIZE_CLASSES = (1.0, 64.0, 128.0, 1024.0)
 MOE_SHAPE = dict(H=7168, I=2048, TOPK=6)
+# Split-K parts the MoE's decode candidates use (launch_table.Tiles.SK1/SK2).
+SPLIT_K_PARTS = (2, 4, 8)
 
 
 def moe_jobs(t: Target) -> list:
@@ -206,17 +208,36 @@ def moe_jobs(t: Target) -> list:
         if tiles in seen:
             continue
         seen.add(tiles)
-        BM, BN1, BK1, W1, S1, BN2, BK2, W2, S2 = tiles
+        BM, BN1, BK1, W1, S1, BN2, BK2, W2, S2 = tiles[:9]
         BK1 = BK1 if H % BK1 == 0 else 64
         BK2 = BK2 if I % BK2 == 0 else 64
         label = f"BM={BM}"
         out.append(Job("moe", "moe.triton_kernels:_gemm1_swiglu_kernel", f"{label} n{BN1}k{BK1}w{W1}s{S1}",
                        dict(sig["_gemm1_swiglu_kernel"]),
-                       dict(TOPK=MOE_SHAPE["TOPK"], HAS_LIMIT=True, F32=False, BM=BM, BN=BN1, BK=BK1),
+                       dict(TOPK=MOE_SHAPE["TOPK"], HAS_LIMIT=True, F32=False, BM=BM, BN=BN1, BK=BK1, SPLIT=1,
+                            PREFETCH=0),
                        num_warps=W1, num_stages=S1))
         out.append(Job("moe", "moe.triton_kernels:_gemm2_kernel", f"{label} n{BN2}k{BK2}w{W2}s{S2}",
-                       dict(sig["_gemm2_kernel"]), dict(F32=False, BM=BM, BN=BN2, BK=BK2),
+                       dict(sig["_gemm2_kernel"]), dict(F32=False, BM=BM, BN=BN2, BK=BK2, SPLIT=1, PREFETCH=0),
                        num_warps=W2, num_stages=S2))
+    # Split-K candidates of the decode class (Tiles.SK1/SK2 > 1): the split GEMMs differ from
+    # the unsplit ones only in their K range and stores, plus the SwiGLU reduce and the
+    # combine's sum over parts.
+    t = _mod("moe.launch_table").tiles_for(1.0, H, I, False)
+    for sk in SPLIT_K_PARTS:
+        out.append(Job("moe", "moe.triton_kernels:_gemm1_swiglu_kernel",
+                       f"BM={t.BM} n{t.BN1}k{t.BK1}w{t.W1}s{t.S1} split{sk}", dict(sig["_gemm1_swiglu_kernel"]),
+                       dict(TOPK=MOE_SHAPE["TOPK"], HAS_LIMIT=True, F32=False, BM=t.BM, BN=t.BN1, BK=t.BK1,
+                            SPLIT=sk, PREFETCH=0), num_warps=t.W1, num_stages=t.S1))
+        out.append(Job("moe", "moe.triton_kernels:_gemm2_kernel", f"BM={t.BM} n{t.BN2}k{t.BK2}w{t.W2}s{t.S2} split{sk}",
+                       dict(sig["_gemm2_kernel"]), dict(F32=False, BM=t.BM, BN=t.BN2, BK=t.BK2, SPLIT=sk, PREFETCH=0),
+                       num_warps=t.W2, num_stages=t.S2))
+        out.append(Job("moe", "moe.triton_kernels:_swiglu_reduce_kernel", f"split{sk} RP=512 BN=1024",
+                       dict(sig["_swiglu_reduce_kernel"]),
+                       dict(SPLIT=sk, HAS_LIMIT=True, F32=False, RP=512, BN=1024), num_warps=4))
+        out.append(Job("moe", "moe.triton_kernels:_combine_kernel", f"BN=1024 split{sk}",
+                       dict(sig["_combine_kernel"]), dict(TOPK=MOE_SHAPE["TOPK"], BN=1024, EXACT_RNE=False,
+                                                         SPLIT=sk), num_warps=4))
     # The routing kernel's largest tables: 128 experts, ROUTING_MAX_ROUTES routes, the smallest BM.
     bm = min(s.BM for s in seen)
     ep = 128
@@ -224,7 +245,7 @@ def moe_jobs(t: Target) -> list:
     out.append(Job("moe", "moe.triton_kernels:_routing_kernel", f"EP={ep} BP={bp} BM={bm}",
                    dict(sig["_routing_kernel"]), dict(CH=K.ROUTING_CHUNK, EP=ep, BP=bp, BM=bm), num_warps=4))
     out.append(Job("moe", "moe.triton_kernels:_combine_kernel", "BN=1024",
-                   dict(sig["_combine_kernel"]), dict(TOPK=MOE_SHAPE["TOPK"], BN=1024, EXACT_RNE=False),
+                   dict(sig["_combine_kernel"]), dict(TOPK=MOE_SHAPE["TOPK"], BN=1024, EXACT_RNE=False, SPLIT=1),
                    num_warps=4))
     return out
 

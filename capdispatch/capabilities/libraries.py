@@ -10,7 +10,7 @@ import re
 import sys
 import threading
 from importlib import metadata
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import attrs
 from packaging.requirements import InvalidRequirement, Requirement
@@ -18,6 +18,9 @@ from packaging.utils import canonicalize_name
 from packaging.version import InvalidVersion, Version
 
 from ..errors import CapdispatchError
+
+if TYPE_CHECKING:
+    from .lib_profiles import Profile
 
 
 class AssumeLibError(CapdispatchError, ValueError):
@@ -83,7 +86,7 @@ class Inventory:
     whole inventory of a target machine), plus assumptions on top."""
 
     assumed: tuple = ()     # ((name, version-or-None), ...)
-    profile: Optional[object] = None    # lib_profiles.Profile; None: this machine's
+    profile: Optional[Profile] = None   # None: this machine's
     default: bool = False   # the profile is the default for simulated devices (nothing was said)
     # This machine's versions as read once for this inventory (one decision, one run): a
     # plan of 128 cards asks for the same few distributions thousands of times.

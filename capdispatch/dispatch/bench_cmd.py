@@ -16,7 +16,7 @@ DEFAULT_THRESHOLD = 1.05
 
 
 def add_parser(subparsers):
-    from . import completion
+    from .options import LAYOUT, add
     b = subparsers.add_parser(
         "bench", help="time the runnable backends over a size ladder; write a calibrated policy",
         description="Time every runnable backend of each op over a ladder of sizes on one device "
@@ -26,11 +26,9 @@ def add_parser(subparsers):
                "  dispatch bench --device cuda:0 --op kv_dequant\n"
                "  dispatch bench --device cuda:0 --write-policy my-card.yaml\n"
                "  dispatch bench --device cpu --op moe --sizes 1,16,256 --format json\n")
-    completion.devices(b.add_argument(
-        "--device", default=None, metavar="DEV",
-        help="cuda:N or cpu (default: cuda:0 when a CUDA device is visible, else cpu)"))
-    completion.ops(b.add_argument("--op", action="append", default=[], metavar="OP[,OP...]",
-                                  help="the ops to time (repeat the flag or use commas; default: all)"))
+    add(b, "device", help="the one device to time, not simulated", repeat=False,
+        unset="cuda:0 when a CUDA device is visible, else cpu")
+    add(b, "op")
     b.add_argument("--sizes", default=None, metavar="N,N,...",
                    help="sizes of the ops' leading dimension (default: each op's ladder)")
     b.add_argument("--write-policy", default=None, metavar="FILE",
@@ -45,12 +43,10 @@ def add_parser(subparsers):
     b.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
     b.add_argument("--warmup", type=float, default=25.0, help="CUDA: do_bench warm-up, ms")
     b.add_argument("--rep", type=float, default=100.0, help="CUDA: do_bench measuring time, ms")
-    b.add_argument("--format", choices=("text", "json"), default="text",
-                   help="text for people (default) or JSON for programs")
+    add(b, "format")
     s = b.add_argument_group("served shapes and form (--model: time at one rank's shapes of a model; "
                              "without it DeepSeek-V4's at 64 heads and 64 experts per rank)")
-    from .model_cmd import add_layout_options
-    add_layout_options(s)
+    add(s, *LAYOUT)
     s.add_argument("--layers", type=int, default=None, metavar="N",
                    help="layers of one forward the per-batch work is shared by (default: the model's, else 1)")
     s.add_argument("--cuda-graph-max-bs", type=int, default=None, metavar="N",

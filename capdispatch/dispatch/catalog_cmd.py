@@ -3,6 +3,7 @@ from __future__ import annotations
 
 
 def add_parser(sub):
+    from .options import add
     p = sub.add_parser("catalog", help="the GPU catalog: the names sim:NAME takes, with their facts",
                        description="The GPUs and bare architectures that sim:NAME simulates, with "
                                    "compute capability, SMs, opt-in shared memory per block and "
@@ -11,8 +12,7 @@ def add_parser(sub):
                               "  dispatch catalog --format json\n"
                               "  dispatch explain --device sim:rtx-pro-6000   (a name from the list)\n")
     p.add_argument("--sources", action="store_true", help="also print where each value comes from")
-    p.add_argument("--format", choices=("text", "json"), default="text",
-                   help="text for people (default) or JSON for programs")
+    add(p, "format")
     return p
 
 

@@ -9,7 +9,9 @@ import logging
 import os
 import sys
 
-EXIT_OK, EXIT_BAD_INPUT, EXIT_UNSAT = 0, 2, 3
+from . import command
+from .errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_UNSAT  # noqa: F401  (the exit codes, named here too)
+from .options import LAYOUT, Parser, check_layout, version
 
 # Subcommands that live with an adapter, named by module so that the core never
 # imports an adapter: `dispatch NAME ARGS...` runs `MODULE.main(ARGS)`.
@@ -17,9 +19,8 @@ EXTENSIONS = {
     "sglang": ("capdispatch.adapters.sglang.cli", "what the SGLang adapter would set for a launch"),
 }
 
-# Subcommands in their own modules (capdispatch/dispatch/NAME.py): each has
-# add_parser(subparsers) and run(args) -> int.
-COMMANDS = ("bench_cmd", "catalog_cmd", "env_cmd", "lock_cmd", "model_cmd", "plan_cmd", "rehearse_cmd", "verify_cmd")
+# Subcommands in their own modules (capdispatch/dispatch/NAME_cmd.py, imported in _parser):
+# each has add_parser(subparsers) and run(args) -> int, and imports nothing of this module.
 
 EPILOG = """\
 examples:
@@ -65,104 +66,44 @@ examples:
 """
 
 
-class _Parser(argparse.ArgumentParser):
-    def __init__(self, *a, **kw):
-        # Raw: the epilogs' examples keep their lines; a one-line description is filled here.
-        kw.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
-        desc = kw.get("description")
-        if desc and "\n" not in desc:
-            import textwrap
-            kw["description"] = textwrap.fill(desc, 88)
-        super().__init__(*a, **kw)
-
-    def error(self, message):
-        self.print_usage(sys.stderr)
-        print(f"dispatch: error: {message}", file=sys.stderr)
-        raise SystemExit(EXIT_BAD_INPUT)
-
-
-def version() -> str:
-    """capdispatch's version: the installed distribution's, else the package's own."""
-    from importlib import metadata
-    try:
-        return metadata.version("capdispatch")
-    except metadata.PackageNotFoundError:
-        from .. import __version__
-        return __version__
-
-
-DEVICE_HELP = ("cuda:N, cpu or sim:NAME (NAME from `dispatch catalog`, or sm_86, sm_90, ...); "
-               "repeat the flag or use commas; all given devices form one group")
-
-
 def _parser() -> argparse.ArgumentParser:
-    from . import completion
-    p = _Parser(prog="dispatch", description="Which kernel runs each op on each GPU, and why.",
-                epilog=EPILOG)
+    from . import bench_cmd, catalog_cmd, env_cmd, lock_cmd, model_cmd, plan_cmd, rehearse_cmd, verify_cmd
+    from .options import add
+    p = Parser(prog="dispatch", description="Which kernel runs each op on each GPU, and why.",
+               epilog=EPILOG)
     p.add_argument("-V", "--version", action="version", version=f"capdispatch {version()}",
                    help="print capdispatch's version and exit")
-    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser, metavar="COMMAND")
-
-    def fmt(sp):
-        sp.add_argument("--format", choices=("text", "json"), default="text",
-                        help="text for people (default) or JSON for programs")
-
-    def probe_opts(sp):
-        sp.add_argument("--probe", choices=("auto", "torch", "nvml"), default="auto",
-                        help="how to read a cuda:N device (auto: NVML unless CUDA is already "
-                             "initialised; nvml / torch: only that way, exit 2 if it cannot)")
-        sp.add_argument("--assume-cuda", metavar="VER",
-                        help="CUDA toolkit version to assume for simulated devices, e.g. 12.8")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
     d = sub.add_parser("devices", help="the devices and their facts and features",
                        description="The devices and their facts, features and how they were read.",
                        epilog=DEVICES_EPILOG)
-    completion.devices(d.add_argument("--device", action="append", default=[], metavar="DEV[,DEV...]",
-                                      help=DEVICE_HELP + " (default: every local CUDA device, else cpu)"))
-    fmt(d); probe_opts(d)
+    add(d, "device")
+    add(d, "format", "probe", "assume_cuda")
 
     e = sub.add_parser("explain", help="decide every op for a group of devices, with the trace",
                        description="Decide every op for a group of devices: the op x device matrix, "
                                    "then each op's trace (every candidate, every check).",
                        epilog=EXPLAIN_EPILOG)
-    completion.devices(e.add_argument("--device", action="append", default=[], metavar="DEV[,DEV...]",
-                                      help=DEVICE_HELP + " (default: every local CUDA device, else cpu)"))
-    completion.ops(e.add_argument("--op", action="append", default=[], metavar="OP[,OP...]",
-                                  help="decide only these ops (default: all; `dispatch ops` lists them)"))
-    e.add_argument("--policy", action="append", default=[], metavar="FILE",
-                   help="a policy file, layered above the built-in default and $CAPDISPATCH_POLICY; "
-                        "repeat for more (later wins)")
-    completion.selections(e.add_argument(
-        "--set", action="append", default=[], metavar="OP=BACKEND", dest="set_",
-        help="an explicit choice, above every policy (commas for several)"))
-    completion.libraries(e.add_argument(
-        "--assume-lib", action="append", default=[], metavar="NAME[==VERSION]",
-        help="treat a library as installed on the target (at VERSION), e.g. triton or "
-             "flashinfer-python==0.7.2; an unknown name is refused"))
-    completion.profiles(e.add_argument(
-        "--libs", metavar="PROFILE",
-        help="the target's whole library inventory from a profile (e.g. sglang-0.5.23: the "
-             "versions SGLang 0.5.23 installs) instead of this machine's; --assume-lib adds to it; "
-             "`local`: this machine's. Default: the default profile when every device is "
-             "simulated and no --assume-lib is given, else this machine's"))
+    add(e, "device", help="the group's devices")
+    add(e, "op", "policy", "set", "assume_lib", "libs")
     e.add_argument("--mixed-group", choices=("allow", "warn", "uniform", "error"),
                    help="what a group whose devices choose different backends does, above every "
                         "policy file: allow, warn (default), uniform (one kernel every device can "
                         "run), error (exit 3)")
-    e.add_argument("--strict", action="store_true",
-                   help="an explicit choice that cannot run is an error (exit 3), not a downgrade")
-    e.add_argument("--brief", action="store_true",
-                   help="print the op x device matrix only, without the traces")
-    e.add_argument("--lock", metavar="FILE", help="compare with this lock file (default: $CAPDISPATCH_LOCK)")
-    from .model_cmd import add_layout_options
-    add_layout_options(e)   # --model and a layout: kernels' shape ranges are checked per rank
-    fmt(e); probe_opts(e)
+    add(e, "strict")
+    add(e, "brief", help="the op x device matrix, without the traces")
+    add(e, "lock")
+    add(e, "model", help="the model whose rank shapes under --tp/--ep are checked against the "
+        "kernels' shape ranges")
+    add(e, *LAYOUT[1:])
+    add(e, "format", "probe", "assume_cuda")
 
     o = sub.add_parser("ops", help="the ops and their backends with what each needs",
                        description="The ops and their backends in the built-in policy's order, with what each needs.",
                        epilog="examples:\n  dispatch ops\n  dispatch ops --format json\n"
                               "  dispatch explain --op kv_dequant --device sim:rtx-3080   (an op from the list)\n")
-    fmt(o)
+    add(o, "format")
 
     for name, (module, help_) in EXTENSIONS.items():
         # `dispatch NAME ...` goes straight to the extension's own parser (see main); for
@@ -171,15 +112,14 @@ def _parser() -> argparse.ArgumentParser:
         if "_ARGCOMPLETE" in os.environ:
             importlib.import_module(module).add_commands(ext)
 
-    for mod in COMMANDS:
-        m = importlib.import_module(f"{__package__}.{mod}")
+    for m in (bench_cmd, catalog_cmd, env_cmd, lock_cmd, model_cmd, plan_cmd, rehearse_cmd, verify_cmd):
         m.add_parser(sub).set_defaults(run=m.run)
 
     pol = sub.add_parser("policy", help="check or show policy files",
                          description="Check or show policy files.",
                          epilog="examples:\n  dispatch policy validate my-rig.yaml\n"
                                 "  dispatch policy show --policy my-rig.yaml\n")
-    psub = pol.add_subparsers(dest="policy_cmd", required=True, parser_class=_Parser)
+    psub = pol.add_subparsers(dest="policy_cmd", required=True)
     v = psub.add_parser("validate", help="check policy files; exit 2 on the first error",
                         epilog="examples:\n  dispatch policy validate my-rig.yaml\n"
                                "  dispatch policy validate a.yaml b.yaml    each file alone\n")
@@ -187,57 +127,15 @@ def _parser() -> argparse.ArgumentParser:
     s = psub.add_parser("show", help="the merged policy, with where each value came from",
                         epilog="examples:\n  dispatch policy show\n"
                                "  dispatch policy show --policy my-rig.yaml --format json\n")
-    s.add_argument("--policy", action="append", default=[], metavar="FILE",
-                   help="a policy file to layer above the default; repeat for more")
-    fmt(s)
+    add(s, "policy", "format")
     return p
 
 
-def _devices_arg(values, source: str = "--device") -> list:
-    from .inputs import device_list
-    return device_list(values, source)
-
-
-class _StderrHandler(logging.StreamHandler):
-    """Writes to sys.stderr as it is when a record is emitted, not as it was when the
-    handler was made (main() may run many times in one process, stderr replaced between)."""
-
-    @property
-    def stream(self):
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, value):
-        pass
-
-
-def _setup_logging():
-    log = logging.getLogger("capdispatch")
-    if not any(getattr(h, "_capdispatch", False) for h in log.handlers):
-        h = _StderrHandler()
-        h.setFormatter(logging.Formatter("%(levelname)s capdispatch: %(message)s"))
-        h._capdispatch = True
-        log.addHandler(h)
-        log.propagate = False
-    log.setLevel(logging.INFO)
-
-
-def _safe_streams():
-    # A character the output's encoding lacks (PYTHONIOENCODING=ascii) is escaped, not a crash.
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.reconfigure(errors="backslashreplace")
-        except (AttributeError, ValueError, OSError):
-            pass
-
-
 def main(argv=None) -> int:
-    from .errors import run_guarded
-
-    _safe_streams()
+    command.safe_streams()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in EXTENSIONS:
-        import importlib
+        # The extension's main runs under the same handler (command.run), as its own prog.
         return importlib.import_module(EXTENSIONS[argv[0]][0]).main(argv[1:])
     parser = _parser()
     if "_ARGCOMPLETE" in os.environ:
@@ -246,12 +144,7 @@ def main(argv=None) -> int:
     if not argv:      # `dispatch` alone: what it does and how, not only "arguments are required"
         parser.print_help()
         return EXIT_BAD_INPUT
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:    # --help, or a usage error already printed: return its code
-        return exc.code if isinstance(exc.code, int) else EXIT_BAD_INPUT
-    _setup_logging()
-    return run_guarded("dispatch", lambda: _run(args))
+    return command.run("dispatch", parser, argv, _run)
 
 
 def _emit(args, obj, text):
@@ -285,7 +178,7 @@ def _specs(args):
 def _cmd_devices(args) -> int:
     from ..backends import builtin
     from ..capabilities import Inventory, derive_features
-    from .explain import _device_dict, device_line, libraries_lines
+    from .explain import device_dict, device_line, libraries_lines
     from .render import wrap
     from .resolver import library_names
     specs = _specs(args)
@@ -299,22 +192,19 @@ def _cmd_devices(args) -> int:
     inventory = inv.to_dict(sorted(library_names(builtin())))
     text += libraries_lines(inventory["versions"], inventory)
     _emit(args, {"schema": 1, "devices": [
-        {k: v for k, v in _device_dict(d, None).items() if k != "libraries"} for d in specs],
+        {k: v for k, v in device_dict(d, None).items() if k != "libraries"} for d in specs],
         "inventory": inventory}, "\n".join(text))
     return EXIT_OK
 
 
 def _cmd_explain(args) -> int:
     from ..backends import builtin
-    from .errors import BadInput
     from .explain import plan, render_text, target_libs
     from .inputs import op_list
     ops = op_list(args.op, "--op", builtin())
     from .model_cmd import shapes_from_args
     _, shapes = shapes_from_args(args)
-    if shapes is None and (args.tp != 1 or args.ep != 1 or args.dp_attention or args.next_n is not None):
-        raise BadInput("--tp/--ep/--dp-attention/--next-n describe a model's layout: give --model "
-                       "NAME|PATH with them (`dispatch model` lists the built-ins)")
+    check_layout(args)
     specs = _specs(args)
     p = plan(specs, ops or None, policy=args.policy or None, shapes=shapes,
              selections=args.set_ or None, assume_libs=args.assume_lib, strict=args.strict,

@@ -42,12 +42,12 @@ OWN = ("attrs", "pyyaml", "packaging", "platformdirs", "rich", "argcomplete", "n
 
 
 def add_parser(sub):
+    from .options import add
     p = sub.add_parser("env", help="a report of versions, driver, cards, libraries and variables "
                                    "to paste into a bug report",
                        description=__doc__.split("\n\n", 1)[1].strip(),
                        epilog="examples:\n  dispatch env\n  dispatch env --format json > env.json\n")
-    p.add_argument("--format", choices=("text", "json"), default="text",
-                   help="text for people (default) or JSON for programs")
+    add(p, "format")
     return p
 
 
@@ -97,7 +97,7 @@ def _nvml() -> dict:
 def report(env=None) -> dict:
     from ..backends import builtin
     from ..capabilities.probing import torch_cuda_version
-    from .cli import version
+    from .options import version
     from .resolver import library_names
     env = os.environ if env is None else env
     backend_libs = sorted(library_names(builtin()))

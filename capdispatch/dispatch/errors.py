@@ -1,15 +1,7 @@
 """Errors of a decision. BadInput -> exit 2; Unsatisfiable -> exit 3."""
 from __future__ import annotations
 
-from ..errors import CapdispatchError
-
-
-class BadInput(CapdispatchError, ValueError):
-    """Unknown op, device or backend; a bad flag value."""
-
-
-class Unsatisfiable(CapdispatchError, RuntimeError):
-    """Nothing can run, or a strict choice cannot run, or a group may not diverge."""
+from ..errors import BadInput, CapdispatchError, Unsatisfiable  # noqa: F401 (the two kinds live below every room)
 
 
 class NoBackendError(Unsatisfiable):
@@ -17,9 +9,7 @@ class NoBackendError(Unsatisfiable):
         self.op, self.device_id, self.candidates = op, device_id, candidates
         lines = [f"no backend of {op} can run on {device_id}:"]
         for c in candidates:
-            reasons = "; ".join(ch.message or f"{ch.code}: need {ch.need}, found {ch.found}"
-                                for ch in c.checks if not ch.ok)
-            lines.append(f"  {c.backend}: {reasons}")
+            lines.append(f"  {c.backend}: {c.why_not()}")
         if any(ch.code.startswith("library:") and not ch.ok for c in candidates for ch in c.checks):
             lines.append("  a library is missing: plan for the target's software with --libs PROFILE "
                          "(e.g. sglang-0.5.23; `local`: this machine's) or --assume-lib NAME[==VERSION] "

@@ -2,13 +2,18 @@
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import attrs
 
 from ..capabilities import derive_features
 from .group import GroupResolution, resolve_group_in, unique_ids
 from .resolver import as_spec, context
+
+if TYPE_CHECKING:
+    from ..backends import Registry
+    from ..capabilities import Inventory
+    from ..models import RankShape
 
 log = logging.getLogger("capdispatch")
 
@@ -22,15 +27,15 @@ class Plan:
     ops: dict                 # op -> GroupResolution
     warnings: tuple
     libraries: dict           # dist -> description, as the decision saw them
-    inventory: object = attrs.field(default=None, eq=False)   # the Inventory the decision read
-    registry: object = attrs.field(default=None, eq=False)    # the registry it decided from
+    inventory: Optional[Inventory] = attrs.field(default=None, eq=False)   # what the decision read
+    registry: Optional[Registry] = attrs.field(default=None, eq=False)     # what it decided from
     whose: dict = attrs.field(factory=dict)   # whose libraries, for people: Inventory.to_dict() + note
-    shapes: object = None     # the RankShape the shape ranges were checked against, or None
+    shapes: Optional[RankShape] = None     # what the shape ranges were checked against
 
     def to_dict(self) -> dict:
         return {
             "schema": SCHEMA,
-            "devices": [_device_dict(d, self.libraries) for d in self.devices],
+            "devices": [device_dict(d, self.libraries) for d in self.devices],
             "inventory": self.whose,
             "ops": {op: g.to_dict() for op, g in self.ops.items()},
             "warnings": list(self.warnings),
@@ -40,7 +45,7 @@ class Plan:
         }
 
 
-def _device_dict(d, libraries) -> dict:
+def device_dict(d, libraries) -> dict:
     return {"id": d.id, "name": d.name, "cc": d.cc_str, "features": sorted(derive_features(d)),
             "libraries": libraries, "platform": d.platform, "sm_count": d.sm_count,
             "smem_optin_per_block": d.smem_optin_per_block, "memory": d.memory,
@@ -315,12 +320,12 @@ def render_text(p: Plan, *, brief: bool = False, color=None, stream=None) -> str
                     out.append(f"      {mark} {c.backend}{tag}")
                 elif len(bad) == 1:
                     ch = bad[0]
-                    out += wrap(f"{mark} {c.backend}: {ch.code}: need {ch.need}, found {ch.found}{tag}",
+                    out += wrap(f"{mark} {c.backend}: {ch.wording}{tag}",
                                 "      ", hang="    ")
                 else:
                     out.append(f"      {mark} {c.backend}:{tag}")
                     for ch in bad:
-                        out += wrap(f"{ch.code}: need {ch.need}, found {ch.found}", "          ",
+                        out += wrap(ch.wording, "          ",
                                     hang="    ")
     if p.warnings:
         out.append("")

@@ -36,6 +36,7 @@ from typing import Optional
 import attrs
 import yaml
 
+from ..marked_yaml import Reader, line_of, read_text
 from .errors import BadInput, Unsatisfiable
 
 log = logging.getLogger("capdispatch")
@@ -43,6 +44,7 @@ log = logging.getLogger("capdispatch")
 SCHEMA = 1
 ENV_LOCK = "CAPDISPATCH_LOCK"
 NOT_VERIFIED = "not verified"
+MAX_BYTES = 1 << 20          # a lock is a few lines per device and op
 
 HEADER = """\
 # capdispatch lock file: which backend runs each op on each device, with the versions of
@@ -216,164 +218,79 @@ def freeze(plan, *, inputs=None, env=None, now=None) -> Lock:
 # --------------------------------------------------------------------------- #
 # Reading a lock file
 # --------------------------------------------------------------------------- #
-_PLAIN_TAGS = tuple(f"tag:yaml.org,2002:{t}" for t in ("str", "int", "float", "bool", "null", "map", "seq"))
-_KINDS = {"ScalarNode": "single value", "SequenceNode": "list", "MappingNode": "mapping"}
-
-
-class _Reader:
-    def __init__(self, path: str, text: str):
-        self.path, self.text = path, text
-        self._loader = None
-
-    def err(self, node, message: str) -> LockError:
-        line = node if isinstance(node, int) or node is None else node.start_mark.line + 1
-        return LockError(self.path, line, message)
-
-    def root(self):
-        try:
-            self._loader = yaml.SafeLoader(self.text)
-            return self._loader.get_single_node()
-        except yaml.MarkedYAMLError as exc:
-            mark = exc.problem_mark or exc.context_mark
-            raise LockError(self.path, mark.line + 1 if mark else None,
-                            f"malformed YAML: {exc.problem or exc.context}") from None
-        except yaml.reader.ReaderError as exc:
-            c = chr(exc.character) if isinstance(exc.character, int) else str(exc.character)
-            raise LockError(self.path, self.text.count("\n", 0, exc.position) + 1,
-                            f"character {ascii(c)} is not allowed in YAML (a lock file is UTF-8 "
-                            f"text without control characters)") from None
-        except yaml.YAMLError as exc:
-            raise LockError(self.path, None, f"malformed YAML: {exc}") from None
-        except RecursionError:
-            raise LockError(self.path, None, "malformed lock file: nested too deeply to read") from None
-
-    def _tag(self, node, what):
-        if node.tag not in _PLAIN_TAGS:
-            raise self.err(node, f"{what}: tag {node.tag!r} is not allowed (a lock file is plain YAML)")
-
-    def scalar(self, node, what: str, types=(str,), null: bool = False):
-        self._tag(node, what)
-        if not isinstance(node, yaml.ScalarNode):
-            raise self.err(node, f"{what} must be a single value, not a {_KINDS[type(node).__name__]}")
-        try:
-            value = self._loader.construct_object(node, deep=True)
-        except (ValueError, TypeError, LookupError, OverflowError, ArithmeticError, yaml.YAMLError) as exc:
-            # LookupError: an explicit `!!bool maybe` (the constructor looks the word up).
-            raise self.err(node, f"{what}: {node.value[:60]!r} cannot be read "
-                                 f"({type(exc).__name__}); quote it to give text") from None
-        if value is None and null:
-            return None
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and str in types:
-            value = node.value      # a version such as 2.11 or an id read as a number: keep the text
-        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-            names = " or ".join({str: "a string", int: "an integer"}.get(t, t.__name__) for t in types)
-            raise self.err(node, f"{what} must be {names}{' or null' if null else ''}, found {value!r}")
-        return value
-
-    def mapping(self, node, what: str, required=(), optional=()) -> dict:
-        self._tag(node, what)
-        if not isinstance(node, yaml.MappingNode):
-            raise self.err(node, f"{what} must be a mapping, not a {_KINDS[type(node).__name__]}")
-        out = {}
-        for k, v in node.value:
-            key = self.scalar(k, f"a key of {what}")
-            if key in out:
-                raise self.err(k, f"{what}: key {key!r} given twice (first at line {out[key][0].start_mark.line + 1})")
-            if (required or optional) and key not in required + optional:
-                from ..policies import did_you_mean
-                valid = required + optional
-                raise self.err(k, f"{what}: unknown key {key!r}{did_you_mean(key, valid)} "
-                                  f"(valid: {', '.join(valid)})")
-            out[key] = (k, v)
-        missing = [k for k in required if k not in out]
-        if missing:
-            raise self.err(node, f"{what}: missing {', '.join(repr(m) for m in missing)}")
-        return out
-
-    def sequence(self, node, what: str) -> list:
-        self._tag(node, what)
-        if not isinstance(node, yaml.SequenceNode):
-            raise self.err(node, f"{what} must be a list, not a {_KINDS[type(node).__name__]}")
-        return list(node.value)
-
-
-def _line(node) -> int:
-    return node.start_mark.line + 1
+_KIND = "lock file"
+_DEVICE_KEYS = dict(required=("id", "name", "ops"), optional={"cc": None, "uuid": None})
+_OP_KEYS = dict(required=("backend",), optional={"libraries": None, "verified": NOT_VERIFIED, "buckets": ()})
 
 
 def parse(text: str, path: str = "<lock>", registry=None) -> Lock:
     """Parse a lock document; names of ops and backends are checked against REGISTRY
     (the built-in one by default)."""
     from ..backends import builtin
-    registry = registry or builtin()
-    r = _Reader(path, text)
-    root = r.root()
+    r = Reader(path, text, error=LockError, kind=_KIND)
+    return _lock(r, r.root(), registry or builtin())
+
+
+def _lock(r: Reader, root, registry) -> Lock:
     if root is None:
-        raise LockError(path, None, "empty file: a lock needs `schema: 1` and `devices:`")
-    top = r.mapping(root, "the lock", required=("schema", "devices"),
-                    optional=("capdispatch", "written", "inputs"))
-    schema = r.scalar(top["schema"][1], "schema", types=(int,))
-    if type(schema) is not int or schema != SCHEMA:   # `schema: true` is not 1
-        raise r.err(top["schema"][1], f"schema {schema!r} is not supported (valid: {SCHEMA}); "
-                                      f"write the lock again with this capdispatch")
-    written = r.scalar(top["written"][1], "written") if "written" in top else ""
-    version = r.scalar(top["capdispatch"][1], "capdispatch") if "capdispatch" in top else ""
+        raise LockError(r.path, None, "empty file: a lock needs `schema: 1` and `devices:`")
+    top = r.fields(root, "the lock", required=("schema", "devices"),
+                   optional={"capdispatch": "", "written": "", "inputs": None}, top=True)
+    schema = r.integer(top["schema"], "schema")
+    if schema != SCHEMA:
+        raise r.err(top["schema"], f"schema {schema!r} is not supported (valid: {SCHEMA}); "
+                                   f"write the lock again with this capdispatch")
     inputs = {}
     if "inputs" in top:
-        for key, (_, v) in r.mapping(top["inputs"][1], "inputs",
-                                     optional=("policy", "set", "assume_lib", "libs")).items():
-            inputs[key] = [r.scalar(x, f"inputs.{key} entry") for x in r.sequence(v, f"inputs.{key}")]
-    devices, seen = [], {}
-    dnodes = r.sequence(top["devices"][1], "devices")
+        given = r.fields(top["inputs"], "inputs", optional=("policy", "set", "assume_lib", "libs"))
+        inputs = {key: [r.text(x, f"inputs.{key} entry") for x in r.sequence(given[key], f"inputs.{key}")]
+                  for key in given}
+    dnodes = r.sequence(top["devices"], "devices")
     if not dnodes:      # a lock of nothing would match every plan
-        raise r.err(top["devices"][1], "devices is empty: a lock holds at least one device "
-                                       "(write one with `dispatch lock -o FILE`)")
+        raise r.err(top["devices"], "devices is empty: a lock holds at least one device "
+                                    "(write one with `dispatch lock -o FILE`)")
+    devices, seen = [], {}
     for dnode in dnodes:
-        d = r.mapping(dnode, "a device", required=("id", "name", "ops"), optional=("cc", "uuid"))
-        did = r.scalar(d["id"][1], "device id")
-        if did in seen:
-            raise r.err(d["id"][1], f"device {did!r} is listed twice (first at line {seen[did]})")
-        seen[did] = _line(d["id"][1])
-        name = r.scalar(d["name"][1], f"{did}: name")
-        cc = r.scalar(d["cc"][1], f"{did}: cc", null=True) if "cc" in d else None
-        uuid = r.scalar(d["uuid"][1], f"{did}: uuid", null=True) if "uuid" in d else None
-        ops = {}
-        for op, (knode, onode) in r.mapping(d["ops"][1], f"{did}: ops").items():
-            if op not in registry.ops:
-                from ..policies import did_you_mean
-                raise r.err(knode, f"{did}: unknown op {op!r}{did_you_mean(op, registry.ops)} "
-                                   f"(valid: {', '.join(registry.ops)})")
-            o = r.mapping(onode, f"{did} {op}", required=("backend",),
-                          optional=("libraries", "verified", "buckets"))
-            names = [b.name for b in registry.backends(op)]
+        device = _device(r, dnode, registry)
+        if device.id in seen:
+            raise r.err(device.line, f"device {device.id!r} is listed twice (first at line {seen[device.id]})")
+        seen[device.id] = device.line
+        devices.append(device)
+    return Lock(tuple(devices), top.get("capdispatch", r.text, what="capdispatch"),
+                top.get("written", r.text, what="written"), inputs, r.path)
 
-            def backend_of(node, what):
-                name = r.scalar(node, what)
-                if name not in names:
-                    from ..policies import did_you_mean
-                    raise r.err(node, f"{what}: unknown backend {name!r}"
-                                      f"{did_you_mean(name, names)} (valid: {', '.join(names)})")
-                return name
-            backend = backend_of(o["backend"][1], f"{did} {op}: backend")
-            buckets = []
-            if "buckets" in o:
-                for bnode in r.sequence(o["buckets"][1], f"{did} {op}: buckets"):
-                    b = r.mapping(bnode, f"{did} {op}: a bucket", required=("upper", "backend"))
-                    upper = r.scalar(b["upper"][1], f"{did} {op}: bucket upper", types=(int,), null=True)
-                    buckets.append((upper, backend_of(b["backend"][1], f"{did} {op}: bucket backend")))
-            libs = None          # not recorded: not compared
-            if "libraries" in o:
-                libs = {}
-                for dist, (_, vnode) in r.mapping(o["libraries"][1], f"{did} {op}: libraries").items():
-                    libs[dist] = r.scalar(vnode, f"{did} {op}: libraries.{dist}", null=True)
-            verified = r.scalar(o["verified"][1], f"{did} {op}: verified") if "verified" in o else NOT_VERIFIED
-            ops[op] = LockedOp(backend, libs, verified, tuple(buckets), _line(o["backend"][1]))
-        devices.append(LockedDevice(did, name, cc, uuid, ops, _line(d["id"][1])))
-    return Lock(tuple(devices), version, written, inputs, path)
+
+def _device(r: Reader, node, registry) -> LockedDevice:
+    d = r.fields(node, "a device", **_DEVICE_KEYS)
+    did = r.text(d["id"], "device id")
+    ops = {}
+    for op, knode, onode in r.mapping(d["ops"], f"{did}: ops"):
+        r.name(knode, did, list(registry.ops), noun="op")
+        ops[op] = _op(r, onode, f"{did} {op}", [b.name for b in registry.backends(op)])
+    return LockedDevice(did, r.text(d["name"], f"{did}: name"),
+                        d.get("cc", r.text, what=f"{did}: cc", null=True),
+                        d.get("uuid", r.text, what=f"{did}: uuid", null=True), ops, line_of(d["id"]))
+
+
+def _op(r: Reader, node, what: str, names) -> LockedOp:
+    o = r.fields(node, what, **_OP_KEYS)
+
+    def backend_of(bnode, where):
+        return r.name(bnode, where, names, noun="backend")
+    buckets = []
+    for bnode in (r.sequence(o["buckets"], f"{what}: buckets") if "buckets" in o else ()):
+        b = r.fields(bnode, f"{what}: a bucket", required=("upper", "backend"))
+        buckets.append((r.integer(b["upper"], f"{what}: bucket upper", null=True),
+                        backend_of(b["backend"], f"{what}: bucket backend")))
+    libs = None          # not recorded: not compared
+    if "libraries" in o:
+        libs = {dist: r.text(vnode, f"{what}: libraries.{dist}", null=True)
+                for dist, _, vnode in r.mapping(o["libraries"], f"{what}: libraries")}
+    return LockedOp(backend_of(o["backend"], f"{what}: backend"), libs,
+                    o.get("verified", r.text, what=f"{what}: verified"), tuple(buckets), line_of(o["backend"]))
 
 
 def load(path, registry=None) -> Lock:
-    from ..policies.loader import PolicyError, read_text
     try:
         exists = os.path.lexists(path)
     except (TypeError, ValueError):
@@ -381,10 +298,7 @@ def load(path, registry=None) -> Lock:
     if not exists:
         raise LockError(os.fsdecode(path) if isinstance(path, (str, bytes)) else str(path), None,
                         "no such lock file (write one with `dispatch lock -o FILE`)")
-    try:
-        text = read_text(path)     # bounded, UTF-8, every failure named
-    except PolicyError as exc:
-        raise LockError(exc.file, exc.line, exc.bare.replace("policy file", "lock file")) from None
+    text = read_text(path, limit=MAX_BYTES, kind=_KIND, error=LockError)   # bounded, UTF-8, failures named
     return parse(text, os.fsdecode(os.fspath(path)), registry)
 
 

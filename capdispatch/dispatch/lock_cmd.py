@@ -18,7 +18,7 @@ EXIT_OK, EXIT_DRIFT = 0, 3
 
 
 def add_parser(subparsers):
-    from . import completion
+    from .options import add
     p = subparsers.add_parser(
         "lock", help="write the decisions to a lock file, or compare with one",
         description="Write today's decisions per device (with the libraries' versions and canary "
@@ -28,30 +28,17 @@ def add_parser(subparsers):
                "  dispatch lock --check rig.lock              exit 3 when a decision changed\n"
                "  dispatch lock --device sim:rtx-5090,sim:rtx-3080 --op kv_quant,kv_dequant\n"
                "  dispatch lock --device sim:h200 --libs sglang-0.5.23 -o h200.lock\n")
-    completion.devices(p.add_argument("--device", action="append", default=[], metavar="DEV[,DEV...]",
-                                      help="cuda:N, cpu or sim:NAME (default: every local CUDA device, else cpu)"))
-    completion.ops(p.add_argument("--op", action="append", default=[], metavar="OP[,OP...]",
-                                  help="lock only these ops (repeat the flag or use commas; default: all)"))
-    p.add_argument("--policy", action="append", default=[], metavar="FILE",
-                   help="a policy file, as for explain (repeatable)")
-    completion.selections(p.add_argument("--set", action="append", default=[], metavar="OP=BACKEND",
-                                         dest="set_", help="an explicit choice, as for explain"))
-    completion.libraries(p.add_argument("--assume-lib", action="append", default=[], metavar="NAME[==VERSION]",
-                                        help="treat a library as installed (at VERSION), as for explain"))
-    completion.profiles(p.add_argument("--libs", metavar="PROFILE",
-                   help="the target's library inventory from a profile, as for explain (simulated "
-                        "devices default to the default profile; `local`: this machine's)"))
-    p.add_argument("--strict", action="store_true",
-                   help="an explicit choice that cannot run is an error (exit 3), not a downgrade")
+    add(p, "device", help="the devices to lock", unset="with --check, the lock's; else every "
+        "local CUDA device, else cpu")
+    add(p, "op", unset="with --check, the lock's; else every op")
+    add(p, "policy", "set", "assume_lib", "libs", "strict")
     out = p.add_mutually_exclusive_group()
     out.add_argument("-o", "--output", metavar="FILE",
                      help="where to write the lock: a regular file, replaced atomically, or - "
                           "(default: stdout)")
     out.add_argument("--check", metavar="FILE",
                      help="compare today's decisions with FILE only: exit 0 same, 3 drift")
-    p.add_argument("--probe", choices=("auto", "torch", "nvml"), default="auto",
-                   help="how to read a cuda:N device (auto: NVML unless CUDA is already initialised)")
-    p.add_argument("--assume-cuda", metavar="VER", help="CUDA toolkit version to assume for simulated devices")
+    add(p, "probe", "assume_cuda")
     return p
 
 

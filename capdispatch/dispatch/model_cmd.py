@@ -1,5 +1,6 @@
-"""`dispatch model`: a model's facts and one rank's shapes under a layout; and the shared
-`--model` / `--tp` / `--ep` / `--dp-attention` options other commands plan with."""
+"""`dispatch model`: a model's facts and one rank's shapes under a layout; and the reading
+of the shared `--model` / `--tp` / `--ep` / `--dp-attention` / `--next-n` options
+(options.LAYOUT) other commands plan with."""
 from __future__ import annotations
 
 EPILOG = """\
@@ -15,26 +16,6 @@ exit codes: 0 shown; 2 an unknown model, a bad config.json or a layout SGLang wo
 """
 
 
-def add_layout_options(p, *, model_flag: bool = True) -> None:
-    """The shared option set: --model NAME|PATH (unless the command takes it as an
-    argument), --tp, --ep, --dp-attention, --next-n."""
-    if model_flag:
-        p.add_argument("--model", metavar="NAME|PATH",
-                       help="a built-in model (`dispatch model` lists them) or a Hugging Face "
-                            "config.json, or the folder holding it")
-    p.add_argument("--tp", type=int, default=1, metavar="N",
-                   help="tensor-parallel ranks, as SGLang's --tp (default 1)")
-    p.add_argument("--ep", type=int, default=1, metavar="N",
-                   help="expert-parallel ranks, as SGLang's --ep; must divide --tp (default 1)")
-    p.add_argument("--dp-attention", action="store_true",
-                   help="attention data parallel over all --tp ranks (SGLang's --attn-dp-size "
-                        "equal to --tp, formerly --enable-dp-attention --dp-size N): every rank "
-                        "keeps all heads")
-    p.add_argument("--next-n", type=int, metavar="N",
-                   help="query tokens per request per decode step (default 1 + the model's MTP "
-                        "layers: one real token plus one draft per MTP layer)")
-
-
 def shapes_from_args(args, model=None):
     """(ModelShape, RankShape) for the parsed options; (None, None) without a model.
     Raises ModelError for an unknown model, a bad config or a refused layout."""
@@ -47,6 +28,7 @@ def shapes_from_args(args, model=None):
 
 
 def add_parser(sub):
+    from .options import LAYOUT, add
     p = sub.add_parser("model", help="a model's facts and one rank's shapes under --tp/--ep",
                        description="A DeepSeek-V4-class model's facts (a built-in or a Hugging "
                                    "Face config.json) and the shapes one rank holds under a "
@@ -56,9 +38,8 @@ def add_parser(sub):
                        epilog=EPILOG)
     p.add_argument("name", nargs="?", metavar="NAME|PATH",
                    help="a built-in model or a config.json (none: list the built-ins)")
-    add_layout_options(p, model_flag=False)
-    p.add_argument("--format", choices=("text", "json"), default="text",
-                   help="text for people (default) or JSON for programs")
+    add(p, *(k for k in LAYOUT if k != "model"))    # the model is the argument here
+    add(p, "format")
     return p
 
 

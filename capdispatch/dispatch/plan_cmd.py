@@ -21,24 +21,22 @@ exit codes: 0 every rank fits; 2 bad input (unknown model or device, bad numbers
 
 
 def add_parser(sub):
-    from .model_cmd import add_layout_options
+    from .options import LAYOUT, add
     p = sub.add_parser("plan", help="plan a rig from a model: layout, memory per rank, what would fit",
                        description="Plan a rig from a model before anything is downloaded or loaded: "
                                    "whether SGLang would load the layout, each rank's memory against "
                                    "its card, the largest context that fits, and what change would fit.",
                        epilog=EPILOG, formatter_class=_raw())
-    p.add_argument("--device", action="append", default=[], metavar="DEV[,DEV...]", required=True,
-                   help="one card per rank, in rank order: sim:NAME (catalog) or cuda:N; one device "
-                        "with --tp N stands for N such cards")
-    add_layout_options(p)
-    p.set_defaults(tp=None)
+    add(p, "device", required=True, help="one card per rank, in rank order (one device with --tp N "
+        "stands for N such cards)")
+    add(p, "model")
+    add(p, "tp", default=None, unset="one rank per device")
+    add(p, *LAYOUT[2:])
     p.add_argument("--context", type=int, default=None, metavar="TOKENS",
                    help="tokens per request the KV pools must hold (default 8192)")
     p.add_argument("--batch", type=int, default=None, metavar="N",
                    help="requests served at once at that context (default 1)")
-    p.add_argument("--libs", metavar="PROFILE",
-                   help="the target's libraries from a profile (e.g. sglang-0.5.23) for the kernel "
-                        "decisions the speed prediction times (default: this machine's)")
+    add(p, "libs", help="for the kernel decisions --speed times", unset="this machine's")
     p.add_argument("--calibration", action="append", default=[], metavar="FILE",
                    help="a calibrated policy or `dispatch bench` JSON whose measured times predict "
                         "the step (default: the calibrations shipped in policies/examples)")
@@ -47,9 +45,8 @@ def add_parser(sub):
     p.add_argument("--speed", action="store_true",
                    help="also predict the step time per rank and op (decode at batch 1, 8, 32 and a "
                         "prefill) from calibrated times, and the group's tokens per second")
-    p.add_argument("--brief", action="store_true", help="one screen: the verdict, the ranks and what would fit")
-    p.add_argument("--format", choices=("text", "json"), default="text",
-                   help="text for people (default) or JSON for programs")
+    add(p, "brief", help="one screen: the verdict, the ranks and what would fit")
+    add(p, "format")
     return p
 
 
@@ -63,22 +60,18 @@ def run(args) -> int:
 
     from ..models import load_model
     from . import rigplan
-    from .cli import EXIT_OK, EXIT_UNSAT, _devices_arg
-    from .errors import BadInput
-    from .group import unique_ids
-    from .resolver import as_spec
+    from .errors import EXIT_OK, EXIT_UNSAT, BadInput
+    from .inputs import device_list, device_specs
     if not args.model:
         raise BadInput("--model NAME|PATH is required (`dispatch model` lists the built-ins)")
     model = load_model(args.model)
-    ids = _devices_arg(args.device)
+    ids = device_list(args.device, "--device")
     if not ids:
         raise BadInput("--device names no device (valid: sim:NAME or cuda:N, commas for several)")
-    tp = args.tp if args.tp is not None else len(ids)
-    if tp < 1:
-        raise BadInput(f"--tp {tp} is not valid; valid: an integer >= 1")
+    tp = args.tp if args.tp is not None else len(ids)     # --tp is checked when parsed
     if len(ids) == 1 and tp > 1:
         ids = ids * tp
-    specs = unique_ids([as_spec(d, via=args.probe if hasattr(args, "probe") else "auto") for d in ids])
+    specs = device_specs(ids, "--device")
     p = rigplan.build(model, specs, tp=tp, ep=args.ep, dp_attention=args.dp_attention, next_n=args.next_n,
                       context=rigplan.DEFAULT_CONTEXT if args.context is None else args.context,
                       batch=rigplan.DEFAULT_BATCH if args.batch is None else args.batch)

@@ -25,6 +25,8 @@ exit codes: 0 every rank matched the reference; 2 bad input; 3 a rank failed, hu
 
 def add_parser(sub):
     import argparse
+
+    from .options import add
     p = sub.add_parser("rehearse", help="run the group's chosen kernels together on a small model, "
                                         "against a reference",
                        description="One process per rank, each running its own decisions on a small model "
@@ -33,13 +35,11 @@ def add_parser(sub):
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", action="append", default=[], metavar="DEV[,DEV...]", required=True,
                    help="one device per rank, in rank order: cpu, cuda:N or emu:NAME@DEV")
-    p.add_argument("--model", required=True, metavar="NAME|PATH",
-                   help="a built-in model (`dispatch model` lists them) or a Hugging Face config.json")
-    p.add_argument("--tp", type=int, default=None, metavar="N", help="TP ranks (default: one per device)")
-    p.add_argument("--ep", type=int, default=1, metavar="N", help="expert-parallel ranks; divides --tp (default 1)")
-    p.add_argument("--dp-attention", action="store_true",
-                   help="SGLang's --enable-dp-attention layout: each rank serves its own sequence with the "
-                        "whole attention, the MoE runs over every rank's rows (gathered)")
+    add(p, "model", required=True)
+    add(p, "tp", default=None, unset="one rank per device")
+    add(p, "ep")
+    add(p, "dp_attention", help="each rank serves its own sequence with the whole attention; the MoE runs "
+        "over every rank's rows, gathered")
     p.add_argument("--layers", type=int, default=2, metavar="N", help="layers of the small model (default 2)")
     p.add_argument("--hidden", type=int, default=256, metavar="N", help="its hidden size (default 256)")
     p.add_argument("--vocab", type=int, default=512, metavar="N", help="its vocabulary (default 512)")
@@ -55,14 +55,12 @@ def add_parser(sub):
                         "each all-reduce may wait; then every rank still running is killed (default 60)")
     p.add_argument("--start-timeout", type=float, default=120.0, metavar="S",
                    help="seconds a rank may take to start: imports, device, joining (default 120)")
-    p.add_argument("--libs", metavar="PROFILE",
-                   help="decide for the target's libraries (e.g. sglang-0.5.23); kernels run with this "
-                        "machine's, and a chosen kernel missing here is a marked substitution")
+    add(p, "libs", help="what the ranks decide for (kernels run with this machine's libraries; a "
+        "chosen kernel missing here is a marked substitution)", unset="")
     p.add_argument("--no-graphs", dest="graphs", action="store_false",
                    help="run every call eagerly on CUDA ranks (default: decode steps' calls replayed from "
                         "CUDA graphs within SGLang's capture bound, as served)")
-    p.add_argument("--format", choices=("text", "json"), default="text",
-                   help="text for people (default) or JSON for programs")
+    add(p, "format")
     return p
 
 
@@ -70,7 +68,7 @@ def run(args) -> int:
     import json
 
     from ..rehearse import devices, runner
-    from .cli import EXIT_OK, EXIT_UNSAT
+    from .errors import EXIT_OK, EXIT_UNSAT
     devs = devices.parse_list(args.device)
     if len(devs) == 1 and args.tp is not None and args.tp > 1:
         devs = devs * args.tp

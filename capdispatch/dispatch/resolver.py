@@ -3,15 +3,18 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import attrs
 
 from .. import policies as _policies
-from ..backends import Check, Facts, builtin
+from ..backends import Check, Facts, Registry, builtin, failed_checks
 from ..capabilities import DeviceSpec, Inventory, derive_features, probe
 from ..capabilities import catalog as _catalog
 from .errors import BadInput, NoBackendError, StrictFallbackError
+
+if TYPE_CHECKING:
+    from ..models import RankShape
 
 log = logging.getLogger("capdispatch")
 
@@ -32,6 +35,10 @@ class Candidate:
                 return "not verified" if c.found == "not verified" else "verified" if c.found.startswith("pass") \
                     else "failed"
         return None
+
+    def why_not(self, *, exact: bool = False) -> str:
+        """Its failed checks in the one wording (backends.base.failed_checks)."""
+        return failed_checks(self.checks, exact=exact)
 
     def to_dict(self) -> dict:
         d = {"backend": self.backend, "ok": self.ok, "checks": [c.to_dict() for c in self.checks]}
@@ -98,7 +105,7 @@ class Resolution:
 @attrs.frozen
 class Context:
     """Everything one decision reads, gathered once: registry, policy stack, libraries, env."""
-    registry: object
+    registry: Registry
     stack: _policies.PolicyStack
     inventory: Inventory
     env: dict
@@ -106,7 +113,7 @@ class Context:
     cards: dict = attrs.field(factory=dict, eq=False)   # device id -> CardCache, read once
     # The rank's shapes (capdispatch.models.RankShape) the decision is for: backends' shape
     # ranges are checked against them; None: no model given, shape ranges not evaluated.
-    shapes: Optional[object] = None
+    shapes: Optional[RankShape] = None
 
     @property
     def verify_mode(self) -> str:
@@ -333,8 +340,7 @@ def _decide(ctx: Context, op: str, device: DeviceSpec, wanted_list, origin: str,
     if fallback and user:
         downgraded = wanted
         first = candidates[names.index(wanted)] if wanted in names else candidates[0]
-        why = "; ".join(ch.message or f"{ch.code}: need {ch.need}, found {ch.found}"
-                        for ch in first.checks if not ch.ok)
+        why = first.why_not()
         text = (f"{device.id} ({device.name}): {op}{where}={wanted} was asked for ({origin}) "
                 f"but cannot run: {why}; running {winner.backend} instead")
         if ctx.strict_effective:

@@ -8,7 +8,8 @@ from typing import Optional
 
 import attrs
 
-from ..models import Layout, ModelError, ModelShape
+from ..capabilities import DeviceSpec
+from ..models import Layout, ModelError, ModelShape, RankShape
 from ..models import memory as _mem
 from .errors import BadInput
 
@@ -23,7 +24,7 @@ DEFAULT_BATCH = 1
 @attrs.frozen
 class RankPlan:
     rank: int
-    device: object              # DeviceSpec
+    device: DeviceSpec
     memory: Optional[_mem.RankMemory]
     card_bytes: Optional[int]
     budget: Optional[int]       # card minus the reserve
@@ -74,7 +75,7 @@ class RigPlan:
     batch: int
     devices: tuple
     refusal: Optional[str]      # SGLang would refuse the layout: why, with the numbers
-    shapes: object              # RankShape, or None when refused
+    shapes: Optional[RankShape]  # None when refused
     ranks: tuple                # RankPlan per rank ((): refused)
     options: tuple              # Option...: layouts that would load (and whether they fit)
     suggestions: tuple          # sentences: what change would fit

@@ -12,19 +12,23 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import attrs
 
+from ..capabilities import DeviceSpec
 from .errors import BadInput
 from .resolver import Context, evaluate, order, resolve_in
+
+if TYPE_CHECKING:
+    from ..proof.verdict import Verdict
 
 DEFAULT_BUDGET_S = 120.0
 
 
 @attrs.frozen
 class Job:
-    device: object     # DeviceSpec
+    device: DeviceSpec
     op: str
     backend: str
 
@@ -32,7 +36,7 @@ class Job:
 @attrs.frozen
 class Result:
     job: Job
-    verdict: object               # Verdict, or None when the budget ran out before it ran
+    verdict: Optional[Verdict]    # None when the budget ran out before it ran
     cached: bool = False          # the verdict came from the cache, nothing ran
 
     def to_dict(self) -> dict:
@@ -161,7 +165,7 @@ def _card(ctx: Context, spec):
 @attrs.frozen
 class Verification:
     """What `verify_decisions` found for one device."""
-    device: object
+    device: DeviceSpec
     results: tuple
     mode: str                     # the policy's verify setting
     seconds: float = 0.0

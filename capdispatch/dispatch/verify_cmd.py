@@ -10,7 +10,7 @@ EXIT_OK, EXIT_FAILED = 0, 3
 
 
 def add_parser(subparsers):
-    from . import completion
+    from .options import add
     v = subparsers.add_parser(
         "verify", help="run each chosen backend's canary on the card, in a child process",
         description="Run each op's canary for the chosen (or every runnable) backend on each "
@@ -21,10 +21,8 @@ def add_parser(subparsers):
                "  dispatch verify --device cuda:1 --all       every runnable backend of cuda:1\n"
                "  dispatch verify --device cpu --op kv_quant,kv_dequant --format json\n"
                "  dispatch verify --clear-cache               forget the cached verdicts first\n")
-    completion.devices(v.add_argument("--device", action="append", default=[], metavar="DEV[,DEV...]",
-                                      help="cuda:N or cpu (default: every local CUDA device, else cpu)"))
-    completion.ops(v.add_argument("--op", action="append", default=[], metavar="OP[,OP...]",
-                                  help="verify only these ops (repeat the flag or use commas; default: all)"))
+    add(v, "device", help="the cards to verify on (a simulated device has no card)")
+    add(v, "op")
     v.add_argument("--backend", metavar="B", help="verify this backend (of each op that has it)")
     v.add_argument("--all", action="store_true", dest="every",
                    help="every candidate whose requirements hold, not only the chosen one")
@@ -33,18 +31,11 @@ def add_parser(subparsers):
     v.add_argument("--jobs", type=int, default=None, metavar="N",
                    help="canaries at once, each in its own process (default: the CPU count, "
                         "at most 8; a canary's time is mostly its process start and compile)")
-    v.add_argument("--policy", action="append", default=[], metavar="FILE",
-                   help="a policy file, as for explain (repeatable)")
-    completion.selections(v.add_argument("--set", action="append", default=[], metavar="OP=BACKEND",
-                                         dest="set_", help="an explicit choice, as for explain"))
+    add(v, "policy", "set")
     v.add_argument("--clear-cache", action="store_true",
                    help="forget every cached verdict first")
-    v.add_argument("--format", choices=("text", "json"), default="text",
-                   help="text for people (default) or JSON for programs")
-    v.add_argument("--probe", choices=("auto", "torch", "nvml"), default="auto",
-                   help="how to read a cuda:N device, as for explain")
-    v.add_argument("--lock", metavar="FILE",
-                   help="compare the decisions after verifying with this lock file (default: $CAPDISPATCH_LOCK)")
+    add(v, "format", "probe")
+    add(v, "lock", help="after verifying")
     return v
 
 

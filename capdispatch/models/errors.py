@@ -1,7 +1,7 @@
 """The error of a model or a layout: bad input, so the command line exits 2."""
 from __future__ import annotations
 
-from ..dispatch.errors import BadInput
+from ..errors import BadInput
 
 
 class ModelError(BadInput):

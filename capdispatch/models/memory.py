@@ -199,12 +199,12 @@ def state_ring_rows(ratio: int, speculative: bool) -> int:
 
 PAGE_SIZE = 256            # tokens per page of the main pool (a compressed pool: PAGE_SIZE / ratio rows)
 INDEX_PAGE = 64            # c4 rows per index-K page (SGLang's block_kv for DSv4)
-ROW_ALIGN = 576            # a main-pool page is padded to a multiple of 576 bytes (kv_cache/layout.py)
+ROW_ALIGN = 576            # a main-pool page is padded to a multiple of 576 bytes (backends/v4_layout.py)
 
 
 def page_bytes(rows: int, row_bytes: int = 584) -> int:
     """One V4 pool page of ROWS 584-byte rows: [rows x 576 data][rows x 8 scales], padded
-    to a multiple of 576 bytes (capdispatch backends/kv_cache/layout.py bytes_per_page)."""
+    to a multiple of 576 bytes (capdispatch backends/backends/v4_layout.py bytes_per_page)."""
     return -(-(rows * row_bytes) // ROW_ALIGN) * ROW_ALIGN
 
 

@@ -268,8 +268,9 @@ def _read_entry(path: Path, card: dict, secret: Optional[bytes]):
 def _diff(want: dict, found) -> str:
     if not isinstance(found, dict):
         return f"found {type(found).__name__}"
+    from ..backends.base import need_found
     keys = [k for k in want if want.get(k) != found.get(k)]
-    return (", ".join(f"{k}: need {want.get(k)!r}, found {found.get(k)!r}" for k in keys[:3])
+    return (", ".join(need_found(k, repr(want.get(k)), repr(found.get(k))) for k in keys[:3])
             or "keys differ")[:300]
 
 

@@ -45,8 +45,8 @@ _BOOT = ("import json, sys; cfg = json.loads(sys.argv.pop(1)); sys.path[0:0] = c
 
 
 def _package_root() -> str:
-    import capdispatch
-    return str(Path(capdispatch.__file__).resolve().parent.parent)
+    """The folder holding this capdispatch package (capdispatch/proof/runner.py, two up)."""
+    return str(Path(__file__).resolve().parents[2])
 
 
 def child_env(env=None) -> dict:

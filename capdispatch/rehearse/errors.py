@@ -1,7 +1,7 @@
 """Errors of a rehearsal: bad input (exit 2) and a group that failed (exit 3)."""
 from __future__ import annotations
 
-from ..dispatch.errors import BadInput, Unsatisfiable
+from ..errors import BadInput, Unsatisfiable
 
 
 class RehearseError(BadInput):

@@ -39,8 +39,8 @@ def register(*, sglang_version=None) -> bool:
 
     from . import knobs, launch, rank
     hooks = knobs.load().release(verdict.version).hooks
-    register_resolution_hook(hooks["resolution_step"])(launch.resolution_hook)
-    HookRegistry.register(hooks["rank"], rank.after_configure, HookType.AFTER)
-    HookRegistry.register(hooks["group"], rank.after_parallel_ready, HookType.AFTER)
+    register_resolution_hook(hooks.resolution_step)(launch.resolution_hook)
+    HookRegistry.register(hooks.rank, rank.after_configure, HookType.AFTER)
+    HookRegistry.register(hooks.group, rank.after_parallel_ready, HookType.AFTER)
     _done["result"] = True
     return True

@@ -3,41 +3,34 @@ for a launch, per rank, without launching (plan.build decides, render.text
 writes). Exit codes: 0 decided; 2 bad input; 3 unsatisfiable."""
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
 import sys
 
-EXIT_OK, EXIT_BAD_INPUT, EXIT_UNSAT = 0, 2, 3
+EXIT_OK, EXIT_BAD_INPUT, EXIT_UNSAT = 0, 2, 3     # as every capdispatch command
 PROG = "dispatch sglang"
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        self.print_usage(sys.stderr)
-        print(f"{PROG}: error: {message}", file=sys.stderr)
-        raise SystemExit(EXIT_BAD_INPUT)
-
-
 def _parser():
-    p = _Parser(prog=PROG, description="What capdispatch's SGLang plugin does for a launch.",
-                formatter_class=argparse.RawDescriptionHelpFormatter,
-                epilog="examples:\n"
-                       "  dispatch sglang plan --device sim:rtx-5090,sim:rtx-3080 --tp 2\n"
-                       "  dispatch sglang plan -- --model-path deepseek-ai/DeepSeek-V4-Flash --tp 2\n")
+    import capdispatch as cd
+    p = cd.CommandParser(prog=PROG, description="What capdispatch's SGLang plugin does for a launch.",
+                         epilog="examples:\n"
+                                "  dispatch sglang plan --device sim:rtx-5090,sim:rtx-3080 --tp 2\n"
+                                "  dispatch sglang plan -- --model-path deepseek-ai/DeepSeek-V4-Flash --tp 2\n")
     add_commands(p)
     return p
 
 
 def add_commands(p):
-    """The subcommands of `dispatch sglang` on parser P (`dispatch` mirrors them for completion)."""
+    """The subcommands of `dispatch sglang` on parser P (`dispatch` mirrors them for completion).
+    Every option is one of capdispatch's shared ones (cd.add_option)."""
     import capdispatch as cd
-    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    add = cd.add_option
+    sub = p.add_subparsers(dest="cmd", required=True)
     plan = sub.add_parser(
         "plan", help="what the plugin would set for a launch, per rank, without launching",
         usage=f"{PROG} plan [--tp N] [--device DEV[,DEV...]] [options] [-- SGLANG ARGS...]",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Everything after `--` is passed to SGLang's own argument parsing and "
                     "resolution (as `python -m sglang.launch_server` would get it); without it, "
                     "a DeepSeek-V4 launch with SGLang's defaults is assumed.",
@@ -45,64 +38,34 @@ def add_commands(p):
                "  dispatch sglang plan --device sim:rtx-5090,sim:rtx-3080,sim:rtx-3080 --tp 3\n"
                "  dispatch sglang plan --device sim:h200 --libs sglang-0.5.23 --brief\n"
                "  dispatch sglang plan --tp 2 -- --model-path deepseek-ai/DeepSeek-V4-Flash\n")
-    plan.add_argument("--tp", type=int, metavar="N", help="tensor-parallel size (SGLang's --tp-size)")
-    cd.complete_devices(plan.add_argument(
-        "--device", action="append", default=[], metavar="DEV[,DEV...]",
-        help="the node's GPUs as CUDA numbers them (entry N is cuda:N): cuda:N or "
-             "sim:NAME, e.g. sim:rtx-5090,sim:rtx-3080,sim:rtx-3080 (default: "
-             "$CAPDISPATCH_SGLANG_DEVICES, else the local GPUs via NVML)"))
-    plan.add_argument("--policy", action="append", default=[], metavar="FILE",
-                      help="a capdispatch policy file, as the plugin's CAPDISPATCH_POLICY; repeat for more")
-    cd.complete_selections(plan.add_argument(
-        "--set", action="append", default=[], metavar="OP=BACKEND", dest="set_",
-        help="an explicit capdispatch choice, as CAPDISPATCH_SET (commas for several)"))
-    plan.add_argument("--strict", action="store_true",
-                      help="an explicit choice that cannot run is an error (exit 3)")
-    cd.complete_libraries(plan.add_argument(
-        "--assume-lib", action="append", default=[], metavar="NAME[==VERSION]",
-        help="treat a library as installed when deciding the attention and MoE ops "
-             "(e.g. flashinfer-python, sgl-flash-mla)"))
-    cd.complete_profiles(plan.add_argument(
-        "--libs", metavar="PROFILE",
-        help="the target's whole library inventory from a profile (e.g. "
-             "sglang-0.5.23: the versions SGLang 0.5.23 installs) instead of this "
-             "machine's; --assume-lib adds to it; `local`: this machine's (default: "
-             "the default profile when every device is simulated and no "
-             "--assume-lib is given)"))
-    plan.add_argument("--model", metavar="NAME|PATH",
-                      help="a built-in model (`dispatch model` lists them) or a config.json: each "
-                           "rank's shapes under --tp/--ep are checked against the kernels' shape "
-                           "ranges (a layout SGLang would refuse is an error naming the layouts "
-                           "that would work)")
-    plan.add_argument("--ep", type=int, default=1, metavar="N",
-                      help="expert-parallel size with --model, as SGLang's --ep (default 1)")
-    plan.add_argument("--dp-attention", action="store_true",
-                      help="with --model: attention data parallel over all --tp ranks")
-    plan.add_argument("--next-n", type=int, metavar="N",
-                      help="with --model: query tokens per request per decode step (default 1 + MTP)")
-    plan.add_argument("--brief", action="store_true",
-                      help="print the op x rank matrix alone")
-    plan.add_argument("--format", choices=("text", "json"), default="text",
-                      help="text for people (default) or JSON for programs")
+    add(plan, "tp", default=None, unset="SGLang's --tp-size after `--`; without `--`, one rank "
+        "per simulated device, else 1")
+    add(plan, "device", help="the node's GPUs as CUDA numbers them (entry N is cuda:N)",
+        unset="$CAPDISPATCH_SGLANG_DEVICES, else the local GPUs via NVML")
+    add(plan, "policy", "set", "strict", "assume_lib", "libs")
+    add(plan, "model", help="the model whose rank shapes under --tp/--ep are checked against the "
+        "kernels' shape ranges (a layout SGLang would refuse is an error naming the layouts that "
+        "would work)")
+    add(plan, *LAYOUT_WITHOUT_TP)
+    add(plan, "brief", help="the op x rank matrix")
+    add(plan, "format")
     return sub
 
 
+# The model's layout but --tp, which is the launch's own (SGLang's --tp-size).
+LAYOUT_WITHOUT_TP = ("ep", "dp_attention", "next_n")
+
+
 def main(argv=None) -> int:
+    """`dispatch sglang ...`: under capdispatch's one command handler (a CapdispatchError
+    is one line and exit 2 or 3, never a traceback)."""
     import capdispatch as cd
     argv = list(sys.argv[1:] if argv is None else argv)
     sglang_args = None
     if "--" in argv:
         i = argv.index("--")
         argv, sglang_args = argv[:i], argv[i + 1:]
-    args = _parser().parse_args(argv)
-    try:
-        return _plan(args, sglang_args)
-    except cd.Unsatisfiable as exc:
-        print(f"{PROG}: unsatisfiable: {exc}", file=sys.stderr)
-        return EXIT_UNSAT
-    except cd.CapdispatchError as exc:   # bad input of any kind (KnobsError included)
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    return cd.run_command(PROG, _parser(), argv, lambda args: _plan(args, sglang_args))
 
 
 def _env_for(args) -> dict:
@@ -133,14 +96,10 @@ def _plan(args, sglang_args) -> int:
     import capdispatch as cd
     from . import plan, render
     from .records import PlanOptions
-    cd.env_flag(os.environ, "CAPDISPATCH_DEBUG")   # read as `dispatch` reads it
     options = PlanOptions(selections=tuple(args.set_), selection_origin="--set",
                           policy=tuple(args.policy), assume_libs=tuple(args.assume_lib),
                           strict=args.strict, libs=args.libs)
-    if args.model is None and (args.ep != 1 or args.dp_attention or args.next_n is not None):
-        import capdispatch as cd
-        raise cd.BadInput("--ep/--dp-attention/--next-n describe a model's layout: give --model "
-                          "NAME|PATH with them (`dispatch model` lists the built-ins)")
+    cd.check_layout(args, LAYOUT_WITHOUT_TP)
     model = None
     if args.model is not None:
         model = {"name": args.model, "ep": args.ep, "dp_attention": args.dp_attention,

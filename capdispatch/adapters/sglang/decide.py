@@ -105,19 +105,21 @@ class Decision:
 
 
 def applicable_ops(release, model_arch: Optional[str], kv_cache_dtype: Optional[str]):
-    """(ops, reason): the capdispatch ops this model runs with this KV-cache dtype."""
+    """(ops, reason): the capdispatch ops this model runs with this KV-cache dtype, then the
+    plugins' ops no model lists (decided and reported: the knob map says what to add)."""
     if not model_arch:
         return (), "the model architecture is unknown"
     model = release.models.get(model_arch)
     if model is None:
         return (), f"{model_arch} runs no capdispatch op"
     dtype = kv_cache_dtype or "auto"
+    unlisted = tuple(dict.fromkeys(u.op for u in release.unmapped if u.op not in model.ops))
     if dtype not in model.kv_cache_dtypes:
-        ops = tuple(op for op in model.ops if op in model.any_kv_cache_dtype)
+        ops = tuple(op for op in model.ops if op in model.any_kv_cache_dtype) + unlisted
         return ops, (f"kv_cache_dtype={dtype}: {model_arch}'s KV and attention ops run with "
                      f"{' or '.join(model.kv_cache_dtypes)} only"
                      + (f"; {', '.join(ops)} run{'s' if len(ops) == 1 else ''} with any" if ops else ""))
-    return tuple(model.ops), f"{model_arch} with kv_cache_dtype={dtype}"
+    return tuple(model.ops) + unlisted, f"{model_arch} with kv_cache_dtype={dtype}"
 
 
 def _flag(s) -> str:
@@ -172,10 +174,6 @@ def context_of(release, inputs, env=None):
     return context_for(release, selections=inputs.selections, selection_origin=inputs.selection_origin,
                        policy=inputs.policy, field_values=inputs.field_values,
                        assume_libs=inputs.assume_libs, strict=inputs.strict, env=env, libs=inputs.libs)
-
-
-def _failed(candidate) -> str:
-    return "; ".join(f"needs {ch.need}, has {ch.found}" for ch in candidate.checks if not ch.ok)
 
 
 def _same(a: str, b: str) -> bool:
@@ -238,7 +236,7 @@ def route_choice(route, op: str, res, user_env=None):
         native = next((c for c in res.candidates if c.backend == route.native), None)
         cannot = native is not None and not native.ok
         why = f"the user set {said}: SGLang's own {op} choice kept" + (
-            f"; SGLang's default {site} cannot run there ({_failed(native)}), and capdispatch "
+            f"; SGLang's default {site} cannot run there ({native.why_not(exact=True)}), and capdispatch "
             f"would run {res.backend}" if cannot else "")
         return False, why, why if cannot else None
     rows = _bucket_rows(res)
@@ -265,10 +263,10 @@ def route_choice(route, op: str, res, user_env=None):
     native = next((c for c in res.candidates if c.backend == route.native), None)
     if native is not None and not native.ok and route.env:
         # The site is a function SGLang takes only under the switches the rank sets.
-        return True, (f"SGLang's default cannot run there ({route.why}): {_failed(native)}; capdispatch "
+        return True, (f"SGLang's default cannot run there ({route.why}): {native.why_not(exact=True)}; capdispatch "
                       f"{res.backend} runs at {site}, which this rank switches on"), None
     if native is not None and not native.ok:
-        return True, f"SGLang's own {site} cannot run there: {_failed(native)}", None
+        return True, f"SGLang's own {site} cannot run there: {native.why_not(exact=True)}", None
     # SGLang's kernel could run, but the decision (a size bucket, mixed_group: uniform) is another one.
     return True, f"{what} runs at {site} ({res.source}){tail}", None
 

@@ -24,7 +24,11 @@ log = logging.getLogger("capdispatch")
 
 
 class KnobsError(cd.CapdispatchError, ValueError):
-    pass
+    """A knob map that cannot be used: FILE:LINE: where in the map: what is wrong."""
+
+    def __init__(self, path: str, line: Optional[int], message: str):
+        self.path, self.line, self.bare = path, line, message
+        super().__init__(f"{path}:{line}: {message}" if line else f"{path}: {message}")
 
 
 @attrs.frozen
@@ -37,27 +41,6 @@ class Unmapped:
     message: str
 
 
-def _label(kind: str, name: str, value: str) -> str:
-    """How plans and warnings name a server-args field or an environment switch."""
-    return f"{name}={value}" if kind == "field" else f"env {name}={value}"
-
-
-@attrs.frozen
-class Setting:
-    """A launch-time setting, the same for every rank (knobs.yaml `settings`)."""
-    ops: tuple
-    backends: Optional[tuple]     # None: any backend
-    routed: bool
-    kind: str                     # "field" | "env"
-    name: str
-    value: str
-    why: str
-
-    @property
-    def label(self) -> str:
-        return _label(self.kind, self.name, self.value)
-
-
 @attrs.frozen
 class SglangSetting:
     """One SGLang name and the value an entry or a route needs."""
@@ -67,7 +50,17 @@ class SglangSetting:
 
     @property
     def label(self) -> str:
-        return _label(self.kind, self.name, self.value)
+        """How plans and warnings name a server-args field or an environment switch."""
+        return f"{self.name}={self.value}" if self.kind == "field" else f"env {self.name}={self.value}"
+
+
+@attrs.frozen
+class Setting(SglangSetting):
+    """A launch-time setting, the same for every rank (knobs.yaml `settings`)."""
+    ops: tuple
+    backends: Optional[tuple]     # None: any backend
+    routed: bool
+    why: str
 
 
 @attrs.frozen
@@ -151,6 +144,15 @@ class Route:
 
 
 @attrs.frozen
+class Hooks:
+    """Where the adapter hooks into SGLang (knobs.yaml `hooks`): dotted names."""
+    resolution_step: str          # the launcher's resolution step it wraps
+    rank: str                     # every scheduler (TP-rank) process, before CUDA and the model
+    group: str                    # after the TP groups exist: cross-rank agreement
+    tp_group: str                 # the function that returns the TP group
+
+
+@attrs.frozen
 class Model:
     ops: tuple
     kv_cache_dtypes: tuple
@@ -160,12 +162,12 @@ class Model:
 @attrs.frozen
 class Release:
     spec: SpecifierSet
-    hooks: dict
+    hooks: Hooks
     models: dict                  # architecture -> Model
     settings: tuple
     selects: tuple
     routes: tuple
-    arch: dict
+    arch: dict                    # plain data: it travels to the code that corrects SGLang's facts
     entries: dict = attrs.field(factory=dict)    # (op, backend) -> Entry
     unmapped: tuple = ()                         # Unmapped: plugin backends without an entry
 
@@ -209,288 +211,326 @@ class Knobs:
         return next((r for r in self.releases if r.spec.contains(v, prereleases=True)), None)
 
 
-class _Checker:
-    """Errors as `file:line: where: what`, from the line-marked document."""
-
-    def __init__(self, path: str, registry):
-        self.path, self.registry = path, registry
-
-    def err(self, node, where: str, message: str, key=None) -> KnobsError:
-        line = 0
-        if node is not None:
-            line = node.line_of(key) if key is not None and hasattr(node, "line_of") else getattr(node, "line", 0)
-        at = f"{self.path}:{line}" if line else self.path
-        return KnobsError(f"{at}: {where}: {message}")
-
-    def need(self, d, key: str, where: str, kind=None):
-        if not isinstance(d, dict):
-            raise self.err(d, where, f"expected a mapping, got {d!r}")
-        if key not in d:
-            raise self.err(d, where, f"missing {key!r}")
-        value = d[key]
-        if kind is not None and not isinstance(value, kind):
-            raise self.err(d, f"{where}.{key}", f"expected {getattr(kind, '__name__', kind)}, got {value!r}",
-                           key)
-        return value
-
-    def only(self, d, keys, where: str) -> None:
-        from capdispatch import did_you_mean
-        for k in d:
-            if k not in keys:
-                raise self.err(d, where, f"unknown key {k!r}{did_you_mean(k, keys)} "
-                                         f"(valid: {', '.join(keys)})", k)
-
-    def spec(self, d, key, where: str) -> SpecifierSet:
-        text = d[key]
-        try:
-            return SpecifierSet(str(text))
-        except InvalidSpecifier:
-            raise self.err(d, f"{where}.{key}", f"{text!r} is not a version range "
-                                                f"(e.g. '>=0.5.23,<0.5.24')", key) from None
-
-    def names(self, d, key, where: str) -> tuple:
-        value = d[key]
-        items = [value] if isinstance(value, str) else value
-        if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
-            raise self.err(d, f"{where}.{key}", f"expected a name or a list of names, got {value!r}", key)
-        return tuple(items)
-
-    def op(self, node, op: str, where: str, key=None) -> None:
-        from capdispatch import did_you_mean
-        if op not in self.registry.ops:
-            raise self.err(node, where, f"unknown op {op!r}{did_you_mean(op, self.registry.ops)} "
-                                        f"(valid: {', '.join(self.registry.ops)})", key)
-
-    def backends(self, node, op: str, backends, where: str, key=None) -> None:
-        from capdispatch import did_you_mean
-        self.op(node, op, where, key)
-        valid = [b.name for b in self.registry.backends(op)]
-        for b in backends or ():
-            if b not in valid:
-                raise self.err(node, where, f"unknown backend {b!r} for {op}{did_you_mean(b, valid)} "
-                                            f"(valid: {', '.join(valid)})", key)
-
-    def setting(self, x, where: str) -> SglangSetting:
-        if not isinstance(x, dict):
-            raise self.err(None, where, f"expected {{field|env: NAME, value: V}}, got {x!r}")
-        kinds = [k for k in ("field", "env") if k in x]
-        if len(kinds) != 1:
-            raise self.err(x, where, "give exactly one of 'field' or 'env'")
-        self.only(x, ("field", "env", "value"), where)
-        return SglangSetting(kinds[0], str(x[kinds[0]]), str(self.need(x, "value", where)))
-
-
-def _release(c: _Checker, d, where: str) -> Release:
-    spec = c.spec(d, "sglang", where) if "sglang" in d else c.need(d, "sglang", where)
-    hooks = c.need(d, "hooks", where, dict)
-    for key in ("resolution_step", "rank", "group", "tp_group"):
-        c.need(hooks, key, f"{where}.hooks", str)
-    models = {}
-    for arch, m in c.need(d, "models", where, dict).items():
-        w = f"{where}.models.{arch}"
-        c.only(m, ("ops", "kv_cache_dtypes", "any_kv_cache_dtype"), w)
-        c.need(m, "ops", w)
-        ops = c.names(m, "ops", w)
-        for op in ops:
-            c.op(m, op, f"{w}.ops", "ops")
-        anyd = c.names(m, "any_kv_cache_dtype", w) if "any_kv_cache_dtype" in m else ()
-        for op in anyd:
-            if op not in ops:
-                raise c.err(m, f"{w}.any_kv_cache_dtype", f"{op!r} is not one of the model's ops",
-                            "any_kv_cache_dtype")
-        c.need(m, "kv_cache_dtypes", w)
-        models[arch] = Model(ops, c.names(m, "kv_cache_dtypes", w), anyd)
-    settings, seen = [], {}
-    rows = d.get("settings") or []
-    for i, s in enumerate(rows):
-        w = f"{where}.settings[{i}]"
-        c.need(s, "ops", w)
-        ops = c.names(s, "ops", w)
-        raw = s.get("backends", "*")
-        backends = None if raw == "*" else c.names(s, "backends", w)
-        for op in ops:
-            c.backends(s, op, backends, w)
-        kinds = [k for k in ("field", "env") if k in s]
-        if len(kinds) != 1:
-            raise c.err(s, w, "give exactly one of 'field' or 'env'")
-        kind = kinds[0]
-        row = Setting(ops, backends, bool(s.get("routed", False)), kind, str(s[kind]),
-                      str(c.need(s, "value", w)), str(s.get("why", "")))
-        key = (kind, row.name)
-        if key in seen and seen[key] != row.value:
-            raise c.err(s, w, f"{row.name} is set to {row.value!r} here and {seen[key]!r} in another row",
-                        "value")
-        seen[key] = row.value
-        settings.append(row)
-    selects = []
-    for i, s in enumerate(d.get("selects") or []):
-        w = f"{where}.selects[{i}]"
-        if ("backend" in s) == ("backends" in s):
-            raise c.err(s, w, "give exactly one of 'backend' or 'backends'")
-        per = s.get("backends")
-        if per is not None:
-            if not isinstance(per, dict) or not per or not all(
-                    isinstance(f, str) and f.startswith("sm") and f[2:].isdigit() for f in per):
-                raise c.err(s, f"{w}.backends", f"expected a mapping of device families "
-                                                f"(sm90, sm100, sm120, ...) to backends, got {dict(per)!r}",
-                            "backends")
-            per = tuple((f, str(b)) for f, b in per.items())
-        row = Select(str(c.need(s, "field", w)), str(c.need(s, "value", w)), str(c.need(s, "op", w)),
-                     None if per else str(s["backend"]), per or ())
-        c.backends(s, row.op, row.names, w, "backends" if per else "backend")
-        if any(o.field == row.field and o.value == row.value for o in selects):
-            raise c.err(s, w, f"{row.field}={row.value} is mapped twice")
-        selects.append(row)
-    routes = []
-    for i, r in enumerate(d.get("routes") or []):
-        w = f"{where}.routes[{i}]"
-        c.only(r, ("name", "op", "target", "call", "native", "cc", "env", "why", "runner", "prepare",
-                   "native_by"), w)
-        env = r.get("env") or {}
-        if not isinstance(env, dict) or not all(isinstance(v, str) for v in env.values()):
-            raise c.err(r, f"{w}.env", f"expected a mapping of environment names to string values, "
-                                       f"got {dict(env) if isinstance(env, dict) else env!r}", "env")
-        prepare = r.get("prepare")
-        if prepare is not None and (not isinstance(prepare, str) or prepare.count(":") != 1):
-            raise c.err(r, f"{w}.prepare", f"expected 'module:function', got {prepare!r}", "prepare")
-        runner = c.setting(r["runner"], f"{w}.runner") if r.get("runner") is not None else None
-        c.need(r, "op", w)
-        c.op(r, str(r["op"]), w, "op")
-        row = Route(str(r["op"]), c.need(r, "target", w, str), c.need(r, "call", w, str),
-                    r.get("native"), str(r.get("why", "")),
-                    None if r.get("cc") is None else c.spec(r, "cc", w),
-                    tuple((str(k), v) for k, v in env.items()), str(c.need(r, "name", w, str)),
-                    runner, prepare)
-        c.backends(r, row.op, (row.native,) if row.native else (), w, "native")
-        if r.get("native_by") is not None:      # moe: SGLang's method depends on the launch's value
-            from .moe_plan import check_native_by
-            try:
-                nb = check_native_by(r["native_by"], f"{w}.native_by", c.registry, row.op)
-            except ValueError as exc:
-                at, _, what = str(exc).partition(": ")
-                raise c.err(r, at, what, "native_by") from None
-            row = attrs.evolve(row, native_by=nb)
-        if any(o.target == row.target for o in routes):
-            raise c.err(r, w, f"{row.target} is routed twice", "target")
-        if any(o.name == row.name for o in routes):
-            raise c.err(r, w, f"route name {row.name!r} is used twice", "name")
-        routes.append(row)
-    by_name = {r.name: r for r in routes}
-    entries = {}
-    table = d.get("backends") or {}
-    if not isinstance(table, dict):
-        raise c.err(d, f"{where}.backends", "expected a mapping of op -> backend -> entry", "backends")
-    for op, per in table.items():
-        w = f"{where}.backends.{op}"
-        c.op(table, op, w, op)
-        if not isinstance(per, dict):
-            raise c.err(table, w, "expected a mapping of backend -> entry", op)
-        for backend, e in per.items():
-            we = f"{w}.{backend}"
-            c.backends(per, op, (backend,), we, backend)
-            if not isinstance(e, dict):
-                raise c.err(per, we, f"expected a mapping with one of {', '.join(ENTRY_KINDS)}, got {e!r}",
-                            backend)
-            c.only(e, ENTRY_KINDS + ("why",), we)
-            kinds = [k for k in ENTRY_KINDS if k in e]
-            if len(kinds) != 1:
-                raise c.err(e, we, f"give exactly one of {', '.join(map(repr, ENTRY_KINDS))} "
-                                   f"(SGLang's own settings, a route, or none)")
-            kind = kinds[0]
-            sets, names = (), ()
-            if kind == "sglang":
-                raw = e["sglang"]
-                if not isinstance(raw, list):
-                    raise c.err(e, f"{we}.sglang", f"expected a list of {{field|env, value}} ([] when "
-                                                   f"SGLang's default runs it), got {raw!r}", "sglang")
-                sets = tuple(c.setting(x, f"{we}.sglang[{j}]") for j, x in enumerate(raw))
-            elif kind == "route":
-                c.need(e, "route", we)
-                names = c.names(e, "route", we)
-                for n in names:
-                    if n not in by_name:
-                        from capdispatch import did_you_mean
-                        raise c.err(e, f"{we}.route", f"unknown route {n!r}{did_you_mean(n, by_name)} "
-                                                      f"(valid: {', '.join(by_name)})", "route")
-                    if by_name[n].op != op:
-                        raise c.err(e, f"{we}.route", f"route {n!r} is a {by_name[n].op} site, "
-                                                      f"not a {op} one", "route")
-            elif e["none"] is not True:
-                raise c.err(e, f"{we}.none", f"expected true, got {e['none']!r}", "none")
-            entries[(op, backend)] = Entry(op, backend, kind, sets, names, str(e.get("why", "")),
-                                           per.line_of(backend))
-    # A built-in backend without an entry is an error of the packaged map; a plugin's is
-    # reported (its name and the entry to add) and its decisions are not carried out.
-    from_plugin = {b: p.name for p in c.registry.plugins if p.ok for b in p.backends}
-    unmapped = []
-    for arch_name, m in models.items():
-        for op in m.ops:
-            missing = [b.name for b in c.registry.backends(op) if (op, b.name) not in entries]
-            builtin_missing = [b for b in missing if f"{op}/{b}" not in from_plugin]
-            if builtin_missing:
-                raise c.err(table, f"{where}.backends.{op}",
-                            f"no entry for {op} backend(s) {', '.join(builtin_missing)} (every backend of a "
-                            f"model op needs one: sglang, route or none; e.g. "
-                            f"{builtin_missing[0]}: {{none: true, why: \"...\"}})", op if op in table else None)
-            for b in missing:
-                if any((u.op, u.backend) == (op, b) for u in unmapped):
-                    continue
-                plugin = from_plugin[f"{op}/{b}"]
-                at = f"{c.path}:{table.line_of(op)}" if op in table and hasattr(table, "line_of") else c.path
-                unmapped.append(Unmapped(op, b, plugin, (
-                    f"the knob map has no entry for {op} backend {b} (plugin {plugin!r}): add "
-                    f"`{b}: {{none: true, why: \"...\"}}` (or sglang: [...], or route: [NAME]) under "
-                    f"{where}.backends.{op} ({at}); until then a decision for it is reported, "
-                    f"not carried out inside SGLang")))
-    arch = c.need(d, "arch", where, dict)
-    for key in ("module", "probes", "platform", "globals", "jit_arch"):
-        c.need(arch, key, f"{where}.arch")
-    facts = set(arch["probes"]) | {"sm", "cc"}
-    for fact, probe in arch["platform"].items():
-        if probe not in facts:
-            raise c.err(arch["platform"], f"{where}.arch.platform.{fact}", f"{probe!r} is not a probe or sm/cc",
-                        fact)
-    for i, g in enumerate(arch["globals"]):
-        if g.get("fact") not in facts:
-            raise c.err(g, f"{where}.arch.globals[{i}]", f"fact {g.get('fact')!r} is not a probe or sm/cc")
-    return Release(spec, dict(hooks), models, tuple(settings), tuple(selects), tuple(routes),
-                   _plain(arch), entries, tuple(unmapped))
-
-
-def _plain(x):
-    """Marked containers as plain dicts and lists (the arch table travels to SGLang code)."""
-    if isinstance(x, dict):
-        return {k: _plain(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_plain(v) for v in x]
-    return x
+# --------------------------------------------------------------------------- #
+# Reading the map: one function per section, each returning its records
+# --------------------------------------------------------------------------- #
+_RELEASE_KEYS = dict(required=("sglang", "hooks", "models", "arch"),
+                     optional={"settings": None, "selects": None, "routes": None, "backends": None})
+_SETTING_KEYS = dict(required=("ops", "value"),
+                     optional={"backends": None, "routed": False, "field": None, "env": None, "why": ""})
+_SELECT_KEYS = dict(required=("field", "value", "op"), optional=("backend", "backends"))
+_ROUTE_KEYS = dict(required=("name", "op", "target", "call"),
+                   optional={"native": None, "cc": None, "env": None, "why": "", "runner": None, "prepare": None,
+                             "native_by": None})
+_ENTRY_KEYS = {"sglang": None, "route": None, "none": None, "why": ""}
+_ARCH_KEYS = ("module", "probes", "platform", "globals", "jit_arch")
 
 
 @functools.lru_cache(maxsize=4)
 def load(path: Optional[str] = None) -> Knobs:
-    """Parse and check the knob map (the packaged knobs.yaml by default)."""
-    import capdispatch as cd
-    PolicyError, load_marked = cd.PolicyError, cd.load_marked
+    """Parse and check the knob map (the packaged knobs.yaml by default): a regular file
+    of at most 1 MiB (a FIFO or a device is refused, never read)."""
     path = path or DEFAULT_PATH
-    try:     # a regular file of at most 1 MiB: a FIFO or a device is refused, never read
-        text = cd.read_file(path, limit=MAX_BYTES, what="the knob map").decode("utf-8")
-    except cd.FileError as exc:
-        raise KnobsError(f"{exc.path}: {exc.reason}") from None
-    except UnicodeDecodeError as exc:
-        raise KnobsError(f"{path}: the knob map is not UTF-8 text (byte offset {exc.start})") from None
-    try:
-        data = load_marked(text, path)
-    except PolicyError as exc:
-        raise KnobsError(str(exc)) from None
-    c = _Checker(path, cd.registry())
-    if not isinstance(data, dict) or data.get("schema") != 1:
-        raise c.err(data if isinstance(data, dict) else None, "the knob map", "expected a mapping with 'schema: 1'",
-                    "schema")
-    c.need(data, "tested", "the knob map")
-    tested = c.spec(data, "tested", "the knob map")
-    releases = c.need(data, "releases", "the knob map", list)
-    out = Knobs(path, tested, tuple(_release(c, r, f"releases[{i}]") for i, r in enumerate(releases)),
-                str(data["tested"]))
-    for message in dict.fromkeys(u.message for r in out.releases for u in r.unmapped):
+    r = cd.YamlReader.from_file(path, limit=MAX_BYTES, error=KnobsError, kind="knob map")
+    out = _knobs(r, path, cd.registry())
+    for message in dict.fromkeys(u.message for rel in out.releases for u in rel.unmapped):
         log.warning("capdispatch: %s", message)
     return out
+
+
+def _knobs(r, path: str, registry) -> Knobs:
+    root = r.root()
+    if root is None:
+        raise r.err(None, "the knob map is empty: it needs schema: 1, tested and releases")
+    top = r.fields(root, "the knob map", required=("schema", "tested", "releases"), top=True)
+    schema = r.integer(top["schema"], "schema")
+    if schema != 1:
+        raise r.err(top["schema"], f"schema {schema} is not supported (valid: 1)")
+    releases = r.sequence(top["releases"], "releases")
+    return Knobs(path, _spec(r, top["tested"], "tested"),
+                 tuple(_release(r, node, f"releases[{i}]", registry) for i, node in enumerate(releases)),
+                 r.text(top["tested"], "tested"))
+
+
+def _release(r, node, where: str, registry) -> Release:
+    """One release range's rows, section by section."""
+    f = r.fields(node, where, **_RELEASE_KEYS)
+    spec = _spec(r, f["sglang"], f.where("sglang"))
+    hooks = _hooks(r, f["hooks"], f.where("hooks"))
+    models = _models(r, f["models"], f.where("models"), registry)
+    settings = _settings(r, f.get("settings"), f.where("settings"), registry)
+    selects = _selects(r, f.get("selects"), f.where("selects"), registry)
+    routes = _routes(r, f.get("routes"), f.where("routes"), registry)
+    entries, lines = _entries(r, f.get("backends"), f.where("backends"), registry, routes)
+    unmapped = _unmapped(r, models, entries, lines, f.where("backends"), registry)
+    return Release(spec, hooks, models, settings, selects, routes, _arch(r, f["arch"], f.where("arch")),
+                   entries, unmapped)
+
+
+def _spec(r, node, where: str) -> SpecifierSet:
+    text = r.text(node, where, need="a version range such as '>=0.5.23,<0.5.24'")
+    try:
+        return SpecifierSet(text)
+    except InvalidSpecifier:
+        raise r.err(node, f"{where}: {text!r} is not a version range (e.g. '>=0.5.23,<0.5.24')") from None
+
+
+def _op(r, node, where: str, registry) -> str:
+    """An op name of the registry."""
+    return r.name(node, where, list(registry.ops), noun="op")
+
+
+def _backend(r, node, where: str, op: str, registry) -> str:
+    """A backend name of OP; WHERE: the row it stands in."""
+    return r.name(node, where, [b.name for b in registry.backends(op)], noun="backend", of=f" for {op}")
+
+
+def _one_of(r, f, node, where: str, keys) -> str:
+    """The one key of KEYS that F gives; refused when none or more than one."""
+    given = [k for k in keys if k in f]
+    if len(given) != 1:
+        names = " or ".join(map(repr, keys)) if len(keys) == 2 else ", ".join(map(repr, keys))
+        more = " (SGLang's own settings, a route, or none)" if keys == ENTRY_KINDS else ""
+        raise r.err(node, f"{where}: give exactly one of {names}{more}")
+    return given[0]
+
+
+def _hooks(r, node, where: str) -> Hooks:
+    f = r.fields(node, where, required=tuple(attrs.fields_dict(Hooks)))
+    return Hooks(**{key: r.text(f[key], f.where(key), need="a dotted name", nonempty=True) for key in f})
+
+
+def _models(r, node, where: str, registry) -> dict:
+    """Architecture -> Model: the ops a model runs, under which KV-cache dtypes."""
+    out = {}
+    for arch, _, mnode in r.mapping(node, where):
+        w = f"{where}.{arch}"
+        m = r.fields(mnode, w, required=("ops", "kv_cache_dtypes"), optional={"any_kv_cache_dtype": None})
+        ops = r.names(m["ops"], m.where("ops"), list(registry.ops), noun="op")
+        anyd = m.get("any_kv_cache_dtype", r.names, valid=ops, noun="op of the model") or ()
+        out[arch] = Model(ops, r.names(m["kv_cache_dtypes"], m.where("kv_cache_dtypes"), noun="dtype"), anyd)
+    return out
+
+
+def _sglang_setting(r, f, node, where: str) -> SglangSetting:
+    """`field: NAME` or `env: NAME`, with `value`, of the mapping F read."""
+    kind = _one_of(r, f, node, where, ("field", "env"))
+    return SglangSetting(kind, r.text(f[kind], f.where(kind), need="an SGLang name", nonempty=True),
+                         r.text(f["value"], f.where("value"), need="the value SGLang takes"))
+
+
+def _setting(r, node, where: str) -> SglangSetting:
+    """{field|env: NAME, value: V}: one SGLang name and its value."""
+    return _sglang_setting(r, r.fields(node, where, required=("value",), optional=("field", "env")), node, where)
+
+
+def _settings(r, node, where: str, registry) -> tuple:
+    """Launch-time settings, the same for every rank: one name never set to two values."""
+    rows, seen = [], {}
+    for w, snode in r.rows(node, where):
+        s = r.fields(snode, w, **_SETTING_KEYS)
+        ops = r.names(s["ops"], s.where("ops"), list(registry.ops), noun="op")
+        backends = s.get("backends", r.names, noun="backend")
+        backends = None if backends in (None, ("*",)) else backends     # "*": any backend
+        for op in ops if backends else ():
+            r.names(s["backends"], w, [b.name for b in registry.backends(op)], noun="backend", of=f" for {op}")
+        knob = _sglang_setting(r, s, snode, w)
+        if seen.get((knob.kind, knob.name), knob.value) != knob.value:
+            raise r.err(s["value"], f"{w}: {knob.name} is set to {knob.value!r} here and "
+                                    f"{seen[(knob.kind, knob.name)]!r} in another row")
+        seen[(knob.kind, knob.name)] = knob.value
+        rows.append(Setting(knob.kind, knob.name, knob.value, ops=ops, backends=backends,
+                            routed=s.get("routed", r.boolean), why=s.get("why", r.text)))
+    return tuple(rows)
+
+
+def _selects(r, node, where: str, registry) -> tuple:
+    """SGLang flag values that name a capdispatch backend (one, or one per device family)."""
+    rows = []
+    for w, snode in r.rows(node, where):
+        s = r.fields(snode, w, **_SELECT_KEYS)
+        op = _op(r, s["op"], w, registry)
+        if _one_of(r, s, snode, w, ("backend", "backends")) == "backend":
+            backend, per = _backend(r, s["backend"], w, op, registry), ()
+        else:
+            per = _by_family(r, s["backends"], s.where("backends"), other=False,
+                             backends=[b.name for b in registry.backends(op)], op=op)
+            backend = None
+        row = Select(r.text(s["field"], s.where("field")), r.text(s["value"], s.where("value")), op, backend, per)
+        if any(o.field == row.field and o.value == row.value for o in rows):
+            raise r.err(snode, f"{w}: {row.field}={row.value} is mapped twice")
+        rows.append(row)
+    return tuple(rows)
+
+
+def _by_family(r, node, where: str, *, other: bool, backends=None, op: str = "") -> tuple:
+    """((family, name), ...) of a mapping of device families (sm90, sm120, ...; OTHER: also
+    `other`, any family not listed, and null names); BACKENDS: the names it takes."""
+    families = "sm90, sm100, sm120, ..." + (", other" if other else "")
+    pairs = r.mapping(node, where)
+    if not pairs:
+        raise r.err(node, f"{where}: expected a mapping of device families ({families}), found an empty one")
+    out = []
+    for fam, knode, vnode in pairs:
+        if not (other and fam == "other" or fam.startswith("sm") and fam[2:].isdigit()):
+            raise r.err(knode, f"{where}: {fam!r} is not a device family; expected a mapping of device "
+                               f"families ({families})")
+        name = r.text(vnode, f"{where}.{fam}", null=other)
+        if name is not None and backends is not None:
+            r.name(vnode, f"{where}.{fam}", backends, noun="backend", of=f" for {op}")
+        out.append((fam, name))
+    return tuple(out)
+
+
+def _native_by(r, node, where: str, op: str, registry):
+    """The moe route's `native_by`: per launch value of one SGLang field, the method SGLang
+    builds on each card family and the capdispatch backend whose kernel it runs."""
+    from .moe_plan import NativeBy
+    f = r.fields(node, where, required=("field", "default", "values", "methods"), optional={"why": None})
+    backends = [b.name for b in registry.backends(op)]
+    values = [(v, _by_family(r, vn, f"{where}.values.{v}", other=True, backends=backends, op=op))
+              for v, _, vn in r.mapping(f["values"], f.where("values"))]
+    if not values:
+        raise r.err(f["values"], f"{where}.values: expected a mapping of launch values to device families")
+    methods = r.mapping(f["methods"], f.where("methods"))
+    if {v for v, _, _ in methods} != {v for v, _ in values}:
+        raise r.err(f["methods"], f"{where}.methods: expected one SGLang method name per value of `values` "
+                                  f"({', '.join(v for v, _ in values)})")
+    why = r.mapping(f["why"], f.where("why")) if f.get("why") is not None else ()
+    return NativeBy(r.text(f["field"], f.where("field"), nonempty=True),
+                    _by_family(r, f["default"], f.where("default"), other=True), tuple(values),
+                    tuple((v, r.text(m, f"{where}.methods.{v}") if r.is_scalar(m) else
+                           _by_family(r, m, f"{where}.methods.{v}", other=True)) for v, _, m in methods),
+                    tuple((v, " ".join(r.text(t, f"{where}.why.{v}").split())) for v, _, t in why))
+
+
+def _routes(r, node, where: str, registry) -> tuple:
+    """Call sites a rank can route to the bound capdispatch kernel; targets and names unique."""
+    rows = []
+    for w, rnode in r.rows(node, where):
+        row = _route(r, rnode, w, registry)
+        if any(o.target == row.target for o in rows):
+            raise r.err(rnode, f"{w}: {row.target} is routed twice")
+        if any(o.name == row.name for o in rows):
+            raise r.err(rnode, f"{w}: route name {row.name!r} is used twice")
+        rows.append(row)
+    return tuple(rows)
+
+
+def _route(r, node, w: str, registry) -> Route:
+    f = r.fields(node, w, **_ROUTE_KEYS)
+    op = _op(r, f["op"], w, registry)
+    native = f.get("native", r.text)
+    if native is not None:
+        _backend(r, f["native"], w, op, registry)
+    row = Route(op, r.text(f["target"], f.where("target"), nonempty=True),
+                r.text(f["call"], f.where("call"), nonempty=True), native, f.get("why", r.text),
+                f.get("cc", lambda n, what: _spec(r, n, what)), _env(r, f.get("env"), f.where("env")),
+                r.text(f["name"], f.where("name"), nonempty=True),
+                f.get("runner", lambda n, what: _setting(r, n, what)),
+                f.get("prepare", lambda n, what: _prepare(r, n, what)))
+    nb = f.get("native_by")      # moe: SGLang's method depends on a launch-wide value
+    return row if nb is None else attrs.evolve(row, native_by=_native_by(r, nb, f.where("native_by"), op, registry))
+
+
+def _env(r, node, where: str) -> tuple:
+    """((NAME, value), ...): environment names and their text values."""
+    out = []
+    for name, _, vnode in (r.mapping(node, where) if node is not None else ()):
+        value = r.scalar(vnode, f"{where}.{name}")
+        if not isinstance(value, str):
+            raise r.err(vnode, f"{where}: expected a mapping of environment names to string values, "
+                               f"found {name}: {value!r} (quote it)")
+        out.append((name, value))
+    return tuple(out)
+
+
+def _prepare(r, node, where: str) -> str:
+    text = r.text(node, where, need="'module:function'")
+    if text.count(":") != 1:
+        raise r.err(node, f"{where}: expected 'module:function', got {text!r}")
+    return text
+
+
+def _entries(r, node, where: str, registry, routes) -> tuple:
+    """(op, backend) -> Entry, and op -> the line of its table (for messages)."""
+    by_name = {rt.name: rt for rt in routes}
+    entries, lines = {}, {}
+    for op, knode, per in (r.mapping(node, where) if node is not None else ()):
+        w = f"{where}.{op}"
+        _op(r, knode, w, registry)
+        lines[op] = r.line(per)
+        for backend, bknode, enode in r.mapping(per, w):
+            we = f"{w}.{backend}"
+            _backend(r, bknode, we, op, registry)
+            entries[(op, backend)] = _entry(r, enode, we, op, backend, by_name)
+    return entries, lines
+
+
+def _entry(r, node, where: str, op: str, backend: str, by_name: dict) -> Entry:
+    """How one (op, backend) runs inside SGLang: its settings, its routes, or none."""
+    e = r.fields(node, where, optional=_ENTRY_KEYS)
+    kind = _one_of(r, e, node, where, ENTRY_KINDS)
+    settings, routes = (), ()
+    if kind == "sglang":
+        items = r.sequence(e["sglang"], e.where("sglang"))
+        settings = tuple(_setting(r, x, f"{where}.sglang[{j}]") for j, x in enumerate(items))
+    elif kind == "route":
+        routes = r.names(e["route"], e.where("route"), list(by_name), noun="route")
+        for name, rnode in zip(routes, r.sequence(e["route"], e.where("route"), one_is_list=True)):
+            if by_name[name].op != op:
+                raise r.err(rnode, f"{where}.route: route {name!r} is a {by_name[name].op} site, not a {op} one")
+    elif r.boolean(e["none"], e.where("none")) is not True:
+        raise r.err(e["none"], f"{where}.none: expected true, got false")
+    return Entry(op, backend, kind, settings, routes, e.get("why", r.text), r.line(node))
+
+
+def _unmapped(r, models: dict, entries: dict, lines: dict, where: str, registry) -> tuple:
+    """A built-in backend of a model op without an entry is an error of the packaged map; a
+    plugin's is reported (its name and the entry to add) and its decisions are not carried out."""
+    from_plugin = {b: p.name for p in registry.plugins if p.ok for b in p.backends}
+    out = []
+    for op in dict.fromkeys(op for m in models.values() for op in m.ops):
+        missing = [b.name for b in registry.backends(op) if (op, b.name) not in entries]
+        builtin = [b for b in missing if f"{op}/{b}" not in from_plugin]
+        if builtin:
+            raise r.err(lines.get(op), f"{where}.{op}: no entry for {op} backend(s) {', '.join(builtin)} "
+                                       f"(every backend of a model op needs one: sglang, route or none; e.g. "
+                                       f"{builtin[0]}: {{none: true, why: \"...\"}})")
+        at = f"{r.path}:{lines[op]}" if op in lines else r.path
+        out += [Unmapped(op, b, from_plugin[f"{op}/{b}"], (
+            f"the knob map has no entry for {op} backend {b} (plugin {from_plugin[f'{op}/{b}']!r}): add "
+            f"`{b}: {{none: true, why: \"...\"}}` (or sglang: [...], or route: [NAME]) under "
+            f"{where}.{op} ({at}); until then a decision for it is reported, "
+            f"not carried out inside SGLang")) for b in missing]
+    # A plugin's op no model lists: decided at the launch and reported, with what to add.
+    listed = {op for m in models.values() for op in m.ops}
+    release = where.rsplit(".", 1)[0] if where.endswith(".backends") else where
+    for op in registry.ops:
+        names = [f"{op}/{b.name}" for b in registry.backends(op)]
+        if op in listed or not names or not all(n in from_plugin for n in names):
+            continue
+        plugin = from_plugin[names[0]]
+        message = (f"the knob map's models do not list op {op} (plugin {plugin!r}): add it to "
+                   f"{release}.models.{next(iter(models), 'ARCHITECTURE')}.ops and an entry per backend "
+                   f"under {where}.{op} ({r.path}); until then a decision for it is reported, not carried "
+                   f"out inside SGLang")
+        out += [Unmapped(op, n.split("/", 1)[1], plugin, message) for n in names]
+    return tuple(out)
+
+
+def _arch(r, node, where: str) -> dict:
+    """SGLang's architecture facts to correct, as plain data; every fact named is a probe
+    of the table or sm/cc."""
+    f = r.fields(node, where, required=_ARCH_KEYS)
+    facts = {probe for probe, _, _ in r.mapping(f["probes"], f.where("probes"))} | {"sm", "cc"}
+    for fact, _, pnode in r.mapping(f["platform"], f.where("platform")):
+        probe = r.text(pnode, f"{where}.platform.{fact}")
+        if probe not in facts:
+            raise r.err(pnode, f"{where}.platform.{fact}: {probe!r} is not a probe or sm/cc")
+    for w, gnode in r.rows(f["globals"], f.where("globals")):
+        g = r.fields(gnode, w, required=("module", "name", "fact"))
+        fact = r.text(g["fact"], g.where("fact"))
+        if fact not in facts:
+            raise r.err(g["fact"], f"{w}: fact {fact!r} is not a probe or sm/cc")
+    return r.plain(node, where)

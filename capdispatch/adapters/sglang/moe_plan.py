@@ -59,44 +59,6 @@ def _family(device) -> Optional[str]:
     return None if not cc or getattr(device, "platform", "cuda") != "cuda" else f"sm{cc[0] * 10}"
 
 
-def check_native_by(raw, where: str, registry, op: str = "moe") -> NativeBy:
-    """Parse the `native_by` block; ValueError with WHERE on a bad shape or name."""
-    if not isinstance(raw, dict):
-        raise ValueError(f"{where}: expected a mapping with field, default, values, methods")
-    for key in ("field", "default", "values", "methods"):
-        if key not in raw:
-            raise ValueError(f"{where}: missing {key!r}")
-    valid = {b.name for b in registry.backends(op)}
-
-    def fams(d, w, check_backend):
-        if not isinstance(d, dict) or not d:
-            raise ValueError(f"{w}: expected a mapping of device families (sm90, sm120, ..., {OTHER})")
-        out = []
-        for fam, v in d.items():
-            if fam != OTHER and not (isinstance(fam, str) and fam.startswith("sm") and fam[2:].isdigit()):
-                raise ValueError(f"{w}: {fam!r} is not a device family (sm90, sm100, sm120, ..., {OTHER})")
-            if check_backend and v is not None and v not in valid:
-                raise ValueError(f"{w}.{fam}: unknown backend {v!r} for {op} (valid: {', '.join(sorted(valid))})")
-            out.append((fam, None if v is None else str(v)))
-        return tuple(out)
-
-    values = raw["values"]
-    if not isinstance(values, dict) or not values:
-        raise ValueError(f"{where}.values: expected a mapping of {raw['field']} values to device families")
-    methods = raw["methods"]
-    if not isinstance(methods, dict) or set(methods) != set(values):
-        raise ValueError(f"{where}.methods: expected one SGLang method name per value of `values` "
-                         f"({', '.join(map(str, values))})")
-    why = raw.get("why") or {}
-    if not isinstance(why, dict):
-        raise ValueError(f"{where}.why: expected a mapping of values to text")
-    return NativeBy(str(raw["field"]), fams(raw["default"], f"{where}.default", False),
-                    tuple((str(v), fams(f, f"{where}.values.{v}", True)) for v, f in values.items()),
-                    tuple((str(v), fams(m, f"{where}.methods.{v}", False) if isinstance(m, dict) else str(m))
-                          for v, m in methods.items()),
-                    tuple((str(v), " ".join(str(t).split())) for v, t in why.items()))
-
-
 def route_of(release):
     """The moe route (the one with `native_by`), or None."""
     return next((r for r in release.routes if getattr(r, "native_by", None) is not None), None)
@@ -119,10 +81,6 @@ def launch_value(release, specs, *, explicit_fields=(), field_values=None) -> Op
     d0 = specs[0]
     return LaunchValue(nb.default_for(d0), f"SGLang's DeepSeek-V4 default from device 0 ({d0.id}, {d0.name})",
                        False)
-
-
-def _failed(candidate) -> str:
-    return "; ".join(f"needs {ch.need}, has {ch.found}" for ch in candidate.checks if not ch.ok)
 
 
 def route_choice(route, res, spec, launch: Optional[LaunchValue], strict: bool = False):
@@ -152,7 +110,7 @@ def route_choice(route, res, spec, launch: Optional[LaunchValue], strict: bool =
         # SGLang's method could run; the decision (explicit choice, mixed_group: uniform) is another.
         return True, (f"{said}capdispatch {res.backend} ({res.source}) runs at {site} in place of SGLang's "
                       f"{method} under {setting}"), None
-    cannot = (_failed(cand) if cand is not None else nb.reason(launch.value)) or "no kernel for this card"
+    cannot = (cand.why_not(exact=True) if cand is not None else nb.reason(launch.value)) or "no kernel for this card"
     what = f"{native}'s kernel" if native else "no MXFP4 kernel here"
     why = (f"{said}SGLang's {method} under {setting} cannot run on this card ({what}: {cannot}); "
            f"capdispatch {res.backend} runs at {site} instead, with its weights prepared at load")

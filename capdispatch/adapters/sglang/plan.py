@@ -140,7 +140,7 @@ def shape_rejections(d) -> list:
                 for ch in cand.checks:
                     if ch.code.startswith("shape:") and not ch.ok:
                         out.append({"device": did, "op": op, "backend": cand.backend, "code": ch.code,
-                                    "need": ch.need, "found": ch.found})
+                                    "need": ch.need, "found": ch.found, "wording": ch.wording})
     return out
 
 

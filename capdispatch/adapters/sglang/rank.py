@@ -290,5 +290,5 @@ def after_parallel_ready(result, *args, **kwargs):
     state = _RANKS.get(get_device().gpu_id)
     if state is None or not state.resolved:
         return
-    group = pkgutil.resolve_name(state.release.hooks["tp_group"])()
+    group = pkgutil.resolve_name(state.release.hooks.tp_group)()
     agree(state, group.cpu_group)

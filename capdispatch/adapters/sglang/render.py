@@ -105,8 +105,7 @@ def _shape_lines(out) -> list:
             continue
         seen.add(key)
         on = sorted({x["device"] for x in rej if (x["op"], x["backend"], x["code"]) == key})
-        lines.append(f"  not runnable: {r['op']}/{r['backend']} on {', '.join(on)}: {r['code']}: "
-                     f"need {r['need']}, found {r['found']}")
+        lines.append(f"  not runnable: {r['op']}/{r['backend']} on {', '.join(on)}: {r['wording']}")
     return lines
 
 

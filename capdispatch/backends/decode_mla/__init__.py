@@ -9,6 +9,8 @@ flashmla.py, flashinfer.py; library_args.py holds what both library adapters do 
 arguments).
 """
 from ..base import DECODE_SIZES, AnyFeature, Backend, Feature, Library, Op, ShapeRange, SizeArg, TORCH, TRITON, TritonTarget
+from ..signature import Out
+from ..v4_layout import DIM
 
 _PKG = "capdispatch.backends.decode_mla"
 
@@ -16,13 +18,16 @@ OPS = (
     Op("decode_mla",
        "DeepSeek-V4 sparse MLA decode/extend over the V4 fp8 paged pool (448 e4m3 + 64 bf16 + UE8M0 "
        "scales per token) by token ids, optional extra (compressed) pool, top-k lengths and attention "
-       "sink -> out and natural-log lse",
-       "decode_mla(q [b,s_q,h,512] bf16, pool uint8 [num_pages,bytes_per_page] (or the 4-D "
-       "[num_pages,page_size,1,584] view), indices [b,s_q,topk] int32 token ids, page_size, sm_scale, "
-       "topk_length=None [b], attn_sink=None [h] fp32, extra_pool=None, extra_indices=None "
-       "[b,s_q,extra_topk], extra_page_size=None, extra_topk_length=None [b], *, out=None) "
-       "-> (out [b,s_q,h,512] bf16, lse [b,h,s_q] fp32 natural log, sink not included, +inf and "
-       "out 0 where no entry is valid); ids < 0, >= num_pages*page_size or past topk_length are masked",
+       "sink -> out and natural-log lse. q [b,s_q,h,512] bf16, pool uint8 [num_pages,bytes_per_page] "
+       "(or the 4-D [num_pages,page_size,1,584] view), indices [b,s_q,topk] int32 token ids, topk_length "
+       "[b], attn_sink [h] fp32, extra_indices [b,s_q,extra_topk], extra_topk_length [b] -> out "
+       "[b,s_q,h,512] bf16, lse [b,h,s_q] fp32 natural log, sink not included, +inf and out 0 where no "
+       "entry is valid; ids < 0, >= num_pages*page_size or past topk_length are masked",
+       "decode_mla(Tensor q, Tensor pool, Tensor indices, int page_size, float sm_scale, "
+       "Tensor? topk_length=None, Tensor? attn_sink=None, Tensor? extra_pool=None, "
+       "Tensor? extra_indices=None, int? extra_page_size=None, Tensor? extra_topk_length=None, *, "
+       "Tensor(a!)? out=None) -> (Tensor, Tensor)",
+       outputs=(Out(("q.0", "q.1", "q.2", DIM), "bfloat16"), Out(("q.0", "q.2", "q.1"), "float32")),
        reference="torch", size=SizeArg("tokens", 0, "q"), canary=f"{_PKG}.canary:decode_mla",
        case=f"{_PKG}.calibration:decode_mla_case", sizes=DECODE_SIZES,
        compile_jobs="capdispatch.backends.compile_matrix:attention_jobs",
@@ -38,8 +43,8 @@ _FLASHINFER = Library("flashinfer-python", ">=0.7.2", module="flashinfer")
 
 # Shape ranges (checked against a rank's shapes when a decision has a model and layout).
 # Every kernel here reads the V4 pool's 512-wide rows (448 fp8 nope + 64 bf16 rope).
-_HEAD_DIM = ShapeRange("head_dim", "capdispatch decode_mla/ops.py DIM = 512: the V4 pool row "
-                       "(kv_cache/layout.py, 448 nope + 64 rope)", allowed=(512,), what="the MLA head dim")
+_HEAD_DIM = ShapeRange("head_dim", "capdispatch backends/v4_layout.py DIM = 512: the V4 pool row "
+                       "(448 nope + 64 rope)", allowed=(512,), what="the MLA head dim")
 # FlashMLA instantiates h_q 64 and 128; flashmla.py pads fewer heads up (library_args.pad_heads).
 _FLASHMLA_HEADS = ShapeRange("heads", "capdispatch decode_mla/flashmla.py pad_heads(q, sink, (64, 128)): "
                              "FlashMLA's kernels take h_q 64 or 128, fewer are zero-padded",

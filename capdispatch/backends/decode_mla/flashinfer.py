@@ -82,6 +82,7 @@ def flashinfer_sparse_mla(q, pool, indices, page_size, sm_scale, topk_length=Non
 
 # Custom ops (backends/torch_ops.py): what the registry binds. Defining them needs no
 # library, so their schemas and fake implementations trace anywhere.
-from .ops import decode_mla_op  # noqa: E402
+from ..torch_ops import custom_op  # noqa: E402
+from . import OPS  # noqa: E402
 
-op_flashinfer_sparse_mla = decode_mla_op("flashinfer_sparse_mla", flashinfer_sparse_mla)
+op_flashinfer_sparse_mla = custom_op(OPS[0], "flashinfer_sparse_mla", flashinfer_sparse_mla)

@@ -69,6 +69,7 @@ def flashmla(q, pool, indices, page_size, sm_scale, topk_length=None, attn_sink=
 
 # Custom ops (backends/torch_ops.py): what the registry binds. Defining them needs no
 # library, so their schemas and fake implementations trace anywhere.
-from .ops import decode_mla_op  # noqa: E402
+from ..torch_ops import custom_op  # noqa: E402
+from . import OPS  # noqa: E402
 
-op_flashmla = decode_mla_op("flashmla", flashmla)
+op_flashmla = custom_op(OPS[0], "flashmla", flashmla)

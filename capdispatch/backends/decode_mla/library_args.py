@@ -18,7 +18,7 @@ import functools
 import torch
 
 from ...errors import ArgumentError
-from ..kv_cache.layout import TOKEN_BYTES
+from ..v4_layout import TOKEN_BYTES
 
 __all__ = ["TOPK_ALIGN", "pool_view", "clean_ids", "pad_heads", "deliver"]
 

@@ -11,7 +11,7 @@ extra_indices_in_kvcache, extra_topk_length)`` on SM90/SM100 and
                extra_topk_length=None, *, out=None) -> (out, lse)
 
     q                  bf16 [b, s_q, h, 512] (last dim unit-stride)
-    pool               the V4 paged KV pool (kv_cache/layout.py): uint8 [num_pages,
+    pool               the V4 paged KV pool (backends/v4_layout.py): uint8 [num_pages,
                        bytes_per_page] (any dtype viewable as bytes), or FlashMLA's 4-D
                        view [num_pages, page_size, 1, 584] over such a buffer
     indices            int32/int64 [b, s_q, topk]: token ids into ``pool``
@@ -46,7 +46,7 @@ import torch
 
 from ...errors import ArgumentError
 from ..arg_checks import dtype_in, finite_float, index_dtype, same_device, tensor, unit_last_stride
-from ..kv_cache.layout import TOKEN_BYTES, min_bytes_per_page
+from ..v4_layout import TOKEN_BYTES, min_bytes_per_page
 from ..kv_cache.reference import kv_dequant
 from ..sparse_prefill.reference import DIM, GATHER_BUDGET, attend_gathered
 
@@ -248,6 +248,7 @@ def decode_mla(q, pool, indices, page_size, sm_scale, topk_length=None, attn_sin
 
 
 # Custom op (backends/torch_ops.py): what the registry binds.
-from .ops import decode_mla_op  # noqa: E402
+from ..torch_ops import custom_op  # noqa: E402
+from . import OPS  # noqa: E402
 
-op_decode_mla = decode_mla_op("torch", decode_mla)
+op_decode_mla = custom_op(OPS[0], "torch", decode_mla)

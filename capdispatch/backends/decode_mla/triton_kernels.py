@@ -119,7 +119,7 @@ class DecodeMla:
         bpp = pool.shape[1]
         has_len2 = has_extra and extra_topk_length is not None
         key = (dev, b, s_q, h, n_idx, n_idx2, page_size, bpp, has_extra, eps, ebpp, topk_length is not None,
-               has_len2, attn_sink is not None) + _limits.plan_key()
+               has_len2, attn_sink is not None) + _limits.plan_key() + attn.table_key()
         forced = config is not None or num_splits is not None
         plan = None if forced else self.plans.get(key)
         if plan is None:
@@ -148,7 +148,8 @@ class DecodeMla:
         if num_splits is None:
             # The split decision uses the split-K tile: decode-sized calls run with it.
             cfg = config if config is not None else attn.device_configs(dev, "decode_split", T)[0]
-            num_splits = attn.decode_splits(dev, T, h, n_idx + n_idx2, block_h=cfg["BLOCK_H"], block_n=cfg["BLOCK_N"])
+            num_splits = attn.decode_splits(dev, T, h, n_idx + n_idx2, block_h=cfg["BLOCK_H"], block_n=cfg["BLOCK_N"],
+                                            max_splits=cfg.get("max_splits", attn.MAX_SPLITS))
         consts = (2 if self.native_fp8 else 1, ps, bpp, eps, ebpp, has_len, has_extra, has_len2, has_sink, 2)
         return attn.plan_launch(dev, "decode_split" if num_splits > 1 else "decode", T, h, consts, config=config,
                                 num_splits=num_splits, n_idx=n_idx, n_idx2=n_idx2)
@@ -182,7 +183,8 @@ def forget_plans() -> None:
 
 
 # Custom ops (backends/torch_ops.py): what the registry binds.
-from .ops import decode_mla_op  # noqa: E402
+from ..torch_ops import custom_op  # noqa: E402
+from . import OPS  # noqa: E402
 
-op_decode_mla_fp8 = decode_mla_op("triton_fp8", decode_mla_fp8)
-op_decode_mla_u8 = decode_mla_op("triton", decode_mla_u8)
+op_decode_mla_fp8 = custom_op(OPS[0], "triton_fp8", decode_mla_fp8)
+op_decode_mla_u8 = custom_op(OPS[0], "triton", decode_mla_u8)

@@ -6,6 +6,7 @@ Contract: reference.py's module docstring and docs/ops/indexer.md.
 """
 from ..base import (DECODE_SIZES, AnyFeature, Backend, ComputeCapability, Library, Op, SizeArg, Platform, ShapeRange, TORCH,
                     TRITON, TritonTarget)
+from ..signature import Out
 
 _PKG = "capdispatch.backends.indexer"
 
@@ -13,8 +14,10 @@ OPS = (Op(
     "indexer",
     "fp8 paged MQA logits: q fp8 [B,next_n,64,128], index-K pages of 64 tokens x (128 fp8 + fp32 scale), "
     "weights fp32 [B*next_n,64], context lens, block table -> fp32 logits [B*next_n, max_context_len]",
-    "indexer(q, kv_cache, weights, context_lens, block_table, schedule_metadata, max_context_len, "
-    "clean_logits=False) -> Tensor",
+    "indexer(Tensor q, Tensor kv_cache, Tensor weights, Tensor context_lens, Tensor block_table, "
+    "Tensor? schedule_metadata=None, int? max_context_len=None, bool clean_logits=False, *, "
+    "Tensor(a!)? out=None) -> Tensor",
+    outputs=(Out(("q.0*q.1", "max_context_len"), "float32"),),
     reference="torch",
     size=SizeArg("tokens", 0, "q"),     # B: decode batch rows, or prefill query rows
     canary=f"{_PKG}.canary:indexer",

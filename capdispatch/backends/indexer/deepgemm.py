@@ -91,6 +91,17 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedu
 
 # Custom op (backends/torch_ops.py): what the registry binds. DeepGEMM returns its
 # logits with padded rows, and the fake says so (no copy to a contiguous tensor).
-from .ops import indexer_op, padded_fake  # noqa: E402
+from ..torch_ops import custom_op  # noqa: E402
+from . import OPS  # noqa: E402
 
-op_fp8_paged_mqa_logits = indexer_op("deepgemm", fp8_paged_mqa_logits, fake=padded_fake)
+
+def padded_fake(q, kv_cache, weights, context_lens, block_table, schedule_metadata=None,
+                max_context_len=None, clean_logits=False, *, checks=True):
+    """DeepGEMM's logits: rows padded to a multiple of 256 floats (1024 bytes)."""
+    if max_context_len is None:
+        raise ArgumentTypeError("max_context_len is required")
+    rows, cols = q.shape[0] * q.shape[1], max_context_len
+    return torch.empty_strided((rows, cols), (-(-cols // 256) * 256, 1), dtype=torch.float32, device=q.device)
+
+
+op_fp8_paged_mqa_logits = custom_op(OPS[0], "deepgemm", fp8_paged_mqa_logits, fake=padded_fake)

@@ -209,6 +209,7 @@ def quantize_index_k(x: torch.Tensor) -> tuple:
 
 
 # Custom op (backends/torch_ops.py): what the registry binds.
-from .ops import indexer_op  # noqa: E402
+from ..torch_ops import custom_op  # noqa: E402
+from . import OPS  # noqa: E402
 
-op_fp8_paged_mqa_logits = indexer_op("torch", fp8_paged_mqa_logits)
+op_fp8_paged_mqa_logits = custom_op(OPS[0], "torch", fp8_paged_mqa_logits)

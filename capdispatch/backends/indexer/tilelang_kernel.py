@@ -285,6 +285,7 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedu
 
 
 # Custom op (backends/torch_ops.py): what the registry binds.
-from .ops import indexer_op  # noqa: E402
+from ..torch_ops import custom_op  # noqa: E402
+from . import OPS  # noqa: E402
 
-op_fp8_paged_mqa_logits = indexer_op("tilelang", fp8_paged_mqa_logits)
+op_fp8_paged_mqa_logits = custom_op(OPS[0], "tilelang", fp8_paged_mqa_logits)

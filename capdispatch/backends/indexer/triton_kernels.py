@@ -221,9 +221,10 @@ def fp8_paged_mqa_logits_native(q, kv_cache, weights, context_lens, block_table,
 
 
 # Custom op (backends/torch_ops.py): what the registry binds.
-from .ops import indexer_op  # noqa: E402
+from ..torch_ops import custom_op  # noqa: E402
+from . import OPS  # noqa: E402
 
-op_fp8_paged_mqa_logits = indexer_op("triton", fp8_paged_mqa_logits)
+op_fp8_paged_mqa_logits = custom_op(OPS[0], "triton", fp8_paged_mqa_logits)
 
 
 # Types of the kernel's runtime arguments (uint8 q and pool; the native variant passes

@@ -4,13 +4,15 @@ Declarations only: kernels live in reference.py (torch) and triton_kernels.py
 and are imported when bound.
 """
 from ..base import DECODE_SIZES, Backend, Feature, Op, SizeArg, TORCH, TRITON, TritonTarget
+from ..signature import Out
+from ..v4_layout import DIM
 
 _PKG = "capdispatch.backends.kv_cache"
 
 OPS = (
     Op("kv_quant",
        "bf16 K [n,512] -> V4 paged uint8 pool at token slots `loc` (448 fp8 e4m3 + 64 bf16 + 7 UE8M0 scales + pad)",
-       "kv_quant(k, pool, loc, page_size) -> None", reference="torch",
+       "kv_quant(Tensor k, Tensor(a!) pool, Tensor loc, int page_size) -> ()", outputs=(), reference="torch",
        size=SizeArg("rows", 0, "k"), canary=f"{_PKG}.canary:kv_quant",
        case=f"{_PKG}.calibration:kv_quant_case", sizes=DECODE_SIZES + (16384,),
        compile_jobs="capdispatch.backends.compile_matrix:kv_cache_jobs",
@@ -18,7 +20,8 @@ OPS = (
        served="decode", batch_args=(2,)),
     Op("kv_dequant",
        "V4 paged uint8 pool, token ids -> bf16 [n,1,512]",
-       "kv_dequant(pool, token_ids, page_size, out=None) -> Tensor", reference="torch",
+       "kv_dequant(Tensor pool, Tensor token_ids, int page_size, Tensor(a!)? out=None) -> Tensor",
+       outputs=(Out(("token_ids.0", 1, DIM), "bfloat16"),), reference="torch",
        size=SizeArg("rows", 1, "token_ids"), canary=f"{_PKG}.canary:kv_dequant",
        case=f"{_PKG}.calibration:kv_dequant_case", sizes=(64, 256, 1024, 4096, 16384, 65536, 262144),
        compile_jobs="capdispatch.backends.compile_matrix:kv_cache_jobs",

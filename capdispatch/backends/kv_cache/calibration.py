@@ -34,7 +34,7 @@ def kv_quant_case(n, gen, device, prof, batch=None, layer_state=None) -> Case:
     pages = max(4, math.ceil(2 * n / P))        # half the slots written, scattered
     k = rand_k(n, gen, device)
     loc = torch.randperm(pages * P, generator=gen, device=device)[:n] if batch is None else batch[0]
-    from . import layout
+    from .. import v4_layout as layout
     poisons = [torch.randint(0, 256, (pages, layout.bytes_per_page(P)), generator=gen,
                              device=device, dtype=torch.uint8)]
     poisons.append(poisons[0] ^ 0xFF)          # every byte differs between the two poisons

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..canary_checks import Mismatch, assert_bf16_bits_equal, assert_bytes_equal
-from . import layout as L
+from .. import v4_layout as L
 from . import reference as R
 from .inputs import v4_pool
 

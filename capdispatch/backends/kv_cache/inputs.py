@@ -9,7 +9,7 @@ def v4_pool(gen, num_pages, page_size, device, *, spare_pages=0):
     """A V4 pool whose every slot holds kv_quant of a random bf16 row (magnitudes vary per
     64-value tile, so the UE8M0 scales vary). Returns the pool (a window of a buffer with
     ``spare_pages`` poisoned pages on either side) and its buffer."""
-    from capdispatch.backends.kv_cache import layout as L
+    from capdispatch.backends import v4_layout as L
     from capdispatch.backends.kv_cache import reference as KV
     cap = num_pages * page_size
     rows = torch.randn(cap, 512, generator=gen)

@@ -23,7 +23,7 @@ import torch
 
 from ...errors import ArgumentError
 from ..arg_checks import dtype_in, index_dtype, same_device, tensor, unit_last_stride
-from .layout import (
+from ..v4_layout import (
     DATA_BYTES,
     DIM,
     DIM_NOPE,
@@ -221,7 +221,8 @@ def new_pool(num_pages: int, page_size: int, device: torch.device | str | None =
 
 
 # Custom ops (backends/torch_ops.py): what the registry binds.
-from .ops import kv_dequant_op, kv_quant_op  # noqa: E402
+from ..torch_ops import custom_op  # noqa: E402
+from . import OPS  # noqa: E402
 
-op_kv_quant = kv_quant_op("torch", kv_quant)
-op_kv_dequant = kv_dequant_op("torch", kv_dequant)
+op_kv_quant = custom_op(OPS[0], "torch", kv_quant)
+op_kv_dequant = custom_op(OPS[1], "torch", kv_dequant)

@@ -1,4 +1,4 @@
-"""Triton kernels for the DeepSeek-V4 paged KV cache (layout: see layout.py).
+"""Triton kernels for the DeepSeek-V4 paged KV cache (layout: backends/v4_layout.py).
 
 Two codecs share one kernel body per direction, selected by the ``NATIVE_FP8``
 constexpr:
@@ -28,7 +28,7 @@ import triton.language as tl
 from .. import launch_limits as _limits
 from ..device_scope import cdiv, on_device_of
 from ..triton_common.env import check_device, interpreted, jit_module
-from .layout import DATA_BYTES, DIM, DIM_NOPE, FP8_MAX, NUM_TILES, SCALE_BYTES, SCALE_EPS, TILE
+from ..v4_layout import DATA_BYTES, DIM, DIM_NOPE, FP8_MAX, NUM_TILES, SCALE_BYTES, SCALE_EPS, TILE
 from .reference import check_dequant_args, check_quant_args
 
 __all__ = ["kv_quant_fp8", "kv_quant_u8", "kv_dequant_fp8", "kv_dequant_u8"]
@@ -135,7 +135,7 @@ def _kv_dequant_kernel(
     tl.store(out_ptr + tok[:, None, None] * out_stride + col[None, :, :], out, mask=tmask[:, None, None])
 
 
-# The kernels hard-code the layout; keep them honest if layout.py ever changes.
+# The kernels hard-code the layout; keep them honest if backends/v4_layout.py ever changes.
 assert (DIM, DIM_NOPE, TILE, DATA_BYTES, SCALE_BYTES) == (512, 448, 64, 576, 8)
 assert FP8_MAX == 448.0 and SCALE_EPS == 1e-8
 
@@ -209,12 +209,13 @@ def kv_dequant_u8(pool: torch.Tensor, token_ids: torch.Tensor, page_size: int,
 
 
 # Custom ops (backends/torch_ops.py): what the registry binds.
-from .ops import kv_dequant_op, kv_quant_op  # noqa: E402
+from ..torch_ops import custom_op  # noqa: E402
+from . import OPS  # noqa: E402
 
-op_kv_quant_fp8 = kv_quant_op("triton_fp8", kv_quant_fp8)
-op_kv_quant_u8 = kv_quant_op("triton_u8", kv_quant_u8)
-op_kv_dequant_fp8 = kv_dequant_op("triton_fp8", kv_dequant_fp8)
-op_kv_dequant_u8 = kv_dequant_op("triton_u8", kv_dequant_u8)
+op_kv_quant_fp8 = custom_op(OPS[0], "triton_fp8", kv_quant_fp8)
+op_kv_quant_u8 = custom_op(OPS[0], "triton_u8", kv_quant_u8)
+op_kv_dequant_fp8 = custom_op(OPS[1], "triton_fp8", kv_dequant_fp8)
+op_kv_dequant_u8 = custom_op(OPS[1], "triton_u8", kv_dequant_u8)
 
 
 # Types of each kernel's runtime arguments (uint8 pool; the native variant passes it as

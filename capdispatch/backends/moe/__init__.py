@@ -13,6 +13,7 @@ place, bytes per expert unchanged).
 """
 from ..base import (DECODE_SIZES, Backend, ComputeCapability, Feature, Library, Op, SizeArg, Platform, ShapeRange, TORCH,
                     TRITON, TritonTarget)
+from ..signature import Out
 from .weights import LAYOUTS, LayoutError, MoeWeights, packed_bytes_per_expert, prepare
 
 __all__ = ["OPS", "register", "MoeWeights", "prepare", "packed_bytes_per_expert", "LayoutError",
@@ -24,7 +25,9 @@ OPS = (
     Op("moe",
        "routed experts: packed MXFP4 weights + E8M0 scales (never widened), clamped SwiGLU, "
        "weighted top-k sum; expert id -1 = masked (not local under EP)",
-       "moe(x, weights, topk_weights, topk_ids, out=None) -> Tensor", reference="torch",
+       "moe(Tensor x, MoeWeights weights, Tensor topk_weights, Tensor topk_ids, Tensor(a!)? out=None) -> Tensor",
+       outputs=(Out(("x.0", "x.1"), "bfloat16"),), records={"MoeWeights": f"{_PKG}.weights:MoeWeights"},
+       reference="torch",
        size=SizeArg("tokens", 0, "x"),
        layouts={name: layout for name, (layout, _) in LAYOUTS.items()},
        canary=f"{_PKG}.canary:moe",

@@ -259,8 +259,9 @@ def moe_trtllm_w4a8(x, weights, topk_weights, topk_ids, out=None, *, checks=True
 
 
 # Custom ops (backends/torch_ops.py): what the registry binds.
-from .ops import moe_op  # noqa: E402
+from ..torch_ops import custom_op  # noqa: E402
+from . import OPS  # noqa: E402
 
-op_moe_cutlass_w4a8 = moe_op("flashinfer_cutlass_w4a8", moe_cutlass_w4a8)
-op_moe_trtllm_w4a8 = moe_op("flashinfer_trtllm_w4a8", moe_trtllm_w4a8)
-op_moe_cutlass_w4a16 = moe_op("flashinfer_cutlass_w4a16", moe_cutlass_w4a16)
+op_moe_cutlass_w4a8 = custom_op(OPS[0], "flashinfer_cutlass_w4a8", moe_cutlass_w4a8)
+op_moe_trtllm_w4a8 = custom_op(OPS[0], "flashinfer_trtllm_w4a8", moe_trtllm_w4a8)
+op_moe_cutlass_w4a16 = custom_op(OPS[0], "flashinfer_cutlass_w4a16", moe_cutlass_w4a16)

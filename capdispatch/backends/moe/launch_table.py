@@ -8,7 +8,7 @@ __all__ = ["Tiles", "tiles_for"]
 
 
 class Tiles(NamedTuple):
-    """Tile sizes, warps and pipeline stages of the two GEMM launches."""
+    """Tile sizes, warps, pipeline stages, split-K parts and weight prefetch of the two GEMM launches."""
     BM: int           # routes per block (one expert's rows)
     BN1: int          # GEMM1 N tile (over I; gate and up tiles both)
     BK1: int          # GEMM1 K tile (over H)
@@ -18,6 +18,9 @@ class Tiles(NamedTuple):
     BK2: int          # GEMM2 K tile (over I)
     W2: int
     S2: int
+    SK1: int = 1      # GEMM1 split-K parts (> 1: float32 partials, then a SwiGLU reduce launch)
+    SK2: int = 1      # GEMM2 split-K parts (> 1: float32 partials, summed by the combine)
+    PF: int = 0       # 1: both GEMMs load the next K tile's weight bytes before decoding this one
 
 
 def tiles_for(avg_rows: float, H: int, I: int, interpreted: bool) -> Tiles:

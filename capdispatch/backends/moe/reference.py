@@ -227,6 +227,7 @@ def random_routing(T, K, E, *, gen=None, device="cpu", mask_frac=0.0, scale=1.5,
 
 
 # Custom ops (backends/torch_ops.py): what the registry binds.
-from .ops import moe_op  # noqa: E402
+from ..torch_ops import custom_op  # noqa: E402
+from . import OPS  # noqa: E402
 
-op_moe = moe_op("torch", moe)
+op_moe = custom_op(OPS[0], "torch", moe)

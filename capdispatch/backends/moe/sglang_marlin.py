@@ -133,6 +133,7 @@ def moe_marlin(x, weights, topk_weights, topk_ids, out=None, *, checks=True):
 
 
 # Custom ops (backends/torch_ops.py): what the registry binds.
-from .ops import moe_op  # noqa: E402
+from ..torch_ops import custom_op  # noqa: E402
+from . import OPS  # noqa: E402
 
-op_moe_marlin = moe_op("marlin_w4a16", moe_marlin)
+op_moe_marlin = custom_op(OPS[0], "marlin_w4a16", moe_marlin)

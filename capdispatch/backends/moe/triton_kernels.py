@@ -39,7 +39,7 @@ from .launch_table import Tiles, tiles_for
 from .reference import check_moe_args
 from .weights import CHECKPOINT
 
-__all__ = ["moe_w4a16", "routing_tables", "ROUTING_MAX_ROUTES", "Tiles"]
+__all__ = ["moe_w4a16", "routing_tables", "ROUTING_MAX_ROUTES", "Tiles", "KERNEL_PARTS"]
 
 ROUTING_MAX_ROUTES = 2048      # one-program routing kernel up to this many routes (torch ops beyond)
 ROUTING_CHUNK = 128            # routes per scan step: [128, EP] int32 scratch, fits 99 KB cards
@@ -144,7 +144,14 @@ def _decode_halves(w_ptrs, s_ptrs, mask_n, BN: tl.constexpr, BK: tl.constexpr, F
     interpreter) decodes in float32 with Triton ops; the GPU path decodes to bf16 in PTX
     (_E2M1_ASM), the same values bit for bit."""
     wb = tl.load(w_ptrs, mask=mask_n[:, None], other=0)
-    sb = tl.load(s_ptrs, mask=mask_n[:, None], other=127).to(tl.int32)
+    sb = tl.load(s_ptrs, mask=mask_n[:, None], other=127)
+    return _decode_loaded(wb, sb, BN, BK, F32)
+
+
+@triton.jit
+def _decode_loaded(wb, sb, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
+    """_decode_halves of bytes already loaded: wb uint8 [BN, BK/2], sb uint8 [BN, BK/32]."""
+    sb = sb.to(tl.int32)
     if F32:
         w = tl.reshape(wb.to(tl.int32), (BN, BK // 32, 16))
         sc = _e8m0_to_f32(sb)[:, :, None]
@@ -184,6 +191,19 @@ def _dot_dequant(acc, a, w_ptrs, s_ptrs, mask_n, BN: tl.constexpr, BK: tl.conste
         acc = tl.dot(a_odd, tl.trans(hi), acc)
     else:
         acc = tl.dot(a, tl.trans(_dequant_tile(w_ptrs, s_ptrs, mask_n, BN, BK, F32)), acc)
+    return acc
+
+
+@triton.jit
+def _dot_loaded(acc, a, wb, sb, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
+    """_dot_dequant of weight bytes and scales already loaded (the prefetching loops)."""
+    lo, hi = _decode_loaded(wb, sb, BN, BK, F32)
+    if a.shape[0] < SPLIT_MAX_BM:
+        a_even, a_odd = tl.split(tl.reshape(a, (a.shape[0], BK // 2, 2)))
+        acc = tl.dot(a_even, tl.trans(lo), acc)
+        acc = tl.dot(a_odd, tl.trans(hi), acc)
+    else:
+        acc = tl.dot(a, tl.trans(tl.reshape(tl.join(lo, hi), (BN, BK))), acc)
     return acc
 
 
@@ -282,12 +302,22 @@ def routing_tables(topk_ids: torch.Tensor, E: int, BM: int, force_torch: bool = 
 # GEMMs
 # --------------------------------------------------------------------------- #
 @triton.jit
-def _gemm1_swiglu_kernel(x_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, blk_expert_ptr, blk_start_ptr, blk_end_ptr,
-                         H, I, stride_x, limit: tl.float32,
+def _gemm1_swiglu_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, sorted_ptr, blk_expert_ptr, blk_start_ptr,
+                         blk_end_ptr, H, I, R, stride_x, limit: tl.float32,
                          TOPK: tl.constexpr, HAS_LIMIT: tl.constexpr, F32: tl.constexpr,
-                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr = 1,
+                         PREFETCH: tl.constexpr = 0):
+    """SPLIT == 1: h = SwiGLU(x @ [gate; up]^T) stored bf16. SPLIT > 1: program (b, n, s)
+    sums the s-th of SPLIT equal K ranges and stores gate and up float32 partials at
+    part[s, position, 0:I] and [I:2I] (_swiglu_reduce_kernel finishes them).
+    PREFETCH: the next K tile's weight bytes and scales are loaded into registers before
+    this tile is decoded, so each warp keeps two tiles of loads in flight (the decoded
+    loads feed register arithmetic, which Triton's pipeliner does not stage)."""
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
+    # Each part is whole K tiles (the host checks): say so, or the loads lose their vector width.
+    KS = tl.multiple_of(H // SPLIT, BK) if SPLIT > 1 else H
+    k_lo = tl.multiple_of(tl.program_id(2) * KS, BK) if SPLIT > 1 else 0
     e = tl.load(blk_expert_ptr + pid_b)
     if e >= 0:
         start = tl.load(blk_start_ptr + pid_b)
@@ -308,28 +338,94 @@ def _gemm1_swiglu_kernel(x_ptr, w_ptr, s_ptr, h_ptr, sorted_ptr, blk_expert_ptr,
         kx = tl.arange(0, BK)
         acc_g = tl.zeros((BM, BN), dtype=tl.float32)
         acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, H, BK):
-            a = tl.load(x_ptr + tok[:, None] * stride_x + (k0 + kx)[None, :], mask=mask_m[:, None], other=0.0)
-            if F32:
-                a = a.to(tl.float32)
-            acc_g = _dot_dequant(acc_g, a, w_base + rows_g[:, None] * (H // 2) + (k0 // 2 + kb)[None, :],
-                                 s_base + rows_g[:, None] * (H // 32) + (k0 // 32 + ks)[None, :], mask_n, BN, BK, F32)
-            acc_u = _dot_dequant(acc_u, a, w_base + rows_u[:, None] * (H // 2) + (k0 // 2 + kb)[None, :],
-                                 s_base + rows_u[:, None] * (H // 32) + (k0 // 32 + ks)[None, :], mask_n, BN, BK, F32)
+        if PREFETCH:
+            wg_p = w_base + rows_g[:, None] * (H // 2) + kb[None, :]
+            wu_p = w_base + rows_u[:, None] * (H // 2) + kb[None, :]
+            sg_p = s_base + rows_g[:, None] * (H // 32) + ks[None, :]
+            su_p = s_base + rows_u[:, None] * (H // 32) + ks[None, :]
+            nwg = tl.load(wg_p + k_lo // 2, mask=mask_n[:, None], other=0)
+            nwu = tl.load(wu_p + k_lo // 2, mask=mask_n[:, None], other=0)
+            nsg = tl.load(sg_p + k_lo // 32, mask=mask_n[:, None], other=127)
+            nsu = tl.load(su_p + k_lo // 32, mask=mask_n[:, None], other=127)
+            for kk in range(0, KS, BK):
+                k0 = k_lo + kk
+                cwg, cwu, csg, csu = nwg, nwu, nsg, nsu
+                kn = k0 + BK
+                pm = (mask_n & (offs_n * 0 + kn < k_lo + KS))[:, None]     # the last tile prefetches nothing
+                nwg = tl.load(wg_p + kn // 2, mask=pm, other=0)
+                nwu = tl.load(wu_p + kn // 2, mask=pm, other=0)
+                nsg = tl.load(sg_p + kn // 32, mask=pm, other=127)
+                nsu = tl.load(su_p + kn // 32, mask=pm, other=127)
+                a = tl.load(x_ptr + tok[:, None] * stride_x + (k0 + kx)[None, :], mask=mask_m[:, None], other=0.0)
+                if F32:
+                    a = a.to(tl.float32)
+                acc_g = _dot_loaded(acc_g, a, cwg, csg, BN, BK, F32)
+                acc_u = _dot_loaded(acc_u, a, cwu, csu, BN, BK, F32)
+        else:
+            for kk in range(0, KS, BK):
+                k0 = k_lo + kk
+                a = tl.load(x_ptr + tok[:, None] * stride_x + (k0 + kx)[None, :], mask=mask_m[:, None], other=0.0)
+                if F32:
+                    a = a.to(tl.float32)
+                acc_g = _dot_dequant(acc_g, a, w_base + rows_g[:, None] * (H // 2) + (k0 // 2 + kb)[None, :],
+                                     s_base + rows_g[:, None] * (H // 32) + (k0 // 32 + ks)[None, :], mask_n, BN,
+                                     BK, F32)
+                acc_u = _dot_dequant(acc_u, a, w_base + rows_u[:, None] * (H // 2) + (k0 // 2 + kb)[None, :],
+                                     s_base + rows_u[:, None] * (H // 32) + (k0 // 32 + ks)[None, :], mask_n, BN,
+                                     BK, F32)
+        if SPLIT > 1:
+            prow = (tl.program_id(2) * R + offs_m).to(tl.int64)[:, None] * (2 * I)
+            pmask = mask_m[:, None] & mask_n[None, :]
+            tl.store(part_ptr + prow + offs_n[None, :], acc_g, mask=pmask)
+            tl.store(part_ptr + prow + I + offs_n[None, :], acc_u, mask=pmask)
+        else:
+            if HAS_LIMIT:
+                acc_g = tl.minimum(acc_g, limit)
+                acc_u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+            h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+            tl.store(h_ptr + offs_m.to(tl.int64)[:, None] * I + offs_n[None, :], _to_bf16(h, F32),
+                     mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _swiglu_reduce_kernel(part_ptr, h_ptr, ids_ptr, R, I, limit: tl.float32,
+                          SPLIT: tl.constexpr, HAS_LIMIT: tl.constexpr, F32: tl.constexpr,
+                          RP: tl.constexpr, BN: tl.constexpr):
+    """Split-K GEMM1's finish: at sorted position p (program 0), below the number of unmasked
+    routes (positions past it hold nothing and are never read), sum the SPLIT gate and up
+    partials in order, then the clamped SwiGLU, stored bf16 into h[p]."""
+    p = tl.program_id(0)
+    r = tl.arange(0, RP)
+    live = tl.sum((tl.load(ids_ptr + r, mask=r < R, other=-1) >= 0).to(tl.int32), axis=0)
+    if p < live:
+        offs = tl.program_id(1) * BN + tl.arange(0, BN)
+        mask = offs < I
+        g = tl.zeros((BN,), dtype=tl.float32)
+        u = tl.zeros((BN,), dtype=tl.float32)
+        for s in tl.static_range(SPLIT):
+            row = part_ptr + (s * R + p).to(tl.int64) * (2 * I)
+            g += tl.load(row + offs, mask=mask, other=0.0)
+            u += tl.load(row + I + offs, mask=mask, other=0.0)
         if HAS_LIMIT:
-            acc_g = tl.minimum(acc_g, limit)
-            acc_u = tl.minimum(tl.maximum(acc_u, -limit), limit)
-        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-        tl.store(h_ptr + offs_m.to(tl.int64)[:, None] * I + offs_n[None, :], _to_bf16(h, F32),
-                 mask=mask_m[:, None] & mask_n[None, :])
+            g = tl.minimum(g, limit)
+            u = tl.minimum(tl.maximum(u, -limit), limit)
+        h = g / (1.0 + tl.exp(-g)) * u
+        tl.store(h_ptr + p.to(tl.int64) * I + offs, _to_bf16(h, F32), mask=mask)
 
 
 @triton.jit
 def _gemm2_kernel(h_ptr, w_ptr, s_ptr, tw_ptr, routed_ptr, sorted_ptr, blk_expert_ptr, blk_start_ptr, blk_end_ptr,
-                  H, I, F32: tl.constexpr,
-                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                  H, I, R, F32: tl.constexpr,
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr = 1,
+                  PREFETCH: tl.constexpr = 0):
+    """routed[s, route] = top-k weight * (h @ w2^T) over the s-th of SPLIT equal K ranges
+    (SPLIT == 1: the whole of I, s = 0); the combine sums the SPLIT partials in order.
+    PREFETCH: as _gemm1_swiglu_kernel's."""
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
+    # Each part is whole K tiles (the host checks): say so, or the loads lose their vector width.
+    KS = tl.multiple_of(I // SPLIT, BK) if SPLIT > 1 else I
+    k_lo = tl.multiple_of(tl.program_id(2) * KS, BK) if SPLIT > 1 else 0
     e = tl.load(blk_expert_ptr + pid_b)
     if e >= 0:
         start = tl.load(blk_start_ptr + pid_b)
@@ -347,21 +443,43 @@ def _gemm2_kernel(h_ptr, w_ptr, s_ptr, tw_ptr, routed_ptr, sorted_ptr, blk_exper
         ks = tl.arange(0, BK // 32)
         kx = tl.arange(0, BK)
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, I, BK):
-            a = tl.load(h_ptr + offs_m.to(tl.int64)[:, None] * I + (k0 + kx)[None, :], mask=mask_m[:, None],
-                        other=0.0)
-            if F32:
-                a = a.to(tl.float32)
-            acc = _dot_dequant(acc, a, w_base + rows[:, None] * (I // 2) + (k0 // 2 + kb)[None, :],
-                               s_base + rows[:, None] * (I // 32) + (k0 // 32 + ks)[None, :], mask_n, BN, BK, F32)
+        if PREFETCH:
+            w_p = w_base + rows[:, None] * (I // 2) + kb[None, :]
+            s_p = s_base + rows[:, None] * (I // 32) + ks[None, :]
+            nw = tl.load(w_p + k_lo // 2, mask=mask_n[:, None], other=0)
+            ns = tl.load(s_p + k_lo // 32, mask=mask_n[:, None], other=127)
+            for kk in range(0, KS, BK):
+                k0 = k_lo + kk
+                cw, cs = nw, ns
+                kn = k0 + BK
+                pm = (mask_n & (offs_n * 0 + kn < k_lo + KS))[:, None]     # the last tile prefetches nothing
+                nw = tl.load(w_p + kn // 2, mask=pm, other=0)
+                ns = tl.load(s_p + kn // 32, mask=pm, other=127)
+                a = tl.load(h_ptr + offs_m.to(tl.int64)[:, None] * I + (k0 + kx)[None, :], mask=mask_m[:, None],
+                            other=0.0)
+                if F32:
+                    a = a.to(tl.float32)
+                acc = _dot_loaded(acc, a, cw, cs, BN, BK, F32)
+        else:
+            for kk in range(0, KS, BK):
+                k0 = k_lo + kk
+                a = tl.load(h_ptr + offs_m.to(tl.int64)[:, None] * I + (k0 + kx)[None, :], mask=mask_m[:, None],
+                            other=0.0)
+                if F32:
+                    a = a.to(tl.float32)
+                acc = _dot_dequant(acc, a, w_base + rows[:, None] * (I // 2) + (k0 // 2 + kb)[None, :],
+                                   s_base + rows[:, None] * (I // 32) + (k0 // 32 + ks)[None, :], mask_n, BN, BK,
+                                   F32)
         tw = tl.load(tw_ptr + route, mask=mask_m, other=0.0).to(tl.float32)
         acc = acc * tw[:, None]
+        if SPLIT > 1:
+            route += tl.program_id(2).to(tl.int64) * R
         tl.store(routed_ptr + route[:, None] * H + offs_n[None, :], acc, mask=mask_m[:, None] & mask_n[None, :])
 
 
 @triton.jit
-def _combine_kernel(routed_ptr, ids_ptr, out_ptr, H, stride_out, TOPK: tl.constexpr, BN: tl.constexpr,
-                    EXACT_RNE: tl.constexpr):
+def _combine_kernel(routed_ptr, ids_ptr, out_ptr, H, stride_out, R, TOPK: tl.constexpr, BN: tl.constexpr,
+                    EXACT_RNE: tl.constexpr, SPLIT: tl.constexpr = 1):
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BN + tl.arange(0, BN)
     mask = offs < H
@@ -369,8 +487,8 @@ def _combine_kernel(routed_ptr, ids_ptr, out_ptr, H, stride_out, TOPK: tl.conste
     for k in tl.static_range(TOPK):
         eid = tl.load(ids_ptr + t * TOPK + k)
         live = mask & ((offs * 0 + eid) >= 0)      # masked route: its row is never read
-        v = tl.load(routed_ptr + (t * TOPK + k) * H + offs, mask=live, other=0.0)
-        acc += v
+        for s in tl.static_range(SPLIT):
+            acc += tl.load(routed_ptr + (s * R + t * TOPK + k).to(tl.int64) * H + offs, mask=live, other=0.0)
     tl.store(out_ptr + t * stride_out + offs, _to_bf16(acc, EXACT_RNE), mask=mask)
 
 
@@ -379,20 +497,28 @@ def _combine_kernel(routed_ptr, ids_ptr, out_ptr, H, stride_out, TOPK: tl.conste
 # --------------------------------------------------------------------------- #
 INTERPRETED = interpreted(_combine_kernel)
 
+# Which part of the op each kernel is (benchmarks/bench_moe_breakdown.py groups a profile
+# by it; kernels not named here, the torch routing ops of large calls, are "routing").
+KERNEL_PARTS = {"_routing_kernel": "routing", "_gemm1_swiglu_kernel": "gemm1", "_swiglu_reduce_kernel": "activation",
+                "_gemm2_kernel": "gemm2", "_combine_kernel": "combine"}
+
 # Types of each kernel's runtime (non-constexpr) arguments, in order: what an offline
 # compile (triton.compile(ASTSource(...)) for a GPUTarget, no GPU) needs. Used by the
 # tests' compile checks and benchmarks/sass_moe_triton.py.
 COMPILE_SIGNATURES = {
-    "_gemm1_swiglu_kernel": {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "h_ptr": "*bf16",
+    "_gemm1_swiglu_kernel": {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "h_ptr": "*bf16", "part_ptr": "*fp32",
                              "sorted_ptr": "*i32", "blk_expert_ptr": "*i32", "blk_start_ptr": "*i32",
-                             "blk_end_ptr": "*i32", "H": "i32", "I": "i32", "stride_x": "i32", "limit": "fp32"},
+                             "blk_end_ptr": "*i32", "H": "i32", "I": "i32", "R": "i32", "stride_x": "i32",
+                             "limit": "fp32"},
+    "_swiglu_reduce_kernel": {"part_ptr": "*fp32", "h_ptr": "*bf16", "ids_ptr": "*i32", "R": "i32", "I": "i32",
+                              "limit": "fp32"},
     "_gemm2_kernel": {"h_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "tw_ptr": "*fp32", "routed_ptr": "*fp32",
                       "sorted_ptr": "*i32", "blk_expert_ptr": "*i32", "blk_start_ptr": "*i32",
-                      "blk_end_ptr": "*i32", "H": "i32", "I": "i32"},
+                      "blk_end_ptr": "*i32", "H": "i32", "I": "i32", "R": "i32"},
     "_routing_kernel": {"ids_ptr": "*i32", "sorted_ptr": "*i32", "blk_expert_ptr": "*i32", "blk_start_ptr": "*i32",
                         "blk_end_ptr": "*i32", "R": "i32", "E": "i32", "MAXB": "i32"},
     "_combine_kernel": {"routed_ptr": "*fp32", "ids_ptr": "*i32", "out_ptr": "*bf16", "H": "i32",
-                        "stride_out": "i32"},
+                        "stride_out": "i32", "R": "i32"},
 }
 
 
@@ -403,9 +529,9 @@ def _alloc(shape, dtype, device):
 
 class _Plan:
     """One shape class's launches on one device: the tiles, the routing table's size and
-    kind, every grid, constexpr and launch option of the four kernels."""
+    kind, every grid, constexpr and launch option of the kernels."""
     __slots__ = ("R", "MAXB", "route_grid", "route_tail", "torch_routing", "BM", "g1_grid", "g1_tail", "g1_opts",
-                 "g2_grid", "g2_tail", "g2_opts", "c_grid", "c_tail")
+                 "g2_grid", "g2_tail", "g2_opts", "c_grid", "c_tail", "SK1", "SK2", "a_grid", "a_tail")
 
     def __init__(self, T, K, E, H, I, has_limit, tiles, force_torch_routing):
         if H % 64 or I % 64:
@@ -413,20 +539,34 @@ class _Plan:
         R = self.R = T * K
         if tiles is None:
             tiles = tiles_for(R / max(1, min(E, R)), H, I, INTERPRETED)
-        BM, BN1, BK1, W1, S1, BN2, BK2, W2, S2 = tiles
+        BM, BN1, BK1, W1, S1, BN2, BK2, W2, S2 = tiles[:9]
         BK1 = BK1 if H % BK1 == 0 else 64           # K tiles never straddle the end of a row
         BK2 = BK2 if I % BK2 == 0 else 64
+        # Split-K needs whole K tiles in each part; a split that does not divide falls back
+        # to fewer parts (down to 1, the unsplit kernels).
+        SK1, SK2 = tiles.SK1, tiles.SK2
+        while SK1 > 1 and H % (SK1 * BK1):
+            SK1 //= 2
+        while SK2 > 1 and I % (SK2 * BK2):
+            SK2 //= 2
+        self.SK1, self.SK2 = SK1, SK2
         self.BM = BM
         MAXB = self.MAXB = max_blocks(R, E, BM)
         self.torch_routing = not (R <= ROUTING_MAX_ROUTES and E <= 128 and not force_torch_routing)
         self.route_grid = (1,)
         self.route_tail = (ROUTING_CHUNK, max(16, triton.next_power_of_2(E)), max(16, triton.next_power_of_2(MAXB)),
                            BM)
-        self.g1_grid, self.g2_grid = (MAXB, cdiv(I, BN1)), (MAXB, cdiv(H, BN2))
-        self.g1_tail, self.g1_opts = (K, has_limit, INTERPRETED, BM, BN1, BK1), dict(num_warps=W1, num_stages=S1)
-        self.g2_tail, self.g2_opts = (INTERPRETED, BM, BN2, BK2), dict(num_warps=W2, num_stages=S2)
+        self.g1_grid = (MAXB, cdiv(I, BN1)) + ((SK1,) if SK1 > 1 else ())
+        self.g2_grid = (MAXB, cdiv(H, BN2)) + ((SK2,) if SK2 > 1 else ())
+        PF = tiles.PF
+        self.g1_tail = (K, has_limit, INTERPRETED, BM, BN1, BK1, SK1, PF)
+        self.g2_tail = (INTERPRETED, BM, BN2, BK2, SK2, PF)
+        self.g1_opts, self.g2_opts = dict(num_warps=W1, num_stages=S1), dict(num_warps=W2, num_stages=S2)
+        BNA = min(1024, triton.next_power_of_2(I))
+        self.a_grid = (R, cdiv(I, BNA))
+        self.a_tail = (SK1, has_limit, INTERPRETED, max(16, triton.next_power_of_2(R)), BNA)
         BNC = 1024 if H >= 1024 else triton.next_power_of_2(H)
-        self.c_grid, self.c_tail = (T, cdiv(H, BNC)), (K, BNC, INTERPRETED)
+        self.c_grid, self.c_tail = (T, cdiv(H, BNC)), (K, BNC, INTERPRETED, SK2)
 
 
 # (device, tokens, top-k, experts, hidden, intermediate, has a clamp limit) -> its launch
@@ -480,19 +620,24 @@ def moe_w4a16(x, weights, topk_weights, topk_ids, out=None, *, checks: bool = Tr
             _limits.launch(_routing_kernel, plan.route_grid)(ids, sorted_routes, be, bs, bend, R, E, MAXB,
                                                              *plan.route_tail, num_warps=4)
         h = _alloc((R, I), torch.bfloat16, dev)           # rows of masked routes: never written/read
-        routed = _alloc((R, H), torch.float32, dev)
+        routed = _alloc((plan.SK2, R, H), torch.float32, dev)
+        lim = float(limit) if limit is not None else 0.0
+        part = _alloc((plan.SK1, R, 2 * I), torch.float32, dev) if plan.SK1 > 1 else h
         _limits.launch(_gemm1_swiglu_kernel, plan.g1_grid)(
-            x, weights.w13, weights.w13_scale, h, sorted_routes, be, bs, bend,
-            H, I, x.stride()[0], float(limit) if limit is not None else 0.0, *plan.g1_tail, **plan.g1_opts)
+            x, weights.w13, weights.w13_scale, h, part, sorted_routes, be, bs, bend,
+            H, I, R, x.stride()[0], lim, *plan.g1_tail, **plan.g1_opts)
+        if plan.SK1 > 1:
+            _limits.launch(_swiglu_reduce_kernel, plan.a_grid)(part, h, ids, R, I, lim, *plan.a_tail, num_warps=4)
         _limits.launch(_gemm2_kernel, plan.g2_grid)(
-            h, weights.w2, weights.w2_scale, tw, routed, sorted_routes, be, bs, bend, H, I, *plan.g2_tail,
+            h, weights.w2, weights.w2_scale, tw, routed, sorted_routes, be, bs, bend, H, I, R, *plan.g2_tail,
             **plan.g2_opts)
-        _limits.launch(_combine_kernel, plan.c_grid)(routed, ids, out, H, out.stride()[0], *plan.c_tail,
+        _limits.launch(_combine_kernel, plan.c_grid)(routed, ids, out, H, out.stride()[0], R, *plan.c_tail,
                                                      num_warps=4)
     return out
 
 
 # Custom ops (backends/torch_ops.py): what the registry binds.
-from .ops import moe_op  # noqa: E402
+from ..torch_ops import custom_op  # noqa: E402
+from . import OPS  # noqa: E402
 
-op_moe_w4a16 = moe_op("triton_w4a16", moe_w4a16)
+op_moe_w4a16 = custom_op(OPS[0], "triton_w4a16", moe_w4a16)

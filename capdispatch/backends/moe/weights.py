@@ -102,11 +102,19 @@ class MoeWeights:
         self.layout = CHECKPOINT
         self.aux = {}
 
+    # The record as a custom op's arguments (a schema has no records; backends/signature.py):
+    # PARTS is their schema, parts() their values, from_parts(*parts) the record again.
+    PARTS = ("Tensor w13, Tensor w13_scale, Tensor w2, Tensor w2_scale, int num_experts, int hidden, "
+             "int intermediate, float? swiglu_limit, str layout, str[] aux_keys, Tensor[] aux")
+
+    def parts(self) -> tuple:
+        return (self.w13, self.w13_scale, self.w2, self.w2_scale, self.num_experts, self.hidden,
+                self.intermediate, self.swiglu_limit, self.layout, list(self.aux), list(self.aux.values()))
+
     @classmethod
     def from_parts(cls, w13, w13_scale, w2, w2_scale, num_experts, hidden, intermediate, swiglu_limit,
                    layout, aux_keys, aux):
-        """The record again from its parts (no checks: the parts came from one). The moe
-        custom ops take the parts, since a custom op's schema has no records (moe/ops.py)."""
+        """The record again from its parts (no checks: the parts came from one). """
         w = cls.__new__(cls)
         w.w13, w.w13_scale, w.w2, w.w2_scale = w13, w13_scale, w2, w2_scale
         w.num_experts, w.hidden, w.intermediate = num_experts, hidden, intermediate

@@ -30,6 +30,8 @@ strides and call ``launch_planned``.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 
 import torch
 import triton
@@ -43,7 +45,8 @@ from ..triton_common.env import check_device as _check_device, interpreted, jit_
 
 __all__ = ["DIM", "INTERPRETED", "OUT_OF_RESOURCES", "check_device", "device_key", "device_configs",
            "LaunchPlan", "plan_launch", "launch_planned", "forget_plans", "num_sms", "plan_splits", "decode_splits",
-           "compile_signature", "COMPILE_SIGNATURES", "compile_offline", "compile_combine_offline"]
+           "compile_signature", "COMPILE_SIGNATURES", "compile_offline", "compile_combine_offline",
+           "tables_as", "table_key"]
 
 DIM = 512   # head dim of q and of the shared K/V latent (448 nope + 64 rope)
 
@@ -58,7 +61,7 @@ _token_bases = _v4_rows.token_bases
 _load_v4_rows = _v4_rows.load_rows
 
 from .launch_table import (COMBINE_BLOCK_D, COMBINE_BLOCK_H, COMBINE_WARPS, DECODE_MAX_TOKENS,  # noqa: E402
-                           INTERP_CONFIG, MAX_SPLITS, configs_for)
+                           INTERP_CONFIG, MAX_SPLITS, configs_for, table_configs)
 
 
 # --------------------------------------------------------------------------- #
@@ -307,14 +310,45 @@ def device_key(device: torch.device) -> tuple:
     return (device.type, device.index)
 
 
+# A candidate launch table forced on the lookups inside a ``tables_as`` block: (name,
+# {kind: configurations}) or None. A context variable: it ends with the block and never
+# reaches another thread's calls.
+_TABLE: contextvars.ContextVar = contextvars.ContextVar("capdispatch_attention_table", default=None)
+
+
+@contextlib.contextmanager
+def tables_as(name: str, table: dict, *, on_cpu: bool = False):
+    """Inside the block, every launch-table lookup of these kernels answers from TABLE
+    ({kind: configurations}, e.g. a ``launch_table.CANDIDATE_TABLES`` entry) under NAME,
+    whatever the device's capability; the ops' launch plans are keyed by NAME
+    (``table_key``), so a plan made inside never answers outside. With ON_CPU the
+    interpreter uses TABLE too (tests of the candidates' tiles), else its small tile."""
+    token = _TABLE.set((name, table, on_cpu))
+    try:
+        yield
+    finally:
+        _TABLE.reset(token)
+
+
+def table_key() -> tuple:
+    """What a cached launch plan must add to its key: () outside a ``tables_as`` block,
+    the forced table's name inside one."""
+    forced = _TABLE.get()
+    return () if forced is None else (("table", forced[0], forced[2]),)
+
+
 def device_configs(device: torch.device, kind: str, tokens: int | None = None) -> tuple:
     """The launch configurations to try on DEVICE for call KIND of TOKENS query tokens,
     best first: the interpreter's small tile on a CPU, else the launch table for the
-    device's compute capability, starting from the one that last fit this device."""
-    key = device_key(device) + (kind, tokens) + _limits.plan_key()
+    device's compute capability (a ``tables_as`` table inside such a block), starting
+    from the one that last fit this device."""
+    key = device_key(device) + (kind, tokens) + _limits.plan_key() + table_key()
     plan = _plans.get(key)
     if plan is None:
-        if device.type != "cuda":
+        forced = _TABLE.get()
+        if forced is not None and (device.type == "cuda" or forced[2]):
+            plan = table_configs(forced[1], kind, tokens)
+        elif device.type != "cuda":
             plan = (INTERP_CONFIG,)
         else:
             plan = configs_for(_limits.capability_for(_capability(device)), kind, tokens)
@@ -497,13 +531,15 @@ def plan_splits(programs: int, blocks: int, sms: int, max_splits: int = MAX_SPLI
 
 
 def decode_splits(device: torch.device, T: int, H: int, total_index_entries: int, block_h: int = 32,
-                  block_n: int = 32) -> int:
+                  block_n: int = 32, max_splits: int = MAX_SPLITS) -> int:
     """Split-K factor: >1 only for decode-sized calls (T <= DECODE_MAX_TOKENS) that would
-    otherwise leave the GPU idle (fewer than ~2 programs per SM); see plan_splits."""
+    otherwise leave the GPU idle (fewer than ~2 programs per SM); see plan_splits.
+    MAX_SPLITS caps it (a launch-table entry's ``max_splits``: fewer fp32 partials to write
+    and merge)."""
     if device.type != "cuda" or T > DECODE_MAX_TOKENS or T == 0:
         return 1
     programs = T * cdiv(H, block_h)
     sms = num_sms(device.index if device.index is not None else torch.cuda.current_device())
     if programs >= 2 * sms:
         return 1
-    return plan_splits(programs, cdiv(max(total_index_entries, 1), block_n), sms)
+    return plan_splits(programs, cdiv(max(total_index_entries, 1), block_n), sms, min(max_splits, MAX_SPLITS))

@@ -10,6 +10,7 @@ runs extends through the paged kernel instead, which is the ``decode_mla`` op's
 ``flashinfer_sparse_mla`` backend (its extend path takes no split-K scratch).
 """
 from ..base import AnyFeature, Backend, Library, Op, ShapeRange, SizeArg, TORCH, TRITON, TritonTarget
+from ..signature import Out
 
 _PKG = "capdispatch.backends.sparse_prefill"
 
@@ -17,12 +18,16 @@ OPS = (
     Op("sparse_prefill",
        "DeepSeek-V4 sparse attention prefill: bf16 q [s,h,512] over gathered top-k rows of bf16 kv "
        "[s_kv,1,512] (K = V), -1 / out-of-range / past-topk_length entries masked, optional attention "
-       "sink -> out, max_logits, lse (base 2 by default, FlashMLA legacy statistics)",
-       "sparse_prefill(q [s,h,512] bf16, kv [s_kv,1,512] bf16, indices [s,1,topk] int32, sm_scale, "
-       "d_v=512, attn_sink=None [h] fp32, topk_length=None [s] int32, *, use_legacy=True, out=None) "
-       "-> (out [s,h,512] bf16, max_logits [s,h] fp32, lse [s,h] fp32); use_legacy=True: base-2 "
+       "sink -> out, max_logits, lse (base 2 by default, FlashMLA legacy statistics). q [s,h,512] bf16, "
+       "kv [s_kv,1,512] bf16, indices [s,1,topk] int32, attn_sink [h] fp32, topk_length [s] int32 "
+       "-> out [s,h,d_v] bf16, max_logits [s,h] fp32, lse [s,h] fp32; use_legacy=True: base-2 "
        "statistics, a query with no valid index gives out 0, max_logits -inf, lse +inf; "
        "use_legacy=False: natural log, lse +inf for such a query",
+       "sparse_prefill(Tensor q, Tensor kv, Tensor indices, float sm_scale, int d_v=512, "
+       "Tensor? attn_sink=None, Tensor? topk_length=None, *, bool use_legacy=True, Tensor(a!)? out=None) "
+       "-> (Tensor, Tensor, Tensor)",
+       outputs=(Out(("q.0", "q.1", "d_v"), "bfloat16"), Out(("q.0", "q.1"), "float32"),
+                Out(("q.0", "q.1"), "float32")),
        reference="torch", size=SizeArg("tokens", 0, "q"), canary=f"{_PKG}.canary:sparse_prefill",
        case=f"{_PKG}.calibration:sparse_prefill_case", sizes=(256, 512, 1024, 2048, 4096, 8192, 16384),
        compile_jobs="capdispatch.backends.compile_matrix:attention_jobs",

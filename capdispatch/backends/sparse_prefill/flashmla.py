@@ -96,6 +96,7 @@ def flashmla_sparse(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_leng
 
 # Custom op (backends/torch_ops.py): what the registry binds. Defining it needs no
 # library, so its schema and fake implementation trace anywhere.
-from .ops import sparse_prefill_op  # noqa: E402
+from ..torch_ops import custom_op  # noqa: E402
+from . import OPS  # noqa: E402
 
-op_flashmla_sparse = sparse_prefill_op("flashmla_sparse", flashmla_sparse)
+op_flashmla_sparse = custom_op(OPS[0], "flashmla_sparse", flashmla_sparse)

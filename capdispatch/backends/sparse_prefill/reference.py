@@ -187,6 +187,7 @@ def sparse_prefill(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_lengt
 
 
 # Custom op (backends/torch_ops.py): what the registry binds.
-from .ops import sparse_prefill_op  # noqa: E402
+from ..torch_ops import custom_op  # noqa: E402
+from . import OPS  # noqa: E402
 
-op_sparse_prefill = sparse_prefill_op("torch", sparse_prefill)
+op_sparse_prefill = custom_op(OPS[0], "torch", sparse_prefill)

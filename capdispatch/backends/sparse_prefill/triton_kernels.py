@@ -52,7 +52,7 @@ def sparse_prefill(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_lengt
         xs = indices.stride()
     topk = indices.shape[-1]
     has_len, has_sink = topk_length is not None, attn_sink is not None
-    key = (dev, s if _PREFILL_BY_TOKENS else None, h, topk, has_len, has_sink, bool(use_legacy)) + _limits.plan_key()
+    key = (dev, s if _PREFILL_BY_TOKENS else None, h, topk, has_len, has_sink, bool(use_legacy)) + _limits.plan_key() + attn.table_key()
     plan = _plans.get(key)
     if plan is None:
         consts = (0, 1, 1, 1, 1, has_len, False, False, has_sink, 0 if use_legacy else 1)
@@ -85,6 +85,7 @@ def forget_plans() -> None:
 
 
 # Custom op (backends/torch_ops.py): what the registry binds.
-from .ops import sparse_prefill_op  # noqa: E402
+from ..torch_ops import custom_op  # noqa: E402
+from . import OPS  # noqa: E402
 
-op_sparse_prefill = sparse_prefill_op("triton", sparse_prefill)
+op_sparse_prefill = custom_op(OPS[0], "triton", sparse_prefill)

@@ -1,4 +1,4 @@
-"""@triton.jit access to the DeepSeek-V4 paged KV pool (layout: kv_cache/layout.py), shared
+"""@triton.jit access to the DeepSeek-V4 paged KV pool (layout: backends/v4_layout.py), shared
 by the KV dequant kernel and the paged attention kernels.
 
 A K row is handled as [8, 64]: the 7 nope tiles, then the rope tail as an 8th tile, so the
@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..kv_cache.layout import DATA_BYTES, DIM, DIM_NOPE, NUM_TILES, ROPE_BYTE_OFFSET, ROPE_ELEM_BYTES, \
+from ..v4_layout import DATA_BYTES, DIM, DIM_NOPE, NUM_TILES, ROPE_BYTE_OFFSET, ROPE_ELEM_BYTES, \
     SCALE_BYTES, TILE
 from .env import jit_module
 

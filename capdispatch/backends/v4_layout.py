@@ -1,4 +1,5 @@
-"""DeepSeek-V4 ("V4") paged KV-cache byte layout, byte-compatible with SGLang 0.5.23.
+"""DeepSeek-V4 ("V4") paged KV-cache byte layout, byte-compatible with SGLang 0.5.23: the data
+format kv_cache writes and reads, decode_mla and the shared Triton row loader read.
 
 Pure Python on purpose (no torch import) so that registries and tooling can read
 the constants without pulling in a tensor library.
@@ -19,7 +20,7 @@ at slot ``loc % P``.
 
 from __future__ import annotations
 
-from ...errors import ArgumentError, ArgumentTypeError
+from ..errors import ArgumentError, ArgumentTypeError
 
 DIM_NOPE = 448  # fp8-quantised part of a K row
 DIM_ROPE = 64  # raw bf16 part of a K row
@@ -61,17 +62,3 @@ def bytes_per_page(page_size: int) -> int:
     """Padded page length: P x 584 rounded up to a multiple of 576."""
     need = min_bytes_per_page(page_size)
     return -(-need // PAGE_ALIGN) * PAGE_ALIGN
-
-
-def token_data_offset(loc: int, page_size: int, page_bytes: int | None = None) -> int:
-    """Flat byte offset of token ``loc``'s 576 data bytes in a pool."""
-    page_bytes = bytes_per_page(page_size) if page_bytes is None else page_bytes
-    page, slot = divmod(loc, page_size)
-    return page * page_bytes + slot * DATA_BYTES
-
-
-def token_scale_offset(loc: int, page_size: int, page_bytes: int | None = None) -> int:
-    """Flat byte offset of token ``loc``'s 8 scale bytes in a pool."""
-    page_bytes = bytes_per_page(page_size) if page_bytes is None else page_bytes
-    page, slot = divmod(loc, page_size)
-    return page * page_bytes + scale_offset(page_size) + slot * SCALE_BYTES
