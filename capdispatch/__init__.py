@@ -62,6 +62,10 @@ _API = {
     # The cached canary verdict of a backend on a card (None: not verified with today's software).
     "cached_verdict": ("capdispatch.proof", "lookup"),
     "Verification": ("capdispatch.dispatch", "Verification"),
+    # The recorded `dispatch rehearse` verdict of a group's cards, software and decisions.
+    "rehearsal_verdict": ("capdispatch.proof.rehearsals", "verdict_for"),
+    "RehearsalVerdict": ("capdispatch.proof.rehearsals", "RehearsalVerdict"),
+    "RehearsalRequiredError": ("capdispatch.proof.rehearsals", "RehearsalRequiredError"),
     "lock": ("capdispatch.dispatch.lock", "freeze"),
     "load_lock": ("capdispatch.dispatch.lock", "load"),
     "compare_lock": ("capdispatch.dispatch.lock", "compare"),

@@ -358,24 +358,31 @@ def rank(inp, gpu_id: int, tp_rank: int, port=None, modes=()) -> None:
 
         from capdispatch.adapters.sglang import rank as hooks
         from capdispatch.dispatch.agreement import AgreementError
+        from capdispatch.proof.rehearsals import RehearsalRequiredError
         ps.init_distributed_environment(world_size=get_parallel().tp_size, rank=tp_rank,
                                         local_rank=tp_rank, backend="gloo", timeout=120,
                                         distributed_init_method=f"tcp://127.0.0.1:{port}")
         ps.initialize_model_parallel(backend="gloo")
         for policy in modes or ("-",):
-            if policy == "-":
+            # "require-rehearsal": no policy file, CAPDISPATCH_REQUIRE_REHEARSAL=1.
+            os.environ.pop("CAPDISPATCH_REQUIRE_REHEARSAL", None)
+            if policy in ("-", "require-rehearsal"):
                 os.environ.pop("CAPDISPATCH_POLICY", None)
             else:
                 os.environ["CAPDISPATCH_POLICY"] = policy
+            if policy == "require-rehearsal":
+                os.environ["CAPDISPATCH_REQUIRE_REHEARSAL"] = "1"
             logs = capture_logs()
             error = None
             try:
                 # The plugin's AFTER hook on init_parallel_runtime, once SGLang's TP group exists.
                 hooks.after_parallel_ready(None, server_args=sa, device="cpu", dist_port=port)
-            except AgreementError as exc:
+            except (AgreementError, RehearsalRequiredError) as exc:
                 error = str(exc)
             plan = hooks._RANKS[gpu_id].agreed
+            agreement = hooks._RANKS[gpu_id].agreement
             out["agreements"].append({
+                "rehearsal": None if agreement is None else agreement.get("rehearsal"),
                 "policy": policy, "error": error, "logs": logs, "state": _state(gpu_id),
                 "group": None if plan is None or error else {
                     op: {d: r.backend for d, r in g.per_device.items()} for op, g in plan.ops.items()}})

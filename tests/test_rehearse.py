@@ -50,6 +50,11 @@ def test_wrong_output_is_named_with_rank_and_op(monkeypatch):
     bad = r.ranks[1]
     assert bad.failed_op == "moe" and "differs from the reference" in bad.error
     assert r.cause.startswith("rank 1:") and "moe" in r.cause
+    # The failed verdict is recorded for these cards, software and decisions (proof/rehearsals.py).
+    import json
+    body = json.loads(Path(r.recorded).read_text())
+    assert body["verdict"]["ok"] is False and body["verdict"]["cause"] == r.cause
+    assert len(body["group"]["cards"]) == 2 and set(body["decisions"]) == {o.op for o in r.ranks[0].ops}
 
 
 def test_hang_is_bounded_and_named(monkeypatch):
@@ -133,3 +138,203 @@ def test_one_card_at_the_model_heads():
     r = _rehearse("cuda:0", libs=None, layers=2, prompt=8, steps=3, timeout=120)
     assert r.ok, r.cause
     assert r.dims["heads"] == 64 and all(o.substituted is None for o in r.ranks[0].ops)
+
+
+# --- emulated cards on a CUDA device: decisions, substitutions and the report (no GPU) -----------
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_a_card_kernel_the_device_lacks_runs_the_cards_next_preference(one_rank_group):
+    """An RTX 5090 emulated on an H200 (its facts simulated here): its SM120 kernels cannot run
+    there, so the rank runs the card's next runnable preference, marked; every kernel that ran
+    says what of the card's limits it does not take."""
+    import capdispatch as cd
+    from capdispatch.rehearse.rank import _bind_ops
+    spec = cd.probe("sim:rtx-5090").with_id("emu:rtx-5090@cuda:0")
+    plan = cd.agree(spec, group=None, libs="sglang-0.5.23",
+                    shapes=cd.load_model("deepseek-v4-flash").for_rank(1, 1, False))
+    bound = _bind_ops(0, plan, cd.probe("sim:h200"), True)
+    dm = bound["decode_mla"]
+    assert dm["decided"] == "flashinfer_sparse_mla" and dm["ran"] != dm["decided"]
+    assert "lacks sm120_block_scaled_mma" in dm["substituted"]
+    assert f"the card's next runnable preference {dm['ran']}" in dm["substituted"]
+    card = list(plan.ops["decode_mla"].per_device.values())[0]
+    names = [c.backend for c in card.candidates]
+    assert names.index(dm["ran"]) > names.index(dm["decided"])     # a later preference of the card's own
+    for e in bound.values():
+        assert (e["substituted"] is None) == (e["decided"] == e["ran"]) and e["not_emulated"]
+    assert _bind_ops(0, plan, cd.probe("sim:h200"), False)["moe"]["not_emulated"] is None
+
+
+def test_report_shows_the_emulated_facts_and_what_is_not_emulated():
+    from capdispatch.dispatch.rehearse_cmd import render
+    from capdispatch.rehearse.runner import OpRun, RankRun, Rehearsal
+    facts = dict(device="cuda:0", label="emu:rtx-3080@cuda:0", cc="8.6", sm_count=68,
+                 smem_optin_per_block=101376, memory=10 * 2 ** 30, fp8=False, card="rtx-3080",
+                 emulated=True, memory_cap=10 * 2 ** 30, note=None,
+                 launches=[dict(kernel="k", config={}, shared=73728, fits=True),
+                           dict(kernel="k", config={}, shared=120000, fits=False)])
+    ops = (OpRun("moe", "flashinfer_cutlass_w4a8", "triton_w4a16", "flashinfer_cutlass_w4a8 cannot run on "
+                 "cuda:0 (...): ran the card's next runnable preference triton_w4a16", 2, 0.01, True, "ok",
+                 "compiled for the real card"),)
+    r = Rehearsal("m", 1, 1, "gloo", dict(layers=1, hidden=256, vocab=512, heads=64, experts=8, experts_total=8,
+                                          topk=6, intermediate=64), 1,
+                  (RankRun(0, "emu:rtx-3080@cuda:0", "sim:rtx-3080", "cuda:0", True, None, ops, 0.0, facts=facts),),
+                  True, 3e-2, None, 1.0)
+    text = render(r)
+    assert ("as rtx-3080 on cuda:0: launch tables of cc 8.6, 99 KB smem, 68 SMs, no fp8 (uint8 decode), "
+            "memory capped at 10 GiB; 2 Triton kernel configurations checked against its shared memory "
+            "(largest admitted 72 KB), 1 over it moved to a smaller tile") in text
+    assert "moe (rank 0): flashinfer_cutlass_w4a8 cannot run on cuda:0" in text
+    assert "not emulated" in text and "triton_w4a16 (rank 0): compiled for the real card" in text
+    assert r.to_dict()["ranks"][0]["facts"]["sm_count"] == 68
+
+
+# --- CUDA graphs: the plan on CPU; capture and replay on a card (gpu) ----------------------------
+
+def test_graph_plan_follows_the_served_form():
+    from capdispatch.backends import builtin
+    from capdispatch.rehearse.graphs import graph_plan
+    ops = builtin().ops
+    cpu = graph_plan("cpu", True, None, 1, 1)
+    assert not cpu.on and "runs on the CPU" in cpu.why and not cpu.in_graph(ops["decode_mla"], 1, True)
+    assert "--no-graphs" in graph_plan("cuda:0", False, 10 * 2 ** 30, 3, 1).why
+    gib10 = graph_plan("cuda:0", True, 10 * 2 ** 30, 3, 2)        # an RTX 3080 at tp 3: bound 8 x next_n 2
+    assert gib10.on and gib10.capture_tokens == 16 and "capture bound 8" in gib10.why
+    assert gib10.in_graph(ops["decode_mla"], 16, True) and not gib10.in_graph(ops["decode_mla"], 17, True)
+    assert not gib10.in_graph(ops["decode_mla"], 1, False)          # prefill: eager
+    assert not gib10.in_graph(ops["sparse_prefill"], 1, True)       # a prefill-served op: eager
+    assert graph_plan("cuda:0", True, 141 * 2 ** 30, 1, 1).capture_tokens == 256
+
+
+def test_cpu_ranks_say_they_ran_eagerly():
+    from capdispatch.dispatch.rehearse_cmd import render
+    from capdispatch.rehearse.runner import OpRun, RankRun, Rehearsal
+    ops = (OpRun("moe", "torch", "torch", None, 2, 0.01, True, "ok"),)
+    r = Rehearsal("m", 2, 1, "gloo", dict(layers=1, hidden=256, vocab=512, heads=32, experts=8, experts_total=8,
+                                          topk=6, intermediate=64), 1,
+                  tuple(RankRun(i, "cpu", "cpu", "cpu", True, None, ops, 0.0,
+                                graphs="off: the rank runs on the CPU (no CUDA graphs), every call eager")
+                        for i in range(2)), True, 3e-2, None, 1.0)
+    assert "CUDA graphs: none on the CPU (ranks 0, 1): every call eager" in render(r)
+    assert "graphed" not in render(r)
+
+
+@pytest.mark.gpu
+def test_decode_steps_replay_from_cuda_graphs_on_a_card():
+    """cuda:0 alone and an emulated RTX 3080 on it: the decode steps' decode-served calls are
+    captured once per layer and shape and replayed (each replay checked against the reference),
+    prefill calls eager; --no-graphs runs them all eagerly."""
+    for devs in ("cuda:0", "emu:rtx-3080@cuda:0"):
+        r = _rehearse(devs, libs=None if devs == "cuda:0" else "sglang-0.5.23", layers=2, prompt=8, steps=3,
+                      timeout=120)
+        assert r.ok, r.cause
+        k = r.ranks[0]
+        assert "replayed from CUDA graphs" in k.graphs
+        by = {o.op: o for o in k.ops}
+        for op in ("decode_mla", "indexer", "moe", "kv_quant"):
+            assert by[op].ok and by[op].graphed == 2 * 3, by[op]          # 2 layers x 3 decode steps
+            assert 1 <= by[op].captures <= by[op].graphed
+        assert by["decode_mla"].captures == 2            # one shape per layer: replayed with new inputs
+        assert by["sparse_prefill"].graphed == 0 and by["kv_dequant"].graphed == 0
+    eager = _rehearse("cuda:0", libs=None, graphs=False, **SMALL)
+    assert eager.ok and all(o.graphed == 0 for o in eager.ranks[0].ops) and "--no-graphs" in eager.ranks[0].graphs
+
+
+@pytest.mark.gpu
+def test_an_emulated_card_launches_under_its_limits_on_a_card():
+    """An RTX 3080 emulated on cuda:0: the rank's facts are the card's, its Triton launches are
+    admitted under 99 KB, the indexer runs the uint8 codec (no fp8 on the card), and each kernel
+    that ran says what is not emulated."""
+    r = _rehearse("emu:rtx-3080@cuda:0", layers=1, prompt=8, steps=2, timeout=120)
+    assert r.ok, r.cause
+    k = r.ranks[0]
+    f = k.facts
+    assert (f["card"], f["sm_count"], f["smem_optin_per_block"], f["fp8"]) == ("rtx-3080", 68, 101376, False)
+    assert f["memory_cap"] == 10 * 2 ** 30
+    admitted = [x for x in f["launches"] if x["fits"]]
+    assert admitted and all(x["shared"] is None or x["shared"] <= 101376 for x in admitted)
+    by = {o.op: o for o in k.ops}
+    assert by["indexer"].ran == "triton" and by["indexer"].ok      # the 3080's choice: uint8 decode
+    assert all(o.not_emulated for o in k.ops)
+
+
+def test_dp_attention_layout_matches_reference():
+    """SGLang's DP attention at tp 2, ep 2: each rank its own sequence with the whole attention
+    (64 heads), the MoE over both ranks' rows gathered, each rank against its own sequence."""
+    r = _rehearse("cpu,cpu", dp_attention=True, ep=2, timeout=90, **SMALL)
+    assert r.ok, r.cause
+    assert r.dp_attention and r.dims["heads"] == 64 and r.dims["dp"] == 2 and r.dims["experts"] == 4
+    for k in r.ranks:
+        assert k.max_rel_err is not None and k.max_rel_err <= runner.LOGITS_REL_TOL
+        assert all(o.ok and o.calls > 0 for o in k.ops)
+    assert main(["rehearse", "--device", "cpu,cpu", "--model", "deepseek-v4-flash", "--dp-attention",
+                 "--ep", "3"]) == 2
+
+
+class _FakeCuda:
+    """CudaGraphs' stand-in on the CPU: 'capture' runs FN once to allocate its outputs and
+    keeps FN and the static inputs; 'replay' runs FN on them and writes into those outputs,
+    as a replayed graph writes into the memory it captured."""
+
+    def __init__(self):
+        self.captured = 0
+
+    def capture(self, fn, static):
+        self.captured += 1
+        out = fn(*[a.clone() if hasattr(a, "clone") else a for a in static])   # not into STATIC
+        return (fn, static, out), out
+
+    def replay(self, graph):
+        fn, static, out = graph
+        got = fn(*static)
+        for o, g in zip(out if isinstance(out, tuple) else (out,), got if isinstance(got, tuple) else (got,)):
+            if o is not None:
+                o.copy_(g)
+
+    def synchronize(self):
+        pass
+
+
+def test_graphs_capture_once_per_shape_and_replay_each_steps_inputs():
+    import torch
+
+    from capdispatch.rehearse.graphs import GraphCaptureError, Graphs
+
+    def quant(k, pool, loc, page):        # writes into its input, as kv_quant does
+        pool[loc] = k.sum(-1)
+
+    def attn(q, lengths):
+        return q * 2, lengths + 1
+
+    fake = _FakeCuda()
+    g = Graphs("cuda:0", cuda=fake)
+    pool = torch.zeros(8)
+    for step in range(3):
+        k, loc = torch.full((1, 4), float(step + 1)), torch.tensor([step])
+        e = g.call("kv_quant", 0, quant, (k, pool, loc, 64))
+        spent = []
+        assert g.replay(e, (k, pool, loc, 64), spent) is None and len(spent) == 1
+        q = torch.randn(1, 3)
+        e = g.call("decode_mla", 0, attn, (q, torch.tensor([step])))
+        out, lens = g.replay(e, (q, torch.tensor([step])), [])
+        assert torch.equal(out, q * 2) and int(lens) == step + 1          # this step's inputs
+        kept = out.clone()
+        g.replay(e, (q + 1, torch.tensor([0])), [])
+        assert torch.equal(out, kept)                                      # outputs are copies
+    assert pool[:3].tolist() == [4.0, 8.0, 12.0]                           # written back each step
+    assert g.captures == {"kv_quant": 1, "decode_mla": 1} and g.replays == {"kv_quant": 3, "decode_mla": 3}
+    g.call("decode_mla", 1, attn, (torch.randn(2, 3), torch.tensor([0, 1])))   # another layer, shape
+    assert g.captures["decode_mla"] == 2 and fake.captured == 3
+
+    def sync_in_kernel(x):
+        raise RuntimeError("operation not permitted when stream is capturing")
+    with pytest.raises(GraphCaptureError, match=r"indexer \(layer 0\) failed under CUDA-graph capture: "
+                                                r"RuntimeError: operation not permitted"):
+        g.call("indexer", 0, sync_in_kernel, (torch.zeros(1),))

@@ -220,7 +220,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-MODES = ("-", os.path.join(POL, "error.yaml"), os.path.join(POL, "uniform.yaml"))
+MODES = ("-", os.path.join(POL, "error.yaml"), os.path.join(POL, "uniform.yaml"), "require-rehearsal")
 
 
 @pytest.fixture(scope="module")
@@ -470,3 +470,17 @@ def test_user_indexer_switch_keeps_sglangs_choice_and_says_it_cannot_run(launche
                                                       "SGLang's own indexer choice kept")
     assert st["env"]["SGLANG_FP8_PAGED_MQA_LOGITS_TORCH"] is None
     assert any(lv == "WARNING" and m.startswith("capdispatch: indexer on cuda:1: the user set") for lv, m in r["logs"])
+
+
+def test_ranks_record_the_rehearsal_and_a_launch_can_require_it(ranks):
+    """Each rank's report carries the rehearsal entry after agreement; with
+    CAPDISPATCH_REQUIRE_REHEARSAL=1 a group without a passed rehearsal (here a simulated rig,
+    which has no card to rehearse) stops on every rank, naming the setting and the command."""
+    first = [r["agreements"][0]["rehearsal"] for r in ranks]
+    assert first == [{"required": False, "found": False, "verdict": None}] * 3
+    req = [r["agreements"][3] for r in ranks]
+    assert len({a["error"] for a in req}) == 1
+    err = req[0]["error"]
+    assert err.startswith("CAPDISPATCH_REQUIRE_REHEARSAL=1: the group's cards are simulated")
+    assert "`dispatch rehearse --device cuda:0,cuda:1,cuda:2 --model" in err and "--tp 3`" in err
+    assert all(a["rehearsal"]["required"] and a["rehearsal"]["refused"] for a in req)

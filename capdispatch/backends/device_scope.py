@@ -14,10 +14,9 @@ import contextlib
 
 import torch
 
+from .device_facts import facts as _facts
+
 __all__ = ["capability", "cdiv", "on_device", "on_device_of"]
-
-_capabilities: dict = {}   # CUDA device index -> compute capability, read once per card
-
 
 _NO_SCOPE = contextlib.nullcontext()
 
@@ -51,9 +50,6 @@ def cdiv(a: int, b: int) -> int:
 
 
 def capability(device: torch.device) -> tuple:
-    """DEVICE's compute capability, read once per card (never another card's)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    cc = _capabilities.get(index)
-    if cc is None:
-        cc = _capabilities[index] = torch.cuda.get_device_capability(index)
-    return cc
+    """The compute capability launches on DEVICE are planned for: the card's own, or the
+    emulated card's (device_facts); never another device's."""
+    return _facts(device).cc

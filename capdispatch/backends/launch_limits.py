@@ -16,10 +16,16 @@ a context variable: it ends with the block and never reaches another thread's ca
 With ``check=False`` the capability is forced but launches are not compiled first
 (timing loops after a checked call: no extra host work per launch).
 
-What it does not model: the card's own SM count (split planning uses this GPU's), its
-occupancy (two programs may share an SM here that cannot there) and its compiler
-target (the kernel is compiled for this GPU; the offline compile matrix covers the
-card's own compile).
+An emulated card (``device_facts.emulate``) is the same check made process-wide for one
+device index: every launch on that device, from any thread, answers the card's launch
+tables and is admitted under the card's shared memory per block (each kernel and
+configuration compiled and checked once, then launched directly). A ``tiles_as`` block
+inside it still forces its own target.
+
+What it does not model: the card's occupancy (two programs may share an SM here that
+cannot there) and its compiler target (the kernel is compiled for this GPU; the offline
+compile matrix covers the card's own compile). Split counts read the SM count from
+``device_facts``, the card's own where one is emulated.
 """
 from __future__ import annotations
 
@@ -30,7 +36,7 @@ from typing import Optional
 import attrs
 
 __all__ = ["TileTarget", "Launch", "TileScope", "tiles_as", "active", "capability_for", "plan_key",
-           "launch", "card_target"]
+           "launch", "card_target", "set_device_targets", "device_scope"]
 
 
 @attrs.frozen
@@ -60,6 +66,10 @@ class TileScope:
     target: TileTarget
     check: bool = True
     launches: list = attrs.Factory(list)
+    # A process-wide scope (an emulated card) records each kernel and configuration once
+    # and admits it once: ``admitted`` holds those that fit.
+    once: bool = False
+    admitted: set = attrs.Factory(set)
 
     def admit(self, kernel: str, config: dict, compiled) -> Launch:
         """Record COMPILED (a Triton CompiledKernel, or None under the interpreter) and
@@ -67,13 +77,32 @@ class TileScope:
         shared, regs, spills = compiled_facts(compiled)
         fits = shared is None or shared <= self.target.shared_bytes
         rec = Launch(kernel=kernel, config=dict(config), shared=shared, registers=regs, spills=spills, fits=fits)
-        self.launches.append(rec)
+        if not self.once or not any(r.kernel == kernel and r.config == rec.config for r in self.launches):
+            self.launches.append(rec)
         if not fits:
             raise _out_of_resources(shared, self.target.shared_bytes)
         return rec
 
 
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("capdispatch_tile_scope", default=None)
+_DEVICE: dict = {}        # CUDA device index -> the process-wide TileScope of the card emulated there
+_DEVICE_KEY: tuple = ()   # what every plan key adds while a card is emulated (see plan_key)
+
+
+def set_device_targets(emulated: dict) -> None:
+    """Install process-wide scopes: EMULATED maps a CUDA device index to the DeviceFacts of
+    the card emulated on it (device_facts.emulate calls this; {} removes them)."""
+    global _DEVICE_KEY
+    _DEVICE.clear()
+    for index, f in emulated.items():
+        _DEVICE[index] = TileScope(target=TileTarget(capability=tuple(f.cc), shared_bytes=int(f.smem_optin_per_block),
+                                                     label=f.label), once=True)
+    _DEVICE_KEY = tuple(sorted((i, s.target.capability, s.target.shared_bytes) for i, s in _DEVICE.items()))
+
+
+def device_scope(index: int) -> Optional[TileScope]:
+    """The process-wide TileScope of the card emulated on device INDEX, or None."""
+    return _DEVICE.get(index)
 
 
 @contextlib.contextmanager
@@ -106,7 +135,7 @@ def plan_key() -> tuple:
     """What a cached launch plan must add to its key: () outside a block, the target's
     (capability, shared bytes) inside one (a plan never answers for another target)."""
     scope = _ACTIVE.get()
-    return () if scope is None else (scope.target.capability, scope.target.shared_bytes)
+    return _DEVICE_KEY if scope is None else (scope.target.capability, scope.target.shared_bytes) + _DEVICE_KEY
 
 
 def launch(fn, grid):
@@ -114,12 +143,39 @@ def launch(fn, grid):
     compiles first (``fn.warmup``), admits the compiled kernel (see TileScope.admit) and
     then launches."""
     scope = _ACTIVE.get()
+    if scope is None and _DEVICE:
+        scope = _current_device_scope()
     if scope is None or not scope.check:
         return fn[grid]
+    if scope.once:
+        return _admitted_once(scope, fn, grid)
 
     def checked(*args, **kwargs):
         compiled = None if _interpreted(fn) else fn.warmup(*args, grid=grid, **kwargs)
         scope.admit(_name(fn), _config(fn, args, kwargs), compiled)
+        return fn[grid](*args, **kwargs)
+    return checked
+
+
+def _current_device_scope():
+    """The emulated card's scope of the current CUDA device (launches run inside
+    device_scope.on_device, so the current device is the tensors')."""
+    return _DEVICE.get(_current_device())
+
+
+def _current_device() -> int:
+    import torch
+    return torch._C._cuda_getDevice()
+
+
+def _admitted_once(scope, fn, grid):
+    def checked(*args, **kwargs):
+        config = _config(fn, args, kwargs)
+        key = (_name(fn), repr(sorted(config.items())))
+        if key not in scope.admitted:
+            compiled = None if _interpreted(fn) else fn.warmup(*args, grid=grid, **kwargs)
+            scope.admit(key[0], config, compiled)       # raises when it does not fit
+            scope.admitted.add(key)
         return fn[grid](*args, **kwargs)
     return checked
 

@@ -26,6 +26,8 @@ VARIABLES = {
     "CAPDISPATCH_IMPORT_TIMEOUT": "seconds a library's import may take on a real device (default 60), "
                                   "and a plugin's import and register() (default 20)",
     "CAPDISPATCH_DEBUG": "1: an internal error shows its traceback",
+    "CAPDISPATCH_REQUIRE_REHEARSAL": "1: an SGLang launch needs a passed `dispatch rehearse` verdict for its "
+                                     "cards, software and decisions",
     "CAPDISPATCH_REHEARSE_FAULT": "RANK:OP:KIND: a fault planted on one rank of `dispatch rehearse` "
                                   "(for testing the rehearsal itself)",
     "CUDA_VISIBLE_DEVICES": "which GPUs cuda:N numbers, and in what order",

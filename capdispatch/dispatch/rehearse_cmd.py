@@ -14,8 +14,11 @@ examples:
   dispatch rehearse --device cuda:0,cuda:1 --model deepseek-v4-flash --layers 4 --format json
 
 devices: cpu, cuda:N, or emu:NAME@DEV: decide as the catalog card NAME, run on DEV (cpu or
-cuda:N); a kernel the card chose that cannot run on DEV is replaced by DEV's own choice and
-marked. One device with --tp N stands for N ranks on it.
+cuda:N; on cuda:N under the card's launch tables, shared memory, SM count, fp8 support and
+memory); a kernel the card chose that cannot run on DEV is replaced by the card's next
+runnable preference and marked. One device with --tp N stands for N ranks on it.
+The verdict is recorded for SGLang launches on the same cards, software and decisions
+(CAPDISPATCH_REQUIRE_REHEARSAL=1 there requires a passed one).
 exit codes: 0 every rank matched the reference; 2 bad input; 3 a rank failed, hung or differed.
 """
 
@@ -35,6 +38,8 @@ def add_parser(sub):
     add(p, "model", required=True)
     add(p, "tp", default=None, unset="one rank per device")
     add(p, "ep")
+    add(p, "dp_attention", help="each rank serves its own sequence with the whole attention; the MoE runs "
+        "over every rank's rows, gathered")
     p.add_argument("--layers", type=int, default=2, metavar="N", help="layers of the small model (default 2)")
     p.add_argument("--hidden", type=int, default=256, metavar="N", help="its hidden size (default 256)")
     p.add_argument("--vocab", type=int, default=512, metavar="N", help="its vocabulary (default 512)")
@@ -52,6 +57,9 @@ def add_parser(sub):
                    help="seconds a rank may take to start: imports, device, joining (default 120)")
     add(p, "libs", help="what the ranks decide for (kernels run with this machine's libraries; a "
         "chosen kernel missing here is a marked substitution)", unset="")
+    p.add_argument("--no-graphs", dest="graphs", action="store_false",
+                   help="run every call eagerly on CUDA ranks (default: decode steps' calls replayed from "
+                        "CUDA graphs within SGLang's capture bound, as served)")
     add(p, "format")
     return p
 
@@ -67,7 +75,8 @@ def run(args) -> int:
     r = runner.rehearse(devs, args.model, tp=args.tp, ep=args.ep, layers=args.layers, hidden=args.hidden,
                         vocab=args.vocab, experts=args.experts, intermediate=args.intermediate,
                         prompt=args.prompt, steps=args.steps, seed=args.seed, timeout=args.timeout,
-                        libs=args.libs, start_timeout=args.start_timeout)
+                        libs=args.libs, start_timeout=args.start_timeout, graphs=args.graphs,
+                        dp_attention=args.dp_attention)
     if args.format == "json":
         print(json.dumps(r.to_dict(), indent=2))
     else:
@@ -77,23 +86,31 @@ def run(args) -> int:
 
 def render(r) -> str:
     d = r.dims
-    lines = [f"rehearsal of {r.model}: tp {r.tp}, ep {r.ep}, {r.backend}; small model: {d['layers']} layers, "
+    dp = ", dp-attention" if r.dp_attention else ""
+    lines = [f"rehearsal of {r.model}: tp {r.tp}, ep {r.ep}{dp}, {r.backend}; small model: {d['layers']} layers, "
              f"hidden {d['hidden']}, vocab {d['vocab']}, {d['heads']} heads/rank x 512, "
              f"{d['experts']}/{d['experts_total']} experts/rank (topk {d['topk']}, intermediate "
              f"{d['intermediate']}/rank); prefill + {r.steps} decode steps; {r.wall_s:.1f} s", ""]
-    subs = []
+    subs, notes = [], {}
     for k in r.ranks:
         err = "-" if k.max_rel_err is None else f"{k.max_rel_err:.1e}"
         lines.append(f"rank {k.rank}  {k.device}  ({'ok' if k.ok else 'FAILED'}; logits rel err {err})")
+        if k.facts.get("emulated"):
+            lines.append("  " + facts_line(k.facts))
+        if k.graphs and k.run != "cpu":
+            lines.append(f"  graphs: {k.graphs}")
         for o in k.ops:
             mark = "*" if o.substituted else " "
             check = "-" if o.ok is None else ("ok" if o.ok else "DIFFERS")
-            lines.append(f"  {o.op:<15} {o.decided:<24}{mark} ran {str(o.ran):<14} {o.calls:>3} calls "
+            graphed = f" ({o.graphed} graphed)" if o.graphed else ""
+            lines.append(f"  {o.op:<15} {o.decided:<24}{mark} ran {str(o.ran):<14} {o.calls:>3} calls{graphed} "
                          f"{o.time_s * 1e3:>8.1f} ms  {check}")
             if o.substituted:
                 subs.append((o.op, o.substituted, k.rank))
             if o.ok is False:
                 lines.append(f"    {o.detail}")
+            if o.not_emulated:
+                notes.setdefault((o.ran, o.not_emulated), []).append(str(k.rank))
         if k.error:
             lines.append(f"  error: {k.error}")
     lines.append("")
@@ -105,11 +122,40 @@ def render(r) -> str:
         for (op, why), ranks in seen.items():
             lines.append(f"  {op} (rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)}): {why}")
         lines.append("")
+    if notes:
+        lines.append("not emulated (the emulated cards' limits a kernel that ran does not take):")
+        for (ran, what), ranks in notes.items():
+            lines.append(f"  {ran} (rank{'s' if len(ranks) > 1 else ''} {', '.join(dict.fromkeys(ranks))}): {what}")
+        lines.append("")
+    cpu = [str(k.rank) for k in r.ranks if k.run == "cpu"]
+    if cpu:
+        lines.append(f"CUDA graphs: none on the CPU (rank{'s' if len(cpu) > 1 else ''} {', '.join(cpu)}): "
+                     f"every call eager")
     if r.reference:
         lines.append(f"no comparison: {r.reference}")
+    if r.recorded:
+        lines.append(f"verdict recorded for these cards, software and decisions: {r.recorded}")
     if r.cause:
         lines.append(f"first failure: {r.cause}")
     verdict = "PASSED" if r.ok else "FAILED"
     lines.append(f"{verdict}: each call checked against its op's reference on the same inputs; the group's "
                  f"logits against a single-process reference (relative error <= {r.tolerance:.0e} per step)")
     return "\n".join(lines)
+
+
+def facts_line(f: dict) -> str:
+    """One line: the emulated card's facts the rank's kernels launched by."""
+    if f.get("note"):
+        return f"as {f['card']}: {f['note']}"
+    smem = f"{f['smem_optin_per_block'] // 1024} KB smem" if f.get("smem_optin_per_block") else "smem ?"
+    mem = f"memory capped at {f['memory_cap'] / 2 ** 30:.0f} GiB" if f.get("memory_cap") else "memory not capped"
+    text = (f"as {f['card']} on {f['device']}: launch tables of cc {f['cc']}, {smem}, {f['sm_count']} SMs, "
+            f"{'fp8' if f['fp8'] else 'no fp8 (uint8 decode)'}, {mem}")
+    launches = f.get("launches")
+    if launches:
+        fit = [x["shared"] for x in launches if x["fits"] and x["shared"] is not None]
+        over = sum(1 for x in launches if not x["fits"])
+        text += (f"; {len(launches)} Triton kernel configurations checked against its shared memory"
+                 + (f" (largest admitted {max(fit) / 1024:.0f} KB)" if fit else "")
+                 + (f", {over} over it moved to a smaller tile" if over else ""))
+    return text

@@ -2,10 +2,10 @@
 
 `cpu` and `cuda:N` decide from and run on that device. `emu:NAME@DEV` decides from the
 catalog card NAME's facts (as `sim:NAME`) and runs on the real device DEV (cpu or cuda:N):
-the decisions are the card's, the kernels run where DEV is. A kernel the card chose that
-cannot run on DEV is replaced by DEV's own choice for that op, and the report marks the
-substitution; DEV's launch tables, shared-memory limit, SM count and fp8 support are
-DEV's own (not emulated)."""
+the decisions are the card's, the kernels run where DEV is, under the card's limits on a
+CUDA device (emulation.py). A kernel the card chose that cannot run on DEV is replaced by
+the card's next runnable preference (else DEV's own choice) for that op, and the report
+marks the substitution."""
 from __future__ import annotations
 
 import attrs

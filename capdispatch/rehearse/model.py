@@ -6,7 +6,9 @@ through kv_dequant into sparse_prefill over a causal window; each decode step ru
 indexer over the fp8 index-key pages and decode_mla over the pool); the output projection
 and a TP all-reduce; RMSNorm; routed MoE over MXFP4 experts with E8M0 scales (each rank
 holds its slice of every expert's intermediate, or its experts under EP) and a TP
-all-reduce; finally the vocabulary projection (replicated).
+all-reduce; finally the vocabulary projection (replicated). Under DP attention (attention
+TP 1) each rank runs the whole attention on its own sequence, and the MoE runs over every
+rank's rows, all-gathered, before each rank keeps its own.
 
 What is shrunk, and how (`Dims`): layers, hidden size, vocabulary, experts (total, then
 split by EP as the layout splits them) and the experts' intermediate size (per rank); the
@@ -40,6 +42,7 @@ class Dims:
     vocab: int
     heads: int              # query heads on this rank (the layout's)
     ranks: int              # attention TP width
+    dp: int                 # attention DP width (1, or tp under DP attention)
     experts_total: int
     experts: int            # experts on this rank
     ep: int
@@ -60,7 +63,7 @@ def dims_of(shape, *, layers, hidden, vocab, experts, intermediate) -> Dims:
     if experts % shape.ep:
         from .errors import RehearseError
         raise RehearseError(f"--experts {experts} does not divide over ep {shape.ep}")
-    return Dims(layers=layers, hidden=hidden, vocab=vocab, heads=shape.heads, ranks=shape.attn_tp,
+    return Dims(layers=layers, hidden=hidden, vocab=vocab, heads=shape.heads, ranks=shape.attn_tp, dp=shape.attn_dp,
                 experts_total=experts, experts=experts // shape.ep, ep=shape.ep, moe_tp=shape.moe_tp,
                 intermediate=intermediate, topk=min(shape.topk, experts), window=shape.window,
                 indexer_heads=shape.indexer_heads, indexer_dim=shape.indexer_dim,
@@ -89,7 +92,7 @@ def rank_weights(d: Dims, seed: int, rank: int) -> dict:
     layers = []
     for i in range(d.layers):
         g = _gen(seed, i)                       # replicated on every rank
-        r = _gen(seed, i, 1, rank)              # this rank's heads
+        r = _gen(seed, i, 1, rank % d.ranks)    # this rank's heads (its attention TP rank's)
         layers.append({
             "wkv": (torch.randn(H, LATENT, generator=g) * H ** -0.5).bfloat16(),
             "wiq": (torch.randn(H, d.indexer_heads * d.indexer_dim, generator=g) * H ** -0.5).bfloat16(),
@@ -112,10 +115,11 @@ def routes(d: Dims, seed: int, step: int, T: int):
     return MR.random_routing(T, d.topk, d.experts_total, gen=_gen(seed, 99, step))
 
 
-def tokens(d: Dims, seed: int, prompt: int, steps: int):
-    """The prompt's token ids and each decode step's token (teacher-forced, from the seed)."""
+def tokens(d: Dims, seed: int, prompt: int, steps: int, seq: int = 0):
+    """The prompt's token ids and each decode step's token (teacher-forced, from the seed) of
+    sequence SEQ (under DP attention each DP rank serves its own)."""
     import torch
-    return torch.randint(0, d.vocab, (prompt + steps,), generator=_gen(seed, 5))
+    return torch.randint(0, d.vocab, (prompt + steps,), generator=_gen(seed, 5, seq) if seq else _gen(seed, 5))
 
 
 def embedding(d: Dims, seed: int):
@@ -139,37 +143,57 @@ class Layer:
         self.index_rows = []
 
 
-def forward(d: Dims, shards: list, ops, reduce, x, pos0: int, caches: list, step: int, seed: int, *,
-            prefill: bool):
-    """Hidden states -> logits of the last token, for tokens at positions POS0... (X: [T, hidden]).
+@attrs.frozen
+class Comm:
+    """The group's collectives as the forward uses them (identities in the reference).
 
-    SHARDS: the rank's one shard (a rank), or every rank's in rank order (the reference, which
-    sums the partials in rank order where the group all-reduces); CACHES[shard][layer].
-    OPS(name, layer, *args) runs an op (the rank's bound kernel, or the reference); REDUCE(partial)
-    is the TP all-reduce of a float32 partial sum (identity for the reference)."""
+    reduce_attn(partial): the attention TP all-reduce; gather(rows): every DP rank's rows, in
+    DP-rank order, for the MoE (identity without DP attention); reduce_moe(partial): the MoE's
+    all-reduce over the whole group; own(rows): the rows of the sequences held here, one
+    tensor per sequence."""
+    reduce_attn: object
+    gather: object
+    reduce_moe: object
+    own: object
+
+
+def forward(d: Dims, attn: list, moe: list, ops, comm: Comm, xs: list, pos0: int, caches: list, step: int,
+            seed: int, *, prefill: bool) -> list:
+    """Hidden states -> logits of each held sequence's last token, for tokens at positions
+    POS0... (XS: one [T, hidden] per sequence held: a rank's own, or every DP rank's in the
+    reference).
+
+    ATTN: the attention shards run here (a rank's one; the reference: each of the attention
+    TP group's, whose partials it sums in rank order where the group all-reduces); MOE: the
+    MoE shards (a rank's one; the reference: every rank's); CACHES[sequence][attention
+    shard][layer]. OPS(name, layer, *args) runs an op (the rank's bound kernel, or the
+    reference). Under DP attention each rank serves its own sequence with the whole
+    attention, and the MoE runs over every DP rank's rows (gathered), as SGLang does."""
     import torch
-    T, dev = x.shape[0], x.device
+    xs = list(xs)
+    T, dev = xs[0].shape[0], xs[0].device
     positions = torch.arange(pos0, pos0 + T, device=dev)
     n = pos0 + T
     for li in range(d.layers):
         op = lambda name, *a: ops(name, li, *a)  # noqa: E731
-        hx = rms(x)
+        for si, x in enumerate(xs):
+            hx = rms(x)
+            part = None
+            for w, cache in zip(attn, caches[si]):
+                p = _attention(d, w["layers"][li], cache[li], hx, positions, n, op, prefill)
+                part = p if part is None else part + p
+            xs[si] = (x.float() + comm.reduce_attn(part)).bfloat16()
+        hx = comm.gather([rms(x) for x in xs])
+        tw, ids = routes(d, seed, step * 1000 + li, hx.shape[0])
         part = None
-        for w, cache in zip(shards, caches):
-            p = _attention(d, w["layers"][li], cache[li], hx, positions, n, op, prefill)
-            part = p if part is None else part + p
-        x = (x.float() + reduce(part)).bfloat16()
-        hx = rms(x)
-        tw, ids = routes(d, seed, step * 1000 + li, T)
-        part = None
-        for w in shards:
+        for w in moe:
             lw = w["layers"][li]
             local = ids.to(dev) - lw["expert_base"]
             local = torch.where((local >= 0) & (local < d.experts), local, torch.full_like(local, -1))
             p = op("moe", hx, lw["moe"], tw.to(dev), local.to(torch.int32)).float()
             part = p if part is None else part + p
-        x = (x.float() + reduce(part)).bfloat16()
-    return rms(x)[-1:].float() @ shards[0]["head"].float()
+        xs = [(x.float() + o).bfloat16() for x, o in zip(xs, comm.own(comm.reduce_moe(part)))]
+    return [rms(x)[-1:].float() @ moe[0]["head"].float() for x in xs]
 
 
 def _attention(d, lw, cache, hx, positions, n, op, prefill):

@@ -49,22 +49,42 @@ class _Progress:
             f.write(where)
 
 
-def _bind_ops(rank, plan, run_spec):
-    """op -> dict(decided, ran, substituted, fn, resolution) for this rank."""
+def _bind_ops(rank, plan, run_spec, emulated_on_gpu=False):
+    """op -> dict(decided, ran, substituted, not_emulated, fn) for this rank.
+
+    Where the card's decided kernel cannot run on the rank's device, the rank runs the
+    card's next preference that can (one the card could run too), else the device's own
+    choice; either is a marked substitution."""
     import capdispatch as cd
     from ..errors import CapdispatchError
+    from .emulation import not_emulated
     out = {}
     for op, g in plan.ops.items():
         res = list(g.per_device.values())[rank]
-        entry = {"decided": res.backend, "substituted": None}
+        entry = {"decided": res.backend, "substituted": None, "not_emulated": None}
         try:
             # Can the decided kernel run where this rank runs? (strict: no silent fallback)
             run_res = cd.resolve(op, run_spec, selections={op: res.backend}, strict=True)
         except CapdispatchError as exc:
-            run_res = cd.resolve(op, run_spec)
-            entry["substituted"] = (f"{res.backend} cannot run on {run_spec.id} ({_why(str(exc))}): "
-                                    f"ran {run_spec.id}'s own choice {run_res.backend}")
+            why = _why(str(exc))
+            run_res, what = None, None
+            names = [c.backend for c in res.candidates]
+            later = names[names.index(res.backend) + 1:] if res.backend in names else []
+            for c in res.candidates:
+                if c.backend in later and c.ok:
+                    try:
+                        run_res = cd.resolve(op, run_spec, selections={op: c.backend}, strict=True)
+                        what = f"the card's next runnable preference {c.backend}"
+                        break
+                    except CapdispatchError:
+                        continue
+            if run_res is None:
+                run_res = cd.resolve(op, run_spec)
+                what = f"{run_spec.id}'s own choice {run_res.backend}"
+            entry["substituted"] = f"{res.backend} cannot run on {run_spec.id} ({why}): ran {what}"
         entry["ran"] = run_res.backend
+        if emulated_on_gpu:
+            entry["not_emulated"] = not_emulated(run_res.backend)
         entry["fn"] = cd.bind_resolution(run_res, checks=False)
         out[op] = entry
     return out
@@ -116,6 +136,9 @@ def _run(cfg, rank, prog, result):
     world = len(cfg["devices"])
     if dev.run.startswith("cuda"):
         torch.cuda.set_device(torch.device(dev.run))
+    from .emulation import install
+    installed = install(dev)        # the card's facts for every launch of this process
+    result["facts"] = installed.to_dict()
     timeout = timedelta(seconds=cfg["collective_timeout"])
     prog.set("joining the group")
     # The rendezvous waits for ranks still starting; each all-reduce waits TIMEOUT at most.
@@ -126,10 +149,15 @@ def _run(cfg, rank, prog, result):
         spec = cd.probe(dev.decide)
         if dev.emulated:
             spec = spec.with_id(dev.text)
-        shape = cd.load_model(cfg["model"]).for_rank(cfg["tp"], cfg["ep"], False)
+        shape = cd.load_model(cfg["model"]).for_rank(cfg["tp"], cfg["ep"], cfg.get("dp_attention", False))
         plan = cd.agree(spec, group=None, libs=cfg.get("libs"), shapes=shape)
         run_spec = cd.probe(dev.run)
-        bound = _bind_ops(rank, plan, run_spec)
+        # The rehearsal cache's key (proof/rehearsals.py): this rank's card, the group's decisions.
+        from ..capabilities import Inventory
+        from ..proof import rehearsals
+        result["card"] = rehearsals.rank_card(run_spec, Inventory(), emulated_spec=spec if dev.emulated else None)
+        result["plan_decisions"] = rehearsals.decisions_of(plan)
+        bound = _bind_ops(rank, plan, run_spec, dev.emulated and dev.run != "cpu")
         result["decisions"] = {op: {k: v for k, v in e.items() if k != "fn"} for op, e in bound.items()}
         prog.set("building")
         d = M.dims_of(shape, layers=cfg["layers"], hidden=cfg["hidden"], vocab=cfg["vocab"],
@@ -141,6 +169,12 @@ def _run(cfg, rank, prog, result):
         phase = ["prefill"]
         stats = {op: {"calls": 0, "time_s": 0.0, "ok": True, "worst": None} for op in bound}
         moe_layouts = {}
+        from ..backends import builtin
+        from .graphs import Graphs, graph_plan
+        decls = builtin().ops
+        gplan = graph_plan(dev.run, cfg.get("graphs", True), installed.facts.memory, cfg["tp"], shape.next_n)
+        graphs = Graphs(device) if gplan.on else None
+        result["graphs"] = gplan.why
 
         def ops(name, layer, *args):
             e = bound[name]
@@ -154,9 +188,16 @@ def _run(cfg, rank, prog, result):
                 if mw is None:
                     mw = moe_layouts[layer] = _moe_layout(args[1], e["ran"])
             spent = []
+            call_args = tuple(args) if mw is None else (args[0], mw) + tuple(args[2:])
+            size = args[0].shape[0] * (args[0].shape[1] if name == "decode_mla" else 1)
+            entry = None
+            if graphs is not None and gplan.in_graph(decls[name], size, phase[0] != "prefill"):
+                entry = graphs.call(name, layer, fn, call_args)
 
             def timed(*a):
-                # The kernel's time alone: the reference check around it is not counted.
+                # The kernel's time alone (a graph's replay): the reference check is not counted.
+                if entry is not None:
+                    return graphs.replay(entry, a, spent)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 t0 = time.perf_counter()
@@ -168,6 +209,8 @@ def _run(cfg, rank, prog, result):
 
             out, ok, detail = checks.call_checked(name, timed, args, mw)
             s = stats[name]
+            if entry is not None:
+                s["graphed"] = s.get("graphed", 0) + 1
             s["calls"] += 1
             s["time_s"] += sum(spent)
             if not ok and s["ok"]:
@@ -182,19 +225,34 @@ def _run(cfg, rank, prog, result):
             return out
 
         reduce = _reducer(dist, device, cfg["backend"], timeout, prog, phase)
+        dp_rank = rank // d.ranks
+        if d.dp == 1:
+            comm = M.Comm(reduce, lambda rows: rows[0], reduce, lambda full: [full])
+        else:   # DP attention (attention TP 1): the whole attention here, the MoE over every rank's rows
+            gather = _gatherer(dist, device, cfg["backend"], timeout, prog, phase, world)
+            comm = M.Comm(lambda t: t, lambda rows: gather(rows[0]), reduce,
+                          lambda full: [full.chunk(d.dp)[dp_rank]])
         emb = M.embedding(d, seed).to(device)
-        toks = M.tokens(d, seed, cfg["prompt"], cfg["steps"])
-        caches = [[M.Layer(d, cfg["prompt"] + cfg["steps"], device) for _ in range(d.layers)]]
+        toks = M.tokens(d, seed, cfg["prompt"], cfg["steps"], dp_rank)
+        caches = [[[M.Layer(d, cfg["prompt"] + cfg["steps"], device) for _ in range(d.layers)]]]
         logits = []
         with torch.no_grad():
             x = emb[toks[:cfg["prompt"]].to(device)]
-            logits.append(M.forward(d, [w], ops, reduce, x, 0, caches, 0, seed, prefill=True).cpu())
+            logits.append(M.forward(d, [w], [w], ops, comm, [x], 0, caches, 0, seed, prefill=True)[0].cpu())
             for s in range(cfg["steps"]):
                 phase[0] = f"decode step {s + 1}"
                 pos = cfg["prompt"] + s
                 x = emb[toks[pos:pos + 1].to(device)]
-                logits.append(M.forward(d, [w], ops, reduce, x, pos, caches, s + 1, seed, prefill=False).cpu())
+                logits.append(M.forward(d, [w], [w], ops, comm, [x], pos, caches, s + 1, seed,
+                                        prefill=False)[0].cpu())
+        for op_name, n in (graphs.captures.items() if graphs is not None else ()):
+            stats[op_name]["captures"] = n
         result["ops"] = stats
+        if installed.facts.emulated and installed.facts.index is not None:
+            from ..backends import launch_limits
+            scope = launch_limits.device_scope(installed.facts.index)
+            result["facts"]["launches"] = [{"kernel": r.kernel, "config": {k: v for k, v in r.config.items()},
+                                            "shared": r.shared, "fits": r.fits} for r in scope.launches]
         ends = prog.phases[1:] + [["end", time.monotonic()]]
         names = {"starting": "start", "joining the group": "join", "deciding and agreeing": "decide",
                  "building": "run"}
@@ -246,6 +304,22 @@ def _reducer(dist, device, backend, timeout, prog, phase):
         work.wait(timeout)
         return buf.to(t.device) if moved else buf
     return reduce
+
+
+def _gatherer(dist, device, backend, timeout, prog, phase, world):
+    """The all-gather of every rank's rows (DP attention), in rank order, bounded by TIMEOUT."""
+    import torch
+
+    def gather(t):
+        prog.set(f"all_gather ({phase[0]})")
+        moved = backend == "gloo" and t.device.type != "cpu"
+        buf = (t.cpu() if moved else t).contiguous()
+        outs = [torch.empty_like(buf) for _ in range(world)]
+        work = dist.all_gather(outs, buf, async_op=True)
+        work.wait(timeout)
+        full = torch.cat(outs)
+        return full.to(t.device) if moved else full
+    return gather
 
 
 def _faulty(fn, op, kind):

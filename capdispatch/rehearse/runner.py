@@ -37,6 +37,9 @@ class OpRun:
     time_s: float = 0.0
     ok: Optional[bool] = None     # every call matched the reference op on the same inputs
     detail: Optional[str] = None
+    not_emulated: Optional[str] = None   # on an emulated card: what of its limits this kernel does not take
+    graphed: int = 0              # calls replayed from a CUDA graph (the rest ran eagerly)
+    captures: int = 0             # graphs captured (one per layer and call shape)
 
 
 @attrs.frozen
@@ -51,6 +54,8 @@ class RankRun:
     max_rel_err: Optional[float] = None   # its logits against the reference, worst step
     failed_op: Optional[str] = None       # the op the rank was in when it failed, if in one
     phases_s: dict = attrs.field(factory=dict)   # seconds: start (imports), join, decide (+ agree), run (build, forward, checks)
+    facts: dict = attrs.field(factory=dict)      # the DeviceFacts the rank's kernels launched by (+ memory_cap, note)
+    graphs: Optional[str] = None  # where the rank replays CUDA graphs, or why it does not
 
 
 @attrs.frozen
@@ -67,6 +72,8 @@ class Rehearsal:
     reference: Optional[str]      # why no comparison was made, or None
     wall_s: float
     cause: Optional[str] = None   # the first failure, not a consequence of another rank's
+    dp_attention: bool = False    # SGLang's DP-attention layout
+    recorded: Optional[str] = None   # the rehearsal cache file of this verdict (proof/rehearsals.py), or None
 
     def to_dict(self) -> dict:
         d = attrs.asdict(self)
@@ -80,19 +87,24 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def plan_shape(model: str, tp: int, ep: int):
+def plan_shape(model: str, tp: int, ep: int, dp_attention: bool = False):
     import capdispatch as cd
-    return cd.load_model(model).for_rank(tp, ep, False)
+    return cd.load_model(model).for_rank(tp, ep, dp_attention)
 
 
 def rehearse(devices, model: str, *, tp: Optional[int] = None, ep: int = 1, layers: int = 2,
              hidden: int = 256, vocab: int = 512, experts: int = 8, intermediate: int = 64,
              prompt: int = 8, steps: int = 3, seed: int = 0, timeout: float = 60.0,
-             libs: Optional[str] = None, start_timeout: float = 120.0) -> Rehearsal:
+             libs: Optional[str] = None, start_timeout: float = 120.0, graphs: bool = True,
+             dp_attention: bool = False, record: bool = True) -> Rehearsal:
     """Rehearse DEVICES (RankDevice..., one per rank) as one TP group on MODEL.
 
     TIMEOUT: seconds a rank may go without progress (and each all-reduce may wait);
-    START_TIMEOUT: seconds a rank may take to start (imports, device)."""
+    START_TIMEOUT: seconds a rank may take to start (imports, device); GRAPHS: replay decode
+    steps' calls from CUDA graphs on CUDA ranks (graphs.py); DP_ATTENTION: SGLang's
+    --enable-dp-attention layout (each rank its own sequence, the whole attention; the MoE
+    over every rank's rows); RECORD: store the verdict in the rehearsal cache, where a serving
+    launch on the same cards, software and decisions finds it."""
     from . import checks
     from . import model as M
     from .rank import FAULT_ENV, parse_fault
@@ -111,7 +123,7 @@ def rehearse(devices, model: str, *, tp: Optional[int] = None, ep: int = 1, laye
     for flag, v in (("--timeout", timeout), ("--start-timeout", start_timeout)):
         if not v > 0:
             raise RehearseError(f"{flag} {v}: must be a positive number of seconds")
-    shape = plan_shape(model, tp, ep)       # a layout the model cannot take is refused here
+    shape = plan_shape(model, tp, ep, dp_attention)   # a layout the model cannot take is refused here
     d = M.dims_of(shape, layers=layers, hidden=hidden, vocab=vocab, experts=experts,
                   intermediate=intermediate)
     runs = [dv.run for dv in devices]
@@ -121,14 +133,15 @@ def rehearse(devices, model: str, *, tp: Optional[int] = None, ep: int = 1, laye
         cfg = dict(devices=[dv.text for dv in devices], model=model, tp=tp, ep=ep, layers=layers,
                    hidden=hidden, vocab=vocab, experts=experts, intermediate=intermediate,
                    prompt=prompt, steps=steps, seed=seed, libs=libs, backend=backend, port=_port(),
-                   folder=folder, collective_timeout=timeout, start_timeout=start_timeout)
+                   folder=folder, collective_timeout=timeout, start_timeout=start_timeout, graphs=graphs,
+                   dp_attention=dp_attention)
         cfg_path = os.path.join(folder, "config.json")
         with open(cfg_path, "w") as f:
             json.dump(cfg, f)
         results, logits = _spawn(cfg_path, folder, len(devices), timeout, start_timeout)
     ref_logits, why = None, None
     if any(lg is not None for lg in logits):
-        ref_logits = reference_logits(d, tp, seed, prompt, steps)
+        ref_logits = reference_logits(d, tp, seed, prompt, steps)     # per sequence, per step
     else:
         why = "no rank finished: nothing to compare"
     ranks = []
@@ -136,7 +149,7 @@ def rehearse(devices, model: str, *, tp: Optional[int] = None, ep: int = 1, laye
         res, lg = results[r], logits[r]
         err = None
         if lg is not None and ref_logits is not None:
-            err = max(_rel(a, b) for a, b in zip(lg, ref_logits))
+            err = max(_rel(a, b) for a, b in zip(lg, ref_logits[r // d.ranks]))
         ops = tuple(_op_run(op, e, (res.get("ops") or {}).get(op))
                     for op, e in (res.get("decisions") or {}).items())
         error = res.get("error")
@@ -146,10 +159,29 @@ def rehearse(devices, model: str, *, tp: Optional[int] = None, ep: int = 1, laye
                      f"(bound {LOGITS_REL_TOL:.0e}) though every op matched its reference")
         where = res.get("where") or ""
         op = where.split(" ")[0] if where.split(" ")[0] in checks.OPS else None
-        ranks.append(RankRun(r, dv.text, dv.decide, dv.run, ok, error, ops, err, op, res.get("phases_s") or {}))
-    return Rehearsal(shape.model, tp, ep, backend, d.to_dict(), steps, tuple(ranks),
-                     all(r.ok for r in ranks), LOGITS_REL_TOL, why, round(time.monotonic() - t0, 2),
-                     _cause(ranks))
+        ranks.append(RankRun(r, dv.text, dv.decide, dv.run, ok, error, ops, err, op, res.get("phases_s") or {},
+                             res.get("facts") or {}, res.get("graphs")))
+    out = Rehearsal(shape.model, tp, ep, backend, d.to_dict(), steps, tuple(ranks),
+                    all(r.ok for r in ranks), LOGITS_REL_TOL, why, round(time.monotonic() - t0, 2),
+                    _cause(ranks), dp_attention)
+    if record:
+        out = attrs.evolve(out, recorded=_record(out, results))
+    return out
+
+
+def _record(r: Rehearsal, results) -> Optional[str]:
+    """Store R's verdict in the rehearsal cache when every rank said its card and the group's
+    decisions were made (a rank that failed before deciding leaves nothing to key by)."""
+    from ..proof import rehearsals
+    cards = [res.get("card") for res in results]
+    decisions = next((res.get("plan_decisions") for res in results if res.get("plan_decisions")), None)
+    if any(c is None for c in cards) or decisions is None:
+        return None
+    errs = [k.max_rel_err for k in r.ranks if k.max_rel_err is not None]
+    v = rehearsals.RehearsalVerdict(r.ok, r.cause, tuple(k.device for k in r.ranks), r.model, r.tp, r.ep,
+                                    r.dp_attention, max(errs) if errs else None, rehearsals.now())
+    path = rehearsals.store(cards, decisions, v)
+    return None if path is None else str(path)
 
 
 def _cause(ranks) -> Optional[str]:
@@ -170,7 +202,8 @@ def _rel(a, b) -> float:
 def _op_run(op, e, s) -> OpRun:
     s = s or {}
     return OpRun(op, e["decided"], e.get("ran"), e.get("substituted"), s.get("calls", 0),
-                 round(s.get("time_s", 0.0), 6), s.get("ok"), s.get("worst"))
+                 round(s.get("time_s", 0.0), 6), s.get("ok"), s.get("worst"), e.get("not_emulated"),
+                 s.get("graphed", 0), s.get("captures", 0))
 
 
 def _spawn(cfg_path, folder, world, timeout, start_timeout):
@@ -246,7 +279,7 @@ def _spawn(cfg_path, folder, world, timeout, start_timeout):
 def _grace(progress_path) -> float:
     """A rank waiting in a collective times out there itself (and says so): a few seconds more."""
     where = _read(progress_path)
-    return 5.0 if where.startswith(("all_reduce", "joining", "deciding")) else 0.0
+    return 5.0 if where.startswith(("all_reduce", "all_gather", "joining", "deciding")) else 0.0
 
 
 def _read(path) -> str:
@@ -258,26 +291,29 @@ def _read(path) -> str:
 
 
 def reference_logits(d, tp, seed, prompt, steps) -> list:
-    """The same model in one process: each rank's shard in turn through the ops' references,
+    """The same model in one process, per sequence (one per DP rank) and step: each attention
+    shard in turn through the ops' references, every MoE shard over every sequence's rows,
     the partials summed in rank order where the group all-reduces."""
     import torch
 
     from . import checks
     from . import model as M
     shards = [M.rank_weights(d, seed, r) for r in range(tp)]
-    caches = [[M.Layer(d, prompt + steps, "cpu") for _ in range(d.layers)] for _ in range(tp)]
+    attn = shards[:d.ranks]                  # ranks 0.. hold attention shards 0.. (rank % attention TP)
+    caches = [[[M.Layer(d, prompt + steps, "cpu") for _ in range(d.layers)] for _ in attn] for _ in range(d.dp)]
 
     def ops(name, layer, *args):
-        out = checks.reference(name)(*args)
-        return out
+        return checks.reference(name)(*args)
 
+    comm = M.Comm(lambda t: t, torch.cat, lambda t: t, lambda full: list(full.chunk(d.dp)))
     emb = M.embedding(d, seed)
-    toks = M.tokens(d, seed, prompt, steps)
-    out = []
+    toks = [M.tokens(d, seed, prompt, steps, q) for q in range(d.dp)]
+    out = [[] for _ in range(d.dp)]
     with torch.no_grad():
-        out.append(M.forward(d, shards, ops, lambda t: t, emb[toks[:prompt]], 0, caches, 0, seed, prefill=True))
-        for s in range(steps):
-            pos = prompt + s
-            out.append(M.forward(d, shards, ops, lambda t: t, emb[toks[pos:pos + 1]], pos, caches, s + 1, seed,
-                                 prefill=False))
+        for s in range(steps + 1):
+            lo, hi = (0, prompt) if s == 0 else (prompt + s - 1, prompt + s)
+            got = M.forward(d, attn, shards, ops, comm, [emb[t[lo:hi]] for t in toks], lo, caches, s, seed,
+                            prefill=s == 0)
+            for q, lg in enumerate(got):
+                out[q].append(lg)
     return out

@@ -257,10 +257,14 @@ def agree(state, group):
     dist.all_gather_object(outcomes, {op: outcome(c) for op, c in mine.items()}, group=group)
     missed = carried_out(plan, choices, outcomes)
     digest = cd.plan_digest(plan)
+    from .rehearsal import check as rehearsal_check      # CAPDISPATCH_REQUIRE_REHEARSAL: a refusal
+    rehearsal, refusal = rehearsal_check(plan, ops, inputs.model, state.env)
     agreement = Agreement(tuple(d.id for d in plan.devices), rank, digest, install_digest(digest, outcomes),
-                          tuple(outcomes), tuple(missed))
+                          tuple(outcomes), tuple(missed), rehearsal)
     state = attrs.evolve(state, choices=mine, agreed=plan, agreement=agreement)
     _RANKS[state.gpu_id] = state = _report(state)
+    if refusal is not None:        # after the report, which records why
+        raise refusal
     if missed:
         text = "the ranks did not carry out the group decision alike: " + "; ".join(missed)
         if ctx.strict_effective:

@@ -68,15 +68,19 @@ class Agreement:
     digest: str
     installs: tuple              # per rank: {op: "installed" | "failed: ..." | action}
     not_carried_out: tuple = ()  # one line per op and rank
+    rehearsal: dict | None = None  # the recorded rehearsal's verdict for this group (rehearsal.check)
 
     @property
     def agreed(self) -> bool:
         return not self.not_carried_out
 
     def to_dict(self) -> dict:
-        return {"ranks": list(self.ranks), "rank": self.rank, "plan_digest": self.plan_digest,
-                "digest": self.digest, "installs": [dict(i) for i in self.installs], "agreed": self.agreed,
-                "not_carried_out": list(self.not_carried_out)}
+        out = {"ranks": list(self.ranks), "rank": self.rank, "plan_digest": self.plan_digest,
+               "digest": self.digest, "installs": [dict(i) for i in self.installs], "agreed": self.agreed,
+               "not_carried_out": list(self.not_carried_out)}
+        if self.rehearsal is not None:
+            out["rehearsal"] = self.rehearsal
+        return out
 
 
 @attrs.frozen

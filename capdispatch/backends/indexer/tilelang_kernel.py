@@ -210,10 +210,13 @@ def target_arch(major: int, minor: int) -> str:
     return f"sm_{major}{minor}a" if major >= 9 else f"sm_{major}{minor}"
 
 
-@functools.lru_cache(maxsize=None)
 def _device_facts(index: int) -> tuple:
-    props = torch.cuda.get_device_properties(index)
-    return target_arch(props.major, props.minor), props.multi_processor_count
+    """(compile target, SM count for the splits, native fp8) on device INDEX: the kernel is
+    built for the card that is there; the splits and the codec follow the effective facts
+    (an emulated card's, device_facts), so an emulated card without fp8 runs the uint8 variant."""
+    from .. import device_facts
+    real, eff = device_facts.real(index), device_facts.for_index(index)
+    return target_arch(*real.cc), eff.sm_count, eff.fp8
 
 
 _SPLITS: dict = {}
@@ -255,8 +258,7 @@ def fp8_paged_mqa_logits(q, kv_cache, weights, context_lens, block_table, schedu
     if rows == 0 or S == 0:
         return result
     index = dev.index if dev.index is not None else torch.cuda.current_device()
-    arch, num_sms = _device_facts(index)
-    native = native_fp8_for_arch(arch)
+    arch, num_sms, native = _device_facts(index)
     kernel = compile_kernel(arch, N, a.ctx_2d, native, H)
 
     dt = torch.float8_e4m3fn if native else torch.uint8

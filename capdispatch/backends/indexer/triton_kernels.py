@@ -23,13 +23,12 @@ All address arithmetic is int64. Import lazily (at bind time): this imports trit
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from ...errors import ArgumentError, ArgumentTypeError
+from .. import device_facts as _device_facts
 from .. import launch_limits as _limits
 from ..device_scope import on_device_of
 from ..triton_common.env import check_device, interpreted, jit_module
@@ -122,16 +121,9 @@ def _indexer_kernel(
 INTERPRETED = interpreted(_indexer_kernel)
 
 
-@functools.lru_cache(maxsize=None)
-def _device_facts(index: int) -> tuple:
-    props = torch.cuda.get_device_properties(index)
-    return props.multi_processor_count, (props.major, props.minor)
-
-
 def _native_fp8_default(device: torch.device) -> bool:
-    if device.type != "cuda" or torch.version.hip is not None:
-        return False
-    return _device_facts(device.index if device.index is not None else torch.cuda.current_device())[1] >= (8, 9)
+    """Native fp8 where the device's effective facts have it (an emulated card's: device_facts)."""
+    return _device_facts.native_fp8(device)
 
 
 def plan_splits(rows: int, max_context_len: int, num_sms: int) -> int:
@@ -156,16 +148,15 @@ class _Plan:
             native_fp8 = _native_fp8_default(dev)
         if H & (H - 1) or H > 128:
             raise ArgumentError(f"the Triton indexer needs a power-of-two head count <= 128, got heads={H}")
-        self.num_sms = _device_facts(dev.index if dev.index is not None else torch.cuda.current_device())[0] \
-            if dev.type == "cuda" else 4
+        self.num_sms = _device_facts.sm_count(dev) if dev.type == "cuda" else 4
         self.native = bool(native_fp8)
         self.tail = (N, max(H, 16), H, HEAD_DIM, ctx_2d, self.native, BLOCK_N, NUM_STAGES)
         self.options = dict(num_warps=NUM_WARPS)
 
 
 # (device, codec asked for, next_n, heads, 2-D lengths) -> its launch plan: keyed by the
-# device, never answering for another card.
-_plans: dict = {}
+# device and emptied when an emulated card changes, never answering for another card.
+_plans: dict = _device_facts.plan_cache()
 _FP8, _U8 = torch.float8_e4m3fn, torch.uint8
 
 

@@ -58,7 +58,10 @@ def _prep_fns():
 def _workspace(device):
     key = device.index
     if key not in _workspaces:
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        # The card that is there: Marlin's kernel sizes its grid from the real SM count
+        # itself, so an emulated card's smaller count would under-size its locks.
+        from ..device_facts import real
+        sms = real(device.index if device.index is not None else torch.cuda.current_device()).sm_count
         _workspaces[key] = torch.zeros(sms * 4, dtype=torch.int32, device=device)
     return _workspaces[key]
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 
 import torch
 import triton
@@ -40,6 +39,7 @@ import triton.language as tl
 
 from ...errors import UnsupportedDeviceError
 from .. import launch_limits as _limits
+from .. import device_facts as _device_facts
 from ..device_scope import cdiv, capability as _capability
 from ..triton_common.env import check_device as _check_device, interpreted, jit_module
 
@@ -291,15 +291,16 @@ def check_device(t: torch.Tensor, native_fp8: bool = False) -> None:
                   instead="use the uint8 (integer-decode) Triton backend")
 
 
-@functools.lru_cache(maxsize=None)
 def num_sms(device_index: int) -> int:
-    """SM count of CUDA device DEVICE_INDEX (cached per index)."""
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+    """SM count the splits on CUDA device DEVICE_INDEX are planned for: the card's own,
+    or the emulated card's (device_facts)."""
+    return _device_facts.for_index(device_index).sm_count
 
 
 # (device type, device index, kind, tokens) -> the configurations to try, the last one
-# that fit this device first. Keyed by the device index: never answers for another card.
-_plans: dict = {}
+# that fit this device first. Keyed by the device index and emptied when an emulated card
+# changes: never answers for another card.
+_plans: dict = _device_facts.plan_cache()
 
 
 def device_key(device: torch.device) -> tuple:

@@ -13,7 +13,7 @@ import torch
 import triton
 
 from ...errors import ArgumentError, UnsupportedDeviceError
-from ..device_scope import capability
+from ..device_facts import facts
 
 __all__ = ["interpreted", "jit_module", "check_device"]
 
@@ -65,7 +65,8 @@ def check_device(t: torch.Tensor, *, interpreted: bool, kernels: str, native_fp8
                                 "(CPU tensors only when imported with TRITON_INTERPRET=1)")
         return
     if native_fp8 and t.is_cuda and torch.version.hip is None:
-        cc = capability(t.device)
-        if cc < (8, 9):
+        f = facts(t.device)          # the card's own, or the emulated card's
+        if not f.fp8:
+            cc = f.cc
             raise UnsupportedDeviceError(f"native-fp8 {kernels} need compute capability >= 8.9, "
-                                         f"{t.device} has {cc[0]}.{cc[1]}; {instead}")
+                                         f"{f.label} has {cc[0]}.{cc[1]}; {instead}")
