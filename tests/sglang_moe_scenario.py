@@ -199,7 +199,7 @@ def _rank(sa, rank: int, gen, ckpt, run: bool = True, load: bool = False) -> dic
            "route": None, "platform_is_sm120": bool(get_platform().is_sm120),
            "moe_runner_backend": str(get_exec().moe.moe_runner_backend), "logs": logs}
     fn = routes.kernel("moe", st.key)
-    out["route"] = None if fn is None else f"{fn.__module__}.{fn.__name__}"
+    out["route"] = None if fn is None else fn.__name__      # the op=backend custom op's name
     layer = _layer(rank)
     method = layer.quant_method
     out["method"] = type(method).__name__

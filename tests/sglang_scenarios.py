@@ -317,7 +317,7 @@ def _state(gpu_id: int) -> dict:
            "routes": {}}
     for op in st.inputs.ops:
         fn = routes.kernel(op, st.key)
-        out["routes"][op] = None if fn is None else f"{fn.__module__}.{fn.__name__}"
+        out["routes"][op] = None if fn is None else fn.__name__      # the op=backend custom op's name
     out["env"] = {n: os.environ.get(n) for n in st.release.route_env_names()}
     return out
 
@@ -382,7 +382,7 @@ def rank(inp, gpu_id: int, tp_rank: int, port=None, modes=()) -> None:
             plan = hooks._RANKS[gpu_id].agreed
             agreement = hooks._RANKS[gpu_id].agreement
             out["agreements"].append({
-                "rehearsal": None if agreement is None else agreement.get("rehearsal"),
+                "rehearsal": None if agreement is None else agreement.rehearsal,
                 "policy": policy, "error": error, "logs": logs, "state": _state(gpu_id),
                 "group": None if plan is None or error else {
                     op: {d: r.backend for d, r in g.per_device.items()} for op, g in plan.ops.items()}})

@@ -240,12 +240,12 @@ def test_each_rank_decides_for_its_own_card(ranks):
     assert [s["device"]["name"] for s in states] == ["NVIDIA GeForce RTX 5090", "NVIDIA GeForce RTX 3080",
                                                       "NVIDIA GeForce RTX 3080"]
     assert [s["choices"]["kv_dequant"]["backend"] for s in states] == ["triton_fp8", "triton_u8", "triton_u8"]
-    kv = "capdispatch.backends.kv_cache.ops.kv_dequant_triton_u8"
+    kv = "kv_dequant_triton_u8"
     sm86 = {"kv_quant": None, "kv_dequant": kv,
-            "indexer": "capdispatch.backends.indexer.ops.indexer_triton",
-            "sparse_prefill": "capdispatch.backends.sparse_prefill.ops.sparse_prefill_triton",
-            "decode_mla": "capdispatch.backends.decode_mla.ops.decode_mla_triton",
-            "moe": "capdispatch.backends.moe.ops.moe_triton_w4a16"}
+            "indexer": "indexer_triton",
+            "sparse_prefill": "sparse_prefill_triton",
+            "decode_mla": "decode_mla_triton",
+            "moe": "moe_triton_w4a16"}
     # The 5090: FlashInfer's SM120 decode is SGLang's own (kept); DeepGEMM has no SM120
     # indexer (routed to capdispatch's TileLang kernel); SGLang calls no sparse-prefill
     # site on SM120 (its extends go through the SM120 decode entry). MoE: this CPU
@@ -255,9 +255,9 @@ def test_each_rank_decides_for_its_own_card(ranks):
     # launches with device 0's SM120 facts, where the 5090 keeps SGLang's method).
     assert [s["routes"] for s in states] == [
         {"kv_quant": None, "kv_dequant": None,
-         "indexer": "capdispatch.backends.indexer.ops.indexer_tilelang",
+         "indexer": "indexer_tilelang",
          "sparse_prefill": None, "decode_mla": None,
-         "moe": "capdispatch.backends.moe.ops.moe_flashinfer_cutlass_w4a8"},
+         "moe": "moe_flashinfer_cutlass_w4a8"},
         sm86, sm86]
     assert [s["choices"]["moe"]["action"] for s in states] == ["routed", "routed", "routed"]
     assert all("moe_runner_backend=auto (as SGLang resolved it)" in s["choices"]["moe"]["why"] for s in states)
@@ -319,7 +319,7 @@ def test_ranks_mixed_group_uniform_reroutes_the_fast_card(ranks):
     after = [r["agreements"][2] for r in ranks]
     assert all(a["error"] is None for a in after)
     assert {a["state"]["choices"]["kv_dequant"]["backend"] for a in after} == {"triton_u8"}
-    assert after[0]["state"]["routes"]["kv_dequant"].endswith("kv_cache.ops.kv_dequant_triton_u8")
+    assert after[0]["state"]["routes"]["kv_dequant"] == "kv_dequant_triton_u8"
     (info,) = [m for lv, m in after[0]["logs"] if lv == "INFO" and "after agreement" in m]
     assert "after agreement with 3 rank(s): kv_dequant: triton_fp8 -> triton_u8" in info
 
@@ -329,7 +329,7 @@ def test_ranks_mixed_group_uniform_reroutes_the_fast_card(ranks):
 def test_kv_dequant_route_matches_sglangs_reference_under_the_triton_interpreter(launcher):
     # cuda:1 (RTX 3080): SGLang's fp8 Triton kernel cannot run; the route runs capdispatch's triton_u8.
     r = _run("kv", launcher["record"], 1, 1, env={"CAPDISPATCH_SGLANG_DEVICES": RIG, "TRITON_INTERPRET": "1"})
-    assert r["state"]["routes"]["kv_dequant"].endswith("kv_cache.ops.kv_dequant_triton_u8")
+    assert r["state"]["routes"]["kv_dequant"] == "kv_dequant_triton_u8"
     assert r["backend_binding_routed"] and r["backend_binding_is_source"]
     for c in r["dequant"]:
         msg = f"seed {r['seed']} (KV_TEST_SEED replays): {c}"
@@ -347,8 +347,8 @@ def test_kv_routes_for_an_explicit_choice_match_sglangs_reference(launcher):
            "CAPDISPATCH_SET": "kv_dequant=torch,kv_quant=torch"}
     r = _run("kv", launcher["record"], 0, 0, env=env)
     routes = r["state"]["routes"]
-    assert (routes["kv_quant"], routes["kv_dequant"]) == ("capdispatch.backends.kv_cache.ops.kv_quant_torch",
-                                                          "capdispatch.backends.kv_cache.ops.kv_dequant_torch")
+    assert (routes["kv_quant"], routes["kv_dequant"]) == ("kv_quant_torch",
+                                                          "kv_dequant_torch")
     for c in r["dequant"]:          # every byte random, including NaN codes and overflowing scales
         assert c["identical"] and c["backend_binding_identical"] and c["out_slice_identical"], \
             f"seed {r['seed']}: {c}"
@@ -414,9 +414,9 @@ def test_attention_routes_on_an_sm86_rank_run_capdispatchs_kernels_at_sglangs_ca
     r = _run("attn", launcher["record"], 1, 1, env={"CAPDISPATCH_SGLANG_DEVICES": RIG, "TRITON_INTERPRET": "1"})
     msg = f"seed {r['seed']} (KV_TEST_SEED replays)"
     routes = r["state"]["routes"]
-    assert routes["decode_mla"].endswith("decode_mla.ops.decode_mla_triton")
-    assert routes["sparse_prefill"].endswith("sparse_prefill.ops.sparse_prefill_triton")
-    assert routes["indexer"].endswith("indexer.ops.indexer_triton")
+    assert routes["decode_mla"] == "decode_mla_triton"
+    assert routes["sparse_prefill"] == "sparse_prefill_triton"
+    assert routes["indexer"] == "indexer_triton"
     d = r["decode"]
     assert "error" not in d, f"{msg}: {d}"
     assert d["routed"] and d["finite"] and d["shape"] == [3, 1, 6, 512], f"{msg}: {d}"
@@ -447,8 +447,8 @@ def test_attention_routes_on_an_sm120_rank_for_an_explicit_choice(launcher):
     r = _run("attn", launcher["record"], 0, 0, env=env)
     msg = f"seed {r['seed']}"
     routes = r["state"]["routes"]
-    assert routes["decode_mla"] == "capdispatch.backends.decode_mla.ops.decode_mla_torch"
-    assert routes["indexer"] == "capdispatch.backends.indexer.ops.indexer_torch"
+    assert routes["decode_mla"] == "decode_mla_torch"
+    assert routes["indexer"] == "indexer_torch"
     assert routes["sparse_prefill"] is None and "prefill" not in r
     d, ix = r["decode"], r["indexer"]
     assert "error" not in d and "error" not in ix, f"{msg}: {d} {ix}"

@@ -77,7 +77,7 @@ def test_3080_ranks_run_capdispatchs_method_against_the_reference(seed_rig, rank
     msg = f"seed {seed_rig['seed']} (MOE_TEST_SEED replays)"
     assert r["device"] == "NVIDIA GeForce RTX 3080" and not r["platform_is_sm120"]
     assert r["routed"] and r["backend"] == "triton_w4a16", r["why"]
-    assert r["route"] == "capdispatch.backends.moe.ops.moe_triton_w4a16"
+    assert r["route"] == "moe_triton_w4a16"
     assert "Mxfp4FlashinferTrtllmMoEMethod" in r["why"] and "tcgen05" in r["why"]
     assert r["method"] == "CapdispatchMxfp4MoEMethod" and r["moe_ep_rank"] == rank
     assert r["num_local_experts"] == 4 and r["fuses_routed_scaling_in_topk"]
@@ -182,7 +182,7 @@ def test_routed_layer_at_dsv4_shapes_on_the_gpu(tmp_path):
     g = r["gpu"]
     msg = f"seed {r['seed']}"
     assert g["routed"] and g["backend"] == "triton_w4a16" and g["method_is_capdispatch"], g.get("why")
-    assert g["route"] == "capdispatch.backends.moe.ops.moe_triton_w4a16"
+    assert g["route"] == "moe_triton_w4a16"
     assert g["num_local_experts"] == 64 and g["scale_dtype"] == "torch.float8_e8m0fnu"
     p = g["prepared"]
     assert p["packed_bytes_per_expert"] == 13_369_344

@@ -95,6 +95,7 @@ def named_bound(fn, op: str, backend: str, impl, functional, with_out):
     """FN, the bound function of OP=BACKEND with the contract's signature, named like
     its custom op, documented by IMPL and carrying both OpOverloads and IMPL (``kernel``)."""
     fn.__qualname__ = fn.__name__ = op_name(op, backend)
+    fn.__module__ = impl.__module__                 # where the kernel lives (exec gives none)
     fn.__doc__ = impl.__doc__
     fn.functional, fn.with_out, fn.kernel = functional, with_out, impl
     return fn
