@@ -61,7 +61,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from capdispatch.calibrate import inputs as CI  # noqa: E402 (after the path insertion)
+import capdispatch as cd  # noqa: E402 (after the path insertion)
+
+CI = cd.calibration_inputs
 
 SCALE = CI.SCALE
 H = CI.HEADS
@@ -89,12 +91,8 @@ TUNE_CONFIGS = [dict(BLOCK_H=bh, BLOCK_N=bn, num_warps=w, num_stages=st) for bh,
 
 
 def registry():
-    from capdispatch.backends.registry import BUILTIN_OP_PACKAGES, Registry
-    reg = Registry()
-    for pkg in dict.fromkeys(BUILTIN_OP_PACKAGES + ("capdispatch.backends.sparse_prefill",
-                                                    "capdispatch.backends.decode_mla")):
-        importlib.import_module(pkg).register(reg)
-    return reg
+    """The built-in ops and backends, no plugins."""
+    return cd.build_registry(plugins=False)
 
 
 def _bench_graph(fn, rep):

@@ -68,9 +68,10 @@ def tables(tiles):
 class Runner:
     def __init__(self, args, reg, bw, tflops, start):
         import torch
-        from capdispatch.calibrate import served
+
+        import capdispatch as cd
         self.args, self.reg, self.bw, self.tflops, self.start = args, reg, bw, tflops, start
-        self.capture = served.capture_max_bs(torch.cuda.get_device_properties(0).total_memory)
+        self.capture = cd.served_capture_max_bs(torch.cuda.get_device_properties(0).total_memory)
         self.rows = []
 
     def left(self):
@@ -82,13 +83,14 @@ class Runner:
         if tiles != "card":
             return tile_modes.checked(tiles, call)
         import torch
-        from capdispatch.backends import launch_limits as LL
+
+        import capdispatch as cd
         props = torch.cuda.get_device_properties(0)
         optin = getattr(props, "shared_memory_per_block_optin", None)
         if not optin:
             return call(), [], None
         cc = torch.cuda.get_device_capability(0)
-        with LL.tiles_as(LL.TileTarget(capability=cc, shared_bytes=int(optin), label="this card")) as scope:
+        with cd.tiles_as(cd.TileTarget(capability=cc, shared_bytes=int(optin), label="this card")) as scope:
             try:
                 return call(), list(scope.launches), None
             except Exception as exc:   # noqa: BLE001 - reported as the entry's error

@@ -55,7 +55,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from capdispatch.calibrate import inputs as CI  # noqa: E402 (after the path insertion)
+import capdispatch as cd  # noqa: E402 (after the path insertion)
+
+CI = cd.calibration_inputs
 
 H, D, PAGE = CI.INDEXER_HEADS, CI.INDEXER_DIM, CI.INDEXER_PAGE
 REL_TOL = CI.INDEXER_REL_TOL

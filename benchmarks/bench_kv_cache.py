@@ -39,7 +39,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from capdispatch.calibrate import inputs as CI  # noqa: E402 (after the path insertion)
+import capdispatch as cd  # noqa: E402 (after the path insertion)
+
+CI = cd.calibration_inputs
 
 QUANT_BYTES_PER_TOKEN = 1024 + 8 + 584
 DEQUANT_BYTES_PER_TOKEN = 584 + 8 + 1024

@@ -106,22 +106,14 @@ def _graph_time(fn):
 
 
 def _registry():
-    """The built-in ops plus moe (whether or not moe is wired into BUILTIN_OP_PACKAGES yet)."""
-    import importlib
-
-    from capdispatch.backends import moe
-    from capdispatch.backends import registry as r
-    reg = r.Registry()
-    for pkg in r.BUILTIN_OP_PACKAGES:
-        importlib.import_module(pkg).register(reg)
-    if "moe" not in reg.ops:
-        moe.register(reg)
-    return reg
+    """The built-in ops (moe among them), no plugins."""
+    import capdispatch as cd
+    return cd.build_registry(plugins=False)
 
 
 def _weights_copy(w):
-    from capdispatch.calibrate.inputs import copy_weights
-    return copy_weights(w)
+    import capdispatch as cd
+    return cd.calibration_inputs.copy_weights(w)
 
 
 def _available(name, allow_jit):

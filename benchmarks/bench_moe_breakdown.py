@@ -339,8 +339,7 @@ def run(a):
     from capdispatch.backends.moe import reference as R
     from capdispatch.backends.moe import triton_kernels as tk
     from capdispatch.backends.moe.launch_table import tiles_for
-    from capdispatch.calibrate.ladder import SERVED_ROUTE_SKEW
-    from capdispatch.calibrate.served import forward
+    SERVED_ROUTE_SKEW, forward = cd.SERVED_ROUTE_SKEW, cd.served_forward
     from ceilings import bench_graph, run_facts
 
     cands = parse_candidates(a.candidates)

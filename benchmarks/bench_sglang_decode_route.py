@@ -43,8 +43,8 @@ def run(args) -> int:
     import capdispatch as cd
     from capdispatch.adapters.sglang import routes
     from capdispatch.backends.decode_mla.library_args import pool_view
-    from capdispatch.calibrate import inputs as CI
     from ceilings import bench_graph
+    CI = cd.calibration_inputs
     fmi = importlib.import_module("sglang.kernels.ops.attention.flash_mla_interface")
     own = fmi.flash_mla_with_kvcache
     fn = cd.bind("decode_mla", "cuda:0", backend="flashmla", checks=False)

@@ -16,8 +16,8 @@ def bench(fn, warmup=25, rep=200):
 def bench_graph(fn, warmup=25, rep=200):
     """Median milliseconds of FN replayed from a CUDA graph, after eager warm-up (the
     calibration timer's graph mode: capdispatch.calibrate.timing.cuda_timer)."""
-    from capdispatch.calibrate.timing import cuda_timer
-    return cuda_timer(warmup_ms=warmup, rep_ms=rep)(fn, graph=True)
+    import capdispatch as cd
+    return cd.cuda_timer(warmup_ms=warmup, rep_ms=rep)(fn, graph=True)
 
 
 def copy_bandwidth(nbytes=2 << 30, warmup=25, rep=200):

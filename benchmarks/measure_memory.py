@@ -27,9 +27,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from capdispatch.backends.v4_layout import bytes_per_page  # noqa: E402 (after the path insertion)
-from capdispatch.models import load_model  # noqa: E402
-from capdispatch.models import memory as mem  # noqa: E402
+import capdispatch as cd  # noqa: E402 (after the path insertion)
+
+bytes_per_page, load_model, mem = cd.kv_page_bytes, cd.load_model, cd.memory_estimate
 
 MIB = 1 << 20
 

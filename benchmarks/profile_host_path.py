@@ -133,10 +133,9 @@ def _tensors(args, kwargs):
 def _load(op, backend):
     """What ``cd.bind(op, device, backend=backend)`` returns (and its checks=False variant),
     without the decision: the CPU cannot pass the fp8 backends' feature checks."""
-    from capdispatch.backends.registry import builtin
-    from capdispatch.backends.torch_ops import without_checks
-    fn = builtin().backend(op, backend).load()
-    return fn, without_checks(fn)
+    import capdispatch as cd
+    fn = cd.registry().backend(op, backend).load()
+    return fn, cd.without_checks(fn)
 
 
 def case_inputs(case, gen):

@@ -30,7 +30,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from capdispatch.dispatch import speed  # noqa: E402 (after the path insertion)
+import capdispatch as cd  # noqa: E402 (after the path insertion)
+
+speed = cd.speed_model
 
 
 def _runs(run_dir, prefix):
@@ -51,7 +53,7 @@ def points(first, second) -> list:
                 same = first.time(op, b, n)
                 rest = tuple(p for p in base if p[0] != n)
                 inside = rest and rest[0][0] < n < rest[-1][0]
-                loo = speed._interp(rest, n) if inside else None
+                loo = speed.interpolate(rest, n) if inside else None
                 rows.append({"op": op, "backend": b, "size": n, "measured_ms": ms, "same_ms": same,
                              "same_err": (same - ms) / ms, "left_out_ms": loo,
                              "left_out_err": (loo - ms) / ms if loo is not None else None})
@@ -75,7 +77,7 @@ def steps(first, second) -> list:
             for name, cal in (("first", first), ("second", second)):
                 total = 0.0
                 for op in first.times:
-                    size = speed._sizes(op, phase, n, shapes.next_n)
+                    size = speed.call_size(op, phase, n, shapes.next_n)
                     if size is None:
                         continue
                     b, _ = first.fastest(op, size)

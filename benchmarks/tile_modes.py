@@ -44,12 +44,12 @@ def target(mode: str):
     _check_mode(mode)
     if mode == "card":
         return None
-    from capdispatch.backends import launch_limits as LL
-    targets = [LL.card_target(k) for k in CARDS_99KB]
+    import capdispatch as cd
+    targets = [cd.card_tile_target(k) for k in CARDS_99KB]
     sizes = {t.shared_bytes for t in targets}
     if len(sizes) != 1:
         raise ValueError(f"the 99 KB cards {CARDS_99KB} disagree on shared memory per block: {sorted(sizes)}")
-    return LL.TileTarget(capability=targets[0].capability, shared_bytes=targets[0].shared_bytes, label=LABEL_99KB)
+    return cd.TileTarget(capability=targets[0].capability, shared_bytes=targets[0].shared_bytes, label=LABEL_99KB)
 
 
 def checked(mode: str, fn):
@@ -58,8 +58,8 @@ def checked(mode: str, fn):
     t = target(mode)
     if t is None:
         return fn(), [], None
-    from capdispatch.backends import launch_limits as LL
-    with LL.tiles_as(t) as scope:
+    import capdispatch as cd
+    with cd.tiles_as(t) as scope:
         try:
             return fn(), list(scope.launches), None
         except Exception as exc:   # noqa: BLE001 - e.g. no entry fits: the card would fail the same way
@@ -72,8 +72,8 @@ def timing(mode: str):
     t = target(mode)
     if t is None:
         return contextlib.nullcontext()
-    from capdispatch.backends import launch_limits as LL
-    return LL.tiles_as(t, check=False)
+    import capdispatch as cd
+    return cd.tiles_as(t, check=False)
 
 
 def launch_rows(launches) -> list:

@@ -97,6 +97,24 @@ _API = {
     # Bounded, non-blocking reading of a regular file (adapters read their own files so).
     "read_file": ("capdispatch.safe_io", "read_bytes"),
     "FileError": ("capdispatch.safe_io", "FileError"),
+    # For benchmarks: what they measure with and against, as calibration and serving do.
+    # A name whose attribute is None is the module itself, a namespace of related names.
+    "build_registry": ("capdispatch.backends.registry", "build"),    # a new one (plugins=False: built-ins only)
+    "without_checks": ("capdispatch.backends.torch_ops", "without_checks"),
+    "SizeArg": ("capdispatch.backends.base", "SizeArg"),
+    "size_dispatcher": ("capdispatch.dispatch.sized", "dispatcher"),
+    "TileTarget": ("capdispatch.backends.launch_limits", "TileTarget"),
+    "tiles_as": ("capdispatch.backends.launch_limits", "tiles_as"),
+    "card_tile_target": ("capdispatch.backends.launch_limits", "card_target"),
+    "kv_page_bytes": ("capdispatch.backends.v4_layout", "bytes_per_page"),
+    "compile_matrix": ("capdispatch.backends.compile_matrix", None),
+    "calibration_inputs": ("capdispatch.calibrate.inputs", None),
+    "cuda_timer": ("capdispatch.calibrate.timing", "cuda_timer"),
+    "served_forward": ("capdispatch.calibrate.served", "forward"),
+    "served_capture_max_bs": ("capdispatch.calibrate.served", "capture_max_bs"),
+    "SERVED_ROUTE_SKEW": ("capdispatch.calibrate.ladder", "SERVED_ROUTE_SKEW"),
+    "speed_model": ("capdispatch.dispatch.speed", None),
+    "memory_estimate": ("capdispatch.models.memory", None),
 }
 
 __all__ = sorted(_API)
@@ -112,7 +130,9 @@ def __getattr__(name):
     if name in _API:
         import importlib
         module, attr = _API[name]
-        value = getattr(importlib.import_module(module), attr)
+        value = importlib.import_module(module)
+        if attr is not None:
+            value = getattr(value, attr)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'capdispatch' has no attribute {name!r}")

@@ -34,10 +34,10 @@ def test_bench_json_is_read_and_merged():
 
 def test_interpolation():
     pts = ((1, 1.0), (4, 4.0), (16, 8.0))
-    assert speed._interp(pts, 1) == 1.0
-    assert speed._interp(pts, 2) == pytest.approx(2.0)          # log-log between 1 and 4
-    assert speed._interp(pts, 8) == pytest.approx(32 ** 0.5)     # between 4 and 16: sqrt(4 x 8)
-    assert speed._interp(pts, 32) == pytest.approx(16.0)        # proportional beyond the largest
+    assert speed.interpolate(pts, 1) == 1.0
+    assert speed.interpolate(pts, 2) == pytest.approx(2.0)          # log-log between 1 and 4
+    assert speed.interpolate(pts, 8) == pytest.approx(32 ** 0.5)     # between 4 and 16: sqrt(4 x 8)
+    assert speed.interpolate(pts, 32) == pytest.approx(16.0)        # proportional beyond the largest
 
 
 def test_bad_calibrations(tmp_path):

@@ -62,7 +62,7 @@ class Calibration:
         pts = self.times.get(op, {}).get(backend)
         if not pts:
             return None
-        return _interp(pts, size)
+        return interpolate(pts, size)
 
     def fastest(self, op: str, size: int):
         best = None
@@ -73,7 +73,7 @@ class Calibration:
         return best
 
 
-def _interp(pts, size) -> float:
+def interpolate(pts, size) -> float:
     """Log-log between measured sizes; proportional to size beyond the largest; the
     smallest size's time below it."""
     if size <= pts[0][0]:
@@ -232,7 +232,7 @@ def _card_key(spec) -> Optional[str]:
     return e["key"] if e else None
 
 
-def _sizes(op: str, phase: str, n: int, next_n: int) -> Optional[int]:
+def call_size(op: str, phase: str, n: int, next_n: int) -> Optional[int]:
     """The op's size argument in one call of the phase (None: the op does not run in it)."""
     if phase == "decode":
         return {"moe": n * next_n, "kv_quant": n * next_n, "decode_mla": n, "indexer": n}.get(op)
@@ -314,7 +314,7 @@ def predict(model, shapes, specs, decisions, cals, *, prefill: int = DEFAULT_PRE
             for i, spec in enumerate(specs):
                 ops = []
                 for op, per_dev in decisions.items():
-                    size = _sizes(op, phase, n, shapes.next_n)
+                    size = call_size(op, phase, n, shapes.next_n)
                     if size is None:
                         continue
                     res = per_dev[spec.id]
