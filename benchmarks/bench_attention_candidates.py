@@ -5,10 +5,10 @@ ones and against FlashMLA, all in their served form, in one run on a CUDA GPU.
         [--decode-tokens 1 8 32 64 128 4096] [--prefill-tokens 4096 16384]
         [--tiles card 99kb] [--codecs triton_fp8 triton]
 
-Served form (capdispatch/calibrate/served.py): every backend bound with ``checks=False``
+Served form (as calibration times it): every backend bound with ``checks=False``
 and called inside one ``capdispatch.batch()`` (FlashMLA's decode schedule built by the
 first call, before timing); decode replayed from a CUDA graph up to SGLang's capture
-bound for this card's memory (``served.capture_max_bs``), eager above it; prefill eager.
+bound for this card's memory (``cd.served_capture_max_bs``), eager above it; prefill eager.
 Shapes: DeepSeek-V4 at TP 1, 64 heads, head dim 512 (448 e4m3 nope + 64 bf16 rope per
 584-byte pool row); decode: a 128-entry SWA list over a page-256 pool plus a 512-entry
 c4 list over a page-64 pool, per token; prefill: top-k 512 bf16 rows of s_kv 65536.

@@ -5,7 +5,7 @@
 
 Shapes: E = 64 local experts, H = 4096, I = 2048, top-6, packed MXFP4 + E8M0 (13,369,344 B
 per expert), clamped SwiGLU (limit 10); routing skewed as calibration serves it
-(calibrate.ladder.SERVED_ROUTE_SKEW).
+(cd.SERVED_ROUTE_SKEW).
 
 1. Ceilings measured in this run: device-to-device copy of fresh 2 GiB buffers (40x the
    H200's L2) COPY_REPEATS times, bytes read + written, median and spread; the bf16

@@ -2,7 +2,7 @@
 rings and one MoE layer's routed experts on a CUDA card the way SGLang 0.5.23 lays them out
 (one uint8 [pages, page_bytes] tensor per layer and pool, paged as SGLang pages them; fp32 state
 rings per request slot; MXFP4 experts as packed bytes plus E8M0 scales), and compare the bytes
-`dispatch plan` estimates (capdispatch.models.memory) with what the allocation holds and with
+`dispatch plan` estimates (cd.memory_estimate) with what the allocation holds and with
 what torch.cuda.memory_allocated and cudaMemGetInfo report. Also the CUDA context's own memory
 against the plan's fixed allowance for it.
 

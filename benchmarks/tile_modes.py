@@ -39,7 +39,7 @@ def label(mode: str) -> str:
 
 
 def target(mode: str):
-    """The launch_limits.TileTarget of MODE, or None for the card's own tiles. The 99 KB
+    """The cd.TileTarget of MODE, or None for the card's own tiles. The 99 KB
     target is sm_86's; the three cards' shared memory must agree (the catalog says so)."""
     _check_mode(mode)
     if mode == "card":
