@@ -550,7 +550,9 @@ def test_triton_split_k_and_prefetch_poisoned(device, split, prefetch, T, monkey
     if T > 1:
         ids[T // 2] = -1
     base = tk.tiles_for(1.0, SMALL["H"], SMALL["I"], tk.INTERPRETED)
-    tiles = base._replace(SK1=split[0], SK2=split[1], PF=prefetch)
+    # K tiles of 64 (MXFP4 scale groups: multiples of 32) give the small shapes whole tiles
+    # per part on every path; the card's table takes 128, one tile of H = I = 128.
+    tiles = base._replace(BK1=min(base.BK1, 64), BK2=min(base.BK2, 64), SK1=split[0], SK2=split[1], PF=prefetch)
     plan = tk._Plan(T, SMALL["K"], SMALL["E"], SMALL["H"], SMALL["I"], True, tiles, False)
     assert (plan.SK1, plan.SK2) == split, f"{msg}: the split was not taken ({plan.SK1}, {plan.SK2})"
     out = torch.full((T, SMALL["H"]), float("nan"), dtype=torch.bfloat16, device=device)
