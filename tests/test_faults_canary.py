@@ -38,9 +38,24 @@ FAKE = {
 }
 
 
+# Runs `python ARGS...` with SIGINT at its default: a command started by a harness that runs
+# as a background job without job control would otherwise inherit SIGINT ignored.
+SIGINT_DEFAULT = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                  "os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
+
+
 def fake_boot(body: str) -> str:
     """A child program in runner._BOOT's shape (path from argv) that runs BODY."""
     return ("import json, sys; cfg = json.loads(sys.argv.pop(1)); sys.path[0:0] = cfg['path']; " + body)
+
+
+@pytest.fixture
+def sigint_raises():
+    """SIGINT raises KeyboardInterrupt during the test, as in an interactive process: a
+    harness run as a background job without job control inherits SIGINT ignored."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
 
 
 @pytest.fixture
@@ -151,7 +166,7 @@ def test_timeout_must_be_a_finite_positive_number(bad, capsys):
         cd.verify_decisions(cd.probe("cpu"), {"kv_dequant": "torch"}, budget_s=1, timeout_s=bad)
 
 
-def test_an_interrupt_kills_every_child_at_once(monkeypatch, tmpdir_only):
+def test_an_interrupt_kills_every_child_at_once(monkeypatch, tmpdir_only, sigint_raises):
     """KeyboardInterrupt in the calling thread, --jobs 4: every child's group killed within
     2 s, nothing cached, no folder left."""
     monkeypatch.setattr(runner, "_BOOT", fake_boot(FAKE["hang"]))
@@ -208,7 +223,7 @@ def test_verify_stops_within_2s_and_leaves_no_child(tmp_path):
                    CAPDISPATCH_CACHE_DIR=str(base / "cache"))
         env.pop("TRITON_INTERPRET", None)
         runs[sig] = (base, subprocess.Popen(
-            [sys.executable, "-m", "capdispatch", "verify", "--device", "cpu", "--op", "kv_dequant",
+            [sys.executable, "-c", SIGINT_DEFAULT, "-m", "capdispatch", "verify", "--device", "cpu", "--op", "kv_dequant",
              "--op", "kv_quant", "--backend", "torch", "--jobs", "8", "--timeout", "60"], env=env, cwd=ROOT, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True))
     try:
