@@ -125,36 +125,38 @@ _HP16W16S2 = dict(BLOCK_H=64, BLOCK_N=16, num_warps=16, num_stages=2)
 
 _S4 = dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=1, max_splits=4)
 
+CANDIDATE_CC = (9, 0)
+
+
+def _h200_with(lead: tuple, split_head: tuple) -> dict:
+    """The H200 table with LEAD first in prefill and one-pass decode, and SPLIT_HEAD in
+    place of the first split-decode entry."""
+    base = MEASURED_CONFIGS[CANDIDATE_CC]
+    return {"prefill": lead + base["prefill"], "decode": lead + base["decode"],
+            "decode_split": split_head + base["decode_split"][1:]}
+
+
 # For this card's capability (cc 9.0, 227 KB): name -> (what it changes, table).
 CANDIDATE_TABLES = {
     "w16": ("64x64 tiles on 16 warps instead of 8: the same head packing with the fp32 "
             "accumulator and the dequantised rows spread over twice the threads; but 512 "
             "threads cap a thread at 128 registers, and ptxas spills more (4.9 KB for the fp8 "
             "pool on sm_90a against 1 KB on 8 warps): timed to settle it, not expected to win",
-            {"prefill": (_W16,) + MEASURED_CONFIGS[(9, 0)]["prefill"],
-             "decode": (_W16,) + MEASURED_CONFIGS[(9, 0)]["decode"],
-             "decode_split": (_SINGLE_TOKEN, _W16) + MEASURED_CONFIGS[(9, 0)]["decode_split"][1:]}),
+            _h200_with((_W16,), (_SINGLE_TOKEN, _W16))),
     "bn32s2": ("64 heads x 32 rows, 2 stages: the next block's gather (bf16 rows: cp.async) "
                "overlaps this block's dots; 96-128 KB instead of 196 KB of shared memory and "
                "fewer spills (260 B for prefill on sm_90a against 344 B)",
-               {"prefill": (_BN32S2,) + MEASURED_CONFIGS[(9, 0)]["prefill"],
-                "decode": (_BN32S2,) + MEASURED_CONFIGS[(9, 0)]["decode"],
-                "decode_split": (_SINGLE_TOKEN, _BN32S2) + MEASURED_CONFIGS[(9, 0)]["decode_split"][1:]}),
+               _h200_with((_BN32S2,), (_SINGLE_TOKEN, _BN32S2))),
     "s4": ("the current tiles with split-K decode capped at 4 ranges per token: each split "
            "writes a 64 x 512 fp32 partial (128 KB) that the combine reads back, 10 MB at 8 "
            "tokens with 10 splits against 3 MB of K/V; fewer, longer programs trade SM fill "
            "for that traffic",
-           {"prefill": MEASURED_CONFIGS[(9, 0)]["prefill"],
-            "decode": MEASURED_CONFIGS[(9, 0)]["decode"],
-            "decode_split": (_SINGLE_TOKEN, _S4) + MEASURED_CONFIGS[(9, 0)]["decode_split"][1:]}),
+           _h200_with((), (_SINGLE_TOKEN, _S4))),
     "hp16": ("split-K decode with all 64 heads in one program from the first token (64 x 16 "
              "rows): every gathered row is dequantised once, not once per 16-head block, "
              "and 16-row blocks give a one-token list 40 blocks to split over",
-             {"prefill": MEASURED_CONFIGS[(9, 0)]["prefill"],
-              "decode": MEASURED_CONFIGS[(9, 0)]["decode"],
-              "decode_split": (_HP16,) + MEASURED_CONFIGS[(9, 0)]["decode_split"][1:]}),
+             _h200_with((), (_HP16,))),
 }
-CANDIDATE_CC = (9, 0)
 
 # For the 99 KB cards (SM86, SM89, SM120: 101376 B per block), in PORTABLE_CONFIGS' format.
 CANDIDATE_TABLES_99KB = {
