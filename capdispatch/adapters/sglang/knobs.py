@@ -242,7 +242,7 @@ def _release(r, node, where: str, registry) -> Release:
     selects = _selects(r, f.get("selects"), f.where("selects"), registry)
     routes = _routes(r, f.get("routes"), f.where("routes"), registry)
     entries, lines = _entries(r, f.get("backends"), f.where("backends"), registry, routes)
-    unmapped = _unmapped(r, models, entries, lines, f.where("backends"), registry)
+    unmapped = _unmapped(r, models, entries, lines, f.where("backends"), f.where("models"), registry)
     return Release(spec, hooks, models, settings, selects, routes, _arch(r, f["arch"], f.where("arch")),
                    entries, unmapped)
 
@@ -465,7 +465,7 @@ def _entry(r, node, where: str, op: str, backend: str, by_name: dict) -> Entry:
     return Entry(op, backend, kind, settings, routes, e.get("why", r.text), r.line(node))
 
 
-def _unmapped(r, models: dict, entries: dict, lines: dict, where: str, registry) -> tuple:
+def _unmapped(r, models: dict, entries: dict, lines: dict, where: str, models_where: str, registry) -> tuple:
     """A built-in backend of a model op without an entry is an error of the packaged map; a
     plugin's is reported (its name and the entry to add) and its decisions are not carried out."""
     from_plugin = {b: p.name for p in registry.plugins if p.ok for b in p.backends}
@@ -485,14 +485,13 @@ def _unmapped(r, models: dict, entries: dict, lines: dict, where: str, registry)
             f"not carried out inside SGLang")) for b in missing]
     # A plugin's op no model lists: decided at the launch and reported, with what to add.
     listed = {op for m in models.values() for op in m.ops}
-    release = where.rsplit(".", 1)[0] if where.endswith(".backends") else where
     for op in registry.ops:
         names = [f"{op}/{b.name}" for b in registry.backends(op)]
         if op in listed or not names or not all(n in from_plugin for n in names):
             continue
         plugin = from_plugin[names[0]]
         message = (f"the knob map's models do not list op {op} (plugin {plugin!r}): add it to "
-                   f"{release}.models.{next(iter(models), 'ARCHITECTURE')}.ops and an entry per backend "
+                   f"{models_where}.{next(iter(models), 'ARCHITECTURE')}.ops and an entry per backend "
                    f"under {where}.{op} ({r.path}); until then a decision for it is reported, not carried "
                    f"out inside SGLang")
         out += [Unmapped(op, n.split("/", 1)[1], plugin, message) for n in names]
