@@ -578,12 +578,16 @@ def test_split_k_falls_back_to_parts_that_divide():
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=_interp, id="interp"),
                                     pytest.param("cuda", marks=_gpu + [_no_interp_on_gpu], id="cuda")])
 def test_triton_routing_tables_both_paths(device):
-    """The one-program routing kernel and the torch path build the same tables."""
+    """The one-program routing kernel and the torch path build the same tables, on both
+    sides of every chunk-size boundary of the launch table (16, 17, 64, 65 routes)."""
+    from capdispatch.backends.moe.launch_table import routing_launch
     seed = new_seed()
     gen = torch.Generator().manual_seed(seed)
     tk = _tk()
+    assert [routing_launch(r)[0] for r in (1, 16, 17, 64, 65, 2048)] == [16, 16, 64, 64, 128, 128]
     for E, T, K, BM, frac in [(6, 1, 4, 16, 0.0), (6, 13, 4, 16, 0.3), (64, 64, 6, 16, 0.5), (5, 7, 3, 32, 1.0),
-                              (64, 300, 6, 32, 0.2)]:
+                              (64, 300, 6, 32, 0.2), (64, 4, 4, 16, 0.0), (64, 17, 1, 16, 0.1), (64, 16, 4, 16, 0.2),
+                              (64, 13, 5, 32, 0.0)]:
         _, ids = R.random_routing(T, K, E, gen=gen, device=device, mask_frac=frac)
         a = tk.routing_tables(ids, E, BM)
         b = tk.routing_tables(ids, E, BM, force_torch=True)

@@ -238,12 +238,14 @@ def moe_jobs(t: Target) -> list:
         out.append(Job("moe", "moe.triton_kernels:_combine_kernel", f"BN=1024 split{sk}",
                        dict(sig["_combine_kernel"]), dict(TOPK=MOE_SHAPE["TOPK"], BN=1024, EXACT_RNE=False,
                                                          SPLIT=sk), num_warps=4))
-    # The routing kernel's largest tables: 128 experts, ROUTING_MAX_ROUTES routes, the smallest BM.
+    # The routing kernel per launch-table row, at the largest tables that row serves: 128
+    # experts, its most routes (ROUTING_MAX_ROUTES for the last row), the smallest BM.
     bm = min(s.BM for s in seen)
     ep = 128
-    bp = 1 << (K.max_blocks(K.ROUTING_MAX_ROUTES, ep, bm) - 1).bit_length()
-    out.append(Job("moe", "moe.triton_kernels:_routing_kernel", f"EP={ep} BP={bp} BM={bm}",
-                   dict(sig["_routing_kernel"]), dict(CH=K.ROUTING_CHUNK, EP=ep, BP=bp, BM=bm), num_warps=4))
+    for most, ch, warps in _mod("moe.launch_table").ROUTING_LAUNCHES:
+        bp = max(16, 1 << (K.max_blocks(most or K.ROUTING_MAX_ROUTES, ep, bm) - 1).bit_length())
+        out.append(Job("moe", "moe.triton_kernels:_routing_kernel", f"CH={ch} w{warps} EP={ep} BP={bp} BM={bm}",
+                       dict(sig["_routing_kernel"]), dict(CH=ch, EP=ep, BP=bp, BM=bm), num_warps=warps))
     out.append(Job("moe", "moe.triton_kernels:_combine_kernel", "BN=1024",
                    dict(sig["_combine_kernel"]), dict(TOPK=MOE_SHAPE["TOPK"], BN=1024, EXACT_RNE=False, SPLIT=1),
                    num_warps=4))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["Tiles", "tiles_for"]
+__all__ = ["Tiles", "tiles_for", "ROUTING_LAUNCHES", "routing_launch"]
 
 
 class Tiles(NamedTuple):
@@ -43,3 +43,19 @@ def tiles_for(avg_rows: float, H: int, I: int, interpreted: bool) -> Tiles:
         return Tiles(64, 64, 64, 4, 3, 128, 64, 8, 3)
     # Prefill: 128 rows share each decoded weight tile (the decode is ALU work per weight).
     return Tiles(128, 64, 64, 8, 3, 128, 64, 4, 3)
+
+
+# The one-program routing kernel's scan chunk (routes per step) and warps, by route count:
+# (most routes, CH, warps), first match. Its time is a chain of dependent scans over
+# [CH, experts], so a decode call wants the smallest chunk that holds its routes; one warp
+# also skips the cross-warp exchanges of each scan. Timed on an H200 in CUDA graphs at 64
+# experts and top-6 (benchmarks/sweep_moe_routing.py, 2026-12-03,
+# results/moe_routing_nvidia_h200_20261203T163549.md): 6 routes 2.4 us against 6.1 us with
+# (128, 4); 48 routes 6.0 us against 7.8 us (32 routes on one warp is as fast); 384 routes
+# (128, 4) stays the fastest, 17.9 us.
+ROUTING_LAUNCHES = ((16, 16, 1), (64, 64, 4), (None, 128, 4))
+
+
+def routing_launch(routes: int) -> tuple:
+    """(CH, num_warps) of the routing kernel for ROUTES routes (ROUTING_LAUNCHES)."""
+    return next((ch, warps) for most, ch, warps in ROUTING_LAUNCHES if most is None or routes <= most)

@@ -35,14 +35,14 @@ from ...errors import ArgumentError
 from .. import launch_limits as _limits
 from ..device_scope import cdiv, on_device_of
 from ..triton_common.env import check_device, interpreted, jit_module
-from .launch_table import Tiles, tiles_for
+from .launch_table import Tiles, routing_launch, tiles_for
 from .reference import check_moe_args
 from .weights import CHECKPOINT
 
 __all__ = ["moe_w4a16", "routing_tables", "ROUTING_MAX_ROUTES", "Tiles", "KERNEL_PARTS"]
 
 ROUTING_MAX_ROUTES = 2048      # one-program routing kernel up to this many routes (torch ops beyond)
-ROUTING_CHUNK = 128            # routes per scan step: [128, EP] int32 scratch, fits 99 KB cards
+ROUTING_CHUNK = 128            # largest scan step (routing_launch): [128, EP] int32 scratch, fits 99 KB cards
 
 # The toolbox's bf16 rounding (triton_common), built the way these kernels are.
 _round_bf16 = jit_module("codec").round_bf16
@@ -273,8 +273,9 @@ def routing_tables(topk_ids: torch.Tensor, E: int, BM: int, force_torch: bool = 
     if R <= ROUTING_MAX_ROUTES and E <= 128 and not force_torch:
         EP = max(16, triton.next_power_of_2(E))
         BP = max(16, triton.next_power_of_2(MAXB))
+        CH, warps = routing_launch(R)
         _limits.launch(_routing_kernel, (1,))(ids, sorted_routes, blk[0], blk[1], blk[2], R, E, MAXB,
-                              CH=ROUTING_CHUNK, EP=EP, BP=BP, BM=BM, num_warps=4)
+                              CH=CH, EP=EP, BP=BP, BM=BM, num_warps=warps)
         return sorted_routes, blk[0], blk[1], blk[2]
     ids64 = ids.long()
     key = torch.where(ids64 >= 0, ids64, E)
@@ -530,7 +531,7 @@ def _alloc(shape, dtype, device):
 class _Plan:
     """One shape class's launches on one device: the tiles, the routing table's size and
     kind, every grid, constexpr and launch option of the kernels."""
-    __slots__ = ("R", "MAXB", "route_grid", "route_tail", "torch_routing", "BM", "g1_grid", "g1_tail", "g1_opts",
+    __slots__ = ("R", "MAXB", "route_grid", "route_tail", "route_warps", "torch_routing", "BM", "g1_grid", "g1_tail", "g1_opts",
                  "g2_grid", "g2_tail", "g2_opts", "c_grid", "c_tail", "SK1", "SK2", "a_grid", "a_tail")
 
     def __init__(self, T, K, E, H, I, has_limit, tiles, force_torch_routing):
@@ -554,7 +555,8 @@ class _Plan:
         MAXB = self.MAXB = max_blocks(R, E, BM)
         self.torch_routing = not (R <= ROUTING_MAX_ROUTES and E <= 128 and not force_torch_routing)
         self.route_grid = (1,)
-        self.route_tail = (ROUTING_CHUNK, max(16, triton.next_power_of_2(E)), max(16, triton.next_power_of_2(MAXB)),
+        CH, self.route_warps = routing_launch(R)
+        self.route_tail = (CH, max(16, triton.next_power_of_2(E)), max(16, triton.next_power_of_2(MAXB)),
                            BM)
         self.g1_grid = (MAXB, cdiv(I, BN1)) + ((SK1,) if SK1 > 1 else ())
         self.g2_grid = (MAXB, cdiv(H, BN2)) + ((SK2,) if SK2 > 1 else ())
@@ -618,7 +620,7 @@ def moe_w4a16(x, weights, topk_weights, topk_ids, out=None, *, checks: bool = Tr
             blk = torch.empty((3, MAXB), dtype=torch.int32, device=dev)
             be, bs, bend = blk
             _limits.launch(_routing_kernel, plan.route_grid)(ids, sorted_routes, be, bs, bend, R, E, MAXB,
-                                                             *plan.route_tail, num_warps=4)
+                                                             *plan.route_tail, num_warps=plan.route_warps)
         h = _alloc((R, I), torch.bfloat16, dev)           # rows of masked routes: never written/read
         routed = _alloc((plan.SK2, R, H), torch.float32, dev)
         lim = float(limit) if limit is not None else 0.0
