@@ -10,6 +10,13 @@ import pytest
 
 from capdispatch.backends import compile_matrix as M
 
+sys.path.insert(0, os.path.dirname(__file__))
+# The tests here read the kernel modules' tables in this process (jobs_for imports them);
+# under the fixture they are imported the way every other CPU test imports them (for the
+# interpreter), so a later test never inherits compiled kernels from this file. The
+# compiles themselves run in a fresh process without TRITON_INTERPRET.
+from triton_env import _triton_interpreter  # noqa: E402,F401 (autouse fixture)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _SCRIPT = r"""

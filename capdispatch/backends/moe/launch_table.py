@@ -49,10 +49,10 @@ def tiles_for(avg_rows: float, H: int, I: int, interpreted: bool) -> Tiles:
 # (most routes, CH, warps), first match. Its time is a chain of dependent scans over
 # [CH, experts], so a decode call wants the smallest chunk that holds its routes; one warp
 # also skips the cross-warp exchanges of each scan. Timed on an H200 in CUDA graphs at 64
-# experts and top-6 (benchmarks/sweep_moe_routing.py, 2026-12-03,
-# results/moe_routing_nvidia_h200_20261203T163549.md): 6 routes 2.4 us against 6.1 us with
-# (128, 4); 48 routes 6.0 us against 7.8 us (32 routes on one warp is as fast); 384 routes
-# (128, 4) stays the fastest, 17.9 us.
+# experts and top-6 (benchmarks/sweep_moe_routing.py, 2026-12-03): 6 routes 2.4 us against
+# 6.1 us with (128, 4); 48 routes 6.0 us against 7.8 us (a 32-route chunk on one warp is as fast);
+# 384 routes (128, 4) stays the fastest, 17.9 us.
+# benchmarks/results/moe_routing_nvidia_h200_20261203T163549.md
 ROUTING_LAUNCHES = ((16, 16, 1), (64, 64, 4), (None, 128, 4))
 
 
