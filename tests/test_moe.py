@@ -564,6 +564,37 @@ def test_triton_split_k_and_prefetch_poisoned(device, split, prefetch, T, monkey
     masked_rows_zero(got, ids, msg)
 
 
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=_interp, id="interp"),
+                                    pytest.param("cuda", marks=_gpu + [_no_interp_on_gpu], id="cuda")])
+@pytest.mark.parametrize("ids_dtype", [torch.int32, torch.int64])
+def test_triton_one_token_blocks_its_own_routes(device, ids_dtype, monkeypatch):
+    """One token: no routing launch, each route its own GEMM block (DIRECT). A masked route,
+    two routes to one expert, both index dtypes, output and scratch poisoned with NaN:
+    equal to the reference, and bit for bit to the routing table's path (tiles forcing the
+    torch routing); two tokens keep the table."""
+    seed = new_seed()
+    msg = f"triton/{device} {ids_dtype} seed={seed}"
+    tk = _tk()
+    w, x, tw, ids = make_case(seed, **SMALL, T=1, device=device, mask_frac=0.0)
+    ids = ids.to(ids_dtype)
+    ids[0, 1] = -1
+    ids[0, 2] = ids[0, 0]
+    plan = tk._Plan(1, SMALL["K"], SMALL["E"], SMALL["H"], SMALL["I"], True, None, False)
+    assert plan.direct and plan.g1_grid[0] == SMALL["K"], msg
+    assert not tk._Plan(2, SMALL["K"], SMALL["E"], SMALL["H"], SMALL["I"], True, None, False).direct
+    launched = []
+    real_launch = tk._limits.launch
+    monkeypatch.setattr(tk._limits, "launch", lambda fn, grid: launched.append(fn) or real_launch(fn, grid))
+    monkeypatch.setattr(tk, "_alloc", lambda shape, dtype, dev: torch.full(shape, float("nan"), dtype=dtype,
+                                                                           device=dev))
+    out = torch.full((1, SMALL["H"]), float("nan"), dtype=torch.bfloat16, device=device)
+    got = tk.moe_w4a16(x, poisoned_weights(w), tw, ids, out=out)
+    assert tk._routing_kernel not in launched and len(launched) == 3, msg
+    table = tk.moe_w4a16(x, w, tw, ids, force_torch_routing=True)
+    assert torch.equal(got.view(torch.int16), table.view(torch.int16)), f"{msg}: differs from the table's path"
+    assert_close_w4a16(got, R.moe(x, w, tw, ids), msg, tight=True)
+
+
 def test_split_k_falls_back_to_parts_that_divide():
     """A split whose parts would not hold whole K tiles takes fewer parts (down to 1)."""
     tk = _tk()

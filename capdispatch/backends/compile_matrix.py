@@ -211,15 +211,18 @@ def moe_jobs(t: Target) -> list:
         BM, BN1, BK1, W1, S1, BN2, BK2, W2, S2 = tiles[:9]
         BK1 = BK1 if H % BK1 == 0 else 64
         BK2 = BK2 if I % BK2 == 0 else 64
-        label = f"BM={BM}"
-        out.append(Job("moe", "moe.triton_kernels:_gemm1_swiglu_kernel", f"{label} n{BN1}k{BK1}w{W1}s{S1}",
-                       dict(sig["_gemm1_swiglu_kernel"]),
-                       dict(TOPK=MOE_SHAPE["TOPK"], HAS_LIMIT=True, F32=False, BM=BM, BN=BN1, BK=BK1, SPLIT=1,
-                            PREFETCH=0),
-                       num_warps=W1, num_stages=S1))
-        out.append(Job("moe", "moe.triton_kernels:_gemm2_kernel", f"{label} n{BN2}k{BK2}w{W2}s{S2}",
-                       dict(sig["_gemm2_kernel"]), dict(F32=False, BM=BM, BN=BN2, BK=BK2, SPLIT=1, PREFETCH=0),
-                       num_warps=W2, num_stages=S2))
+        # The decode class also runs one token's blocks without a routing table (DIRECT).
+        for direct in ((0, 1) if avg == MOE_SIZE_CLASSES[0] else (0,)):
+            label = f"BM={BM}" + (" direct" if direct else "")
+            out.append(Job("moe", "moe.triton_kernels:_gemm1_swiglu_kernel", f"{label} n{BN1}k{BK1}w{W1}s{S1}",
+                           dict(sig["_gemm1_swiglu_kernel"]),
+                           dict(TOPK=MOE_SHAPE["TOPK"], HAS_LIMIT=True, F32=False, BM=BM, BN=BN1, BK=BK1, SPLIT=1,
+                                PREFETCH=0, DIRECT=direct),
+                           num_warps=W1, num_stages=S1))
+            out.append(Job("moe", "moe.triton_kernels:_gemm2_kernel", f"{label} n{BN2}k{BK2}w{W2}s{S2}",
+                           dict(sig["_gemm2_kernel"]),
+                           dict(F32=False, BM=BM, BN=BN2, BK=BK2, SPLIT=1, PREFETCH=0, DIRECT=direct),
+                           num_warps=W2, num_stages=S2))
     # Split-K candidates of the decode class (Tiles.SK1/SK2 > 1): the split GEMMs differ from
     # the unsplit ones only in their K range and stores, plus the SwiGLU reduce and the
     # combine's sum over parts.
@@ -228,9 +231,9 @@ def moe_jobs(t: Target) -> list:
         out.append(Job("moe", "moe.triton_kernels:_gemm1_swiglu_kernel",
                        f"BM={t.BM} n{t.BN1}k{t.BK1}w{t.W1}s{t.S1} split{sk}", dict(sig["_gemm1_swiglu_kernel"]),
                        dict(TOPK=MOE_SHAPE["TOPK"], HAS_LIMIT=True, F32=False, BM=t.BM, BN=t.BN1, BK=t.BK1,
-                            SPLIT=sk, PREFETCH=0), num_warps=t.W1, num_stages=t.S1))
+                            SPLIT=sk, PREFETCH=0, DIRECT=0), num_warps=t.W1, num_stages=t.S1))
         out.append(Job("moe", "moe.triton_kernels:_gemm2_kernel", f"BM={t.BM} n{t.BN2}k{t.BK2}w{t.W2}s{t.S2} split{sk}",
-                       dict(sig["_gemm2_kernel"]), dict(F32=False, BM=t.BM, BN=t.BN2, BK=t.BK2, SPLIT=sk, PREFETCH=0),
+                       dict(sig["_gemm2_kernel"]), dict(F32=False, BM=t.BM, BN=t.BN2, BK=t.BK2, SPLIT=sk, PREFETCH=0, DIRECT=0),
                        num_warps=t.W2, num_stages=t.S2))
         out.append(Job("moe", "moe.triton_kernels:_swiglu_reduce_kernel", f"split{sk} RP=512 BN=1024",
                        dict(sig["_swiglu_reduce_kernel"]),

@@ -20,6 +20,9 @@ Three launches plus one small routing kernel, no atomics (bit-stable run to run)
 4. combine: y[t] = sum over k in order of routed[t*K+k] where id >= 0 (loads of
    masked rows are masked off: never read), rounded to bf16 once.
 
+One token skips 1: each of its routes is a block of its own, whose expert the GEMMs read
+from topk_ids (DIRECT).
+
 The grid of 2 and 3 is an upper bound (routes // BM + min(E, routes) blocks) known on
 the host without reading device data, so nothing synchronises and the launch
 sequence is capturable in a CUDA graph. Shapes: H and I multiples of 64.
@@ -303,29 +306,44 @@ def routing_tables(topk_ids: torch.Tensor, E: int, BM: int, force_torch: bool = 
 # GEMMs
 # --------------------------------------------------------------------------- #
 @triton.jit
-def _gemm1_swiglu_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, sorted_ptr, blk_expert_ptr, blk_start_ptr,
-                         blk_end_ptr, H, I, R, stride_x, limit: tl.float32,
-                         TOPK: tl.constexpr, HAS_LIMIT: tl.constexpr, F32: tl.constexpr,
-                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr = 1,
-                         PREFETCH: tl.constexpr = 0):
-    """SPLIT == 1: h = SwiGLU(x @ [gate; up]^T) stored bf16. SPLIT > 1: program (b, n, s)
-    sums the s-th of SPLIT equal K ranges and stores gate and up float32 partials at
-    part[s, position, 0:I] and [I:2I] (_swiglu_reduce_kernel finishes them).
-    PREFETCH: the next K tile's weight bytes and scales are loaded into registers before
-    this tile is decoded, so each warp keeps two tiles of loads in flight (the decoded
-    loads feed register arithmetic, which Triton's pipeliner does not stage)."""
-    pid_b = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    # Each part is whole K tiles (the host checks): say so, or the loads lose their vector width.
-    KS = tl.multiple_of(H // SPLIT, BK) if SPLIT > 1 else H
-    k_lo = tl.multiple_of(tl.program_id(2) * KS, BK) if SPLIT > 1 else 0
-    e = tl.load(blk_expert_ptr + pid_b)
-    if e >= 0:
+def _block_rows(pid_b, sorted_ptr, blk_start_ptr, blk_end_ptr, BM: tl.constexpr, DIRECT: tl.constexpr):
+    """(positions [BM], their mask, their routes) of block PID_B. From the routing table; or,
+    DIRECT (one token: its routes are its blocks, none shares a row), position and route b
+    alone, read from nothing (the block's expert is then topk_ids[b] itself)."""
+    if DIRECT:
+        offs_m = pid_b + tl.arange(0, BM)
+        mask_m = offs_m < pid_b + 1
+        route = offs_m
+    else:
         start = tl.load(blk_start_ptr + pid_b)
         end = tl.load(blk_end_ptr + pid_b)
         offs_m = start + tl.arange(0, BM)
         mask_m = offs_m < end
         route = tl.load(sorted_ptr + offs_m, mask=mask_m, other=0)
+    return offs_m, mask_m, route
+
+
+@triton.jit
+def _gemm1_swiglu_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, sorted_ptr, blk_expert_ptr, blk_start_ptr,
+                         blk_end_ptr, H, I, R, stride_x, limit: tl.float32,
+                         TOPK: tl.constexpr, HAS_LIMIT: tl.constexpr, F32: tl.constexpr,
+                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr = 1,
+                         PREFETCH: tl.constexpr = 0, DIRECT: tl.constexpr = 0):
+    """SPLIT == 1: h = SwiGLU(x @ [gate; up]^T) stored bf16. SPLIT > 1: program (b, n, s)
+    sums the s-th of SPLIT equal K ranges and stores gate and up float32 partials at
+    part[s, position, 0:I] and [I:2I] (_swiglu_reduce_kernel finishes them).
+    PREFETCH: the next K tile's weight bytes and scales are loaded into registers before
+    this tile is decoded, so each warp keeps two tiles of loads in flight (the decoded
+    loads feed register arithmetic, which Triton's pipeliner does not stage).
+    DIRECT: block b is route b alone (_block_rows), with no routing table."""
+    pid_b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    # Each part is whole K tiles (the host checks): say so, or the loads lose their vector width.
+    KS = tl.multiple_of(H // SPLIT, BK) if SPLIT > 1 else H
+    k_lo = tl.multiple_of(tl.program_id(2) * KS, BK) if SPLIT > 1 else 0
+    e = tl.load(blk_expert_ptr + pid_b).to(tl.int32)
+    if e >= 0:
+        offs_m, mask_m, route = _block_rows(pid_b, sorted_ptr, blk_start_ptr, blk_end_ptr, BM, DIRECT)
         tok = (route // TOPK).to(tl.int64)
         offs_n = pid_n * BN + tl.arange(0, BN)
         mask_n = offs_n < I
@@ -418,22 +436,19 @@ def _swiglu_reduce_kernel(part_ptr, h_ptr, ids_ptr, R, I, limit: tl.float32,
 def _gemm2_kernel(h_ptr, w_ptr, s_ptr, tw_ptr, routed_ptr, sorted_ptr, blk_expert_ptr, blk_start_ptr, blk_end_ptr,
                   H, I, R, F32: tl.constexpr,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr = 1,
-                  PREFETCH: tl.constexpr = 0):
+                  PREFETCH: tl.constexpr = 0, DIRECT: tl.constexpr = 0):
     """routed[s, route] = top-k weight * (h @ w2^T) over the s-th of SPLIT equal K ranges
     (SPLIT == 1: the whole of I, s = 0); the combine sums the SPLIT partials in order.
-    PREFETCH: as _gemm1_swiglu_kernel's."""
+    PREFETCH and DIRECT: as _gemm1_swiglu_kernel's."""
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
     # Each part is whole K tiles (the host checks): say so, or the loads lose their vector width.
     KS = tl.multiple_of(I // SPLIT, BK) if SPLIT > 1 else I
     k_lo = tl.multiple_of(tl.program_id(2) * KS, BK) if SPLIT > 1 else 0
-    e = tl.load(blk_expert_ptr + pid_b)
+    e = tl.load(blk_expert_ptr + pid_b).to(tl.int32)
     if e >= 0:
-        start = tl.load(blk_start_ptr + pid_b)
-        end = tl.load(blk_end_ptr + pid_b)
-        offs_m = start + tl.arange(0, BM)
-        mask_m = offs_m < end
-        route = tl.load(sorted_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+        offs_m, mask_m, route = _block_rows(pid_b, sorted_ptr, blk_start_ptr, blk_end_ptr, BM, DIRECT)
+        route = route.to(tl.int64)
         offs_n = pid_n * BN + tl.arange(0, BN)
         mask_n = offs_n < H
         e64 = e.to(tl.int64)
@@ -531,7 +546,7 @@ def _alloc(shape, dtype, device):
 class _Plan:
     """One shape class's launches on one device: the tiles, the routing table's size and
     kind, every grid, constexpr and launch option of the kernels."""
-    __slots__ = ("R", "MAXB", "route_grid", "route_tail", "route_warps", "torch_routing", "BM", "g1_grid", "g1_tail", "g1_opts",
+    __slots__ = ("R", "MAXB", "direct", "route_grid", "route_tail", "route_warps", "torch_routing", "BM", "g1_grid", "g1_tail", "g1_opts",
                  "g2_grid", "g2_tail", "g2_opts", "c_grid", "c_tail", "SK1", "SK2", "a_grid", "a_tail")
 
     def __init__(self, T, K, E, H, I, has_limit, tiles, force_torch_routing):
@@ -552,7 +567,11 @@ class _Plan:
             SK2 //= 2
         self.SK1, self.SK2 = SK1, SK2
         self.BM = BM
-        MAXB = self.MAXB = max_blocks(R, E, BM)
+        # One token: each route is a block of its own, the routing launch is skipped and the
+        # GEMMs take their experts from topk_ids (DIRECT). Split GEMM1's reduce reads
+        # compacted positions, so a split keeps the table.
+        self.direct = T == 1 and SK1 == 1 and not force_torch_routing
+        MAXB = self.MAXB = R if self.direct else max_blocks(R, E, BM)
         self.torch_routing = not (R <= ROUTING_MAX_ROUTES and E <= 128 and not force_torch_routing)
         self.route_grid = (1,)
         CH, self.route_warps = routing_launch(R)
@@ -561,8 +580,8 @@ class _Plan:
         self.g1_grid = (MAXB, cdiv(I, BN1)) + ((SK1,) if SK1 > 1 else ())
         self.g2_grid = (MAXB, cdiv(H, BN2)) + ((SK2,) if SK2 > 1 else ())
         PF = tiles.PF
-        self.g1_tail = (K, has_limit, INTERPRETED, BM, BN1, BK1, SK1, PF)
-        self.g2_tail = (INTERPRETED, BM, BN2, BK2, SK2, PF)
+        self.g1_tail = (K, has_limit, INTERPRETED, BM, BN1, BK1, SK1, PF, int(self.direct))
+        self.g2_tail = (INTERPRETED, BM, BN2, BK2, SK2, PF, int(self.direct))
         self.g1_opts, self.g2_opts = dict(num_warps=W1, num_stages=S1), dict(num_warps=W2, num_stages=S2)
         BNA = min(1024, triton.next_power_of_2(I))
         self.a_grid = (R, cdiv(I, BNA))
@@ -613,7 +632,9 @@ def moe_w4a16(x, weights, topk_weights, topk_ids, out=None, *, checks: bool = Tr
     tw = topk_weights if topk_weights.is_contiguous() else topk_weights.contiguous()
     R, MAXB = plan.R, plan.MAXB
     with on_device_of(x):
-        if plan.torch_routing:
+        if plan.direct:
+            sorted_routes = be = bs = bend = ids.view(-1)      # the experts; the rest is never read
+        elif plan.torch_routing:
             sorted_routes, be, bs, bend = routing_tables(ids, E, plan.BM, force_torch=True)
         else:
             sorted_routes = torch.empty(max(R, 1), dtype=torch.int32, device=dev)
