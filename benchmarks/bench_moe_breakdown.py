@@ -275,8 +275,8 @@ def sass_facts(configs, ccs=(86, 90), workers=1):
         for cc in ccs:
             for name, consts, warps, stages in (
                     ("gemm1", dict(TOPK=TOPK, HAS_LIMIT=True, F32=False, BM=t.BM, BN=t.BN1, BK=t.BK1, SPLIT=t.SK1,
-                                   PREFETCH=t.PF, DIRECT=0), t.W1, t.S1),
-                    ("gemm2", dict(F32=False, BM=t.BM, BN=t.BN2, BK=t.BK2, SPLIT=t.SK2, PREFETCH=t.PF, DIRECT=0), t.W2, t.S2)):
+                                   PREFETCH=t.PF), t.W1, t.S1),
+                    ("gemm2", dict(F32=False, BM=t.BM, BN=t.BN2, BK=t.BK2, SPLIT=t.SK2, PREFETCH=t.PF), t.W2, t.S2)):
                 key = (cc, name, tuple(sorted(consts.items())), warps, stages)
                 if key not in seen:
                     seen.add(key)

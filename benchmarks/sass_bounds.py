@@ -76,12 +76,12 @@ def jobs(only=None) -> list:
         out.append((row, M.Job("moe", "moe.triton_kernels:_gemm1_swiglu_kernel", f"BM={BM} n{BN1}k{BK1}w{W1}s{S1}",
                                dict(sig["_gemm1_swiglu_kernel"]),
                                dict(TOPK=MOE_TOPK, HAS_LIMIT=True, F32=False, BM=BM, BN=BN1, BK=BK1, SPLIT=1,
-                                    PREFETCH=0, DIRECT=0),
+                                    PREFETCH=0),
                                num_warps=W1, num_stages=S1),
                     dict(weight_bytes=2 * BN1 * BK1 // 2 + 2 * BN1 * BK1 // 32, act_bytes=BM * BK1 * 2,
                          flops=2 * BM * 2 * BN1 * BK1, dtype="bf16", iters=MOE_H // BK1)))
         out.append((row, M.Job("moe", "moe.triton_kernels:_gemm2_kernel", f"BM={BM} n{BN2}k{BK2}w{W2}s{S2}",
-                               dict(sig["_gemm2_kernel"]), dict(F32=False, BM=BM, BN=BN2, BK=BK2, SPLIT=1, PREFETCH=0, DIRECT=0),
+                               dict(sig["_gemm2_kernel"]), dict(F32=False, BM=BM, BN=BN2, BK=BK2, SPLIT=1, PREFETCH=0),
                                num_warps=W2, num_stages=S2),
                     dict(weight_bytes=BN2 * BK2 // 2 + BN2 * BK2 // 32, act_bytes=BM * BK2 * 2,
                          flops=2 * BM * BN2 * BK2, dtype="bf16", iters=MOE_I // BK2)))

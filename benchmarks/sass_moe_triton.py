@@ -39,10 +39,10 @@ def main(argv=None):
     t = tk.tiles_for(a.avg_rows, 4096, 2048, False)
     sigs = tk.COMPILE_SIGNATURES
     jobs = [("gemm1_swiglu", tk._gemm1_swiglu_kernel, sigs["_gemm1_swiglu_kernel"],
-             dict(TOPK=6, HAS_LIMIT=True, F32=False, BM=t.BM, BN=t.BN1, BK=t.BK1, SPLIT=t.SK1, PREFETCH=t.PF, DIRECT=0),
+             dict(TOPK=6, HAS_LIMIT=True, F32=False, BM=t.BM, BN=t.BN1, BK=t.BK1, SPLIT=t.SK1, PREFETCH=t.PF),
              t.W1, t.S1),
             ("gemm2", tk._gemm2_kernel, sigs["_gemm2_kernel"],
-             dict(F32=False, BM=t.BM, BN=t.BN2, BK=t.BK2, SPLIT=t.SK2, PREFETCH=t.PF, DIRECT=0), t.W2, t.S2)]
+             dict(F32=False, BM=t.BM, BN=t.BN2, BK=t.BK2, SPLIT=t.SK2, PREFETCH=t.PF), t.W2, t.S2)]
     print(f"sm_{a.cc}, {t}")
     for name, fn, sig, consts, warps, stages in jobs:
         n, mix = main_loop(sass(fn, sig, consts, warps, stages, a.cc))

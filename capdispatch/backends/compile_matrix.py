@@ -28,7 +28,7 @@ import attrs
 from ..capabilities import catalog
 from ..capabilities.features import derive
 
-__all__ = ["TARGETS", "Target", "Job", "Row", "target", "jobs_for", "kv_cache_jobs", "indexer_jobs", "attention_jobs", "moe_jobs", "covering_set", "compile_job", "run"]
+__all__ = ["TARGETS", "Target", "Job", "Row", "target", "jobs_for", "kv_cache_jobs", "indexer_jobs", "attention_jobs", "moe_jobs", "covering_set", "compile_job", "with_defaults", "run"]
 
 # Catalog architecture keys; Triton builds cc 9.0 / 10.0 / 12.0 as sm_90a / sm_100a / sm_120a.
 TARGETS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120")
@@ -231,9 +231,9 @@ def moe_jobs(t: Target) -> list:
         out.append(Job("moe", "moe.triton_kernels:_gemm1_swiglu_kernel",
                        f"BM={t.BM} n{t.BN1}k{t.BK1}w{t.W1}s{t.S1} split{sk}", dict(sig["_gemm1_swiglu_kernel"]),
                        dict(TOPK=MOE_SHAPE["TOPK"], HAS_LIMIT=True, F32=False, BM=t.BM, BN=t.BN1, BK=t.BK1,
-                            SPLIT=sk, PREFETCH=0, DIRECT=0), num_warps=t.W1, num_stages=t.S1))
+                            SPLIT=sk, PREFETCH=0), num_warps=t.W1, num_stages=t.S1))
         out.append(Job("moe", "moe.triton_kernels:_gemm2_kernel", f"BM={t.BM} n{t.BN2}k{t.BK2}w{t.W2}s{t.S2} split{sk}",
-                       dict(sig["_gemm2_kernel"]), dict(F32=False, BM=t.BM, BN=t.BN2, BK=t.BK2, SPLIT=sk, PREFETCH=0, DIRECT=0),
+                       dict(sig["_gemm2_kernel"]), dict(F32=False, BM=t.BM, BN=t.BN2, BK=t.BK2, SPLIT=sk, PREFETCH=0),
                        num_warps=t.W2, num_stages=t.S2))
         out.append(Job("moe", "moe.triton_kernels:_swiglu_reduce_kernel", f"split{sk} RP=512 BN=1024",
                        dict(sig["_swiglu_reduce_kernel"]),
@@ -273,6 +273,15 @@ _REGS = re.compile(r"Used (\d+) registers")
 _SPILL = re.compile(r"(\d+) bytes spill stores")
 
 
+def with_defaults(fn, constexprs: dict) -> dict:
+    """CONSTEXPRS plus the value of each constexpr parameter of the @triton.jit FN that has a
+    default and is not given: an offline compile (ASTSource) takes every constexpr, where a
+    launch fills the defaults itself."""
+    import inspect
+    return dict({p.name: p.default for p in fn.params
+                 if p.is_constexpr and p.default is not inspect.Parameter.empty}, **constexprs)
+
+
 def compile_job(job: Job, t: Target) -> Row:
     """Compile ``job`` for ``t``; a failure is a row with its error, never an exception."""
     import tempfile
@@ -286,7 +295,8 @@ def compile_job(job: Job, t: Target) -> Row:
     fn = getattr(_mod(mod), name)
     if not isinstance(fn, triton.runtime.jit.JITFunction):
         raise RuntimeError("the compile matrix needs the kernels imported without TRITON_INTERPRET")
-    sig = dict(job.signature, **{k: "constexpr" for k in job.constexprs})
+    constexprs = with_defaults(fn, job.constexprs)
+    sig = dict(job.signature, **{k: "constexpr" for k in constexprs})
     log = io.StringIO()
     base = dict(target=t.key, op=job.op, kernel=name, variant=job.variant, limit=t.smem)
     # A fresh cache directory: every compile runs ptxas, whose -v log gives registers and spills.
@@ -295,7 +305,7 @@ def compile_job(job: Job, t: Target) -> Row:
         knobs.nvidia.dump_ptxas_log = True
         try:
             with contextlib.redirect_stdout(log):
-                ck = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=job.constexprs),
+                ck = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
                                     target=GPUTarget("cuda", t.number, 32),
                                     options=dict(num_warps=job.num_warps, num_stages=job.num_stages))
         except Exception as exc:   # what Triton raises is the finding (e.g. fp8e4nv below 8.9)
