@@ -88,7 +88,7 @@ def _map_tensors(args, kwargs, fn, leaves=torch.Tensor):
             return fn(a)
         if isinstance(a, MoeWeights):
             return MoeWeights.from_parts(*(m(t) for t in (a.w13, a.w13_scale, a.w2, a.w2_scale)), a.num_experts,
-                                         a.hidden, a.intermediate, a.swiglu_limit, a.layout, list(a.aux),
+                                         a.hidden, a.intermediate, a.scale_max, a.swiglu_limit, a.layout, list(a.aux),
                                          [m(t) for t in a.aux.values()])
         return a
     return tuple(m(a) for a in args), {k: m(v) for k, v in kwargs.items()}

@@ -281,7 +281,7 @@ def test_triton_dequant_tile_exact(device):
         rn = tl.arange(0, BN)
         v = _DEQUANT_TILE(w_ptr + rn[:, None] * (BK // 2) + tl.arange(0, BK // 2)[None, :],
                              s_ptr + rn[:, None] * (BK // 32) + tl.arange(0, BK // 32)[None, :],
-                             rn < BN, BN, BK, True)
+                             rn < BN, BN, BK, True, 0)
         tl.store(o_ptr + rn[:, None] * BK + tl.arange(0, BK)[None, :], v)
 
     packed = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(8, 32).to(device)   # all codes
@@ -321,19 +321,49 @@ def test_e8m0_to_bf16_every_byte(device):
             assert got[s].item() == math.ldexp(1.0, s - 127), (s, got[s].item())
 
 
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=_interp, id="interp"),
+                                    pytest.param("cuda", marks=_gpu + [_no_interp_on_gpu], id="cuda")])
+def test_e8m0_to_bf16_folded_every_byte(device):
+    """The folded scale: 2**126 * 2**(s-127) = 2**(s-1) exactly for every byte up to
+    FOLD_SCALE_MAX (128), the bytes the host sends down that path."""
+    import math
+    import triton
+    import triton.language as tl
+    global _E8M0_BF16_FOLDED
+    _E8M0_BF16_FOLDED = _tk()._e8m0_to_bf16_folded
+    from capdispatch.backends.moe.weights import FOLD_SCALE_MAX
+    assert FOLD_SCALE_MAX == 128
+
+    @triton.jit
+    def kernel(s_ptr, o_ptr):
+        i = tl.arange(0, 256)
+        m = i <= 128
+        tl.store(o_ptr + i, _E8M0_BF16_FOLDED(tl.load(s_ptr + i, mask=m, other=0).to(tl.int32)), mask=m)
+
+    out = torch.full((256,), 7.0, dtype=torch.bfloat16, device=device)
+    kernel[(1,)](torch.arange(256, dtype=torch.int32).to(torch.uint8).to(device), out)
+    got = out.cpu().float()
+    for s in range(129):
+        assert got[s].item() == math.ldexp(1.0, s - 1), (s, got[s].item())
+    assert bool((got[129:] == 7.0).all())
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 @_no_interp_on_gpu
-def test_gpu_e2m1_ptx_decode_bit_exact():
+@pytest.mark.parametrize("fold", [0, 1])
+def test_gpu_e2m1_ptx_decode_bit_exact(fold):
     """The GPU path's PTX decode (every byte x scale bytes 0, 1, 2, 100, 126, 127, 128, 200,
-    253, 254, 255) equals, bit for bit, the float32 decode the interpreter path runs (same
-    kernel, same device) rounded to bf16, and the reference's: NaN where the scale is 255,
-    +-inf past bf16's range, signed zeros kept."""
+    253, 254, 255; FOLD: the bytes up to 128 only, through the one-fma decode) equals, bit
+    for bit, the float32 decode the interpreter path runs (same kernel, same device) rounded
+    to bf16, and the reference's: NaN where the scale is 255, +-inf past bf16's range,
+    signed zeros kept."""
     import triton
     import triton.language as tl
     global _E2M1_BF16, _E8M0_BF16, _FP16_F32, _E8M0_F32
     tk = _tk()
-    _E2M1_BF16, _E8M0_BF16 = tk._e2m1_bf16, tk._e8m0_to_bf16
+    _E2M1_BF16, _E8M0_BF16 = ((tk._e2m1_bf16_folded, tk._e8m0_to_bf16_folded) if fold
+                              else (tk._e2m1_bf16, tk._e8m0_to_bf16))
     _FP16_F32, _E8M0_F32 = tk._fp16_bits_to_f32, tk._e8m0_to_f32
 
     @triton.jit
@@ -349,7 +379,7 @@ def test_gpu_e2m1_ptx_decode_bit_exact():
         tl.store(flo_ptr + i, _FP16_F32(((w & 0x07) << 9) | ((w & 0x08) << 12)) * sc)
         tl.store(fhi_ptr + i, _FP16_F32(((w & 0x70) << 5) | ((w & 0x80) << 8)) * sc)
 
-    scales = [0, 1, 2, 100, 126, 127, 128, 200, 253, 254, 255]
+    scales = [0, 1, 2, 100, 126, 127, 128] + ([] if fold else [200, 253, 254, 255])
     n = 256 * 16                                      # 11 scales x 256 bytes, padded with scale 127
     wb = torch.arange(256, dtype=torch.int32).repeat(16).to(torch.uint8)
     sb = torch.tensor(scales + [127] * (16 - len(scales)), dtype=torch.uint8).repeat_interleave(256)
@@ -368,14 +398,15 @@ def test_gpu_e2m1_ptx_decode_bit_exact():
                                       f"{int(got[bad[0]]) & 0xFFFF:#06x} != {int(other[bad[0]]) & 0xFFFF:#06x}")
 
 
+@pytest.mark.parametrize("fold", [0, 1])
 @pytest.mark.parametrize("BM", [16, 64])
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=_interp, id="interp"),
                                     pytest.param("cuda", marks=_gpu + [_no_interp_on_gpu], id="cuda")])
-def test_dot_dequant_identity_is_the_weights(device, BM):
+def test_dot_dequant_identity_is_the_weights(device, BM, fold):
     """Rows of the identity @ dequant(w)^T through the kernels' _dot_dequant is dequant(w)^T
     exactly: each k lands on its own weight, both nibbles, every scale group, rows past
     mask_n zero. BM 16 takes the even/odd-column dots, 64 the interleaved tile; on the GPU
-    both decode in PTX."""
+    both decode in PTX, with FOLD the one-fma decode (scale bytes up to 128)."""
     import triton
     import triton.language as tl
     global _DOT_DEQUANT
@@ -385,7 +416,7 @@ def test_dot_dequant_identity_is_the_weights(device, BM):
 
     @triton.jit
     def kernel(a_ptr, w_ptr, s_ptr, o_ptr, NV, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-               F32: tl.constexpr):
+               F32: tl.constexpr, FOLD: tl.constexpr):
         rn = tl.arange(0, BN)
         rm = tl.program_id(0) * BM + tl.arange(0, BM)
         a = tl.load(a_ptr + rm[:, None] * BK + tl.arange(0, BK)[None, :])
@@ -393,18 +424,18 @@ def test_dot_dequant_identity_is_the_weights(device, BM):
             a = a.to(tl.float32)
         acc = _DOT_DEQUANT(tl.zeros((BM, BN), dtype=tl.float32), a,
                            w_ptr + rn[:, None] * (BK // 2) + tl.arange(0, BK // 2)[None, :],
-                           s_ptr + rn[:, None] * (BK // 32) + tl.arange(0, BK // 32)[None, :], rn < NV, BN, BK, F32)
+                           s_ptr + rn[:, None] * (BK // 32) + tl.arange(0, BK // 32)[None, :], rn < NV, BN, BK, F32, FOLD)
         tl.store(o_ptr + rm[:, None] * BN + rn[None, :], acc)
 
     seed = new_seed()
     gen = torch.Generator().manual_seed(seed)
     BN, BK, NV = 32, 128, 29
     packed = torch.randint(0, 256, (BN, BK // 2), generator=gen, dtype=torch.int32).to(torch.uint8)
-    scales = torch.randint(100, 150, (BN, BK // 32), generator=gen, dtype=torch.int32).to(torch.uint8)
+    scales = torch.randint(100, 129 if fold else 150, (BN, BK // 32), generator=gen, dtype=torch.int32).to(torch.uint8)
     eye = torch.eye(BK, dtype=torch.bfloat16)
     out = torch.full((BK, BN), float("nan"), dtype=torch.float32, device=device)
     kernel[(BK // BM,)](eye.to(device), packed.to(device), scales.to(device), out, NV, BM=BM, BN=BN, BK=BK,
-                        F32=tk.INTERPRETED)
+                        F32=tk.INTERPRETED, FOLD=fold)
     want = R.dequant_rows(packed, scales)
     want[NV:] = 0.0
     got = out.cpu().t()
@@ -489,10 +520,15 @@ CPU_CASES = [
 @pytest.mark.parametrize("backend,device", CPU_CASES + [
     pytest.param("triton_w4a16", "cuda", id="triton-cuda", marks=_gpu + [_no_interp_on_gpu])])
 @pytest.mark.parametrize("T", [1, 9])
-def test_triton_vs_reference_small(backend, device, T):
+@pytest.mark.parametrize("scales", [(119, 125), (124, 131)], ids=["folded", "scales-past-128"])
+def test_triton_vs_reference_small(backend, device, T, scales):
+    """Against the reference; scale bytes up to 128 take the one-fma decode on the GPU
+    (the 2**126 folded into the scales), larger ones the two-fma decode."""
     seed = new_seed()
-    msg = f"{backend}/{device} T={T} seed={seed}"
-    w, x, tw, ids = make_case(seed, **SMALL, T=T, device=device, mask_frac=0.3)
+    msg = f"{backend}/{device} T={T} scales={scales} seed={seed}"
+    w, x, tw, ids = make_case(seed, **SMALL, T=T, device=device, mask_frac=0.3, scale_lo=scales[0],
+                              scale_hi=scales[1])
+    assert (w.scale_max <= 128) == (scales[1] <= 128), (w.scale_max, scales)
     if T > 1:
         ids[1] = -1
     ref = R.moe(x, w, tw, ids)
@@ -761,18 +797,19 @@ DQ = tk._dequant_tile
 def kernel(w_ptr, s_ptr, o_ptr, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
     rn = tl.arange(0, BN)
     v = DQ(w_ptr + rn[:, None] * (BK // 2) + tl.arange(0, BK // 2)[None, :],
-           s_ptr + rn[:, None] * (BK // 32) + tl.arange(0, BK // 32)[None, :], rn < BN, BN, BK, F32)
+           s_ptr + rn[:, None] * (BK // 32) + tl.arange(0, BK // 32)[None, :], rn < BN, BN, BK, F32, 0)
     tl.store(o_ptr + rn[:, None] * BK + tl.arange(0, BK)[None, :], v)
 
 DD = tk._dot_dequant
 
 @triton.jit
-def dot_kernel(a_ptr, w_ptr, s_ptr, o_ptr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+def dot_kernel(a_ptr, w_ptr, s_ptr, o_ptr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+               FOLD: tl.constexpr):
     rn = tl.arange(0, BN)
     rm = tl.arange(0, BM)
     a = tl.load(a_ptr + rm[:, None] * BK + tl.arange(0, BK)[None, :])
     acc = DD(tl.zeros((BM, BN), dtype=tl.float32), a, w_ptr + rn[:, None] * (BK // 2) + tl.arange(0, BK // 2)[None, :],
-             s_ptr + rn[:, None] * (BK // 32) + tl.arange(0, BK // 32)[None, :], rn < BN, BN, BK, False)
+             s_ptr + rn[:, None] * (BK // 32) + tl.arange(0, BK // 32)[None, :], rn < BN, BN, BK, False, FOLD)
     tl.store(o_ptr + rm[:, None] * BN + rn[None, :], acc)
 
 for cc in map(int, sys.argv[1:]):
@@ -781,10 +818,14 @@ for cc in map(int, sys.argv[1:]):
         sig = dict(w_ptr="*u8", s_ptr="*u8", o_ptr="*fp32", BN="constexpr", BK="constexpr", F32="constexpr")
         triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=dict(BN=8, BK=64, F32=f32)), target=target)
     sig = dict(a_ptr="*bf16", w_ptr="*u8", s_ptr="*u8", o_ptr="*fp32", BM="constexpr", BN="constexpr",
-               BK="constexpr")
-    ck = triton.compile(ASTSource(fn=dot_kernel, signature=sig, constexprs=dict(BM=16, BN=32, BK=128)),
-                        target=target)
-    assert "fma.rn.bf16x2" in ck.asm["ptx"], cc       # the PTX decode, not the float32 path
+               BK="constexpr", FOLD="constexpr")
+    fmas = []
+    for fold in (0, 1):
+        ck = triton.compile(ASTSource(fn=dot_kernel, signature=sig, constexprs=dict(BM=16, BN=32, BK=128, FOLD=fold)),
+                            target=target)
+        fmas.append(ck.asm["ptx"].count("fma.rn.bf16x2"))
+    # The PTX decode, not the float32 path: two fmas per pair, one when the scales fold.
+    assert fmas[0] > 0 and fmas[1] * 2 == fmas[0], (cc, fmas)
 print("compiled")
 """
 

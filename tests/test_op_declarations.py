@@ -81,7 +81,7 @@ _ARGS_INDEXER = ("Tensor q, Tensor kv_cache, Tensor weights, Tensor context_lens
 _ARGS_PREFILL = ("Tensor q, Tensor kv, Tensor indices, float sm_scale, int d_v=512, Tensor? attn_sink=None, "
                  "Tensor? topk_length=None, *, bool use_legacy=True")
 _ARGS_MOE = ("Tensor x, Tensor w13, Tensor w13_scale, Tensor w2, Tensor w2_scale, int num_experts, int hidden, "
-             "int intermediate, float? swiglu_limit, str layout, str[] aux_keys, Tensor[] aux, "
+             "int intermediate, int scale_max, float? swiglu_limit, str layout, str[] aux_keys, Tensor[] aux, "
              "Tensor topk_weights, Tensor topk_ids")
 SCHEMAS = {
     "kv_quant": ("(Tensor k, Tensor(a!) pool, Tensor loc, int page_size, *, bool checks=True) -> ()", None),

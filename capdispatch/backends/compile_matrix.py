@@ -211,18 +211,20 @@ def moe_jobs(t: Target) -> list:
         BM, BN1, BK1, W1, S1, BN2, BK2, W2, S2 = tiles[:9]
         BK1 = BK1 if H % BK1 == 0 else 64
         BK2 = BK2 if I % BK2 == 0 else 64
-        # The decode class also runs one token's blocks without a routing table (DIRECT).
+        # The decode class also runs one token's blocks without a routing table (DIRECT);
+        # every class decodes with the scales folded (scale bytes <= 128) or not.
         for direct in ((0, 1) if avg == MOE_SIZE_CLASSES[0] else (0,)):
-            label = f"BM={BM}" + (" direct" if direct else "")
-            out.append(Job("moe", "moe.triton_kernels:_gemm1_swiglu_kernel", f"{label} n{BN1}k{BK1}w{W1}s{S1}",
-                           dict(sig["_gemm1_swiglu_kernel"]),
-                           dict(TOPK=MOE_SHAPE["TOPK"], HAS_LIMIT=True, F32=False, BM=BM, BN=BN1, BK=BK1, SPLIT=1,
-                                PREFETCH=0, DIRECT=direct),
-                           num_warps=W1, num_stages=S1))
-            out.append(Job("moe", "moe.triton_kernels:_gemm2_kernel", f"{label} n{BN2}k{BK2}w{W2}s{S2}",
-                           dict(sig["_gemm2_kernel"]),
-                           dict(F32=False, BM=BM, BN=BN2, BK=BK2, SPLIT=1, PREFETCH=0, DIRECT=direct),
-                           num_warps=W2, num_stages=S2))
+            for fold in (1, 0):
+                label = f"BM={BM}" + (" direct" if direct else "") + ("" if fold else " unfolded")
+                out.append(Job("moe", "moe.triton_kernels:_gemm1_swiglu_kernel", f"{label} n{BN1}k{BK1}w{W1}s{S1}",
+                               dict(sig["_gemm1_swiglu_kernel"]),
+                               dict(TOPK=MOE_SHAPE["TOPK"], HAS_LIMIT=True, F32=False, BM=BM, BN=BN1, BK=BK1,
+                                    SPLIT=1, PREFETCH=0, DIRECT=direct, FOLD=fold),
+                               num_warps=W1, num_stages=S1))
+                out.append(Job("moe", "moe.triton_kernels:_gemm2_kernel", f"{label} n{BN2}k{BK2}w{W2}s{S2}",
+                               dict(sig["_gemm2_kernel"]),
+                               dict(F32=False, BM=BM, BN=BN2, BK=BK2, SPLIT=1, PREFETCH=0, DIRECT=direct, FOLD=fold),
+                               num_warps=W2, num_stages=S2))
     # Split-K candidates of the decode class (Tiles.SK1/SK2 > 1): the split GEMMs differ from
     # the unsplit ones only in their K range and stores, plus the SwiGLU reduce and the
     # combine's sum over parts.

@@ -40,7 +40,7 @@ from ..device_scope import cdiv, on_device_of
 from ..triton_common.env import check_device, interpreted, jit_module
 from .launch_table import Tiles, routing_launch, tiles_for
 from .reference import check_moe_args
-from .weights import CHECKPOINT
+from .weights import CHECKPOINT, FOLD_SCALE_MAX
 
 __all__ = ["moe_w4a16", "routing_tables", "ROUTING_MAX_ROUTES", "Tiles", "KERNEL_PARTS"]
 
@@ -132,6 +132,49 @@ fma.rn.bf16x2 $3, p, $6, nz;
 """)
 
 
+# As _E2M1_ASM with the 2**126 folded into the scales ($5, $6 hold 2**126 times the E8M0
+# scale, _e8m0_to_bf16_folded): one fma per pair. Exact while every scale byte is at most
+# 128 (the folded scale 2**(s-1) is then a bf16 number), which MoeWeights.scale_bytes_max
+# tells the host.
+_E2M1_ASM_FOLDED = tl.constexpr("""
+{
+.reg .b32 t, p, nz;
+mov.b32 nz, 0x80008000;
+shl.b32 t, $4, 4;
+prmt.b32 p, t, 0, 0x9180;
+shl.b32 p, p, 2;
+and.b32 p, p, 0x81C081C0;
+fma.rn.bf16x2 $0, p, $5, nz;
+prmt.b32 p, t, 0, 0xB3A2;
+shl.b32 p, p, 2;
+and.b32 p, p, 0x81C081C0;
+fma.rn.bf16x2 $1, p, $6, nz;
+prmt.b32 p, $4, 0, 0x9180;
+shl.b32 p, p, 2;
+and.b32 p, p, 0x81C081C0;
+fma.rn.bf16x2 $2, p, $5, nz;
+prmt.b32 p, $4, 0, 0xB3A2;
+shl.b32 p, p, 2;
+and.b32 p, p, 0x81C081C0;
+fma.rn.bf16x2 $3, p, $6, nz;
+}
+""")
+
+
+@triton.jit
+def _e8m0_to_bf16_folded(s):
+    """E8M0 byte (int32 0..128) -> bf16 2**126 * 2**(s-127) = 2**(s-1), exact (bytes above
+    128 never reach it: the host picks _e8m0_to_bf16 and two fmas for those weights)."""
+    return ((s + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _e2m1_bf16_folded(wb, scale):
+    """_e2m1_bf16 with a folded scale (_e8m0_to_bf16_folded)."""
+    return tl.inline_asm_elementwise(_E2M1_ASM_FOLDED, "=r,=r,=r,=r,r,r,r", [wb, scale],
+                                     dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+
+
 @triton.jit
 def _e2m1_bf16(wb, scale):
     """uint8 MXFP4 bytes and a bf16 scale tensor of their shape -> (low-nibble, high-nibble)
@@ -141,25 +184,30 @@ def _e2m1_bf16(wb, scale):
 
 
 @triton.jit
-def _decode_halves(w_ptrs, s_ptrs, mask_n, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
+def _decode_halves(w_ptrs, s_ptrs, mask_n, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr,
+                   FOLD: tl.constexpr):
     """Packed rows [BN, BK/2] bytes + scales [BN, BK/32] -> (low, high) nibble values, each
     [BN, BK/2]: element j is byte j's weight k = 2j (low) or 2j + 1 (high). F32 (the
     interpreter) decodes in float32 with Triton ops; the GPU path decodes to bf16 in PTX
     (_E2M1_ASM), the same values bit for bit."""
     wb = tl.load(w_ptrs, mask=mask_n[:, None], other=0)
     sb = tl.load(s_ptrs, mask=mask_n[:, None], other=127)
-    return _decode_loaded(wb, sb, BN, BK, F32)
+    return _decode_loaded(wb, sb, BN, BK, F32, FOLD)
 
 
 @triton.jit
-def _decode_loaded(wb, sb, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
-    """_decode_halves of bytes already loaded: wb uint8 [BN, BK/2], sb uint8 [BN, BK/32]."""
+def _decode_loaded(wb, sb, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr, FOLD: tl.constexpr):
+    """_decode_halves of bytes already loaded: wb uint8 [BN, BK/2], sb uint8 [BN, BK/32].
+    FOLD (every scale byte <= 128): one fma per pair on the GPU (_E2M1_ASM_FOLDED)."""
     sb = sb.to(tl.int32)
     if F32:
         w = tl.reshape(wb.to(tl.int32), (BN, BK // 32, 16))
         sc = _e8m0_to_f32(sb)[:, :, None]
         lo = _fp16_bits_to_f32(((w & 0x07) << 9) | ((w & 0x08) << 12)) * sc
         hi = _fp16_bits_to_f32(((w & 0x70) << 5) | ((w & 0x80) << 8)) * sc
+    elif FOLD:
+        sc = tl.broadcast_to(_e8m0_to_bf16_folded(sb)[:, :, None], (BN, BK // 32, 16))
+        lo, hi = _e2m1_bf16_folded(tl.reshape(wb, (BN, BK // 32, 16)), sc)
     else:
         sc = tl.broadcast_to(_e8m0_to_bf16(sb)[:, :, None], (BN, BK // 32, 16))
         lo, hi = _e2m1_bf16(tl.reshape(wb, (BN, BK // 32, 16)), sc)
@@ -167,10 +215,11 @@ def _decode_loaded(wb, sb, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr
 
 
 @triton.jit
-def _dequant_tile(w_ptrs, s_ptrs, mask_n, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
+def _dequant_tile(w_ptrs, s_ptrs, mask_n, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr,
+                  FOLD: tl.constexpr):
     """Packed rows [BN, BK/2] bytes + scales [BN, BK/32] -> bf16 [BN, BK] (float32 when F32),
     element 2j the low nibble of byte j, 2j + 1 the high one."""
-    lo, hi = _decode_halves(w_ptrs, s_ptrs, mask_n, BN, BK, F32)
+    lo, hi = _decode_halves(w_ptrs, s_ptrs, mask_n, BN, BK, F32, FOLD)
     return tl.reshape(tl.join(lo, hi), (BN, BK))
 
 
@@ -183,24 +232,25 @@ SPLIT_MAX_BM = tl.constexpr(64)
 
 
 @triton.jit
-def _dot_dequant(acc, a, w_ptrs, s_ptrs, mask_n, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
+def _dot_dequant(acc, a, w_ptrs, s_ptrs, mask_n, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr,
+                 FOLD: tl.constexpr):
     """acc + a [BM, BK] @ dequant(w)^T. Below SPLIT_MAX_BM rows the low nibbles (even k)
     and high nibbles (odd k) go to two dots against the even and odd columns of ``a``:
     the same products, with no interleave of the decoded halves."""
     if a.shape[0] < SPLIT_MAX_BM:
-        lo, hi = _decode_halves(w_ptrs, s_ptrs, mask_n, BN, BK, F32)
+        lo, hi = _decode_halves(w_ptrs, s_ptrs, mask_n, BN, BK, F32, FOLD)
         a_even, a_odd = tl.split(tl.reshape(a, (a.shape[0], BK // 2, 2)))
         acc = tl.dot(a_even, tl.trans(lo), acc)
         acc = tl.dot(a_odd, tl.trans(hi), acc)
     else:
-        acc = tl.dot(a, tl.trans(_dequant_tile(w_ptrs, s_ptrs, mask_n, BN, BK, F32)), acc)
+        acc = tl.dot(a, tl.trans(_dequant_tile(w_ptrs, s_ptrs, mask_n, BN, BK, F32, FOLD)), acc)
     return acc
 
 
 @triton.jit
-def _dot_loaded(acc, a, wb, sb, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr):
+def _dot_loaded(acc, a, wb, sb, BN: tl.constexpr, BK: tl.constexpr, F32: tl.constexpr, FOLD: tl.constexpr):
     """_dot_dequant of weight bytes and scales already loaded (the prefetching loops)."""
-    lo, hi = _decode_loaded(wb, sb, BN, BK, F32)
+    lo, hi = _decode_loaded(wb, sb, BN, BK, F32, FOLD)
     if a.shape[0] < SPLIT_MAX_BM:
         a_even, a_odd = tl.split(tl.reshape(a, (a.shape[0], BK // 2, 2)))
         acc = tl.dot(a_even, tl.trans(lo), acc)
@@ -328,7 +378,7 @@ def _gemm1_swiglu_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, sorted_ptr, blk_e
                          blk_end_ptr, H, I, R, stride_x, limit: tl.float32,
                          TOPK: tl.constexpr, HAS_LIMIT: tl.constexpr, F32: tl.constexpr,
                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr = 1,
-                         PREFETCH: tl.constexpr = 0, DIRECT: tl.constexpr = 0):
+                         PREFETCH: tl.constexpr = 0, DIRECT: tl.constexpr = 0, FOLD: tl.constexpr = 0):
     """SPLIT == 1: h = SwiGLU(x @ [gate; up]^T) stored bf16. SPLIT > 1: program (b, n, s)
     sums the s-th of SPLIT equal K ranges and stores gate and up float32 partials at
     part[s, position, 0:I] and [I:2I] (_swiglu_reduce_kernel finishes them).
@@ -378,8 +428,8 @@ def _gemm1_swiglu_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, sorted_ptr, blk_e
                 a = tl.load(x_ptr + tok[:, None] * stride_x + (k0 + kx)[None, :], mask=mask_m[:, None], other=0.0)
                 if F32:
                     a = a.to(tl.float32)
-                acc_g = _dot_loaded(acc_g, a, cwg, csg, BN, BK, F32)
-                acc_u = _dot_loaded(acc_u, a, cwu, csu, BN, BK, F32)
+                acc_g = _dot_loaded(acc_g, a, cwg, csg, BN, BK, F32, FOLD)
+                acc_u = _dot_loaded(acc_u, a, cwu, csu, BN, BK, F32, FOLD)
         else:
             for kk in range(0, KS, BK):
                 k0 = k_lo + kk
@@ -388,10 +438,10 @@ def _gemm1_swiglu_kernel(x_ptr, w_ptr, s_ptr, h_ptr, part_ptr, sorted_ptr, blk_e
                     a = a.to(tl.float32)
                 acc_g = _dot_dequant(acc_g, a, w_base + rows_g[:, None] * (H // 2) + (k0 // 2 + kb)[None, :],
                                      s_base + rows_g[:, None] * (H // 32) + (k0 // 32 + ks)[None, :], mask_n, BN,
-                                     BK, F32)
+                                     BK, F32, FOLD)
                 acc_u = _dot_dequant(acc_u, a, w_base + rows_u[:, None] * (H // 2) + (k0 // 2 + kb)[None, :],
                                      s_base + rows_u[:, None] * (H // 32) + (k0 // 32 + ks)[None, :], mask_n, BN,
-                                     BK, F32)
+                                     BK, F32, FOLD)
         if SPLIT > 1:
             prow = (tl.program_id(2) * R + offs_m).to(tl.int64)[:, None] * (2 * I)
             pmask = mask_m[:, None] & mask_n[None, :]
@@ -436,7 +486,7 @@ def _swiglu_reduce_kernel(part_ptr, h_ptr, ids_ptr, R, I, limit: tl.float32,
 def _gemm2_kernel(h_ptr, w_ptr, s_ptr, tw_ptr, routed_ptr, sorted_ptr, blk_expert_ptr, blk_start_ptr, blk_end_ptr,
                   H, I, R, F32: tl.constexpr,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr = 1,
-                  PREFETCH: tl.constexpr = 0, DIRECT: tl.constexpr = 0):
+                  PREFETCH: tl.constexpr = 0, DIRECT: tl.constexpr = 0, FOLD: tl.constexpr = 0):
     """routed[s, route] = top-k weight * (h @ w2^T) over the s-th of SPLIT equal K ranges
     (SPLIT == 1: the whole of I, s = 0); the combine sums the SPLIT partials in order.
     PREFETCH and DIRECT: as _gemm1_swiglu_kernel's."""
@@ -475,7 +525,7 @@ def _gemm2_kernel(h_ptr, w_ptr, s_ptr, tw_ptr, routed_ptr, sorted_ptr, blk_exper
                             other=0.0)
                 if F32:
                     a = a.to(tl.float32)
-                acc = _dot_loaded(acc, a, cw, cs, BN, BK, F32)
+                acc = _dot_loaded(acc, a, cw, cs, BN, BK, F32, FOLD)
         else:
             for kk in range(0, KS, BK):
                 k0 = k_lo + kk
@@ -485,7 +535,7 @@ def _gemm2_kernel(h_ptr, w_ptr, s_ptr, tw_ptr, routed_ptr, sorted_ptr, blk_exper
                     a = a.to(tl.float32)
                 acc = _dot_dequant(acc, a, w_base + rows[:, None] * (I // 2) + (k0 // 2 + kb)[None, :],
                                    s_base + rows[:, None] * (I // 32) + (k0 // 32 + ks)[None, :], mask_n, BN, BK,
-                                   F32)
+                                   F32, FOLD)
         tw = tl.load(tw_ptr + route, mask=mask_m, other=0.0).to(tl.float32)
         acc = acc * tw[:, None]
         if SPLIT > 1:
@@ -549,7 +599,7 @@ class _Plan:
     __slots__ = ("R", "MAXB", "direct", "route_grid", "route_tail", "route_warps", "torch_routing", "BM", "g1_grid", "g1_tail", "g1_opts",
                  "g2_grid", "g2_tail", "g2_opts", "c_grid", "c_tail", "SK1", "SK2", "a_grid", "a_tail")
 
-    def __init__(self, T, K, E, H, I, has_limit, tiles, force_torch_routing):
+    def __init__(self, T, K, E, H, I, has_limit, tiles, force_torch_routing, fold=False):
         if H % 64 or I % 64:
             raise ArgumentError(f"triton_w4a16 needs H and I to be multiples of 64 (H={H}, I={I})")
         R = self.R = T * K
@@ -580,8 +630,9 @@ class _Plan:
         self.g1_grid = (MAXB, cdiv(I, BN1)) + ((SK1,) if SK1 > 1 else ())
         self.g2_grid = (MAXB, cdiv(H, BN2)) + ((SK2,) if SK2 > 1 else ())
         PF = tiles.PF
-        self.g1_tail = (K, has_limit, INTERPRETED, BM, BN1, BK1, SK1, PF, int(self.direct))
-        self.g2_tail = (INTERPRETED, BM, BN2, BK2, SK2, PF, int(self.direct))
+        # FOLD: every scale byte is at most FOLD_SCALE_MAX, so 2**126 rides in the scales.
+        self.g1_tail = (K, has_limit, INTERPRETED, BM, BN1, BK1, SK1, PF, int(self.direct), int(fold))
+        self.g2_tail = (INTERPRETED, BM, BN2, BK2, SK2, PF, int(self.direct), int(fold))
         self.g1_opts, self.g2_opts = dict(num_warps=W1, num_stages=S1), dict(num_warps=W2, num_stages=S2)
         BNA = min(1024, triton.next_power_of_2(I))
         self.a_grid = (R, cdiv(I, BNA))
@@ -590,7 +641,7 @@ class _Plan:
         self.c_grid, self.c_tail = (T, cdiv(H, BNC)), (K, BNC, INTERPRETED, SK2)
 
 
-# (device, tokens, top-k, experts, hidden, intermediate, has a clamp limit) -> its launch
+# (device, tokens, top-k, experts, hidden, intermediate, has a clamp limit, scales fold) -> its launch
 # plan: keyed by the device, never answering for another card. Kept for calls of up to
 # PLAN_MAX_TOKENS tokens (decode and small extends, where host time matters), so the
 # dict stays bounded; a larger call builds its plan (microseconds against its kernels'
@@ -613,13 +664,14 @@ def moe_w4a16(x, weights, topk_weights, topk_ids, out=None, *, checks: bool = Tr
     K = topk_ids.shape[1]
     E, I = weights.num_experts, weights.intermediate
     limit = weights.swiglu_limit
+    fold = weights.scale_max <= FOLD_SCALE_MAX
     if tiles is None and not force_torch_routing and T <= PLAN_MAX_TOKENS:
-        key = (dev, T, K, E, H, I, limit is not None)
+        key = (dev, T, K, E, H, I, limit is not None, fold)
         plan = _plans.get(key)
         if plan is None:
-            plan = _plans[key] = _Plan(T, K, E, H, I, limit is not None, None, False)
+            plan = _plans[key] = _Plan(T, K, E, H, I, limit is not None, None, False, fold)
     else:
-        plan = _Plan(T, K, E, H, I, limit is not None, tiles, force_torch_routing)
+        plan = _Plan(T, K, E, H, I, limit is not None, tiles, force_torch_routing, fold)
     if out is None:
         out = torch.empty((T, H), dtype=torch.bfloat16, device=dev)
     if T == 0:

@@ -19,6 +19,9 @@ expert equal the packed size before and after:
 Per-layer constants a backend needs (a unit global scale, the per-expert clamp
 limit as a float32 [E] vector) live in ``aux`` and are reported by
 ``aux_bytes()`` (8 bytes per expert at most), never mixed into the weight count.
+``scale_max``, the largest E8M0 byte of both scale tensors, is read once when the
+record is built: the Triton decode takes a shorter path when it is at most
+``FOLD_SCALE_MAX`` (triton_kernels: 2**126 folded into each scale).
 
 This module imports torch lazily (only inside functions that take tensors) so
 importing the package stays torch-free.
@@ -31,6 +34,7 @@ from typing import Optional
 from ...errors import ArgumentError, ArgumentTypeError, CapdispatchError
 
 GROUP = 32                 # MXFP4 block: one E8M0 scale per 32 weights
+FOLD_SCALE_MAX = 128       # largest E8M0 byte whose scale times 2**126 is a bf16 number (2**127)
 CHECKPOINT = "checkpoint"  # layout tag of unprepared weights
 
 # Which layout each backend consumes, and the function that produces it from
@@ -61,7 +65,7 @@ class LayoutError(CapdispatchError, ValueError):
 class MoeWeights:
     """One MoE layer's local experts. Mutable only through ``prepare``."""
 
-    __slots__ = ("w13", "w13_scale", "w2", "w2_scale", "num_experts", "hidden", "intermediate",
+    __slots__ = ("w13", "w13_scale", "w2", "w2_scale", "num_experts", "hidden", "intermediate", "scale_max",
                  "swiglu_limit", "layout", "aux", "__weakref__")
 
     def __init__(self, w13, w13_scale, w2, w2_scale, *, swiglu_limit: Optional[float] = None):
@@ -98,6 +102,8 @@ class MoeWeights:
             raise ArgumentError(f"swiglu_limit must be positive or None, got {swiglu_limit}")
         self.w13, self.w13_scale, self.w2, self.w2_scale = w13, w13_scale, w2, w2_scale
         self.num_experts, self.hidden, self.intermediate = E, H, I
+        # One read of the scales (a device sync where they live on a GPU), at load time.
+        self.scale_max = int(torch.maximum(w13_scale.max(), w2_scale.max()))
         self.swiglu_limit = None if swiglu_limit is None else float(swiglu_limit)
         self.layout = CHECKPOINT
         self.aux = {}
@@ -105,19 +111,20 @@ class MoeWeights:
     # The record as a custom op's arguments (a schema has no records; backends/signature.py):
     # PARTS is their schema, parts() their values, from_parts(*parts) the record again.
     PARTS = ("Tensor w13, Tensor w13_scale, Tensor w2, Tensor w2_scale, int num_experts, int hidden, "
-             "int intermediate, float? swiglu_limit, str layout, str[] aux_keys, Tensor[] aux")
+             "int intermediate, int scale_max, float? swiglu_limit, str layout, str[] aux_keys, Tensor[] aux")
 
     def parts(self) -> tuple:
         return (self.w13, self.w13_scale, self.w2, self.w2_scale, self.num_experts, self.hidden,
-                self.intermediate, self.swiglu_limit, self.layout, list(self.aux), list(self.aux.values()))
+                self.intermediate, self.scale_max, self.swiglu_limit, self.layout, list(self.aux),
+                list(self.aux.values()))
 
     @classmethod
-    def from_parts(cls, w13, w13_scale, w2, w2_scale, num_experts, hidden, intermediate, swiglu_limit,
+    def from_parts(cls, w13, w13_scale, w2, w2_scale, num_experts, hidden, intermediate, scale_max, swiglu_limit,
                    layout, aux_keys, aux):
         """The record again from its parts (no checks: the parts came from one). """
         w = cls.__new__(cls)
         w.w13, w.w13_scale, w.w2, w.w2_scale = w13, w13_scale, w2, w2_scale
-        w.num_experts, w.hidden, w.intermediate = num_experts, hidden, intermediate
+        w.num_experts, w.hidden, w.intermediate, w.scale_max = num_experts, hidden, intermediate, scale_max
         w.swiglu_limit, w.layout, w.aux = swiglu_limit, layout, dict(zip(aux_keys, aux))
         return w
 
