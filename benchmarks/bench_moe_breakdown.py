@@ -267,16 +267,19 @@ def _compile_one(job):
     return row
 
 
-def sass_facts(configs, ccs=(86, 90), workers=1):
+def sass_facts(configs, ccs=(86, 90), workers=1, fold=True):
     """Offline compiles of each GEMM configuration: regs, spills, smem, occupancy, loop size.
-    WORKERS > 1 compiles in forked processes: call it before CUDA is initialised."""
+    FOLD: the decode the timed weights take (random_weights' scale bytes, 119-125, are at
+    most FOLD_SCALE_MAX). WORKERS > 1 compiles in forked processes: call it before CUDA is
+    initialised."""
     jobs, seen = [], set()
     for label, t in configs:
         for cc in ccs:
             for name, consts, warps, stages in (
                     ("gemm1", dict(TOPK=TOPK, HAS_LIMIT=True, F32=False, BM=t.BM, BN=t.BN1, BK=t.BK1, SPLIT=t.SK1,
-                                   PREFETCH=t.PF), t.W1, t.S1),
-                    ("gemm2", dict(F32=False, BM=t.BM, BN=t.BN2, BK=t.BK2, SPLIT=t.SK2, PREFETCH=t.PF), t.W2, t.S2)):
+                                   PREFETCH=t.PF, FOLD=int(fold)), t.W1, t.S1),
+                    ("gemm2", dict(F32=False, BM=t.BM, BN=t.BN2, BK=t.BK2, SPLIT=t.SK2, PREFETCH=t.PF,
+                                   FOLD=int(fold)), t.W2, t.S2)):
                 key = (cc, name, tuple(sorted(consts.items())), warps, stages)
                 if key not in seen:
                     seen.add(key)
@@ -596,7 +599,7 @@ def to_markdown(res) -> str:
               "| limiter | loop instr |", "| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
               "| --- | ---: |"]
         for s in res["sass"]:
-            shown = ("BM", "BN", "BK", "SPLIT", "PREFETCH")
+            shown = ("BM", "BN", "BK", "SPLIT", "PREFETCH", "FOLD")
             k = ", ".join(f"{a}={b}" for a, b in s["constexprs"].items() if a in shown)
             if "error" in s:
                 L.append(f"| {s['config']} | {s['cc']} | {s['kernel']} | {k} | {s['num_warps']} | {s['num_stages']} | "
