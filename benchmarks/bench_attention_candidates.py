@@ -306,7 +306,8 @@ def build_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.path.join("benchmarks", "results"))
     p.add_argument("--decode-tokens", type=int, nargs="+", default=[1, 8, 32, 64, 128, 4096])
-    p.add_argument("--prefill-tokens", type=int, nargs="+", default=[4096, 16384])
+    p.add_argument("--prefill-tokens", type=int, nargs="*", default=[4096, 16384],
+                   help="prefill sizes (none: decode only)")
     p.add_argument("--tiles", nargs="+", choices=tile_modes.TILES, default=list(tile_modes.TILES))
     p.add_argument("--codecs", nargs="+", choices=("triton_fp8", "triton"), default=["triton_fp8", "triton"])
     p.add_argument("--budget-s", type=float, default=300.0,

@@ -156,6 +156,16 @@ CANDIDATE_TABLES = {
              "rows): every gathered row is dequantised once, not once per 16-head block, "
              "and 16-row blocks give a one-token list 40 blocks to split over",
              _h200_with((), (_HP16,))),
+    # One token (the 1.3x target's closest miss): the split entry's head tile and row block.
+    "t1h32": ("one token with 32-head x 32-row split programs: each gathered row dequantised "
+              "twice instead of four times, 40 programs instead of 80",
+              _h200_with((), (dict(_SINGLE_TOKEN, BLOCK_H=32),) + MEASURED_CONFIGS[CANDIDATE_CC]["decode_split"][1:2])),
+    "t1n64": ("one token with 16-head x 64-row split programs: 10 ranges instead of 20, so half "
+              "the fp32 partials written and merged",
+              _h200_with((), (dict(_SINGLE_TOKEN, BLOCK_N=64),) + MEASURED_CONFIGS[CANDIDATE_CC]["decode_split"][1:2])),
+    "t1n16": ("one token with 16-head x 16-row split programs on two stages: 40 blocks, so the "
+              "ranges can be cut finer",
+              _h200_with((), (dict(_SINGLE_TOKEN, BLOCK_N=16),) + MEASURED_CONFIGS[CANDIDATE_CC]["decode_split"][1:2])),
 }
 
 # For the 99 KB cards (SM86, SM89, SM120: 101376 B per block), in PORTABLE_CONFIGS' format.
