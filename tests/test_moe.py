@@ -1051,7 +1051,7 @@ GPU_BACKENDS = ["triton_w4a16", "flashinfer_cutlass_w4a16", "flashinfer_cutlass_
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
-@pytest.mark.parametrize("T", [1, 7, 64, 512])
+@pytest.mark.parametrize("T", [1, 7, 24, 64, 512])
 def test_gpu_dsv4_vs_reference(backend, T):
     if not HAS_CUDA:
         pytest.skip("needs a CUDA device")

@@ -191,7 +191,7 @@ def attention_jobs(t: Target) -> list:
 
 
 # Mean routes per active expert at which moe's tiles_for changes tiles (one per size class).
-MOE_SIZE_CLASSES = (1.0, 64.0, 128.0, 1024.0)
+MOE_SIZE_CLASSES = (1.0, 4.0, 16.0, 64.0, 128.0, 1024.0)
 MOE_SHAPE = dict(H=7168, I=2048, TOPK=6)
 # Split-K parts the MoE's decode candidates use (launch_table.Tiles.SK1/SK2).
 SPLIT_K_PARTS = (2, 4, 8)

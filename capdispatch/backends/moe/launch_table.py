@@ -24,19 +24,26 @@ class Tiles(NamedTuple):
 
 
 def tiles_for(avg_rows: float, H: int, I: int, interpreted: bool) -> Tiles:
-    """Tiles from the mean routes per active expert. The decode and prefill rows are
-    the best of benchmarks/sweep_moe_triton.py on an H200 at DSv4 shapes. Decode: a
-    32-wide GEMM1 N tile spreads six experts' rows over twice the SMs, the fastest of 71
-    candidates at 1 token timed in CUDA graphs and within 5% of the best at 4
-    (moe_tiles_nvidia_h200_20261202T064344.md). A 64-wide two-stage GEMM1 is 4-7% faster
-    on the H200 at 8-64 tokens (archive/moe_tiles_nvidia_h200_20261202T062322.md) but
-    spills 376-1044 B at DSv4's hidden size on every target of the compile matrix, where
-    this one spills none, and has not run on a 99 KB card: not taken. Prefill: four GEMM2
-    warps are 6% faster at 4096 tokens. The middle rows are reasoned, not measured."""
+    """Tiles from the mean routes per active expert, the best of
+    benchmarks/sweep_moe_triton.py on an H200 at DSv4 shapes, timed in CUDA graphs with
+    every candidate checked against the reference first. Decode, one route per expert
+    (1 and 8 tokens at 64 experts): a 32-wide GEMM1 N tile spreads six experts' rows over
+    twice the SMs (55.9 us at 1 token; 297.7 us at 8, where a 64-wide one is 2% faster).
+    Up to 4 routes per expert (16-32 tokens) a 64-wide GEMM1 (426.0 against 451.4 us at 32
+    tokens), up to 16 (64 tokens) a 128-wide one on two stages (459.6 against 497.2 us): the
+    wider tile amortises each K step's activation fragments over more decoded weights
+    (moe_tiles_nvidia_h200_20261203T190638.md, ...T191511.md). None of them spills on any
+    target of the compile matrix and all fit 99 KB; GEMM2's tile moves the time by at most
+    1% there. Prefill: four GEMM2 warps are 6% faster at 4096 tokens. The 17-128 rows are
+    reasoned, not measured."""
     if interpreted:
         return Tiles(16, 32, 64, 4, 1, 32, 64, 4, 1)
-    if avg_rows <= 16:
+    if avg_rows <= 1:
         return Tiles(16, 32, 128, 4, 3, 64, 128, 4, 3)
+    if avg_rows <= 4:
+        return Tiles(16, 64, 128, 4, 3, 64, 128, 4, 3)
+    if avg_rows <= 16:
+        return Tiles(16, 128, 128, 4, 2, 64, 128, 4, 3)
     if avg_rows <= 64:
         return Tiles(32, 64, 128, 4, 3, 64, 128, 4, 3)
     if avg_rows <= 128:
