@@ -157,6 +157,9 @@ CANDIDATE_TABLES = {
              "and 16-row blocks give a one-token list 40 blocks to split over",
              _h200_with((), (_HP16,))),
     # One token (the 1.3x target's closest miss): the split entry's head tile and row block.
+    # Timed on an H200 (2026-12-03, triton_fp8, served): 20.9 / 20.8 / 17.2 us against the
+    # shipped entry's 15.8 us, so none is taken (benchmarks/results/h200-2026-12-03/
+    # attention_candidates_t1_1901.md).
     "t1h32": ("one token with 32-head x 32-row split programs: each gathered row dequantised "
               "twice instead of four times, 40 programs instead of 80",
               _h200_with((), (dict(_SINGLE_TOKEN, BLOCK_H=32),) + MEASURED_CONFIGS[CANDIDATE_CC]["decode_split"][1:2])),
