@@ -102,63 +102,24 @@ def _e8m0_to_bf16(s):
 # from the bytes shifted left by 4. Then fma.rn.bf16x2 (sm_80+, no flush of subnormal
 # inputs or results) times 2**126 (exact) and times the scale (exact, or +-inf past
 # bf16's range, as float32 is); the -0.0 addend keeps the sign of zero products.
-_E2M1_ASM = tl.constexpr("""
-{
-.reg .b32 t, p, c126, nz;
-mov.b32 c126, 0x7E807E80;
-mov.b32 nz, 0x80008000;
-shl.b32 t, $4, 4;
-prmt.b32 p, t, 0, 0x9180;
-shl.b32 p, p, 2;
-and.b32 p, p, 0x81C081C0;
-fma.rn.bf16x2 p, p, c126, nz;
-fma.rn.bf16x2 $0, p, $5, nz;
-prmt.b32 p, t, 0, 0xB3A2;
-shl.b32 p, p, 2;
-and.b32 p, p, 0x81C081C0;
-fma.rn.bf16x2 p, p, c126, nz;
-fma.rn.bf16x2 $1, p, $6, nz;
-prmt.b32 p, $4, 0, 0x9180;
-shl.b32 p, p, 2;
-and.b32 p, p, 0x81C081C0;
-fma.rn.bf16x2 p, p, c126, nz;
-fma.rn.bf16x2 $2, p, $5, nz;
-prmt.b32 p, $4, 0, 0xB3A2;
-shl.b32 p, p, 2;
-and.b32 p, p, 0x81C081C0;
-fma.rn.bf16x2 p, p, c126, nz;
-fma.rn.bf16x2 $3, p, $6, nz;
-}
-""")
+# With FOLDED the 2**126 rides in the scales ($5, $6 hold 2**126 times the E8M0 scale,
+# _e8m0_to_bf16_folded): one fma per pair. Exact while every scale byte is at most 128
+# (the folded scale 2**(s-1) is then a bf16 number), which MoeWeights.scale_max tells the
+# host.
+def _e2m1_ptx(folded: bool) -> str:
+    lines = ["{", ".reg .b32 t, p, c126, nz;", "mov.b32 c126, 0x7E807E80;", "mov.b32 nz, 0x80008000;",
+             "shl.b32 t, $4, 4;"]
+    for out, src, sel, scale in (("$0", "t", "0x9180", "$5"), ("$1", "t", "0xB3A2", "$6"),
+                                 ("$2", "$4", "0x9180", "$5"), ("$3", "$4", "0xB3A2", "$6")):
+        lines += [f"prmt.b32 p, {src}, 0, {sel};", "shl.b32 p, p, 2;", "and.b32 p, p, 0x81C081C0;"]
+        if not folded:
+            lines.append("fma.rn.bf16x2 p, p, c126, nz;")
+        lines.append(f"fma.rn.bf16x2 {out}, p, {scale}, nz;")
+    return "\n".join(lines + ["}"])
 
 
-# As _E2M1_ASM with the 2**126 folded into the scales ($5, $6 hold 2**126 times the E8M0
-# scale, _e8m0_to_bf16_folded): one fma per pair. Exact while every scale byte is at most
-# 128 (the folded scale 2**(s-1) is then a bf16 number), which MoeWeights.scale_bytes_max
-# tells the host.
-_E2M1_ASM_FOLDED = tl.constexpr("""
-{
-.reg .b32 t, p, nz;
-mov.b32 nz, 0x80008000;
-shl.b32 t, $4, 4;
-prmt.b32 p, t, 0, 0x9180;
-shl.b32 p, p, 2;
-and.b32 p, p, 0x81C081C0;
-fma.rn.bf16x2 $0, p, $5, nz;
-prmt.b32 p, t, 0, 0xB3A2;
-shl.b32 p, p, 2;
-and.b32 p, p, 0x81C081C0;
-fma.rn.bf16x2 $1, p, $6, nz;
-prmt.b32 p, $4, 0, 0x9180;
-shl.b32 p, p, 2;
-and.b32 p, p, 0x81C081C0;
-fma.rn.bf16x2 $2, p, $5, nz;
-prmt.b32 p, $4, 0, 0xB3A2;
-shl.b32 p, p, 2;
-and.b32 p, p, 0x81C081C0;
-fma.rn.bf16x2 $3, p, $6, nz;
-}
-""")
+_E2M1_ASM = tl.constexpr(_e2m1_ptx(False))
+_E2M1_ASM_FOLDED = tl.constexpr(_e2m1_ptx(True))
 
 
 @triton.jit
