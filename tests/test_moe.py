@@ -233,6 +233,23 @@ def test_weights_validation_and_zero_copy_views():
     assert M.prepare(w, "triton_w4a16") is w and w.layout == CHECKPOINT     # nothing to do
 
 
+@hypothesis.given(st.integers(0, 255), st.integers(0, 255), st.integers(0, 3))
+@hypothesis.settings(max_examples=30, deadline=None)
+def test_weights_scale_max_is_the_largest_scale_byte(a, b, experts):
+    """scale_max is the largest byte of both scale tensors (0 with no local experts), and a
+    record rebuilt from its parts keeps it."""
+    H, I = 64, 64
+    s13 = torch.full((experts, 2 * I, H // 32), 1, dtype=torch.uint8)
+    s2 = torch.full((experts, H, I // 32), 1, dtype=torch.uint8)
+    if experts:
+        s13[-1, 3, 1] = a
+        s2[0, 5, 0] = b
+    w = MoeWeights(torch.zeros(experts, 2 * I, H // 2, dtype=torch.uint8), s13,
+                   torch.zeros(experts, H, I // 2, dtype=torch.uint8), s2)
+    assert w.scale_max == (max(a, b, 1) if experts else 0)
+    assert MoeWeights.from_parts(*w.parts()).scale_max == w.scale_max
+
+
 def test_in_place_helpers_keep_storage():
     seed = new_seed()
     gen = torch.Generator().manual_seed(seed)

@@ -103,7 +103,7 @@ class MoeWeights:
         self.w13, self.w13_scale, self.w2, self.w2_scale = w13, w13_scale, w2, w2_scale
         self.num_experts, self.hidden, self.intermediate = E, H, I
         # One read of the scales (a device sync where they live on a GPU), at load time.
-        self.scale_max = int(torch.maximum(w13_scale.max(), w2_scale.max()))
+        self.scale_max = int(torch.maximum(w13_scale.max(), w2_scale.max())) if E else 0
         self.swiglu_limit = None if swiglu_limit is None else float(swiglu_limit)
         self.layout = CHECKPOINT
         self.aux = {}
