@@ -13,12 +13,14 @@ from typing import Optional
 
 import attrs
 
+from ..capabilities.effective import DeviceFacts
+
 __all__ = ["Installed", "install", "not_emulated"]
 
 
 @attrs.frozen
 class Installed:
-    facts: object                 # the DeviceFacts the rank's kernels launch by
+    facts: DeviceFacts            # what the rank's kernels launch by
     memory_cap: Optional[int]     # bytes the process may allocate on the device, None uncapped
     note: Optional[str]           # what the installation could not do, for the report
 

@@ -26,6 +26,8 @@ and take their shard, so the reference is the same model.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import attrs
 
 PAGE = 64                 # the V4 pool's page size (tokens)
@@ -151,10 +153,10 @@ class Comm:
     DP-rank order, for the MoE (identity without DP attention); reduce_moe(partial): the MoE's
     all-reduce over the whole group; own(rows): the rows of the sequences held here, one
     tensor per sequence."""
-    reduce_attn: object
-    gather: object
-    reduce_moe: object
-    own: object
+    reduce_attn: Callable
+    gather: Callable
+    reduce_moe: Callable
+    own: Callable
 
 
 def forward(d: Dims, attn: list, moe: list, ops, comm: Comm, xs: list, pos0: int, caches: list, step: int,

@@ -15,6 +15,7 @@ from packaging.version import InvalidVersion, Version
 
 import capdispatch as cd
 
+from .moe_plan import NativeBy
 from .records import LaunchRule, SglangSetting
 
 MAX_BYTES = 1 << 20     # the knob map is ~20 KiB
@@ -109,7 +110,7 @@ class Route:
     name: str = ""
     runner: Optional[SglangSetting] = None   # the SGLang setting under which `native` runs here
     prepare: Optional[str] = None             # "module:function": weight preparation at load time
-    native_by: object = None                  # moe_plan.NativeBy: `native` per launch value and card
+    native_by: Optional[NativeBy] = None      # `native` per launch value and card
 
     @property
     def site(self) -> str:
@@ -365,7 +366,6 @@ def _by_family(r, node, where: str, *, other: bool, backends=None, op: str = "")
 def _native_by(r, node, where: str, op: str, registry):
     """The moe route's `native_by`: per launch value of one SGLang field, the method SGLang
     builds on each card family and the capdispatch backend whose kernel it runs."""
-    from .moe_plan import NativeBy
     f = r.fields(node, where, required=("field", "default", "values", "methods"), optional={"why": None})
     backends = [b.name for b in registry.backends(op)]
     values = [(v, _by_family(r, vn, f"{where}.values.{v}", other=True, backends=backends, op=op))
