@@ -35,7 +35,7 @@ def tiles_for(avg_rows: float, H: int, I: int, interpreted: bool) -> Tiles:
     (benchmarks/results: moe_tiles_nvidia_h200_20261203T191511.md and
     archive/...T190638.md). Built as a launch with aligned tensors is (Triton specialises
     on 16-byte alignment), none of them spills on any target from sm_80 to sm_120a, and all
-    fit 99 KB; the compile matrix's build for any alignment spills 0.5-2.6 KB in the wider
+    fit 99 KB; the compile matrix's build for any alignment spills 0.35-3.1 KB in the wider
     two (docs/ops/moe.md). GEMM2's tile moves the time by at most 1% there. Prefill: four GEMM2 warps are 6% faster at 4096 tokens. The 17-128 rows are
     reasoned, not measured."""
     if interpreted:
