@@ -308,7 +308,8 @@ def configs_for(T, cands, tiles_for, modes=("card",)):
     each candidate's change of this card's tiles (decode sizes). The MoE launch table keys on
     the mean routes per expert, not the capability, so both table sets pick the same tiles;
     a 99 KB run differs in checking every launch against the 99 KB cards' shared memory."""
-    base = tiles_for(T * TOPK / max(1, min(E, T * TOPK)), H, I, False)
+    from capdispatch.backends.moe.launch_table import mean_rows
+    base = tiles_for(mean_rows(T * TOPK, E), H, I, False)
     out = [(table_label(m), base, m) for m in modes]
     if T <= CANDIDATE_MAX_TOKENS:
         out += [(n, base._replace(SK1=CANDIDATES[n][0], SK2=CANDIDATES[n][1], PF=CANDIDATES[n][2]), "card")

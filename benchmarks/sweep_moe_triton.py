@@ -57,6 +57,7 @@ def main(argv=None):
         print("sweep_moe_triton.py needs a CUDA device", file=sys.stderr)
         return 2
     from capdispatch.backends.moe import reference as R
+    from capdispatch.backends.moe import launch_table
     from capdispatch.backends.moe import triton_kernels as tk
 
     facts = run_facts(a.seed)
@@ -73,7 +74,7 @@ def main(argv=None):
         ref = R.moe(x, w, tw, ids).float()
         experts = int(torch.unique(ids[ids >= 0]).numel())
         R_ = T * TOPK
-        avg = R_ / max(1, min(E, R_))
+        avg = launch_table.mean_rows(R_, E)
         roof = max(roofline(T, experts, per_expert, bw, rate)[2:])
         cur = tk.tiles_for(avg, H, I, False)
         tried = {}

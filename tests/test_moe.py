@@ -250,6 +250,19 @@ def test_weights_scale_max_is_the_largest_scale_byte(a, b, experts):
     assert MoeWeights.from_parts(*w.parts()).scale_max == w.scale_max
 
 
+@hypothesis.given(st.integers(1, 20000), st.integers(1, 512))
+@hypothesis.settings(max_examples=200, deadline=None)
+def test_mean_rows_between_its_bounds(routes, experts):
+    """mean_rows: at least one route per touched expert and at least routes / experts, at most
+    the routes themselves, never falling as routes grow; 8 tokens of top-6 over 64 experts
+    touch about 34 experts."""
+    from capdispatch.backends.moe.launch_table import mean_rows
+    m = mean_rows(routes, experts)
+    assert max(1.0, routes / experts) - 1e-9 <= m <= routes + 1e-9
+    assert mean_rows(routes + 1, experts) >= m - 1e-9
+    assert abs(48 / mean_rows(48, 64) - 34.0) < 0.5
+
+
 def test_in_place_helpers_keep_storage():
     seed = new_seed()
     gen = torch.Generator().manual_seed(seed)

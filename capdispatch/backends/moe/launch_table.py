@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["Tiles", "tiles_for", "ROUTING_LAUNCHES", "routing_launch"]
+__all__ = ["Tiles", "tiles_for", "mean_rows", "ROUTING_LAUNCHES", "routing_launch"]
 
 
 class Tiles(NamedTuple):
@@ -23,14 +23,26 @@ class Tiles(NamedTuple):
     PF: int = 0       # 1: both GEMMs load the next K tile's weight bytes before decoding this one
 
 
+def mean_rows(routes: int, experts: int) -> float:
+    """Mean routes per active expert that ROUTES routes over EXPERTS experts give, known on
+    the host without reading the routing: the routes over the experts they are expected to
+    touch when routing is uniform, E * (1 - (1 - 1/E) ** R) (34 of 64 experts for 8 tokens
+    of top-6, as measured; 5.8 for one token; all 64 from 64 tokens)."""
+    if routes <= 0 or experts <= 0:
+        return 1.0
+    touched = experts * (1.0 - (1.0 - 1.0 / experts) ** routes)
+    return routes / max(1.0, touched)
+
+
 def tiles_for(avg_rows: float, H: int, I: int, interpreted: bool) -> Tiles:
     """Tiles from the mean routes per active expert, the best of
     benchmarks/sweep_moe_triton.py on an H200 at DSv4 shapes, timed in CUDA graphs with
-    every candidate checked against the reference first. Decode, one route per expert
-    (1 and 8 tokens at 64 experts): a 32-wide GEMM1 N tile spreads six experts' rows over
-    twice the SMs (55.9 us at 1 token; 297.7 us at 8, where a 64-wide one is 2% faster).
-    Up to 4 routes per expert (16-32 tokens) a 64-wide GEMM1 (426.0 against 451.4 us at 32
-    tokens), up to 16 (64 tokens) a 128-wide one on two stages (459.6 against 497.2 us): the
+    every candidate checked against the reference first (AVG_ROWS: mean_rows). Decode, about
+    one route per expert (1-4 tokens at 64 experts): a 32-wide GEMM1 N tile spreads six
+    experts' rows over twice the SMs (55.9 us at 1 token). Up to 4 routes per expert (8-32
+    tokens) a 64-wide GEMM1 (290.8 against 297.7 us at 8 tokens, 374.2 against 386.3 at 16,
+    426.0 against 451.4 at 32), up to 16 (64 tokens) a 128-wide one on two stages (459.6
+    against 497.2 us): the
     wider tile amortises each K step's activation fragments over more decoded weights
     (benchmarks/results: moe_tiles_nvidia_h200_20261203T191511.md and
     archive/...T190638.md). Built as a launch with aligned tensors is (Triton specialises
@@ -40,7 +52,7 @@ def tiles_for(avg_rows: float, H: int, I: int, interpreted: bool) -> Tiles:
     reasoned, not measured."""
     if interpreted:
         return Tiles(16, 32, 64, 4, 1, 32, 64, 4, 1)
-    if avg_rows <= 1:
+    if avg_rows <= 1.2:
         return Tiles(16, 32, 128, 4, 3, 64, 128, 4, 3)
     if avg_rows <= 4:
         return Tiles(16, 64, 128, 4, 3, 64, 128, 4, 3)

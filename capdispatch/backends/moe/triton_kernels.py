@@ -38,7 +38,7 @@ from ...errors import ArgumentError
 from .. import launch_limits as _limits
 from ..device_scope import cdiv, on_device_of
 from ..triton_common.env import check_device, interpreted, jit_module
-from .launch_table import Tiles, routing_launch, tiles_for
+from .launch_table import Tiles, mean_rows, routing_launch, tiles_for
 from .reference import check_moe_args
 from .weights import CHECKPOINT, FOLD_SCALE_MAX
 
@@ -565,7 +565,7 @@ class _Plan:
             raise ArgumentError(f"triton_w4a16 needs H and I to be multiples of 64 (H={H}, I={I})")
         R = self.R = T * K
         if tiles is None:
-            tiles = tiles_for(R / max(1, min(E, R)), H, I, INTERPRETED)
+            tiles = tiles_for(mean_rows(R, E), H, I, INTERPRETED)
         BM, BN1, BK1, W1, S1, BN2, BK2, W2, S2 = tiles[:9]
         BK1 = BK1 if H % BK1 == 0 else 64           # K tiles never straddle the end of a row
         BK2 = BK2 if I % BK2 == 0 else 64
