@@ -74,6 +74,7 @@ def tiles_for(avg_rows: float, H: int, I: int, interpreted: bool) -> Tiles:
 # 6.1 us with (128, 4); 48 routes 6.0 us against 7.8 us (a 32-route chunk on one warp is as fast);
 # 384 routes (128, 4) stays the fastest, 17.9 us.
 # benchmarks/results/moe_routing_nvidia_h200_20261203T163549.md
+# The largest chunk, 128, keeps the [CH, experts] int32 scan scratch within 99 KB cards.
 ROUTING_LAUNCHES = ((16, 16, 1), (64, 64, 4), (None, 128, 4))
 
 

@@ -45,7 +45,6 @@ from .weights import CHECKPOINT, FOLD_SCALE_MAX
 __all__ = ["moe_w4a16", "routing_tables", "ROUTING_MAX_ROUTES", "Tiles", "KERNEL_PARTS"]
 
 ROUTING_MAX_ROUTES = 2048      # one-program routing kernel up to this many routes (torch ops beyond)
-ROUTING_CHUNK = 128            # largest scan step (routing_launch): [128, EP] int32 scratch, fits 99 KB cards
 
 # The toolbox's bf16 rounding (triton_common), built the way these kernels are.
 _round_bf16 = jit_module("codec").round_bf16
