@@ -3,7 +3,7 @@ ones and against FlashMLA, all in their served form, in one run on a CUDA GPU.
 
     python benchmarks/bench_attention_candidates.py --out DIR [--budget-s 300]
         [--decode-tokens 1 8 32 64 128 4096] [--prefill-tokens 4096 16384]
-        [--tiles card 99kb] [--codecs triton_fp8 triton]
+        [--tiles card 99kb] [--codecs triton_fp8 triton] [--tables NAME ...]
 
 Served form (as calibration times it): every backend bound with ``checks=False``
 and called inside one ``capdispatch.batch()`` (FlashMLA's decode schedule built by the
@@ -59,10 +59,16 @@ def decode_target(T):
     return next(r for t, r in DECODE_TARGETS if T <= t) if T <= 64 or T >= 4096 else None
 
 
-def tables(tiles):
+def candidate_sources(tiles):
     from capdispatch.backends.sparse_attention import launch_table as LT
-    src = LT.CANDIDATE_TABLES if tiles == "card" else LT.CANDIDATE_TABLES_99KB
-    return [("current", "the launch table as it is", None)] + [(n, why, t) for n, (why, t) in src.items()]
+    return LT.CANDIDATE_TABLES if tiles == "card" else LT.CANDIDATE_TABLES_99KB
+
+
+def tables(tiles, only=None):
+    """The current table, then TILES' candidates (those named in ONLY, when given)."""
+    src = candidate_sources(tiles)
+    return [("current", "the launch table as it is", None)] + [
+        (n, why, t) for n, (why, t) in src.items() if only is None or n in only]
 
 
 class Runner:
@@ -162,7 +168,7 @@ def run(args):
         return dict(facts, copy_gbps=bw, bf16_tflops=tflops, heads=BA.H, capture_max_bs=R.capture,
                     budget_s=args.budget_s, elapsed_s=time.monotonic() - start, availability=avail,
                     do_bench=dict(warmup_ms=args.warmup, rep_ms=args.rep, return_mode="median"),
-                    tables={t: {n: w for n, w, _ in tables(t)} for t in args.tiles})
+                    tables={t: {n: w for n, w, _ in tables(t, args.tables)} for t in args.tiles})
 
     # Inputs and reference once per size; FlashMLA served once per size (card tiles only).
     cases = [("decode_mla", T) for T in args.decode_tokens] + [("sparse_prefill", s) for s in args.prefill_tokens]
@@ -201,7 +207,7 @@ def run(args):
         for tiles in args.tiles:
             best_fp8 = None
             for codec in codecs:
-                ts = tables(tiles)
+                ts = tables(tiles, args.tables)
                 if codec == "triton" and op == "decode_mla" and "triton_fp8" in codecs:
                     ts = [t for t in ts if t[0] in ("current", best_fp8)]
                 best = None
@@ -310,6 +316,9 @@ def build_parser():
                    help="prefill sizes (none: decode only)")
     p.add_argument("--tiles", nargs="+", choices=tile_modes.TILES, default=list(tile_modes.TILES))
     p.add_argument("--codecs", nargs="+", choices=("triton_fp8", "triton"), default=["triton_fp8", "triton"])
+    p.add_argument("--tables", nargs="*", default=None, metavar="NAME",
+                   help="candidate tables to time besides the current one (default: every candidate "
+                        "of each --tiles set; none: the current tables alone)")
     p.add_argument("--budget-s", type=float, default=300.0,
                    help="start no timing after this many seconds of the run (default 300)")
     p.add_argument("--copy-bytes", type=int, default=1 << 30)
@@ -327,6 +336,12 @@ def parse_args(argv=None):
             p.error(f"{name} must be positive, got {vals}")
     if a.budget_s <= 0:
         p.error(f"--budget-s must be > 0, got {a.budget_s}")
+    if a.tables:
+        known = set().union(*(candidate_sources(t) for t in a.tiles))
+        unknown = sorted(set(a.tables) - known)
+        if unknown:
+            p.error(f"--tables: no candidate table {', '.join(unknown)} for --tiles {' '.join(a.tiles)}; "
+                    f"known: {', '.join(sorted(known))}")
     return a
 
 
