@@ -235,11 +235,15 @@ def test_candidates_benchmark_arguments_tables_and_report(tmp_path):
     current table plus every candidate, and the report carries the targets table with
     card, versions and date."""
     B = _bench_module()
-    for bad in (["--decode-tokens", "0"], ["--budget-s", "-1"], ["--tiles", "nope"]):
+    for bad in (["--decode-tokens", "0"], ["--budget-s", "-1"], ["--tiles", "nope"],
+                ["--tiles", "card", "--tables", "hp16w16"]):   # a 99 KB table, not a card one
         with pytest.raises(SystemExit) as e:
             B.parse_args(bad)
         assert e.value.code == 2, bad
     assert [t[0] for t in B.tables("card")] == ["current"] + list(LT.CANDIDATE_TABLES)
+    assert [t[0] for t in B.tables("card", ["s4"])] == ["current", "s4"]
+    assert [t[0] for t in B.tables("99kb", [])] == ["current"]
+    assert B.parse_args(["--tables", "s4", "hp16w16"]).tables == ["s4", "hp16w16"]
     assert [t[0] for t in B.tables("99kb")] == ["current"] + list(LT.CANDIDATE_TABLES_99KB)
     assert (B.decode_target(1), B.decode_target(64), B.decode_target(128), B.decode_target(4096)) == \
         (1.3, 1.3, None, 1.5)
