@@ -246,11 +246,11 @@ def test_split_k_path(native, splits):
 # --------------------------------------------------------------------------- #
 @pytest.mark.parametrize("backend,device", LOCAL_CASES)
 def test_masked_entries_never_read(backend, device):
-    """The pool is a window of a buffer whose pages before and after it are NaN codes with
-    scale byte 0x7F: ids < 0 reach the page before, ids >= capacity the page after; the
-    tokens named only past topk_length are overwritten with NaN codes. Any read of a
-    masked entry would make the output NaN. The result equals the one with masked entries
-    compacted away."""
+    """The pool is a window of a buffer whose pages before and after it are 0xFF bytes (NaN
+    codes, infinite scales): ids < 0 reach the page before, ids >= capacity the page after;
+    the tokens named only past topk_length are overwritten the same way. Any read of a
+    masked entry would make the output non-finite, with either e4m3 decode. The result
+    equals the one with masked entries compacted away."""
     seed = new_seed()
     msg = f"{backend}/{device} seed={seed}"
     gen = torch.Generator().manual_seed(seed)
@@ -258,9 +258,10 @@ def test_masked_entries_never_read(backend, device):
     pool, buf = make_pool(gen, npg, ps, "cpu", spare_pages=2)
     cap = npg * ps
     nan_tokens = [3, 50, 77]
-    data, _ = KV._page_views(pool, ps)
+    data, scales = KV._page_views(pool, ps)
     for t in nan_tokens:
-        data[t // ps, t % ps, :448] = 0x7F
+        data[t // ps, t % ps] = 0xFF
+        scales[t // ps, t % ps] = 0xFF
     ok = torch.tensor([t for t in range(cap) if t not in nan_tokens])
     idx = torch.stack([ok[torch.randperm(len(ok), generator=gen)[:topk]] for _ in range(b)]).int()
     lengths = torch.randint(8, topk - 8, (b,), generator=gen, dtype=torch.int32)
@@ -602,6 +603,53 @@ def test_gpu_dsv4_shapes(backend, tokens, extra):
     want = R.decode_mla(q, pool, idx, ps, SCALE, **kw)
     got = op(backend)(q, pool, idx, ps, SCALE, **kw)
     check_against(got, want, f"{backend} tokens={tokens} seed={seed}")
+
+
+# Scale bytes for the exactness test: 0 (scale 0.0), bytes whose products are bf16
+# subnormals (1, 2), bytes around 127 (scale 1.0) and far above it.
+_DECODE_SCALE_BYTES = (0, 1, 2, 60, 100, 120, 127, 133, 134, 135, 150, 200)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", pytest.param("triton_fp8", marks=_fp8_cc)])
+@pytest.mark.parametrize("tokens", [1, 8, 128], ids=lambda t: f"t{t}")
+def test_gpu_pool_decode_exact(backend, tokens):
+    """With one valid entry per token the output is that pool row, so the kernel's decode is
+    checked bit for bit (as values: the sign of a zero may differ) against kv_dequant: every
+    finite e4m3 code, under scale bytes from 0 (-> 0.0) to 200, several in one row, bf16
+    rope values with subnormals and signed zeros; the split-K (1, 8 tokens) and one-pass
+    (128) launches; the uint8 codec's integer decode and native fp8 loads."""
+    if not HAS_CUDA or INTERPRET:
+        pytest.skip("needs a CUDA device without TRITON_INTERPRET")
+    from capdispatch.backends.kv_cache.inputs import v4_pool
+    seed = new_seed()
+    gen = torch.Generator().manual_seed(seed)
+    ps, h = 64, 64
+    npg = (tokens + ps - 1) // ps + 1
+    pool, _ = v4_pool(gen, npg, ps, "cpu")
+    data, scales = KV._page_views(pool, ps)
+    finite = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    rows = npg * ps
+    codes = finite[torch.randint(0, len(finite), (rows, 448), generator=gen)]
+    codes[:, :len(finite)] = finite                       # every finite code in every row
+    data[..., :448] = codes.view(npg, ps, 448)
+    sb = torch.tensor(_DECODE_SCALE_BYTES, dtype=torch.uint8)
+    scales[..., :7] = sb[torch.randint(0, len(sb), (rows, 7), generator=gen)].view(npg, ps, 7)
+    rope = torch.randn(rows, 64, generator=gen).bfloat16()
+    rope[:, :4] = torch.tensor([0.0, -0.0, 1e-39, -3e-39]).bfloat16()   # zeros and bf16 subnormals
+    data[..., 448:] = rope.view(torch.uint8).view(npg, ps, 128)
+    pool = pool.cuda()
+    chosen = torch.randperm(rows, generator=gen)[:tokens]
+    idx = torch.full((tokens, 1, 64), -1, dtype=torch.int32)
+    slot = torch.randint(0, 64, (tokens,), generator=gen)
+    idx[torch.arange(tokens), 0, slot] = chosen.int()
+    q = (torch.randn(tokens, 1, h, 512, generator=gen) * 0.01).bfloat16().cuda()
+    want = KV.kv_dequant(pool, chosen.int().cuda(), ps)[:, 0].float()
+    o, _ = op(backend)(q, pool, idx.cuda(), ps, SCALE)
+    got = o[:, 0].float()
+    assert torch.equal(got, want[:, None, :].expand_as(got)), \
+        f"{backend} tokens={tokens} seed={seed}: " \
+        f"{int((got != want[:, None, :]).sum())} values differ from kv_dequant"
 
 
 @pytest.mark.gpu
