@@ -249,7 +249,7 @@ def test_masked_entries_never_read(backend, device):
     """The pool is a window of a buffer whose pages before and after it are 0xFF bytes (NaN
     codes, infinite scales): ids < 0 reach the page before, ids >= capacity the page after;
     the tokens named only past topk_length are overwritten the same way. Any read of a
-    masked entry would make the output non-finite, with either e4m3 decode. The result
+    masked entry would make the output non-finite, through uint8 or native fp8. The result
     equals the one with masked entries compacted away."""
     seed = new_seed()
     msg = f"{backend}/{device} seed={seed}"
@@ -621,12 +621,11 @@ def test_gpu_pool_decode_exact(backend, tokens):
     (128) launches; the uint8 codec's integer decode and native fp8 loads."""
     if not HAS_CUDA or INTERPRET:
         pytest.skip("needs a CUDA device without TRITON_INTERPRET")
-    from capdispatch.backends.kv_cache.inputs import v4_pool
     seed = new_seed()
     gen = torch.Generator().manual_seed(seed)
     ps, h = 64, 64
     npg = (tokens + ps - 1) // ps + 1
-    pool, _ = v4_pool(gen, npg, ps, "cpu")
+    pool, _ = make_pool(gen, npg, ps, "cpu")
     data, scales = KV._page_views(pool, ps)
     finite = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
     rows = npg * ps
