@@ -50,11 +50,38 @@ def test_wrong_output_is_named_with_rank_and_op(monkeypatch):
     bad = r.ranks[1]
     assert bad.failed_op == "moe" and "differs from the reference" in bad.error
     assert r.cause.startswith("rank 1:") and "moe" in r.cause
-    # The failed verdict is recorded for these cards, software and decisions (proof/rehearsals.py).
-    import json
-    body = json.loads(Path(r.recorded).read_text())
-    assert body["verdict"]["ok"] is False and body["verdict"]["cause"] == r.cause
-    assert len(body["group"]["cards"]) == 2 and set(body["decisions"]) == {o.op for o in r.ranks[0].ops}
+    # A planted fault tests the rehearsal, not the cards: never recorded as their verdict.
+    assert r.recorded is None
+
+
+def test_wrong_kv_quant_fails_the_rank_and_the_run(monkeypatch):
+    """The store's output is the pool: a wrong pool byte fails the rank, named with its op."""
+    monkeypatch.setenv(FAULT_ENV, "1:kv_quant:wrong")
+    r = _rehearse("cpu,cpu", timeout=60, **SMALL)
+    assert not r.ok and r.recorded is None
+    assert not r.ranks[1].ok     # rank 0 then fails in its all-reduce: the cause is rank 1's
+    assert r.ranks[1].failed_op == "kv_quant" and "pool bytes differ" in r.ranks[1].error
+    assert r.cause.startswith("rank 1:") and "kv_quant" in r.cause
+
+
+def test_unverified_fails_closed():
+    from capdispatch.rehearse.rank import unverified
+    assert unverified({"moe": {"calls": 3, "ok": True}}) == ""
+    assert "never called" in unverified({"moe": {"calls": 3, "ok": True}, "indexer": {"calls": 0, "ok": True}})
+    assert "differs" in unverified({"moe": {"calls": 3, "ok": False, "worst": "x"}})
+    assert "differs" in unverified({"moe": {"calls": 3, "ok": None}})     # unchecked is not a pass
+
+
+def test_fault_on_a_rank_that_does_not_exist_is_refused(monkeypatch):
+    monkeypatch.setenv(FAULT_ENV, "2:moe:wrong")
+    with pytest.raises(RehearseError, match="rank 2 does not exist"):
+        _rehearse("cpu,cpu", **SMALL)
+
+
+def test_no_decode_step_is_refused():
+    # decode_mla and the indexer run only in decode steps: a run without one checks neither.
+    with pytest.raises(RehearseError, match="--steps 0: must be at least 1"):
+        _rehearse("cpu", layers=1, prompt=4, steps=0)
 
 
 def test_hang_is_bounded_and_named(monkeypatch):

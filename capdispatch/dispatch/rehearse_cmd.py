@@ -48,7 +48,7 @@ def add_parser(sub):
     p.add_argument("--intermediate", type=int, default=64, metavar="N",
                    help="each expert's intermediate size per rank (default 64)")
     p.add_argument("--prompt", type=int, default=8, metavar="TOKENS", help="prefill tokens (default 8)")
-    p.add_argument("--steps", type=int, default=3, metavar="N", help="decode steps (default 3)")
+    p.add_argument("--steps", type=int, default=3, metavar="N", help="decode steps, at least 1: decode_mla and the indexer run only there (default 3)")
     p.add_argument("--seed", type=int, default=0, metavar="N", help="weights, tokens and routes (default 0)")
     p.add_argument("--timeout", type=float, default=60.0, metavar="S",
                    help="seconds a rank may go without progress (an op or all-reduce beginning), and "

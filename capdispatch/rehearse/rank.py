@@ -217,12 +217,10 @@ def _run(cfg, rank, prog, result):
                 s["ok"], s["worst"] = False, f"layer {layer}, {phase[0]}: {detail}"
             elif s["worst"] is None:
                 s["worst"] = detail
-            if name == "kv_quant":
-                return None
             if not ok and cfg.get("stop_on_mismatch", True):
                 raise OpMismatch(f"{name} (layer {layer}, {phase[0]}) on rank {rank} differs from the "
                                  f"reference op on the same inputs: {detail}")
-            return out
+            return None if name == "kv_quant" else out
 
         reduce = _reducer(dist, device, cfg["backend"], timeout, prog, phase)
         dp_rank = rank // d.ranks
@@ -248,6 +246,9 @@ def _run(cfg, rank, prog, result):
         for op_name, n in (graphs.captures.items() if graphs is not None else ()):
             stats[op_name]["captures"] = n
         result["ops"] = stats
+        unchecked = unverified(stats)
+        if unchecked:
+            raise OpMismatch(f"rank {rank}: {unchecked}")
         if installed.facts.emulated and installed.facts.index is not None:
             from ..backends import launch_limits
             scope = launch_limits.device_scope(installed.facts.index)
@@ -270,6 +271,19 @@ def _run(cfg, rank, prog, result):
 
 class OpMismatch(RuntimeError):
     pass
+
+
+def unverified(stats) -> str:
+    """What keeps a rank from passing on its per-op STATS (op -> calls, ok, worst), or '':
+    an op that differed from its reference, or one that was decided but never called and
+    so never checked. A rank passes only on what it checked and found equal."""
+    bad = []
+    for op, s in stats.items():
+        if not s.get("calls"):
+            bad.append(f"{op} was decided but never called, so never checked")
+        elif s.get("ok") is not True:
+            bad.append(f"{op} differs from the reference op on the same inputs ({s.get('worst')})")
+    return "; ".join(bad)
 
 
 def _to(w, device):

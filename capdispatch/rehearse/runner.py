@@ -104,17 +104,22 @@ def rehearse(devices, model: str, *, tp: Optional[int] = None, ep: int = 1, laye
     steps' calls from CUDA graphs on CUDA ranks (graphs.py); DP_ATTENTION: SGLang's
     --enable-dp-attention layout (each rank its own sequence, the whole attention; the MoE
     over every rank's rows); RECORD: store the verdict in the rehearsal cache, where a serving
-    launch on the same cards, software and decisions finds it."""
+    launch on the same cards, software and decisions finds it (never for a run with a planted
+    fault). STEPS is at least 1: decode_mla and the indexer run only in decode steps, and a rank
+    passes only when every op it decided was called and matched its reference."""
     from . import checks
     from . import model as M
-    from .rank import FAULT_ENV, parse_fault
-    parse_fault(os.environ.get(FAULT_ENV, ""))        # a bad value is bad input, before any start
+    from .rank import FAULT_ENV, parse_fault, unverified
+    fault = parse_fault(os.environ.get(FAULT_ENV, ""))   # a bad value is bad input, before any start
+    if fault and fault[0] >= len(devices):
+        raise RehearseError(f"{FAULT_ENV}: rank {fault[0]} does not exist (the group has ranks "
+                            f"0-{len(devices) - 1})")
     tp = len(devices) if tp is None else tp
     if tp != len(devices):
         raise RehearseError(f"--tp {tp} needs {tp} devices, one per rank; --device gave {len(devices)}")
     for flag, v, lo in (("--layers", layers, 1), ("--hidden", hidden, 64), ("--vocab", vocab, 2),
                         ("--experts", experts, 1), ("--intermediate", intermediate, 64),
-                        ("--prompt", prompt, 1), ("--steps", steps, 0)):
+                        ("--prompt", prompt, 1), ("--steps", steps, 1)):
         if v < lo:
             raise RehearseError(f"{flag} {v}: must be at least {lo}")
     if hidden % 64 or intermediate % 64:
@@ -153,7 +158,11 @@ def rehearse(devices, model: str, *, tp: Optional[int] = None, ep: int = 1, laye
         ops = tuple(_op_run(op, e, (res.get("ops") or {}).get(op))
                     for op, e in (res.get("decisions") or {}).items())
         error = res.get("error")
-        ok = bool(res.get("ok")) and err is not None and err <= LOGITS_REL_TOL
+        # Fail closed here too: a rank passes only when every op it decided was called and matched.
+        unchecked = unverified({o.op: {"calls": o.calls, "ok": o.ok, "worst": o.detail} for o in ops})
+        if res.get("ok") and (unchecked or not ops):
+            error = f"rank {r}: {unchecked or 'reported no op calls'}"
+        ok = bool(res.get("ok")) and bool(ops) and not unchecked and err is not None and err <= LOGITS_REL_TOL
         if res.get("ok") and err is not None and err > LOGITS_REL_TOL:
             error = (f"rank {r}: logits differ from the reference: relative error {err:.2e} "
                      f"(bound {LOGITS_REL_TOL:.0e}) though every op matched its reference")
@@ -164,7 +173,8 @@ def rehearse(devices, model: str, *, tp: Optional[int] = None, ep: int = 1, laye
     out = Rehearsal(shape.model, tp, ep, backend, d.to_dict(), steps, tuple(ranks),
                     all(r.ok for r in ranks), LOGITS_REL_TOL, why, round(time.monotonic() - t0, 2),
                     _cause(ranks), dp_attention)
-    if record:
+    # A run with a planted fault tests the rehearsal, not the cards: never their verdict.
+    if record and fault is None:
         out = attrs.evolve(out, recorded=_record(out, results))
     return out
 
