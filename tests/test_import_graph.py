@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PKG = os.path.join(ROOT, "capdispatch")
 
 FLOORS = (
-    ("errors", "safe_io"),
+    ("errors", "safe_io", "processes"),
     ("marked_yaml",),                                 # the one marked YAML reader
     ("capabilities",),
     ("backends",),                                    # declarations, registry, base, v4_layout

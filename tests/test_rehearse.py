@@ -3,6 +3,7 @@ own decisions on a small V4-shaped model against the single-process reference; a
 planted on one rank is named with its rank and op within a bounded time."""
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -365,3 +366,77 @@ def test_graphs_capture_once_per_shape_and_replay_each_steps_inputs():
     with pytest.raises(GraphCaptureError, match=r"indexer \(layer 0\) failed under CUDA-graph capture: "
                                                 r"RuntimeError: operation not permitted"):
         g.call("indexer", 0, sync_in_kernel, (torch.zeros(1),))
+
+
+# --- no process or folder outlives the rehearsal ----------------------------------------------
+
+def _ranks_of(parent_pid: int) -> list:
+    """Rank processes whose config names PARENT_PID (their command line names the config)."""
+    import glob
+    out = []
+    for cmd in glob.glob("/proc/[0-9]*/cmdline"):
+        try:
+            argv = Path(cmd).read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"capdispatch.rehearse.rank" in argv:
+            try:
+                cfg = json.loads(Path(argv[argv.index(b"capdispatch.rehearse.rank") + 1].decode()).read_text())
+            except (OSError, ValueError, IndexError):
+                continue
+            if cfg.get("parent") == parent_pid:
+                out.append(cmd)
+    return out
+
+
+def _start_hanging(tmp_path):
+    import subprocess
+    import sys
+    env = dict(os.environ, **{FAULT_ENV: "0:kv_quant:hang", "TMPDIR": str(tmp_path)})
+    p = subprocess.Popen([sys.executable, "-m", "capdispatch", "rehearse", "--device", "cpu,cpu",
+                          "--model", "deepseek-v4-flash", "--layers", "1", "--prompt", "4", "--steps", "1",
+                          "--timeout", "120", "--libs", "sglang-0.5.23"], env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:        # until rank 0 is inside its hanging kernel
+        if any("kv_quant" in f.read_text(errors="replace") for f in tmp_path.glob("*/rank0.progress")):
+            return p
+        time.sleep(0.2)
+    p.kill()
+    pytest.fail("the ranks never reached kv_quant")
+
+
+def _gone(pid, within=10.0):
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline and _ranks_of(pid):
+        time.sleep(0.1)
+    return not _ranks_of(pid)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP", "SIGINT"])
+def test_signal_leaves_no_rank_and_no_folder(tmp_path, sig):
+    import signal
+    p = _start_hanging(tmp_path)
+    assert _ranks_of(p.pid)
+    p.send_signal(getattr(signal, sig))
+    p.wait(timeout=30)
+    assert _gone(p.pid)
+    assert not list(tmp_path.glob("capdispatch-rehearse-*"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc")
+def test_sigkill_ranks_follow_and_the_next_run_cleans_the_folder(tmp_path, monkeypatch):
+    import signal
+    p = _start_hanging(tmp_path)
+    p.send_signal(signal.SIGKILL)
+    p.wait(timeout=30)
+    assert _gone(p.pid)                          # each rank watches its parent
+    left = list(tmp_path.glob("capdispatch-rehearse-*"))
+    assert len(left) == 1
+    keep = tmp_path / "capdispatch-rehearse-alive"   # a live owner's folder stays
+    keep.mkdir()
+    (keep / runner.OWNER_FILE).write_text(str(os.getpid()))
+    monkeypatch.setattr(runner.tempfile, "gettempdir", lambda: str(tmp_path))
+    runner._clean_stale_folders()
+    assert not left[0].exists() and keep.exists()

@@ -6,6 +6,8 @@ import json
 import os
 import sys
 
+from ..processes import terminate_as_interrupt
+
 EXIT_OK, EXIT_FAILED = 0, 3
 
 
@@ -90,7 +92,7 @@ def run(args) -> int:
     specs = device_specs(args.device, "--device", via=args.probe) or local_devices(via=args.probe)
     ops = op_list(args.op, "--op", ctx.registry) or list(ctx.registry.ops)
     todo = verify.jobs(ctx, specs, ops, backend=args.backend, every=args.every)
-    with _Progress(len(todo)) as progress, _terminate_as_interrupt():
+    with _Progress(len(todo)) as progress, terminate_as_interrupt():
         results = verify.run(ctx, todo, timeout=args.timeout,
                              workers=default_jobs() if args.jobs is None else args.jobs,
                              on_start=progress.start, on_done=progress.done)
@@ -135,28 +137,3 @@ def default_jobs() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
-class _terminate_as_interrupt:
-    """SIGTERM (and SIGHUP) raise KeyboardInterrupt in the main thread while canaries run,
-    so every child's process group is killed and its folder removed on the way out."""
-
-    SIGNALS = ("SIGTERM", "SIGHUP")
-
-    def __enter__(self):
-        import signal
-        import threading
-        self.old = {}
-        if threading.current_thread() is not threading.main_thread():
-            return self
-
-        def interrupt(signum, frame):
-            raise KeyboardInterrupt(signal.Signals(signum).name)
-        for name in self.SIGNALS:
-            sig = getattr(signal, name, None)
-            if sig is not None:
-                self.old[sig] = signal.signal(sig, interrupt)
-        return self
-
-    def __exit__(self, *exc):
-        import signal
-        for sig, old in self.old.items():
-            signal.signal(sig, old)

@@ -86,22 +86,6 @@ def run(op: str, backend: str, device: str, seed: int) -> dict:
     return body
 
 
-def _watch_parent(parent: int) -> None:
-    """Kill this child's process group (itself, compilers it started) once PARENT is gone:
-    a parent killed outright cannot kill its children itself."""
-    import signal
-    import threading
-
-    def watch():
-        while os.getppid() == parent:
-            time.sleep(0.25)
-        try:
-            os.killpg(0, signal.SIGKILL)
-        finally:
-            os._exit(1)
-    threading.Thread(target=watch, name="capdispatch-parent-watch", daemon=True).start()
-
-
 def main(argv=None, parent=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 5:
@@ -109,7 +93,8 @@ def main(argv=None, parent=None) -> int:
         return 2
     op, backend, device, seed, result = argv
     if parent is not None:
-        _watch_parent(int(parent))
+        from ..processes import watch_parent
+        watch_parent(int(parent))
     faulthandler.enable()     # an abort or a segfault leaves its stack on stderr
     _write(result, run(op, backend, device, int(seed)))
     return 0

@@ -103,6 +103,9 @@ def main(argv=None) -> int:
     with open(cfg_path) as f:
         cfg = json.load(f)
     folder = cfg["folder"]
+    if cfg.get("parent"):
+        from ..processes import watch_parent
+        watch_parent(int(cfg["parent"]))       # a parent killed outright leaves no rank behind
     prog = _Progress(os.path.join(folder, f"rank{rank}.progress"))
     result = {"rank": rank, "device": cfg["devices"][rank], "ok": False, "error": None, "where": None,
               "ops": {}, "decisions": None}

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -19,7 +18,11 @@ from typing import Optional
 
 import attrs
 
+from ..processes import kill_group, terminate_as_interrupt
 from .errors import RehearseError
+
+FOLDER_PREFIX = "capdispatch-rehearse-"
+OWNER_FILE = "owner.pid"
 
 SCHEMA = "capdispatch.rehearse/1"
 # The group's logits against the reference's, per step: relative Frobenius error. The ops'
@@ -56,6 +59,7 @@ class RankRun:
     phases_s: dict = attrs.field(factory=dict)   # seconds: start (imports), join, decide (+ agree), run (build, forward, checks)
     facts: dict = attrs.field(factory=dict)      # the DeviceFacts the rank's kernels launched by (+ memory_cap, note)
     graphs: Optional[str] = None  # where the rank replays CUDA graphs, or why it does not
+    died: bool = False            # the process ended without its report (killed, crashed)
 
 
 @attrs.frozen
@@ -134,12 +138,15 @@ def rehearse(devices, model: str, *, tp: Optional[int] = None, ep: int = 1, laye
     runs = [dv.run for dv in devices]
     backend = "nccl" if all(r.startswith("cuda") for r in runs) and len(set(runs)) == len(runs) else "gloo"
     t0 = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="capdispatch-rehearse-") as folder:
+    _clean_stale_folders()
+    with terminate_as_interrupt(), tempfile.TemporaryDirectory(prefix=FOLDER_PREFIX) as folder:
+        with open(os.path.join(folder, OWNER_FILE), "w") as f:
+            f.write(str(os.getpid()))
         cfg = dict(devices=[dv.text for dv in devices], model=model, tp=tp, ep=ep, layers=layers,
                    hidden=hidden, vocab=vocab, experts=experts, intermediate=intermediate,
                    prompt=prompt, steps=steps, seed=seed, libs=libs, backend=backend, port=_port(),
                    folder=folder, collective_timeout=timeout, start_timeout=start_timeout, graphs=graphs,
-                   dp_attention=dp_attention)
+                   dp_attention=dp_attention, parent=os.getpid())
         cfg_path = os.path.join(folder, "config.json")
         with open(cfg_path, "w") as f:
             json.dump(cfg, f)
@@ -169,7 +176,7 @@ def rehearse(devices, model: str, *, tp: Optional[int] = None, ep: int = 1, laye
         where = res.get("where") or ""
         op = where.split(" ")[0] if where.split(" ")[0] in checks.OPS else None
         ranks.append(RankRun(r, dv.text, dv.decide, dv.run, ok, error, ops, err, op, res.get("phases_s") or {},
-                             res.get("facts") or {}, res.get("graphs")))
+                             res.get("facts") or {}, res.get("graphs"), bool(res.get("died"))))
     out = Rehearsal(shape.model, tp, ep, backend, d.to_dict(), steps, tuple(ranks),
                     all(r.ok for r in ranks), LOGITS_REL_TOL, why, round(time.monotonic() - t0, 2),
                     _cause(ranks), dp_attention)
@@ -195,12 +202,12 @@ def _record(r: Rehearsal, results) -> Optional[str]:
 
 
 def _cause(ranks) -> Optional[str]:
-    """The failure to read first: a rank that failed in one of its ops (not in a collective
-    that another rank's failure broke), else the first failing rank."""
+    """The failure to read first: a rank that failed in one of its ops, else one that died
+    (not a survivor whose collective the death broke), else the first failing rank."""
     failed = [k for k in ranks if not k.ok]
     if not failed:
         return None
-    first = next((k for k in failed if k.failed_op), failed[0])
+    first = next((k for k in failed if k.failed_op), None) or next((k for k in failed if k.died), failed[0])
     return first.error or f"rank {first.rank} failed"
 
 
@@ -218,14 +225,22 @@ def _op_run(op, e, s) -> OpRun:
 
 def _spawn(cfg_path, folder, world, timeout, start_timeout):
     """Run the ranks; (per-rank result dicts, per-rank logits or None)."""
-    import torch
     env = dict(os.environ)
     procs = []
-    for r in range(world):
-        log = open(os.path.join(folder, f"rank{r}.log"), "wb")
-        procs.append(subprocess.Popen([sys.executable, "-m", "capdispatch.rehearse.rank", cfg_path, str(r)],
-                                      stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True))
-        log.close()
+    try:
+        for r in range(world):
+            with open(os.path.join(folder, f"rank{r}.log"), "wb") as log:
+                procs.append(subprocess.Popen([sys.executable, "-m", "capdispatch.rehearse.rank", cfg_path,
+                                               str(r)], stdout=log, stderr=subprocess.STDOUT, env=env,
+                                              start_new_session=True))
+        return _watch(procs, folder, world, timeout, start_timeout)
+    finally:
+        for p in procs:          # an interrupt (Ctrl-C, SIGTERM, SIGHUP) or an error here: none outlives us
+            kill_group(p)
+
+
+def _watch(procs, folder, world, timeout, start_timeout):
+    import torch
     # Watchdog: a rank must start (imports, device) within START_TIMEOUT; a started rank that
     # makes no progress (no op or collective begins) for TIMEOUT seconds is stalled, and then
     # every rank still running is killed. A rank that fails ends the others within TIMEOUT:
@@ -256,11 +271,7 @@ def _spawn(cfg_path, folder, world, timeout, start_timeout):
     for r, p in enumerate(procs):
         if p.poll() is None:
             killed.append(r)
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
+            kill_group(p)
             stalls[r] = stalled[1] if stalled and stalled[0] == r else f"still running when rank {stalled[0]} stalled"
     results, logits = [], []
     for r, p in enumerate(procs):
@@ -276,7 +287,7 @@ def _spawn(cfg_path, folder, world, timeout, start_timeout):
             else:
                 tail = _read(os.path.join(folder, f"rank{r}.log"))[-400:].strip()
                 why = f"rank {r}: died (exit {p.returncode}) in {where}" + (f": {tail}" if tail else "")
-            res = {"ok": False, "error": why, "where": where}
+            res = {"ok": False, "error": why, "where": where, "died": r not in killed}
         elif res.get("error"):
             msg = res["error"].splitlines()[0][:400]
             res["error"] = f"rank {r}: {msg}" + (f" (in {res['where']})" if res.get("where") else "")
@@ -284,6 +295,37 @@ def _spawn(cfg_path, folder, world, timeout, start_timeout):
         pt = os.path.join(folder, f"rank{r}.pt")
         logits.append(torch.load(pt) if res.get("ok") and os.path.exists(pt) else None)
     return results, logits
+
+
+def _clean_stale_folders() -> None:
+    """Remove the folders of earlier rehearsals whose parent is gone (killed outright, it could
+    not remove its own); a folder whose owner still runs, or that is not ours, stays."""
+    import shutil
+    root = tempfile.gettempdir()
+    try:
+        names = [n for n in os.listdir(root) if n.startswith(FOLDER_PREFIX)]
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(root, name)
+        try:
+            if os.path.islink(path) or os.stat(path).st_uid != os.getuid():
+                continue
+            pid = int(_read(os.path.join(path, OWNER_FILE)).strip() or 0)
+        except (OSError, ValueError):
+            continue
+        if pid > 0 and not _alive(pid):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _grace(progress_path) -> float:
