@@ -440,3 +440,25 @@ def test_sigkill_ranks_follow_and_the_next_run_cleans_the_folder(tmp_path, monke
     monkeypatch.setattr(runner.tempfile, "gettempdir", lambda: str(tmp_path))
     runner._clean_stale_folders()
     assert not left[0].exists() and keep.exists()
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--timeout", "inf"], "at most 86400"), (["--start-timeout", "nan"], "above 0"),
+    (["--libs", "bogus"], "unknown library profile 'bogus'"), (["--hidden", "1000000"], "at most 2048"),
+    (["--layers", "100000"], "at most 16"), (["--prompt", "10000000"], "at most 4096"),
+    (["--steps", "0"], "at least 1"),
+])
+def test_bad_input_refused_before_any_rank_starts(capsys, args, says):
+    t0 = time.monotonic()
+    assert main(["rehearse", "--device", "cpu", "--model", "deepseek-v4-flash", *args]) == 2
+    err = capsys.readouterr().err
+    assert says in err and len(err.strip().splitlines()) == 1
+    assert time.monotonic() - t0 < 10            # no rank was started
+
+
+def test_cuda_device_without_cuda_is_bad_input(capsys):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert main(["rehearse", "--device", "cuda:0", "--model", "deepseek-v4-flash"]) == 2
+    assert "cuda:0 cannot run a rank here" in capsys.readouterr().err

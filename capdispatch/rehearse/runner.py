@@ -21,6 +21,12 @@ import attrs
 from ..processes import kill_group, terminate_as_interrupt
 from .errors import RehearseError
 
+# Upper bounds of the small model's sizes (inclusive), checked before any rank starts.
+# At the largest a rank's small model holds a few GiB (16 layers of 2048 hidden x the model's
+# heads x 512, 256 MXFP4 experts of 2048 x 2048).
+BOUNDS = {"layers": (1, 16), "hidden": (64, 2048), "vocab": (2, 65536), "experts": (1, 256),
+          "intermediate": (64, 2048), "prompt": (1, 4096), "steps": (1, 256)}
+MAX_TIMEOUT_S = 86400.0
 FOLDER_PREFIX = "capdispatch-rehearse-"
 OWNER_FILE = "owner.pid"
 
@@ -86,9 +92,13 @@ class Rehearsal:
 
 
 def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    except OSError as exc:
+        raise RehearseError(f"no free TCP port on 127.0.0.1 for the ranks' rendezvous ({exc.strerror or exc})") \
+            from None
 
 
 def plan_shape(model: str, tp: int, ep: int, dp_attention: bool = False):
@@ -121,17 +131,23 @@ def rehearse(devices, model: str, *, tp: Optional[int] = None, ep: int = 1, laye
     tp = len(devices) if tp is None else tp
     if tp != len(devices):
         raise RehearseError(f"--tp {tp} needs {tp} devices, one per rank; --device gave {len(devices)}")
-    for flag, v, lo in (("--layers", layers, 1), ("--hidden", hidden, 64), ("--vocab", vocab, 2),
-                        ("--experts", experts, 1), ("--intermediate", intermediate, 64),
-                        ("--prompt", prompt, 1), ("--steps", steps, 1)):
+    for flag, v, (lo, hi) in (("--layers", layers, BOUNDS["layers"]), ("--hidden", hidden, BOUNDS["hidden"]),
+                              ("--vocab", vocab, BOUNDS["vocab"]), ("--experts", experts, BOUNDS["experts"]),
+                              ("--intermediate", intermediate, BOUNDS["intermediate"]),
+                              ("--prompt", prompt, BOUNDS["prompt"]), ("--steps", steps, BOUNDS["steps"])):
         if v < lo:
             raise RehearseError(f"{flag} {v}: must be at least {lo}")
+        if v > hi:
+            raise RehearseError(f"{flag} {v}: at most {hi} (the small model stays small: a rank's weights "
+                                f"and caches fit a few GiB)")
     if hidden % 64 or intermediate % 64:
         raise RehearseError(f"--hidden {hidden} / --intermediate {intermediate}: must be multiples of 64 "
                             f"(MXFP4 blocks of 32, packed two per byte)")
     for flag, v in (("--timeout", timeout), ("--start-timeout", start_timeout)):
-        if not v > 0:
-            raise RehearseError(f"{flag} {v}: must be a positive number of seconds")
+        if not (v > 0 and v <= MAX_TIMEOUT_S):
+            raise RehearseError(f"{flag} {v}: must be a number of seconds above 0 and at most "
+                                f"{MAX_TIMEOUT_S:g} (one day)")
+    _check_before_start(devices, libs)
     shape = plan_shape(model, tp, ep, dp_attention)   # a layout the model cannot take is refused here
     d = M.dims_of(shape, layers=layers, hidden=hidden, vocab=vocab, experts=experts,
                   intermediate=intermediate)
@@ -184,6 +200,27 @@ def rehearse(devices, model: str, *, tp: Optional[int] = None, ep: int = 1, laye
     if record and fault is None:
         out = attrs.evolve(out, recorded=_record(out, results))
     return out
+
+
+def _check_before_start(devices, libs) -> None:
+    """What would fail in every rank, refused once here: an unknown library profile, a CUDA
+    device this machine does not have."""
+    if libs:
+        from ..capabilities import Inventory
+        from ..errors import CapdispatchError
+        try:
+            Inventory.with_assumptions(libs=libs)
+        except CapdispatchError as exc:
+            raise RehearseError(str(exc)) from None
+    cuda = sorted({dv.run for dv in devices if dv.run.startswith("cuda")})
+    if cuda:
+        import capdispatch as cd
+        for run in cuda:
+            try:
+                cd.probe(run)
+            except cd.ProbeError as exc:
+                raise RehearseError(f"--device: {run} cannot run a rank here "
+                                    f"({getattr(exc, 'reason', exc)})") from None
 
 
 def _record(r: Rehearsal, results) -> Optional[str]:
