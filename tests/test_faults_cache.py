@@ -217,3 +217,49 @@ def test_a_link_planted_at_a_verdicts_name_is_replaced_not_followed(env, tmp_pat
     assert proof.store(cpu(), "torch", verdict(), env=env) == path
     assert victim.read_text() == "precious\n" and not path.is_symlink()
     assert proof.lookup(cpu(), "kv_dequant", "torch", env=env).passed
+
+
+def _spoil_key(key, how):
+    if how == "mode0644":
+        os.chmod(key, 0o644)
+    elif how == "mode0640":
+        os.chmod(key, 0o640)
+    elif how == "symlink":
+        target = key.with_name("elsewhere")
+        target.write_bytes(key.read_bytes())
+        os.chmod(target, 0o600)
+        key.unlink()
+        key.symlink_to(target)
+    elif how == "truncated":
+        key.write_text("abc")
+    elif how == "empty":
+        key.write_text("")
+    elif how == "oversized":
+        key.write_text("x" * 100000)
+    elif how == "other_user":
+        os.chown(key, 12345, 12345)
+
+
+KEY_FAULTS = ["mode0644", "mode0640", "symlink", "truncated", "empty", "oversized"] + (
+    ["other_user"] if hasattr(os, "geteuid") and os.geteuid() == 0 else [])
+
+
+@pytest.mark.parametrize("how", KEY_FAULTS)
+def test_an_untrusted_key_fails_closed_and_verify_still_records(env, how, caplog):
+    """A known failure stays a failure whatever happens to the key file: the backend is
+    suspect (rejected) rather than 'not verified' (chosen again under verify: warn), and the
+    next verdict is recorded under a new secret."""
+    proof.store(cpu(), "torch", verdict(outcome="runtime", detail="real failure"), env=env)
+    key = C.cache_dir(env) / "verify" / C.KEY_NAME
+    _spoil_key(key, how)
+    with caplog.at_level(logging.WARNING, logger="capdispatch"):
+        card = C.open_card(cpu(), env=env)
+        assert card.get(cd.registry().backend("kv_dequant", "torch")) is None
+        assert card.suspect(cd.registry().backend("kv_dequant", "torch"))
+    assert "not trusted" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="capdispatch"):
+        path = proof.store(cpu(), "torch", verdict(outcome="pass"), env=env)
+    assert path is not None and "replacing it with a new secret" in caplog.text
+    assert not key.is_symlink() and stat.S_IMODE(os.stat(key).st_mode) == 0o600
+    assert proof.lookup(cpu(), "kv_dequant", "torch", env=env).passed

@@ -105,6 +105,24 @@ def _secret(env, *, create: bool) -> Optional[bytes]:
     return _secret(env, create=False)
 
 
+def _trusted_secret(env) -> bytes:
+    """The secret to sign a new verdict with; one that cannot be trusted (a link, another
+    user's, open to others, truncated) is replaced with a WARNING, so a verdict is always
+    recorded. Verdicts signed with the old secret then fail their digest check: suspect
+    until verified again, never trusted."""
+    try:
+        return _secret(env, create=True)
+    except CacheError as exc:
+        path = cache_dir(env) / "verify" / KEY_NAME
+        log.warning("%s; replacing it with a new secret (verdicts signed with the old one count as "
+                    "failed until verified again)", exc)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        return _secret(env, create=True)
+
+
 def _private_dirs(top: Path, leaf: Path) -> None:
     """Make LEAF and the folders between TOP and it, each 0700 whatever the umask; one of
     this user's that others may write (an older capdispatch, a umask of 002) is closed."""
@@ -153,9 +171,21 @@ class CardCache:
         self._entries = self._read()
 
     def _warn_all(self, why: str) -> dict:
-        log.warning("verification cache %s is not trusted: %s; every backend counts as not "
-                    "verified on this card (`dispatch verify --clear-cache` starts a new cache; "
-                    "each user needs a cache of their own)", self.dir, why)
+        """Nothing here is trusted: every backend with a file here is suspect (rejected, as a
+        failed verdict is, until `dispatch verify` runs its canary again), so a kernel known
+        to fail is never chosen again because the cache cannot be read."""
+        try:
+            names = [p.name for p in self.dir.iterdir() if p.suffix == ".json"]
+        except OSError:
+            names = []
+        for name in names:
+            d = _digest_of_name(name)
+            if d:
+                self._suspect[d] = why
+        log.warning("verification cache %s is not trusted: %s; every backend with a verdict here counts "
+                    "as failed on this card until `dispatch verify` runs its canary again "
+                    "(`dispatch verify --clear-cache` starts a new cache; each user needs a cache of "
+                    "their own)", self.dir, why)
         return {}
 
     def _read(self) -> dict:
@@ -211,7 +241,7 @@ class CardCache:
         body = {"schema": SCHEMA, "card": self.card, "backend": bkey, "verdict": verdict.to_dict()}
         try:
             _private_dirs(cache_dir(self.env), self.dir)
-            secret = _secret(self.env, create=True)
+            secret = _trusted_secret(self.env)
             body["mac"] = _mac(secret, json.loads(json.dumps(body, default=str)))
             # 0600, a link at the name replaced rather than followed
             write_atomic(path, json.dumps(body, indent=1, sort_keys=True, default=str), private=True)
