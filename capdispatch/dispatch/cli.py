@@ -30,6 +30,7 @@ examples:
   dispatch catalog                      the GPUs that sim:NAME can simulate
   dispatch env                          a report to paste into a bug report
   dispatch model deepseek-v4-flash --tp 8   a model's facts and one rank's shapes
+  dispatch checkpoint --model deepseek-v4-flash --layers 2 --out ./ckpt   random weights SGLang loads
   dispatch sglang plan --device sim:rtx-5090,sim:rtx-3080 --libs sglang-0.5.23
 
 exit codes: 0 decided; 2 bad input (unknown device, op, backend, library, bad policy
@@ -67,7 +68,8 @@ examples:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from . import bench_cmd, catalog_cmd, env_cmd, lock_cmd, model_cmd, plan_cmd, rehearse_cmd, verify_cmd
+    from . import (bench_cmd, catalog_cmd, checkpoint_cmd, env_cmd, lock_cmd, model_cmd, plan_cmd,
+                   rehearse_cmd, verify_cmd)
     from .options import add
     p = Parser(prog="dispatch", description="Which kernel runs each op on each GPU, and why.",
                epilog=EPILOG)
@@ -112,7 +114,8 @@ def _parser() -> argparse.ArgumentParser:
         if "_ARGCOMPLETE" in os.environ:
             importlib.import_module(module).add_commands(ext)
 
-    for m in (bench_cmd, catalog_cmd, env_cmd, lock_cmd, model_cmd, plan_cmd, rehearse_cmd, verify_cmd):
+    for m in (bench_cmd, catalog_cmd, checkpoint_cmd, env_cmd, lock_cmd, model_cmd, plan_cmd, rehearse_cmd,
+              verify_cmd):
         m.add_parser(sub).set_defaults(run=m.run)
 
     pol = sub.add_parser("policy", help="check or show policy files",
