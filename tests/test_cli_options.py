@@ -90,6 +90,8 @@ BAD = {
     "dispatch catalog": (["--format", "yaml"], 2, "--format: invalid choice: 'yaml'"),
     "dispatch env": (["--format", "xml"], 2, "--format: invalid choice: 'xml'"),
     "dispatch model": (["no-such-model"], 2, "model 'no-such-model' is neither a built-in"),
+    "dispatch checkpoint": (["--model", "no-such-model", "--layers", "2", "--out", "no-such-dir"], 2,
+                            "model 'no-such-model' is neither a built-in"),
     "dispatch plan": (["--model", "deepseek-v4-flash", "--device", "sim:rtx-9999"], 2,
                       "--device: unknown simulated device"),
     "dispatch lock": (["--device", "sim:h200", "--op", "kv_qaunt"], 2, "did you mean 'kv_quant'"),

@@ -313,7 +313,7 @@ def test_bare_dispatch_prints_the_help_and_every_command_has_examples(dispatch):
     assert rc == 0 and out.startswith("capdispatch ")
     for cmd in (["lock"], ["verify"], ["bench"], ["ops"], ["policy", "validate"], ["policy", "show"],
                 ["sglang"], ["sglang", "plan"], ["explain"], ["devices"], ["catalog"], ["env"],
-                ["rehearse"]):
+                ["rehearse"], ["checkpoint"]):
         rc, out, _ = dispatch(*cmd, "--help")
         assert rc == 0 and "examples:\n  dispatch " in out, cmd
 
