@@ -166,6 +166,34 @@ def test_timeout_must_be_a_finite_positive_number(bad, capsys):
         cd.verify_decisions(cd.probe("cpu"), {"kv_dequant": "torch"}, budget_s=1, timeout_s=bad)
 
 
+@pytest.mark.parametrize("bad", ["1e-9", "0.5"])
+def test_a_timeout_too_short_for_any_child_is_refused_before_a_canary_runs(bad, monkeypatch, capsys):
+    """--timeout 1e-9 times out every canary before its child starts: cached, such a verdict
+    rejects a sound backend for good. It is bad input, refused before anything runs."""
+    ran = []
+    monkeypatch.setattr(runner, "run_canary", lambda *a, **k: ran.append(a))
+    from capdispatch.dispatch import cli
+    assert cli.main(["verify", "--device", "cpu", "--op", "kv_quant", "--timeout", bad]) == 2
+    err = capsys.readouterr().err
+    assert f"--timeout: {float(bad)!r} is not a time limit" in err and ">= 1" in err, err
+    assert len(err.strip().splitlines()) == 1 and ran == []
+    with pytest.raises(cd.BadInput, match=">= 1"):
+        cd.verify_decisions(cd.probe("cpu"), {"kv_quant": "torch"}, timeout_s=float(bad))
+
+
+def test_a_decision_a_cached_failure_leaves_without_a_backend_names_the_way_out(capsys):
+    """A cached failure that makes `explain` exit 3 says how to run the canary again or
+    forget the cache."""
+    cpu = cd.probe("cpu")
+    proof.store(cpu, "torch", proof.Verdict(op="kv_quant", backend="torch", device="cpu", outcome="timeout",
+                                            detail="no result 60 s after start-up (killed)"))
+    from capdispatch.dispatch import cli
+    assert cli.main(["explain", "--device", "cpu", "--op", "kv_quant"]) == 3
+    err = capsys.readouterr().err
+    assert "dispatch verify --clear-cache" in err, err
+    assert "dispatch verify --device cpu --op kv_quant --backend torch" in err, err
+
+
 def test_an_interrupt_kills_every_child_at_once(monkeypatch, tmpdir_only, sigint_raises):
     """KeyboardInterrupt in the calling thread, --jobs 4: every child's group killed within
     2 s, nothing cached, no folder left."""

@@ -299,8 +299,13 @@ def canary_check(verdict, mode: str, device: DeviceSpec, op: str, name: str,
     if verdict.passed:
         when = f" ({verdict.at})" if verdict.at else ""
         return Check("canary", need, f"pass{when}", True)
+    # The verdict is a cached one: the message says how to run the canary again or forget it.
+    import re
+    dev = re.sub(r"@\d+$", "", device.id.split("#")[0])
     return Check("canary", need, verdict.describe(), False,
-                 f"{device.id}: {op}/{name} failed its canary on this card: {verdict.describe()}")
+                 f"{device.id}: {op}/{name} failed its canary on this card: {verdict.describe()} "
+                 f"(a cached verdict: `dispatch verify --device {dev} --op {op} --backend {name}` runs "
+                 f"its canary again; `dispatch verify --clear-cache` forgets every verdict)")
 
 
 def evaluate(ctx: Context, op: str, device: DeviceSpec, names, preferred) -> list:

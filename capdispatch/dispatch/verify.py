@@ -141,15 +141,22 @@ def torch_device(spec) -> str:
     return re.sub(r"@\d+$", "", spec.id.split("#")[0])
 
 
+# The shortest canary limit taken: below it no child can even start, so its timeout
+# would be the limit's, not the kernel's, and the cached verdict would reject a sound
+# backend until the cache is cleared.
+MIN_TIMEOUT_S = 1.0
+
+
 def check_timeout(value, what: str = "--timeout") -> float:
-    """VALUE as seconds: a finite number > 0, else BadInput naming WHAT."""
+    """VALUE as seconds: a finite number >= MIN_TIMEOUT_S, else BadInput naming WHAT."""
     import math
     try:
-        ok = not isinstance(value, bool) and float(value) > 0 and math.isfinite(float(value))
+        ok = not isinstance(value, bool) and float(value) >= MIN_TIMEOUT_S and math.isfinite(float(value))
     except (TypeError, ValueError):
         ok = False
     if not ok:
-        raise BadInput(f"{what}: {value!r} is not a time limit (valid: seconds, a finite number > 0)")
+        raise BadInput(f"{what}: {value!r} is not a time limit (valid: seconds, a finite number "
+                       f">= {MIN_TIMEOUT_S:g})")
     return float(value)
 
 
