@@ -150,6 +150,38 @@ def test_verdict_fields_are_type_checked():
             proof.Verdict.from_dict({**base, field: bad})
 
 
+def sign(path, env):
+    """Sign PATH's body again with the cache's own secret: what a bug or a forger with
+    the secret could leave, so only the verdict's own checks stand between it and a crash."""
+    body = json.loads(path.read_text())
+    body.pop("mac", None)
+    body["mac"] = C._mac(C._secret(env, create=False), body)
+    path.write_text(json.dumps(body))
+
+
+@pytest.mark.parametrize("bad", [10**400, float("nan"), float("-inf")])
+def test_a_signed_verdict_with_an_impossible_max_err_is_untrusted_not_a_crash(env, bad, caplog, capsys):
+    path = proof.store(cpu(), "torch", verdict(outcome="mismatch", max_err=3.0, where="x"), env=env)
+    rewrite(path, verdict={"max_err": bad})
+    sign(path, env)
+    with caplog.at_level(logging.WARNING, logger="capdispatch"):
+        assert proof.lookup(cpu(), "kv_dequant", "torch", env=env) is None
+        with pytest.raises(cd.NoBackendError, match="cannot be trusted"):    # fails closed
+            decide(env)
+    assert "max_err" in caplog.text and str(path) in caplog.text
+    from capdispatch.dispatch import cli
+    assert cli.main(["explain", "--device", "cpu", "--op", "kv_dequant"]) == 3
+    assert "internal error" not in capsys.readouterr().err
+
+
+def test_a_mismatch_of_non_finite_output_keeps_its_infinite_max_err(env):
+    """A canary's check writes max_err Infinity for non-finite output: that verdict is the
+    kernel's, and reads back trusted."""
+    proof.store(cpu(), "torch", verdict(outcome="mismatch", max_err=float("inf"), where="x"), env=env)
+    v = proof.lookup(cpu(), "kv_dequant", "torch", env=env)
+    assert v is not None and v.max_err == float("inf") and "max error inf" in v.describe()
+
+
 def test_a_suspect_backend_is_verified_again_and_then_trusted(env, monkeypatch):
     """verify_decisions does not take a suspect file as cached: the canary runs again."""
     from capdispatch.proof import runner

@@ -166,6 +166,14 @@ def test_timeout_must_be_a_finite_positive_number(bad, capsys):
         cd.verify_decisions(cd.probe("cpu"), {"kv_dequant": "torch"}, budget_s=1, timeout_s=bad)
 
 
+def test_a_childs_max_err_past_floats_range_is_a_malformed_result(monkeypatch, tmpdir_only):
+    monkeypatch.setattr(runner, "_BOOT", fake_boot(
+        READY + "from capdispatch.proof.child import _write; "
+        "_write(sys.argv[5], {'outcome': 'mismatch', 'max_err': 10**400, 'seconds': {}})"))
+    v = runner.run_canary("kv_dequant", "torch", "cpu", timeout=5)
+    assert v.outcome == "crash" and v.fault == "malformed result", v
+
+
 @pytest.mark.parametrize("bad", ["1e-9", "0.5"])
 def test_a_timeout_too_short_for_any_child_is_refused_before_a_canary_runs(bad, monkeypatch, capsys):
     """--timeout 1e-9 times out every canary before its child starts: cached, such a verdict

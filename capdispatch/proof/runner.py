@@ -150,7 +150,7 @@ def run_canary(op: str, backend: str, device: str, *, timeout: float = DEFAULT_T
                        max_err=None if body.get("max_err") is None else float(body["max_err"]),
                        where=str(body.get("where", "")), tolerance=str(body.get("tolerance", "")),
                        seconds=seconds, **base)
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, OverflowError) as exc:   # 10**400 overflows float
         return Verdict(outcome="crash", detail=f"the child's result is malformed ({exc})",
                        seconds=seconds, fault="malformed result", **base)
 

@@ -1,6 +1,7 @@
 """A canary's verdict: one backend of one op on one card, passed or failed and how."""
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import attrs
@@ -64,13 +65,29 @@ class Verdict:
         if d.get("max_err") is not None:
             if isinstance(d["max_err"], bool) or not isinstance(d["max_err"], (int, float)):
                 raise ValueError(f"max_err must be a number, found {type(d['max_err']).__name__}")
-            d["max_err"] = float(d["max_err"])
+            # An integer past float's range (10**400), NaN or -Infinity was never a canary's
+            # error (its checks write a float, +Infinity for non-finite output): the verdict
+            # is malformed, not a crash.
+            try:
+                d["max_err"] = float(d["max_err"])
+            except OverflowError:
+                raise ValueError("max_err is too large for a float (valid: a float, or Infinity)") from None
+            if math.isnan(d["max_err"]) or d["max_err"] == -math.inf:
+                raise ValueError(f"max_err must be a float or Infinity, found {d['max_err']!r}")
         seed = d.get("seed")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"seed must be an integer, found {type(seed).__name__}")
         secs = d.get("seconds", {})
         if not isinstance(secs, dict) or not all(
                 isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
-                for k, v in secs.items()):
-            raise ValueError("seconds must map phases to numbers")
+                and _finite(v) for k, v in secs.items()):
+            raise ValueError("seconds must map phases to finite numbers")
         return cls(**d)
+
+
+def _finite(v) -> bool:
+    """V (an int or a float) is a finite float: 10**400 is not, nor NaN or Infinity."""
+    try:
+        return math.isfinite(float(v))
+    except OverflowError:
+        return False
