@@ -78,7 +78,7 @@ def test_a_whole_number_is_refused_when_parsed_with_one_wording(path, capsys):
     rc = main(argv[1:] if argv[0] == "sglang" else argv)
     err = capsys.readouterr().err
     prog = "dispatch sglang" if argv[0] == "sglang" else "dispatch"
-    assert rc == 2 and err.splitlines()[-1] == f"{prog}: error: --tp 0: expected an integer >= 1", err
+    assert rc == 2 and err.splitlines()[-1] == f"{prog}: error: --tp 0: expected an integer from 1 to 4096", err
 
 
 # One bad input per command: exit 2 (3: unsatisfiable), one line, no traceback.

@@ -48,12 +48,15 @@ class SizesError(CapdispatchError, ValueError):
     pass
 
 
-def max_size(op: str, registry=None) -> int:
-    """The largest size `--sizes` may time OP at: 16 times its ladder's largest (the
-    inputs grow with it; a typo of a few digits must not allocate the card away); an op
-    without a ladder (Op.sizes), 4096."""
+def max_size(op: str, registry=None, platform: str = "cuda") -> int:
+    """The largest size `--sizes` may time OP at: on a GPU 16 times its ladder's largest (the
+    inputs grow with it; a typo of a few digits must not allocate the card away), on the CPU
+    the ladder's largest (its inputs and the torch reference's temporaries live in host
+    memory beside everything else); an op without a ladder (Op.sizes), 4096 (CPU: 256)."""
     from ..backends import builtin
     sizes = (registry or builtin()).ops[op].sizes
+    if platform == "cpu":
+        return max(sizes) if sizes else 256
     return 16 * max(sizes) if sizes else 4096
 
 

@@ -117,10 +117,12 @@ def run(args, *, timer=None) -> int:
             continue
         ladders[op] = sizes or ctx.registry.ops[op].sizes
     for op in ops if sizes else ():
-        top = ladder.max_size(op, ctx.registry)
+        top = ladder.max_size(op, ctx.registry, spec.platform)
         if sizes[-1] > top:
-            why = ("16 times its ladder's largest" if ctx.registry.ops[op].sizes
-                   else "the bound for an op without a ladder")
+            cpu = spec.platform == "cpu"
+            why = (("its ladder's largest, on the CPU" if cpu else "16 times its ladder's largest")
+                   if ctx.registry.ops[op].sizes else "the bound for an op without a ladder"
+                   + (", on the CPU" if cpu else ""))
             raise BadInput(f"--sizes: {sizes[-1]} is larger than {op} is timed at (valid: up to {top} "
                            f"{ctx.registry.ops[op].size.key}, {why})")
     known = known_device_names()

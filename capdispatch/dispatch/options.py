@@ -19,6 +19,7 @@ from typing import Callable, Optional
 
 import attrs
 
+from ..models.sharding import MAX_RANKS
 from .inputs import DEVICE_FORMS, shown
 
 
@@ -51,10 +52,41 @@ class Parser(argparse.ArgumentParser):
         kw.setdefault("parser_class", functools.partial(type(self), command=self.command))
         return super().add_subparsers(**kw)
 
+    def parse_args(self, args=None, namespace=None):
+        ns, extras = self.parse_known_args(args, namespace)
+        if extras:      # named by the subcommand they were given to, not the top level
+            self._chosen(ns).error("unrecognized arguments: " + " ".join(extras))
+        return ns
+
+    def _chosen(self, ns):
+        """The deepest subcommand's parser that NS went through."""
+        for a in self._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                name = getattr(ns, a.dest, None) if a.dest not in (None, argparse.SUPPRESS) else None
+                sub = a.choices.get(name) if isinstance(name, str) else None
+                if isinstance(sub, Parser):
+                    return sub._chosen(ns)
+        return self
+
     def error(self, message):
-        self.print_usage(sys.stderr)
-        print(f"{self.command}: error: {_plain(message)}", file=sys.stderr)
+        text = _plain(message)
+        if text.startswith("unrecognized arguments:"):
+            text += self._did_you_mean(text.split(":", 1)[1].split())
+        print(f"{self.command}: error: {text}", file=sys.stderr)
         raise SystemExit(2)
+
+    def _did_you_mean(self, given) -> str:
+        """'; did you mean --x?' for the first unknown flag close to one of this parser's,
+        and where its options are listed."""
+        import difflib
+        known = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+        hint = ""
+        for g in given:
+            close = difflib.get_close_matches(g.split("=")[0], known, n=1, cutoff=0.6)
+            if close:
+                hint = f"; did you mean {close[0]}?"
+                break
+        return f"{hint} (`{self.prog} --help` lists the options)"
 
 
 def _plain(message: str) -> str:
@@ -77,16 +109,25 @@ def refused(flag: str, value: str, valid: str) -> argparse.ArgumentTypeError:
     return argparse.ArgumentTypeError(f"{flag} {value}: expected {valid}")
 
 
-def whole(low: int = 1) -> Callable:
-    """A type for a whole number >= LOW. `add` gives it the flag first (flag_aware), so that
-    its error names the flag as every other check does."""
+# Query tokens per request per decode step: one real token plus drafts (SGLang's MTP and
+# EAGLE draft a handful).
+MAX_NEXT_N = 64
+
+
+def whole(low: int = 1, high: Optional[int] = None) -> Callable:
+    """A type for a whole number >= LOW (and <= HIGH). `add` gives it the flag first
+    (flag_aware), so that its error names the flag as every other check does."""
+    need = f"an integer >= {low}" if high is None else f"an integer from {low} to {high}"
+
     def parse(flag: str, text: str) -> int:
+        if len(text) > 40:
+            raise refused(flag, text[:20] + "...", need)
         try:
             value = int(text, 10)
         except ValueError:
-            raise refused(flag, text, f"an integer >= {low}") from None
-        if value < low:
-            raise refused(flag, text, f"an integer >= {low}")
+            raise refused(flag, text, need) from None
+        if value < low or (high is not None and value > high):
+            raise refused(flag, text, need)
         return value
     parse.flag_aware = True
     return parse
@@ -149,16 +190,16 @@ OPTIONS = {o.flag.lstrip("-").replace("-", "_"): o for o in (
     # A model and its layout: each rank's shapes are checked against the kernels' shape ranges.
     Option(("--model",), "a built-in model (`dispatch model` lists them) or a Hugging Face "
            "config.json, or the folder holding it", metavar="NAME|PATH"),
-    Option(("--tp",), "tensor-parallel ranks, as SGLang's --tp", unset="1", metavar="N",
-           type=whole(1), default=1),
+    Option(("--tp",), "tensor-parallel ranks, as SGLang's --tp (at most 4096)", unset="1", metavar="N",
+           type=whole(1, MAX_RANKS), default=1),
     Option(("--ep",), "expert-parallel ranks, as SGLang's --ep; must divide --tp", unset="1",
-           metavar="N", type=whole(1), default=1),
+           metavar="N", type=whole(1, MAX_RANKS), default=1),
     Option(("--dp-attention",), "attention data parallel over all --tp ranks (SGLang's "
            "--attn-dp-size equal to --tp, formerly --enable-dp-attention --dp-size N): every "
            "rank keeps all heads", switch=True),
     Option(("--next-n",), "query tokens per request per decode step",
            unset="1 + the model's MTP layers: one real token plus one draft per MTP layer",
-           metavar="N", type=whole(1)),
+           metavar="N", type=whole(1, MAX_NEXT_N)),
 )}
 
 LAYOUT = ("model", "tp", "ep", "dp_attention", "next_n")

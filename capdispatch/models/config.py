@@ -53,11 +53,19 @@ def _bad(where: str, key: str, value, valid: str) -> ModelError:
     return ModelError(f"{where}: {key} {_show(value)} is not valid; valid: {valid}")
 
 
+# Upper bounds (inclusive), far above any DeepSeek-V4-class model (V4-Pro: 61 layers, 7168
+# hidden, 384 experts) and low enough that every plan over them stays instant and exact.
+HIGH = {"num_hidden_layers": 1024, "n_routed_experts": 65536, "num_experts_per_tok": 1024,
+        "max_position_embeddings": 1 << 40}
+HIGH_DEFAULT = 1 << 20
+
+
 def _int(cfg: dict, where: str, key: str, what: str, low: int) -> int:
     value = cfg[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+    high = HIGH.get(key, HIGH_DEFAULT)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         size = "a positive integer" if low == 1 else f"an integer >= {low}"
-        raise _bad(where, key, value, f"{size} ({what})")
+        raise _bad(where, key, value, f"{size} up to {high} ({what})")
     return value
 
 

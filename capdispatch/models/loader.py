@@ -53,16 +53,52 @@ def _load_builtin(name: str, entry: dict) -> ModelShape:
     return shape
 
 
+# A published config.json is a few KiB; anything past this bound is not one.
+CONFIG_LIMIT = 1 << 20
+# Deeper than any config.json nests (quantization_config, rope_scaling: two levels).
+MAX_DEPTH = 32
+
+
 def _read_json(path: str):
+    from ..safe_io import FileError, read_bytes
     try:
-        with open(path, encoding="utf-8") as fh:
-            return json.load(fh)
-    except json.JSONDecodeError as exc:
-        raise ModelError(f"{path}:{exc.lineno}:{exc.colno}: not valid JSON ({exc.msg})") from None
+        data = read_bytes(path, limit=CONFIG_LIMIT, what="config.json")
+    except FileError as exc:
+        raise ModelError(str(exc)) from None
+    try:
+        text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ModelError(f"{path}: not UTF-8 text ({exc.reason})") from None
-    except OSError as exc:
-        raise ModelError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    _check_depth(path, text)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ModelError(f"{path}:{exc.lineno}:{exc.colno}: not valid JSON ({exc.msg})") from None
+    except (ValueError, RecursionError):   # an integer of thousands of digits
+        raise ModelError(f"{path}: holds a number thousands of digits long; no config field is "
+                         f"that large") from None
+
+
+def _check_depth(path: str, text: str) -> None:
+    """Refuse nesting deeper than MAX_DEPTH before parsing (json recurses per level)."""
+    depth, in_str, esc = 0, False, False
+    for ch in text:
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "[{":
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise ModelError(f"{path}: nested deeper than {MAX_DEPTH} levels; a config.json is flat "
+                                 f"but for a few objects")
+        elif ch in "]}":
+            depth -= 1
 
 
 def load_model(name_or_path) -> ModelShape:
@@ -82,7 +118,7 @@ def load_model(name_or_path) -> ModelShape:
             return _load_builtin(text.lower(), data[text.lower()])
         raise _unknown(text, data)
     path = os.path.join(text, "config.json") if os.path.isdir(text) else text
-    if not os.path.isfile(path):
+    if os.path.isdir(text) and not os.path.exists(path):
         raise ModelError(f"{text}: a folder without a config.json; give a config.json or the "
                          f"folder of a Hugging Face checkpoint")
     folder = os.path.basename(os.path.dirname(os.path.abspath(path)))

@@ -38,12 +38,18 @@ def indexer_bytes_per_token(shape: ModelShape) -> int:
     return shape.indexer_dim + shape.indexer_dim // 128 * 4
 
 
+# The largest --tp / --ep a plan takes (a group of 4096 GPUs); checked before any search.
+MAX_RANKS = 4096
+# The tp x ep pairs the fallback search tries: tp up to this, every ep dividing it.
+SEARCH_PAIRS = 64
+
+
 def _problem(shape: ModelShape, tp, ep, dp_attention: bool):
     """The first rule a layout breaks, as (message, knob to vary), or None."""
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        return f"tp {tp!r} is not a rank count (an integer >= 1)", "tp"
-    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
-        return f"ep {ep!r} is not a rank count (an integer >= 1)", "ep"
+    if isinstance(tp, bool) or not isinstance(tp, int) or not 1 <= tp <= MAX_RANKS:
+        return f"tp {tp!r} is not a rank count (an integer from 1 to {MAX_RANKS})", "tp"
+    if isinstance(ep, bool) or not isinstance(ep, int) or not 1 <= ep <= MAX_RANKS:
+        return f"ep {ep!r} is not a rank count (an integer from 1 to {MAX_RANKS})", "ep"
     attn_tp = 1 if dp_attention else tp
     where = "attention TP 1 (dp-attention)" if dp_attention else f"tp {tp}"
     if shape.heads % attn_tp:
@@ -66,8 +72,11 @@ def works(shape: ModelShape, layout: Layout) -> bool:
 
 
 def _proposals(shape: ModelShape, tp, ep, dp_attention: bool, knob: str) -> tuple:
-    top = max(8, tp) if isinstance(tp, int) and not isinstance(tp, bool) else 8
-    if knob == "ep" and isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1:
+    """Layouts near the refused one that work; bounded: at most MAX_RANKS single-knob
+    candidates, or the tp x ep pairs up to SEARCH_PAIRS."""
+    ranked = isinstance(tp, int) and not isinstance(tp, bool) and 1 <= tp <= MAX_RANKS
+    top = max(8, tp) if ranked else 8
+    if knob == "ep" and ranked:
         found = [Layout(tp, e, dp_attention) for e in range(1, tp + 1)]
     elif isinstance(ep, int) and not isinstance(ep, bool) and ep >= 1:
         found = [Layout(t, ep, dp_attention) for t in range(1, top + 1)]
@@ -75,6 +84,7 @@ def _proposals(shape: ModelShape, tp, ep, dp_attention: bool, knob: str) -> tupl
         found = [Layout(t, 1, dp_attention) for t in range(1, top + 1)]
     found = [lay for lay in found if works(shape, lay)]
     if not found:
+        top = min(top, SEARCH_PAIRS)
         found = [Layout(t, e, dp_attention) for t in range(1, top + 1) for e in range(1, t + 1)]
         found = [lay for lay in found if works(shape, lay)]
     return tuple(found)
