@@ -446,3 +446,14 @@ def test_without_torch_one_line_says_what_to_install(tmp_path, capsys, monkeypat
     rc, _, err = _cli(capsys, "--model", _config(tmp_path), "--layers", "1", "--out", str(tmp_path / "o"))
     assert rc == 2 and "pip install 'capdispatch[torch]'" in _one_line(err)
     assert sorted(os.listdir(tmp_path)) == ["small"]
+
+
+def test_one_layer_loads_but_its_next_n_draft_does_not(sglang, tmp_path, capsys):
+    """Why the command warns against MTP at --layers 1: SGLang's next-n loader takes layer id 0
+    when num_hidden_layers is 1, while the remap sends mtp.0.* to layer 1."""
+    _, ns = sglang
+    assert _cli(capsys, "--model", _config(tmp_path), "--layers", "1", "--out", str(tmp_path / "o"))[0] == 0
+    cfg = json.load(open(tmp_path / "o" / "config.json"))
+    found = sgl.problems(ns, sgl.folder_tensors(str(tmp_path / "o")), cfg)
+    assert found and all(p.startswith("next-n draft: ") for p in found), found
+    assert any("model.e_proj.weight is not initialized" in p for p in found)
