@@ -267,3 +267,19 @@ def test_a_backend_that_cannot_be_timed_is_left_out_with_the_reason(clean_env):
                            gen=torch.Generator().manual_seed(2), timer=timer)
     assert [(r.backend, r.ok) for r in rows] == [("torch", True), ("uncapturable", False)]
     assert rows[1].detail.startswith("failed while timing: RuntimeError: operation not permitted")
+
+
+def test_rewriting_a_calibration_edited_to_hold_aliases_keeps_the_aliased_ops(clean_env, tmp_path, capsys):
+    """A calibrated file edited by hand to share buckets through an anchor: a run for the op
+    holding the anchor must not copy the other op's `*alias` line without it."""
+    from capdispatch.calibrate import writer
+    policy = tmp_path / "cpu.yaml"
+    policy.write_text(f"{writer.MARK} on the CPU\nschema: 1\ndevices:\n  - match: {{id: \"cpu\"}}\n"
+                      "    ops:\n      kv_quant: &pref\n        - {prefer: [torch]}\n      kv_dequant: *pref\n")
+    assert bench_cmd.run(_args("--device", "cpu", "--op", "kv_quant", "--sizes", "1",
+                               "--write-policy", str(policy)), timer=FakeTimer({"torch": lambda n: 2.0})) == 0
+    text = policy.read_text()
+    assert "*pref" not in text and "&pref" not in text, text
+    pf = load_file(policy, builtin(), known_devices=known_device_names())
+    assert set(pf.devices[0].ops) == {"kv_quant", "kv_dequant"}
+    assert pf.devices[0].ops["kv_dequant"].value[0] == "torch"

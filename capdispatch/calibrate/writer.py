@@ -54,8 +54,11 @@ MARK = "# Calibrated by `dispatch bench`"
 
 
 def op_blocks(text: str) -> dict:
-    """op -> its lines (comments included) in a file this module wrote; {} for any other."""
-    if not text.startswith(MARK):
+    """op -> its lines (comments included) in a file this module wrote; {} for any other,
+    and for one edited to hold YAML anchors or aliases: a kept block copied as text may
+    name an anchor the rewrite drops, so such a file's kept ops are written from their
+    values (`render_policy` with an OpPreference), which hold no aliases."""
+    if not text.startswith(MARK) or _has_aliases(text):
         return {}
     out, current = {}, None
     for line in text.splitlines():
@@ -68,6 +71,19 @@ def op_blocks(text: str) -> dict:
         if current is not None:
             out[current].append(line)
     return out
+
+
+def _has_aliases(text: str) -> bool:
+    """Does TEXT (YAML) hold an anchor (&a) or an alias (*a)? Text that does not parse
+    counts as holding one: its blocks are then not copied."""
+    import yaml
+    try:
+        for event in yaml.parse(text, Loader=yaml.SafeLoader):
+            if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+                return True
+    except (yaml.YAMLError, RecursionError):
+        return True
+    return False
 
 
 def _q(s: str) -> str:
