@@ -38,12 +38,26 @@ class FileError(CapdispatchError, ValueError):
         super().__init__(f"{path}: {reason}")
 
 
+MAX_SHOWN = 300     # a message names a file; it need not repeat a page of it
+
+
 def shown(path) -> str:
-    """PATH as text for a message, however it was given (str, bytes, PathLike)."""
+    """PATH as text for a message, however it was given (str, bytes, PathLike): control
+    and bidi characters (a terminal would act on them, or show the name reordered) and
+    undecodable bytes escaped, a name longer than MAX_SHOWN characters cut, its length said."""
     try:
-        return os.fsdecode(os.fspath(path))
+        text = os.fsdecode(os.fspath(path))
     except (TypeError, ValueError):
-        return repr(path)
+        text = repr(path)
+    if len(text) > MAX_SHOWN:
+        text = f"{text[:150]}...{text[-100:]} ({len(text)} characters)"
+    if text.isprintable():
+        try:
+            text.encode("utf-8")
+            return text
+        except UnicodeEncodeError:     # a lone surrogate: an undecodable byte of the name
+            pass
+    return ascii(text)[1:-1]
 
 
 def kind(mode: int) -> str:

@@ -49,3 +49,37 @@ def test_repeated_devices_round_trip(devices, tmp_path, capsys):
     capsys.readouterr()
     assert cli.main(["lock", "--check", str(path)]) == 0, capsys.readouterr().err
     assert "match the lock" in capsys.readouterr().out
+
+
+HOSTILE = "\x1b[31mred\u202eevil\x07"       # an escape sequence, a right-to-left override, a bell
+
+
+def _clean(text: str) -> bool:
+    return not any(c in text for c in "\x1b\u202e\x07")
+
+
+def test_control_and_bidi_characters_in_lock_paths_are_escaped(tmp_path, capsys):
+    missing = str(tmp_path / f"{HOSTILE}.lock")
+    assert cli.main(["explain", "--device", "sim:h200", "--op", "moe", "--lock", missing]) == 2
+    err = capsys.readouterr().err
+    assert _clean(err) and "\\x1b[31mred\\u202eevil\\x07.lock: no such lock file" in err, err
+    written = str(tmp_path / f"{HOSTILE}w.lock")
+    assert cli.main(["lock", "--device", "sim:h200", "--op", "moe", "-o", written]) == 0
+    err = capsys.readouterr().err
+    assert _clean(err) and "wrote " in err and "\\u202e" in err, err
+    assert cli.main(["lock", "--check", written]) == 0
+    out = capsys.readouterr().out
+    assert _clean(out) and "match the lock" in out, out
+    bad = tmp_path / f"{HOSTILE}bad.lock"
+    bad.write_text("schema: 1\n")
+    with pytest.raises(cd.LockError) as exc:
+        cd.load_lock(str(bad))
+    assert _clean(str(exc.value)) and "bad.lock:1: missing 'devices'" in str(exc.value)
+
+
+def test_a_huge_capdispatch_lock_value_is_cut_in_the_message(monkeypatch, capsys):
+    monkeypatch.setenv("CAPDISPATCH_LOCK", "/nonexistent/" + "x" * 120_000)
+    assert cli.main(["explain", "--device", "sim:h200", "--op", "moe"]) == 2
+    err = capsys.readouterr().err
+    assert len(err) < 1000 and "(120013 characters)" in err and "no such lock file" in err, err[:500]
+    assert len(err.strip().splitlines()) == 1

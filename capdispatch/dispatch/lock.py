@@ -60,8 +60,9 @@ class LockError(BadInput):
     """A lock file that cannot be read or does not follow the schema (exit 2)."""
 
     def __init__(self, path: str, line: Optional[int], message: str):
+        from ..safe_io import shown      # a path from argv or the environment: escaped, bounded
         self.path, self.line = path, line
-        where = f"{path}:{line}" if line else path
+        where = f"{shown(path)}:{line}" if line else shown(path)
         super().__init__(f"{where}: {message}")
 
 
@@ -70,7 +71,8 @@ class LockDriftError(Unsatisfiable):
 
     def __init__(self, path: str, drifts):
         self.path, self.drifts = path, tuple(drifts)
-        lines = [f"strict: {len(self.drifts)} difference(s) from the lock {path}:"]
+        from ..safe_io import shown
+        lines = [f"strict: {len(self.drifts)} difference(s) from the lock {shown(path)}:"]
         lines += [f"  {d}" for d in self.drifts]
         super().__init__("\n".join(lines))
 
@@ -313,7 +315,8 @@ def compare(plan, lock: Lock, *, partial: bool = False) -> tuple:
     """Every difference between PLAN's decisions and LOCK's, in device and op order.
     PARTIAL: PLAN covers only some of the lock's devices and ops (one SGLang rank):
     what PLAN does not decide is not a difference."""
-    where = lock.path or "<lock>"
+    from ..safe_io import shown
+    where = shown(lock.path) if lock.path else "<lock>"
     out = []
     for spec in plan.devices:
         ld = lock.device(spec.id)

@@ -96,10 +96,11 @@ def run(args) -> int:
         for d in drifts:
             L.log.warning("%s", d)
         n = sum(len(d.ops) for d in locked.devices)
+        from ..safe_io import shown        # the name as given: escaped, bounded
         if drifts:
-            print(f"{args.check}: {len(drifts)} difference(s) from the lock", file=sys.stderr)
+            print(f"{shown(args.check)}: {len(drifts)} difference(s) from the lock", file=sys.stderr)
             return EXIT_DRIFT
-        print(f"{args.check}: today's decisions match the lock ({len(locked.devices)} device(s), "
+        print(f"{shown(args.check)}: today's decisions match the lock ({len(locked.devices)} device(s), "
               f"{n} decision(s))")
         return EXIT_OK
     lk = L.freeze(p, inputs={"policy": args.policy, "set": args.set_, "assume_lib": args.assume_lib,
@@ -107,7 +108,8 @@ def run(args) -> int:
     if args.output and args.output != "-":
         lk.write(args.output)
         n = sum(len(d.ops) for d in lk.devices)
-        print(f"wrote {args.output}: {len(lk.devices)} device(s), {n} decision(s)", file=sys.stderr)
+        from ..safe_io import shown
+        print(f"wrote {shown(args.output)}: {len(lk.devices)} device(s), {n} decision(s)", file=sys.stderr)
     else:
         sys.stdout.write(lk.dumps())
     return EXIT_OK
