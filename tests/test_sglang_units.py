@@ -525,7 +525,7 @@ def test_plan_json(env, capsys, monkeypatch):
 @pytest.mark.parametrize("argv,rc,message", [
     (["--device", "sim:rtx-9999"], 2, "rtx-9999"),
     (["--device", RIG, "--tp", "4"], 2, "lists 3 device(s) (cuda:0..cuda:2) but the launch uses cuda:3"),
-    (["--device", RIG, "--tp", "0"], 2, "--tp 0: expected an integer >= 1"),
+    (["--device", RIG, "--tp", "0"], 2, "--tp 0: expected an integer from 1 to 4096"),
     (["--device", RIG, "--set", "kv_dequant=triton_fp9"], 2, "unknown backend 'triton_fp9'"),
     (["--device", RIG, "--set", "kv_dequant=triton_fp8", "--strict"], 3, "strict: cuda:1"),
     (["--device", RIG, "--policy", os.path.join(POL, "error.yaml")], 3, "mixed_group is error"),

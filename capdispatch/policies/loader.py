@@ -32,7 +32,10 @@ _DEPTH_HINT = "a policy is at most 5 (ops -> op -> list, devices -> entry -> ops
 # position N when a card is given twice; `rankN:` the rank of a distributed group.
 _ID = re.compile(r"(rank\d+:)?(cuda:\d+|cpu|sim:[A-Za-z0-9_.-]+)(@\d+)?", re.ASCII)
 # A compute capability ("8.6") or a range of them (">=8.9,<13.0", "!=9.0", "==12.*").
-_CC_CLAUSE = re.compile(r"\s*(==|!=|<=|>=|<|>|~=)?\s*\d{1,3}(\.\d{1,3})?(\.\*)?\s*", re.ASCII)
+# A compute capability's minor number is one digit (8.6, 12.0): `8.60` compares as the
+# version 8.60, which no card has, so an entry with it would validate and never match.
+_CC_CLAUSE = re.compile(r"\s*(==|!=|<=|>=|<|>|~=)?\s*\d{1,3}(\.\d)?(\.\*)?\s*", re.ASCII)
+_CC_LONG_MINOR = re.compile(r"(\d{1,3})\.(\d{2,})", re.ASCII)
 
 
 class PolicyError(CapdispatchError, ValueError):
@@ -325,6 +328,14 @@ def _match(r: Reader, node, what: str, known_devices) -> tuple:
     for key in given:
         vn = given[key]
         value = r.text(vn, f"{what}.{key}", need=_MATCH_NEED[key], nonempty=True).strip()
+        long_minor = _CC_LONG_MINOR.search(value) if key == "cc" else None
+        if long_minor:
+            major, minor = long_minor.groups()
+            fix = f"{major}.{minor.rstrip('0') or '0'}"
+            mean = f'; did you mean "{value.replace(long_minor.group(0), fix, 1)}"?' if len(fix) - len(major) == 2 else ""
+            raise r.err(vn, f"{what}.cc: {_show(value)}: a compute capability's minor number is one digit "
+                            f"({long_minor.group(0)} reads as the version {long_minor.group(0)}, which no card has){mean} (valid: e.g. \"8.6\", "
+                            f"\"12.0\", \">=8.9\")")
         if key == "cc" and cc_spec(value) is None:
             raise r.err(vn, f"{what}.cc: {_show(value)} is not a compute capability "
                             f"or range (e.g. \"8.6\", \"sm_86\", \">=8.9\", \">=12.0,<13.0\")")
