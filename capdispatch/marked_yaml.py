@@ -47,8 +47,15 @@ _NULL_FORMS = ("", "~", "null", "Null", "NULL")
 # What the text of each explicitly tagged scalar may be (YAML 1.1, as the safe loader reads it).
 _TAG_FORMS = {"bool": "true, false, yes, no, on, off, in any case",
               "int": "a whole number such as 1, -2, 0x1f, 0o17",
-              "float": "a number such as 1.5, -2e3, .inf, .nan"}
+              "float": "a number such as 1.5, -2e3, .inf, .nan",
+              "str": "text such as abc",
+              "null": "~, null or nothing",
+              "seq": "a list such as [a, b]",
+              "map": "a mapping such as {a: 1}"}
 _KINDS = {yaml.ScalarNode: "single value", yaml.SequenceNode: "list", yaml.MappingNode: "mapping"}
+# The core tags each kind of node may carry (`!!seq x` is a scalar tagged as a list).
+_FITS = {yaml.ScalarNode: tuple(_CORE + t for t in ("str", "int", "float", "bool", "null")),
+         yaml.SequenceNode: (_CORE + "seq",), yaml.MappingNode: (_CORE + "map",)}
 
 # ERROR(FILE, LINE or None, MESSAGE): the caller's exception for a refused document.
 ErrorClass = Callable[[str, Optional[int], str], Exception]
@@ -246,8 +253,11 @@ class Reader:
         return short_tag(node.tag) if text.startswith("!", i) else None
 
     def check_tag(self, node, what: str) -> None:
-        """Refuse a tag outside YAML's core schema, written or implied."""
+        """Refuse a tag outside YAML's core schema, written or implied, and a core tag on
+        the wrong kind of node (`!!seq x`, `!!str [a]`)."""
         if node.tag in PLAIN_TAGS:
+            if node.tag not in _FITS[type(node)]:
+                self._misfit(node, what)
             return
         holds = "strings, numbers, booleans, lists and mappings"
         implicit = tuple(_CORE + t for t in ("timestamp", "merge", "value"))
@@ -260,6 +270,13 @@ class Reader:
         tag = tag if len(tag) <= 80 and tag.isprintable() else show(tag)
         raise self.err(node, f"{what}: tag {tag} is not allowed (a {self.kind} is plain YAML: "
                              f"{holds}; valid tags: {', '.join(short_tag(t) for t in PLAIN_TAGS)}, or none)")
+
+    def _misfit(self, node, what: str) -> None:
+        tag, kind = short_tag(node.tag), node.tag.rpartition(":")[2]
+        fits = ", ".join(short_tag(t) for t in _FITS[type(node)])
+        found = show(node.value) if isinstance(node, yaml.ScalarNode) else f"on a {kind_of(node)}"
+        raise self.err(node, f"{what}: {tag} {found} is not a YAML {kind} (valid for {tag}: "
+                             f"{_TAG_FORMS[kind]}; a {kind_of(node)} takes {fits} or no tag)")
 
     # ------------------------------------------------------------------ shapes
     def scalar(self, node, what: str, valid: str = ""):

@@ -36,7 +36,9 @@ BAD_TAGS = {"a.yaml": ("mixed_group: !!bool maybe\n", "a.yaml:1: mixed_group: !!
             "d.yaml": ("schema: !!bool 1\n", "d.yaml:1: schema: !!bool '1' is not a YAML bool"),
             "e.yaml": ("ops: !!python/object/apply:os.system [ls]\n",
                        "e.yaml:1: ops: tag !!python/object/apply:os.system is not allowed"),
-            "f.yaml": ("", "f.yaml: the file holds no policy")}
+            "f.yaml": ("", "f.yaml: the file holds no policy"),
+            "g.yaml": ("ops:\n  kv_quant: !!seq x\n", "g.yaml:2: a backend of kv_quant: !!seq 'x' is not a YAML seq"),
+            "h.yaml": ("ops: !!map x\n", "h.yaml:1: ops: !!map 'x' is not a YAML map")}
 
 
 @pytest.mark.parametrize("name", sorted(BAD_TAGS))

@@ -174,6 +174,9 @@ _BAD = [
     ("op", _GOOD.replace("    indexer:", "    indexr:"), 7, "unknown op 'indexr'"),
     ("list", _GOOD.split("  ops:")[0] + "  ops: [indexer]\n", 6, "ops must be a mapping, not a list"),
     ("tag", _GOOD.replace("name: NVIDIA H200", "name: !!python/name:os.system ''"), 4, "is not allowed"),
+    ("seq tag", _GOOD.replace("cc: '9.0'", "cc: !!seq x"), 5, "cc: !!seq 'x' is not a YAML seq"),
+    ("map tag", _GOOD.replace("libraries: {torch: 2.13.0}", "libraries: !!map x"), 9,
+     "libraries: !!map 'x' is not a YAML map (valid for !!map: a mapping"),
     ("twice", _GOOD + _GOOD.split("devices:\n")[1], 10, "listed twice (first at line 3)"),
     ("bucket", _GOOD + "      buckets:\n      - {upper: '16', backend: triton}\n", 11,
      "bucket upper must be an integer or null, found '16'"),
@@ -187,7 +190,7 @@ def test_malformed_lock_names_file_and_line(env, tmp_path, name, text, line, nee
     with pytest.raises(cd.LockError) as ei:
         cd.load_lock(path)
     msg = str(ei.value)
-    assert msg.startswith(f"{path}:{line}: "), msg
+    assert msg.startswith(f"{path}:{line}: ") and "\n" not in msg, msg
     assert needle in msg, msg
     assert isinstance(ei.value, cd.BadInput)
 

@@ -86,6 +86,9 @@ _SPOILS = {
     "unknown": (lambda k: f"{k}x: 1", "unknown key"),
     "bad int": (lambda k: f"{k}: 0x_", "reads as a YAML int but is not one"),
     "bad bool": (lambda k: f"{k}: !!bool maybe", "!!bool 'maybe' is not a YAML bool"),
+    "seq tag": (lambda k: f"{k}: !!seq x", "!!seq 'x' is not a YAML seq (valid for !!seq: a list"),
+    "map tag": (lambda k: f"{k}: !!map x", "!!map 'x' is not a YAML map (valid for !!map: a mapping"),
+    "str tag on a list": (lambda k: f"{k}: !!str [1]", "!!str on a list is not a YAML str"),
 }
 
 

@@ -310,6 +310,15 @@ def test_the_h200_example_policy_loads_and_buckets_decode_by_tokens():
     ("schema: !!timestamp 2001-01-01\n", 1, ["tag !!timestamp is not allowed"]),
     ("schema: !!binary aGk=\n", 1, ["tag !!binary is not allowed"]),
     ("schema: &a !!bool maybe\n", 1, ["schema: !!bool 'maybe'"]),
+    # A list or mapping tag on a single value, a value tag on a list or mapping.
+    ("ops:\n  kv_quant: !!seq x\n", 2, ["a backend of kv_quant: !!seq 'x' is not a YAML seq",
+                                        "a list such as [a, b]", "a single value takes !!str"]),
+    ("ops: !!map x\n", 1, ["ops: !!map 'x' is not a YAML map", "a mapping such as {a: 1}"]),
+    ("ops:\n  kv_quant: !!seq\n", 2, ["!!seq '' is not a YAML seq"]),
+    ("ops:\n  moe: [!!map x]\n", 2, ["!!map 'x' is not a YAML map"]),
+    ("ops:\n  kv_quant: !!str [torch]\n", 2, ["!!str on a list is not a YAML str",
+                                              "a list takes !!seq or no tag"]),
+    ("ops: !!seq {kv_quant: [torch]}\n", 1, ["ops: !!seq on a mapping", "a mapping takes !!map"]),
 ])
 def test_explicit_tags_with_bad_values_name_line_tag_value_and_valid(text, line, needles):
     with pytest.raises(PolicyError) as ei:
