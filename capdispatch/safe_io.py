@@ -180,16 +180,21 @@ def target_of(path) -> str:
     return real
 
 
-def write_atomic(path, data, *, mode: Optional[int] = None, private: bool = False) -> str:
+def write_atomic(path, data, *, mode: Optional[int] = None, private: bool = False,
+                 links: bool = True) -> str:
     """Replace (or create) the regular file PATH with DATA (str: UTF-8) so that no reader
     sees a partial file: a temporary file beside it, fsync, rename, fsync of the folder.
     A file rewritten keeps its permission bits (MODE, or 0666 less the umask, for a new
     one). PRIVATE: the file is made 0600 whatever was there, and a symbolic link at PATH
-    is replaced itself, never followed. Returns the path written; a FileError says why
-    nothing was."""
+    is replaced itself, never followed. LINKS False: a symbolic link at PATH is refused,
+    and one made there meanwhile is replaced, never followed. The temporary file is
+    removed on every failure. Returns the path written; a FileError says why nothing was."""
     name = shown(path)
-    if private:
+    if private or not links:
         real = os.fsdecode(os.fspath(path))
+        if not links and os.path.islink(real):
+            raise FileError(name, "cannot write: it is a symbolic link (this file is written at "
+                                  "its own name, never through a link)")
         if os.path.lexists(real) and not (os.path.islink(real) or os.path.isfile(real)):
             raise FileError(name, f"cannot write: it is {kind(os.lstat(real).st_mode)}")
     else:
@@ -197,7 +202,9 @@ def write_atomic(path, data, *, mode: Optional[int] = None, private: bool = Fals
     body = data.encode("utf-8") if isinstance(data, str) else bytes(data)
     folder = os.path.dirname(os.path.abspath(real))
     try:
-        old = None if private else os.stat(real)
+        old = None if private else os.stat(real) if links else os.lstat(real)
+        if old is not None and not stat.S_ISREG(old.st_mode):
+            raise FileNotFoundError(real)      # a link made meanwhile: replaced, as a new file
         keep = 0o600 if private else stat.S_IMODE(old.st_mode)
     except FileNotFoundError:
         old, keep = None, (0o666 & ~_umask()) if mode is None else mode

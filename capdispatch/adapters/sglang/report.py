@@ -7,6 +7,12 @@ Where: the directory in CAPDISPATCH_REPORT_DIR (read when the rank decides), els
 ``sglang-<host>-gpu<N>.json`` (a later launch on the same GPU replaces it). A report
 that cannot be written is a WARNING, never a failed launch.
 
+Where not: a report directory that is itself a symbolic link, or under a symbolic link
+owned by another user than this one or root (a rank often runs as root; such a link
+would aim its writes anywhere), and a report file that is a symbolic link: each is
+refused with the WARNING, nothing written. The file is written atomically (safe_io), so
+a failed write (a full disk, a directory at the report's name) leaves no temporary file.
+
 What (docs/sglang.md, "The rank report"): the device, per op the decision (backend,
 what runs, kept / routed, per size bucket), the route installed and how its install
 went, the canary verdicts of the decided backends on this card, the architecture facts
@@ -19,6 +25,7 @@ import json
 import logging
 import os
 from pathlib import Path
+from typing import Optional
 
 log = logging.getLogger("capdispatch.sglang")
 
@@ -81,24 +88,53 @@ def build(state, *, proof=None, agreement=None) -> dict:
     }
 
 
+def unsafe_folder(folder) -> Optional[str]:
+    """Why the report directory FOLDER may not be written into, or None: it is a symbolic
+    link, or a folder above it is one owned by another user than this one or root."""
+    from capdispatch.safe_io import shown
+    folder = os.path.abspath(os.fspath(folder))
+    if os.path.islink(folder):
+        return (f"the report directory {shown(folder)} is a symbolic link (to "
+                f"{shown(os.path.realpath(folder))}); give the directory itself")
+    me = os.geteuid() if hasattr(os, "geteuid") else None
+    above = os.path.dirname(folder)
+    while True:
+        try:
+            st = os.lstat(above)
+        except OSError:
+            st = None
+        if st is not None and me is not None and os.path.islink(above) and st.st_uid not in (me, 0):
+            return (f"{shown(above)}, above the report directory, is a symbolic link owned by uid "
+                    f"{st.st_uid} (not this user, uid {me}, or root)")
+        up = os.path.dirname(above)
+        if up == above:
+            return None
+        above = up
+
+
 def write(state, *, proof=None, agreement=None):
     """Write STATE's report (build) where report_path says; returns the path, or None
     (with a WARNING) when it cannot be written."""
-    import tempfile
+    from capdispatch.safe_io import FileError, write_atomic
     env = state.env if state.env is not None else os.environ
+    why = None
     try:
         path = report_path(state.gpu_id, env)
         body = json.dumps(build(state, proof=proof, agreement=agreement), indent=2, default=str)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
-        with os.fdopen(fd, "w") as f:
-            f.write(body + "\n")
-        os.replace(tmp, path)
-        return path
+        why = unsafe_folder(path.parent)
+        if why is None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            why = unsafe_folder(path.parent)       # what is there now, made by us or not
+        if why is None:
+            write_atomic(path, body + "\n", links=False)
+            return path
+    except FileError as exc:
+        why = str(exc)
     except OSError as exc:
-        log.warning("capdispatch: the rank report for gpu_id %d could not be written (%s: %s); set %s "
-                    "to a writable directory", state.gpu_id, type(exc).__name__, exc, ENV_DIR)
-        return None
+        why = f"{type(exc).__name__}: {exc}"
+    log.warning("capdispatch: the rank report for gpu_id %d could not be written (%s); set %s "
+                "to a writable directory of this user's", state.gpu_id, why, ENV_DIR)
+    return None
 
 
 def summary_line(state, path, agreement=None) -> str:
