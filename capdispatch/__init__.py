@@ -10,6 +10,7 @@ __version__ = "0.1.0"
 
 _API = {
     "CapdispatchError": ("capdispatch.errors", "CapdispatchError"),
+    "ExitCode": ("capdispatch.errors", "ExitCode"),      # every command's exit status, one table
     "ArgumentError": ("capdispatch.errors", "ArgumentError"),
     "ArgumentTypeError": ("capdispatch.errors", "ArgumentTypeError"),
     "UnsupportedDeviceError": ("capdispatch.errors", "UnsupportedDeviceError"),

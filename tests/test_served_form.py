@@ -263,7 +263,7 @@ def test_the_regret_check_names_what_a_policy_picks_against_the_fastest(clean_en
                              "--check", "default", "--check", str(slow)), timer=FakeTimer(TABLE))
     out, err = capsys.readouterr()
     # torch at 1 row: 3.5 ms against triton_u8's 2 ms
-    assert rc == bench_cmd.EXIT_CHECK_FAILED
+    assert rc == cd.ExitCode.CHECK_FAILED == 4     # a check failed: not 1, an internal error
     assert f"regret of {slow} (picked / fastest, served form; threshold 1.05): worst 1.75" in out
     assert "regret of default" in out and "regret above 1.05" in err and "1.75x triton_u8" in err
     rc = bench_cmd.run(_args("--device", "cpu", "--op", "kv_dequant", "--sizes", "1,2,4", "--format", "json",

@@ -2,7 +2,7 @@
 device, in the served form (calibrate/served.py), and, with --write-policy, write the
 device-scoped size-bucketed policy that picks the fastest (the measured times as comments);
 with --check POLICY, the regret of policies: per op and size the backend each picks against
-the fastest, exit 1 above --threshold."""
+the fastest, exit 4 above --threshold."""
 from __future__ import annotations
 
 import contextlib
@@ -11,7 +11,7 @@ import json
 import os
 import sys
 
-EXIT_OK, EXIT_BAD_INPUT, EXIT_CHECK_FAILED = 0, 2, 1
+from .errors import ExitCode
 DEFAULT_THRESHOLD = 1.05
 
 
@@ -55,7 +55,7 @@ def add_parser(subparsers):
     c = b.add_argument_group("regret check")
     c.add_argument("--check", action="append", default=[], metavar="POLICY",
                    help="report, per op and size, the backend POLICY picks against the fastest measured "
-                        "(repeatable; 'default' is the built-in policy); exit 1 above --threshold")
+                        "(repeatable; 'default' is the built-in policy); exit 4 above --threshold")
     c.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD, metavar="X",
                    help=f"the largest picked / fastest ratio --check accepts (default {DEFAULT_THRESHOLD})")
     return b
@@ -217,7 +217,7 @@ def run(args, *, timer=None) -> int:
         if any(not t for t in by_size.values()):
             raise_at = next(s for s, t in by_size.items() if not t)
             print(f"dispatch: error: {op} at {key} {raise_at}: no backend passed its check", file=sys.stderr)
-            return EXIT_CHECK_FAILED
+            return ExitCode.CHECK_FAILED
         incumbent = previous.get(op, lambda s: None)
         other_layout = {}
         layouts = ctx.registry.ops[op].layouts
@@ -290,7 +290,7 @@ def run(args, *, timer=None) -> int:
         print(f"dispatch: regret above {args.threshold:g}: {len(over)} size(s); the worst: {worst['policy']} "
               f"picks {worst['picked']} for {worst['op']} at {worst['key']} {worst['size']}, "
               f"{worst['ratio']:.2f}x {worst['fastest']}", file=sys.stderr)
-    return EXIT_CHECK_FAILED if (failed or over) else EXIT_OK
+    return ExitCode.CHECK_FAILED if (failed or over) else ExitCode.OK
 
 
 @contextlib.contextmanager

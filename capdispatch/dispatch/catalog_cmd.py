@@ -1,6 +1,8 @@
 """`dispatch catalog`: the GPUs and bare architectures `sim:NAME` can simulate."""
 from __future__ import annotations
 
+from .errors import ExitCode
+
 
 def add_parser(sub):
     from .options import add
@@ -66,4 +68,4 @@ def run(args) -> int:
         print(json.dumps({"schema": 1, "devices": rows}, indent=2))
     else:
         print(_text(rows, args.sources))
-    return 0
+    return ExitCode.OK

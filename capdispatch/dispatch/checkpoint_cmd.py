@@ -5,6 +5,8 @@ model, a config without a field the checkpoint needs, --layers out of range, an 
 non-empty --out, a file-system error)."""
 from __future__ import annotations
 
+from .errors import ExitCode
+
 EPILOG = """\
 examples:
   dispatch checkpoint --model deepseek-v4-flash --layers 4 --out ./v4-flash-4l
@@ -97,4 +99,4 @@ def run(args) -> int:
                  "serve it with SGLang:", f"  {hint['command']}", f"  {hint['request']}"]
         lines += [f"note: {n}" for n in hint["notes"]]
         print("\n".join(lines))
-    return 0
+    return ExitCode.OK

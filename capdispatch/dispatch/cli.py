@@ -1,5 +1,5 @@
 # PYTHON_ARGCOMPLETE_OK
-"""The `dispatch` command. Exit codes: 0 decided; 2 bad input; 3 unsatisfiable."""
+"""The `dispatch` command. Exit codes: errors.ExitCode, the one table."""
 from __future__ import annotations
 
 import argparse
@@ -10,7 +10,7 @@ import os
 import sys
 
 from . import command
-from .errors import EXIT_BAD_INPUT, EXIT_OK, EXIT_UNSAT  # noqa: F401  (the exit codes, named here too)
+from .errors import ExitCode
 from .options import LAYOUT, Parser, check_layout, version
 
 # Subcommands that live with an adapter, named by module so that the core never
@@ -33,9 +33,10 @@ examples:
   dispatch checkpoint --model deepseek-v4-flash --layers 2 --out ./ckpt   random weights SGLang loads
   dispatch sglang plan --device sim:rtx-5090,sim:rtx-3080 --libs sglang-0.5.23
 
-exit codes: 0 decided; 2 bad input (unknown device, op, backend, library, bad policy
-file); 3 unsatisfiable (under --strict an explicit choice that cannot run, no runnable
-backend, a mixed_group: error divergence).
+exit codes (every command; docs/cli.md#exit-codes): 0 decided; 2 bad input (unknown
+device, op, backend, library, bad policy file); 3 unsatisfiable (under --strict an
+explicit choice that cannot run, no runnable backend, a mixed_group: error divergence);
+4 a check failed (bench); 1 only a bug in capdispatch; 130 interrupted.
 shell completion: eval "$(register-python-argcomplete dispatch)" (pip install 'capdispatch[completion]')
 """
 
@@ -146,7 +147,7 @@ def main(argv=None) -> int:
         completion.autocomplete(parser)
     if not argv:      # `dispatch` alone: what it does and how, not only "arguments are required"
         parser.print_help()
-        return EXIT_BAD_INPUT
+        return ExitCode.BAD_INPUT
     return command.run("dispatch", parser, argv, _run)
 
 
@@ -197,7 +198,7 @@ def _cmd_devices(args) -> int:
     _emit(args, {"schema": 1, "devices": [
         {k: v for k, v in device_dict(d, None).items() if k != "libraries"} for d in specs],
         "inventory": inventory}, "\n".join(text))
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def _cmd_explain(args) -> int:
@@ -225,7 +226,7 @@ def _cmd_explain(args) -> int:
     # After the output, so that on a terminal the matrix is the first screen.
     for w in p.warnings:
         logging.getLogger("capdispatch").warning(w)
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def _cmd_ops(args) -> int:
@@ -251,7 +252,7 @@ def _cmd_ops(args) -> int:
         rows.append(f"plugin {p.name} ({p.value}): " + (f"added {', '.join(p.backends)}" if p.ok
                                                         else f"SKIPPED: {p.message}"))
     _emit(args, obj, "\n".join(rows))
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def _describe_req(r) -> str:
@@ -280,7 +281,7 @@ def _cmd_policy_validate(args) -> int:
     for f in args.files:
         pf = load_file(f, builtin(), known_devices=known_device_names())
         print(f"{pf.path}: ok")
-    return EXIT_OK
+    return ExitCode.OK
 
 
 def _cmd_policy_show(args) -> int:
@@ -292,7 +293,7 @@ def _cmd_policy_show(args) -> int:
     stack = build(reg, policy=args.policy or None, known_devices=known_device_names())
     obj, text = merged(stack, reg)
     _emit(args, obj, text)
-    return EXIT_OK
+    return ExitCode.OK
 
 
 if __name__ == "__main__":

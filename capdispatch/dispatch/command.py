@@ -44,11 +44,11 @@ def run(prog: str, parser, argv, body) -> int:
     """Parse ARGV with PARSER and run BODY(args) -> exit code under the one error handler.
     PROG names the command in its error lines ('dispatch', 'dispatch sglang'). --help and
     usage errors return their exit code (0, 2) instead of raising SystemExit."""
-    from .errors import EXIT_BAD_INPUT, run_guarded
+    from .errors import ExitCode, run_guarded
     safe_streams()
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:    # --help, or a usage error already printed: return its code
-        return exc.code if isinstance(exc.code, int) else EXIT_BAD_INPUT
+        return exc.code if isinstance(exc.code, int) else ExitCode.BAD_INPUT
     setup_logging()
     return run_guarded(prog, lambda: body(args))

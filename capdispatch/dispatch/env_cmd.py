@@ -11,6 +11,8 @@ import os
 import platform
 import sys
 
+from .errors import ExitCode
+
 # Every variable capdispatch reads, with what it does; tests check this list
 # against the package's source.
 VARIABLES = {
@@ -159,4 +161,4 @@ def run(args) -> int:
     import json
     r = report()
     print(json.dumps(r, indent=2) if args.format == "json" else _text(r))
-    return 0
+    return ExitCode.OK

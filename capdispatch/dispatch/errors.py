@@ -1,7 +1,7 @@
 """Errors of a decision. BadInput -> exit 2; Unsatisfiable -> exit 3."""
 from __future__ import annotations
 
-from ..errors import BadInput, CapdispatchError, Unsatisfiable  # noqa: F401 (the two kinds live below every room)
+from ..errors import BadInput, CapdispatchError, ExitCode, Unsatisfiable  # noqa: F401 (the two kinds live below every room)
 
 
 class NoBackendError(Unsatisfiable):
@@ -25,16 +25,13 @@ class GroupDivergenceError(Unsatisfiable):
     pass
 
 
-EXIT_OK, EXIT_BAD_INPUT, EXIT_UNSAT, EXIT_INTERNAL = 0, 2, 3, 1
-
-
 def exit_code(exc: BaseException) -> int:
     """The command line's exit code for an error: 3 unsatisfiable, 2 any other of ours."""
     if isinstance(exc, Unsatisfiable):
-        return EXIT_UNSAT
+        return ExitCode.UNSATISFIABLE
     if isinstance(exc, CapdispatchError):
-        return EXIT_BAD_INPUT
-    return EXIT_INTERNAL
+        return ExitCode.BAD_INPUT
+    return ExitCode.INTERNAL
 
 
 def _say(text: str) -> None:
@@ -71,18 +68,18 @@ def run_guarded(prog: str, fn) -> int:
         return exit_code(exc)
     except KeyboardInterrupt:
         _say(f"{prog}: interrupted")
-        return 130
+        return ExitCode.INTERRUPTED
     except BrokenPipeError:
         # The reader went away (`dispatch explain | head`): nothing more to say.
         try:
             sys.stdout = open(os.devnull, "w")
         except OSError:
             pass
-        return EXIT_OK
+        return ExitCode.OK
     except Exception as exc:
         if debug:
             raise
         _say(f"{prog}: internal error: {type(exc).__name__}: {exc}\n"
              f"  this is a bug in capdispatch; please report it with the command line and the "
              f"output of `dispatch env` (CAPDISPATCH_DEBUG=1 shows the traceback)")
-        return EXIT_INTERNAL
+        return ExitCode.INTERNAL

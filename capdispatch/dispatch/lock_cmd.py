@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 import sys
 
-EXIT_OK, EXIT_DRIFT = 0, 3
+from .errors import ExitCode
 
 
 def add_parser(subparsers):
@@ -99,10 +99,10 @@ def run(args) -> int:
         from ..safe_io import shown        # the name as given: escaped, bounded
         if drifts:
             print(f"{shown(args.check)}: {len(drifts)} difference(s) from the lock", file=sys.stderr)
-            return EXIT_DRIFT
+            return ExitCode.UNSATISFIABLE
         print(f"{shown(args.check)}: today's decisions match the lock ({len(locked.devices)} device(s), "
               f"{n} decision(s))")
-        return EXIT_OK
+        return ExitCode.OK
     lk = L.freeze(p, inputs={"policy": args.policy, "set": args.set_, "assume_lib": args.assume_lib,
                                     "libs": [p.inventory.profile.name] if p.inventory.profile else []})
     if args.output and args.output != "-":
@@ -112,4 +112,4 @@ def run(args) -> int:
         print(f"wrote {shown(args.output)}: {len(lk.devices)} device(s), {n} decision(s)", file=sys.stderr)
     else:
         sys.stdout.write(lk.dumps())
-    return EXIT_OK
+    return ExitCode.OK

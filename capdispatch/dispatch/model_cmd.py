@@ -3,6 +3,8 @@ of the shared `--model` / `--tp` / `--ep` / `--dp-attention` / `--next-n` option
 (options.LAYOUT) other commands plan with."""
 from __future__ import annotations
 
+from .errors import ExitCode
+
 EPILOG = """\
 examples:
   dispatch model                                    the built-in models
@@ -105,7 +107,7 @@ def _list_builtins(args) -> int:
         print("\n".join([f"{r['name']:<{w}}  {r['summary']}" for r in rows] +
                         ["", "show one: dispatch model NAME [--tp N --ep N --dp-attention]; or "
                              "give a config.json path"]))
-    return 0
+    return ExitCode.OK
 
 
 def run(args) -> int:
@@ -137,4 +139,4 @@ def run(args) -> int:
         print("\n".join(lines), flush=True)
     if refusal is not None:
         raise refusal
-    return 0
+    return ExitCode.OK

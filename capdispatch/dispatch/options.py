@@ -73,7 +73,8 @@ class Parser(argparse.ArgumentParser):
         if text.startswith("unrecognized arguments:"):
             text += self._did_you_mean(text.split(":", 1)[1].split())
         print(f"{self.command}: error: {text}", file=sys.stderr)
-        raise SystemExit(2)
+        from .errors import ExitCode
+        raise SystemExit(ExitCode.BAD_INPUT)
 
     def _did_you_mean(self, given) -> str:
         """'; did you mean --x?' for the first unknown flag close to one of this parser's,

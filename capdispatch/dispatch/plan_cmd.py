@@ -60,7 +60,7 @@ def run(args) -> int:
 
     from ..models import load_model
     from . import rigplan
-    from .errors import EXIT_OK, EXIT_UNSAT, BadInput
+    from .errors import BadInput, ExitCode
     from .inputs import device_list, device_specs
     if not args.model:
         raise BadInput("--model NAME|PATH is required (`dispatch model` lists the built-ins)")
@@ -84,7 +84,7 @@ def run(args) -> int:
         print(json.dumps(obj, indent=2))
     else:
         print(text(p, brief=args.brief, speeds=speeds))
-    return EXIT_OK if p.fits else EXIT_UNSAT
+    return ExitCode.OK if p.fits else ExitCode.UNSATISFIABLE
 
 
 def _speeds(args, p):

@@ -68,7 +68,7 @@ def run(args) -> int:
     import json
 
     from ..rehearse import devices, runner
-    from .errors import EXIT_OK, EXIT_UNSAT
+    from .errors import ExitCode
     devs = devices.parse_list(args.device)
     if len(devs) == 1 and args.tp is not None and args.tp > 1:
         devs = devs * args.tp
@@ -81,7 +81,7 @@ def run(args) -> int:
         print(json.dumps(r.to_dict(), indent=2))
     else:
         print(render(r))
-    return EXIT_OK if r.ok else EXIT_UNSAT
+    return ExitCode.OK if r.ok else ExitCode.UNSATISFIABLE
 
 
 def render(r) -> str:

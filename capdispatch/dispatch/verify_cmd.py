@@ -7,8 +7,7 @@ import os
 import sys
 
 from ..processes import terminate_as_interrupt
-
-EXIT_OK, EXIT_FAILED = 0, 3
+from .errors import ExitCode
 
 
 def add_parser(subparsers):
@@ -104,7 +103,7 @@ def run(args) -> int:
         print(render(results))
     from .lock import check_after_verify
     check_after_verify(specs, ops, args)
-    return EXIT_OK if not failed else EXIT_FAILED
+    return ExitCode.OK if not failed else ExitCode.UNSATISFIABLE
 
 
 def render(results) -> str:

@@ -15,6 +15,8 @@ import sys
 import time
 import traceback
 
+from ..errors import ExitCode
+
 # Exception classes (by name, anywhere in the chain) that mean "the kernel did not build".
 _COMPILE_NAMES = ("CompilationError", "CompileError", "CompileTimeAssertionFailure",
                   "NVRTCError", "BuildError")
@@ -90,14 +92,14 @@ def main(argv=None, parent=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 5:
         print("usage: python -I -m capdispatch.proof.child OP BACKEND DEVICE SEED RESULT", file=sys.stderr)
-        return 2
+        return ExitCode.BAD_INPUT
     op, backend, device, seed, result = argv
     if parent is not None:
         from ..processes import watch_parent
         watch_parent(int(parent))
     faulthandler.enable()     # an abort or a segfault leaves its stack on stderr
     _write(result, run(op, backend, device, int(seed)))
-    return 0
+    return ExitCode.OK
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ import sys
 import time
 import traceback
 
+from ..errors import ExitCode
+
 FAULT_ENV = "CAPDISPATCH_REHEARSE_FAULT"
 FAULT_KINDS = ("wrong", "raise", "hang", "exit")
 
@@ -120,7 +122,7 @@ def main(argv=None) -> int:
     finally:
         with open(os.path.join(folder, f"rank{rank}.json"), "w") as f:
             json.dump(result, f)
-    return 0 if result["ok"] else 1
+    return ExitCode.OK if result["ok"] else ExitCode.UNSATISFIABLE
 
 
 def _run(cfg, rank, prog, result):

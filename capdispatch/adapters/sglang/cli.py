@@ -1,6 +1,6 @@
 """`dispatch sglang plan`: the argparse front. What the SGLang adapter would set
 for a launch, per rank, without launching (plan.build decides, render.text
-writes). Exit codes: 0 decided; 2 bad input; 3 unsatisfiable."""
+writes). Exit codes: cd.ExitCode, as every capdispatch command."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,6 @@ import os
 import re
 import sys
 
-EXIT_OK, EXIT_BAD_INPUT, EXIT_UNSAT = 0, 2, 3     # as every capdispatch command
 PROG = "dispatch sglang"
 
 
@@ -110,4 +109,4 @@ def _plan(args, sglang_args) -> int:
         print(json.dumps(out.to_dict(), indent=2, default=str))
     else:
         print(render.text(out, brief=args.brief))
-    return EXIT_OK
+    return cd.ExitCode.OK
