@@ -83,3 +83,56 @@ def test_the_registry_is_built_once_under_concurrent_first_calls(monkeypatch):
     for t in threads:
         t.join(10)
     assert len(calls) == 1 and len(got) == 8 and all(g is got[0] for g in got)
+
+
+HARDEXIT = os.path.join(HERE, "plugins", "hardexit")
+
+
+def _hard_env(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HARDEXIT]), CAPDISPATCH_IMPORT_TIMEOUT="5",
+               CAPDISPATCH_CACHE_DIR=str(tmp_path))
+    for k in ("CAPDISPATCH_POLICY", "CAPDISPATCH_SET", "CAPDISPATCH_LOCK"):
+        env.pop(k, None)
+    return env
+
+
+def test_a_plugin_calling_os_exit_or_abort_is_skipped_and_the_command_answers(tmp_path):
+    """os._exit(0) at import (through os or a name imported from it) and os.abort() in
+    register() end a process past every exception handler: on a plugin's loader thread
+    they raise instead, the plugin is skipped by name and the command answers."""
+    env = _hard_env(tmp_path)
+    p = subprocess.run([sys.executable, "-m", "capdispatch", "explain", "--device", "sim:h200", "--op",
+                        "kv_dequant", "--format", "json"], env=env, capture_output=True, text=True,
+                       timeout=60, cwd=ROOT)
+    assert p.returncode == 0 and p.stdout.strip(), (p.returncode, p.stderr)
+    assert json.loads(p.stdout)["ops"]["kv_dequant"]["per_device"]["sim:h200"]["backend"]
+    for name in ("exits_at_import", "exits_from_import"):
+        assert f"plugin '{name}'" in p.stderr and "called os._exit(0), which would end the process" in p.stderr
+    assert "plugin 'aborts_in_register'" in p.stderr and "register() raised called os.abort()" in p.stderr
+    p = subprocess.run([sys.executable, "-m", "capdispatch", "ops", "--format", "json"], env=env,
+                       capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    got = {i["name"]: i for i in json.loads(p.stdout)["plugins"]}
+    assert not got["exits_at_import"]["ok"] and got["exits_at_import"]["message"] == \
+        "import failed: called os._exit(0), which would end the process"
+    assert got["after_them"]["ok"] and got["after_them"]["backends"] == ["kv_dequant/plug_after_exit"]
+
+
+def test_the_exit_guard_is_only_for_loader_threads_of_this_process(tmp_path):
+    """A child a plugin forks exits as it asks; once plugins are loaded os._exit is the
+    real one again."""
+    script = (
+        "import os\n"
+        "from importlib import metadata\n"
+        "import capdispatch_hardexit as h\n"
+        "from capdispatch.backends import plugins, registry\n"
+        "real = os._exit\n"
+        "ep = metadata.EntryPoint('forks', 'capdispatch_hardexit:forks', plugins.GROUP)\n"
+        "[info] = plugins.load(registry.build(plugins=False), [ep], timeout=5)\n"
+        "assert info.ok, info\n"
+        "assert h.child_status == 7, h.child_status\n"
+        "assert os._exit is real\n"
+        "print('ok')\n")
+    p = subprocess.run([sys.executable, "-c", script], env=_hard_env(tmp_path), capture_output=True,
+                       text=True, timeout=60, cwd=ROOT)
+    assert p.returncode == 0 and p.stdout == "ok\n", p.stderr

@@ -6,14 +6,22 @@ declared checks out (known op, new name, `module:function` implementation, the
 requirement types of `capdispatch.backends`, known feature names) is it added, so a
 broken plugin is reported by name and skipped whole, and the built-ins never break.
 Each plugin loads on a thread of its own within a time bound, its output captured and
-every exception (SystemExit included) caught; its requirements are evaluated once on a
+every exception (SystemExit included) caught, and os._exit / os.abort called on its
+thread raise instead of ending the process; its requirements are evaluated once on a
 CPU and simulated cards before they are accepted. Plugins are read when the registry is
 built, never at import of capdispatch.
+
+A plugin still runs in this process with its full trust: what ends a process below
+Python (a signal, a crash in a C extension, exit() from C, os._exit on a thread of its
+own) cannot be caught here, and ends the command with the plugin's status
+(docs/plugins.md, "What capdispatch cannot contain").
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
+import os
 import re
 import sys
 import threading
@@ -150,6 +158,53 @@ def _timeout(env) -> float:
     return import_timeout(env)
 
 
+class PluginExit(BaseException):
+    """Raised in place of os._exit / os.abort called on a plugin's loader thread."""
+
+
+_guard_lock = threading.Lock()
+_guarded = 0        # load() calls under way: the hard exits stay guarded while any is
+_real = {}          # name -> the os function guarded
+_guard_pid = 0      # the process whose loader threads are guarded
+
+
+def _guard(name):
+    real = _real[name]
+
+    def guarded(*args):
+        # Only a plugin's loader thread of this process is stopped: any other thread, and
+        # a child forked from a loader thread, exits as it asked.
+        if isinstance(threading.current_thread(), _Loader) and os.getpid() == _guard_pid:
+            raise PluginExit(f"called os.{name}({', '.join(map(repr, args))}), which would end the "
+                             f"process")
+        return real(*args)
+    guarded.__wrapped__ = real
+    return guarded
+
+
+@contextlib.contextmanager
+def _no_hard_exit():
+    """While plugins load, os._exit and os.abort (the exits no exception handler sees)
+    raise PluginExit on a loader thread instead of ending the process."""
+    global _guarded, _guard_pid
+    names = [n for n in ("_exit", "abort") if hasattr(os, n)]
+    with _guard_lock:
+        if _guarded == 0:
+            _guard_pid = os.getpid()
+            for n in names:
+                _real[n] = getattr(os, n)
+                setattr(os, n, _guard(n))
+        _guarded += 1
+    try:
+        yield
+    finally:
+        with _guard_lock:
+            _guarded -= 1
+            if _guarded == 0:
+                for n in names:
+                    setattr(os, n, _real.pop(n))
+
+
 class _Captured(io.StringIO):
     """What a plugin prints while it loads (it must not reach the command's output)."""
 
@@ -179,6 +234,8 @@ class _Loader(threading.Thread):
 
 
 def _named(exc: BaseException) -> str:
+    if isinstance(exc, PluginExit):
+        return str(exc)[:300]
     text = str(exc).splitlines()[0] if str(exc) else ""
     if isinstance(exc, SystemExit):
         text = f"code {exc.code!r}"
@@ -192,12 +249,17 @@ def load(registry, entry_points=None, *, timeout=None, env=None) -> list:
     Each plugin is imported and registered on a thread of its own within TIMEOUT seconds
     (CAPDISPATCH_IMPORT_TIMEOUT, else PLUGIN_TIMEOUT_S); what it prints meanwhile is
     captured (Python-level sys.stdout / sys.stderr); any exception, SystemExit and
-    KeyboardInterrupt included, skips that plugin, named. A plugin that hangs is skipped
-    and its thread stays parked: it holds the import lock of its module."""
-    import os
+    KeyboardInterrupt included, skips that plugin, named; so does os._exit or os.abort
+    called on its thread. A plugin that hangs is skipped and its thread stays parked: it
+    holds the import lock of its module."""
     env = os.environ if env is None else env
     limit = _timeout(env) if timeout is None else timeout
     eps = metadata.entry_points(group=GROUP) if entry_points is None else entry_points
+    with _no_hard_exit():
+        return _load(registry, eps, limit)
+
+
+def _load(registry, eps, limit) -> list:
     infos = []
     for ep in sorted(eps, key=lambda e: e.name):
         dist = _dist_of(ep)
