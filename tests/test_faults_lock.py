@@ -83,3 +83,32 @@ def test_a_huge_capdispatch_lock_value_is_cut_in_the_message(monkeypatch, capsys
     err = capsys.readouterr().err
     assert len(err) < 1000 and "(120013 characters)" in err and "no such lock file" in err, err[:500]
     assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dir", "malformed", "fifo from CAPDISPATCH_LOCK"])
+def test_verify_refuses_a_lock_it_cannot_read_before_any_canary(kind, tmp_path, monkeypatch, capsys):
+    """A FIFO (never opened blocking), a directory or a malformed lock is exit 2 before
+    the first canary runs, not after every canary has."""
+    import os
+    from capdispatch.dispatch import verify
+    from faults_util import bounded
+    path = tmp_path / "the.lock"
+    if kind.startswith("fifo"):
+        os.mkfifo(path)
+    elif kind == "dir":
+        path.mkdir()
+    else:
+        path.write_text("schema: 1\ndevices: [\n")
+    ran = []
+    monkeypatch.setattr(verify, "run", lambda *a, **kw: ran.append(a) or [])
+    argv = ["verify", "--device", "cpu", "--op", "kv_dequant"]
+    if "CAPDISPATCH_LOCK" in kind:
+        monkeypatch.setenv("CAPDISPATCH_LOCK", str(path))
+    else:
+        argv += ["--lock", str(path)]
+    r = bounded(lambda: cli.main(argv), 20)
+    assert r.get("value") == 2, r
+    err = capsys.readouterr().err
+    assert err.startswith(f"dispatch: error: {path}") and len(err.strip().splitlines()) == 1, err
+    assert {"fifo": "it is a FIFO", "dir": "it is a directory", "malformed": "malformed YAML"}[kind.split()[0]] in err
+    assert ran == []

@@ -76,8 +76,10 @@ def run(args) -> int:
     from .resolver import context
     from . import verify
     verify.check_timeout(args.timeout)
-    from .lock import lock_path
-    lock_path(args.lock)          # an empty --lock is refused before any canary runs
+    from .lock import load, lock_path
+    lock = lock_path(args.lock)   # an empty --lock is refused before any canary runs
+    if lock is not None:          # and so is a lock that cannot be read (a FIFO, a directory, bad YAML)
+        load(lock)
     if args.jobs is not None and args.jobs < 1:
         from .errors import BadInput
         raise BadInput(f"--jobs: {args.jobs} is not a number of canaries at once (valid: 1 or more)")
