@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import logging
 import os
 import sys
 
@@ -96,6 +95,8 @@ def _parser() -> argparse.ArgumentParser:
                         "run), error (exit 3)")
     add(e, "strict")
     add(e, "brief", help="the op x device matrix, without the traces")
+    e.add_argument("-v", "--verbose", action="store_true",
+                   help="with --brief, every mixed-group warning in full, not one summary line")
     add(e, "lock")
     add(e, "model", help="the model whose rank shapes under --tp/--ep are checked against the "
         "kernels' shape ranges")
@@ -224,8 +225,8 @@ def _cmd_explain(args) -> int:
     else:
         print(render_text(p, brief=args.brief), flush=True)
     # After the output, so that on a terminal the matrix is the first screen.
-    for w in p.warnings:
-        logging.getLogger("capdispatch").warning(w)
+    from .notices import log_plan
+    log_plan(p, brief=args.brief and not args.verbose)
     return ExitCode.OK
 
 

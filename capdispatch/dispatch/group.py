@@ -20,6 +20,8 @@ class GroupResolution:
     uniform: bool             # every device runs one backend
     mode: str                 # mixed_group in force
     warnings: tuple = ()
+    divergence: str = ""      # the mixed_group: warn warning among WARNINGS ("": none)
+    origin: str = ""          # where mixed_group was set (file:line, --mixed-group)
 
     def to_dict(self) -> dict:
         return {"per_device": {d: r.to_dict() for d, r in self.per_device.items()},
@@ -66,8 +68,8 @@ SUMMARY_FROM = 4   # devices of one card deciding alike: from this many, one ent
 
 def _row(per_device, upper) -> str:
     """Each device -> its backend; identical cards deciding alike summarised in one entry
-    (N x card, their positions) once there are SUMMARY_FROM of them."""
-    from .explain import positions_text
+    (their ids as ranges, N x card) once there are SUMMARY_FROM of them."""
+    from .notices import ids_text
     groups = {}
     for i, (d, r) in enumerate(per_device.items()):
         groups.setdefault((r.device.name, r.device.cc_str, _pick(r, upper)[0]), []).append((i, d))
@@ -76,8 +78,8 @@ def _row(per_device, upper) -> str:
         if len(members) < SUMMARY_FROM:
             parts += [f"{d} ({name}, cc {cc}) -> {backend}" for _, d in members]
         else:
-            parts.append(f"{len(members)} x {name} (cc {cc}; {positions_text([i for i, _ in members])}, "
-                         f"{members[0][1]} ...) -> {backend}")
+            parts.append(f"{ids_text([d for _, d in members])} ({len(members)} x {name}, cc {cc}) "
+                         f"-> {backend}")
     return "; ".join(parts)
 
 
@@ -114,11 +116,10 @@ def resolve_group_in(ctx: Context, op: str, specs) -> GroupResolution:
             f"{op}: the group's devices choose different backends ({table}) and "
             f"mixed_group is error ({mode_setting.origin})")
     if mode == "warn":
-        warnings.append(
-            f"{op}: the group's devices choose different backends: {table} "
-            f"(mixed_group: warn, {mode_setting.origin}; --mixed-group uniform, or mixed_group: uniform "
-            f"in a policy, runs one kernel everywhere)")
-        return GroupResolution(op, per, False, mode, tuple(warnings))
+        text = (f"{op}: the group's devices choose different backends: {table} "
+                f"(mixed_group: warn, {mode_setting.origin}; --mixed-group uniform, or mixed_group: uniform "
+                f"in a policy, runs one kernel everywhere)")
+        return GroupResolution(op, per, False, mode, tuple(warnings) + (text,), text, mode_setting.origin)
     # uniform: per bucket, the first backend in the first device's order that every device can run.
     first = next(iter(per.values()))
     common = {}
@@ -133,21 +134,44 @@ def resolve_group_in(ctx: Context, op: str, specs) -> GroupResolution:
                                 f"runs on every device{' for ' + where if where else ''}: {table}")
         common[upper] = pick
         lower = upper
-    out = {}
-    for d, r in per.items():
-        out[d] = _uniform(r, bounds, common, mode_setting.origin)
-    return GroupResolution(op, out, True, mode, tuple(warnings))
+    out = {d: _uniform(r, bounds, common, mode_setting.origin, key) for d, r in per.items()}
+    return GroupResolution(op, out, True, mode, tuple(w for r in out.values() for w in r.warnings),
+                           "", mode_setting.origin)
 
 
-def _uniform(r, bounds, common, origin):
-    """R with every bucket running COMMON's backend for it (the union of the group's bounds)."""
-    def note(alone):
-        return f"mixed_group: uniform ({origin}); alone it would run {alone}"
+def _note(origin, alone) -> str:
+    return f"mixed_group: uniform ({origin}); alone it would run {alone}"
+
+
+def _retold(r, bounds, common, origin, key) -> tuple:
+    """R's warnings saying what runs under mixed_group: uniform: a warning that ends
+    "running X instead" for a bucket (or the catch-all) now run by another backend names it."""
+    catch_all = next((b for b in r.buckets if b.upper is None), None)   # None: no buckets
+    scopes = [("", catch_all)] + [(f"[{key} <= {b.upper}]", b) for b in r.buckets if b.upper is not None]
+    out = []
+    for w in r.warnings:
+        for where, own in scopes:
+            if not w.startswith(f"{r.device.id} ({r.device.name}): {r.op}{where}="):
+                continue
+            alone = own.backend if own is not None else r.backend
+            picks = list(dict.fromkeys(common[u] for u in bounds if _bucket_at(r, u) is own))
+            tail = f"; running {alone} instead"
+            if w.endswith(tail) and picks != [alone]:
+                w = w[:-len(tail)] + f"; running {' / '.join(picks)} instead ({_note(origin, alone)})"
+            break
+        out.append(w)
+    return tuple(out)
+
+
+def _uniform(r, bounds, common, origin, key=None):
+    """R with every bucket running COMMON's backend for it (the union of the group's bounds),
+    its warnings naming what runs."""
+    r = attrs.evolve(r, warnings=_retold(r, bounds, common, origin, key))
     main = common[None]
     if main == r.backend:
         r2 = r
     else:
-        r2 = attrs.evolve(r, backend=main, fallback=main != r.wanted, source=note(r.backend))
+        r2 = attrs.evolve(r, backend=main, fallback=main != r.wanted, source=_note(origin, r.backend))
     if len(bounds) == 1:
         return r2
     buckets, lower = [], None
@@ -160,7 +184,7 @@ def _uniform(r, bounds, common, origin):
                                  r.candidates, r.wanted)
         b = attrs.evolve(b, lower=lower, upper=upper)
         if pick != alone:
-            b = attrs.evolve(b, backend=pick, fallback=pick != wanted, source=note(alone))
+            b = attrs.evolve(b, backend=pick, fallback=pick != wanted, source=_note(origin, alone))
         buckets.append(b)
         lower = upper
     return attrs.evolve(r2, buckets=tuple(buckets))

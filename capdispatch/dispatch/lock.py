@@ -191,6 +191,18 @@ def _buckets(r) -> tuple:
     return tuple((b.upper, b.backend) for b in r.buckets)
 
 
+def _effective(buckets, backend) -> tuple:
+    """BUCKETS as they dispatch: adjacent buckets running one backend merged; buckets that
+    all run BACKEND (the catch-all's) are no buckets."""
+    out = []
+    for upper, b in buckets:
+        if out and out[-1][1] == b:
+            out[-1] = (upper, b)
+        else:
+            out.append((upper, b))
+    return () if len(out) <= 1 and all(b == backend for _, b in out) else tuple(out)
+
+
 def _runs(r) -> list:
     """Every backend a resolution runs: the catch-all's and each size bucket's."""
     return [r.backend] + [b.backend for b in r.buckets]
@@ -340,7 +352,7 @@ def compare(plan, lock: Lock, *, partial: bool = False) -> tuple:
             if lo.backend != r.backend:
                 out.append(Drift("backend", spec.id, op, lo.backend, r.backend, oat))
                 continue
-            if lo.buckets != _buckets(r):
+            if _effective(lo.buckets, lo.backend) != _effective(_buckets(r), r.backend):
                 key = r.size_key
                 out.append(Drift("buckets", spec.id, op, _bucket_text(lo.buckets, key) or "no buckets",
                                  _bucket_text(_buckets(r), key) or "no buckets", oat))

@@ -39,6 +39,8 @@ def add_parser(subparsers):
     out.add_argument("--check", metavar="FILE",
                      help="compare today's decisions with FILE only: exit 0 same, 3 drift")
     add(p, "probe", "assume_cuda")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="every mixed-group warning in full, not one summary line")
     return p
 
 
@@ -90,7 +92,11 @@ def run(args) -> int:
     specs = _specs(args, locked)
     p = plan(specs, ops, policy=args.policy or None, selections=args.set_ or None,
              assume_libs=args.assume_lib, strict=args.strict, selection_origin="--set",
-             libs=target_libs(specs, args.libs, args.assume_lib))
+             libs=target_libs(specs, args.libs, args.assume_lib), log_warnings=False)
+    from .notices import log_plan
+    # A mixed rig diverges by design: one summary line unless -v.
+    log_plan(p, brief=not args.verbose, hint="-v shows each; mixed_group: uniform in a policy runs "
+                                              "one kernel everywhere")
     if locked is not None:
         drifts = L.compare(p, locked, partial=bool(args.op or args.device))
         for d in drifts:

@@ -1,16 +1,19 @@
 """Terminal rendering: the op x device matrix, symbols that fit the output's encoding,
-and wrapping. `rich` is imported only when a matrix is drawn."""
+and wrapping to the terminal's width (every command's text wraps through `wrap`).
+`rich` is imported only when a matrix is drawn."""
 from __future__ import annotations
 
 import io
 import os
+import shutil
 import sys
 import textwrap
 from typing import Optional, Sequence
 
 import attrs
 
-WIDTH = 100    # traces wrap here; the matrix uses the terminal's width, else this
+WIDTH = 100    # the width when the output is not a terminal (piped, a file)
+NARROWEST = 40
 
 # Cell kinds, each with a mark (after the backend name), a colour, and a legend line.
 KINDS = {
@@ -76,13 +79,15 @@ def use_color(stream=None, env=None) -> bool:
 
 
 def terminal_width(stream=None) -> int:
+    """The columns text on STREAM (default: stdout) wraps at, read when called: the
+    terminal's width (COLUMNS overrides it, as shutil reads it), WIDTH when not a terminal."""
     stream = stream if stream is not None else sys.stdout
     try:
-        if stream.isatty():
-            return max(60, os.get_terminal_size(stream.fileno()).columns)
+        if not stream.isatty():
+            return WIDTH
     except (AttributeError, OSError, ValueError):
-        pass
-    return WIDTH
+        return WIDTH
+    return max(NARROWEST, shutil.get_terminal_size((WIDTH, 24)).columns)
 
 
 def _column_width(header: str, rows: Sequence[Row], i: int) -> int:
@@ -171,8 +176,20 @@ def render_matrix(columns: Sequence[str], rows: Sequence[Row], *, title: str = "
                      if line or (i and lines[i - 1] and i + 1 < len(lines)))
 
 
-def wrap(text: str, indent: str, *, hang: str = "  ", width: int = WIDTH) -> list:
-    """TEXT as lines of at most WIDTH columns: the first with INDENT, the rest with
-    INDENT + HANG; a word longer than a line is broken."""
+def wrap(text: str, indent: str = "", *, hang: str = "  ", width: Optional[int] = None,
+         stream=None) -> list:
+    """TEXT as lines of at most WIDTH columns (default: terminal_width(STREAM)): the first
+    with INDENT, the rest with INDENT + HANG; a word longer than a line is broken."""
+    width = terminal_width(stream) if width is None else width
     return textwrap.wrap(text, width=width, initial_indent=indent, subsequent_indent=indent + hang,
                          break_on_hyphens=False, break_long_words=True) or [indent]
+
+
+def wrap_lines(lines, *, hang: str = "  ", width: Optional[int] = None, stream=None) -> list:
+    """Each of LINES wrapped (its own leading spaces kept as its indent)."""
+    width = terminal_width(stream) if width is None else width
+    out = []
+    for line in lines:
+        body = line.lstrip(" ")
+        out += wrap(body, line[:len(line) - len(body)], hang=hang, width=width) if body else [line]
+    return out

@@ -1,0 +1,144 @@
+"""A mixed rig: what mixed_group: uniform's warnings say runs, bucket drift as it
+dispatches, and divergence as one summary line under --brief, lock and lock --check
+(the full warnings with -v), device ids as ranges at 128 cards."""
+import pytest
+
+import capdispatch as cd
+from capdispatch.dispatch import cli
+from capdispatch.dispatch.notices import collapse, ids_text
+
+RIG = "sim:rtx-5090,sim:rtx-3080,sim:rtx-3080"
+ASSUME = ["sgl-deep-gemm==0.2.3.post2", "tilelang==0.1.12", "triton==3.9.0", "torch==2.13.0"]
+
+
+@pytest.fixture
+def dispatch(capsys, clean_env, monkeypatch):
+    """Run `dispatch ARGS` in this process: (rc, stdout, stderr lines)."""
+    monkeypatch.delenv("CAPDISPATCH_LOCK", raising=False)
+
+    def run(*args):
+        rc = cli.main(list(args))
+        out, err = capsys.readouterr()
+        return rc, out, err.splitlines()
+    return run
+
+
+def _warnings(err):
+    return [ln for ln in err if ln.startswith("WARNING")]
+
+
+# --- mixed_group: uniform names what runs -----------------------------------------------------
+
+def test_a_uniform_downgrade_names_the_backend_that_runs():
+    p = cd.plan(["sim:rtx-5090", "sim:rtx-3080"], ops=["decode_mla"], log_warnings=False,
+                selections=["decode_mla=flashmla"], settings={"mixed_group": "uniform"}, libs="default")
+    runs = {d: r.backend for d, r in p.ops["decode_mla"].per_device.items()}
+    assert set(runs.values()) == {"triton"}
+    w5090 = next(w for w in p.warnings if w.startswith("sim:rtx-5090 "))
+    assert w5090.endswith("running triton instead (mixed_group: uniform (settings=); alone it would run "
+                          "flashinfer_sparse_mla)")
+    assert "running flashinfer_sparse_mla instead" not in " ".join(p.warnings)
+    # The card that runs what it would alone keeps its warning as it was.
+    w3080 = next(w for w in p.warnings if w.startswith("sim:rtx-3080 "))
+    assert w3080.endswith("running triton instead")
+
+
+# --- lock --check compares buckets as they dispatch -------------------------------------------
+
+def _policy(tmp_path, text):
+    f = tmp_path / "p.yaml"
+    f.write_text(text)
+    return [str(f)]
+
+
+def test_buckets_that_all_run_the_locked_backend_are_no_drift(clean_env, tmp_path):
+    plain = _policy(tmp_path, "ops:\n  decode_mla: [triton]\n")
+    lk = cd.lock(cd.plan(["sim:h200"], ops=["decode_mla"], assume_libs=ASSUME, policy=plain,
+                         log_warnings=False))
+    f = tmp_path / "b.yaml"
+    f.write_text('ops:\n  decode_mla:\n    - {tokens: "<=16", prefer: [triton, flashmla]}\n'
+                 '    - {prefer: [triton]}\n')
+    now = cd.plan(["sim:h200"], ops=["decode_mla"], assume_libs=ASSUME, policy=[str(f)], log_warnings=False)
+    r = now.ops["decode_mla"].per_device["sim:h200"]
+    assert [(b.upper, b.backend) for b in r.buckets] == [(16, "triton"), (None, "triton")]
+    assert cd.compare_lock(now, lk) == ()
+    # And the other way round: a lock with such buckets, a plan with none.
+    assert cd.compare_lock(cd.plan(["sim:h200"], ops=["decode_mla"], assume_libs=ASSUME, policy=plain,
+                                   log_warnings=False), cd.lock(now)) == ()
+
+
+def test_adjacent_buckets_of_one_backend_compare_as_one():
+    from capdispatch.dispatch.lock import _effective
+    assert _effective(((16, "a"), (64, "a"), (None, "b")), "b") == ((64, "a"), (None, "b"))
+    assert _effective(((16, "a"), (None, "a")), "a") == ()
+    assert _effective(((16, "a"), (None, "b")), "b") == ((16, "a"), (None, "b"))
+
+
+# --- one summary line -------------------------------------------------------------------------
+
+def test_brief_says_the_divergence_in_one_line_and_v_in_full(dispatch):
+    rc, out, err = dispatch("explain", "--device", RIG, "--brief")
+    assert rc == 0
+    (line,) = _warnings(err)
+    assert "mixed group: 5 of 6 ops run different backends on different cards" in line
+    assert "kv_quant, kv_dequant, indexer, decode_mla, moe" in line and "-v shows each" in line
+    assert len(line) <= 200
+    rc, out, err = dispatch("explain", "--device", RIG, "--brief", "-v")
+    assert len(_warnings(err)) == 5 and all("choose different backends" in w for w in _warnings(err))
+    # The normal output keeps every warning in full.
+    rc, out, err = dispatch("explain", "--device", RIG)
+    assert len(_warnings(err)) == 5
+
+
+def test_the_mixed_rig_brief_fits_a_24_line_screen(dispatch, monkeypatch):
+    from capdispatch.dispatch import render
+    monkeypatch.setattr(render, "terminal_width", lambda stream=None: 80)     # an 80 x 24 terminal
+    rc, out, err = dispatch("explain", "--device", RIG, "--brief")
+    assert rc == 0
+    assert max(len(x) for x in out.splitlines()) <= 80
+    # What the terminal shows of stderr's lines, folded at 80 columns.
+    shown = out.splitlines() + [w[i:i + 80] for w in err for i in range(0, len(w), 80)]
+    assert len(shown) <= 23, "\n".join(shown)        # and the prompt on the 24th
+
+
+def test_lock_and_a_matching_check_say_the_divergence_once(dispatch, tmp_path):
+    path = str(tmp_path / "rig.lock")
+    rc, _, err = dispatch("lock", "--device", RIG, "-o", path)
+    assert rc == 0
+    (line,) = _warnings(err)
+    assert line.startswith("WARNING capdispatch: mixed group: 5 of 6 ops") and "mixed_group: uniform" in line
+    rc, out, err = dispatch("lock", "--check", path)
+    assert rc == 0 and "match the lock" in out
+    assert len(_warnings(err)) == 1
+    rc, out, err = dispatch("lock", "--check", path, "-v")
+    assert rc == 0 and len(_warnings(err)) == 5
+
+
+# --- ranges -----------------------------------------------------------------------------------
+
+def test_ids_as_ranges():
+    assert ids_text([f"cuda:{i}" for i in range(64)]) == "cuda:0-63"
+    assert ids_text(["cuda:0", "cuda:1", "cuda:3", "sim:h200", "gpu07"]) == "cuda:0-1, cuda:3, sim:h200, gpu07"
+    assert ids_text([f"sim:rtx-3080@{i}" for i in (64, 65, 66, 70)]) == "sim:rtx-3080@64-66, sim:rtx-3080@70"
+
+
+def test_per_card_warnings_that_differ_only_in_the_card_are_said_once():
+    ids = [f"cuda:{i}" for i in range(16)]
+    ws = [f"{d} (X): op=a cannot run: {d} lacks f; running b instead" for d in ids]
+    assert collapse(ws + ["another"], ids) == [
+        "cuda:0-15 (X): op=a cannot run: cuda:0-15 lacks f; running b instead", "another"]
+    # cuda:1 is not read inside cuda:12.
+    assert collapse(["cuda:12 x", "cuda:1 x"], ["cuda:1", "cuda:12"]) == ["cuda:1, cuda:12 x"]
+
+
+def test_128_cards_name_their_ids_as_ranges(dispatch):
+    big = ",".join(["sim:rtx-5090"] * 64 + ["sim:rtx-3080"] * 64)
+    rc, _, err = dispatch("explain", "--device", big, "--brief", "-v", "--set", "decode_mla=flashmla")
+    assert rc == 0
+    ws = _warnings(err)
+    assert len(ws) == 2 + 5, ws           # one downgrade warning per card kind, five divergences
+    assert any(w.startswith("WARNING capdispatch: sim:rtx-3080@64-127 (NVIDIA GeForce RTX 3080): "
+                            "decode_mla=flashmla") for w in ws)
+    div = next(w for w in ws if "kv_quant: the group's" in w)
+    assert "sim:rtx-5090@0-63 (64 x NVIDIA GeForce RTX 5090, cc 12.0) -> triton_fp8" in div
+    assert max(len(w) for w in ws) < 400
