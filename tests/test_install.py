@@ -1,5 +1,5 @@
 """The README's install promise, in a fresh virtual environment made as the README says:
-`pip install capdispatch` alone (attrs, PyYAML, packaging, platformdirs, rich; no torch)
+`pip install -e .` from a checkout alone (attrs, PyYAML, packaging, platformdirs, rich; no torch)
 plans simulated devices with every planning command."""
 import json
 import os

@@ -12,32 +12,7 @@ import platform
 import sys
 
 from .errors import ExitCode
-
-# Every variable capdispatch reads, with what it does; tests check this list
-# against the package's source.
-VARIABLES = {
-    "CAPDISPATCH_POLICY": "policy files, os.pathsep-separated, layered below --policy",
-    "CAPDISPATCH_SET": "explicit choices OP=BACKEND[,...], above every policy",
-    "CAPDISPATCH_STRICT": "1: an explicit choice that cannot run is an error",
-    "CAPDISPATCH_SGLANG_DEVICES": "the SGLang plugin's simulated GPUs (sim:NAME,...)",
-    "CAPDISPATCH_VERIFY": "what an unverified or failed canary does (above the policy's verify)",
-    "CAPDISPATCH_CACHE_DIR": "where canary verdicts are cached (default: the user's cache directory)",
-    "CAPDISPATCH_LOCK": "a lock file explain and verify compare the decisions with",
-    "CAPDISPATCH_REPORT_DIR": "where each SGLang rank writes its decision report (default: the user's "
-                              "cache directory)",
-    "CAPDISPATCH_IMPORT_TIMEOUT": "seconds a library's import may take on a real device (default 60), "
-                                  "and a plugin's import and register() (default 20)",
-    "CAPDISPATCH_DEBUG": "1: an internal error shows its traceback",
-    "CAPDISPATCH_REQUIRE_REHEARSAL": "1: an SGLang launch needs a passed `dispatch rehearse` verdict for its "
-                                     "cards, software and decisions",
-    "CAPDISPATCH_REHEARSE_FAULT": "RANK:OP:KIND: a fault planted on one rank of `dispatch rehearse` "
-                                  "(for testing the rehearsal itself)",
-    "CUDA_VISIBLE_DEVICES": "which GPUs cuda:N numbers, and in what order",
-    "CUDA_DEVICE_ORDER": "PCI_BUS_ID makes CUDA's numbering match NVML's",
-    "TRITON_INTERPRET": "1: Triton kernels run on the CPU under Triton's interpreter",
-    "NO_COLOR": "set: no colour in the matrix",
-    "FORCE_COLOR": "set: colour in the matrix even when piped",
-}
+from .inputs import VARIABLES, unknown_note, unknown_variables
 
 # capdispatch's own dependencies and helpers, besides the backends' libraries.
 OWN = ("attrs", "pyyaml", "packaging", "platformdirs", "rich", "argcomplete", "nvidia-ml-py", "numpy")
@@ -117,7 +92,7 @@ def report(env=None) -> dict:
         "libraries": {d: _version(d) for d in backend_libs},
         "own": {d: _version(d) for d in OWN},
         "variables": variables,
-        "unknown_variables": sorted(k for k in env if k.startswith("CAPDISPATCH_") and k not in VARIABLES),
+        "unknown_variables": [k for k, _ in unknown_variables(env)],
     }
 
 
@@ -153,7 +128,7 @@ def _text(r) -> str:
     width = max(len(k) for k in r["variables"])
     lines += [f"  {k:<{width}}  {'(unset)' if x is None else repr(x)}" for k, x in r["variables"].items()]
     if r["unknown_variables"]:
-        lines.append(f"  note: capdispatch reads none of {', '.join(r['unknown_variables'])} (a typo?)")
+        lines.append(f"  note: {unknown_note(r['unknown_variables'], where=False)}")
     return "\n".join(lines)
 
 

@@ -54,12 +54,13 @@ def run_guarded(prog: str, fn) -> int:
     """
     import os
     import sys
-    from .inputs import env_flag
+    from .inputs import env_flag, warn_unknown_variables
     try:
         debug = env_flag(os.environ, "CAPDISPATCH_DEBUG")
     except CapdispatchError as exc:
         _say(f"{prog}: error: {exc}")
         return exit_code(exc)
+    warn_unknown_variables(os.environ)
     try:
         return fn()
     except CapdispatchError as exc:

@@ -12,6 +12,65 @@ FLAG_ON = ("1", "true", "yes", "on")
 FLAG_OFF = ("", "0", "false", "no", "off")
 DEVICE_FORMS = "cuda:N, cpu or sim:NAME (NAME from `dispatch catalog`, or sm_86, sm_90, ...)"
 
+# Every variable capdispatch reads, with what it does (`dispatch env` lists them); tests check
+# this list against the package's source.
+VARIABLES = {
+    "CAPDISPATCH_POLICY": "policy files, os.pathsep-separated, layered below --policy",
+    "CAPDISPATCH_SET": "explicit choices OP=BACKEND[,...], above every policy",
+    "CAPDISPATCH_STRICT": "1: an explicit choice that cannot run is an error",
+    "CAPDISPATCH_SGLANG_DEVICES": "the SGLang plugin's simulated GPUs (sim:NAME,...)",
+    "CAPDISPATCH_VERIFY": "what an unverified or failed canary does (above the policy's verify)",
+    "CAPDISPATCH_CACHE_DIR": "where canary verdicts are cached (default: the user's cache directory)",
+    "CAPDISPATCH_LOCK": "a lock file explain and verify compare the decisions with",
+    "CAPDISPATCH_REPORT_DIR": "where each SGLang rank writes its decision report (default: the user's "
+                              "cache directory)",
+    "CAPDISPATCH_IMPORT_TIMEOUT": "seconds a library's import may take on a real device (default 60), "
+                                  "and a plugin's import and register() (default 20)",
+    "CAPDISPATCH_DEBUG": "1: an internal error shows its traceback",
+    "CAPDISPATCH_REQUIRE_REHEARSAL": "1: an SGLang launch needs a passed `dispatch rehearse` verdict for its "
+                                     "cards, software and decisions",
+    "CAPDISPATCH_REHEARSE_FAULT": "RANK:OP:KIND: a fault planted on one rank of `dispatch rehearse` "
+                                  "(for testing the rehearsal itself)",
+    "CUDA_VISIBLE_DEVICES": "which GPUs cuda:N numbers, and in what order",
+    "CUDA_DEVICE_ORDER": "PCI_BUS_ID makes CUDA's numbering match NVML's",
+    "TRITON_INTERPRET": "1: Triton kernels run on the CPU under Triton's interpreter",
+    "NO_COLOR": "set: no colour in the matrix",
+    "FORCE_COLOR": "set: colour in the matrix even when piped",
+}
+
+_warned: set = set()      # unknown names already warned of in this process
+
+
+def unknown_variables(env) -> list:
+    """(name, closest known name or None) for each CAPDISPATCH_ variable of ENV that
+    capdispatch does not read, sorted."""
+    import difflib
+    pre = "CAPDISPATCH_"
+    known = [k[len(pre):] for k in VARIABLES if k.startswith(pre)]
+    # The names after the shared prefix are compared, so that any name is not close to all.
+    return [(k, next((pre + c for c in difflib.get_close_matches(k[len(pre):], known, n=1, cutoff=0.7)),
+                     None))
+            for k in sorted(k for k in env if isinstance(k, str) and k.startswith(pre) and k not in VARIABLES)]
+
+
+def unknown_note(names, close=None, where: bool = True) -> str:
+    """The one sentence about variables capdispatch does not read: each with its did-you-mean
+    (and, WHERE, which command lists those it reads)."""
+    close = dict(close) if close is not None else dict(unknown_variables(dict.fromkeys(names, "")))
+    said = [n + (f" (did you mean {close[n]}?)" if close.get(n) else "") for n in names]
+    return f"capdispatch reads none of {', '.join(said)}" + (
+        "; `dispatch env` lists the variables it reads" if where else "")
+
+
+def warn_unknown_variables(env) -> None:
+    """One WARNING line, once per process, for CAPDISPATCH_ variables capdispatch does not read
+    (a misspelt name is otherwise silently ignored)."""
+    import logging
+    new = [(k, c) for k, c in unknown_variables(env) if k not in _warned]
+    if new:
+        _warned.update(k for k, _ in new)
+        logging.getLogger("capdispatch").warning(unknown_note([k for k, _ in new], new))
+
 
 def shown(value, limit: int = 60) -> str:
     """VALUE as a message quotes it: ascii(), cut to LIMIT characters."""

@@ -50,6 +50,7 @@ class Parser(argparse.ArgumentParser):
 
     def add_subparsers(self, **kw):
         kw.setdefault("parser_class", functools.partial(type(self), command=self.command))
+        kw.setdefault("metavar", "COMMAND")       # not the internal dest ('policy_cmd') in errors
         return super().add_subparsers(**kw)
 
     def parse_args(self, args=None, namespace=None):
@@ -72,6 +73,10 @@ class Parser(argparse.ArgumentParser):
         text = _plain(message)
         if text.startswith("unrecognized arguments:"):
             text += self._did_you_mean(text.split(":", 1)[1].split())
+        for a in self._actions:
+            if isinstance(a, argparse._SubParsersAction) and text.startswith(
+                    "the following arguments are required:") and a.metavar in text:
+                text += f" ({', '.join(a.choices)}; `{self.prog} --help` says what each does)"
         print(f"{self.command}: error: {text}", file=sys.stderr)
         from .errors import ExitCode
         raise SystemExit(ExitCode.BAD_INPUT)
@@ -152,6 +157,8 @@ class Option:
     choices: Optional[tuple] = None
     default: object = None
     complete: Optional[str] = None   # a completer of capdispatch.dispatch.completion
+    # Help that is true only beside another flag: {flag: clause}, added where the command takes it.
+    beside: tuple = ()
 
     @property
     def flag(self) -> str:
@@ -175,7 +182,7 @@ OPTIONS = {o.flag.lstrip("-").replace("-", "_"): o for o in (
            metavar="NAME[==VERSION]", repeat=True, complete="libraries"),
     Option(("--libs",), "the target's whole library inventory from a profile (e.g. "
            "sglang-0.5.23: the versions SGLang 0.5.23 installs) instead of this machine's; "
-           "--assume-lib adds to it; `local`: this machine's",
+           "`local`: this machine's", beside=(("--assume-lib", "; --assume-lib adds to it"),),
            unset="the default profile when every device is simulated and no --assume-lib is "
                  "given, else this machine's", metavar="PROFILE", complete="profiles"),
     Option(("--strict",), "an explicit choice that cannot run is an error (exit 3), not a "
@@ -260,7 +267,21 @@ def add(parser, *keys: str, unset: Optional[str] = None, help: Optional[str] = N
             kw["required"] = True
         action = parser.add_argument(*o.flags, **kw)
         action.option = key          # which shared option it is (tests check every command's)
+        action.plain_help = text
         if o.complete:
             from . import completion
             getattr(completion, o.complete)(action)
+    _beside(parser)
     return action
+
+
+def _beside(parser) -> None:
+    """Give each shared option the clauses of its help that name a flag the command takes
+    (whichever was added first): `--libs` says `--assume-lib adds to it` only beside it."""
+    have = parser._option_string_actions
+    for a in parser._actions:
+        o = OPTIONS.get(getattr(a, "option", None) or "")
+        if o is not None and o.beside:
+            extra = "".join(clause for flag, clause in o.beside if flag in have)
+            base, sep, unset = a.plain_help.partition(" (default: ")
+            a.help = base + extra + sep + unset

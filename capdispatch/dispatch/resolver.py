@@ -136,7 +136,7 @@ class Context:
             or env_flag(self.env, "CAPDISPATCH_STRICT")
 
 
-from .inputs import FLAG_OFF, FLAG_ON, check_cache_dir, env_flag, shown  # noqa: E402,F401
+from .inputs import FLAG_OFF, FLAG_ON, check_cache_dir, env_flag, shown, warn_unknown_variables  # noqa: E402,F401
 
 
 def known_device_names() -> dict:
@@ -197,6 +197,7 @@ def context(*, policy=None, selections=None, assume_libs=None, strict=False, reg
         raise BadInput(str(exc)) from None
     # Bad values are refused now, not at the first fallback or the first canary.
     env_flag(env, "CAPDISPATCH_STRICT")
+    warn_unknown_variables(env)
     check_cache_dir(env)
     verify = env.get("CAPDISPATCH_VERIFY")
     if verify and verify not in _policies.VERIFY:
