@@ -105,6 +105,25 @@ def test_exception_or_death_is_named(monkeypatch, kind, says):
     assert says in r.cause and r.cause.startswith("rank 0:")
 
 
+def test_a_port_taken_in_the_race_is_named_at_once(monkeypatch):
+    """Another process takes the chosen port before rank 0 binds it: rank 0 fails naming
+    the port, and the run ends then, not when the others' start timeout runs out."""
+    import socket
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        monkeypatch.setattr(runner, "_port", lambda: port)
+        t0 = time.monotonic()
+        r = _rehearse("cpu,cpu", timeout=60, start_timeout=60, record=False, **SMALL)
+        took = time.monotonic() - t0
+    assert took < 20, took                        # the start timeout is 60 s
+    assert not r.ok and r.cause.startswith("rank 0: PortTaken: the rendezvous port "
+                                           f"127.0.0.1:{port} was taken by another process"), r.cause
+    assert "run again" in r.cause
+    assert "still running when rank 0 failed" in r.ranks[1].error, r.ranks[1].error
+
+
 # --- bad input: refused before any process starts ---------------------------------------------
 
 def test_layout_the_model_cannot_take_is_refused():

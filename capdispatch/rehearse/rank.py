@@ -23,6 +23,7 @@ from ..errors import ExitCode
 
 FAULT_ENV = "CAPDISPATCH_REHEARSE_FAULT"
 FAULT_KINDS = ("wrong", "raise", "hang", "exit")
+JOINING = "joining the group"      # the progress of a rank in the rendezvous
 
 
 def parse_fault(text):
@@ -36,6 +37,10 @@ def parse_fault(text):
         raise RehearseError(f"{FAULT_ENV}={text!r}: expected RANK:OP:KIND with OP one of {', '.join(OPS)} "
                             f"and KIND one of {', '.join(FAULT_KINDS)}")
     return int(parts[0]), parts[1], parts[2]
+
+
+class PortTaken(RuntimeError):
+    """Rank 0 could not bind the rendezvous port: no rank can join the group."""
 
 
 class _Progress:
@@ -145,10 +150,17 @@ def _run(cfg, rank, prog, result):
     installed = install(dev)        # the card's facts for every launch of this process
     result["facts"] = installed.to_dict()
     timeout = timedelta(seconds=cfg["collective_timeout"])
-    prog.set("joining the group")
+    prog.set(JOINING)
     # The rendezvous waits for ranks still starting; each all-reduce waits TIMEOUT at most.
-    dist.init_process_group(cfg["backend"], init_method=f"tcp://127.0.0.1:{cfg['port']}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=cfg["start_timeout"]))
+    try:
+        dist.init_process_group(cfg["backend"], init_method=f"tcp://127.0.0.1:{cfg['port']}", rank=rank,
+                                world_size=world, timeout=timedelta(seconds=cfg["start_timeout"]))
+    except RuntimeError as exc:
+        if rank == 0 and ("EADDRINUSE" in str(exc) or "address already in use" in str(exc).lower()):
+            # The parent chose a free port; another process took it before rank 0 bound it.
+            raise PortTaken(f"the rendezvous port 127.0.0.1:{cfg['port']} was taken by another process "
+                            f"between its choice and rank 0's bind; run again (a new port is chosen)") from None
+        raise
     try:
         prog.set("deciding and agreeing")
         spec = cd.probe(dev.decide)

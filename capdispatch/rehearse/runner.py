@@ -278,12 +278,15 @@ def _spawn(cfg_path, folder, world, timeout, start_timeout):
 
 def _watch(procs, folder, world, timeout, start_timeout):
     import torch
+
+    from .rank import JOINING
     # Watchdog: a rank must start (imports, device) within START_TIMEOUT; a started rank that
     # makes no progress (no op or collective begins) for TIMEOUT seconds is stalled, and then
     # every rank still running is killed. A rank that fails ends the others within TIMEOUT:
-    # their next collective times out.
+    # their next collective times out. A rank that fails before the group forms (rank 0 could
+    # not bind the port) ends the run at once: the others would wait out START_TIMEOUT.
     t0 = time.monotonic()
-    killed, stalled = [], None
+    killed, stalled = [], None     # stalled: (rank, why, what it did: 'stalled' / 'failed')
     progress = [os.path.join(folder, f"rank{r}.progress") for r in range(world)]
     while True:
         codes = [p.poll() for p in procs]
@@ -291,6 +294,8 @@ def _watch(procs, folder, world, timeout, start_timeout):
             break
         now = time.monotonic()
         for r, p in enumerate(procs):
+            if codes[r] not in (None, 0) and _read(progress[r]) in ("", "starting", JOINING):
+                stalled = stalled or (r, "failed before the group formed", "failed")
             if codes[r] is not None:
                 continue
             try:
@@ -298,9 +303,9 @@ def _watch(procs, folder, world, timeout, start_timeout):
             except OSError:
                 age = None
             if age is None and now - t0 > start_timeout:
-                stalled = stalled or (r, f"did not start within {start_timeout:g} s")
+                stalled = stalled or (r, f"did not start within {start_timeout:g} s", "stalled")
             elif age is not None and age > timeout + _grace(progress[r]):
-                stalled = stalled or (r, f"made no progress for {timeout:g} s")
+                stalled = stalled or (r, f"made no progress for {timeout:g} s", "stalled")
         if stalled:
             break
         time.sleep(0.05)
@@ -309,7 +314,7 @@ def _watch(procs, folder, world, timeout, start_timeout):
         if p.poll() is None:
             killed.append(r)
             kill_group(p)
-            stalls[r] = stalled[1] if stalled and stalled[0] == r else f"still running when rank {stalled[0]} stalled"
+            stalls[r] = stalled[1] if stalled[0] == r else f"still running when rank {stalled[0]} {stalled[2]}"
     results, logits = [], []
     for r, p in enumerate(procs):
         path = os.path.join(folder, f"rank{r}.json")
