@@ -98,6 +98,10 @@ _API = {
     # Bounded, non-blocking reading of a regular file (adapters read their own files so).
     "read_file": ("capdispatch.safe_io", "read_bytes"),
     "FileError": ("capdispatch.safe_io", "FileError"),
+    # Atomic replacement of a regular file (no temporary file left on failure), and a path
+    # as messages show it (control characters escaped), for adapters' own files.
+    "write_file": ("capdispatch.safe_io", "write_atomic"),
+    "show_path": ("capdispatch.safe_io", "shown"),
     # For benchmarks: what they measure with and against, as calibration and serving do.
     # A name whose attribute is None is the module itself, a namespace of related names.
     "build_registry": ("capdispatch.backends.registry", "build"),    # a new one (plugins=False: built-ins only)
