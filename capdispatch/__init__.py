@@ -38,7 +38,7 @@ _API = {
     "context": ("capdispatch.dispatch", "context"),
     "plan_in": ("capdispatch.dispatch", "plan_in"),
     "Plan": ("capdispatch.dispatch.explain", "Plan"),     # what plan() and plan_in() return
-    "target_libs": ("capdispatch.dispatch.explain", "target_libs"),
+    "target_libs": ("capdispatch.capabilities.lib_profiles", "target_libs"),   # whose libraries plan a group
     # One reading of each kind of input, for the command line, the API and the adapters.
     "device_list": ("capdispatch.dispatch.inputs", "device_list"),
     "op_list": ("capdispatch.dispatch.inputs", "op_list"),

@@ -169,12 +169,16 @@ def test_api_refuses_unknown_library_too(clean_env):
 
 
 def test_devices_says_whose_libraries(dispatch):
+    # The one rule: a simulated device's libraries are the default profile's, unless --libs says.
     rc, out, _ = dispatch("devices", "--device", "sim:rtx-5090", "--format", "json")
+    inv = json.loads(out)["inventory"]
+    assert rc == 0 and inv["default"] is True and inv["profile"] == "sglang-0.5.23" and "--libs local" in inv["note"]
+    rc, out, _ = dispatch("devices", "--device", "sim:rtx-5090", "--libs", "local", "--format", "json")
     assert rc == 0 and json.loads(out)["inventory"]["whose"] == "this machine's"
     rc, out, _ = dispatch("devices", "--device", "sim:rtx-5090")
     assert max(len(line) for line in out.splitlines()) <= 100
     out = " ".join(line.strip() for line in out.splitlines())
-    assert "libraries (this machine's):" in out
+    assert "libraries (the sglang-0.5.23 profile's (the default for simulated devices)):" in out
     assert "32.0 GiB, CUDA unknown (simulated; --assume-cuda VER) features:" in out
     rc, out, _ = dispatch("devices", "--device", "sim:rtx-5090", "--assume-cuda", "12.8")
     assert "CUDA 12.8 (simulated)" in " ".join(line.strip() for line in out.splitlines())

@@ -63,11 +63,9 @@ def check_one_decision(rig, libs, extra=()):
     # 1. Every decided op of every rank is capdispatch's own resolution for the same
     #    inputs (--assume-lib and --set reach the rank table).
     ops = p["ops"]
-    # The plan names the target's libraries the CLI's way: simulated devices with no
-    # library named are planned with the default profile, so the reference is too.
-    target = explain.target_libs([cd.probe(d) for d in rig], None, list(libs))
+    # The API's defaults are the command's: whose libraries follow the one rule (cd.target_libs).
     ref = cd.plan(list(rig), ops, assume_libs=list(libs) or None, selections=sels or None,
-                  policy=pols or None, log_warnings=False, libs=target)
+                  policy=pols or None, log_warnings=False)
     for r, (pid, _) in zip(ranks, zip(ref.devices, rig)):
         for op in ops:
             c = r["ops"][op]

@@ -59,6 +59,16 @@ def default_name() -> str:
     return str(_data.load("lib_profiles.yaml").get("default") or names()[-1])
 
 
+def target_libs(specs, libs=None, assume_libs=()):
+    """Whose libraries plan SPECS, as a --libs value: the one rule of every command and of the
+    API. LIBS when given; DEFAULT (the default profile) for a group of simulated or emulated
+    devices when neither LIBS nor ASSUME_LIBS says what the target has, since this machine's
+    libraries say nothing of a simulated card's machine; else None: this machine's."""
+    if libs is None and not assume_libs and specs and all(s.simulated for s in specs):
+        return DEFAULT
+    return libs
+
+
 def lookup(name: str) -> Profile:
     import difflib
     by_lower = {k.lower(): v for k, v in profiles().items()}

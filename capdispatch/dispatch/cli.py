@@ -81,7 +81,7 @@ def _parser() -> argparse.ArgumentParser:
                        description="The devices and their facts, features and how they were read.",
                        epilog=DEVICES_EPILOG)
     add(d, "device")
-    add(d, "format", "probe", "assume_cuda")
+    add(d, "format", "probe", "assume_cuda", "libs", "assume_lib")
 
     e = sub.add_parser("explain", help="decide every op for a group of devices, with the trace",
                        description="Decide every op for a group of devices: the op x device matrix, "
@@ -183,9 +183,10 @@ def _specs(args):
 def _cmd_devices(args) -> int:
     from ..backends import builtin
     from ..capabilities import Inventory, derive_features
-    from .explain import device_dict, device_line, libraries_lines
+    from ..capabilities.lib_profiles import target_libs
+    from .explain import device_dict, device_line, libraries_lines, whose_dict
     from .render import wrap
-    from .resolver import library_names
+    from .resolver import library_modules, library_names
     specs = _specs(args)
     text = []
     for d in specs:
@@ -193,8 +194,9 @@ def _cmd_devices(args) -> int:
         text += wrap(f"features: {', '.join(sorted(derive_features(d))) or '(none)'}", "  ")
         for n in d.notes:
             text += wrap(f"note: {n}", "  ")
-    inv = Inventory()
-    inventory = inv.to_dict(sorted(library_names(builtin())))
+    inv = Inventory.with_assumptions(args.assume_lib, libs=target_libs(specs, args.libs, args.assume_lib),
+                                     known=library_modules(builtin()))
+    inventory = whose_dict(specs, inv, sorted(library_names(builtin())))
     text += libraries_lines(inventory["versions"], inventory)
     _emit(args, {"schema": 1, "devices": [
         {k: v for k, v in device_dict(d, None).items() if k != "libraries"} for d in specs],
@@ -204,7 +206,7 @@ def _cmd_devices(args) -> int:
 
 def _cmd_explain(args) -> int:
     from ..backends import builtin
-    from .explain import plan, render_text, target_libs
+    from .explain import plan, render_text
     from .inputs import op_list
     ops = op_list(args.op, "--op", builtin())
     from .model_cmd import shapes_from_args
@@ -213,7 +215,7 @@ def _cmd_explain(args) -> int:
     specs = _specs(args)
     p = plan(specs, ops or None, policy=args.policy or None, shapes=shapes,
              selections=args.set_ or None, assume_libs=args.assume_lib, strict=args.strict,
-             selection_origin="--set", libs=target_libs(specs, args.libs, args.assume_lib),
+             selection_origin="--set", libs=args.libs,
              settings={"mixed_group": args.mixed_group} if args.mixed_group else None,
              settings_origin="--mixed-group", log_warnings=False)
     from .lock import check

@@ -52,15 +52,20 @@ def device_dict(d, libraries) -> dict:
             "cuda": d.cuda, "probe": d.probe, "notes": list(d.notes)}
 
 
-def target_libs(specs, libs=None, assume_libs=()):
-    """The library inventory to plan SPECS with, as a --libs value: LIBS when given;
-    "default" (the default profile, said in the output) for a group of simulated devices
-    when neither LIBS nor ASSUME_LIBS says what the target has: this machine's libraries
-    say nothing of a simulated card's machine. Shared by explain, lock and sglang plan."""
-    if libs is None and not assume_libs and specs and all(s.simulated for s in specs):
-        from ..capabilities import lib_profiles
-        return lib_profiles.DEFAULT
-    return libs
+def whose_dict(specs, inventory, dists=()) -> dict:
+    """Whose libraries planned SPECS, for people and JSON (the `inventory` of every output):
+    Inventory.to_dict(DISTS) and the note on it."""
+    return dict(inventory.to_dict(dists), note=inventory_note(specs, inventory))
+
+
+def whose_lines(inventory: dict) -> list:
+    """Whose libraries a decision used, as every command says it (docs/cli.md#whose-libraries):
+    `libraries: WHOSE` and the note when there is one. INVENTORY: a whose_dict."""
+    from .render import wrap
+    out = wrap(f"libraries: {inventory.get('whose', DEFAULT_WHOSE)}", "")
+    if inventory.get("note"):
+        out += wrap(f"note: {inventory['note']}", "")
+    return out
 
 
 def inventory_note(specs, inventory) -> str:
@@ -99,6 +104,7 @@ def plan_in(ctx, devices, ops=None, *, via: str = "auto", assume_cuda: Optional[
     of the plan reads the same policy stack, selections and library inventory."""
     from .inputs import api_devices
     specs = unique_ids([as_spec(d, via=via, assume_cuda=assume_cuda) for d in api_devices(devices)])
+    ctx = ctx.for_devices(specs)
     names = list(ops) if ops else list(ctx.registry.ops)
     groups = {op: resolve_group_in(ctx, op, specs) for op in names}
     warnings = tuple(w for g in groups.values() for w in g.warnings)
@@ -108,8 +114,8 @@ def plan_in(ctx, devices, ops=None, *, via: str = "auto", assume_cuda: Optional[
     dists = sorted({r.dist for op in names for b in ctx.registry.backends(op)
                     for r in b.requires if hasattr(r, "dist")})
     libs_seen = {d: ctx.inventory.get(d).describe() for d in dists}
-    whose = dict(ctx.inventory.to_dict(dists), note=inventory_note(specs, ctx.inventory))
-    return Plan(tuple(specs), groups, warnings, libs_seen, ctx.inventory, ctx.registry, whose,
+    return Plan(tuple(specs), groups, warnings, libs_seen, ctx.inventory, ctx.registry,
+                whose_dict(specs, ctx.inventory, dists),
                 shapes=ctx.shapes)
 
 

@@ -99,6 +99,7 @@ def _divergent(per_device, bounds) -> list:
 
 
 def resolve_group_in(ctx: Context, op: str, specs) -> GroupResolution:
+    ctx = ctx.for_devices(specs)     # whose libraries: the group's, not each device's
     per = {s.id: resolve_in(ctx, op, s) for s in specs}
     warnings = [w for r in per.values() for w in r.warnings]
     mode_setting = ctx.stack.setting("mixed_group")

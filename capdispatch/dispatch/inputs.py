@@ -168,3 +168,15 @@ def device_specs(values, source: str, *, via: str = "auto", assume_cuda=None) ->
         except BadInput as exc:
             raise BadInput(f"{source}: {exc}") from None
     return unique_ids(specs) if specs else []
+
+
+def needs_torch(what: str) -> None:
+    """One line and exit 2 where torch does not import: WHAT (e.g. "dispatch rehearse runs
+    the group's kernels") says what needs it; planning commands need none."""
+    try:
+        import torch  # noqa: F401
+    except ImportError as exc:
+        why = "torch is not installed" if exc.name == "torch" else f"torch does not import ({exc})"
+        raise BadInput(f"{what}, which need torch: {why} (pip install 'capdispatch[torch]', or "
+                       f"your own CUDA build of torch); planning needs none: dispatch explain, "
+                       f"plan, lock, sglang plan") from None

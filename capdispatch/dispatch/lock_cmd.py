@@ -73,7 +73,7 @@ def _specs(args, locked=None):
 def run(args) -> int:
     from . import lock as L
     from .errors import BadInput
-    from .explain import plan, target_libs
+    from .explain import plan
     from ..backends import builtin
     from .inputs import op_list
     for flag, value in (("--check", args.check), ("-o/--output", args.output)):
@@ -92,7 +92,7 @@ def run(args) -> int:
     specs = _specs(args, locked)
     p = plan(specs, ops, policy=args.policy or None, selections=args.set_ or None,
              assume_libs=args.assume_lib, strict=args.strict, selection_origin="--set",
-             libs=target_libs(specs, args.libs, args.assume_lib), log_warnings=False)
+             libs=args.libs, log_warnings=False)
     from .notices import log_plan
     # A mixed rig diverges by design: one summary line unless -v.
     log_plan(p, brief=not args.verbose, hint="-v shows each; mixed_group: uniform in a policy runs "

@@ -114,6 +114,20 @@ class Context:
     # The rank's shapes (capdispatch.models.RankShape) the decision is for: backends' shape
     # ranges are checked against them; None: no model given, shape ranges not evaluated.
     shapes: Optional[RankShape] = None
+    # False: nothing said of libraries (no libs=, no assume_libs=); the devices decided for
+    # choose them (for_devices), once per decision.
+    libraries_settled: bool = True
+
+    def for_devices(self, specs) -> "Context":
+        """This context with the library inventory SPECS are planned with: unchanged when
+        libraries were named, else the one rule (capabilities.lib_profiles.target_libs): the
+        default profile for simulated and emulated devices, this machine's for real ones."""
+        if self.libraries_settled:
+            return self
+        from ..capabilities import lib_profiles
+        libs = lib_profiles.target_libs(list(specs))
+        inventory = self.inventory if libs is None else Inventory.with_assumptions(libs=libs)
+        return attrs.evolve(self, inventory=inventory, libraries_settled=True)
 
     @property
     def verify_mode(self) -> str:
@@ -169,7 +183,9 @@ def context(*, policy=None, selections=None, assume_libs=None, strict=False, reg
             env=None, selection_origin="selections=", libs=None, settings=None,
             settings_origin="settings=", shapes=None) -> Context:
     """Read the environment and policies now, for the decisions about to be made.
-    LIBS: a library profile naming the target's software (None: this machine's).
+    LIBS: a library profile naming the target's software, "local" for this machine's;
+    with neither LIBS nor ASSUME_LIBS the devices decided for choose
+    (capdispatch.target_libs: the default profile for simulated devices, else this machine's).
 
     One Context holds one policy stack and one library inventory; every decision
     made with it (`plan_in`, `resolve_in`) sees the same assumptions. SHAPES: a rank's
@@ -203,7 +219,8 @@ def context(*, policy=None, selections=None, assume_libs=None, strict=False, reg
     if verify and verify not in _policies.VERIFY:
         raise BadInput(f"CAPDISPATCH_VERIFY={shown(verify)} is not valid{_policies.did_you_mean(verify, _policies.VERIFY)} "
                        f"(valid: {', '.join(_policies.VERIFY)}; unset: the policy's verify)")
-    return Context(registry, stack, inventory, env, strict, shapes=shapes)
+    return Context(registry, stack, inventory, env, strict, shapes=shapes,
+                   libraries_settled=libs is not None or bool(assume_libs))
 
 
 def _check_shapes(shapes) -> None:
@@ -384,6 +401,7 @@ def _same_layout(op, catch_all: str, cand: Candidate) -> Candidate:
 def resolve_in(ctx: Context, op: str, device: DeviceSpec) -> Resolution:
     """One op on one device (each size bucket too). Logs nothing: warnings ride in the result."""
     _check_op(ctx, op)
+    ctx = ctx.for_devices([device])
     pref, names = order(ctx, op, device)
     candidates = evaluate(ctx, op, device, names, pref.backends + tuple(pref.unmeasured))
     backend, source, fallback, downgraded, warnings = _decide(

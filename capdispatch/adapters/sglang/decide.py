@@ -85,12 +85,15 @@ def context_for(release, *, selections=None, selection_origin="selections=", pol
                       assume_libs=list(assume_libs or ()) or None, libs=libs, strict=strict, env=env)
 
 
-def context_of(release, inputs, env=None):
-    """context_for from a LaunchInputs record."""
+def context_of(release, inputs, env=None, *, here: bool = False):
+    """context_for from a LaunchInputs record. HERE: the kernels bind in this process (a
+    launch, a rank), so with no library named they are this machine's, simulated GPUs
+    included; else the devices choose (cd.target_libs), as every planning command does."""
     o = inputs.options
+    libs = "local" if here and o.libs is None and not o.assume_libs else o.libs
     return context_for(release, selections=o.selections, selection_origin=o.selection_origin,
                        policy=o.policy, field_values=inputs.field_values,
-                       assume_libs=o.assume_libs, strict=o.strict, env=env, libs=o.libs)
+                       assume_libs=o.assume_libs, strict=o.strict, env=env, libs=libs)
 
 
 def _same(a: str, b: str) -> bool:
@@ -417,6 +420,7 @@ def decide_in(ctx, specs, ops, release, *, env=None, explicit_fields=(), field_v
     import capdispatch as cd
     specs = tuple(specs)
     ops = tuple(ops)
+    ctx = ctx.for_devices(specs)
     active = resolved_ops(release, ops, ctx)
     plan, choices = None, {}
     if active:
@@ -448,7 +452,8 @@ def decide(specs, ops, release, *, selections=None, selection_origin="selections
 
 
 def decide_launch(specs, release, inputs, *, env=None, moe_launch=None) -> Decision:
-    """decide for a LaunchInputs record (MOE_LAUNCH: as for decide_in)."""
-    return decide_in(context_of(release, inputs, env), specs, inputs.ops, release, env=env,
+    """decide for a LaunchInputs record, in the process that binds the kernels (MOE_LAUNCH:
+    as for decide_in)."""
+    return decide_in(context_of(release, inputs, env, here=True), specs, inputs.ops, release, env=env,
                      explicit_fields=inputs.explicit_fields, field_values=inputs.field_values,
                      user_env=inputs.user_env, moe_launch=moe_launch)

@@ -1,7 +1,8 @@
 """Which GPUs an SGLang launch uses, and their facts, without initialising CUDA.
 
 SIM_ENV simulates the node: a comma-separated list of devices as CUDA numbers
-them (entry N is cuda:N), e.g. `sim:rtx-5090,sim:rtx-3080,sim:rtx-3080`. It is
+them (entry N is cuda:N), e.g. `sim:rtx-5090,sim:rtx-3080,sim:rtx-3080`; one
+simulated device alone stands for every GPU the launch uses. It is
 read when a decision is made. Decisions are then made for the simulated cards;
 their kernels run where the tensors are (the CPU, Triton under TRITON_INTERPRET=1).
 """
@@ -80,6 +81,10 @@ def device(gpu_id: int, *, env=None, via: str = "nvml"):
     listed = simulated_devices(env)
     if listed is None:
         return _spec(f"cuda:{gpu_id}", "SGLang GPU", via=via)
+    if len(listed) == 1 and listed[0].startswith("sim:"):
+        # One simulated card stands for every GPU of the launch (--device sim:h200 --tp 2),
+        # as one device with --tp N does in every command.
+        return _spec(listed[0], f"{SIM_ENV} entry 0", via=via).with_id(f"cuda:{gpu_id}")
     if gpu_id >= len(listed):
         raise cd.BadInput(f"{SIM_ENV} lists {len(listed)} device(s) (cuda:0..cuda:{len(listed) - 1}) "
                           f"but the launch uses cuda:{gpu_id}")

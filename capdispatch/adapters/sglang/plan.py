@@ -143,26 +143,19 @@ def _devices(ids, env):
                           f"without initialising CUDA: {exc.reason}; {hint}") from None
 
 
-def inventory(options, env, specs=None):
-    """The library inventory of OPTIONS.libs (a profile) with OPTIONS.assume_libs on
-    top, or None for this machine's; a bad name is refused now, before SGLang runs.
-    SPECS all simulated and nothing said of libraries: the default profile
-    (cd.target_libs, as `dispatch explain` plans them)."""
-    libs = cd.target_libs(specs or (), options.libs, options.assume_libs)
-    if libs is None:
-        return None
-    return cd.context(libs=libs, assume_libs=list(options.assume_libs) or None, env=env).inventory
+def check_libraries(options, env) -> None:
+    """A bad --libs or --assume-lib name is refused now, before SGLang runs."""
+    cd.context(libs=options.libs, assume_libs=list(options.assume_libs) or None, env=env)
 
 
-def decision(specs, release, inputs, *, libs, env, shapes=None):
-    """decide.decide_launch, with LIBS (an Inventory, or None: this machine's) in
-    the one Context every op, rank and settings row of the plan reads."""
+def decision(specs, release, inputs, *, env, shapes=None):
+    """decide.decide_in with the one Context every op, rank and settings row of the plan
+    reads: the plan's libraries (inputs.options), or with none named the ones the
+    devices choose (cd.target_libs)."""
     import attrs
 
     from . import decide
     ctx = decide.context_of(release, inputs, env)
-    if libs is not None:
-        ctx = attrs.evolve(ctx, inventory=libs)
     if shapes is not None:
         ctx = attrs.evolve(ctx, shapes=shapes)
     return decide.decide_in(ctx, specs, inputs.ops, release, env=env,
@@ -215,7 +208,7 @@ def build(*, tp=None, sglang_args=None, options, env: dict, model=None) -> Launc
     from .records import LaunchInputs
     if tp is not None and tp < 1:
         raise cd.BadInput(f"--tp {tp}: expected an integer >= 1")
-    libs = inventory(options, env)
+    check_libraries(options, env)
     k = knobs.load()
     installed = versions.installed()
     if sglang_args is not None and installed is None:
@@ -242,10 +235,9 @@ def build(*, tp=None, sglang_args=None, options, env: dict, model=None) -> Launc
     ids = gpus.gpu_ids(tp_size=tp_size, **layout)
     shapes = rank_shapes(model, tp_size)
     specs = _devices(ids, env)
-    libs = inventory(options, env, specs)
-    d, ctx = decision(specs, release, inputs, libs=libs, env=env, shapes=shapes)
+    d, ctx = decision(specs, release, inputs, env=env, shapes=shapes)
     return LaunchPlan(
-        release_info, inventory=inventory_dict(d, ctx),
+        release_info, inventory=inventory_dict(d, ctx.for_devices(specs)),
         model=ModelInfo(inputs.model, assumed, inputs.kv_cache_dtype),
         ops=tuple(inputs.ops), reason=inputs.reason, gpu_ids=tuple(ids), launch=d.settings,
         ranks=tuple(rank_plan(i, g, spec, d, release) for i, (g, spec) in enumerate(zip(ids, specs))),

@@ -221,7 +221,7 @@ def agree(state, group):
     from .records import Agreement
     release, inputs = state.release, state.inputs
     ops = list(state.resolved)      # the same on every rank: derived from settings, not cards
-    ctx = decide.context_of(release, inputs, state.env)
+    ctx = decide.context_of(release, inputs, state.env, here=True)
     plan = cd.agree(state.spec, ops, group=group, log_warnings=False, context=ctx)
     rank = dist.get_rank(group)
     me = plan.devices[rank]
