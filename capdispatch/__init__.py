@@ -21,6 +21,8 @@ _API = {
     "plan": ("capdispatch.dispatch", "plan"),
     "matrix": ("capdispatch.dispatch", "matrix"),
     "render_matrix": ("capdispatch.dispatch", "render_matrix"),
+    "wrap_text": ("capdispatch.dispatch.render", "wrap"),         # text at the terminal's width
+    "wrap_lines": ("capdispatch.dispatch.render", "wrap_lines"),
     "bind": ("capdispatch.dispatch", "bind"),
     "bind_resolution": ("capdispatch.dispatch.binding", "bind_resolution"),
     "OpHandle": ("capdispatch.dispatch", "OpHandle"),

@@ -582,17 +582,17 @@ def test_sglang_plan_header_says_whose_libraries(plan_cmd, monkeypatch):
     _without_local(monkeypatch, "flashinfer-python")
     rc, out, _ = plan_cmd("--device", RIG)
     assert rc == 0
-    head = out.splitlines()[:5]
+    head = out.splitlines()[:8]      # the model line wraps
     assert "libraries: the sglang-0.5.23 profile's (the default for simulated devices)" in head
     assert any(line.startswith("note: simulated devices, planned with the sglang-0.5.23 profile's")
                for line in head)
     rc, out, _ = plan_cmd("--device", RIG, "--libs", "local")
     assert rc == 0
-    head = out.splitlines()[:5]
+    head = out.splitlines()[:8]
     assert "libraries: this machine's" in head
     assert any(line.startswith("note: simulated devices, but this machine's libraries") for line in head)
     rc, out, _ = plan_cmd("--device", RIG, "--libs", "sglang-0.5.23")
-    assert "libraries: the sglang-0.5.23 profile's" in out.splitlines()[:5]
+    assert "libraries: the sglang-0.5.23 profile's" in out.splitlines()[:8]
     assert "note: simulated" not in out
 
 

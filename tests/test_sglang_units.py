@@ -798,7 +798,7 @@ def test_plan_shows_every_op_and_the_sglang_settings_per_rank(env, capsys, monke
     rc, out, err = _plan(capsys, "--device", KNOB_RIG, *libs)
     assert rc == 0, err
     assert "rank 2: cuda:2 NVIDIA GeForce RTX 3080, cc 8.6 (simulated)" in out
-    flat = "\n".join(" ".join(line.split()) for line in out.splitlines())
+    flat = " ".join(out.split())        # lines wrap at the width: read as one text
     rank2 = flat.split("rank 2:")[1]
     # One line per op per rank: routed, kept or reported, with why.
     assert "decode_mla triton routed SGLang's own flash_mla_with_kvcache cannot run there" in rank2
@@ -808,8 +808,8 @@ def test_plan_shows_every_op_and_the_sglang_settings_per_rank(env, capsys, monke
     assert "moe flashinfer_cutlass_w4a16 kept SGLang's own Mxfp4FlashinferCutlassMoEMethod kept under " \
            "moe_runner_backend=flashinfer_mxfp4" in flat
     assert "SGLang settings each rank's choice needs (reported, not set" in out
-    assert "agree  moe_runner_backend=flashinfer_mxfp4  (cuda:0, cuda:1 need flashinfer_mxfp4; " \
-           "cuda:2 is routed to capdispatch triton_w4a16)" in out
+    assert "agree moe_runner_backend=flashinfer_mxfp4 (cuda:0, cuda:1 need flashinfer_mxfp4; " \
+           "cuda:2 is routed to capdispatch triton_w4a16)" in flat
     rc, out, err = _plan(capsys, "--device", KNOB_RIG, *libs, "--format", "json")
     p = json.loads(out)
     assert "knob_ops" not in p and p["ops"][-1] == "moe"

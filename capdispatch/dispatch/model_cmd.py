@@ -103,10 +103,13 @@ def _list_builtins(args) -> int:
     if args.format == "json":
         print(json.dumps({"schema": 1, "models": rows}, indent=2))
     else:
+        from .render import wrap, wrap_lines
         w = max(len(r["name"]) for r in rows)
-        print("\n".join([f"{r['name']:<{w}}  {r['summary']}" for r in rows] +
-                        ["", "show one: dispatch model NAME [--tp N --ep N --dp-attention]; or "
-                             "give a config.json path"]))
+        # A summary wraps under itself; its URL stays whole.
+        lines = [x for r in rows for x in wrap(f"{r['name']:<{w}}  {r['summary']}", hang=" " * (w + 2),
+                                              break_long=False)]
+        print("\n".join(lines + [""] + wrap_lines(["show one: dispatch model NAME [--tp N --ep N "
+                                                   "--dp-attention]; or give a config.json path"])))
     return ExitCode.OK
 
 
@@ -133,10 +136,11 @@ def run(args) -> int:
                                for lay in refusal.layouts]}}
         print(json.dumps(obj, indent=2), flush=True)
     else:
+        from .render import wrap_lines
         lines = model_lines(shape)
         if rank is not None:
             lines += [""] + rank_lines(rank)
-        print("\n".join(lines), flush=True)
+        print("\n".join(wrap_lines(lines, hang="    ", break_long=False)), flush=True)
     if refusal is not None:
         raise refusal
     return ExitCode.OK

@@ -177,19 +177,22 @@ def render_matrix(columns: Sequence[str], rows: Sequence[Row], *, title: str = "
 
 
 def wrap(text: str, indent: str = "", *, hang: str = "  ", width: Optional[int] = None,
-         stream=None) -> list:
+         stream=None, break_long: bool = True) -> list:
     """TEXT as lines of at most WIDTH columns (default: terminal_width(STREAM)): the first
-    with INDENT, the rest with INDENT + HANG; a word longer than a line is broken."""
+    with INDENT, the rest with INDENT + HANG; a word longer than a line is broken unless
+    not BREAK_LONG (a URL stays whole to be copied)."""
     width = terminal_width(stream) if width is None else width
     return textwrap.wrap(text, width=width, initial_indent=indent, subsequent_indent=indent + hang,
-                         break_on_hyphens=False, break_long_words=True) or [indent]
+                         break_on_hyphens=False, break_long_words=break_long) or [indent]
 
 
-def wrap_lines(lines, *, hang: str = "  ", width: Optional[int] = None, stream=None) -> list:
+def wrap_lines(lines, *, hang: str = "  ", width: Optional[int] = None, stream=None,
+               break_long: bool = True) -> list:
     """Each of LINES wrapped (its own leading spaces kept as its indent)."""
     width = terminal_width(stream) if width is None else width
     out = []
     for line in lines:
         body = line.lstrip(" ")
-        out += wrap(body, line[:len(line) - len(body)], hang=hang, width=width) if body else [line]
+        out += (wrap(body, line[:len(line) - len(body)], hang=hang, width=width, break_long=break_long)
+                if body else [line])
     return out

@@ -122,7 +122,7 @@ def text(plan, *, brief: bool = False, color=None, stream=None) -> str:
     lines.append("")
     table = matrix(plan, color=color, stream=stream)
     if brief:
-        return "\n".join([table] + _inventory_lines(plan)[1:]) if table else "\n".join(lines).rstrip("\n")
+        return "\n".join(_wrapped([table] + _inventory_lines(plan)[1:] if table else lines)).rstrip("\n")
     if table:
         lines += [table, ""]
     lines.append("launch (main process; every rank inherits it):")
@@ -143,8 +143,10 @@ def text(plan, *, brief: bool = False, color=None, stream=None) -> str:
         lines.append(f"rank {r.rank}: cuda:{r.gpu_id} {dev.name}, cc {dev.cc_str} ({how})")
         width = max((len(op) for op in r.choices), default=0)
         bwidth = max([10] + [len(_named(c)) for c in r.choices.values()])
+        # The reason wraps under itself when that leaves it room, else under the op.
+        hang = " " * (width + bwidth + 12) if width + bwidth + 12 <= 36 else "    "
         for op, c in r.choices.items():
-            lines.append(f"  {op:<{width}}  {_named(c):<{bwidth}}  {MARKS[c.action]}  {c.why}")
+            lines.append((f"  {op:<{width}}  {_named(c):<{bwidth}}  {MARKS[c.action]}  {c.why}", hang))
             key = _size_key(c)
             for b in merged(c):
                 lines.append(f"  {'':<{width}}    {key} {b.label()}: {b.runs} {MARKS[b.action].strip()}"
@@ -173,7 +175,18 @@ def text(plan, *, brief: bool = False, color=None, stream=None) -> str:
         lines.append("")
         lines.append("warnings:")
         lines += [f"  {w}" for w in plan.warnings]
-    return "\n".join(lines)
+    return "\n".join(_wrapped(lines))
+
+
+def _wrapped(lines) -> list:
+    """LINES at the terminal's width: the matrix (a multi-line entry) as drawn, each other
+    line wrapped under its own indent, or (LINE, HANG) with that hanging indent."""
+    import capdispatch as cd
+    out = []
+    for line in lines:
+        line, hang = line if isinstance(line, tuple) else (line, "    ")
+        out += line.split("\n") if "\n" in line else cd.wrap_lines([line], hang=hang)
+    return out
 
 
 def _size_key(c) -> str:
