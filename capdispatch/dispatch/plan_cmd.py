@@ -5,6 +5,8 @@ change would fit. Exit codes: 0 every rank fits; 2 bad input; 3 the layout is re
 rank does not fit (the plan is printed either way)."""
 from __future__ import annotations
 
+from typing import NamedTuple, Optional
+
 EPILOG = """\
 examples:
   dispatch plan --model deepseek-v4-flash --device sim:rtx-5090,sim:rtx-3080,sim:rtx-3080 --tp 3
@@ -36,7 +38,7 @@ def add_parser(sub):
                    help="tokens per request the KV pools must hold (default 8192)")
     p.add_argument("--batch", type=int, default=None, metavar="N",
                    help="requests served at once at that context (default 1)")
-    add(p, "libs", help="for the kernel decisions --speed times", unset="this machine's")
+    add(p, "libs", help="for the kernel decisions --speed times")
     p.add_argument("--calibration", action="append", default=[], metavar="FILE",
                    help="a calibrated policy or `dispatch bench` JSON whose measured times predict "
                         "the step (default: the calibrations shipped in policies/examples)")
@@ -84,12 +86,13 @@ def run(args) -> int:
         print(json.dumps(obj, indent=2))
     else:
         print(text(p, brief=args.brief, speeds=speeds))
-    return ExitCode.OK if p.fits else ExitCode.UNSATISFIABLE
+    # Exit 3 when the kernels asked for (--speed) cannot be decided, after printing the rest.
+    return ExitCode.OK if p.fits and not (speeds and speeds.failed) else ExitCode.UNSATISFIABLE
 
 
 def _speeds(args, p):
     from . import speed
-    from .errors import BadInput
+    from .errors import BadInput, Unsatisfiable
     from .explain import plan
     prefill = speed.DEFAULT_PREFILL if args.prefill is None else args.prefill
     if prefill < 1:
@@ -98,9 +101,21 @@ def _speeds(args, p):
         cals = speed.merged([speed.load(f) for f in args.calibration] or speed.default_calibrations())
     except speed.SpeedError as exc:
         raise BadInput(str(exc)) from None
-    decided = plan(list(p.devices), shapes=p.shapes, libs=args.libs, log_warnings=False)
+    try:
+        decided = plan(list(p.devices), shapes=p.shapes, libs=args.libs, log_warnings=False)
+    except Unsatisfiable as exc:
+        # The memory plan stands without the kernels; the prediction says why it is missing.
+        return Speeds((), cals, None, str(exc))
     decisions = {op: g.per_device for op, g in decided.ops.items()}
-    return speed.predict(p.model, p.shapes, list(p.devices), decisions, cals, prefill=prefill), cals
+    rows = speed.predict(p.model, p.shapes, list(p.devices), decisions, cals, prefill=prefill)
+    return Speeds(rows, cals, decided.whose)
+
+
+class Speeds(NamedTuple):
+    rows: tuple                 # speed.RankSpeed...
+    cals: list                  # the calibrations the times came from
+    inventory: Optional[dict]   # whose libraries decided the kernels (explain.whose_dict)
+    failed: str = ""            # why no kernel was decided: nothing predicted
 
 
 def _speed_rows(rows):
@@ -113,7 +128,7 @@ def _speed_rows(rows):
 
 def _speed_dict(speeds) -> dict:
     from . import speed
-    rows, cals = speeds
+    rows, cals = speeds.rows, speeds.cals
     steps = []
     for (phase, size), ranks in _speed_rows(rows).items():
         known = [r for r in ranks if r.total is not None]
@@ -125,13 +140,17 @@ def _speed_dict(speeds) -> dict:
                       "tokens_per_s": (size / step * 1e3) if step else None,
                       "ranks": [r.to_dict() for r in ranks]})
     return {"calibrations": [c.source for c in cals], "steps": steps, "cards": speed.CARDS_SOURCE,
-            "ignores": speed.__doc__.split("What it ignores, and says so: ")[1].strip()}
+            "ignores": speed.__doc__.split("What it ignores, and says so: ")[1].strip(),
+            "inventory": speeds.inventory, "not_predicted": speeds.failed or None}
 
 
 def _speed_lines(speeds, brief) -> list:
     from .render import wrap
+    from .explain import whose_lines
     d = _speed_dict(speeds)
     out = ["", "predicted step (ms per step; decode: one token per request, MTP acceptance ignored):"]
+    if speeds.failed:
+        return out + wrap(f"not predicted: no kernel decided: {speeds.failed}", "  ", hang="    ")
     for s in d["steps"]:
         label = f"decode batch {s['size']}" if s["phase"] == "decode" else f"prefill {s['size']} tokens"
         if s["step_ms"] is None:
@@ -158,6 +177,7 @@ def _speed_lines(speeds, brief) -> list:
                            f"estimated: bytes / bandwidth at 70%")
                 out.append(f"    {'all-reduces':<15} {'(2 per layer)':<24} {r['comm_ms']:>8.3f} ms  "
                            f"estimated over the cards' link")
+    out += whose_lines(d["inventory"])
     out += wrap(f"calibrations: {', '.join(d['calibrations']) or 'none'}; {d['cards']}", "")
     out += wrap(f"ignores: {d['ignores']}", "")
     return out

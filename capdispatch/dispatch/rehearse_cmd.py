@@ -56,7 +56,7 @@ def add_parser(sub):
     p.add_argument("--start-timeout", type=float, default=120.0, metavar="S",
                    help="seconds a rank may take to start: imports, device, joining (default 120)")
     add(p, "libs", help="what the ranks decide for (kernels run with this machine's libraries; a "
-        "chosen kernel missing here is a marked substitution)", unset="")
+        "chosen kernel missing here is a marked substitution)")
     p.add_argument("--no-graphs", dest="graphs", action="store_false",
                    help="run every call eagerly on CUDA ranks (default: decode steps' calls replayed from "
                         "CUDA graphs within SGLang's capture bound, as served)")
@@ -69,28 +69,44 @@ def run(args) -> int:
 
     from ..rehearse import devices, runner
     from .errors import ExitCode
+    from .inputs import needs_torch
     devs = devices.parse_list(args.device)
     if len(devs) == 1 and args.tp is not None and args.tp > 1:
         devs = devs * args.tp
+    needs_torch("dispatch rehearse runs the group's kernels")
+    inventory = planned(devs, args.libs).whose
     r = runner.rehearse(devs, args.model, tp=args.tp, ep=args.ep, layers=args.layers, hidden=args.hidden,
                         vocab=args.vocab, experts=args.experts, intermediate=args.intermediate,
                         prompt=args.prompt, steps=args.steps, seed=args.seed, timeout=args.timeout,
                         libs=args.libs, start_timeout=args.start_timeout, graphs=args.graphs,
                         dp_attention=args.dp_attention)
     if args.format == "json":
-        print(json.dumps(r.to_dict(), indent=2))
+        print(json.dumps(dict(r.to_dict(), inventory=inventory), indent=2))
     else:
-        print(render(r))
+        print(render(r, inventory))
     return ExitCode.OK if r.ok else ExitCode.UNSATISFIABLE
 
 
-def render(r) -> str:
+def planned(devs, libs=None, shapes=None):
+    """The group decision every rank of DEVS (rehearse.devices.RankDevice...) makes, made here
+    without starting a rank: each rank probes the card it decides as (an emulated one under
+    its emu: id) and agrees on cd.plan of them all (rehearse/rank.py), with LIBS by the one
+    rule of whose libraries (cd.target_libs)."""
+    import capdispatch as cd
+    specs = [cd.probe(d.decide).with_id(d.text) if d.emulated else cd.probe(d.decide) for d in devs]
+    return cd.plan(specs, libs=libs, shapes=shapes, log_warnings=False)
+
+
+def render(r, inventory=None) -> str:
+    """R (runner.Rehearsal) for people; INVENTORY: whose libraries the ranks decided with."""
+    from .explain import whose_lines
     d = r.dims
     dp = ", dp-attention" if r.dp_attention else ""
     lines = [f"rehearsal of {r.model}: tp {r.tp}, ep {r.ep}{dp}, {r.backend}; small model: {d['layers']} layers, "
              f"hidden {d['hidden']}, vocab {d['vocab']}, {d['heads']} heads/rank x 512, "
              f"{d['experts']}/{d['experts_total']} experts/rank (topk {d['topk']}, intermediate "
-             f"{d['intermediate']}/rank); prefill + {r.steps} decode steps; {r.wall_s:.1f} s", ""]
+             f"{d['intermediate']}/rank); prefill + {r.steps} decode steps; {r.wall_s:.1f} s"]
+    lines += (whose_lines(inventory) if inventory else []) + [""]
     subs, notes = [], {}
     for k in r.ranks:
         err = "-" if k.max_rel_err is None else f"{k.max_rel_err:.1e}"
