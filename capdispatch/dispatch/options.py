@@ -157,7 +157,8 @@ class Option:
     choices: Optional[tuple] = None
     default: object = None
     complete: Optional[str] = None   # a completer of capdispatch.dispatch.completion
-    # Help that is true only beside another flag: {flag: clause}, added where the command takes it.
+    # Help true only beside another flag: (flag, clause of the help, phrase of the unset text),
+    # each kept where the command takes that flag and dropped where it does not.
     beside: tuple = ()
 
     @property
@@ -182,7 +183,8 @@ OPTIONS = {o.flag.lstrip("-").replace("-", "_"): o for o in (
            metavar="NAME[==VERSION]", repeat=True, complete="libraries"),
     Option(("--libs",), "the target's whole library inventory from a profile (e.g. "
            "sglang-0.5.23: the versions SGLang 0.5.23 installs) instead of this machine's; "
-           "`local`: this machine's", beside=(("--assume-lib", "; --assume-lib adds to it"),),
+           "`local`: this machine's",
+           beside=(("--assume-lib", "; --assume-lib adds to it", " and no --assume-lib is given"),),
            unset="the default profile when every device is simulated and no --assume-lib is "
                  "given, else this machine's", metavar="PROFILE", complete="profiles"),
     Option(("--strict",), "an explicit choice that cannot run is an error (exit 3), not a "
@@ -282,6 +284,10 @@ def _beside(parser) -> None:
     for a in parser._actions:
         o = OPTIONS.get(getattr(a, "option", None) or "")
         if o is not None and o.beside:
-            extra = "".join(clause for flag, clause in o.beside if flag in have)
             base, sep, unset = a.plain_help.partition(" (default: ")
-            a.help = base + extra + sep + unset
+            for flag, clause, phrase in o.beside:
+                if flag in have:
+                    base += clause
+                else:
+                    unset = unset.replace(phrase, "")
+            a.help = base + sep + unset

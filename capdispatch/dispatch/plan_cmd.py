@@ -80,14 +80,24 @@ def run(args) -> int:
     speeds = None
     if args.speed and p.shapes is not None:
         speeds = _speeds(args, p)
+    # A refused layout has no rank shapes to time: --speed says it was skipped, and why.
+    skipped = SPEED_SKIPPED if args.speed and p.shapes is None else None
     if args.format == "json":
         obj = p.to_dict()
-        obj["speed"] = _speed_dict(speeds) if speeds is not None else None
+        obj["speed"] = _speed_dict(speeds) if speeds is not None else (
+            {"skipped": skipped} if skipped else None)
         print(json.dumps(obj, indent=2))
     else:
         print(text(p, brief=args.brief, speeds=speeds))
+        if skipped:
+            from .render import wrap
+            print("\n".join(["", *wrap(f"predicted step: skipped: {skipped}", "")]))
     # Exit 3 when the kernels asked for (--speed) cannot be decided, after printing the rest.
     return ExitCode.OK if p.fits and not (speeds and speeds.failed) else ExitCode.UNSATISFIABLE
+
+
+SPEED_SKIPPED = ("SGLang refuses this layout, so no rank has shapes to time; --speed predicts a "
+                 "layout it would load (see above)")
 
 
 def _speeds(args, p):
@@ -188,6 +198,13 @@ def _gib(n) -> str:
     return f"{n / GIB:.1f}"
 
 
+def _part_size(n) -> str:
+    """One part of a rank's memory: GiB, or MiB below 0.1 GiB, so that parts the table's
+    one-decimal GiB rounds to 0.0 still add up to their total."""
+    from ..models.memory import GIB
+    return f"{n / GIB:.1f} GiB" if n == 0 or n >= GIB / 10 else f"{n / 2**20:.1f} MiB"
+
+
 def _layout(lay) -> str:
     return f"tp {lay.tp}" + (f" ep {lay.ep}" if lay.ep != 1 else "") + (" dp-attention" if lay.dp_attention else "")
 
@@ -240,8 +257,9 @@ def text(p, *, brief: bool = False, speeds=None) -> str:
         if brief:
             rows = _grouped(rows)
         widths = [max(len(x[i]) for x in rows + [head]) for i in range(len(head))]
-        out.append("  ".join(h.ljust(w) for h, w in zip(head, widths)) + "   (GiB)")
-        out += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in rows]
+        out.append("memory per rank in GiB; max context in tokens per request:")
+        out.append("  ".join(h.ljust(w) for h, w in zip(head, widths)).rstrip())
+        out += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
     if p.options:
         out.append("")
         out.append("other layouts over these cards (largest cards first):")
@@ -269,7 +287,7 @@ def text(p, *, brief: bool = False, speeds=None) -> str:
                                  ("workspace (estimated)", r.memory.workspace)):
                 out.append(f"  {title}:")
                 for part in parts:
-                    out += wrap(f"{_gib(part.bytes):>7} GiB  {part.name}: {part.note}", "    ", hang="      ")
+                    out += wrap(f"{_part_size(part.bytes):>10}  {part.name}: {part.note}", "    ", hang="      ")
     out.append("")
     out += wrap(f"margin: {mem.MARGIN_TEXT}", "")
     if speeds is not None:

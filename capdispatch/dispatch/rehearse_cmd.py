@@ -43,8 +43,9 @@ def add_parser(sub):
     p.add_argument("--layers", type=int, default=2, metavar="N", help="layers of the small model (default 2)")
     p.add_argument("--hidden", type=int, default=256, metavar="N", help="its hidden size (default 256)")
     p.add_argument("--vocab", type=int, default=512, metavar="N", help="its vocabulary (default 512)")
-    p.add_argument("--experts", type=int, default=8, metavar="N",
-                   help="its routed experts in all, split by --ep (default 8)")
+    p.add_argument("--experts", type=int, default=None, metavar="N",
+                   help="its routed experts in all, split by --ep (default: the smallest count from "
+                        f"{MIN_EXPERTS} up that --ep divides: {MIN_EXPERTS}, or 9 for --ep 3)")
     p.add_argument("--intermediate", type=int, default=64, metavar="N",
                    help="each expert's intermediate size per rank (default 64)")
     p.add_argument("--prompt", type=int, default=8, metavar="TOKENS", help="prefill tokens (default 8)")
@@ -76,7 +77,8 @@ def run(args) -> int:
     needs_torch("dispatch rehearse runs the group's kernels")
     inventory = planned(devs, args.libs).whose
     r = runner.rehearse(devs, args.model, tp=args.tp, ep=args.ep, layers=args.layers, hidden=args.hidden,
-                        vocab=args.vocab, experts=args.experts, intermediate=args.intermediate,
+                        vocab=args.vocab, experts=default_experts(args.ep) if args.experts is None else args.experts,
+                        intermediate=args.intermediate,
                         prompt=args.prompt, steps=args.steps, seed=args.seed, timeout=args.timeout,
                         libs=args.libs, start_timeout=args.start_timeout, graphs=args.graphs,
                         dp_attention=args.dp_attention)
@@ -85,6 +87,17 @@ def run(args) -> int:
     else:
         print(render(r, inventory))
     return ExitCode.OK if r.ok else ExitCode.UNSATISFIABLE
+
+
+MIN_EXPERTS = 8
+
+
+def default_experts(ep) -> int:
+    """The small model's experts when --experts is not given: the smallest count >= MIN_EXPERTS
+    that EP divides, so that every --ep has a layout (an explicit count EP does not divide is
+    refused)."""
+    ep = ep or 1
+    return -(-MIN_EXPERTS // ep) * ep
 
 
 def planned(devs, libs=None, shapes=None):

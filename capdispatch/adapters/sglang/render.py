@@ -31,8 +31,52 @@ def matrix(plan, *, color=None, width=None, ascii_only=None, stream=None) -> str
     legend = [ACTION_TAGS[a][1] for a in ACTION_TAGS if a in used]
     caption = "\n".join(legend + [f"libraries: {plan.whose}"
                                   + (f"; {len(plan.warnings)} warning(s) below" if plan.warnings else "")])
-    return cd.render_matrix(cols, rows, caption=caption, color=color, width=width,
-                            ascii_only=ascii_only, stream=stream)
+    kw = dict(color=color, ascii_only=ascii_only, stream=stream)
+    table = cd.render_matrix(cols, rows, caption=caption, width=width, **kw)
+    if table != cd.render_matrix(cols, rows, caption=caption, width=10**6, **kw):
+        # Wider than the terminal: identical cards deciding alike share a column, as in explain.
+        grouped = _rank_columns(plan, rows)
+        if grouped is not None:
+            gcols, grows = grouped
+            many = "s" if len(gcols) > 1 else ""
+            caption = (f"{len(plan.ranks)} ranks in {len(gcols)} column{many}: identical cards deciding "
+                       f"alike share one (xN cards)\n" + caption)
+            table = cd.render_matrix(gcols, grows, caption=caption, width=width, **kw)
+    return table
+
+
+def _rank_columns(plan, rows):
+    """(headers, rows) with the ranks of one card (name, compute capability) whose cells are
+    the same in every row in one column; None when no two ranks share one."""
+    groups = {}
+    for i, r in enumerate(plan.ranks):
+        key = (r.device.name, r.device.cc_str, tuple(row.cells[i] for row in rows))
+        groups.setdefault(key, []).append(i)
+    if len(groups) == len(plan.ranks):
+        return None
+    headers = []
+    for (name, cc, _), idx in groups.items():
+        card = _short(name) + (f", cc {cc}" if cc else "")
+        if len(idx) == 1:
+            r = plan.ranks[idx[0]]
+            headers.append(f"cuda:{r.gpu_id} (rank {r.rank})\n{card}")
+            continue
+        gpus = _ranges([plan.ranks[i].gpu_id for i in idx])
+        ranks = _ranges([plan.ranks[i].rank for i in idx])
+        headers.append(f"cuda:{gpus} x{len(idx)}\n{card}\nranks {ranks}")
+    members = list(groups.values())
+    return headers, [type(r)(r.label, tuple(r.cells[idx[0]] for idx in members), r.diverges) for r in rows]
+
+
+def _ranges(numbers) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    parts, start = [], None
+    for i, n in enumerate(numbers):
+        start = n if start is None else start
+        if i + 1 == len(numbers) or numbers[i + 1] != n + 1:
+            parts.append(f"{start}" if start == n else f"{start}-{n}")
+            start = None
+    return ",".join(parts)
 
 
 def runs(c) -> str:
