@@ -76,12 +76,13 @@ def run(args) -> int:
         devs = devs * args.tp
     needs_torch("dispatch rehearse runs the group's kernels")
     inventory = planned(devs, args.libs).whose
+    from .progress import RanksWatch
     r = runner.rehearse(devs, args.model, tp=args.tp, ep=args.ep, layers=args.layers, hidden=args.hidden,
                         vocab=args.vocab, experts=default_experts(args.ep) if args.experts is None else args.experts,
                         intermediate=args.intermediate,
                         prompt=args.prompt, steps=args.steps, seed=args.seed, timeout=args.timeout,
                         libs=args.libs, start_timeout=args.start_timeout, graphs=args.graphs,
-                        dp_attention=args.dp_attention)
+                        dp_attention=args.dp_attention, on_progress=RanksWatch(args.steps))
     if args.format == "json":
         print(json.dumps(dict(r.to_dict(), inventory=inventory), indent=2))
     else:

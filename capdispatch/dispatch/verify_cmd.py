@@ -41,34 +41,27 @@ def add_parser(subparsers):
 
 
 class _Progress:
-    """rich's progress bar on stderr, only when stderr is a terminal."""
+    """Progress on stderr: rich's bar on a terminal, else one line per backend verified."""
 
     def __init__(self, total: int):
-        self.bar = None
-        if sys.stderr.isatty() and total:
-            from rich.console import Console
-            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-            self.bar = Progress(TextColumn("{task.description}"), BarColumn(),
-                                TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
-                                console=Console(file=sys.stderr), transient=True)
-            self.task = self.bar.add_task("verifying", total=total)
+        from .progress import Progress
+        self.p = Progress("verifying", total)
 
     def __enter__(self):
-        if self.bar:
-            self.bar.__enter__()
+        self.p.__enter__()
         return self
 
     def __exit__(self, *exc):
-        if self.bar:
-            self.bar.__exit__(*exc)
+        self.p.__exit__(*exc)
 
     def start(self, job):
-        if self.bar:
-            self.bar.update(self.task, description=f"{job.device.id} {job.op}/{job.backend}")
+        self.p.update(f"{job.device.id} {job.op}/{job.backend}")
 
     def done(self, result):
-        if self.bar:
-            self.bar.advance(self.task)
+        j = result.job
+        how = ("not run (the time budget ran out)" if result.verdict is None
+               else result.verdict.describe() + (" (cached)" if result.cached else ""))
+        self.p.advance(f"{j.device.id} {j.op}/{j.backend}: {how}")
 
 
 def run(args) -> int:

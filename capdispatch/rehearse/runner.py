@@ -110,7 +110,7 @@ def rehearse(devices, model: str, *, tp: Optional[int] = None, ep: int = 1, laye
              hidden: int = 256, vocab: int = 512, experts: int = 8, intermediate: int = 64,
              prompt: int = 8, steps: int = 3, seed: int = 0, timeout: float = 60.0,
              libs: Optional[str] = None, start_timeout: float = 120.0, graphs: bool = True,
-             dp_attention: bool = False, record: bool = True) -> Rehearsal:
+             dp_attention: bool = False, record: bool = True, on_progress=None) -> Rehearsal:
     """Rehearse DEVICES (RankDevice..., one per rank) as one TP group on MODEL.
 
     TIMEOUT: seconds a rank may go without progress (and each all-reduce may wait);
@@ -119,7 +119,8 @@ def rehearse(devices, model: str, *, tp: Optional[int] = None, ep: int = 1, laye
     --enable-dp-attention layout (each rank its own sequence, the whole attention; the MoE
     over every rank's rows); RECORD: store the verdict in the rehearsal cache, where a serving
     launch on the same cards, software and decisions finds it (never for a run with a planted
-    fault). STEPS is at least 1: decode_mla and the indexer run only in decode steps, and a rank
+    fault); ON_PROGRESS: called with every rank's progress text while they run, None at the
+    end. STEPS is at least 1: decode_mla and the indexer run only in decode steps, and a rank
     passes only when every op it decided was called and matched its reference."""
     from . import checks
     from . import model as M
@@ -166,7 +167,7 @@ def rehearse(devices, model: str, *, tp: Optional[int] = None, ep: int = 1, laye
         cfg_path = os.path.join(folder, "config.json")
         with open(cfg_path, "w") as f:
             json.dump(cfg, f)
-        results, logits = _spawn(cfg_path, folder, len(devices), timeout, start_timeout)
+        results, logits = _spawn(cfg_path, folder, len(devices), timeout, start_timeout, on_progress)
     ref_logits, why = None, None
     if any(lg is not None for lg in logits):
         ref_logits = reference_logits(d, tp, seed, prompt, steps)     # per sequence, per step
@@ -260,7 +261,7 @@ def _op_run(op, e, s) -> OpRun:
                  s.get("graphed", 0), s.get("captures", 0))
 
 
-def _spawn(cfg_path, folder, world, timeout, start_timeout):
+def _spawn(cfg_path, folder, world, timeout, start_timeout, on_progress=None):
     """Run the ranks; (per-rank result dicts, per-rank logits or None)."""
     env = dict(os.environ)
     procs = []
@@ -270,13 +271,15 @@ def _spawn(cfg_path, folder, world, timeout, start_timeout):
                 procs.append(subprocess.Popen([sys.executable, "-m", "capdispatch.rehearse.rank", cfg_path,
                                                str(r)], stdout=log, stderr=subprocess.STDOUT, env=env,
                                               start_new_session=True))
-        return _watch(procs, folder, world, timeout, start_timeout)
+        return _watch(procs, folder, world, timeout, start_timeout, on_progress)
     finally:
+        if on_progress:
+            on_progress(None)
         for p in procs:          # an interrupt (Ctrl-C, SIGTERM, SIGHUP) or an error here: none outlives us
             kill_group(p)
 
 
-def _watch(procs, folder, world, timeout, start_timeout):
+def _watch(procs, folder, world, timeout, start_timeout, on_progress=None):
     import torch
 
     from .rank import JOINING
@@ -308,6 +311,8 @@ def _watch(procs, folder, world, timeout, start_timeout):
                 stalled = stalled or (r, f"made no progress for {timeout:g} s", "stalled")
         if stalled:
             break
+        if on_progress:
+            on_progress([_read(p) for p in progress])
         time.sleep(0.05)
     stalls = {}
     for r, p in enumerate(procs):
