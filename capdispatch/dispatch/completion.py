@@ -20,6 +20,18 @@ def _device_names():
     return ["cpu", "cuda:0", "cuda:1"] + [f"sim:{n}" for n in catalog.names()]
 
 
+def _emulated_names():
+    """What `dispatch rehearse --device` takes: cpu, cuda:N and emu:NAME@DEV for every
+    catalog card (decided as that card, run on cpu or cuda:0)."""
+    from ..capabilities import catalog
+    return ["cpu", "cuda:0", "cuda:1"] + [f"emu:{n}@{dev}" for n in catalog.names() for dev in ("cpu", "cuda:0")]
+
+
+def _model_names():
+    from ..models.loader import builtin_names
+    return builtin_names()
+
+
 def _op_names():
     from ..backends import builtin
     return list(builtin().ops)
@@ -51,6 +63,8 @@ def _attach(values):
 
 
 devices = _attach(_device_names)
+rehearse_devices = _attach(_emulated_names)
+models = _attach(_model_names)
 ops = _attach(_op_names)
 selections = _attach(_selections)
 libraries = _attach(_libraries)

@@ -38,8 +38,9 @@ def add_parser(sub):
                                    "SGLang would refuse is an error naming the layouts that "
                                    "would work.",
                        epilog=EPILOG)
-    p.add_argument("name", nargs="?", metavar="NAME|PATH",
-                   help="a built-in model or a config.json (none: list the built-ins)")
+    from . import completion
+    completion.models(p.add_argument("name", nargs="?", metavar="NAME|PATH",
+                                     help="a built-in model or a config.json (none: list the built-ins)"))
     add(p, *(k for k in LAYOUT if k != "model"))    # the model is the argument here
     add(p, "format")
     return p

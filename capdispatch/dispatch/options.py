@@ -199,7 +199,7 @@ OPTIONS = {o.flag.lstrip("-").replace("-", "_"): o for o in (
     Option(("--brief",), "print only {what}", switch=True),
     # A model and its layout: each rank's shapes are checked against the kernels' shape ranges.
     Option(("--model",), "a built-in model (`dispatch model` lists them) or a Hugging Face "
-           "config.json, or the folder holding it", metavar="NAME|PATH"),
+           "config.json, or the folder holding it", metavar="NAME|PATH", complete="models"),
     Option(("--tp",), "tensor-parallel ranks, as SGLang's --tp (at most 4096)", unset="1", metavar="N",
            type=whole(1, MAX_RANKS), default=1),
     Option(("--ep",), "expert-parallel ranks, as SGLang's --ep; must divide --tp", unset="1",

@@ -33,8 +33,10 @@ def add_parser(sub):
                                    "with the target model's layer structure and per-rank shapes, with the "
                                    "group's all-reduces, against a single-process reference.",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", action="append", default=[], metavar="DEV[,DEV...]", required=True,
-                   help="one device per rank, in rank order: cpu, cuda:N or emu:NAME@DEV")
+    from . import completion
+    completion.rehearse_devices(p.add_argument(
+        "--device", action="append", default=[], metavar="DEV[,DEV...]", required=True,
+        help="one device per rank, in rank order: cpu, cuda:N or emu:NAME@DEV"))
     add(p, "model", required=True)
     add(p, "tp", default=None, unset="one rank per device")
     add(p, "ep")
