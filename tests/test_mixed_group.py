@@ -83,8 +83,9 @@ def test_brief_says_the_divergence_in_one_line_and_v_in_full(dispatch):
     assert "mixed group: 5 of 6 ops run different backends on different cards" in line
     assert "kv_quant, kv_dequant, indexer, decode_mla, moe" in line and "-v shows each" in line
     assert len(line) <= 200
+    assert "; 1 warning(s) on stderr" in out       # the caption counts what stderr shows
     rc, out, err = dispatch("explain", "--device", RIG, "--brief", "-v")
-    assert len(_warnings(err)) == 5 and all("choose different backends" in w for w in _warnings(err))
+    assert len(_warnings(err)) == 5 and "; 5 warning(s) on stderr" in out and all("choose different backends" in w for w in _warnings(err))
     # The normal output keeps every warning in full.
     rc, out, err = dispatch("explain", "--device", RIG)
     assert len(_warnings(err)) == 5

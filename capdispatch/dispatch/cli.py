@@ -225,7 +225,7 @@ def _cmd_explain(args) -> int:
     if args.format == "json":
         _emit(args, obj, "")
     else:
-        print(render_text(p, brief=args.brief), flush=True)
+        print(render_text(p, brief=args.brief, summarised=args.brief and not args.verbose), flush=True)
     # After the output, so that on a terminal the matrix is the first screen.
     from .notices import log_plan
     log_plan(p, brief=args.brief and not args.verbose)

@@ -216,7 +216,7 @@ def device_columns(p: Plan, rows) -> tuple:
 
 
 def matrix(p: Plan, *, color=None, width=None, ascii_only=None, stream=None,
-           warnings_where: str = "") -> str:
+           warnings_where: str = "", summarised: bool = False) -> str:
     """The op x device table of plan P: the backend per cell, fallbacks and
     divergences marked (see render.KINDS), whose libraries in the caption. When the
     table is wider than the terminal, identical cards share a column (with their
@@ -239,7 +239,8 @@ def matrix(p: Plan, *, color=None, width=None, ascii_only=None, stream=None,
         caption = ("+N sized: N size buckets run another backend (the trace lists them)\n"
                    + caption)
     if p.warnings:
-        caption += f"; {len(p.warnings)} warning(s){warnings_where}"
+        from .notices import shown
+        caption += f"; {len(shown(p, brief=summarised))} warning(s){warnings_where}"
     return render_matrix(cols, rows, caption=caption, color=color, width=width,
                          ascii_only=ascii_only, stream=stream)
 
@@ -274,15 +275,18 @@ def _bucket_lines(r) -> list:
     return ["      buckets:"] + [f"        {a:<{w1}} -> {b:<{w2}}  # {c}" for a, b, c in rows]
 
 
-def render_text(p: Plan, *, brief: bool = False, color=None, stream=None) -> str:
+def render_text(p: Plan, *, brief: bool = False, color=None, stream=None,
+                summarised: Optional[bool] = None) -> str:
     """For people: the matrix (several ops or devices, or BRIEF), then unless BRIEF
-    the devices, whose libraries, and each op's trace, wrapped at 100 columns."""
+    the devices, whose libraries, and each op's trace, wrapped at the terminal's width.
+    SUMMARISED (default: BRIEF): the mixed-group warnings are one summary line (notices.shown)."""
     from .render import UNICODE, symbols, wrap
     sym = symbols(stream)
     out = []
     if brief or len(p.devices) > 1 or len(p.ops) > 1:
         out.append(matrix(p, color=color, stream=stream, ascii_only=sym is not UNICODE,
-                          warnings_where=" on stderr"))
+                          warnings_where=" on stderr",
+                          summarised=brief if summarised is None else summarised))
         if brief:
             if p.whose.get("note"):
                 out += wrap(f"note: {p.whose['note']}", "")
@@ -335,5 +339,6 @@ def render_text(p: Plan, *, brief: bool = False, color=None, stream=None) -> str
                                     hang="    ")
     if p.warnings:
         out.append("")
-        out.append(f"{len(p.warnings)} warning(s), on stderr")
+        from .notices import shown
+        out.append(f"{len(shown(p))} warning(s), on stderr")
     return "\n".join(out)
