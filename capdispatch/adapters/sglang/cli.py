@@ -39,7 +39,8 @@ def add_commands(p):
                "  dispatch sglang plan --tp 2 -- --model-path deepseek-ai/DeepSeek-V4-Flash\n")
     add(plan, "tp", default=None, unset="SGLang's --tp-size after `--`; without `--`, one rank "
         "per simulated device, else 1")
-    add(plan, "device", help="the node's GPUs as CUDA numbers them (entry N is cuda:N)",
+    add(plan, "device", help="the node's GPUs as CUDA numbers them (entry N is cuda:N; one "
+        "simulated device with --tp N stands for N such cards)",
         unset="$CAPDISPATCH_SGLANG_DEVICES, else the local GPUs via NVML")
     add(plan, "policy", "set", "strict", "assume_lib", "libs")
     add(plan, "model", help="the model whose rank shapes under --tp/--ep are checked against the "

@@ -148,6 +148,25 @@ def check_libraries(options, env) -> None:
     cd.context(libs=options.libs, assume_libs=list(options.assume_libs) or None, env=env)
 
 
+def with_target_libs(options, env):
+    """OPTIONS with whose libraries named by the one rule (cd.target_libs) over the node's
+    simulated GPUs when nothing names them, so that SGLang's in-process resolution (the
+    plugin's launch step, which binds with this machine's libraries unless told) decides
+    with the plan's libraries."""
+    import attrs
+
+    from . import gpus
+    listed = gpus.simulated_devices(env) or []
+    if options.libs is not None or options.assume_libs or not listed \
+            or not all(d.startswith("sim:") for d in listed):
+        return options
+    try:
+        specs = [cd.probe(d) for d in listed]
+    except cd.UnknownDeviceError:
+        return options      # refused when the launch's GPUs are read, naming the entry
+    return attrs.evolve(options, libs=cd.target_libs(specs))
+
+
 def decision(specs, release, inputs, *, env, shapes=None):
     """decide.decide_in with the one Context every op, rank and settings row of the plan
     reads: the plan's libraries (inputs.options), or with none named the ones the
@@ -209,6 +228,7 @@ def build(*, tp=None, sglang_args=None, options, env: dict, model=None) -> Launc
     if tp is not None and tp < 1:
         raise cd.BadInput(f"--tp {tp}: expected an integer >= 1")
     check_libraries(options, env)
+    options = with_target_libs(options, env)
     k = knobs.load()
     installed = versions.installed()
     if sglang_args is not None and installed is None:
