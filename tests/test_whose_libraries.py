@@ -222,12 +222,15 @@ def test_torch_free_plan_speed_prints_the_memory_plan_and_the_prediction():
     assert "not predicted: no kernel decided: no backend of" in " ".join(out.split())
 
 
-def test_torch_free_rehearse_says_it_needs_torch_in_one_line():
-    rc, out, err = _torchless_cli("rehearse", "--device", "emu:rtx-5090@cpu,emu:rtx-3080@cpu",
-                                  "--model", "deepseek-v4-flash")
+@pytest.mark.parametrize("argv, what", [
+    (("rehearse", "--device", "emu:rtx-5090@cpu,emu:rtx-3080@cpu", "--model", "deepseek-v4-flash"),
+     "dispatch rehearse runs the group's kernels"),
+    (("verify", "--device", "cpu"), "dispatch verify runs each backend's canary"),
+    (("bench", "--device", "cpu", "--op", "kv_quant"), "dispatch bench times kernels")])
+def test_torch_free_commands_that_run_kernels_say_they_need_torch_in_one_line(argv, what):
+    rc, out, err = _torchless_cli(*argv)
     assert rc == 2 and out == ""
-    assert err.count("\n") == 1 and "dispatch rehearse runs the group's kernels, which need torch: " \
-                                      "torch is not installed" in err
+    assert err.count("\n") == 1 and f"{what}, which need torch: torch is not installed" in err
 
 
 def test_torch_free_readme_resolve_example_decides():

@@ -171,12 +171,15 @@ def device_specs(values, source: str, *, via: str = "auto", assume_cuda=None) ->
 
 
 def needs_torch(what: str) -> None:
-    """One line and exit 2 where torch does not import: WHAT (e.g. "dispatch rehearse runs
-    the group's kernels") says what needs it; planning commands need none."""
+    """One line and exit 2 where torch is not installed: WHAT (e.g. "dispatch rehearse runs
+    the group's kernels") says what needs it; planning needs none. Found, not imported: the
+    command imports it where it runs kernels."""
+    import importlib.util
     try:
-        import torch  # noqa: F401
-    except ImportError as exc:
-        why = "torch is not installed" if exc.name == "torch" else f"torch does not import ({exc})"
-        raise BadInput(f"{what}, which need torch: {why} (pip install 'capdispatch[torch]', or "
-                       f"your own CUDA build of torch); planning needs none: dispatch explain, "
-                       f"plan, lock, sglang plan") from None
+        found = importlib.util.find_spec("torch") is not None
+    except ValueError:          # sys.modules["torch"] is None: its import is halted
+        found = False
+    if not found:
+        raise BadInput(f"{what}, which need torch: torch is not installed (pip install "
+                       f"'capdispatch[torch]', or your own CUDA build of torch); planning needs "
+                       f"none: dispatch explain, plan, lock, sglang plan")
