@@ -68,37 +68,49 @@ def emit(obj) -> None:
 
 
 def _ours(hooks) -> bool:
-    from capdispatch.adapters.sglang import rank, routes
-    mine = {rank.after_configure, rank.after_parallel_ready, *routes.CALLS.values()}
+    from capdispatch.adapters.sglang import compat, rank, routes
+    mine = {rank.after_configure, rank.after_parallel_ready, compat.step_around, *routes.CALLS.values()}
     return any(h[1] in mine for h in hooks)
 
 
 def _registries() -> dict:
-    from sglang.srt.arg_groups import resolution_hooks
+    """The HookRegistry targets capdispatch hooks, and (SGLang 0.5.23, which has
+    register_resolution_hook) the resolution steps it wraps there."""
+    import importlib.util
+
     from sglang.srt.plugins.hook_registry import HookRegistry
 
     from capdispatch.adapters.sglang import launch
-    return {"hook_targets": sorted(t for t, hs in HookRegistry._hooks.items() if _ours(hs)),
-            "resolution_hooks": sorted(k for k, fns in resolution_hooks._HOOKS.items()
-                                       if launch.resolution_hook in fns)}
+    out = {"hook_targets": sorted(t for t, hs in HookRegistry._hooks.items() if _ours(hs))}
+    if importlib.util.find_spec("sglang.srt.arg_groups.resolution_hooks") is not None:
+        from sglang.srt.arg_groups import resolution_hooks
+        out["resolution_hooks"] = sorted(k for k, fns in resolution_hooks._HOOKS.items()
+                                         if launch.resolution_hook in fns)
+    return out
 
 
 # --------------------------------------------------------------------------- launcher
 
 def check_knob_names() -> list:
-    """Every SGLang name the knob map uses exists in this SGLang. Returns problems."""
+    """Every SGLang name the knob map's entry for this SGLang uses exists here (0.5.23:
+    a msgspec ServerArgs and register_resolution_hook's overridable steps; 0.5.17: a
+    dataclass ServerArgs whose step is one of its methods). Returns problems. Names in
+    sgl_kernel resolve to the prelude's stand-in under 0.5.17 (sglang-kernel 0.4.5's
+    parameters, copied)."""
+    import dataclasses
     import importlib
     import pkgutil
 
-    import msgspec
-    from sglang.srt.arg_groups import resolution_hooks
     from sglang.srt.environ import envs
-    from sglang.srt.runtime_context import override_platform
     from sglang.srt.server_args import ServerArgs
 
     from capdispatch.adapters.sglang import knobs, versions
     release = knobs.load().release(versions.installed())
-    fields = {f.name for f in msgspec.structs.fields(ServerArgs)}
+    if dataclasses.is_dataclass(ServerArgs):
+        fields = {f.name for f in dataclasses.fields(ServerArgs)}
+    else:
+        import msgspec
+        fields = {f.name for f in msgspec.structs.fields(ServerArgs)}
     problems = []
 
     def resolves(name):
@@ -108,8 +120,12 @@ def check_knob_names() -> list:
             problems.append(f"{name}: {type(exc).__name__}: {exc}")
 
     h = release.hooks
-    if h.resolution_step not in resolution_hooks._OVERRIDABLE_HOOKS:
-        problems.append(f"resolution step {h.resolution_step} is not overridable")
+    if release.api == "0.5.23":
+        from sglang.srt.arg_groups import resolution_hooks
+        if h.resolution_step not in resolution_hooks._OVERRIDABLE_HOOKS:
+            problems.append(f"resolution step {h.resolution_step} is not overridable")
+    else:
+        resolves(h.resolution_step)
     for name in (h.rank, h.group, h.tp_group):
         resolves(name)
     for s in release.settings:
@@ -174,10 +190,12 @@ def check_knob_names() -> list:
     for name in arch["probes"]:
         if not callable(getattr(common, name, None)):
             problems.append(f"probe {arch['module']}.{name} missing")
-    try:
-        override_platform(**{f: None for f in arch["platform"]}).install()
-    except ValueError as exc:
-        problems.append(f"platform: {exc}")
+    if arch["platform"]:
+        from sglang.srt.runtime_context import override_platform
+        try:
+            override_platform(**{f: None for f in arch["platform"]}).install()
+        except ValueError as exc:
+            problems.append(f"platform: {exc}")
     for g in arch["globals"]:
         mod = importlib.import_module(g["module"])
         if not hasattr(mod, g["name"]):

@@ -202,7 +202,7 @@ def test_outside_the_tested_version_range_one_warning_nothing_changed(launcher, 
     r = _run("version", "0.5.22", path)
     assert r["first"] is False and r["again"] is False
     (w,) = [m for lv, m in r["register_logs"] if lv == "WARNING"]
-    assert "SGLang 0.5.22 is outside the tested range >=0.5.23,<0.5.24" in w
+    assert "SGLang 0.5.22 is outside the tested range >=0.5.17,<0.5.24" in w
     assert r["env_changed"] == [] and r["hook_targets"] == [] and r["resolution_hooks"] == []
     (c,) = r["cases"]
     assert c["declared"] == [] and c["stash"] is None and c["logs"] == []

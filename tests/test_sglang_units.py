@@ -88,7 +88,9 @@ def _edited(tmp_path, old, new):
     ("native: triton_fp8", "native: triton_fp9", "unknown backend 'triton_fp9' for kv_dequant"),
     ("value: v4", "value: v41\n      - ops: [kv_dequant]\n        env: SGLANG_DSV4_KV_LAYOUT\n        value: v4",
      "SGLANG_DSV4_KV_LAYOUT is set to 'v4' here and 'v41' in another row"),
-    ('tested: ">=0.5.23,<0.5.24"', 'tested: "at least 0.5"', "'at least 0.5' is not a version range"),
+    ('tested: ">=0.5.17,<0.5.24"', 'tested: "at least 0.5"', "'at least 0.5' is not a version range"),
+    ('api: "0.5.17"', 'api: "0.5.71"', "unknown SGLang API '0.5.71'"),
+    ("call: store_v4\n", "call: store_v5\n", "unknown call wrapper 'store_v5'"),
     ("field: kv_cache_dtype\n", "field: kv_cache_dtype\n        env: X\n", "exactly one of 'field' or 'env'"),
 ])
 def test_knob_map_errors_name_the_problem(tmp_path, old, new, message):
@@ -113,13 +115,35 @@ def test_knob_map_errors_point_at_the_line(tmp_path):
 # --------------------------------------------------------------------------- versions
 
 @pytest.mark.parametrize("version,ok", [("0.5.23", True), ("0.5.23.post1", True), ("0.5.24", False),
-                                        ("0.5.22", False), ("0.4.0", False), ("1.0.0", False)])
+                                        ("0.5.17", True), ("0.5.17.post1", True), ("0.5.16", False),
+                                        ("0.5.18", False), ("0.5.20", False), ("0.5.22", False),
+                                        ("0.4.0", False), ("1.0.0", False)])
 def test_version_range(version, ok):
     v = versions.check(version, knobs.load())
     assert v.ok is ok
     if not ok:
-        assert "outside the tested range >=0.5.23,<0.5.24" in v.message
+        # 0.5.18 to 0.5.22 lie inside `tested` but have no release entry: outside all the same.
+        assert "outside the tested range >=0.5.17,<0.5.24" in v.message
         assert "changes nothing" in v.message
+
+
+def test_release_entries_pick_their_sglang_api():
+    from capdispatch.adapters.sglang import compat
+    k = knobs.load()
+    assert [(str(r.spec), r.api) for r in k.releases] == [("<0.5.24,>=0.5.23", "0.5.23"),
+                                                         ("<0.5.18,>=0.5.17", "0.5.17")]
+    assert compat.of(k.release("0.5.17")).name == "0.5.17" and compat.of(k.release("0.5.23")).name == "0.5.23"
+    r17 = k.release("0.5.17")
+    assert {(s.kind, s.name) for s in r17.settings} == {("field", "kv_cache_dtype")}
+    assert {s.field for s in r17.selects} == {"moe_runner_backend"}
+    assert r17.arch["platform"] == {}
+    assert {r.name: (r.target, r.call) for r in r17.routes if r.target.startswith("sgl_kernel.")} == {
+        "mla_decode": ("sgl_kernel.flash_mla.flash_mla_with_kvcache", "mla_decode_sgl_kernel"),
+        "mla_sparse_prefill": ("sgl_kernel.flash_mla.flash_mla_sparse_fwd", "mla_sparse_prefill_sgl_kernel")}
+    assert dict(r17.route("kv_quant").env) == {"SGLANG_OPT_USE_FUSED_STORE_CACHE": "true"}
+    sm90, sm120 = cd.probe("sim:sm_90"), cd.probe("sim:sm_120")
+    nb = r17.route("moe").native_by
+    assert (nb.default_for(sm90), nb.default_for(sm120)) == ("auto", "flashinfer_mxfp4")
 
 
 def test_version_unreadable():

@@ -8,7 +8,8 @@ Modules: versions (tested range), knobs (+ knobs.yaml: the knob map), records
 (the typed records between modules), gpus (the launch's GPUs), decide (the one
 decision pass, without SGLang), render (text: the plan and the log lines),
 launch (main process), rank (per rank + agreement), sglang_facts (SGLang's
-architecture facts, corrected per rank), routes, and `dispatch sglang plan`:
+architecture facts, corrected per rank), routes, compat (the SGLang APIs the
+code calls, per release entry's `api`), and `dispatch sglang plan`:
 cli (argparse front), plan (the plan as records, with SGLang's own resolution
 run in process).
 """
@@ -38,8 +39,9 @@ def register(*, sglang_version=None) -> bool:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from . import launch, rank
-    hooks = knobs.load().release(verdict.version).hooks
-    launch.register_step(hooks.resolution_step)
+    release = knobs.load().release(verdict.version)
+    hooks = release.hooks
+    launch.register_step(release)
     HookRegistry.register(hooks.rank, rank.after_configure, HookType.AFTER)
     HookRegistry.register(hooks.group, rank.after_parallel_ready, HookType.AFTER)
     _done["result"] = True

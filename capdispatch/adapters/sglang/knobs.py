@@ -15,6 +15,7 @@ from packaging.version import InvalidVersion, Version
 
 import capdispatch as cd
 
+from . import compat
 from .moe_plan import NativeBy
 from .records import LaunchRule, SglangSetting
 
@@ -143,6 +144,7 @@ class Model:
 @attrs.frozen
 class Release:
     spec: SpecifierSet
+    api: str                      # compat.APIS: which SGLang API the adapter's code calls
     hooks: Hooks
     models: dict                  # architecture -> Model
     settings: tuple
@@ -195,7 +197,7 @@ class Knobs:
 # --------------------------------------------------------------------------- #
 # Reading the map: one function per section, each returning its records
 # --------------------------------------------------------------------------- #
-_RELEASE_KEYS = dict(required=("sglang", "hooks", "models", "arch"),
+_RELEASE_KEYS = dict(required=("sglang", "api", "hooks", "models", "arch"),
                      optional={"settings": None, "selects": None, "routes": None, "backends": None})
 _SETTING_KEYS = dict(required=("ops", "value"),
                      optional={"backends": None, "routed": False, "field": None, "env": None, "why": ""})
@@ -237,6 +239,7 @@ def _release(r, node, where: str, registry) -> Release:
     """One release range's rows, section by section."""
     f = r.fields(node, where, **_RELEASE_KEYS)
     spec = _spec(r, f["sglang"], f.where("sglang"))
+    api = r.name(f["api"], f.where("api"), list(compat.APIS), noun="SGLang API")
     hooks = _hooks(r, f["hooks"], f.where("hooks"))
     models = _models(r, f["models"], f.where("models"), registry)
     settings = _settings(r, f.get("settings"), f.where("settings"), registry)
@@ -244,7 +247,7 @@ def _release(r, node, where: str, registry) -> Release:
     routes = _routes(r, f.get("routes"), f.where("routes"), registry)
     entries, lines = _entries(r, f.get("backends"), f.where("backends"), registry, routes)
     unmapped = _unmapped(r, models, entries, lines, f.where("backends"), f.where("models"), registry)
-    return Release(spec, hooks, models, settings, selects, routes, _arch(r, f["arch"], f.where("arch")),
+    return Release(spec, api, hooks, models, settings, selects, routes, _arch(r, f["arch"], f.where("arch")),
                    entries, unmapped)
 
 
@@ -404,13 +407,19 @@ def _route(r, node, w: str, registry) -> Route:
     if native is not None:
         _backend(r, f["native"], w, op, registry)
     row = Route(op, r.text(f["target"], f.where("target"), nonempty=True),
-                r.text(f["call"], f.where("call"), nonempty=True), native, f.get("why", r.text),
+                _call(r, f["call"], f.where("call")), native, f.get("why", r.text),
                 f.get("cc", lambda n, what: _spec(r, n, what)), _env(r, f.get("env"), f.where("env")),
                 r.text(f["name"], f.where("name"), nonempty=True),
                 f.get("runner", lambda n, what: _setting(r, n, what)),
                 f.get("prepare", lambda n, what: _prepare(r, n, what)))
     nb = f.get("native_by")      # moe: SGLang's method depends on a launch-wide value
     return row if nb is None else attrs.evolve(row, native_by=_native_by(r, nb, f.where("native_by"), op, registry))
+
+
+def _call(r, node, where: str) -> str:
+    """A route's call wrapper: one of routes.CALLS (each with its release's SGLang parameters)."""
+    from .routes import CALLS
+    return r.name(node, where, list(CALLS), noun="call wrapper")
 
 
 def _env(r, node, where: str) -> tuple:

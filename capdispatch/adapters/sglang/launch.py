@@ -1,9 +1,10 @@
 """Launch time (SGLang's main process): decide for the launch's GPUs, set
 SGLang's fields and environment only where the user did not, say what was set.
 
-Runs as a wrapper of one resolution step (register_resolution_hook): the
-environment is set before the step, so SGLang's DeepSeek-V4 defaults read it;
-fields are declared after it, so they are the last word unless the user spoke.
+Runs as a wrapper of one resolution step (how it is wrapped, read and declared
+into is the release's API: compat.py): the environment is set before the step, so
+SGLang's DeepSeek-V4 defaults read it; fields are declared after it, so they are the
+last word unless the user spoke.
 What the launch asks (records.LaunchInputs) rides to every scheduler process on
 the record (INPUTS_ATTR), so each rank decides from the same inputs.
 """
@@ -60,35 +61,35 @@ def cli_fields(argv) -> set:
     return {k for k, v in vars(ns).items() if v is not unset}
 
 
-def model_arch(server_args):
-    from sglang.srt.arg_groups.overrides import model_config_of
+def model_arch(server_args, api):
     try:
-        return model_config_of(server_args).hf_config.architectures[0]
+        return api.model_config(server_args).hf_config.architectures[0]
     except Exception as exc:  # SGLang's own step reports a bad model; we only stand aside
         log.debug("capdispatch: model architecture unknown (%s)", exc)
         return None
 
 
-def gpu_ids_of(cfg) -> list:
+def gpu_ids_of(cfg, api) -> list:
     from . import gpus
     return gpus.gpu_ids(tp_size=cfg.tp_size, pp_size=cfg.pp_size, nnodes=cfg.nnodes,
                        node_rank=cfg.node_rank, base_gpu_id=cfg.base_gpu_id,
                        gpu_id_step=cfg.gpu_id_step, dp_size=cfg.dp_size,
-                       dp_attention=bool(cfg.enable_dp_attention) or cfg.attn_dp_size > 1)
+                       dp_attention=bool(cfg.enable_dp_attention) or api.attn_dp_size(lambda f: getattr(cfg, f)) > 1)
 
 
 def record_inputs(server_args, release, read, *, user_env=None):
     """The LaunchInputs of a record; READ(field) gives a field's value."""
-    from . import decide
+    from . import compat, decide
     from .records import LaunchInputs
-    explicit = explicit_fields(server_args.launch_command)
+    api = compat.of(release)
+    explicit = api.explicit_fields(server_args)
     values = {}
     for f in explicit:
         try:
             values[f] = read(f)
         except AttributeError:
             pass
-    arch = model_arch(server_args)
+    arch = model_arch(server_args, api)
     dtype = read("kv_cache_dtype")
     ops, reason = decide.applicable_ops(release, arch, dtype)
     opts = getattr(server_args, OPTIONS_ATTR, None)
@@ -101,11 +102,11 @@ def prepare(server_args, release, *, env=None):
     Returns the Decision, or None when there is nothing to decide here."""
     import attrs
     import capdispatch as cd
-    from sglang.srt.arg_groups.overrides import resolving_view
 
-    from . import decide, gpus
+    from . import compat, decide, gpus
     env = os.environ if env is None else env
-    cfg = resolving_view(server_args)
+    api = compat.of(release)
+    cfg = api.view(server_args)
     # Before SGLang's own DeepSeek-V4 defaults set any of them (on SM120 it turns
     # its TileLang and torch indexer switches on): what the user set, for the ranks.
     user_env = {n: env[n] for n in release.route_env_names() if n in env}
@@ -114,7 +115,7 @@ def prepare(server_args, release, *, env=None):
     if not inputs.ops:
         log.info("capdispatch: %s; nothing to decide at launch", inputs.reason)
         return None
-    ids = gpu_ids_of(cfg)
+    ids = gpu_ids_of(cfg, api)
     try:
         specs = gpus.devices(ids, env=env, via="nvml")
     except cd.ProbeError as exc:
@@ -133,11 +134,11 @@ def prepare(server_args, release, *, env=None):
 def finish(server_args, release, d) -> None:
     """After the step: declare the fields, log the summary."""
     import attrs
-    from sglang.srt.arg_groups.overrides import declare_resolution, resolution_result
 
-    from . import decide, render, gpus
+    from . import compat, decide, render, gpus
+    api = compat.of(release)
     inputs = getattr(server_args, INPUTS_ATTR)
-    dtype = resolution_result(server_args, "kv_cache_dtype")
+    dtype = api.resolved(server_args, "kv_cache_dtype")
     ops, reason = decide.applicable_ops(release, inputs.model, dtype)
     inputs = attrs.evolve(inputs, kv_cache_dtype=None if dtype is None else str(dtype), reason=reason,
                           ops=tuple(op for op in inputs.ops if op in ops))
@@ -147,7 +148,7 @@ def finish(server_args, release, d) -> None:
         return
     fields = {s.name: s.value for s in d.settings if s.action == "set" and s.kind == "field"}
     if fields:
-        declare_resolution(server_args, decide.SOURCE, **fields)
+        api.declare(server_args, decide.SOURCE, fields)
     inputs = attrs.evolve(inputs, applied={s.name: s.value for s in d.settings if s.action == "set"})
     setattr(server_args, INPUTS_ATTR, inputs)
     for w in d.warnings:
@@ -159,18 +160,20 @@ def finish(server_args, release, d) -> None:
 _STEPS: set = set()     # per process: the resolution steps whose wrapper is registered
 
 
-def register_step(step: str) -> None:
-    """Wrap SGLang's resolution step STEP with resolution_hook, once per process (the
-    plugin's register() and `dispatch sglang plan`'s in-process resolution both ask)."""
+def register_step(release, *, apply: bool = False) -> None:
+    """Wrap RELEASE's resolution step with resolution_hook, once per process (the
+    plugin's register() and `dispatch sglang plan`'s in-process resolution both ask;
+    APPLY: the plan, outside SGLang's plugin loader)."""
+    from . import compat
+    step = release.hooks.resolution_step
     if step in _STEPS:
         return
-    from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
-    register_resolution_hook(step)(resolution_hook)
+    compat.of(release).register_step(step, apply=apply)
     _STEPS.add(step)
 
 
 def resolution_hook(server_args, previous) -> None:
-    """register_resolution_hook wrapper: fn(server_args, previous)."""
+    """The step's wrapper: fn(server_args, previous)."""
     from . import knobs, versions
     release = knobs.load().release(versions.installed() or "")
     d = prepare(server_args, release) if release is not None else None

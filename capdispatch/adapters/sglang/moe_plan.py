@@ -122,14 +122,14 @@ def record_value(server_args, release, explicit_fields=()) -> Optional[SglangSet
     """A rank: the launch's value as SGLang resolved it on the record, and whether
     the user set it (EXPLICIT_FIELDS: the fields of the launch command, as the
     launcher recorded them); None where the record holds no resolved value."""
-    from sglang.srt.arg_groups.overrides import resolution_result
+    from . import compat
 
     route = route_of(release)
     if route is None:
         return None
     field = route.native_by.field
     try:
-        value = str(resolution_result(server_args, field))
+        value = str(compat.of(release).resolved(server_args, field))
     except Exception:       # an unresolved record: the launcher did not run SGLang's resolution
         return None
     explicit = field in set(explicit_fields or ()) and value != "auto"

@@ -16,6 +16,9 @@ import capdispatch as cd
 
 SCHEMA = 2
 PLATFORM_FACTS = ("is_sm90", "is_sm100", "is_sm120", "is_blackwell", "device_sm")
+# Where SGLang has no platform facade (an empty `arch.platform`), the probes its readers call.
+PLATFORM_PROBES = ("is_sm90_supported", "is_sm100_supported", "is_sm120_supported", "is_blackwell_supported",
+                   "get_device_sm")
 
 
 @attrs.frozen
@@ -44,7 +47,8 @@ class ModelInfo:
 
 @attrs.frozen
 class RankPlan:
-    """One rank: its GPU, its card, per op its choice, and the SGLang platform facts set for it."""
+    """One rank: its GPU, its card, per op its choice, and the SGLang platform facts set for it
+    (its probes', where SGLang has no platform facade)."""
     rank: int
     gpu_id: int
     device: cd.DeviceSpec
@@ -193,6 +197,8 @@ def rank_plan(i, gpu_id, spec, d, release) -> RankPlan:
     from . import sglang_facts
     facts = sglang_facts.facts(spec, release.arch)
     platform = {f: facts[src] for f, src in release.arch["platform"].items() if f in PLATFORM_FACTS}
+    if not release.arch["platform"]:
+        platform = {p: facts[p] for p in PLATFORM_PROBES if p in release.arch["probes"]}
     return RankPlan(i, gpu_id, spec, {op: row[spec.id] for op, row in d.choices.items()}, platform)
 
 
@@ -271,8 +277,9 @@ def sglang_resolution(sglang_args, release, env: dict, options, *, tp=None):
     under ENV (the environment a launch would see) and OPTIONS (records.PlanOptions). The
     process environment and the plugin's log level are restored afterwards, whatever
     happens. Returns a records.SglangRun."""
-    from . import launch
+    from . import compat, launch
     from .records import SglangRun
+    api = compat.of(release)
     argv = list(sglang_args)
     given = launch.cli_fields(argv)
     before = dict(os.environ)
@@ -283,8 +290,8 @@ def sglang_resolution(sglang_args, release, env: dict, options, *, tp=None):
         os.environ.update(env)
         logger.setLevel(logging.ERROR)   # the plan says it all
         vision_placeholder()
-        from sglang.srt.arg_groups.overrides import resolution_result
         from sglang.srt.server_args import prepare_server_args
+        resolution_result = api.resolved
         if tp is not None:
             if "tp_size" in given:
                 if prepare_server_args(argv).tp_size != tp:
@@ -293,18 +300,14 @@ def sglang_resolution(sglang_args, release, env: dict, options, *, tp=None):
                 argv += ["--tp-size", str(tp)]
         if "log_level" not in given:
             argv += ["--log-level", "warning"]
-        launch.register_step(release.hooks.resolution_step)
+        launch.register_step(release, apply=True)
         try:
-            sa = prepare_server_args(argv)
-        except SystemExit as exc:
+            sa = api.resolve_argv(argv, lambda sa: setattr(sa, launch.OPTIONS_ATTR, options))
+        except compat.Rejected as exc:
             raise cd.BadInput(f"SGLang rejected the arguments {' '.join(sglang_args)!r} "
                               f"(argparse exit {exc.code})") from None
-        setattr(sa, launch.OPTIONS_ATTR, options)
-        try:
-            sa.resolve_once()
-        except (cd.BadInput, cd.Unsatisfiable):
-            raise
-        except Exception as exc:
+        except compat.ResolutionFailed as failed:
+            exc = failed.error
             raise cd.BadInput(f"SGLang's argument resolution failed: {type(exc).__name__}: {exc}") from None
         inputs = getattr(sa, launch.INPUTS_ATTR, None)
         if inputs is None:      # the plugin's step did not run: read the record as a rank would
@@ -315,7 +318,7 @@ def sglang_resolution(sglang_args, release, env: dict, options, *, tp=None):
         layout = {f: resolution_result(sa, f) for f in ("pp_size", "nnodes", "node_rank", "base_gpu_id",
                                                          "gpu_id_step", "dp_size")}
         layout["dp_attention"] = (bool(resolution_result(sa, "enable_dp_attention"))
-                                  or resolution_result(sa, "attn_dp_size") > 1)
+                                  or api.attn_dp_size(lambda f: resolution_result(sa, f)) > 1)
         return SglangRun(inputs, resolution_result(sa, "tp_size"), layout, fields)
     finally:
         os.environ.clear()

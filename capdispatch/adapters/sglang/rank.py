@@ -2,9 +2,10 @@
 correct SGLang's architecture facts to it, route the KV call sites where
 SGLang's own kernel cannot run; then agree with the other ranks of the TP group.
 
-Hooks (HookRegistry, AFTER): configure_scheduler_process(server_args, gpu_id,
-...) runs after publish and before CUDA, the process groups and the model;
-init_parallel_runtime(...) is the first point where the TP CPU group exists.
+Hooks (HookRegistry, AFTER; knobs.yaml `hooks`): configure_scheduler_process(server_args,
+gpu_id, ...) runs before CUDA, the process groups and the model; the group hook
+(init_parallel_runtime, 0.5.17: init_torch_distributed) is the first point where the TP
+CPU group exists.
 """
 from __future__ import annotations
 
@@ -28,12 +29,12 @@ def _release():
 
 def _inputs(server_args, release):
     """The launcher's LaunchInputs, or (its plugin was not loaded there) the record's own."""
-    from . import launch
+    from . import compat, launch
     inputs = getattr(server_args, launch.INPUTS_ATTR, None)
     if inputs is not None:
         return inputs
-    from sglang.srt.arg_groups.overrides import resolution_result
-    return launch.record_inputs(server_args, release, lambda f: resolution_result(server_args, f),
+    api = compat.of(release)
+    return launch.record_inputs(server_args, release, lambda f: api.resolved(server_args, f),
                                 user_env=None)
 
 
@@ -280,14 +281,23 @@ def _shape(c) -> tuple:
 
 
 def after_configure(result, server_args, gpu_id, *args, **kwargs):
-    """AFTER configure_scheduler_process(server_args, gpu_id, display_*=...)."""
+    """AFTER configure_scheduler_process(server_args, gpu_id, ...): returns None, so
+    SGLang's own result (0.5.17: dp_rank) stands."""
     configure(server_args, gpu_id)
 
 
 def after_parallel_ready(result, *args, **kwargs):
-    """AFTER init_parallel_runtime(*, server_args, device, dist_port)."""
-    from sglang.srt.runtime_context import get_device
-    state = _RANKS.get(get_device().gpu_id)
+    """AFTER the release's group hook (knobs.yaml hooks.group): 0.5.23's
+    init_parallel_runtime(*, server_args, device, dist_port), 0.5.17's
+    init_torch_distributed(*, ..., ps, is_draft_worker, ...)."""
+    from . import compat
+    release = _release()
+    if release is None:
+        return
+    gpu_id = compat.of(release).group_gpu_id(kwargs)
+    if gpu_id is None:
+        return
+    state = _RANKS.get(gpu_id)
     if state is None or not state.resolved:
         return
     group = pkgutil.resolve_name(state.release.hooks.tp_group)()

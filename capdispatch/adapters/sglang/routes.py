@@ -61,6 +61,25 @@ def dequant_v4(original, quant_k_cache, page_table_1_flattened, page_size, out=N
     return fn(quant_k_cache, page_table_1_flattened, page_size, out=out)
 
 
+def dequant_v4_nolayout(original, quant_k_cache, page_table_1_flattened, page_size, out=None):
+    """AROUND 0.5.17's dequantize_k_cache_paged(quant_k_cache, page_table_1_flattened,
+    page_size, out=None) -> bf16 [n, 1, 512]: the V4 layout only."""
+    fn = _pick(_KERNELS.get("kv_dequant", {}).get(_key(quant_k_cache)), page_table_1_flattened.shape[0])
+    if fn is None:
+        return original(quant_k_cache, page_table_1_flattened, page_size, out=out)
+    return fn(quant_k_cache, page_table_1_flattened, page_size, out=out)
+
+
+def store_v4_nolayout(original, input, cache, indices, *, page_size, type):  # noqa: A002
+    """AROUND 0.5.17's fused_store_cache(input, cache, indices, *, page_size, type):
+    only the main ("flashmla") V4 store."""
+    fn = _pick(_KERNELS.get("kv_quant", {}).get(_key(cache)), input.shape[0]) if type == "flashmla" else None
+    if fn is None:
+        return original(input, cache, indices, page_size=page_size, type=type)
+    fn(input, cache, indices, page_size)
+    return None
+
+
 def store_v4(original, input, cache, indices, *, page_size, type, layout=None, freqs_cis=None):  # noqa: A002
     """AROUND fused_store_cache(input, cache, indices, *, page_size, type,
     layout=KVLayout.V4, freqs_cis=None): only the main ("flashmla") V4 store."""
@@ -74,14 +93,27 @@ def store_v4(original, input, cache, indices, *, page_size, type, layout=None, f
     return None
 
 
-# Each wrapper keeps the parameter names and order of SGLang 0.5.23's function
-# (tests/test_sglang_units.py compares them with the installed source), so
-# positional and keyword calls bind the same way with no per-call inspection.
+# Each wrapper keeps the parameter names and order of the SGLang function its route
+# targets in its release (check_knob_names in tests/sglang_scenarios.py compares them
+# with each release's source), so positional and keyword calls bind the same way with
+# no per-call inspection.
 V4_TOKEN_BYTES = 584      # the V4 layout; FlashMLA tells formats apart by this last dim
 
 
 def _v4_view(cache) -> bool:
     return cache is None or (cache.dim() == 4 and cache.shape[2] == 1 and cache.shape[3] == V4_TOKEN_BYTES)
+
+
+def _decode_kernel(q, k_cache, block_table, head_dim_v, causal, descale_q, descale_k, is_fp8_kvcache, indices,
+                   extra_k_cache):
+    """The bound decode kernel for a call it covers (the sparse fp8 V4 one: indices,
+    584-byte views, d_v 512, no block table, no descale), else None."""
+    fn = _pick(_KERNELS.get("decode_mla", {}).get(_key(q)), q.shape[0])
+    if (fn is None or indices is None or not is_fp8_kvcache or head_dim_v != 512 or block_table is not None
+            or descale_q is not None or descale_k is not None or causal
+            or q.shape[-1] != 512 or not _v4_view(k_cache) or not _v4_view(extra_k_cache)):
+        return None
+    return fn
 
 
 def mla_decode(original, q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
@@ -95,10 +127,9 @@ def mla_decode(original, q, k_cache, block_table, cache_seqlens, head_dim_v, til
     descale); SGLang reads only `out`. The rest goes to FlashMLA unchanged, and so
     do the sizes whose bucket FlashMLA wins. SGLang's schedule (a FlashMLASchedMeta,
     one per batch) reaches a FlashMLA-based kernel through capdispatch.given."""
-    fn = _pick(_KERNELS.get("decode_mla", {}).get(_key(q)), q.shape[0])
-    if (fn is None or indices is None or not is_fp8_kvcache or head_dim_v != 512 or block_table is not None
-            or descale_q is not None or descale_k is not None or kv_format is not None or causal
-            or q.shape[-1] != 512 or not _v4_view(k_cache) or not _v4_view(extra_k_cache)):
+    fn = _decode_kernel(q, k_cache, block_table, head_dim_v, causal, descale_q, descale_k, is_fp8_kvcache,
+                        indices, extra_k_cache) if kv_format is None else None
+    if fn is None:
         return original(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
                         num_splits, softmax_scale, causal, descale_q, descale_k, is_fp8_kvcache, indices,
                         attn_sink, extra_k_cache, extra_indices_in_kvcache, topk_length,
@@ -108,6 +139,26 @@ def mla_decode(original, q, k_cache, block_table, cache_seqlens, head_dim_v, til
         return fn(q, k_cache, indices, k_cache.shape[1], scale, topk_length, attn_sink, extra_k_cache,
                   extra_indices_in_kvcache, None if extra_k_cache is None else extra_k_cache.shape[1],
                   extra_topk_length)
+
+
+def mla_decode_sgl_kernel(original, q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
+                          num_splits=None, softmax_scale=None, causal=False, descale_q=None, descale_k=None,
+                          is_fp8_kvcache=False, indices=None, attn_sink=None, extra_k_cache=None,
+                          extra_indices_in_kvcache=None, topk_length=None, extra_topk_length=None):
+    """AROUND sgl_kernel.flash_mla.flash_mla_with_kvcache (sglang-kernel 0.4.5; SGLang
+    0.5.17's DSv4 decode on every card but SM120) -> (out, lse), covering what
+    mla_decode covers. SGLang's schedule is sgl_kernel's own FlashMLASchedMeta, not
+    sgl-flash-mla's, so it is not handed on: a FlashMLA-based kernel makes its own."""
+    fn = _decode_kernel(q, k_cache, block_table, head_dim_v, causal, descale_q, descale_k, is_fp8_kvcache,
+                        indices, extra_k_cache)
+    if fn is None:
+        return original(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
+                        num_splits, softmax_scale, causal, descale_q, descale_k, is_fp8_kvcache, indices,
+                        attn_sink, extra_k_cache, extra_indices_in_kvcache, topk_length, extra_topk_length)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    return fn(q, k_cache, indices, k_cache.shape[1], scale, topk_length, attn_sink, extra_k_cache,
+              extra_indices_in_kvcache, None if extra_k_cache is None else extra_k_cache.shape[1],
+              extra_topk_length)
 
 
 def mla_decode_sm120(original, **kwargs):
@@ -136,6 +187,15 @@ def mla_sparse_prefill(original, q, kv, indices, sm_scale, d_v=512, attn_sink=No
     if fn is None or d_v != 512 or q.shape[-1] != 512:
         return original(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, use_legacy=use_legacy)
     return fn(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, use_legacy=use_legacy)
+
+
+def mla_sparse_prefill_sgl_kernel(original, q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None):
+    """AROUND sgl_kernel.flash_mla.flash_mla_sparse_fwd (sglang-kernel 0.4.5) -> (out,
+    max_logits, lse); its lse is always base-2, as FlashMLA's legacy kernel returns it."""
+    fn = _pick(_KERNELS.get("sparse_prefill", {}).get(_key(q)), q.shape[0])
+    if fn is None or d_v != 512 or q.shape[-1] != 512:
+        return original(q, kv, indices, sm_scale, d_v, attn_sink, topk_length)
+    return fn(q, kv, indices, sm_scale, d_v, attn_sink, topk_length, use_legacy=True)
 
 
 def indexer_logits(original, q_fp8, kvcache_fp8, weight, seq_lens, page_table, deep_gemm_metadata,
@@ -167,7 +227,11 @@ def moe_quant_method(original, self, layer, prefix):
 
 CALLS = {"dequant_v4": dequant_v4, "store_v4": store_v4, "mla_decode": mla_decode,
          "mla_decode_sm120": mla_decode_sm120, "mla_sparse_prefill": mla_sparse_prefill,
-         "indexer_logits": indexer_logits, "moe_quant_method": moe_quant_method}
+         "indexer_logits": indexer_logits, "moe_quant_method": moe_quant_method,
+         # SGLang 0.5.17's signatures (its knob-map entry names them)
+         "dequant_v4_nolayout": dequant_v4_nolayout, "store_v4_nolayout": store_v4_nolayout,
+         "mla_decode_sgl_kernel": mla_decode_sgl_kernel,
+         "mla_sparse_prefill_sgl_kernel": mla_sparse_prefill_sgl_kernel}
 
 
 def kernel(op: str, device_key):

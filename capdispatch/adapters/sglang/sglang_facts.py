@@ -113,9 +113,10 @@ def correct(spec, arch: dict) -> list:
             changes.append((name, before, values[name]))
     _rebind(replacements)
 
-    from sglang.srt.runtime_context import override_platform
-    platform = {fact: values[src] for fact, src in arch["platform"].items()}
-    override_platform(**platform).install()
+    if arch["platform"]:        # empty: this SGLang has no platform facade; readers call the probes
+        from sglang.srt.runtime_context import override_platform
+        platform = {fact: values[src] for fact, src in arch["platform"].items()}
+        override_platform(**platform).install()
 
     for row in arch["globals"]:
         mod = sys.modules.get(row["module"])

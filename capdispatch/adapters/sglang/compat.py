@@ -1,0 +1,206 @@
+"""The SGLang APIs the adapter's code calls, per release: what the knob map's data
+cannot say (how the resolution step is wrapped, how a field is read or declared
+mid-resolution, where a rank's GPU id comes from). A release entry's `api` (knobs.yaml)
+picks one class here; no other module of the adapter asks which SGLang it runs on.
+
+Imports SGLang only inside the methods (never at import).
+"""
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+
+
+class Rejected(Exception):
+    """SGLang's argument parser refused the arguments (argparse's SystemExit CODE)."""
+
+    def __init__(self, code):
+        super().__init__(code)
+        self.code = code
+
+
+class ResolutionFailed(Exception):
+    """SGLang's argument resolution raised ERROR (capdispatch's own refusals pass as they are)."""
+
+    def __init__(self, error):
+        super().__init__(error)
+        self.error = error
+
+
+def _resolving(fn, *args):
+    import capdispatch as cd
+    try:
+        return fn(*args)
+    except (cd.BadInput, cd.Unsatisfiable):
+        raise
+    except Exception as exc:
+        raise ResolutionFailed(exc) from None
+
+
+class Api0523:
+    """SGLang 0.5.23: register_resolution_hook, the overrides helpers, a msgspec record
+    that keeps its launch command, publish before the rank hook, get_device().gpu_id."""
+
+    name = "0.5.23"
+
+    def register_step(self, step: str, *, apply: bool = False) -> None:
+        """Wrap SGLang's resolution step STEP with launch.resolution_hook(server_args, previous)."""
+        from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
+
+        from . import launch
+        register_resolution_hook(step)(launch.resolution_hook)
+
+    def view(self, server_args):
+        """The record as resolved so far (mid-resolution)."""
+        from sglang.srt.arg_groups.overrides import resolving_view
+        return resolving_view(server_args)
+
+    def resolved(self, server_args, field: str):
+        from sglang.srt.arg_groups.overrides import resolution_result
+        return resolution_result(server_args, field)
+
+    def model_config(self, server_args):
+        from sglang.srt.arg_groups.overrides import model_config_of
+        return model_config_of(server_args)
+
+    def declare(self, server_args, source: str, fields: dict) -> None:
+        from sglang.srt.arg_groups.overrides import declare_resolution
+        declare_resolution(server_args, source, **fields)
+
+    def explicit_fields(self, server_args) -> set:
+        from . import launch
+        return launch.explicit_fields(server_args.launch_command)
+
+    def attn_dp_size(self, read) -> int:
+        """The attention-DP width; READ(field) gives a field's value."""
+        return read("attn_dp_size")
+
+    def resolve_argv(self, argv, before):
+        """SGLang's preparation and resolution of ARGV; BEFORE(server_args) runs between them."""
+        from sglang.srt.server_args import prepare_server_args
+        try:
+            sa = prepare_server_args(argv)
+        except SystemExit as exc:
+            raise Rejected(exc.code) from None
+        before(sa)
+        _resolving(sa.resolve_once)
+        return sa
+
+    def group_gpu_id(self, kwargs):
+        """The GPU id of the rank whose group hook runs (None: no agreement here)."""
+        from sglang.srt.runtime_context import get_device
+        return get_device().gpu_id
+
+
+# Set by Api0517.resolve_argv while SGLang prepares a record: 0.5.17 resolves inside
+# ServerArgs.__post_init__, so what must be on the record first is applied by the step.
+_BEFORE: contextvars.ContextVar = contextvars.ContextVar("capdispatch_before_step", default=None)
+
+
+def step_around(original, server_args):
+    """HookRegistry AROUND wrapper of ServerArgs._handle_model_specific_adjustments(self)."""
+    from . import launch
+    before = _BEFORE.get()
+    if before is not None:
+        before(server_args)
+    return launch.resolution_hook(server_args, original)
+
+
+class Api0517(Api0523):
+    """SGLang 0.5.17: the step is a ServerArgs method run from the dataclass's
+    __post_init__ (so prepare_server_args resolves), declarations are a stash
+    (`_resolved_overrides`) materialized at the end of __post_init__, the record
+    keeps no launch command, there is no attn_dp_size field, and the group hook is
+    init_torch_distributed(*, ps, is_draft_worker, ...)."""
+
+    name = "0.5.17"
+
+    def register_step(self, step: str, *, apply: bool = False) -> None:
+        # Inside load_plugins SGLang applies the hooks once every plugin registered
+        # (a target applied early would miss later hooks); APPLY: outside it.
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+        HookRegistry.register(step, step_around, HookType.AROUND)
+        if apply:
+            HookRegistry.apply_hooks()
+
+    def view(self, server_args):
+        from sglang.srt.arg_groups.overrides import resolved_view
+        return resolved_view(server_args)
+
+    def resolved(self, server_args, field: str):
+        return getattr(self.view(server_args), field)
+
+    def model_config(self, server_args):
+        return server_args.get_model_config()
+
+    def declare(self, server_args, source: str, fields: dict) -> None:
+        # SGLang's own check first: a field it cannot resolve is refused before the stash changes.
+        from sglang.srt.arg_groups.overrides import validate_declarations
+        entry = (source, dict(fields))
+        validate_declarations(server_args, [entry])
+        stash = getattr(server_args, "_resolved_overrides", None)
+        if stash is None:
+            stash = server_args._resolved_overrides = []
+        stash.append(entry)
+
+    def explicit_fields(self, server_args) -> set:
+        """The record keeps no launch command: a field whose value differs from ServerArgs'
+        default and that no resolution step declared was given by the user (command line
+        or Engine keyword) or set by an earlier step; either way it is not capdispatch's
+        to set. A record the user built field by field counts whole."""
+        if not dataclasses.is_dataclass(server_args):
+            raise TypeError(f"capdispatch: SGLang 0.5.17's ServerArgs is a dataclass, got "
+                            f"{type(server_args).__name__}; the knob map's api does not match this SGLang")
+        declared = {f for _, d in getattr(server_args, "_resolved_overrides", None) or () for f in d}
+        out = set()
+        for f in dataclasses.fields(server_args):
+            if f.name in declared:
+                continue
+            if f.default is not dataclasses.MISSING:
+                default = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                default = f.default_factory()
+            else:
+                out.add(f.name)          # no default: always given
+                continue
+            value = server_args.__dict__.get(f.name, default)
+            try:
+                same = bool(value == default)
+            except Exception:           # a value that does not compare: given
+                same = False
+            if not same:
+                out.add(f.name)
+        return out
+
+    def attn_dp_size(self, read) -> int:
+        # Not a field here: SGLang derives it where it needs it.
+        return read("dp_size") if read("enable_dp_attention") else 1
+
+    def resolve_argv(self, argv, before):
+        from sglang.srt.server_args import prepare_server_args
+        token = _BEFORE.set(before)
+        try:
+            return _resolving(prepare_server_args, argv)
+        except SystemExit as exc:
+            raise Rejected(exc.code) from None
+        finally:
+            _BEFORE.reset(token)
+
+    def group_gpu_id(self, kwargs):
+        # A draft worker's call comes after its target's, which agreed for the rank.
+        if kwargs.get("is_draft_worker"):
+            return None
+        ps = kwargs.get("ps")
+        if ps is None or getattr(ps, "gpu_id", None) is None:
+            raise TypeError("capdispatch: init_torch_distributed was called without ps=ParallelState "
+                            "(gpu_id); the TP group cannot agree")
+        return ps.gpu_id
+
+
+_BY_NAME = {a.name: a for a in (Api0523(), Api0517())}
+APIS = tuple(_BY_NAME)       # the values a release entry's `api` takes
+
+
+def of(release):
+    """The API of RELEASE (a knobs.Release, checked at load: its `api` is one of APIS)."""
+    return _BY_NAME[release.api]
