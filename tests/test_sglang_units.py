@@ -264,6 +264,52 @@ def test_route_wrappers_pass_what_they_do_not_cover_to_sglang():
         routes._KERNELS.pop("sparse_prefill", None)
 
 
+def test_0517_route_wrappers_call_sglang_kernel_with_its_own_parameters():
+    """SGLang 0.5.17's targets (sglang-kernel 0.4.5's FlashMLA, the layout-free KV
+    functions) take no kv_format / use_legacy / layout / freqs_cis: what a wrapper does
+    not cover goes to them with exactly their parameters."""
+    import torch
+
+    from capdispatch.adapters.sglang import routes
+    seen, calls = [], []
+
+    def original(*args, **kwargs):
+        seen.append((args, kwargs))
+        return "sglang"
+    kernel = lambda *a, **k: calls.append((a, k)) or ("out", "lse")  # noqa: E731
+    q = torch.zeros(2, 1, 4, 512, dtype=torch.bfloat16)
+    v4 = torch.zeros(3, 16, 1, 584, dtype=torch.uint8)
+    idx = torch.zeros(2, 1, 8, dtype=torch.int32)
+    key = ("cpu", None)
+    try:
+        assert routes.mla_decode_sgl_kernel(original, q, v4, None, None, 512, "sched", is_fp8_kvcache=True,
+                                            indices=idx) == "sglang"
+        assert len(seen[-1][0]) == 18 and seen[-1][1] == {} and seen[-1][0][5] == "sched"
+        routes._KERNELS.setdefault("decode_mla", {})[key] = kernel
+        assert routes.mla_decode_sgl_kernel(original, q, v4, None, None, 512, "sched", softmax_scale=0.25,
+                                            is_fp8_kvcache=True, indices=idx) == ("out", "lse")
+        args = calls[-1][0]
+        assert args[1] is v4 and args[2] is idx and args[3] == 16 and args[4] == 0.25
+        q3 = torch.zeros(5, 4, 512, dtype=torch.bfloat16)
+        assert routes.mla_sparse_prefill_sgl_kernel(original, q3, q3, idx, 0.1) == "sglang"
+        assert seen[-1] == ((q3, q3, idx, 0.1, 512, None, None), {})
+        routes._KERNELS.setdefault("sparse_prefill", {})[key] = kernel
+        assert routes.mla_sparse_prefill_sgl_kernel(original, q3, q3, idx, 0.1) == ("out", "lse")
+        assert calls[-1][1] == {"use_legacy": True}          # 0.4.5's lse is base-2
+        pool, ids = torch.zeros(2, 37440, dtype=torch.uint8), torch.zeros(3, dtype=torch.int32)
+        assert routes.dequant_v4_nolayout(original, pool, ids, 64) == "sglang"
+        assert seen[-1] == ((pool, ids, 64), {"out": None})
+        k = torch.zeros(3, 512, dtype=torch.bfloat16)
+        routes._KERNELS.setdefault("kv_quant", {})[key] = kernel
+        assert routes.store_v4_nolayout(original, k, pool, ids, page_size=64, type="indexer") == "sglang"
+        assert seen[-1] == ((k, pool, ids), {"page_size": 64, "type": "indexer"})
+        assert routes.store_v4_nolayout(original, k, pool, ids, page_size=64, type="flashmla") is None
+        assert calls[-1][0] == (k, pool, ids, 64)
+    finally:
+        for op in ("decode_mla", "sparse_prefill", "kv_quant"):
+            routes._KERNELS.pop(op, None)
+
+
 def test_route_switches_are_set_and_restored_in_the_ranks_environment(release):
     from capdispatch.adapters.sglang import routes
     route = release.route("indexer", cd.probe("sim:rtx-3080"))
