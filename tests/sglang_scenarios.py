@@ -68,9 +68,9 @@ def emit(obj) -> None:
 
 
 def _ours(hooks) -> bool:
-    from capdispatch.adapters.sglang import compat, rank, routes
-    mine = {rank.after_configure, rank.after_parallel_ready, compat.step_around, *routes.CALLS.values()}
-    return any(h[1] in mine for h in hooks)
+    from capdispatch.adapters.sglang import launch, rank, routes
+    mine = {rank.after_configure, rank.after_parallel_ready, *routes.CALLS.values()}
+    return any(h[1] in mine or getattr(h[1], "capdispatch_hook", None) is launch.resolution_hook for h in hooks)
 
 
 def _registries() -> dict:

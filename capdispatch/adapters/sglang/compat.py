@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import logging
+
+log = logging.getLogger("capdispatch.sglang")
 
 
 class Rejected(Exception):
@@ -37,18 +40,59 @@ def _resolving(fn, *args):
         raise ResolutionFailed(exc) from None
 
 
+def explicit_fields(launch_command) -> set:
+    """ServerArgs fields the user gave, from the record's launch command (the CLI
+    argv, already merged with --config, or `Engine(k=v, ...)`)."""
+    if not launch_command:
+        return set()
+    text = str(launch_command)
+    if text.startswith("Engine("):
+        import ast
+        try:
+            call = ast.parse(text, mode="eval").body
+            return {k.arg for k in call.keywords if k.arg}
+        except SyntaxError:
+            import re
+            return set(re.findall(r"(?:\(|, )([A-Za-z_]\w*)=", text))
+    return cli_fields(text.split())
+
+
+def cli_fields(argv) -> set:
+    """Fields set on an SGLang command line, parsed by SGLang's own parser with
+    every default replaced by a marker (abbreviations and --opt=value included)."""
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    class _Parser(argparse.ArgumentParser):
+        def error(self, message):
+            raise ValueError(message)
+
+    parser = _Parser(add_help=False)
+    ServerArgs.add_cli_args(parser)
+    unset = object()
+    for action in parser._actions:
+        action.default = unset
+        action.required = False
+    try:
+        ns, _ = parser.parse_known_args(list(argv))
+    except ValueError as exc:
+        log.debug("capdispatch: cannot parse the launch command (%s); treating no field as user-set", exc)
+        return set()
+    return {k for k, v in vars(ns).items() if v is not unset}
+
+
+
 class Api0523:
     """SGLang 0.5.23: register_resolution_hook, the overrides helpers, a msgspec record
     that keeps its launch command, publish before the rank hook, get_device().gpu_id."""
 
     name = "0.5.23"
 
-    def register_step(self, step: str, *, apply: bool = False) -> None:
-        """Wrap SGLang's resolution step STEP with launch.resolution_hook(server_args, previous)."""
+    def register_step(self, step: str, hook, *, apply: bool = False) -> None:
+        """Wrap SGLang's resolution step STEP with HOOK(server_args, previous)."""
         from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
-
-        from . import launch
-        register_resolution_hook(step)(launch.resolution_hook)
+        register_resolution_hook(step)(hook)
 
     def view(self, server_args):
         """The record as resolved so far (mid-resolution)."""
@@ -68,8 +112,7 @@ class Api0523:
         declare_resolution(server_args, source, **fields)
 
     def explicit_fields(self, server_args) -> set:
-        from . import launch
-        return launch.explicit_fields(server_args.launch_command)
+        return explicit_fields(server_args.launch_command)
 
     def attn_dp_size(self, read) -> int:
         """The attention-DP width; READ(field) gives a field's value."""
@@ -97,13 +140,16 @@ class Api0523:
 _BEFORE: contextvars.ContextVar = contextvars.ContextVar("capdispatch_before_step", default=None)
 
 
-def step_around(original, server_args):
-    """HookRegistry AROUND wrapper of ServerArgs._handle_model_specific_adjustments(self)."""
-    from . import launch
-    before = _BEFORE.get()
-    if before is not None:
-        before(server_args)
-    return launch.resolution_hook(server_args, original)
+def step_around(hook):
+    """A HookRegistry AROUND wrapper (original, self) of a step method that calls
+    HOOK(server_args, previous); `capdispatch_hook` names HOOK."""
+    def around(original, server_args):
+        before = _BEFORE.get()
+        if before is not None:
+            before(server_args)
+        return hook(server_args, original)
+    around.capdispatch_hook = hook
+    return around
 
 
 class Api0517(Api0523):
@@ -115,11 +161,11 @@ class Api0517(Api0523):
 
     name = "0.5.17"
 
-    def register_step(self, step: str, *, apply: bool = False) -> None:
+    def register_step(self, step: str, hook, *, apply: bool = False) -> None:
         # Inside load_plugins SGLang applies the hooks once every plugin registered
         # (a target applied early would miss later hooks); APPLY: outside it.
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-        HookRegistry.register(step, step_around, HookType.AROUND)
+        HookRegistry.register(step, step_around(hook), HookType.AROUND)
         if apply:
             HookRegistry.apply_hooks()
 

@@ -13,52 +13,12 @@ from __future__ import annotations
 import logging
 import os
 
+from .compat import cli_fields, explicit_fields  # noqa: F401  (read from 0.5.23's launch command)
+
 log = logging.getLogger("capdispatch.sglang")
 
 INPUTS_ATTR = "_capdispatch"      # a bookkeeping attribute: pickled with the record
 OPTIONS_ATTR = "_capdispatch_plan"   # records.PlanOptions, set by `dispatch sglang plan` only
-
-
-def explicit_fields(launch_command) -> set:
-    """ServerArgs fields the user gave, from the record's launch command (the CLI
-    argv, already merged with --config, or `Engine(k=v, ...)`)."""
-    if not launch_command:
-        return set()
-    text = str(launch_command)
-    if text.startswith("Engine("):
-        import ast
-        try:
-            call = ast.parse(text, mode="eval").body
-            return {k.arg for k in call.keywords if k.arg}
-        except SyntaxError:
-            import re
-            return set(re.findall(r"(?:\(|, )([A-Za-z_]\w*)=", text))
-    return cli_fields(text.split())
-
-
-def cli_fields(argv) -> set:
-    """Fields set on an SGLang command line, parsed by SGLang's own parser with
-    every default replaced by a marker (abbreviations and --opt=value included)."""
-    import argparse
-
-    from sglang.srt.server_args import ServerArgs
-
-    class _Parser(argparse.ArgumentParser):
-        def error(self, message):
-            raise ValueError(message)
-
-    parser = _Parser(add_help=False)
-    ServerArgs.add_cli_args(parser)
-    unset = object()
-    for action in parser._actions:
-        action.default = unset
-        action.required = False
-    try:
-        ns, _ = parser.parse_known_args(list(argv))
-    except ValueError as exc:
-        log.debug("capdispatch: cannot parse the launch command (%s); treating no field as user-set", exc)
-        return set()
-    return {k for k, v in vars(ns).items() if v is not unset}
 
 
 def model_arch(server_args, api):
@@ -168,7 +128,7 @@ def register_step(release, *, apply: bool = False) -> None:
     step = release.hooks.resolution_step
     if step in _STEPS:
         return
-    compat.of(release).register_step(step, apply=apply)
+    compat.of(release).register_step(step, resolution_hook, apply=apply)
     _STEPS.add(step)
 
 
