@@ -77,6 +77,7 @@ def run(args) -> int:
     if len(devs) == 1 and args.tp is not None and args.tp > 1:
         devs = devs * args.tp
     needs_torch("dispatch rehearse runs the group's kernels")
+    runner.check_before_start(devs, args.libs)
     inventory = planned(devs, args.libs).whose
     from .progress import RanksWatch
     r = runner.rehearse(devs, args.model, tp=args.tp, ep=args.ep, layers=args.layers, hidden=args.hidden,

@@ -148,7 +148,7 @@ def rehearse(devices, model: str, *, tp: Optional[int] = None, ep: int = 1, laye
         if not (v > 0 and v <= MAX_TIMEOUT_S):
             raise RehearseError(f"{flag} {v}: must be a number of seconds above 0 and at most "
                                 f"{MAX_TIMEOUT_S:g} (one day)")
-    _check_before_start(devices, libs)
+    check_before_start(devices, libs)
     shape = plan_shape(model, tp, ep, dp_attention)   # a layout the model cannot take is refused here
     d = M.dims_of(shape, layers=layers, hidden=hidden, vocab=vocab, experts=experts,
                   intermediate=intermediate)
@@ -203,7 +203,7 @@ def rehearse(devices, model: str, *, tp: Optional[int] = None, ep: int = 1, laye
     return out
 
 
-def _check_before_start(devices, libs) -> None:
+def check_before_start(devices, libs) -> None:
     """What would fail in every rank, refused once here: an unknown library profile, a CUDA
     device this machine does not have."""
     if libs:
