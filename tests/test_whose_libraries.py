@@ -67,6 +67,8 @@ def _lock(devs):
     assert rc == 0, err
     lk = yaml.safe_load(out)
     assert lk["inputs"]["libs"] == ["sglang-0.5.23"]
+    # Said to people on stderr (stdout is the lock file), in the one wording.
+    assert f"libraries: {PROFILE}" in err.splitlines()
     ops = list(lk["devices"][0]["ops"])
     return _by_position({op: [d["ops"][op]["backend"] for d in lk["devices"]] for op in ops})
 
@@ -154,6 +156,16 @@ def test_plan_speed_text_says_whose_libraries(capsys):
     lines = out.splitlines()
     assert f"libraries: {PROFILE}" in lines
     assert any(line.startswith("note: simulated devices, planned with the sglang-0.5.23") for line in lines)
+
+
+def test_lock_says_whose_libraries_on_stderr_and_checking_too(tmp_path):
+    f = tmp_path / "rig.lock"
+    rc, out, err = _run(cli.main, "lock", "--device", "cpu", "-o", str(f))
+    assert rc == 0, err
+    assert "libraries: this machine's" in err.splitlines() and out == ""
+    rc, out, err = _run(cli.main, "lock", "--check", str(f))
+    assert rc == 0, err
+    assert "libraries: this machine's" in err.splitlines()
 
 
 def test_rehearse_text_says_whose_libraries():

@@ -97,6 +97,10 @@ def run(args) -> int:
     # A mixed rig diverges by design: one summary line unless -v.
     log_plan(p, brief=not args.verbose, hint="-v shows each; mixed_group: uniform in a policy runs "
                                               "one kernel everywhere")
+    from .explain import whose_lines
+    # Whose libraries decided, on stderr: standard output may be the lock file itself.
+    for line in whose_lines(p.whose):
+        print(line, file=sys.stderr)
     if locked is not None:
         drifts = L.compare(p, locked, partial=bool(args.op or args.device))
         for d in drifts:
