@@ -408,6 +408,13 @@ def _ranks_of(parent_pid: int) -> list:
     return out
 
 
+def _sigint_default():
+    # A test run started in the background (`cmd &`) inherits SIGINT ignored, and Python
+    # keeps an inherited SIG_IGN; the rehearsal under test must get Ctrl-C as a terminal gives it.
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start_hanging(tmp_path):
     import subprocess
     import sys
@@ -415,7 +422,7 @@ def _start_hanging(tmp_path):
     p = subprocess.Popen([sys.executable, "-m", "capdispatch", "rehearse", "--device", "cpu,cpu",
                           "--model", "deepseek-v4-flash", "--layers", "1", "--prompt", "4", "--steps", "1",
                           "--timeout", "120", "--libs", "sglang-0.5.23"], env=env,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_sigint_default)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:        # until rank 0 is inside its hanging kernel
         if any("kv_quant" in f.read_text(errors="replace") for f in tmp_path.glob("*/rank0.progress")):
