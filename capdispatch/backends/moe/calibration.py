@@ -2,8 +2,20 @@
 of one random weight set."""
 from __future__ import annotations
 
+from ..cases import Comparison
+
 MOE_TOPK, MOE_SWIGLU_LIMIT = 6, 10.0
 MOE_TOL_NORM = 1.5e-2
+
+
+def moe_compare(got, want, args):
+    """MoE's Op.compare: a finite output within MOE_TOL_NORM relative (Frobenius) error of the
+    reference's."""
+    import torch
+    w = want.float()
+    nrm = ((got.float() - w).norm() / w.norm().clamp_min(1e-30)).item()
+    ok = bool(torch.isfinite(got).all()) and nrm <= MOE_TOL_NORM
+    return Comparison(ok, f"norm rel err {nrm:.1e} (bound {MOE_TOL_NORM:g})", nrm, MOE_TOL_NORM)
 
 
 def copy_weights(w):
