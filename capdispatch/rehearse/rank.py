@@ -1,14 +1,15 @@
 """One rank of a rehearsal: `python -m capdispatch.rehearse.rank CONFIG RANK`.
 
-Joins the group, decides for its own device and runs the agreement, binds each op's
-kernel from the decision (or DEV's own choice where an emulated card's kernel cannot run
+Joins the group, decides for its own device and runs the agreement, binds the kernel of
+each op the model calls (its declaration, capdispatch/models/calls.yaml) from the decision (or DEV's own choice where an emulated card's kernel cannot run
 on DEV), then runs the small model's prefill and decode steps with the TP all-reduces,
-checking every call against the op's reference on the same inputs. Writes rankN.json
+checking every call against the op's reference on the same inputs (`Op.compare`). Writes rankN.json
 (and rankN.pt, the logits) into the config's folder; rankN.progress names what it is
 doing, so that a rank that hangs is named with its op.
 
 CAPDISPATCH_REHEARSE_FAULT=RANK:OP:KIND plants a fault, for testing the rehearsal itself:
-KIND wrong (the op's output is scaled by 1.5 or its pool bytes flipped), raise, hang or
+KIND wrong (the op's output is scaled by 1.5, or for an op that returns nothing the first
+bytes of what it writes flipped), raise, hang or
 exit (the process dies at once).
 """
 from __future__ import annotations
@@ -32,10 +33,10 @@ def parse_fault(text):
     from .errors import RehearseError
     if not text:
         return None
-    OPS = called_ops()
+    ops = called_ops()
     parts = text.split(":")
-    if (len(parts) != 3 or not parts[0].isdigit() or parts[1] not in OPS or parts[2] not in FAULT_KINDS):
-        raise RehearseError(f"{FAULT_ENV}={text!r}: expected RANK:OP:KIND with OP one of {', '.join(OPS)} "
+    if (len(parts) != 3 or not parts[0].isdigit() or parts[1] not in ops or parts[2] not in FAULT_KINDS):
+        raise RehearseError(f"{FAULT_ENV}={text!r}: expected RANK:OP:KIND with OP one of {', '.join(ops)} "
                             f"and KIND one of {', '.join(FAULT_KINDS)}")
     return int(parts[0]), parts[1], parts[2]
 
@@ -223,6 +224,7 @@ class _OpCalls:
         self.device = torch.device(dev.run)
         self.registry = builtin()
         self.phase = "prefill"
+        self.dims = None            # the small model's Dims, once the forward has built it
         self.stats = {op: {"calls": 0, "time_s": 0.0, "ok": True, "worst": None} for op in bound}
         self.layouts = {}           # (op, layer) -> the backend's own form of the op's inputs
         self.gplan = graph_plan(dev.run, cfg.get("graphs", True), installed.facts.memory, cfg["tp"], shape.next_n)
@@ -249,7 +251,7 @@ class _OpCalls:
     def _laid_out(self, decl, layer, args, backend):
         """ARGS in BACKEND's own layout (an op whose backends prepare their inputs differently,
         `Op.layouts`: MoE weights, prepared once per layer), else ARGS itself."""
-        if not decl.layouts:
+        if not decl.layouts or decl.layouts.get(backend) == decl.layouts.get(decl.reference):
             return args
         at = next(i for i, p in enumerate(decl.call().params) if p.type in (decl.records or {}))
         key = (decl.name, layer)
@@ -385,8 +387,6 @@ def _to(w, device):
 
 def _moe_layout(base, backend):
     """BASE laid out for BACKEND (`prepare`), on a copy: the reference keeps reading BASE."""
-    if backend in ("torch", "triton_w4a16"):
-        return base
     from ..backends.moe import prepare
     from ..calibrate.inputs import copy_weights
     w = copy_weights(base)
