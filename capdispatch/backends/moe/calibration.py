@@ -74,11 +74,9 @@ class MoeCase:
         return self._want
 
     def verify_backend(self, backend, fn):
-        import torch
-        got = fn(self.x, self.weights_for(backend), self.tw, self.ids)
-        nrm = ((got.float() - self.want.float()).norm() / self.want.float().norm()).item()
-        ok = bool(torch.isfinite(got).all()) and nrm <= MOE_TOL_NORM
-        return ok, f"norm rel err {nrm:.1e} (bound {MOE_TOL_NORM})"
+        c = moe_compare(fn(self.x, self.weights_for(backend), self.tw, self.ids), self.want,
+                        (self.x, self.base, self.tw, self.ids))
+        return c.ok, c.detail
 
     def bind_backend(self, backend, fn):
         x, w, tw, ids = self.x, self.weights_for(backend), self.tw, self.ids
