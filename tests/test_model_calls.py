@@ -65,3 +65,14 @@ def test_a_bad_declaration_is_refused_with_its_line(tmp_path, body, says):
 def test_an_architecture_without_a_declaration_is_refused(tmp_path):
     with pytest.raises(ModelError, match="declares no calls of architecture 'B'.*declared: DeepseekV4ForCausalLM"):
         C.model_calls("B")
+
+
+def test_docs_models_table_is_the_declaration():
+    # docs/models.md shows the declaration as a table: it says what calls.yaml says, row by row.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    text = open(os.path.join(root, "docs", "models.md"), encoding="utf-8").read()
+    table = text.split("## What the model calls", 1)[1].split("\n\n")[2].splitlines()[2:]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table]
+    want = [[c.op, c.layers, dict(c.sizes).get("prefill", ""), dict(c.sizes).get("decode", ""),
+             ", ".join(c.scale)] for c in C.model_calls().calls]
+    assert rows == want
