@@ -1,7 +1,9 @@
 """docs/contributing.md stays true: the op it builds as its example (the fixture package
 tests/plugins/newop, with a torch and a Triton backend) appears in `dispatch ops`,
 `dispatch explain`, `dispatch verify`, `dispatch bench`, the compile matrix and
-`dispatch sglang plan` with no other file changed; its backends are torch custom ops
+`dispatch sglang plan` with no other file changed; `plan --speed` and `dispatch rehearse`
+name it as an op the model does not call (and predict it once the model declaration lists
+it); its backends are torch custom ops
 derived from its one declaration; the package holds exactly the files the guide lists and uses only
 public names; every built-in op has the files and declarations the guide lists."""
 import ast
@@ -114,6 +116,56 @@ def test_the_new_op_is_in_the_sglang_plan_reported_with_the_entry_to_add():
     assert "do not list op row_scale" in err            # said once, when the knob map is read
 
 
+def test_plan_speed_names_the_new_op_the_model_does_not_call():
+    out = json.loads(_cli("plan", "--model", "deepseek-v4-flash", "--device", "sim:h200", "--tp", "4", "--ep", "4",
+                          "--dp-attention", "--speed", "--libs", "sglang-0.5.23", "--format", "json"))
+    steps = out["speed"]["steps"]
+    assert steps and all(s["step_ms"] > 0 for s in steps)       # the model's own ops are predicted
+    for r in (r for s in steps for r in s["ranks"]):
+        assert "row_scale" not in {o["op"] for o in r["ops"]}
+        assert "DeepseekV4ForCausalLM does not call op 'row_scale'" in r["not_called"]["row_scale"]
+    text = _cli("plan", "--model", "deepseek-v4-flash", "--device", "sim:h200", "--tp", "4", "--ep", "4",
+                "--dp-attention", "--speed", "--libs", "sglang-0.5.23")
+    assert "row_scale: not predicted: DeepseekV4ForCausalLM does not call op 'row_scale'" in " ".join(text.split())
+
+
+def test_plan_speed_predicts_the_new_op_once_the_model_declaration_lists_it():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, NEWOP]))
+    code = ("import json, attrs\n"
+            "import capdispatch as cd\n"
+            "from capdispatch.dispatch import speed\n"
+            "from capdispatch.models import ModelShape, OpCalls, model_calls\n"
+            "d = model_calls()\n"
+            "mine = attrs.evolve(d, calls=d.calls + (OpCalls('row_scale', 'every', (('prefill', 'tokens'),)),))\n"
+            "ModelShape.calls = lambda self: mine\n"
+            "model = cd.load_model('deepseek-v4-flash'); shapes = model.for_rank(4, 4, True)\n"
+            "specs = [cd.probe('sim:h200')]\n"
+            "p = cd.plan(specs, shapes=shapes, libs='sglang-0.5.23', log_warnings=False)\n"
+            "cal = speed.Calibration('h200', 'row_scale.json', {}, {'row_scale': {'torch': ((1, 0.001), (4096, 0.5))}})\n"
+            "rows = speed.predict(model, shapes, specs, {op: g.per_device for op, g in p.ops.items()},\n"
+            "                     speed.merged(speed.default_calibrations() + [cal]))\n"
+            "print(json.dumps([(r.phase, [(o.op, o.backend, o.ms, o.how) for o in r.ops if o.op == 'row_scale'],\n"
+            "                   r.total is not None, dict(r.not_called)) for r in rows]))\n")
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    rows = json.loads(p.stdout)
+    for phase, mine, total, not_called in rows:
+        assert total and not not_called
+        # Called on every one of Flash's 43 layers in prefill (4096 tokens: 0.5 ms a call), not in decode.
+        assert mine == ([["row_scale", "torch", pytest.approx(0.5 * 43), "calibrated"]] if phase == "prefill"
+                        else []), rows
+
+
+def test_the_rehearsal_names_the_new_op_the_model_does_not_call():
+    out = json.loads(_cli("rehearse", "--device", "cpu", "--model", "deepseek-v4-flash", "--layers", "1",
+                          "--prompt", "4", "--steps", "1", "--format", "json"))
+    assert out["ok"], out["cause"]
+    assert "row_scale" not in {o["op"] for r in out["ranks"] for o in r["ops"]}
+    assert {o["op"] for r in out["ranks"] for o in r["ops"]} == set(out["not_called"]) ^ set(
+        json.loads(_cli("ops", "--format", "json"))["ops"])
+    assert "DeepseekV4ForCausalLM does not call op 'row_scale'" in out["not_called"]["row_scale"]
+
+
 def test_the_new_ops_backends_are_custom_ops_from_its_declaration():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, NEWOP]), TRITON_INTERPRET="1")
     code = ("import torch\n"
@@ -146,7 +198,7 @@ def test_every_builtin_op_folder_has_what_the_guide_lists(pkg):
     assert mine
     for op in mine:
         assert op.case.startswith(f"{pkg}.calibration:") and op.canary.startswith(f"{pkg}.canary:")
-        assert op.sizes and op.size is not None and op.compile_jobs
+        assert op.sizes and op.size is not None and op.compile_jobs and op.compare
 
 
 def test_the_guide_names_the_places_that_exist():

@@ -301,6 +301,11 @@ class Op:
     # "module:function" of the op's canary (a small canonical problem checked against
     # the reference on the card), imported only when a backend is verified.
     canary: str = ""
+    # "module:function" comparing a backend's results with the reference's on the same inputs:
+    # compare(got, want, args) -> backends.cases.Comparison (ok, detail, error, bound); an op
+    # that returns nothing is compared on the arguments it writes (cases.compared). The
+    # rehearsal and canaries judge a backend by it.
+    compare: str = ""
     # How a model serves the op. "decode": in every step, replayed from a CUDA graph at the
     # batch sizes SGLang captures and eager above them; "prefill": eager (SGLang 0.5.23
     # captures no prefill graph for DeepSeek-V4 by default).
@@ -350,6 +355,11 @@ class Op:
     def load_case(self):
         import importlib
         module, _, attr = self.case.partition(":")
+        return getattr(importlib.import_module(module), attr)
+
+    def load_compare(self):
+        import importlib
+        module, _, attr = self.compare.partition(":")
         return getattr(importlib.import_module(module), attr)
 
     def load_canary(self):

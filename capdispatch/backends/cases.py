@@ -5,10 +5,15 @@ An op names its case builder on its `Op` (`case="module:function"`); the builder
 as `builder(size, gen, device, profile, batch=None, layer_state=None)` and returns a `Case`
 (or an object with `op`, `size`, `args`, `verify_backend(name, fn)` and
 `bind_backend(name, fn)`, when each backend needs its own prepared inputs, as MoE's do).
+
+An op names its comparison on its `Op` too (`compare="module:function"`): the function is
+called as `compare(got, want, args)` with a backend's results and the reference's on the same
+ARGS and returns a `Comparison`; `compared(op, fn, args)` runs both and compares them, and the
+rehearsal and the canaries judge a backend by it.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import attrs
 
@@ -31,6 +36,70 @@ class Case:
 # --------------------------------------------------------------------------- #
 # Comparisons
 # --------------------------------------------------------------------------- #
+@attrs.frozen
+class Comparison:
+    """A backend's results against the reference's on the same inputs (what an op's
+    `compare` function returns): whether they agree, one line saying how far apart they are
+    against the bound, the error figure and its bound (0 and 0 for an exact contract: the
+    figure is then the count of differing values), and where the worst difference is."""
+    ok: bool
+    detail: str
+    error: float
+    bound: float
+    where: str = ""
+
+    def check(self, name: str) -> "Comparison":
+        """SELF, or a canary_checks.Mismatch naming NAME when the results differ."""
+        if self.ok:
+            return self
+        from .canary_checks import Mismatch     # imports torch: only when a difference is raised
+        raise Mismatch(f"{name}: {self.detail}", max_err=self.error, where=self.where or name,
+                       tolerance="exact" if self.bound == 0 else f"bound {self.bound:g}")
+
+
+@attrs.frozen
+class Compared:
+    """One checked call: the backend's result (None for an op that returns nothing) and
+    its comparison with the reference."""
+    out: object
+    comparison: Comparison
+
+
+def written(op) -> tuple:
+    """Positions of the arguments OP writes in place (`Tensor(a!)` parameters other than
+    the caller's `out` buffer): an op that returns nothing is judged by them."""
+    call = op.call()
+    return tuple(i for i, p in enumerate(call.params) if "!" in p.type and p is not call.out)
+
+
+def compared(op, fn, args, *, ref=None, fn_args=None, registry=None) -> Compared:
+    """FN(*FN_ARGS or ARGS) and OP's reference (REF, default its `Op.reference` backend of
+    REGISTRY) on the same ARGS, compared by the op's `compare` function. An op that returns
+    nothing is compared on the arguments it writes: the reference writes copies, FN the
+    caller's, so the caller's state is the backend's."""
+    if not op.compare:
+        from .registry import RegistryError
+        raise RegistryError(f"op {op.name!r} declares no comparison: add compare=\"module:function\" to "
+                             f"its Op (compare(got, want, args) -> capdispatch.backends.cases.Comparison)")
+    if ref is None:
+        if registry is None:
+            from .registry import builtin
+            registry = builtin()
+        ref = registry.backend(op.name, op.reference).load()
+    compare = op.load_compare()
+    if op.call().returns:
+        got = fn(*(args if fn_args is None else fn_args))
+        return Compared(got, compare(got, ref(*args), args))
+    at = written(op)
+    mine = list(args)
+    for i in at:
+        mine[i] = args[i].clone()
+    ref(*mine)
+    fn(*(args if fn_args is None else fn_args))
+    got, want = tuple(args[i] for i in at), tuple(mine[i] for i in at)
+    return Compared(None, compare(got if len(at) != 1 else got[0], want if len(at) != 1 else want[0], args))
+
+
 def same_bf16(a, b) -> bool:
     """Bit equality, NaN matched by class."""
     import torch
@@ -56,6 +125,13 @@ def attention_errors(got, want):
     return ok, rel, stat_err
 
 
+def attention_compare(got, want, args) -> Comparison:
+    """The attention ops' Op.compare (sparse_prefill, decode_mla): attention_errors' bounds."""
+    ok, rel, stat_err = attention_errors(got, want)
+    return Comparison(ok, f"out rel err {rel:.1e} (bound 1e-2), statistics abs err {stat_err:.1e} (bound 1e-3)",
+                      rel, 1e-2)
+
+
 def attention_close(got, want):
     ok, rel, stat_err = attention_errors(got, want)
     return ok, f"out rel err {rel:.1e}, statistics abs err {stat_err:.1e}"
@@ -77,6 +153,7 @@ def reference_case(op, size, args, ref):
     def verify(fn):
         if not memo:
             memo.append(ref(*args))
-        return attention_close(fn(*args), memo[0])
+        c = attention_compare(fn(*args), memo[0], args)
+        return c.ok, c.detail
     memo = []
     return Case(op, size, args, verify)

@@ -187,6 +187,8 @@ def _speed_lines(speeds, brief) -> list:
                            f"estimated: bytes / bandwidth at 70%")
                 out.append(f"    {'all-reduces':<15} {'(2 per layer)':<24} {r['comm_ms']:>8.3f} ms  "
                            f"estimated over the cards' link")
+    for op, why in (speeds.rows[0].not_called if speeds.rows else ()):
+        out += wrap(f"{op}: not predicted: {why}", "  ", hang="    ")
     out += whose_lines(d["inventory"])
     out += wrap(f"calibrations: {', '.join(d['calibrations']) or 'none'}; {d['cards']}", "")
     out += wrap(f"ignores: {d['ignores']}", "")

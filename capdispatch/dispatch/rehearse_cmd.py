@@ -164,6 +164,8 @@ def render(r, inventory=None) -> str:
     if cpu:
         lines.append(f"CUDA graphs: none on the CPU (rank{'s' if len(cpu) > 1 else ''} {', '.join(cpu)}): "
                      f"every call eager")
+    for op, why in r.not_called.items():
+        lines.append(f"not rehearsed: {op}: {why}")
     if r.reference:
         lines.append(f"no comparison: {r.reference}")
     if r.recorded:

@@ -209,6 +209,7 @@ class RankSpeed:
     ops: tuple                  # OpTime...
     dense_ms: float
     comm_ms: float
+    not_called: tuple = ()      # (op, why) of decided ops the model does not call: not timed
 
     @property
     def total(self) -> Optional[float]:
@@ -223,7 +224,8 @@ class RankSpeed:
     def to_dict(self) -> dict:
         return {"rank": self.rank, "device": self.device, "phase": self.phase, "size": self.size,
                 "ops": [attrs.asdict(o) for o in self.ops], "dense_ms": self.dense_ms,
-                "comm_ms": self.comm_ms, "total_ms": self.total}
+                "comm_ms": self.comm_ms, "total_ms": self.total,
+                "not_called": {op: why for op, why in self.not_called}}
 
 
 def _card_key(spec) -> Optional[str]:
@@ -232,38 +234,33 @@ def _card_key(spec) -> Optional[str]:
     return e["key"] if e else None
 
 
-def call_size(op: str, phase: str, n: int, next_n: int) -> Optional[int]:
-    """The op's size argument in one call of the phase (None: the op does not run in it)."""
-    if phase == "decode":
-        return {"moe": n * next_n, "kv_quant": n * next_n, "decode_mla": n, "indexer": n}.get(op)
-    return {"moe": n, "kv_quant": n, "kv_dequant": n, "sparse_prefill": n, "indexer": n}.get(op)
+def _scale(call, shapes, cal: Calibration) -> float:
+    """The rank's share of the calibrated rank's work: the product, over the shapes CALL
+    scales with (models/calls.yaml `scale`) that the calibration names, of the rank's value
+    over the calibrated one."""
+    s = 1.0
+    for field in call.scale:
+        if cal.shapes.get(field):
+            s *= getattr(shapes, field) / cal.shapes[field]
+    return s
 
 
-def _calls(op: str, shapes) -> int:
-    """Layers that call OP in one forward."""
-    if op == "indexer":
-        return sum(1 for r in shapes.compress_ratios if r == 4)
-    return shapes.layers
-
-
-def _scale(op: str, shapes, cal: Calibration) -> float:
-    if op in ("decode_mla", "sparse_prefill") and cal.shapes.get("heads"):
-        return shapes.heads / cal.shapes["heads"]
-    if op == "moe" and cal.shapes.get("experts"):
-        # Expert weights a rank reads: its experts x its share of the intermediate size.
-        inter = shapes.moe_intermediate / cal.shapes["moe_intermediate"] if cal.shapes.get("moe_intermediate") else 1.0
-        return shapes.experts / cal.shapes["experts"] * inter
-    return 1.0
-
-
-def op_time(op, backend, size, shapes, spec, cals) -> OpTime:
+def op_time(op, backend, size, shapes, spec, cals, call=None) -> OpTime:
+    """OP's time per step on SPEC with BACKEND at SIZE, over the calls one forward makes of it
+    (CALL, the model declaration's OpCalls; default: the architecture's, models/calls.yaml)."""
+    if call is None:
+        from ..models import model_calls
+        declared = model_calls()
+        call = declared.get(op)
+        if call is None:
+            return OpTime(op, backend, None, f"not predicted: {declared.not_called(op)}")
     key = _card_key(spec)
     own = next((c for c in cals if c.card == key), None)
-    calls = _calls(op, shapes)
+    calls = call.per_forward(shapes)
     if own is not None:
         t = own.time(op, backend, size)
         if t is not None:
-            s = _scale(op, shapes, own)
+            s = _scale(call, shapes, own)
             return OpTime(op, backend, t * s * calls, "calibrated" if s == 1.0 else
                           f"calibrated, scaled x{s:.2f} to the rank's shapes")
     ref = own if own is not None else cals[0] if cals else None
@@ -271,7 +268,7 @@ def op_time(op, backend, size, shapes, spec, cals) -> OpTime:
         return OpTime(op, backend, None, "not predicted: no calibration for this card, and no "
                                          "bandwidth figure for it")
     ratio = CARDS[ref.card][0] / CARDS[key][0]
-    s = _scale(op, shapes, ref)
+    s = _scale(call, shapes, ref)
     t = ref.time(op, backend, size)
     if t is not None:
         return OpTime(op, backend, t * s * ratio * calls,
@@ -303,7 +300,11 @@ def _comm_ms(shapes, tokens: int, link: str) -> float:
 
 def predict(model, shapes, specs, decisions, cals, *, prefill: int = DEFAULT_PREFILL) -> list:
     """RankSpeed per rank for decode at DECODE_BATCHES and a prefill of PREFILL tokens.
-    DECISIONS: op -> device id -> Resolution (the plan's)."""
+    DECISIONS: op -> device id -> Resolution (the plan's). The ops and their calls are the
+    model's declaration (MODEL.calls(), models/calls.yaml); a decided op it does not call is
+    named in each row's `not_called`, not timed."""
+    declared = model.calls()
+    not_called = tuple((op, declared.not_called(op)) for op in decisions if declared.get(op) is None)
     links = [CARDS.get(_card_key(s), (None, "pcie4"))[1] for s in specs]
     link = "pcie4" if any(l.startswith("pcie") or l == "none" for l in links) else min(links)
     dense = _dense_bytes(model, shapes)
@@ -313,13 +314,17 @@ def predict(model, shapes, specs, decisions, cals, *, prefill: int = DEFAULT_PRE
             tokens = n * shapes.next_n if phase == "decode" else n
             for i, spec in enumerate(specs):
                 ops = []
-                for op, per_dev in decisions.items():
-                    size = call_size(op, phase, n, shapes.next_n)
+                for call in declared.calls:
+                    size = call.size(phase, n, shapes.next_n)
                     if size is None:
                         continue
-                    res = per_dev[spec.id]
-                    ops.append(op_time(op, res.backend_for(size), size, shapes, spec, cals))
+                    if call.op not in decisions:
+                        ops.append(OpTime(call.op, "", None, f"not predicted: {call.op} was not decided"))
+                        continue
+                    res = decisions[call.op][spec.id]
+                    ops.append(op_time(call.op, res.backend_for(size), size, shapes, spec, cals, call))
                 bw = CARDS.get(_card_key(spec), (None,))[0]
                 dense_ms = dense / (bw * 1e9 * DENSE_EFFICIENCY) * 1e3 if bw else 0.0
-                out.append(RankSpeed(i, spec.id, phase, n, tuple(ops), dense_ms, _comm_ms(shapes, tokens, link)))
+                out.append(RankSpeed(i, spec.id, phase, n, tuple(ops), dense_ms, _comm_ms(shapes, tokens, link),
+                                     not_called))
     return out

@@ -185,6 +185,11 @@ class ModelShape:
     def format_of(self, kind: str) -> Optional[TensorFormat]:
         return next((f for f in self.formats if f.kind == kind), None)
 
+    def calls(self):
+        """What the model calls of capdispatch's ops (models.calls.ModelCalls, from calls.yaml)."""
+        from .calls import model_calls
+        return model_calls()
+
     def for_rank(self, tp: int = 1, ep: int = 1, dp_attention: bool = False, *,
                  next_n: Optional[int] = None) -> RankShape:
         """One rank's shapes under `--tp`/`--ep`/`--dp-attention` (attention DP as wide as

@@ -84,6 +84,8 @@ class Rehearsal:
     cause: Optional[str] = None   # the first failure, not a consequence of another rank's
     dp_attention: bool = False    # SGLang's DP-attention layout
     recorded: Optional[str] = None   # the rehearsal cache file of this verdict (proof/rehearsals.py), or None
+    # Decided ops the model does not call (models/calls.yaml): op -> why, not rehearsed.
+    not_called: dict = attrs.field(factory=dict)
 
     def to_dict(self) -> dict:
         d = attrs.asdict(self)
@@ -191,12 +193,13 @@ def rehearse(devices, model: str, *, tp: Optional[int] = None, ep: int = 1, laye
             error = (f"rank {r}: logits differ from the reference: relative error {err:.2e} "
                      f"(bound {LOGITS_REL_TOL:.0e}) though every op matched its reference")
         where = res.get("where") or ""
-        op = where.split(" ")[0] if where.split(" ")[0] in checks.OPS else None
+        op = where.split(" ")[0] if where.split(" ")[0] in checks.called_ops() else None
         ranks.append(RankRun(r, dv.text, dv.decide, dv.run, ok, error, ops, err, op, res.get("phases_s") or {},
                              res.get("facts") or {}, res.get("graphs"), bool(res.get("died"))))
     out = Rehearsal(shape.model, tp, ep, backend, d.to_dict(), steps, tuple(ranks),
                     all(r.ok for r in ranks), LOGITS_REL_TOL, why, round(time.monotonic() - t0, 2),
-                    _cause(ranks), dp_attention)
+                    _cause(ranks), dp_attention,
+                    not_called=next((res["not_called"] for res in results if res.get("not_called")), {}))
     # A run with a planted fault tests the rehearsal, not the cards: never their verdict.
     if record and fault is None:
         out = attrs.evolve(out, recorded=_record(out, results))

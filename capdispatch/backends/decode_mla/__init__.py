@@ -29,6 +29,7 @@ OPS = (
        "Tensor(a!)? out=None) -> (Tensor, Tensor)",
        outputs=(Out(("q.0", "q.1", "q.2", DIM), "bfloat16"), Out(("q.0", "q.2", "q.1"), "float32")),
        reference="torch", size=SizeArg("tokens", 0, "q"), canary=f"{_PKG}.canary:decode_mla",
+       compare="capdispatch.backends.cases:attention_compare",
        case=f"{_PKG}.calibration:decode_mla_case", sizes=DECODE_SIZES,
        compile_jobs="capdispatch.backends.compile_matrix:attention_jobs",
        # The valid counts (topk_length, extra_topk_length) are the batch's: FlashMLA's schedule

@@ -20,7 +20,7 @@ OPS = (Op(
     outputs=(Out(("q.0*q.1", "max_context_len"), "float32"),),
     reference="torch",
     size=SizeArg("tokens", 0, "q"),     # B: decode batch rows, or prefill query rows
-    canary=f"{_PKG}.canary:indexer",
+    canary=f"{_PKG}.canary:indexer", compare=f"{_PKG}.calibration:indexer_compare",
     case=f"{_PKG}.calibration:indexer_case", sizes=DECODE_SIZES,
     compile_jobs="capdispatch.backends.compile_matrix:indexer_jobs",
     # Context lengths, block table and DeepGEMM's schedule are the batch's; q, weights and the

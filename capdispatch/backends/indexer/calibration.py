@@ -1,7 +1,7 @@
 """The indexer's calibration and benchmark case (Op.case)."""
 from __future__ import annotations
 
-from ..cases import Case, with_batch
+from ..cases import Case, Comparison, with_batch
 
 INDEXER_HEADS, INDEXER_DIM, INDEXER_PAGE = 64, 128, 64
 INDEXER_REL_TOL = 2.0 ** -10
@@ -59,6 +59,16 @@ def indexer_errors(got, want, A, E, S, clean=False):
         ok = ok and bool((got[~valid] == float("-inf")).all())
     ratio = float(((err / A.clamp_min(1e-30)) * valid).nan_to_num(0.0).max())
     return ok, float((err * valid).nan_to_num(0.0).max()), ratio
+
+
+def indexer_compare(got, want, args) -> Comparison:
+    """The indexer's Op.compare: indexer_errors' bound at every valid position of the
+    logits (A and the row lengths from ARGS)."""
+    from . import reference as R
+    q, _, _, lens, _, _, S, _ = args
+    ok, _, ratio = indexer_errors(got, want, indexer_abs_sum(args), R.row_lengths(lens, q.shape[1], S), S)
+    return Comparison(ok, f"max error / magnitude {ratio:.1e} (bound {INDEXER_REL_TOL:.1e})", ratio,
+                      INDEXER_REL_TOL)
 
 
 def indexer_close(got, want, A, E, S):

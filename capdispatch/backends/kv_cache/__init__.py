@@ -14,6 +14,7 @@ OPS = (
        "bf16 K [n,512] -> V4 paged uint8 pool at token slots `loc` (448 fp8 e4m3 + 64 bf16 + 7 UE8M0 scales + pad)",
        "kv_quant(Tensor k, Tensor(a!) pool, Tensor loc, int page_size) -> ()", outputs=(), reference="torch",
        size=SizeArg("rows", 0, "k"), canary=f"{_PKG}.canary:kv_quant",
+       compare=f"{_PKG}.calibration:kv_quant_compare",
        case=f"{_PKG}.calibration:kv_quant_case", sizes=DECODE_SIZES + (16384,),
        compile_jobs="capdispatch.backends.compile_matrix:kv_cache_jobs",
        # Every step stores its tokens; the slot map is the batch's, the pool each layer's.
@@ -23,6 +24,7 @@ OPS = (
        "kv_dequant(Tensor pool, Tensor token_ids, int page_size, Tensor(a!)? out=None) -> Tensor",
        outputs=(Out(("token_ids.0", 1, DIM), "bfloat16"),), reference="torch",
        size=SizeArg("rows", 1, "token_ids"), canary=f"{_PKG}.canary:kv_dequant",
+       compare=f"{_PKG}.calibration:kv_dequant_compare",
        case=f"{_PKG}.calibration:kv_dequant_case", sizes=(64, 256, 1024, 4096, 16384, 65536, 262144),
        compile_jobs="capdispatch.backends.compile_matrix:kv_cache_jobs",
        # SGLang dequantizes the pool for sparse prefill (deepseek_v4_backend.py); the token ids

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from ..cases import Case, same_bf16
+from ..cases import Case, Comparison, same_bf16
 
 
 def rand_k(n, gen, device):
@@ -48,9 +48,9 @@ def kv_quant_case(n, gen, device, prof, batch=None, layer_state=None) -> Case:
             KV.kv_quant(k, w, loc, P)
             got = p.clone()
             fn(k, got, loc, P)
-            if not torch.equal(got, w):
-                bad = int((got != w).sum())
-                return False, f"{bad} pool bytes differ from the reference"
+            c = kv_quant_compare(got, w, (k, got, loc, P))
+            if not c.ok:
+                return False, c.detail
         return True, "pool byte-identical to the reference on two poisons"
     return Case("kv_quant", n, (k, pool, loc, P), verify)
 
@@ -64,7 +64,30 @@ def kv_dequant_case(n, gen, device, prof, batch=None, layer_state=None) -> Case:
 
     def verify(fn):
         want = KV.kv_dequant(pool, ids, P)
-        got = fn(pool, ids, P)
-        ok = tuple(got.shape) == tuple(want.shape) and same_bf16(got, want)
-        return ok, "bit-identical to the reference" if ok else "differs from the reference"
+        c = kv_dequant_compare(fn(pool, ids, P), want, (pool, ids, P))
+        return c.ok, c.detail
     return Case("kv_dequant", n, (pool, ids, P), verify)
+
+
+def kv_quant_compare(got, want, args) -> Comparison:
+    """kv_quant's Op.compare: the pool it wrote byte-identical to the reference's (the
+    error figure: the bytes that differ)."""
+    diff = got != want
+    bad = int(diff.sum())
+    if not bad:
+        return Comparison(True, "pool byte-identical to the reference", 0.0, 0.0)
+    from ..canary_checks import where_of
+    return Comparison(False, f"{bad} pool bytes differ from the reference", float(bad), 0.0,
+                      where_of(diff, "pool"))
+
+
+def kv_dequant_compare(got, want, args) -> Comparison:
+    """kv_dequant's Op.compare: rows bit-identical to the reference's, NaN matching NaN."""
+    import torch
+    if tuple(got.shape) != tuple(want.shape):
+        return Comparison(False, f"shape {tuple(got.shape)} differs from the reference's {tuple(want.shape)}",
+                          float("inf"), 0.0)
+    if same_bf16(got, want):
+        return Comparison(True, "bit-identical to the reference", 0.0, 0.0)
+    bad = int((got.reshape(-1).view(torch.int16) != want.reshape(-1).view(torch.int16)).sum())
+    return Comparison(False, "differs from the reference", float(bad), 0.0)

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from ..canary_checks import Mismatch, assert_bf16_bits_equal, assert_bytes_equal
+from ..canary_checks import Mismatch, assert_bf16_bits_equal
 from .. import v4_layout as L
 from . import reference as R
+from .calibration import kv_quant_compare
 from .inputs import v4_pool
 
 PAGE_SIZE = 4
@@ -65,7 +66,7 @@ def kv_quant(fn, device, seed: int, backend: str = "") -> dict:
         if ret is not None:
             raise Mismatch(f"kv_quant returned {type(ret).__name__}, the contract returns None",
                            where="return value", tolerance="byte-exact")
-        assert_bytes_equal(got, want, f"pool (poisoned 0x{poison:02X})")
+        kv_quant_compare(got, want, (k, got, loc, PAGE_SIZE)).check(f"pool (poisoned 0x{poison:02X})")
     return {"tolerance": "byte-exact pool, two poison patterns", "checked": n}
 
 

@@ -30,7 +30,7 @@ OPS = (
        reference="torch",
        size=SizeArg("tokens", 0, "x"),
        layouts={name: layout for name, (layout, _) in LAYOUTS.items()},
-       canary=f"{_PKG}.canary:moe",
+       canary=f"{_PKG}.canary:moe", compare=f"{_PKG}.calibration:moe_compare",
        case=f"{_PKG}.calibration:MoeCase", sizes=DECODE_SIZES,
        compile_jobs="capdispatch.backends.compile_matrix:moe_jobs",
        # Routing is each layer's own; decode steps replay it from CUDA graphs.

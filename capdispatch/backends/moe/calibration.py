@@ -2,8 +2,20 @@
 of one random weight set."""
 from __future__ import annotations
 
+from ..cases import Comparison
+
 MOE_TOPK, MOE_SWIGLU_LIMIT = 6, 10.0
 MOE_TOL_NORM = 1.5e-2
+
+
+def moe_compare(got, want, args):
+    """MoE's Op.compare: a finite output within MOE_TOL_NORM relative (Frobenius) error of the
+    reference's."""
+    import torch
+    w = want.float()
+    nrm = ((got.float() - w).norm() / w.norm().clamp_min(1e-30)).item()
+    ok = bool(torch.isfinite(got).all()) and nrm <= MOE_TOL_NORM
+    return Comparison(ok, f"norm rel err {nrm:.1e} (bound {MOE_TOL_NORM:g})", nrm, MOE_TOL_NORM)
 
 
 def copy_weights(w):
@@ -62,11 +74,9 @@ class MoeCase:
         return self._want
 
     def verify_backend(self, backend, fn):
-        import torch
-        got = fn(self.x, self.weights_for(backend), self.tw, self.ids)
-        nrm = ((got.float() - self.want.float()).norm() / self.want.float().norm()).item()
-        ok = bool(torch.isfinite(got).all()) and nrm <= MOE_TOL_NORM
-        return ok, f"norm rel err {nrm:.1e} (bound {MOE_TOL_NORM})"
+        c = moe_compare(fn(self.x, self.weights_for(backend), self.tw, self.ids), self.want,
+                        (self.x, self.base, self.tw, self.ids))
+        return c.ok, c.detail
 
     def bind_backend(self, backend, fn):
         x, w, tw, ids = self.x, self.weights_for(backend), self.tw, self.ids

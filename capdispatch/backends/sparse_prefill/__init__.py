@@ -29,6 +29,7 @@ OPS = (
        outputs=(Out(("q.0", "q.1", "d_v"), "bfloat16"), Out(("q.0", "q.1"), "float32"),
                 Out(("q.0", "q.1"), "float32")),
        reference="torch", size=SizeArg("tokens", 0, "q"), canary=f"{_PKG}.canary:sparse_prefill",
+       compare="capdispatch.backends.cases:attention_compare",
        case=f"{_PKG}.calibration:sparse_prefill_case", sizes=(256, 512, 1024, 2048, 4096, 8192, 16384),
        compile_jobs="capdispatch.backends.compile_matrix:attention_jobs",
        # Top-k indices come from each layer's indexer: nothing is the batch's alone.

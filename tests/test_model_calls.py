@@ -1,0 +1,78 @@
+"""The model declaration (capdispatch/models/calls.yaml): what a model calls of the ops, on
+which layers and at what size per phase, read once for plan --speed, the rehearsal and the
+SGLang knob map, and refused with its file and line when it is wrong."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import capdispatch as cd
+from capdispatch.models import ModelError, calls as C
+
+
+def test_the_declaration_names_every_builtin_op_once():
+    from capdispatch.backends.registry import build
+    declared = C.model_calls()
+    # Every built-in op is a model op: one the declaration left out would be silently
+    # neither predicted nor rehearsed.
+    assert declared.ops == tuple(build(plugins=False).ops)
+    assert declared.architecture == cd.load_model("deepseek-v4-pro").calls().architecture == C.ARCHITECTURE
+    assert os.path.basename(declared.source).startswith("calls.yaml:")
+
+
+def test_calls_per_forward_and_sizes_per_phase():
+    flash = cd.load_model("deepseek-v4-flash")
+    shape = flash.for_rank(4, 4, True)
+    d = flash.calls()
+    # The indexer runs on the c4 layers only: 21 of Flash's 43 (layers 2, 4, ..., 42).
+    assert d.get("indexer").per_forward(shape) == 21 == sum(1 for r in flash.layer_ratios if r == 4)
+    assert d.get("moe").per_forward(shape) == 43
+    # Decode: the step's tokens are requests x next_n; sparse MLA decode one row per request.
+    assert d.get("moe").size("decode", 8, 2) == 16 and d.get("decode_mla").size("decode", 8, 2) == 8
+    assert d.get("decode_mla").size("prefill", 4096, 2) is None
+    assert d.get("kv_dequant").size("decode", 8, 1) is None and d.get("kv_dequant").size("prefill", 64, 2) == 64
+    assert d.phase_ops("decode") == ("kv_quant", "indexer", "decode_mla", "moe")
+    assert d.get("row_scale") is None and "does not call op 'row_scale'" in d.not_called("row_scale")
+
+
+def test_every_knob_map_release_lists_the_declared_ops():
+    # The knob map states, per SGLang release, which ops it decides at a launch: exactly the
+    # ops the model declaration says the architecture calls.
+    from capdispatch.adapters.sglang import knobs
+    for release in knobs.load().releases:
+        for arch, model in release.models.items():
+            assert model.ops == C.model_calls(arch).ops, (release, arch)
+
+
+@pytest.mark.parametrize("body, says", [
+    ("    kv_quant: {layers: every, prefill: tokens}\n    kv_qaunt: {layers: every}\n",
+     ":5: architectures.A: unknown op 'kv_qaunt'; did you mean 'kv_quant'?"),
+    ("    moe: {layers: some, decode: tokens}\n", ":4: architectures.A.moe.layers: 'some' is not valid"),
+    ("    moe: {layers: every}\n", ":4: architectures.A.moe: names no phase"),
+    ("    moe: {layers: every, decode: rows}\n", ":4: architectures.A.moe.decode: 'rows' is not valid"),
+    ("    moe: {layers: every, decode: tokens, scale: [head]}\n", "unknown shape 'head'; did you mean 'heads'?"),
+    ("    moe: {layers: every, prefil: tokens}\n", "unknown key 'prefil'; did you mean 'prefill'?"),
+])
+def test_a_bad_declaration_is_refused_with_its_line(tmp_path, body, says):
+    p = tmp_path / "calls.yaml"
+    p.write_text("schema: 1\narchitectures:\n  A:\n" + body)
+    with pytest.raises(ModelError) as e:
+        C.read(str(p))
+    assert says in str(e.value) and str(p) in str(e.value)
+
+
+def test_an_architecture_without_a_declaration_is_refused(tmp_path):
+    with pytest.raises(ModelError, match="declares no calls of architecture 'B'.*declared: DeepseekV4ForCausalLM"):
+        C.model_calls("B")
+
+
+def test_docs_models_table_is_the_declaration():
+    # docs/models.md shows the declaration as a table: it says what calls.yaml says, row by row.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    text = open(os.path.join(root, "docs", "models.md"), encoding="utf-8").read()
+    table = text.split("## What the model calls", 1)[1].split("\n\n")[2].splitlines()[2:]
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table]
+    want = [[c.op, c.layers, dict(c.sizes).get("prefill", ""), dict(c.sizes).get("decode", ""),
+             ", ".join(c.scale)] for c in C.model_calls().calls]
+    assert rows == want
