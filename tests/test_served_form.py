@@ -282,6 +282,7 @@ def test_the_regret_check_names_what_a_policy_picks_against_the_fastest(clean_en
     (["--model", "deepseek-v4-flash", "--tp", "3"], "tp 3"),
     (["--layers", "0"], "--layers 0: expected an integer >= 1"),
     (["--cuda-graph-max-bs", "-1"], "--cuda-graph-max-bs -1: expected an integer >= 0"),
+    (["--seed", "9" * 23], f"--seed {'9' * 23}: expected an integer from 0 to {2**64 - 1}"),
     (["--check", "missing.yaml"], "missing.yaml"),
 ])
 def test_bad_bench_values_are_refused_before_anything_runs(clean_env, capsys, argv, needle):

@@ -20,6 +20,8 @@ from .errors import BadInput, ExitCode
 DEFAULT_THRESHOLD = 1.05
 # The longest --warmup and --rep, in ms: a minute of one backend at one size.
 MAX_MS = 60_000
+# The largest seed a torch.Generator takes (64 bits; a larger one overflows there).
+MAX_SEED = 2**64 - 1
 
 
 def add_parser(subparsers):
@@ -49,7 +51,8 @@ def add_parser(subparsers):
     b.add_argument("--profile", choices=("full", "small"), default=None,
                    help="problem dimensions besides the size: DeepSeek-V4's (full; the default on CUDA) "
                         "or small ones for the CPU (the default there)")
-    b.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    b.add_argument("--seed", type=flagged("--seed", whole(0, MAX_SEED)), default=0,
+                   help="seed of the random inputs (default 0)")
     b.add_argument("--warmup", type=flagged("--warmup", number(f"a time in ms from 0 to {MAX_MS}", 0, MAX_MS)),
                    default=25.0, help="CUDA: do_bench warm-up, ms")
     b.add_argument("--rep", type=flagged("--rep", number(f"a time in ms above 0, at most {MAX_MS}", 0, MAX_MS,
