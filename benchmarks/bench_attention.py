@@ -53,7 +53,7 @@ import os
 import sys
 
 from ceilings import bench as _bench, copy_bandwidth, describe, matmul_rate, run_facts  # noqa: E402 (the script's own folder)
-from results_dir import archive_previous  # noqa: E402 (the script's own folder)
+from results_dir import add_out, archive_previous  # noqa: E402 (the script's own folder)
 from report import card_slug  # noqa: E402 (the script's own folder)
 import tile_modes  # noqa: E402 (the script's own folder)
 
@@ -606,7 +606,7 @@ def build_parser():
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
     p.add_argument("--rep", type=int, default=100, help="do_bench measuring time, ms")
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--out", default=os.path.join("benchmarks", "results"))
+    add_out(p)
     tile_modes.add_argument(p)
     p.add_argument("--peer-max-tokens", type=int, default=512, metavar="T",
                    help="time SGLang's portable Triton decode only for decode shapes of at most T query tokens "

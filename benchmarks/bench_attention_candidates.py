@@ -48,7 +48,7 @@ if ROOT not in sys.path:
 import bench_attention as BA  # noqa: E402 (the script's own folder)
 import tile_modes  # noqa: E402
 from ceilings import bench as _bench, copy_bandwidth, describe, matmul_rate, run_facts  # noqa: E402
-from results_dir import archive_previous  # noqa: E402
+from results_dir import add_out, archive_previous  # noqa: E402
 
 DECODE_TARGETS = ((64, 1.3), (1 << 62, 1.5))   # (up to tokens, served Triton / served FlashMLA)
 PREFILL_TARGET = 0.45                          # fraction of the bf16 matmul rate
@@ -310,7 +310,7 @@ def _launch_cell(e):
 
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=os.path.join("benchmarks", "results"))
+    add_out(p)
     p.add_argument("--decode-tokens", type=int, nargs="+", default=[1, 8, 32, 64, 128, 4096])
     p.add_argument("--prefill-tokens", type=int, nargs="*", default=[4096, 16384],
                    help="prefill sizes (none: decode only)")

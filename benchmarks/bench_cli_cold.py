@@ -20,7 +20,7 @@ import sys
 import time
 from importlib import metadata
 
-from results_dir import archive_previous  # the script's own folder
+from results_dir import add_out, archive_previous  # the script's own folder
 
 ARGS = ["explain", "--device", "sim:rtx-5090,sim:rtx-3080,sim:rtx-3080", "--assume-lib", "triton",
         "--format", "json"]
@@ -29,8 +29,7 @@ ARGS = ["explain", "--device", "sim:rtx-5090,sim:rtx-3080,sim:rtx-3080", "--assu
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=21, help="timed runs (default 21)")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"),
-                    help="folder for a new timestamped result file (default benchmarks/results)")
+    add_out(ap, help="folder for a new timestamped result file (default benchmarks/results)")
     ap.add_argument("--file", help="write the result to this path instead")
     a = ap.parse_args()
     cmd = [sys.executable, "-m", "capdispatch", *ARGS]

@@ -47,7 +47,7 @@ import platform
 import sys
 
 from ceilings import bench as _bench, bench_graph as _bench_graph, copy_bandwidth, describe, matmul_rate, run_facts  # noqa: E402 (the script's own folder)
-from results_dir import archive_previous  # noqa: E402 (the script's own folder)
+from results_dir import add_out, archive_previous  # noqa: E402 (the script's own folder)
 from report import card_slug  # noqa: E402 (the script's own folder)
 import tile_modes  # noqa: E402 (the script's own folder)
 
@@ -415,7 +415,7 @@ def build_parser():
                         "comes from the graph time (a decode call is shorter than its eager launch)")
     p.add_argument("--no-memory", action="store_true", help="skip the reference memory measurement")
     p.add_argument("--cpu-memory", action="store_true", help="only the reference's memory accounting")
-    p.add_argument("--out", default=os.path.join("benchmarks", "results"))
+    add_out(p)
     tile_modes.add_argument(p)
     return p
 

@@ -31,7 +31,7 @@ import os
 import sys
 
 from ceilings import bench as _bench, copy_bandwidth, describe, run_facts  # noqa: E402 (the script's own folder)
-from results_dir import archive_previous  # noqa: E402 (the script's own folder)
+from results_dir import add_out, archive_previous  # noqa: E402 (the script's own folder)
 from report import card_slug  # noqa: E402 (the script's own folder)
 import tile_modes  # noqa: E402 (the script's own folder)
 
@@ -257,7 +257,7 @@ def build_parser():
     p.add_argument("--rep", type=int, default=200, help="do_bench measuring time, ms")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--slots", nargs="+", default=["random", "paged"], choices=("random", "paged"))
-    p.add_argument("--out", default=os.path.join("benchmarks", "results"))
+    add_out(p)
     tile_modes.add_argument(p)
     return p
 

@@ -49,7 +49,7 @@ import sys
 import time
 
 from ceilings import bench as _bench, bench_graph as _bench_graph, copy_bandwidth, matmul_rate  # noqa: E402 (the script's own folder)
-from results_dir import archive_previous  # noqa: E402 (the script's own folder)
+from results_dir import add_out, archive_previous  # noqa: E402 (the script's own folder)
 import tile_modes  # noqa: E402 (the script's own folder)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -293,7 +293,7 @@ def build_parser():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=list(DEFAULT_TOKENS))
     ap.add_argument("--backends", nargs="+", default=list(DEFAULT_BACKENDS))
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
+    add_out(ap)
     ap.add_argument("--allow-jit", action="store_true", help="let FlashInfer JIT-build inside the benchmark")
     ap.add_argument("--build-flashinfer-jit", action="store_true", help="only build FlashInfer's MoE module")
     ap.add_argument("--seed", type=int, default=None)

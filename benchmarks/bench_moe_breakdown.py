@@ -55,6 +55,7 @@ for _p in (ROOT, HERE):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
+from results_dir import add_out  # noqa: E402 (the script's own folder)
 import tile_modes  # noqa: E402 (the script's own folder)
 
 E, H, I, TOPK = 64, 4096, 2048, 6
@@ -617,7 +618,7 @@ def to_markdown(res) -> str:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
+    add_out(ap, required=True)
     ap.add_argument("--tokens", type=int, nargs="+", default=list(DEFAULT_TOKENS))
     ap.add_argument("--tiles", default="both", choices=TILE_SETS,
                     help="launch-table sets: both (default), this card's own (card) or the 99 KB cards' (99kb)")

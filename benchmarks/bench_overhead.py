@@ -44,7 +44,7 @@ import statistics
 import sys
 import time
 
-from results_dir import archive_previous  # the script's own folder
+from results_dir import add_out, archive_previous  # the script's own folder
 from report import card_slug  # noqa: E402 (the script's own folder)
 
 # The ops `inputs` builds a decode-sized problem for; the ops measured come from the registry,
@@ -295,7 +295,7 @@ def main(argv=None) -> int:
                     help="leave out the torch reference backends (slow on a GPU at these shapes)")
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=15)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    add_out(ap)
     ap.add_argument("--seed", type=int, default=None)
     args = ap.parse_args(argv)
 

@@ -21,7 +21,7 @@ import json
 import os
 import sys
 
-from results_dir import archive_previous  # the script's own folder
+from results_dir import add_out, archive_previous  # the script's own folder
 from report import card_slug  # noqa: E402 (the script's own folder)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -133,7 +133,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=float, default=25)
     p.add_argument("--rep", type=float, default=100)
-    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    add_out(p)
     return run(p.parse_args(argv))
 
 

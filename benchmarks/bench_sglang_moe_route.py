@@ -29,6 +29,8 @@ import random
 import sys
 import tempfile
 
+from results_dir import add_out, archive_previous  # the script's own folder
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, "tests")
 
@@ -36,13 +38,12 @@ TESTS = os.path.join(ROOT, "tests")
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512, 4096])
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
+    add_out(ap)
     ap.add_argument("--seed", type=int, default=None)
     args = ap.parse_args(argv)
     sys.path.insert(0, TESTS)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import ceilings
-    from results_dir import archive_previous
     from report import card_slug
     import sglang_moe_scenario as sc   # imports sglang_prelude first
     import sglang_fake_models as fake

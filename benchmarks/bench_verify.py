@@ -28,7 +28,7 @@ import tempfile
 import time
 from importlib import metadata
 
-from results_dir import archive_previous  # the script's own folder
+from results_dir import add_out, archive_previous  # the script's own folder
 from report import card_slug  # noqa: E402 (the script's own folder)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -147,7 +147,7 @@ def _versions() -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda:0")
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
+    add_out(ap)
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds one canary may take (default 300)")
     ap.add_argument("--cold", default="triton,tilelang", help="JIT caches to start empty (comma list; "
                     f"valid: {', '.join(CACHES)})")

@@ -69,7 +69,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--targets", default=",".join(M.TARGETS),
                     help=f"comma-separated catalog architectures (default: {','.join(M.TARGETS)})")
-    ap.add_argument("--out", default=DEFAULT_OUT, help="markdown table to write ('-' for none)")
+    # A file, not the results folder of results_dir.add_out.
+    ap.add_argument("--out", default=DEFAULT_OUT, metavar="FILE", help="markdown table to write ('-' for none)")
     ap.add_argument("--cover", action="store_true",
                     help="only the covering set: each (kernel, variant) once, on its tightest target")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON lines")

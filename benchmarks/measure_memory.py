@@ -20,7 +20,7 @@ import json
 import os
 import sys
 
-from results_dir import archive_previous  # noqa: E402 (the script's own folder)
+from results_dir import add_out, archive_previous  # noqa: E402 (the script's own folder)
 from report import card_slug  # noqa: E402 (the script's own folder)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -147,7 +147,7 @@ def build_parser():
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--page-size", type=int, default=256)
     p.add_argument("--device", type=int, default=0, help="CUDA device index")
-    p.add_argument("--out", default=os.path.join("benchmarks", "results"))
+    add_out(p)
     return p
 
 

@@ -25,6 +25,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_overhead as BO  # noqa: E402 (the script's own folder: the same inputs)
 from report import card_slug  # noqa: E402 (the script's own folder)
+from results_dir import add_out  # noqa: E402 (the script's own folder)
 
 CASES = ("kv_dequant:triton_fp8", "kv_quant:triton_fp8", "decode_mla:triton_fp8", "decode_mla:triton",
          "sparse_prefill:triton", "indexer:triton", "moe:triton_w4a16")
@@ -85,7 +86,7 @@ def main(argv=None) -> int:
     ap.add_argument("--case", action="append", choices=CASES, help="OP:BACKEND (default: all)")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--top", type=int, default=10)
-    ap.add_argument("--out", default=None, help="write profile_serving_<card>_<stamp>.md/.json here")
+    add_out(ap, default=None, help="write profile_serving_<card>_<stamp>.md/.json here")
     a = ap.parse_args(argv)
     import torch
     import triton

@@ -17,9 +17,7 @@ import json
 import os
 import sys
 
-from results_dir import archive_previous  # the script's own folder
-
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+from results_dir import add_out, archive_previous  # the script's own folder
 
 
 def load(path: str) -> dict:
@@ -100,7 +98,7 @@ def group_lines(label: str, docs: list, threshold_default: float = 1.05) -> list
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--card", required=True, help="the card's name in the file name, e.g. nvidia_h200")
-    p.add_argument("--out", default=RESULTS, help="where to write (default: benchmarks/results)")
+    add_out(p)
     p.add_argument("--title", default="Regret of policies in the served form")
     p.add_argument("--label", action="append", default=[], help="starts a group of runs (repeatable)")
     p.add_argument("runs", nargs="*", metavar="RUN.json")

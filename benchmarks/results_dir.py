@@ -11,7 +11,8 @@ timestamp (`attention_nvidia_h200`, `moe_tiles_nvidia_h200`, `overhead_cpu-host`
 moves every older run and log folder of DIR (default benchmarks/results) into
 DIR/archive/, which is what to run after copying a run's files in. Writers call
 `archive_previous(out_dir, series)` before writing a new run, which does the same for
-that series when out_dir is benchmarks/results and nothing elsewhere.
+that series when out_dir is benchmarks/results and nothing elsewhere. Every benchmark
+takes its `--out DIR` from `add_out`.
 """
 from __future__ import annotations
 
@@ -23,6 +24,18 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 ARCHIVE = "archive"
 RUN = re.compile(r"^(?P<series>.+?)_(?P<stamp>\d{8}T\d{6}Z?)\.(?P<ext>[A-Za-z0-9]+)$")
 SESSION = re.compile(r"^(?P<rig>[a-z0-9]+)-(?P<date>\d{4}-\d{2}-\d{2})(?:-(?P<what>[a-z0-9-]+))?$")
+
+
+def add_out(parser, *, default=RESULTS, required: bool = False, help: str | None = None):
+    """The benchmarks' --out DIR, the folder a run writes its result files into: DEFAULT
+    (benchmarks/results, whatever the working directory), or REQUIRED; HELP says what the
+    script writes there where the shared words are not enough."""
+    if help is None:
+        help = "folder the result files are written into" + (
+            "" if required else " (default: benchmarks/results)" if default == RESULTS
+            else " (default: none: nothing is written)" if default is None else f" (default: {default})")
+    return parser.add_argument("--out", metavar="DIR", default=None if required else default,
+                               required=required, help=help)
 
 
 def parse_run(name: str):

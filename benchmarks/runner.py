@@ -25,6 +25,7 @@ import attrs
 
 import report
 import suites as S
+from results_dir import add_out
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TILES = ("card", "99kb", "both")
@@ -64,8 +65,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="the Triton kernels' launch tables: this card's own (card), the 99 KB "
                         "shared-memory cards' (99kb: SM86/SM89/SM120), or both runs (default: card)")
     p.add_argument("--seed", type=int, default=None, help="seed of the random inputs (default: fresh, printed)")
-    p.add_argument("--out", default="benchmark-results", metavar="DIR",
-                   help="output folder (default: ./benchmark-results)")
+    add_out(p, default="benchmark-results", help="output folder (default: ./benchmark-results)")
     p.add_argument("--quick", action="store_true", help="short runs (fewer shapes and repeats) to check a setup")
     p.add_argument("--timeout", type=float, default=None, metavar="S",
                    help="seconds each benchmark may run (default: each one's own limit)")

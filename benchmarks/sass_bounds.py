@@ -307,7 +307,7 @@ def write(out_dir: str, meta: dict, rows: list) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=results_dir.RESULTS)
+    results_dir.add_out(ap)
     ap.add_argument("--only", default="", help="comma-separated row prefixes (moe, sparse, decode, indexer, kv)")
     ap.add_argument("--from-json", help="re-render the report of a written run (no compiles)")
     a = ap.parse_args(argv)

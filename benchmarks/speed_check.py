@@ -24,7 +24,7 @@ import os
 import statistics
 import sys
 
-from results_dir import archive_previous  # noqa: E402 (the script's own folder)
+from results_dir import add_out, archive_previous  # noqa: E402 (the script's own folder)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -98,7 +98,7 @@ def _meta_shapes(cal):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir")
-    p.add_argument("--out", default=os.path.join("benchmarks", "results"))
+    add_out(p)
     args = p.parse_args(argv)
     first, second = _runs(args.run_dir, "calibrate"), _runs(args.run_dir, "recheck")
     first_json = json.loads(_json_text(sorted(glob.glob(os.path.join(args.run_dir, "calibrate_*.json")))[0]))

@@ -25,6 +25,7 @@ for _p in (ROOT, os.path.join(ROOT, "benchmarks")):
         sys.path.insert(0, _p)
 
 import report  # noqa: E402 (the script's own folder)
+from results_dir import add_out  # noqa: E402 (the script's own folder)
 from ceilings import bench_graph  # noqa: E402
 
 E, TOPK = 64, 6
@@ -98,7 +99,7 @@ def to_markdown(rows) -> list:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
+    add_out(ap, required=True)
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--seed", type=int, default=None)
     a = ap.parse_args(argv)

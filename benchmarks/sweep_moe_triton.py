@@ -25,7 +25,7 @@ import sys
 
 from bench_moe import E, H, I, SWIGLU_LIMIT, TOPK, roofline  # noqa: E402 (the script's own folder)
 from ceilings import bench_graph, copy_bandwidth, describe, matmul_rate, run_facts  # noqa: E402
-from results_dir import archive_previous  # noqa: E402 (the script's own folder)
+from results_dir import add_out, archive_previous  # noqa: E402 (the script's own folder)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -49,7 +49,7 @@ def space(avg_rows):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 4096])
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
+    add_out(ap)
     ap.add_argument("--seed", type=int, default=None)
     a = ap.parse_args(argv)
     import torch

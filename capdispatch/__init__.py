@@ -84,6 +84,8 @@ _API = {
     "given": ("capdispatch.backends.batch_scope", "given"),
     "MoeWeights": ("capdispatch.backends.moe", "MoeWeights"),
     "prepare_moe_weights": ("capdispatch.backends.moe", "prepare"),
+    # The V4 KV cache's bytes per token: a route tells V4 cache views apart by their last dim.
+    "V4_TOKEN_BYTES": ("capdispatch.backends.v4_layout", "TOKEN_BYTES"),
     "Cell": ("capdispatch.dispatch", "Cell"),
     "Row": ("capdispatch.dispatch", "Row"),
     "did_you_mean": ("capdispatch.policies", "did_you_mean"),

@@ -186,7 +186,8 @@ def test_bench_on_the_cpu_with_its_own_timer_and_json(clean_env, tmp_path, capsy
 @pytest.mark.parametrize("argv,needle", [
     (["--op", "kv_qaunt"], "did you mean 'kv_quant'"),
     (["--sizes", "4,2"], "must ascend"),
-    (["--noise", "-1"], "is not a percentage"),
+    (["--noise", "-1"], "--noise -1: expected a percentage from 0 to below 100"),
+    (["--noise", "100"], "--noise 100: expected a percentage"),
     (["--device", "sim:h200"], "a simulated device cannot be timed"),
 ])
 def test_bench_bad_input_is_exit_2(clean_env, capsys, argv, needle):

@@ -441,3 +441,39 @@ def test_moe_report_with_graph_times(tmp_path):
     assert "| 1 | 6 | 20.0 | bytes | 50.0 (40.0%; eager 170.0) | 10000.0 (0.2%) |" in out, out
     assert "300.0 (33.3%; graph capture failed: RuntimeError: capture)" in out, out
     assert "replays from a CUDA graph" in out
+
+
+def test_every_benchmark_takes_its_out_folder_from_results_dir():
+    """--out DIR (the folder a run writes into) is declared once, results_dir.add_out; an
+    --out a script declares itself must be a FILE (compile_matrix's table). The shared
+    piece gives the results folder whatever the working directory, or none, or requires it."""
+    import argparse
+    import ast
+    import glob
+    own = []
+    for path in sorted(glob.glob(os.path.join(BENCH, "*.py"))):
+        if path.endswith("results_dir.py"):
+            continue
+        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read(), path)):
+            if (isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument"
+                    and node.args and isinstance(node.args[0], ast.Constant) and node.args[0].value == "--out"):
+                meta = {k.arg: getattr(k.value, "value", None) for k in node.keywords}.get("metavar")
+                if meta != "FILE":
+                    own.append(f"{os.path.basename(path)}:{node.lineno}")
+    assert not own, "--out declared outside results_dir.add_out: " + ", ".join(own)
+    sys.path.insert(0, BENCH)
+    try:
+        import results_dir as R
+    finally:
+        sys.path.remove(BENCH)
+    p = argparse.ArgumentParser()
+    R.add_out(p)
+    assert p.parse_args([]).out == R.RESULTS and os.path.isabs(R.RESULTS)
+    assert p.parse_args(["--out", "x"]).out == "x"
+    p = argparse.ArgumentParser()
+    R.add_out(p, default=None)
+    assert p.parse_args([]).out is None
+    p = argparse.ArgumentParser()
+    R.add_out(p, required=True)
+    with pytest.raises(SystemExit):
+        p.parse_args([])

@@ -76,10 +76,10 @@ class _FakeNVML(types.ModuleType):
     def __init__(self, cards):
         super().__init__("pynvml")
         self.cards = cards
-        self.inits = 0
+        self.inits = self.shutdowns = 0
 
     def nvmlInit(self): self.inits += 1
-    def nvmlShutdown(self): pass
+    def nvmlShutdown(self): self.shutdowns += 1
     def nvmlDeviceGetCount(self): return len(self.cards)
     def nvmlDeviceGetHandleByIndex(self, i): return self.cards[i]
     def nvmlDeviceGetHandleByUUID(self, u):
@@ -110,6 +110,28 @@ def test_nvml_probe_reads_facts_and_fills_from_catalog(fake_nvml):
     assert s.sm_count == 68 and s.smem_optin_per_block == 101376 and s.uuid == "GPU-bbb"
     assert any("catalog" in n for n in s.notes)
     assert any("CUDA_DEVICE_ORDER" in n for n in s.notes)   # mixed models, default order
+
+
+def test_nvml_is_shut_down_after_each_probe_and_fails_as_probe_errors(fake_nvml, monkeypatch):
+    """Every NVML session (a device's facts, the count) shuts down once it started, also
+    when a query fails; a failed query or a broken binding is a ProbeError, the device named."""
+    from capdispatch.capabilities.probing import ProbeError, local_devices, probe_nvml
+    assert len(local_devices(via="nvml")) == 2
+    assert fake_nvml.inits == fake_nvml.shutdowns == 3           # the count, then each card
+
+    def lost(h):
+        raise fake_nvml.NVMLError("GPU is lost")
+    monkeypatch.setattr(fake_nvml, "nvmlDeviceGetCudaComputeCapability", lost)
+    with pytest.raises(ProbeError, match=r"^cuda:1: NVML query failed: GPU is lost$"):
+        probe_nvml(1)
+    assert fake_nvml.inits == fake_nvml.shutdowns == 4
+
+    def broken():
+        raise OSError("undefined symbol: nvmlInit_v2")
+    monkeypatch.setattr(fake_nvml, "nvmlInit", broken)
+    with pytest.raises(ProbeError, match=r"^cuda:0: NVML could not start: undefined symbol"):
+        probe_nvml(0)
+    assert fake_nvml.shutdowns == 4                               # never started: not shut down
 
 
 def test_nvml_probe_honours_cuda_visible_devices_at_call_time(fake_nvml, monkeypatch):

@@ -45,6 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ieee_fp8 as F  # noqa: E402
 
 from capdispatch.backends.decode_mla import reference as R  # noqa: E402
+from capdispatch.backends.decode_mla.library_args import DECODE_TOPK_ALIGN  # noqa: E402
 from capdispatch.backends import v4_layout as L  # noqa: E402
 import v4_offsets as O  # noqa: E402
 from capdispatch.backends.kv_cache import reference as KV  # noqa: E402
@@ -501,22 +502,24 @@ def test_clean_ids_matches_torch(dtype, shape):
     dev = "cuda" if HAS_CUDA and not INTERPRET else "cpu"
     idx = idx.to(dev)
     k = shape[-1]
+    assert DECODE_TOPK_ALIGN == 64       # both libraries' decode kernels tile top-k by 64
     k_out = k + (-k) % 64
     want = torch.where((idx >= 0) & (idx < cap), idx, -1).to(torch.int32)
     want = torch.nn.functional.pad(want, (0, k_out - k), value=-1)
     out = torch.full(tuple(shape[:-1]) + (k_out,), 0x7EADBEEF, dtype=torch.int32, device=dev)
-    got = ip.clean_ids(idx, cap, out=out)
+    got = ip.clean_ids(idx, cap, DECODE_TOPK_ALIGN, out=out)
     assert got is out and torch.equal(got.cpu(), want.cpu()), f"seed={seed} shape={shape} {dtype}"
     non_contig = idx.transpose(-1, -2).contiguous().transpose(-1, -2) if len(shape) > 1 else idx
-    assert torch.equal(ip.clean_ids(non_contig, cap).cpu(), want.cpu()), f"seed={seed} strided"
+    assert torch.equal(ip.clean_ids(non_contig, cap, DECODE_TOPK_ALIGN).cpu(), want.cpu()), f"seed={seed} strided"
 
 
 def test_clean_ids_errors():
     ip = _index_prep() if (INTERPRET or HAS_CUDA) else pytest.importorskip("capdispatch.backends.decode_mla.index_prep")
     with pytest.raises(TypeError, match="int32 or int64"):
-        ip.clean_ids(torch.zeros(2, 3), 10)
+        ip.clean_ids(torch.zeros(2, 3), 10, DECODE_TOPK_ALIGN)
     with pytest.raises(ValueError, match=r"contiguous int32 tensor of shape \(2, 64\)"):
-        ip.clean_ids(torch.zeros(2, 3, dtype=torch.int32), 10, out=torch.empty(2, 3, dtype=torch.int32))
+        ip.clean_ids(torch.zeros(2, 3, dtype=torch.int32), 10, DECODE_TOPK_ALIGN,
+                     out=torch.empty(2, 3, dtype=torch.int32))
 
 
 @_interp

@@ -1025,10 +1025,12 @@ def test_flashinfer_adapter_calls_bind_to_real_api(backend, monkeypatch):
             u8 = fc1.view(torch.uint8)
             assert torch.equal(u8[:, :I], orig[0][:, I:]) and torch.equal(u8[:, I:], orig[0][:, :I])  # [up; gate]
             assert len(kw["quant_scales"]) == 4 and torch.equal(kw["quant_scales"][1], torch.ones(E))
-            assert kw["use_mxfp8_act_scaling"] is True and kw["input_sf"] is not None
+            assert kw["use_mxfp8_act_scaling"] is True and kw["use_w4_group_scaling"] is False
+            assert kw["input_sf"] is not None and kw["input"].dtype != torch.bfloat16   # quantised
             assert calls["mxfp8"] == (True, 32)
         else:
             assert len(kw["quant_scales"]) == 2 and kw["use_w4_group_scaling"] is True
+            assert kw["use_mxfp8_act_scaling"] is False
             assert kw["input_sf"] is None and kw["input"].dtype == torch.bfloat16
             fc1 = kw["fc1_expert_weights"]
             assert torch.equal(fc1[:, :I], orig[0][:, I:].flip(-1))            # swapped, then "interleaved"

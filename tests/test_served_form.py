@@ -276,11 +276,13 @@ def test_the_regret_check_names_what_a_policy_picks_against_the_fastest(clean_en
 
 
 @pytest.mark.parametrize("argv, needle", [
-    (["--threshold", "0.9"], "--threshold: 0.9 is not a ratio"),
-    (["--warmup", "nan"], "--warmup: nan is not a time"),
-    (["--rep", "0"], "--rep: 0.0 is not a time"),
+    (["--threshold", "0.9"], "--threshold 0.9: expected a ratio >= 1, e.g. 1.05"),
+    (["--warmup", "nan"], "--warmup nan: expected a time in ms from 0 to 60000"),
+    (["--rep", "0"], "--rep 0: expected a time in ms above 0, at most 60000"),
     (["--model", "deepseek-v4-flash", "--tp", "3"], "tp 3"),
-    (["--layers", "0"], "--layers: 0 is out of range"),
+    (["--layers", "0"], "--layers 0: expected an integer >= 1"),
+    (["--cuda-graph-max-bs", "-1"], "--cuda-graph-max-bs -1: expected an integer >= 0"),
+    (["--seed", "9" * 23], f"--seed {'9' * 23}: expected an integer from 0 to {2**64 - 1}"),
     (["--check", "missing.yaml"], "missing.yaml"),
 ])
 def test_bad_bench_values_are_refused_before_anything_runs(clean_env, capsys, argv, needle):

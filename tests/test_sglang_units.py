@@ -685,6 +685,24 @@ def test_knob_map_rows_for_attention_and_moe(release):
         "h200": "flashinfer_cutlass_w4a16", "rtx-3080": "flashinfer_cutlass_w4a8"}
 
 
+def test_a_device_family_is_of_a_cuda_device_probed_or_simulated(release):
+    """One family rule for the knob map's selects and the moe route's native_by: a CUDA
+    device (a simulated one too) by its cc major; the CPU, or any device not on CUDA even
+    with a cc, has none and takes the entries' first listed or `other`."""
+    from capdispatch.adapters.sglang import moe_plan
+    from capdispatch.adapters.sglang.records import family
+    assert knobs.family is family
+    cuda = cd.DeviceSpec(id="cuda:0", name="NVIDIA H200", platform="cuda", cc=(9, 0), probe="torch")
+    assert [family(d) for d in (cd.probe("sim:h200"), cd.probe("sim:rtx-5090"), cuda)] == ["sm90", "sm120", "sm90"]
+    cpu = cd.probe("cpu")
+    odd = attrs.evolve(cpu, cc=(9, 0))           # a cc on a device that is not CUDA
+    assert family(cpu) is None and family(odd) is None
+    nb = moe_plan.route_of(release).native_by
+    assert nb.default_for(odd) == nb.default_for(cpu)
+    mx = {(s.field, s.value): s for s in release.selects}[("moe_runner_backend", "flashinfer_mxfp4")]
+    assert mx.backend_for(odd) == mx.backend_for(cpu) == mx.backends[0][1]
+
+
 @pytest.mark.parametrize("old,new,message", [
     ("        torch: {route: [moe_layer]}\n", "", "no entry for moe backend(s) torch"),
     ("        backend: marlin_w4a16                      # Mxfp4MarlinMoEMethod\n",

@@ -5,6 +5,7 @@ is called, so CUDA_VISIBLE_DEVICES set late still counts.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import platform as _platform
 import sys
@@ -261,17 +262,32 @@ def _visible_to_physical(index: int, nvml) -> tuple:
     return handle, notes
 
 
-def probe_nvml(index: int) -> DeviceSpec:
-    """Facts through NVML: never initialises CUDA in this process."""
+@contextlib.contextmanager
+def _nvml_session(where: str = ""):
+    """pynvml, initialised for the block and shut down after it. NVML that cannot start,
+    or a query in the block that fails, is a ProbeError prefixed with WHERE ('cuda:1: ')."""
     try:
         import pynvml as nvml
     except ImportError as exc:
-        raise ProbeError(f"cuda:{index}: {nvml_failure(exc)}")
+        raise ProbeError(f"{where}{nvml_failure(exc)}") from None
     try:
         nvml.nvmlInit()
-    except nvml.NVMLError as exc:
-        raise ProbeError(f"cuda:{index}: {nvml_failure(exc)}")
+    except Exception as exc:   # NVMLError subclasses, or a broken binding
+        raise ProbeError(f"{where}{nvml_failure(exc)}") from None
     try:
+        yield nvml
+    except nvml.NVMLError as exc:
+        raise ProbeError(f"{where}NVML query failed: {exc}") from None
+    finally:
+        try:
+            nvml.nvmlShutdown()
+        except nvml.NVMLError:
+            pass
+
+
+def probe_nvml(index: int) -> DeviceSpec:
+    """Facts through NVML: never initialises CUDA in this process."""
+    with _nvml_session(f"cuda:{index}: ") as nvml:
         handle, notes = _visible_to_physical(index, nvml)
         name = nvml.nvmlDeviceGetName(handle)
         name = name.decode() if isinstance(name, bytes) else name
@@ -284,21 +300,14 @@ def probe_nvml(index: int) -> DeviceSpec:
             sm_count = int(nvml.nvmlDeviceGetAttributes_v2(handle).multiprocessorCount) or None
         except (nvml.NVMLError, AttributeError):
             pass
-        entry = catalog.match_name(name)
-        if sm_count is None and entry is not None:
-            sm_count = entry.get("sm_count")
-            notes.append(f"SM count from the catalog entry {entry['key']!r} (NVML does not report it)")
-        arch = catalog.arch_entry((major, minor))
-        smem = arch.get("smem_optin_per_block") if arch else None
-        if smem is not None:
-            notes.append(f"opt-in shared memory from the sm_{major}{minor} architecture table (NVML does not report it)")
-    except nvml.NVMLError as exc:
-        raise ProbeError(f"cuda:{index}: NVML query failed: {exc}")
-    finally:
-        try:
-            nvml.nvmlShutdown()
-        except nvml.NVMLError:
-            pass
+    entry = catalog.match_name(name)
+    if sm_count is None and entry is not None:
+        sm_count = entry.get("sm_count")
+        notes.append(f"SM count from the catalog entry {entry['key']!r} (NVML does not report it)")
+    arch = catalog.arch_entry((major, minor))
+    smem = arch.get("smem_optin_per_block") if arch else None
+    if smem is not None:
+        notes.append(f"opt-in shared memory from the sm_{major}{minor} architecture table (NVML does not report it)")
     return DeviceSpec(
         id=f"cuda:{index}", name=name, platform="cuda", vendor="NVIDIA",
         cc=(major, minor), sm_count=sm_count, smem_optin_per_block=smem, memory=memory,
@@ -309,25 +318,10 @@ def probe_nvml(index: int) -> DeviceSpec:
 
 def _nvml_count() -> int:
     """Visible devices by NVML; ProbeError (with the reason) when NVML cannot start."""
-    try:
-        import pynvml as nvml
-    except ImportError as exc:
-        raise ProbeError(nvml_failure(exc))
-    try:
-        nvml.nvmlInit()
-    except Exception as exc:   # NVMLError subclasses, or a broken binding
-        raise ProbeError(nvml_failure(exc))
-    try:
+    with _nvml_session() as nvml:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         total = nvml.nvmlDeviceGetCount()
         return total if visible is None else sum(1 for _ in _iter_visible(visible, total))
-    except nvml.NVMLError as exc:
-        raise ProbeError(f"NVML query failed: {exc}")
-    finally:
-        try:
-            nvml.nvmlShutdown()
-        except nvml.NVMLError:
-            pass
 
 
 def local_devices(*, via: str = "auto") -> list:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 import re
 import sys
 import textwrap
@@ -137,6 +138,32 @@ def whole(low: int = 1, high: Optional[int] = None) -> Callable:
         return value
     parse.flag_aware = True
     return parse
+
+
+def number(need: str, low: float, high: Optional[float] = None, *, above: bool = False,
+           below: bool = False) -> Callable:
+    """A type for a finite number from LOW (more than LOW with ABOVE) to HIGH (less than
+    HIGH with BELOW), refused as NEED says it ('a time in ms from 0 to 60000'); flag-aware
+    like `whole`."""
+    def parse(flag: str, text: str) -> float:
+        if len(text) > 40:
+            raise refused(flag, text[:20] + "...", need)
+        try:
+            value = float(text)
+        except ValueError:
+            raise refused(flag, text, need) from None
+        if not (math.isfinite(value) and (value > low if above else value >= low)
+                and (high is None or (value < high if below else value <= high))):
+            raise refused(flag, text, need)
+        return value
+    parse.flag_aware = True
+    return parse
+
+
+def flagged(flag: str, type_: Callable) -> Callable:
+    """TYPE_ (a flag-aware type: `whole`, `number`) for an option a command declares itself,
+    so that its error names FLAG."""
+    return functools.partial(type_, flag)
 
 
 # ------------------------------------------------------------------ the declarations

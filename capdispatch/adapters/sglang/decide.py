@@ -140,9 +140,11 @@ def bucket_choices(route, res, routed: bool) -> tuple:
     return tuple(out)
 
 
-def route_choice(route, op: str, res, user_env=None):
+def route_by_native(route, op: str, res, user_env=None):
     """(routed, why, warning) for OP at ROUTE (the site SGLang calls on the device RES
-    was resolved for); WARNING is None unless a user switch keeps a kernel that cannot run.
+    was resolved for), by the kernel SGLang calls there (route.native); WARNING is None
+    unless a user switch keeps a kernel that cannot run. The moe route, whose kernel is
+    the method SGLang builds for the launch's value, is decided by moe_plan.route_by_method.
 
     Decided per size bucket: where every bucket's winner is SGLang's own kernel
     (route.native), SGLang's call stays, whoever named it (a user policy that names the
@@ -237,12 +239,12 @@ def choose(release, op: str, res, spec, user_env=None, moe_launch=None, strict=F
     warning, buckets = None, ()
     if route is not None and route.native_by is not None:
         from . import moe_plan
-        routed, why, warning = moe_plan.route_choice(route, res, spec, moe_launch, strict)
+        routed, why, warning = moe_plan.route_by_method(route, res, spec, moe_launch, strict)
         action = "routed" if routed else "kept"
         # SGLang's method runs one kernel for every size: kept keeps it whole.
         runs = res.backend
     elif route is not None:
-        routed, why, warning = route_choice(route, op, res, user_env)
+        routed, why, warning = route_by_native(route, op, res, user_env)
         action = "routed" if routed else "kept"
         conflict = bool(user_env_conflicts(route, user_env))
         buckets = bucket_choices(route, res, routed) if not conflict else ()

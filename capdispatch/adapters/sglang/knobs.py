@@ -17,7 +17,7 @@ import capdispatch as cd
 
 from . import compat
 from .moe_plan import NativeBy
-from .records import LaunchRule, SglangSetting
+from .records import LaunchRule, SglangSetting, family
 
 MAX_BYTES = 1 << 20     # the knob map is ~20 KiB
 DEFAULT_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "knobs.yaml")
@@ -77,12 +77,6 @@ def _family_range(fam: str) -> str:
     """'sm120' -> '>=12.0,<13.0'."""
     major = int(fam[2:]) // 10
     return f">={major}.0,<{major + 1}.0"
-
-
-def family(device) -> Optional[str]:
-    """'sm90', 'sm100', 'sm120', ... (compute-capability major x 10), None without a cc."""
-    cc = getattr(device, "cc", None)
-    return None if cc is None else f"sm{cc[0] * 10}"
 
 
 @attrs.frozen

@@ -15,7 +15,7 @@ from typing import Optional
 
 import attrs
 
-from .records import SglangSetting
+from .records import SglangSetting, family
 
 OTHER = "other"        # a device family, or a value, not listed
 
@@ -34,23 +34,18 @@ class NativeBy:
         return d.get(key, d.get(OTHER, fallback))
 
     def default_for(self, device) -> str:
-        return self._lookup(self.default, _family(device), "auto")
+        return self._lookup(self.default, family(device), "auto")
 
     def native(self, value: str, device) -> Optional[str]:
         """The capdispatch backend SGLang's method for VALUE runs on DEVICE (None: none)."""
-        return self._lookup(self._lookup(self.values, value, ()), _family(device))
+        return self._lookup(self._lookup(self.values, value, ()), family(device))
 
     def method(self, value: str, device=None) -> str:
         m = self._lookup(self.methods, value, "its method")
-        return m if isinstance(m, str) else self._lookup(m, _family(device), "its method")
+        return m if isinstance(m, str) else self._lookup(m, family(device), "its method")
 
     def reason(self, value: str) -> str:
         return self._lookup(self.why, value, "")
-
-
-def _family(device) -> Optional[str]:
-    cc = getattr(device, "cc", None)
-    return None if not cc or getattr(device, "platform", "cuda") != "cuda" else f"sm{cc[0] * 10}"
 
 
 def route_of(release):
@@ -78,8 +73,9 @@ def launch_value(release, specs, *, explicit_fields=(), field_values=None) -> Op
                          origin=f"SGLang's DeepSeek-V4 default from device 0 ({d0.id}, {d0.name})")
 
 
-def route_choice(route, res, spec, launch: Optional[SglangSetting], strict: bool = False):
-    """(routed, why, warning) for moe on SPEC, resolved as RES (a capdispatch selection
+def route_by_method(route, res, spec, launch: Optional[SglangSetting], strict: bool = False):
+    """(routed, why, warning) for moe on SPEC by the method SGLang builds there for the
+    launch's value (LAUNCH), resolved as RES (a capdispatch selection
     included: where it names the kernel SGLang's method runs, that method is kept).
     Raises capdispatch.Unsatisfiable under STRICT where the user's value cannot run."""
     import capdispatch as cd

@@ -201,6 +201,14 @@ class OpChoice:
                              "action": b.action, "runs": b.runs} for b in self.bucket_rows()]}
 
 
+def family(device) -> Optional[str]:
+    """The device family knobs.yaml keys entries by: 'sm90', 'sm100', 'sm120', ... (compute-
+    capability major x 10) for a CUDA device, probed or simulated; None for any other (the
+    CPU) or one without a compute capability, which takes an entry's `other`."""
+    cc = getattr(device, "cc", None)
+    return f"sm{cc[0] * 10}" if cc and getattr(device, "platform", None) == "cuda" else None
+
+
 def resolution_kind(res) -> str:
     """How the matrix marks a resolution (capdispatch's explain marks): first preference,
     fallback, downgraded explicit choice, or changed by mixed_group: uniform."""

@@ -97,7 +97,7 @@ def store_v4(original, input, cache, indices, *, page_size, type, layout=None, f
 # targets in its release (check_knob_names in tests/sglang_scenarios.py compares them
 # with each release's source), so positional and keyword calls bind the same way with
 # no per-call inspection.
-V4_TOKEN_BYTES = 584      # the V4 layout; FlashMLA tells formats apart by this last dim
+V4_TOKEN_BYTES = cd.V4_TOKEN_BYTES      # FlashMLA tells cache formats apart by this last dim
 
 
 def _v4_view(cache) -> bool:

@@ -17,9 +17,8 @@ from ..arg_checks import index_dtype
 from ..device_scope import cdiv, on_device
 from ..triton_common.env import interpreted
 
-__all__ = ["clean_ids", "TOPK_ALIGN"]
+__all__ = ["clean_ids"]
 
-TOPK_ALIGN = 64
 MAX_BLOCK = 1024      # ids per program at most
 
 
@@ -33,9 +32,10 @@ def _clean_ids_kernel(src_ptr, dst_ptr, K_IN, K_OUT, capacity, stride_src, BLOCK
     tl.store(dst_ptr + row * K_OUT + offs, tl.where(keep, v, -1).to(tl.int32), mask=offs < K_OUT)
 
 
-def clean_ids(idx: torch.Tensor, capacity: int, align: int = TOPK_ALIGN, *, out: torch.Tensor | None = None):
+def clean_ids(idx: torch.Tensor, capacity: int, align: int, *, out: torch.Tensor | None = None):
     """int32 [..., k'] copy of the integer ids IDX [..., k]: ids outside [0, capacity) become
-    -1 and each list is padded with -1 to k' = k rounded up to a multiple of ALIGN.
+    -1 and each list is padded with -1 to k' = k rounded up to a multiple of ALIGN (the
+    libraries': library_args.DECODE_TOPK_ALIGN).
     OUT, when given, must be a contiguous int32 tensor of that shape."""
     index_dtype(idx, "index ids")
     k = idx.shape[-1]

@@ -20,9 +20,11 @@ import torch
 from ...errors import ArgumentError
 from ..v4_layout import TOKEN_BYTES
 
-__all__ = ["TOPK_ALIGN", "pool_view", "clean_ids", "pad_heads", "deliver"]
+__all__ = ["DECODE_TOPK_ALIGN", "pool_view", "clean_ids", "pad_heads", "deliver"]
 
-TOPK_ALIGN = 64
+# The decode kernels of FlashMLA and FlashInfer (SM120) tile top-k by 64. Sparse prefill's
+# alignment is another kernel's: sparse_prefill/flashmla.py PREFILL_TOPK_ALIGN.
+DECODE_TOPK_ALIGN = 64
 
 
 def pool_view(pool_u8, page_size):
@@ -41,9 +43,9 @@ def clean_ids(idx, capacity, checks=True):
     """ids outside [0, capacity) -> -1, padded with -1 to a multiple of 64: one launch.
     Without checks (serving) a list that is already int32, contiguous and 64-aligned is
     taken as it is: its ids are trusted to be -1 or in range, as SGLang's are."""
-    if not checks and idx.dtype == torch.int32 and idx.shape[-1] % TOPK_ALIGN == 0 and idx.is_contiguous():
+    if not checks and idx.dtype == torch.int32 and idx.shape[-1] % DECODE_TOPK_ALIGN == 0 and idx.is_contiguous():
         return idx
-    return _clean_ids_fn()(idx, capacity, TOPK_ALIGN)
+    return _clean_ids_fn()(idx, capacity, DECODE_TOPK_ALIGN)
 
 
 def pad_heads(q, attn_sink, allowed):

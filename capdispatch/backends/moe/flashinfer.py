@@ -94,6 +94,27 @@ def _out(x, out):
     return torch.empty_like(x) if out is None else out
 
 
+def _cutlass_moe(fm, x, weights, topk_weights, topk_ids, out, *, fc1, fc2, quant_scales, input_sf,
+                 mxfp8_act: bool) -> None:
+    """flashinfer's cutlass_fused_moe into OUT, as both CUTLASS backends call it: MXFP8
+    activations (MXFP8_ACT: X quantised, INPUT_SF its scales) or bf16 ones with MXFP4
+    group scaling; FC1/FC2 and QUANT_SCALES in the layout each backend prepared."""
+    fm.cutlass_fused_moe(
+        input=x,
+        token_selected_experts=topk_ids.to(torch.int32),
+        token_final_scales=topk_weights.float(),
+        fc1_expert_weights=fc1,
+        fc2_expert_weights=fc2,
+        output_dtype=torch.bfloat16,
+        quant_scales=quant_scales,
+        input_sf=input_sf,
+        swiglu_limit=weights.aux.get("swiglu_limit"),
+        use_w4_group_scaling=not mxfp8_act,
+        use_mxfp8_act_scaling=mxfp8_act,
+        output=out,
+    )
+
+
 # --------------------------------------------------------------------------- #
 # SM120: CUTLASS, MXFP8 activations x MXFP4 weights
 # --------------------------------------------------------------------------- #
@@ -119,20 +140,10 @@ def moe_cutlass_w4a8(x, weights, topk_weights, topk_ids, out=None, *, checks=Tru
         return out
     xq, xsf = flashinfer.mxfp8_quantize(x.contiguous(), True, alignment=32)
     gs = weights.aux["global_scale"]
-    fm.cutlass_fused_moe(
-        input=xq,
-        token_selected_experts=topk_ids.to(torch.int32),
-        token_final_scales=topk_weights.float(),
-        fc1_expert_weights=weights.w13.view(torch.int64),
-        fc2_expert_weights=weights.w2.view(torch.int64),
-        output_dtype=torch.bfloat16,
-        quant_scales=[weights.w13_scale.view(torch.int32), gs, weights.w2_scale.view(torch.int32), gs],
-        input_sf=xsf,
-        swiglu_limit=weights.aux.get("swiglu_limit"),
-        use_w4_group_scaling=False,
-        use_mxfp8_act_scaling=True,
-        output=out,
-    )
+    _cutlass_moe(fm, xq, weights, topk_weights, topk_ids, out,
+                 fc1=weights.w13.view(torch.int64), fc2=weights.w2.view(torch.int64),
+                 quant_scales=[weights.w13_scale.view(torch.int32), gs, weights.w2_scale.view(torch.int32), gs],
+                 input_sf=xsf, mxfp8_act=True)
     return out
 
 
@@ -164,20 +175,10 @@ def moe_cutlass_w4a16(x, weights, topk_weights, topk_ids, out=None, *, checks=Tr
     out = _out(x, out)
     if x.shape[0] == 0:
         return out
-    fm.cutlass_fused_moe(
-        input=x.contiguous(),
-        token_selected_experts=topk_ids.to(torch.int32),
-        token_final_scales=topk_weights.float(),
-        fc1_expert_weights=weights.w13,
-        fc2_expert_weights=weights.w2,
-        output_dtype=torch.bfloat16,
-        quant_scales=[weights.w13_scale.view(torch.int32), weights.w2_scale.view(torch.int32)],
-        input_sf=None,
-        swiglu_limit=weights.aux.get("swiglu_limit"),
-        use_w4_group_scaling=True,
-        use_mxfp8_act_scaling=False,
-        output=out,
-    )
+    _cutlass_moe(fm, x.contiguous(), weights, topk_weights, topk_ids, out,
+                 fc1=weights.w13, fc2=weights.w2,
+                 quant_scales=[weights.w13_scale.view(torch.int32), weights.w2_scale.view(torch.int32)],
+                 input_sf=None, mxfp8_act=False)
     return out
 
 

@@ -35,7 +35,10 @@ from .reference import D_V, LN2, check_sparse_prefill_args
 
 __all__ = ["flashmla_sparse"]
 
-TOPK_ALIGN = 128
+# FlashMLA's sparse-prefill kernels need topk % B_TOPK == 0 (64 at 64 heads, 128 at 128):
+# 128 serves both, as SGLang's SPARSE_PREFILL_TOPK_ALIGNMENT. Decode tiles by 64:
+# decode_mla/library_args.py DECODE_TOPK_ALIGN.
+PREFILL_TOPK_ALIGN = 128
 
 
 @functools.cache
@@ -73,7 +76,7 @@ def flashmla_sparse(q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_leng
         q = q.contiguous()
     idx = idx2.to(torch.int32)
     topk = idx.shape[1]
-    pad = (-topk) % TOPK_ALIGN
+    pad = (-topk) % PREFILL_TOPK_ALIGN
     if pad:
         idx = torch.nn.functional.pad(idx, (0, pad), value=-1)
     idx = idx.contiguous().unsqueeze(1)
