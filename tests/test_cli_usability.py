@@ -602,7 +602,7 @@ def test_sglang_plan_header_says_whose_libraries(plan_cmd, monkeypatch):
     assert "note: simulated" not in out
 
 
-def test_sglang_plan_opens_with_the_matrix_and_brief_is_the_matrix_alone(plan_cmd):
+def test_sglang_plan_opens_with_the_matrix_and_brief_is_the_matrix_and_its_warnings(plan_cmd):
     rc, full, _ = plan_cmd("--device", RIG, "--libs", "sglang-0.5.23")
     assert rc == 0
     rc, brief, _ = plan_cmd("--device", RIG, "--libs", "sglang-0.5.23", "--brief")
@@ -620,10 +620,14 @@ def test_sglang_plan_opens_with_the_matrix_and_brief_is_the_matrix_alone(plan_cm
     assert "triton_w4a16 (routed)*" in rows["moe"]
     assert "(routed): capdispatch's kernel at SGLang's call site" in lines
     assert "* fallback: the first preference cannot run on that device" in lines
-    assert lines[-1].startswith("libraries: the sglang-0.5.23 profile's")
-    assert not any(line.startswith(("rank 0: cuda:0 NVIDIA", "launch (", "warnings:")) for line in lines)
+    # The matrix, whose libraries, and the one warning its caption counts: the divergences' summary.
+    caption = lines.index("warnings:") - 2
+    assert lines[caption].startswith("libraries: the sglang-0.5.23 profile's") and lines[caption].endswith(
+        "; 1 warning(s) below")
+    assert " ".join(lines[caption + 3:]).split()[:2] == ["mixed", "group:"]
+    assert not any(line.startswith(("rank 0: cuda:0 NVIDIA", "launch (")) for line in lines)
     # The full plan opens with the same matrix, then the tables.
-    assert brief.strip("\n") in full
+    assert "\n".join(lines[:caption]) in full
     assert full.index(lines[0]) < full.index("launch (main process") < full.index("rank 0: cuda:0 NVIDIA")
 
 
