@@ -458,6 +458,28 @@ def test_readme_matrix_reproduces(dispatch):
     assert out.rstrip("\n").splitlines() == _doc_block("README.md", cmd)
 
 
+def test_readme_one_op_example_reproduces_and_names_no_library_of_this_machine(dispatch):
+    """Simulated and without --libs/--assume-lib: the default profile's libraries, so the
+    example prints the same on a torch-free install as on a full one."""
+    cmd = "dispatch explain --device sim:rtx-3080 --op kv_dequant"
+    rc, out, _ = dispatch(*cmd.split()[1:])
+    assert rc == 0
+    assert [_norm(x) for x in out.rstrip("\n").splitlines()] == [_norm(x) for x in _doc_block("README.md", cmd)]
+
+
+def test_no_example_of_explain_rests_on_this_machine_s_torch():
+    """`--assume-lib NAME` adds to this machine's libraries: without torch installed, such an
+    example exits 3. The examples a new user copies plan simulated cards with the default
+    profile (or name --libs) instead."""
+    texts = [cli.EPILOG, cli.EXPLAIN_EPILOG, open(os.path.join(ROOT, "docs", "cli.md"), encoding="utf-8").read()]
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    texts.append(readme)
+    for text in texts:
+        for line in text.splitlines():
+            if "dispatch explain --device sim:" in line:
+                assert "--assume-lib" not in line or "--libs" in line, line
+
+
 def test_extras_match_the_declared_ranges():
     tomllib = pytest.importorskip("tomllib")
     from packaging.requirements import Requirement

@@ -23,7 +23,7 @@ EXTENSIONS = {
 
 EPILOG = """\
 examples:
-  dispatch explain --device sim:rtx-5090,sim:rtx-3080,sim:rtx-3080 --assume-lib triton --brief
+  dispatch explain --device sim:rtx-5090,sim:rtx-3080,sim:rtx-3080 --brief
   dispatch explain --device sim:rtx-5090,sim:h200 --libs sglang-0.5.23
   dispatch devices                      this machine's GPUs (NVML: CUDA stays uninitialised)
   dispatch catalog                      the GPUs that sim:NAME can simulate
@@ -41,9 +41,9 @@ shell completion: eval "$(register-python-argcomplete dispatch)" (pip install 'c
 
 EXPLAIN_EPILOG = """\
 examples:
-  dispatch explain --device sim:rtx-3080 --assume-lib triton --op kv_dequant
+  dispatch explain --device sim:rtx-3080 --op kv_dequant
       one op on one card: triton_u8, and why not triton_fp8 (fp8 needs cc 8.9)
-  dispatch explain --device sim:rtx-5090,sim:rtx-3080,sim:rtx-3080 --assume-lib triton
+  dispatch explain --device sim:rtx-5090,sim:rtx-3080,sim:rtx-3080
       a mixed rig: the op x device matrix, then each op's trace
   dispatch explain --device sim:rtx-5090,sim:rtx-3080 --mixed-group uniform --brief
       one kernel on every card of the group, matrix only
