@@ -480,6 +480,24 @@ def test_no_example_of_explain_rests_on_this_machine_s_torch():
                 assert "--assume-lib" not in line or "--libs" in line, line
 
 
+def test_explain_counts_a_model_s_ranks_as_plan_does(dispatch):
+    """Three cards are three ranks in explain as in plan: V4-Flash's 64 heads refused at tp 3
+    by both, and --tp 2 over three cards refused by both, in one wording."""
+    for cmd in ("explain", "plan"):
+        rc, out, err = dispatch(cmd, "--device", RIG, "--model", "deepseek-v4-flash", "--brief")
+        assert rc == (2 if cmd == "explain" else 3)
+        assert "heads 64 do not divide over tp 3" in err + out
+        rc, out, err = dispatch(cmd, "--device", RIG, "--model", "deepseek-v4-flash", "--tp", "2")
+        assert rc == 2 and err.strip() == ("dispatch: error: --tp 2 puts one rank on each card, but --device "
+                                           "names 3 card(s); give 2 devices (or one, to use it 2 times)")
+    rc, out, _ = dispatch("explain", "--device", "sim:h200", "--model", "deepseek-v4-flash", "--tp", "8",
+                          "--format", "json")
+    assert rc == 0 and json.loads(out)["shapes"]["tp"] == 8
+    rc, out, _ = dispatch("explain", "--device", "sim:h200,sim:h200", "--model", "deepseek-v4-flash",
+                          "--format", "json")
+    assert rc == 0 and json.loads(out)["shapes"]["tp"] == 2
+
+
 def test_extras_match_the_declared_ranges():
     tomllib = pytest.importorskip("tomllib")
     from packaging.requirements import Requirement

@@ -235,7 +235,7 @@ def check_layout(args, keys=LAYOUT[1:]) -> None:
     from .errors import BadInput
     if getattr(args, "model", None) is not None:
         return
-    if any(getattr(args, OPTIONS[k].dest or k) != (False if OPTIONS[k].switch else OPTIONS[k].default)
+    if any(getattr(args, OPTIONS[k].dest or k) not in (None, False if OPTIONS[k].switch else OPTIONS[k].default)
            for k in keys):
         flags = "/".join(OPTIONS[k].flag for k in keys)
         raise BadInput(f"{flags} describe a model's layout: give --model NAME|PATH with them "
