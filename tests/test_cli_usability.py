@@ -498,6 +498,12 @@ def test_explain_counts_a_model_s_ranks_as_plan_does(dispatch):
     assert rc == 0 and json.loads(out)["shapes"]["tp"] == 2
 
 
+def test_a_bad_assume_cuda_is_named_by_its_own_flag(dispatch):
+    rc, out, err = dispatch("explain", "--device", "sim:h200", "--assume-cuda", "abc")
+    assert rc == 2 and out == ""
+    assert err.strip().startswith("dispatch: error: bad --assume-cuda 'abc': expected a CUDA toolkit version")
+
+
 def test_extras_match_the_declared_ranges():
     tomllib = pytest.importorskip("tomllib")
     from packaging.requirements import Requirement
