@@ -458,6 +458,52 @@ def test_readme_matrix_reproduces(dispatch):
     assert out.rstrip("\n").splitlines() == _doc_block("README.md", cmd)
 
 
+def test_readme_one_op_example_reproduces_and_names_no_library_of_this_machine(dispatch):
+    """Simulated and without --libs/--assume-lib: the default profile's libraries, so the
+    example prints the same on a torch-free install as on a full one."""
+    cmd = "dispatch explain --device sim:rtx-3080 --op kv_dequant"
+    rc, out, _ = dispatch(*cmd.split()[1:])
+    assert rc == 0
+    assert [_norm(x) for x in out.rstrip("\n").splitlines()] == [_norm(x) for x in _doc_block("README.md", cmd)]
+
+
+def test_no_example_of_explain_rests_on_this_machine_s_torch():
+    """`--assume-lib NAME` adds to this machine's libraries: without torch installed, such an
+    example exits 3. The examples a new user copies plan simulated cards with the default
+    profile (or name --libs) instead."""
+    texts = [cli.EPILOG, cli.EXPLAIN_EPILOG, open(os.path.join(ROOT, "docs", "cli.md"), encoding="utf-8").read()]
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    texts.append(readme)
+    for text in texts:
+        for line in text.splitlines():
+            if "dispatch explain --device sim:" in line:
+                assert "--assume-lib" not in line or "--libs" in line, line
+
+
+def test_explain_counts_a_model_s_ranks_as_plan_does(dispatch):
+    """Three cards are three ranks in explain as in plan: V4-Flash's 64 heads refused at tp 3
+    by both, and --tp 2 over three cards refused by both, in one wording."""
+    for cmd in ("explain", "plan"):
+        rc, out, err = dispatch(cmd, "--device", RIG, "--model", "deepseek-v4-flash", "--brief")
+        assert rc == (2 if cmd == "explain" else 3)
+        assert "heads 64 do not divide over tp 3" in err + out
+        rc, out, err = dispatch(cmd, "--device", RIG, "--model", "deepseek-v4-flash", "--tp", "2")
+        assert rc == 2 and err.strip() == ("dispatch: error: --tp 2 puts one rank on each card, but --device "
+                                           "names 3 card(s); give 2 devices (or one, to use it 2 times)")
+    rc, out, _ = dispatch("explain", "--device", "sim:h200", "--model", "deepseek-v4-flash", "--tp", "8",
+                          "--format", "json")
+    assert rc == 0 and json.loads(out)["shapes"]["tp"] == 8
+    rc, out, _ = dispatch("explain", "--device", "sim:h200,sim:h200", "--model", "deepseek-v4-flash",
+                          "--format", "json")
+    assert rc == 0 and json.loads(out)["shapes"]["tp"] == 2
+
+
+def test_a_bad_assume_cuda_is_named_by_its_own_flag(dispatch):
+    rc, out, err = dispatch("explain", "--device", "sim:h200", "--assume-cuda", "abc")
+    assert rc == 2 and out == ""
+    assert err.strip().startswith("dispatch: error: bad --assume-cuda 'abc': expected a CUDA toolkit version")
+
+
 def test_extras_match_the_declared_ranges():
     tomllib = pytest.importorskip("tomllib")
     from packaging.requirements import Requirement
@@ -602,7 +648,7 @@ def test_sglang_plan_header_says_whose_libraries(plan_cmd, monkeypatch):
     assert "note: simulated" not in out
 
 
-def test_sglang_plan_opens_with_the_matrix_and_brief_is_the_matrix_alone(plan_cmd):
+def test_sglang_plan_opens_with_the_matrix_and_brief_is_the_matrix_and_its_warnings(plan_cmd):
     rc, full, _ = plan_cmd("--device", RIG, "--libs", "sglang-0.5.23")
     assert rc == 0
     rc, brief, _ = plan_cmd("--device", RIG, "--libs", "sglang-0.5.23", "--brief")
@@ -620,10 +666,14 @@ def test_sglang_plan_opens_with_the_matrix_and_brief_is_the_matrix_alone(plan_cm
     assert "triton_w4a16 (routed)*" in rows["moe"]
     assert "(routed): capdispatch's kernel at SGLang's call site" in lines
     assert "* fallback: the first preference cannot run on that device" in lines
-    assert lines[-1].startswith("libraries: the sglang-0.5.23 profile's")
-    assert not any(line.startswith(("rank 0: cuda:0 NVIDIA", "launch (", "warnings:")) for line in lines)
+    # The matrix, whose libraries, and the one warning its caption counts: the divergences' summary.
+    caption = lines.index("warnings:") - 2
+    assert lines[caption].startswith("libraries: the sglang-0.5.23 profile's") and lines[caption].endswith(
+        "; 1 warning(s) below")
+    assert " ".join(lines[caption + 3:]).split()[:2] == ["mixed", "group:"]
+    assert not any(line.startswith(("rank 0: cuda:0 NVIDIA", "launch (")) for line in lines)
     # The full plan opens with the same matrix, then the tables.
-    assert brief.strip("\n") in full
+    assert "\n".join(lines[:caption]) in full
     assert full.index(lines[0]) < full.index("launch (main process") < full.index("rank 0: cuda:0 NVIDIA")
 
 

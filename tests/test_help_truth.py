@@ -110,6 +110,22 @@ def test_the_sglang_command_without_a_subcommand_says_which(capsys):
     assert len(err.splitlines()) == 1
 
 
+@pytest.mark.parametrize("argv,says", [
+    (["explian"], "dispatch: error: COMMAND: invalid choice: 'explian'; did you mean 'explain'? (choose from"),
+    (["policy", "vaildate"], "COMMAND: invalid choice: 'vaildate'; did you mean 'validate'? (choose from"),
+    (["sglang", "plann"], "dispatch sglang: error: COMMAND: invalid choice: 'plann'; did you mean 'plan'?"),
+    (["zzz"], "dispatch: error: COMMAND: invalid choice: 'zzz' (choose from 'devices',"),
+])
+def test_a_mistyped_command_is_one_line_with_a_did_you_mean(argv, says, capsys):
+    try:
+        rc = cli.main(argv)
+    except SystemExit as exc:
+        rc = exc.code
+    assert rc == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and len(err.splitlines()) == 1, err
+
+
 # --- an unknown CAPDISPATCH_ variable --------------------------------------------------------
 
 def test_an_unknown_variable_is_one_warning_with_a_did_you_mean_once(monkeypatch, caplog):

@@ -96,6 +96,20 @@ def test_library_drift_via_assume_lib(env):
     assert str(drifts[0]).count("\n") == 0
 
 
+def test_a_library_installed_without_a_version_is_not_locked_as_not_installed(env):
+    """The default profile's triton is unpinned: the lock says installed, and a drift names it so."""
+    p = cd.plan([RTX3080], ops=["kv_dequant"], log_warnings=False)           # the default profile
+    lk = cd.lock(p)
+    (locked,) = [d for d in lk.devices if d.id == RTX3080]
+    assert locked.ops["kv_dequant"].libraries["triton"] == "installed (no version)"
+    drifts = cd.compare_lock(_plan([RTX3080], ops=["kv_dequant"]), lk)          # triton==3.9.0 assumed
+    triton = [(d.locked, d.now) for d in drifts if d.locked.startswith("triton")]
+    assert triton == [("triton installed (no version)", "triton 3.9.0")]
+    absent = cd.compare_lock(_plan([RTX3080], ops=["kv_dequant"], assume_libs=["torch==2.14.1"], libs="local"), lk)
+    assert not any("triton not installed" in d.locked for d in absent)
+    assert cd.compare_lock(cd.plan([RTX3080], ops=["kv_dequant"], log_warnings=False), lk) == ()
+
+
 def test_card_drift(env, tmp_path):
     """Same id, another card: the card line, then each backend that changed with it."""
     was = probe(H200).with_id("cuda:0")

@@ -115,6 +115,22 @@ def test_lock_and_a_matching_check_say_the_divergence_once(dispatch, tmp_path):
     assert rc == 0 and len(_warnings(err)) == 5
 
 
+def test_sglang_plan_brief_prints_the_warnings_it_counts_the_divergences_in_one_line(dispatch):
+    rc, out, _ = dispatch("sglang", "plan", "--device", RIG, "--brief")
+    assert rc == 0
+    lines = out.splitlines()
+    (caption,) = [ln for ln in lines if ln.startswith("libraries:")]
+    assert caption.endswith("; 1 warning(s) below")
+    below = "\n".join(lines[lines.index("warnings:") + 1:])
+    # kv_quant keeps SGLang's store on every card: 4 of the 6 ops shown diverge.
+    assert below.split() == ("mixed group: 4 of 6 ops run different backends on different cards "
+                             "(kv_dequant, indexer, decode_mla, moe; mixed_group: warn, default.yaml:7); "
+                             "without --brief the plan lists each").split()
+    rc, out, _ = dispatch("sglang", "plan", "--device", RIG)
+    assert rc == 0 and "; 4 warning(s) below" in out
+    assert len([ln for ln in out.splitlines() if "choose different backends" in ln]) == 4
+
+
 # --- ranges -----------------------------------------------------------------------------------
 
 def test_ids_as_ranges():

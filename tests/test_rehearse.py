@@ -42,6 +42,47 @@ def test_seed_rig_emulated_on_cpu_matches_reference():
     assert by[(0, "kv_quant")].decided != by[(1, "kv_quant")].decided
     assert by[(1, "kv_quant")].decided == by[(2, "kv_quant")].decided
     assert by[(0, "moe")].calls == 2 * 3        # 2 layers x (prefill + 2 decode steps)
+    # docs/rehearse.md's example of this rig is what the report says, numbers and elisions aside.
+    from capdispatch.dispatch.rehearse_cmd import planned, render
+    text = render(r, planned(devices.parse_list([SEED_RIG]), "sglang-0.5.23").whose)
+    _assert_reads_as(_doc_example("--model tests/rehearse/v4-tp3/config.json"), text.splitlines())
+
+
+def _shape(line) -> str:
+    """LINE with its numbers, paths and column padding left out."""
+    import re
+    return " ".join(re.sub(r"\d+(\.\d+)?(e[+-]\d+)?|~?/\S+", "N", line).split())
+
+
+def _assert_reads_as(doc, got) -> None:
+    """DOC's lines are GOT's in order, numbers aside: each run between two `...` lines
+    consecutive in GOT, the first run from GOT's first line, the last to its last."""
+    runs, run = [], []
+    for line in doc + ["..."]:
+        if line.strip() == "...":
+            runs.append([_shape(x) for x in run])
+            run = []
+        else:
+            run.append(line)
+    got = [_shape(x) for x in got]
+    at = 0
+    for i, run in enumerate(runs):
+        starts = [j for j in range(at, len(got) - len(run) + 1) if got[j:j + len(run)] == run]
+        assert starts, f"docs/rehearse.md's lines {run} are not the report's:\n" + "\n".join(got)
+        assert i or starts[0] == 0, "the report opens otherwise"
+        at = starts[0] + len(run)
+    assert at == len(got), "the report ends otherwise"
+
+
+def _doc_example(marker) -> list:
+    """The output lines of docs/rehearse.md's example whose command holds MARKER."""
+    text = (Path(__file__).parent.parent / "docs" / "rehearse.md").read_text(encoding="utf-8")
+    start = text.index(marker)
+    lines = text[start:text.index("```", start)].splitlines()
+    while lines and not lines[0].startswith("rehearsal of"):
+        lines.pop(0)
+    assert lines, marker
+    return lines
 
 
 def test_wrong_output_is_named_with_rank_and_op(monkeypatch):

@@ -237,8 +237,10 @@ def test_torch_free_plan_speed_prints_the_memory_plan_and_the_prediction():
 @pytest.mark.parametrize("argv, what", [
     (("rehearse", "--device", "emu:rtx-5090@cpu,emu:rtx-3080@cpu", "--model", "deepseek-v4-flash"),
      "dispatch rehearse runs the group's kernels"),
-    (("verify", "--device", "cpu"), "dispatch verify runs each backend's canary"),
-    (("bench", "--device", "cpu", "--op", "kv_quant"), "dispatch bench times kernels")])
+    (("verify", "--device", "cpu"), "dispatch verify runs the backends' canaries"),
+    (("bench", "--device", "cpu", "--op", "kv_quant"), "dispatch bench times kernels"),
+    (("checkpoint", "--model", "deepseek-v4-flash", "--layers", "1", "--out", "ckpt-never-written"),
+     "dispatch checkpoint writes random weights")])
 def test_torch_free_commands_that_run_kernels_say_they_need_torch_in_one_line(argv, what):
     rc, out, err = _torchless_cli(*argv)
     assert rc == 2 and out == ""

@@ -84,6 +84,8 @@ def run(args) -> int:
                          f"layers of {shape.name})")
     cfg, where = source_config(args.model)
     p = plan(shape, cfg, where, args.layers)
+    from .inputs import needs_torch
+    needs_torch("dispatch checkpoint writes random weights")    # the line every command says
     w = write(p, args.out, seed=args.seed, progress=_progress())
     hint = serve_hint(w)
     if args.format == "json":

@@ -23,7 +23,7 @@ EXTENSIONS = {
 
 EPILOG = """\
 examples:
-  dispatch explain --device sim:rtx-5090,sim:rtx-3080,sim:rtx-3080 --assume-lib triton --brief
+  dispatch explain --device sim:rtx-5090,sim:rtx-3080,sim:rtx-3080 --brief
   dispatch explain --device sim:rtx-5090,sim:h200 --libs sglang-0.5.23
   dispatch devices                      this machine's GPUs (NVML: CUDA stays uninitialised)
   dispatch catalog                      the GPUs that sim:NAME can simulate
@@ -41,9 +41,9 @@ shell completion: eval "$(register-python-argcomplete dispatch)" (pip install 'c
 
 EXPLAIN_EPILOG = """\
 examples:
-  dispatch explain --device sim:rtx-3080 --assume-lib triton --op kv_dequant
+  dispatch explain --device sim:rtx-3080 --op kv_dequant
       one op on one card: triton_u8, and why not triton_fp8 (fp8 needs cc 8.9)
-  dispatch explain --device sim:rtx-5090,sim:rtx-3080,sim:rtx-3080 --assume-lib triton
+  dispatch explain --device sim:rtx-5090,sim:rtx-3080,sim:rtx-3080
       a mixed rig: the op x device matrix, then each op's trace
   dispatch explain --device sim:rtx-5090,sim:rtx-3080 --mixed-group uniform --brief
       one kernel on every card of the group, matrix only
@@ -100,7 +100,8 @@ def _parser() -> argparse.ArgumentParser:
     add(e, "lock")
     add(e, "model", help="the model whose rank shapes under --tp/--ep are checked against the "
         "kernels' shape ranges")
-    add(e, *LAYOUT[1:])
+    add(e, "tp", default=None, unset="one rank per device, as dispatch plan")
+    add(e, *LAYOUT[2:])
     add(e, "format", "probe", "assume_cuda")
 
     o = sub.add_parser("ops", help="the ops and their backends with what each needs",
@@ -210,9 +211,11 @@ def _cmd_explain(args) -> int:
     from .inputs import op_list
     ops = op_list(args.op, "--op", builtin())
     from .model_cmd import shapes_from_args
-    _, shapes = shapes_from_args(args)
+    from .rigplan import group_tp
     check_layout(args)
     specs = _specs(args)
+    # The group's ranks are its devices, as `dispatch plan` counts them (one device with --tp N: N such cards).
+    _, shapes = shapes_from_args(args, tp=group_tp(args.tp, len(specs)))
     p = plan(specs, ops or None, policy=args.policy or None, shapes=shapes,
              selections=args.set_ or None, assume_libs=args.assume_lib, strict=args.strict,
              selection_origin="--set", libs=args.libs,

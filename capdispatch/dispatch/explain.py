@@ -44,6 +44,12 @@ class Plan:
             "shapes": self.shapes.to_dict() if self.shapes is not None else None,
         }
 
+    def mixed_summary(self, hint: str = "-v shows each", total=None) -> str:
+        """Every mixed-group divergence of the plan as one line, as `--brief` says it ("": none);
+        TOTAL: how many ops the caller shows (default: the plan's)."""
+        from .notices import summary
+        return summary(self, hint, total)
+
 
 def device_dict(d, libraries) -> dict:
     return {"id": d.id, "name": d.name, "cc": d.cc_str, "features": sorted(derive_features(d)),

@@ -159,8 +159,13 @@ def check_cache_dir(env, name: str = "CAPDISPATCH_CACHE_DIR") -> None:
 def device_specs(values, source: str, *, via: str = "auto", assume_cuda=None) -> list:
     """device_list(VALUES), each read (probed or simulated) as one group; an unknown device
     names SOURCE. Empty: [] (the caller's default, e.g. the local devices)."""
+    from ..capabilities.probing import AssumeCudaError, check_assume_cuda
     from .group import unique_ids
     from .resolver import as_spec
+    try:
+        check_assume_cuda(assume_cuda)      # its own flag's error, not the device list's
+    except AssumeCudaError as exc:
+        raise BadInput(str(exc)) from None
     specs = []
     for dev in device_list(values, source):
         try:

@@ -15,7 +15,8 @@ for errors), schema 1:
         ops:
           indexer:
             backend: tilelang
-            libraries: {tilelang: 0.1.12, torch: 2.11.0}    # the backend's, null: not installed
+            libraries: {tilelang: 0.1.12, torch: 2.11.0}    # the backend's, null: not installed,
+                                       # 'installed (no version)': no version known
             verified: pass             # | "failed: <class ...>" | "not verified"
             buckets:                   # only where a policy gives size buckets: each bucket's
             - {upper: 64, backend: triton}     # backend, ascending; upper null: the catch-all
@@ -80,7 +81,7 @@ class LockDriftError(Unsatisfiable):
 @attrs.frozen
 class LockedOp:
     backend: str
-    libraries: Optional[dict]  # dist -> version (None: not installed), of every backend it runs;
+    libraries: Optional[dict]  # dist -> version (None: not installed; UNVERSIONED), of every backend it runs;
                                # None: not recorded (a hand-written lock), not compared
     verified: str             # "pass", "failed: ...", "not verified"
     buckets: tuple = ()       # ((upper or None, backend), ...) where a policy gives size buckets
@@ -184,7 +185,16 @@ def _versions(plan, op: str, backends) -> dict:
     inventory = plan.inventory or Inventory()
     registry = plan.registry or builtin()
     dists = dict.fromkeys(d for b in dict.fromkeys(backends) for d in _backend_dists(registry, op, b))
-    return {dist: inventory.get(dist).version for dist in dists}
+    return {dist: _version(inventory.get(dist)) for dist in dists}
+
+
+# A library installed without a known version (a profile's unpinned triton, `--assume-lib
+# NAME`): null would read as not installed.
+UNVERSIONED = "installed (no version)"
+
+
+def _version(fact):
+    return fact.version if fact.version is not None else (UNVERSIONED if fact.installed else None)
 
 
 def _buckets(r) -> tuple:

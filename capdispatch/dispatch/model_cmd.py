@@ -18,15 +18,16 @@ exit codes: 0 shown; 2 an unknown model, a bad config.json or a layout SGLang wo
 """
 
 
-def shapes_from_args(args, model=None):
-    """(ModelShape, RankShape) for the parsed options; (None, None) without a model.
+def shapes_from_args(args, model=None, tp=None):
+    """(ModelShape, RankShape) for the parsed options (TP: the ranks, when the command
+    counted them otherwise than --tp); (None, None) without a model.
     Raises ModelError for an unknown model, a bad config or a refused layout."""
     from ..models import load_model
     name = model if model is not None else getattr(args, "model", None)
     if name is None:
         return None, None
     shape = load_model(name)
-    return shape, shape.for_rank(args.tp, args.ep, args.dp_attention, next_n=args.next_n)
+    return shape, shape.for_rank(args.tp if tp is None else tp, args.ep, args.dp_attention, next_n=args.next_n)
 
 
 def add_parser(sub):

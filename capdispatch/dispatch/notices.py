@@ -54,13 +54,15 @@ def collapse(warnings, device_ids) -> list:
     return out
 
 
-def summary(plan, hint: str = "-v shows each") -> str:
-    """One line for every mixed-group divergence of PLAN ("" when none)."""
+def summary(plan, hint: str = "-v shows each", total=None) -> str:
+    """One line for every mixed-group divergence of PLAN ("" when none), of TOTAL ops
+    (default: the plan's; a caller that shows more ops than it decided says how many)."""
     ops = [op for op, g in plan.ops.items() if g.divergence]
     if not ops:
         return ""
     origin = plan.ops[ops[0]].origin
-    return (f"mixed group: {len(ops)} of {len(plan.ops)} ops run different backends on different "
+    total = len(plan.ops) if total is None else total
+    return (f"mixed group: {len(ops)} of {total} ops run different backends on different "
             f"cards ({', '.join(ops)}; mixed_group: warn, {origin}); {hint}")
 
 

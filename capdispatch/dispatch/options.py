@@ -78,6 +78,9 @@ class Parser(argparse.ArgumentParser):
             if isinstance(a, argparse._SubParsersAction) and text.startswith(
                     "the following arguments are required:") and a.metavar in text:
                 text += f" ({', '.join(a.choices)}; `{self.prog} --help` says what each does)"
+            if isinstance(a, argparse._SubParsersAction) and a.metavar and text.startswith(
+                    f"{a.metavar}: invalid choice:"):
+                text = _command_hint(text, a.choices)
         print(f"{self.command}: error: {text}", file=sys.stderr)
         from .errors import ExitCode
         raise SystemExit(ExitCode.BAD_INPUT)
@@ -94,6 +97,17 @@ class Parser(argparse.ArgumentParser):
                 hint = f"; did you mean {close[0]}?"
                 break
         return f"{hint} (`{self.prog} --help` lists the options)"
+
+
+def _command_hint(text: str, choices) -> str:
+    """"COMMAND: invalid choice: 'explian' (choose from ...)" with a did-you-mean after the
+    name, when one is close."""
+    import difflib
+    m = re.match(r"([^:]+: invalid choice: '([^']*)')(.*)", text, re.S)
+    if not m:
+        return text
+    close = difflib.get_close_matches(m.group(2), list(choices), n=1, cutoff=0.6)
+    return m.group(1) + (f"; did you mean '{close[0]}'?" if close else "") + m.group(3)
 
 
 def _plain(message: str) -> str:
@@ -248,7 +262,7 @@ def check_layout(args, keys=LAYOUT[1:]) -> None:
     from .errors import BadInput
     if getattr(args, "model", None) is not None:
         return
-    if any(getattr(args, OPTIONS[k].dest or k) != (False if OPTIONS[k].switch else OPTIONS[k].default)
+    if any(getattr(args, OPTIONS[k].dest or k) not in (None, False if OPTIONS[k].switch else OPTIONS[k].default)
            for k in keys):
         flags = "/".join(OPTIONS[k].flag for k in keys)
         raise BadInput(f"{flags} describe a model's layout: give --model NAME|PATH with them "

@@ -166,6 +166,21 @@ def _catalog_cards(min_bytes: int) -> list:
     return [k for _, k in sorted(out)]
 
 
+def group_tp(tp, devices: int) -> int:
+    """The ranks of a group of DEVICES cards at --tp TP (None: one rank per device); one
+    device with --tp N stands for N such cards, any other count must be TP."""
+    if tp is None:
+        return devices
+    if devices not in (1, tp):
+        raise _tp_mismatch(tp, devices)
+    return tp
+
+
+def _tp_mismatch(tp: int, devices: int) -> BadInput:
+    return BadInput(f"--tp {tp} puts one rank on each card, but --device names {devices} "
+                    f"card(s); give {tp} devices (or one, to use it {tp} times)")
+
+
 def build(model: ModelShape, specs, *, tp: int, ep: int = 1, dp_attention: bool = False,
           next_n: Optional[int] = None, context: int = DEFAULT_CONTEXT, batch: int = DEFAULT_BATCH) -> RigPlan:
     """The plan of MODEL over SPECS (one DeviceSpec per rank) at the layout."""
@@ -177,8 +192,7 @@ def build(model: ModelShape, specs, *, tp: int, ep: int = 1, dp_attention: bool 
                        f"{_limit(model)}; valid: 0..{_limit(model)}")
     specs = tuple(specs)
     if len(specs) != tp:
-        raise BadInput(f"--tp {tp} puts one rank on each card, but --device names {len(specs)} "
-                       f"card(s); give {tp} devices (or one, to use it {tp} times)")
+        raise _tp_mismatch(tp, len(specs))
     layout = Layout(tp, ep, dp_attention)
     weights_total = sum(p.bytes for p in _mem.weight_parts(model, model.for_rank(1, next_n=next_n)))
     cards_total = sum(s.memory or 0 for s in specs)

@@ -84,7 +84,7 @@ def run(args) -> int:
     ctx = context(policy=args.policy or None, selections=args.set_ or None, selection_origin="--set")
     from .inputs import device_specs, needs_torch, op_list
     specs = device_specs(args.device, "--device", via=args.probe) or local_devices(via=args.probe)
-    needs_torch("dispatch verify runs each backend's canary")
+    needs_torch("dispatch verify runs the backends' canaries")
     ops = op_list(args.op, "--op", ctx.registry) or list(ctx.registry.ops)
     todo = verify.jobs(ctx, specs, ops, backend=args.backend, every=args.every)
     with _Progress(len(todo)) as progress, terminate_as_interrupt():

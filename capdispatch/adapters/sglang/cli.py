@@ -47,7 +47,7 @@ def add_commands(p):
         "kernels' shape ranges (a layout SGLang would refuse is an error naming the layouts that "
         "would work)")
     add(plan, *LAYOUT_WITHOUT_TP)
-    add(plan, "brief", help="the op x rank matrix")
+    add(plan, "brief", help="the op x rank matrix and the warnings, the mixed-group divergences as one line")
     add(plan, "format")
     return sub
 

@@ -15,6 +15,8 @@ import attrs
 import capdispatch as cd
 
 SCHEMA = 2
+# What the --brief summary of the mixed-group divergences says of the full warnings.
+BRIEF_HINT = "without --brief the plan lists each"
 PLATFORM_FACTS = ("is_sm90", "is_sm100", "is_sm120", "is_blackwell", "device_sm")
 # Where SGLang has no platform facade (an empty `arch.platform`), the probes its readers call.
 PLATFORM_PROBES = ("is_sm90_supported", "is_sm100_supported", "is_sm120_supported", "is_blackwell_supported",
@@ -104,6 +106,8 @@ class LaunchPlan:
     ranks: tuple = ()
     sglang_settings: tuple = ()
     warnings: tuple = ()
+    divergent: tuple = ()     # the mixed-group divergences among WARNINGS
+    mixed_summary: str = ""   # them as one line, for --brief
     shapes: Optional[cd.RankShape] = None
     shape_rejections: tuple = ()
     resolved: Optional[dict] = None
@@ -268,6 +272,8 @@ def build(*, tp=None, sglang_args=None, options, env: dict, model=None) -> Launc
         ops=tuple(inputs.ops), reason=inputs.reason, gpu_ids=tuple(ids), launch=d.settings,
         ranks=tuple(rank_plan(i, g, spec, d, release) for i, (g, spec) in enumerate(zip(ids, specs))),
         sglang_settings=d.sglang, warnings=tuple(d.warnings), shapes=shapes,
+        divergent=tuple(g.divergence for g in (d.plan.ops.values() if d.plan else ()) if g.divergence),
+        mixed_summary=d.plan.mixed_summary(BRIEF_HINT, len(inputs.ops)) if d.plan else "",
         shape_rejections=shape_rejections(d) if shapes is not None else (), resolved=fields)
 
 

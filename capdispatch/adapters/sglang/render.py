@@ -10,10 +10,11 @@ ACTION_TAGS = {"routed": ("(routed)", "(routed): capdispatch's kernel at SGLang'
                "reported": ("(report)", "(report): decided and reported, not carried out")}
 
 
-def matrix(plan, *, color=None, width=None, ascii_only=None, stream=None) -> str:
+def matrix(plan, *, color=None, width=None, ascii_only=None, stream=None, brief: bool = False) -> str:
     """The op x rank table of PLAN (plan.LaunchPlan): per cell the kernel and what SGLang
     does with it (routed / kept / report), fallbacks, downgrades and divergent rows marked
-    as `dispatch explain` marks them; whose libraries below."""
+    as `dispatch explain` marks them; whose libraries below, and how many warnings follow
+    (under BRIEF the mixed-group divergences count as their one summary line)."""
     import capdispatch as cd
     Cell, Row = cd.Cell, cd.Row
     if not plan.ranks:
@@ -29,8 +30,9 @@ def matrix(plan, *, color=None, width=None, ascii_only=None, stream=None) -> str
         cells = tuple(Cell(cell_text(c), c.kind) for c in cs)
         rows.append(Row(op, cells, diverges=len({c.backend for c in cs}) > 1))
     legend = [ACTION_TAGS[a][1] for a in ACTION_TAGS if a in used]
+    shown = brief_warnings(plan) if brief else plan.warnings
     caption = "\n".join(legend + [f"libraries: {plan.whose}"
-                                  + (f"; {len(plan.warnings)} warning(s) below" if plan.warnings else "")])
+                                  + (f"; {len(shown)} warning(s) below" if shown else "")])
     kw = dict(color=color, ascii_only=ascii_only, stream=stream)
     table = cd.render_matrix(cols, rows, caption=caption, width=width, **kw)
     if table != cd.render_matrix(cols, rows, caption=caption, width=10**6, **kw):
@@ -43,6 +45,13 @@ def matrix(plan, *, color=None, width=None, ascii_only=None, stream=None) -> str
                        f"alike share one (xN cards)\n" + caption)
             table = cd.render_matrix(gcols, grows, caption=caption, width=width, **kw)
     return table
+
+
+def brief_warnings(plan) -> list:
+    """PLAN's warnings as --brief shows them: the mixed-group divergences as one summary
+    line after the rest, as `dispatch explain --brief` says them."""
+    rest = [w for w in plan.warnings if w not in plan.divergent]
+    return rest + ([plan.mixed_summary] if plan.mixed_summary and plan.divergent else [])
 
 
 def _rank_columns(plan, rows):
@@ -164,9 +173,11 @@ def text(plan, *, brief: bool = False, color=None, stream=None) -> str:
     lines += _inventory_lines(plan)
     lines += _shape_lines(plan)
     lines.append("")
-    table = matrix(plan, color=color, stream=stream)
+    table = matrix(plan, color=color, stream=stream, brief=brief)
     if brief:
-        return "\n".join(_wrapped([table] + _inventory_lines(plan)[1:] if table else lines)).rstrip("\n")
+        below = [f"  {w}" for w in brief_warnings(plan)]
+        below = ["", "warnings:"] + below if below else []
+        return "\n".join(_wrapped([table] + _inventory_lines(plan)[1:] + below if table else lines)).rstrip("\n")
     if table:
         lines += [table, ""]
     lines.append("launch (main process; every rank inherits it):")
