@@ -71,7 +71,8 @@ def add_parser(sub):
                         "--engine sglang: output tokens per request, at least 2, default 16)")
     p.add_argument("--requests", type=int, default=None, metavar="N",
                    help="--engine sglang: greedy requests, one at a time (default 4)")
-    p.add_argument("--seed", type=int, default=0, metavar="N", help="weights, tokens and routes (default 0)")
+    p.add_argument("--seed", type=int, default=0, metavar="N", help="weights, tokens and routes (default 0; --engine sglang: the prompts "
+                        "and SGLang's random seed)")
     p.add_argument("--timeout", type=float, default=None, metavar="S",
                    help="seconds a rank may go without progress (an op or all-reduce beginning), and "
                         "each all-reduce may wait; then every rank still running is killed (default 60; "

@@ -21,7 +21,9 @@ def render(r) -> str:
         lines.append(f"plugin {'on' if run.plugin else 'off'}: {state}{ready}; log {run.log or 'not kept (no --out)'}")
         lines.append(f"  {' '.join(run.command)}")
         if run.error:
-            lines += ["  " + x for x in run.error.splitlines()[:40]]
+            lines.append(f"  error: {run.error}")
+        if run.log_tail:
+            lines += ["  | " + x for x in run.log_tail.splitlines()]
     lines.append("")
     for k in r.on.reports:
         agreed = {None: "not agreed yet", True: "agreed", False: "NOT agreed"}[k.agreed]

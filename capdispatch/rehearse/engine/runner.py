@@ -12,6 +12,7 @@ import time
 import urllib.error
 from typing import Callable, Optional
 
+from ...errors import CapdispatchError
 from ..errors import RehearseError
 from . import launch, server, verdict
 from .verdict import Reply, Run
@@ -92,7 +93,7 @@ def _serve(lp, env, plugin, server_cmd, prompts, steps, timeout, start_timeout, 
     log = os.path.join(tmp, name)
     command = _command(lp, server_cmd)
     ready = version = memory = None
-    replies, step, rank, error = [], None, None, None
+    replies, step, rank, error, log_tail = [], None, None, None, ""
     proc = server.start(server_cmd, lp.argv(), env, log)
     try:
         ready = server.wait_ready(proc, lp.port, log, start_timeout)
@@ -116,17 +117,17 @@ def _serve(lp, env, plugin, server_cmd, prompts, steps, timeout, start_timeout, 
             rep = verdict.reply_of(body, first, total)
             head = verdict.reply_of(one, first, first).tokens
             if head[:1] != rep.tokens[:1]:
-                raise server.EngineFailed(step, f"{step}: SGLang's first token differs between the 1-token "
+                raise server.EngineFailed(step, f"SGLang's first token differs between the 1-token "
                                                 f"({head[:1]}) and the {steps}-token reply ({rep.tokens[:1]}): "
                                                 f"its greedy output is not repeatable here")
             if len(rep.tokens) != steps:
-                raise server.EngineFailed(step, f"{step}: {len(rep.tokens)} tokens back, asked for {steps}")
+                raise server.EngineFailed(step, f"{len(rep.tokens)} tokens back, asked for {steps}")
             replies.append(rep)
         step = None
     except server.EngineFailed as exc:
-        step, rank, error = exc.step, exc.rank, str(exc)
-    except (ValueError, KeyError, TypeError) as exc:
-        error = f"{step}: SGLang's answer cannot be read: {exc}"
+        step, rank, error, log_tail = exc.step, exc.rank, str(exc), exc.log_tail
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        error = f"SGLang's answer cannot be read: {type(exc).__name__}: {exc}"
     finally:
         server.stop(proc)
     saved = None
@@ -140,16 +141,21 @@ def _serve(lp, env, plugin, server_cmd, prompts, steps, timeout, start_timeout, 
         except ValueError as exc:
             step, error = "rank reports", str(exc)
         if out and found:
+            import attrs
             os.makedirs(os.path.join(out, "reports"), exist_ok=True)
+            kept = []
             for rep in found:
-                shutil.copyfile(rep.path, os.path.join(out, "reports", os.path.basename(rep.path)))
+                dest = os.path.join(out, "reports", os.path.basename(rep.path))
+                shutil.copyfile(rep.path, dest)
+                kept.append(attrs.evolve(rep, path=dest))
+            found = tuple(kept)
     if not plugin and error is None:
         leaked = sorted(os.listdir(reports))
         if leaked:
             step, error = "plugin off", (f"the plugin-off run wrote rank reports ({', '.join(leaked)}): "
                                          f"{launch.PLUGINS_ENV} did not keep capdispatch out")
     return Run(plugin, command, error is None, step, rank, error, ready, version, memory, tuple(replies),
-               found, saved)
+               found, saved, log_tail)
 
 
 def _generate(proc, port, log, ids, n, timeout, step) -> dict:
@@ -162,8 +168,9 @@ def _generate(proc, port, log, ids, n, timeout, step) -> dict:
             raise server.died(proc, log, step) from None
         why = getattr(exc, "reason", None) or exc
         text = server.tail(log)
-        raise server.EngineFailed(step, f"{step}: no answer within --timeout {timeout:g} s or an HTTP error "
-                                        f"({why}); SGLang's log ends:\n{text}", server.rank_in(text)) from None
+        raise server.EngineFailed(step, f"no answer within --timeout {timeout:g} s, or an HTTP error ({why}); "
+                                        f"SGLang's log's last line: {server.last_error(text)}",
+                                  server.rank_in(text), text) from None
 
 
 def _verdict(shape, folder, devices, ids, prompt, steps, requests, seed, on, off, wall, out):
@@ -178,7 +185,7 @@ def _verdict(shape, folder, devices, ids, prompt, steps, requests, seed, on, off
     for run in (on, off):
         if run is not None and not run.ok and cause is None:
             who = f"rank {run.rank}, " if run.rank is not None else ""
-            cause = f"plugin {'on' if run.plugin else 'off'}, {who}{run.step}: {run.error.splitlines()[0]}"
+            cause = f"plugin {'on' if run.plugin else 'off'}, {who}{run.step}: {run.error}"
     if cause is None and problems:
         cause = f"plugin on, rank reports: {problems[0]}"
     bad = [c for c in comparisons if not c.ok]
@@ -217,17 +224,17 @@ def measures_of(shape, ids, prompt, steps, on) -> tuple:
             pw, pkv = r0.weight_bytes / gib, (r0.kv_bytes / gib if cap else None)
         try:
             pt, pp = _speed(shape, memplan, specs, prompt)
-        except Exception as exc:                      # a prediction that cannot be made is said, not fatal
-            note_time = f"not predicted: {type(exc).__name__}: {exc}"
-    except Exception as exc:
-        note_mem = note_time = f"not predicted: {type(exc).__name__}: {exc}"
+        except (CapdispatchError, ValueError) as exc:     # a prediction that cannot be made is said
+            note_time = f"not predicted: {exc}"
+    except (CapdispatchError, ValueError) as exc:
+        note_mem = note_time = f"not predicted: {exc}"
     return (verdict.Measure("weights after load", "GiB", w, pw, MEMORY_BOUND, note_mem),
             verdict.Measure("KV pool", "GiB", kv, pkv, MEMORY_BOUND,
                             note_mem or f"the plan's pool at SGLang's token capacity ({cap})"),
             verdict.Measure("decode TPOT (batch 1)", "ms", m_tpot, pt, TIME_BOUND,
                             note_time or f"median over requests of (t[{steps} tokens] - t[1 token]) / {steps - 1}"),
             verdict.Measure("prefill throughput", "tokens/s", m_pre, pp, None,
-                            note_time or f"{prompt} tokens / t[1 token], median; includes the first decode step"))
+                            note_time or f"{prompt} tokens / t[1 token], median; includes the HTTP round trip"))
 
 
 def _num(v) -> Optional[float]:

@@ -25,9 +25,9 @@ class EngineFailed(Exception):
     """A step of the run failed: STEP names it (start, request 2, ...), RANK the TP rank
     when the server's log names one."""
 
-    def __init__(self, step: str, message: str, rank: Optional[int] = None):
+    def __init__(self, step: str, message: str, rank: Optional[int] = None, log_tail: str = ""):
         super().__init__(message)
-        self.step, self.rank = step, rank
+        self.step, self.rank, self.log_tail = step, rank, log_tail
 
 
 def start(server: tuple, argv: list, env: dict, log_path: str) -> subprocess.Popen:
@@ -53,14 +53,25 @@ def tail(log_path: str, lines: int = TAIL_LINES) -> str:
 _RANK = re.compile(r"\bTP(\d+)\b")
 
 
+_ERROR = re.compile(r"Error|Exception|Traceback|exception")
+
+
 def rank_in(text: str) -> Optional[int]:
     """The TP rank SGLang's log names in its last error line (`[... TP1] ... Error`), if any."""
     found = None
     for line in text.splitlines():
         m = _RANK.search(line)
-        if m and re.search(r"Error|Exception|Traceback|exception", line):
+        if m and _ERROR.search(line):
             found = int(m.group(1))
     return found
+
+
+def last_error(text: str) -> str:
+    """The log's last line that names an error (else its last line), cut to 300 characters."""
+    lines = [x.strip() for x in text.splitlines() if x.strip()]
+    errs = [x for x in lines if _ERROR.search(x) and not x.startswith("Traceback")]
+    pick = (errs or lines or ["(the log is empty)"])[-1]
+    return pick if len(pick) <= 300 else pick[:297] + "..."
 
 
 def _opener():
@@ -89,7 +100,7 @@ def died(proc, log_path: str, step: str) -> EngineFailed:
     text = tail(log_path)
     rank = rank_in(text)
     who = f"rank {rank} of SGLang" if rank is not None else "SGLang"
-    return EngineFailed(step, f"{who} exited (code {proc.poll()}) in {step}; its log ends:\n{text}", rank)
+    return EngineFailed(step, f"{who} exited (code {proc.poll()}) during {step}: {last_error(text)}", rank, text)
 
 
 def wait_ready(proc, port: int, log_path: str, timeout: float) -> float:
@@ -108,7 +119,8 @@ def wait_ready(proc, port: int, log_path: str, timeout: float) -> float:
         if time.monotonic() - t0 > timeout:
             text = tail(log_path)
             raise EngineFailed("start", f"SGLang was not ready within --start-timeout {timeout:g} s "
-                                        f"(/health never answered 200); its log ends:\n{text}", rank_in(text))
+                                        f"(/health never answered 200); its log's last line: {last_error(text)}",
+                               rank_in(text), text)
         time.sleep(POLL_S)
 
 

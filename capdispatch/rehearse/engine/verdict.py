@@ -69,6 +69,7 @@ class Run:
     replies: tuple             # Reply per request
     reports: tuple             # RankReport per rank (plugin on), () off
     log: Optional[str]         # the server log's file under --out, or None
+    log_tail: str = ""         # the log's last lines where the run failed
 
 
 @attrs.frozen
@@ -208,7 +209,7 @@ def compare(i: int, on: Reply, off: Reply, *, exact: bool, tol: float = LOGPROB_
         return no(f"logprob differs by {worst:.3g} at position {k} (bound {tol:g})", first, upto, worst)
     if first is None:
         return Comparison(i, False, True, None, upto, worst,
-                          f"request {i}: {upto} tokens identical, logprobs within {worst:.2g}")
+                          f"request {i}: {upto} tokens identical, logprobs at most {worst:.2g} apart")
     alt = dict((t, lp) for t, lp in (off.top[first] if first < len(off.top) else ()))
     chosen = on.tokens[first]
     if chosen not in alt or not math.isfinite(alt[chosen]) or off.logprobs[first] - alt[chosen] > tol:
@@ -216,7 +217,7 @@ def compare(i: int, on: Reply, off: Reply, *, exact: bool, tol: float = LOGPROB_
         return no(f"token {chosen} at position {first} (plugin on) is no near tie without the plugin, which "
                   f"chose {off.tokens[first]} ({gap}; bound {tol:g})", first, upto, worst)
     return Comparison(i, False, True, first, upto, worst,
-                      f"request {i}: logprobs within {worst:.2g} over {upto} positions; at position {first} a near "
+                      f"request {i}: logprobs at most {worst:.2g} apart over {upto} positions; at position {first} a near "
                       f"tie ({chosen} vs {off.tokens[first]}) went the other way; later positions not compared")
 
 
