@@ -5,7 +5,8 @@ capdispatch (SGLANG_PLUGINS unset or naming it), one rank report per rank in the
 own naming and schema. STANDIN_MODE: ok (default), die (exits at start, naming TP0), hang
 (never ready), crash (dies at the first /generate). With the plugin on: STANDIN_FLIP=K
 (the token at position K becomes the runner-up, a near tie), STANDIN_FAR=K (a token that is
-no alternative), STANDIN_SHIFT=X (every logprob moved by X), STANDIN_ROUTED=1 (the report
+no alternative), STANDIN_SHIFT=X (every logprob moved by X), STANDIN_KV_DTYPE=D (the
+kv_cache_dtype /server_info reports), STANDIN_ROUTED=1 (the report
 routes kv_dequant), STANDIN_NO_REPORT=1; STANDIN_ALWAYS_REPORT=1 writes reports with the
 plugin off too. STANDIN_PIDS=FILE: this process's and a child's pid, for the cleanup tests."""
 import argparse
@@ -96,7 +97,9 @@ class H(BaseHTTPRequestHandler):
         if self.path == "/health":
             self._send(503 if MODE == "hang" else 200)
         elif self.path == "/server_info":
-            self._send(200, {"version": "0.0.0-standin", "internal_states": [{"memory_usage": {
+            kv = env.get("STANDIN_KV_DTYPE", "fp8_e4m3") if PLUGIN else "fp8_e4m3"
+            self._send(200, {"version": "0.0.0-standin", "kv_cache_dtype": kv, "moe_runner_backend": "auto",
+                             "nccl_port": os.getpid(), "internal_states": [{"memory_usage": {
                 "weight": 5.0, "kvcache": 2.0, "token_capacity": 100000, "graph": {}}}]})
         else:
             self._send(404)

@@ -169,7 +169,8 @@ def test_a_passing_run_reads_reports_compares_and_predicts(ckpt, monkeypatch, tm
     assert r.ok, r.cause
     assert r.tp == 2 and [k.gpu_id for k in r.on.reports] == [0, 1] and r.routed == ()
     assert len(r.comparisons) == 2 and all(c.exact and c.ok for c in r.comparisons)
-    assert r.off.reports == () and r.off.ok and r.on.version == "0.0.0-standin"
+    assert r.off.reports == () and r.off.ok and r.on.version == "0.0.0-standin" and r.settings_differ == ()
+    assert dict(r.on.settings) == {"kv_cache_dtype": "fp8_e4m3", "moe_runner_backend": "auto"}
     m = {x.name: x for x in r.measures}
     assert m["weights after load"].measured == 5.0 and m["weights after load"].predicted > 0
     assert m["KV pool"].predicted is not None and m["decode TPOT (batch 1)"].measured > 0
@@ -195,6 +196,15 @@ def test_routed_ops_compare_logprobs_within_tolerance(ckpt, monkeypatch):
     assert not r.ok and "logprob differs" in r.cause
     r = _run(ckpt, monkeypatch, STANDIN_ROUTED="1", STANDIN_FAR="1")
     assert not r.ok and "no near tie" in r.cause
+
+
+def test_settings_the_plugin_set_make_the_comparison_one_of_tolerance(ckpt, monkeypatch):
+    r = _run(ckpt, monkeypatch, STANDIN_KV_DTYPE="bfloat16")
+    assert r.ok, r.cause
+    assert r.settings_differ == ("kv_cache_dtype: 'bfloat16' with the plugin, 'fp8_e4m3' without",)
+    assert r.routed == () and not any(c.exact for c in r.comparisons)
+    r = _run(ckpt, monkeypatch, STANDIN_KV_DTYPE="bfloat16", STANDIN_SHIFT=str(2 * verdict.LOGPROB_TOL))
+    assert not r.ok and "logprob differs" in r.cause
 
 
 def test_missing_or_leaked_reports_fail(ckpt, monkeypatch):

@@ -36,8 +36,11 @@ def render(r) -> str:
     if r.routed:
         lines.append("routed to capdispatch's kernels (tokens may differ; logprobs compared within "
                      f"{r.tolerance:g}): " + ", ".join(r.routed))
-    elif r.on.reports:
-        lines.append("every rank keeps SGLang's own kernels: tokens must be identical")
+    if r.settings_differ:
+        lines.append(f"SGLang settings the runs resolved apart (logprobs compared within {r.tolerance:g}; give "
+                     f"a setting after -- to compare the kernels alone): " + "; ".join(r.settings_differ))
+    if r.on.reports and not r.routed and not r.settings_differ and r.comparisons:
+        lines.append("every rank keeps SGLang's own kernels under the same settings: tokens must be identical")
     for c in r.comparisons:
         lines.append(f"  {'ok  ' if c.ok else 'DIFF'} {c.detail}")
     lines += ["", "measured vs predicted (rank 0; `dispatch plan`, `dispatch plan --speed`):"]
@@ -53,7 +56,7 @@ def render(r) -> str:
         lines.append(f"written to {r.out}")
     if r.cause:
         lines.append(f"first failure: {r.cause}")
-    how = ("identical greedy tokens" if not r.routed else
+    how = ("identical greedy tokens" if not (r.routed or r.settings_differ) else
            f"logprobs within {r.tolerance:g} per position up to a near tie")
     lines.append(f"{'PASSED' if r.ok else 'FAILED'}: plugin-on against plugin-off replies ({how}); every rank's "
                  f"report read, its routes installed and the group agreed")

@@ -93,6 +93,7 @@ def _serve(lp, env, plugin, server_cmd, prompts, steps, timeout, start_timeout, 
     log = os.path.join(tmp, name)
     command = _command(lp, server_cmd)
     ready = version = memory = None
+    settings = ()
     replies, step, rank, error, log_tail = [], None, None, None, ""
     proc = server.start(server_cmd, lp.argv(), env, log)
     try:
@@ -101,6 +102,7 @@ def _serve(lp, env, plugin, server_cmd, prompts, steps, timeout, start_timeout, 
         step = "server info"
         info = server.get_json(lp.port, "/server_info", timeout)
         version = info.get("version")
+        settings = verdict.settings_of(info)
         states = info.get("internal_states") or [{}]
         memory = (states[0] or {}).get("memory_usage")
         step = "warm-up request"
@@ -154,8 +156,8 @@ def _serve(lp, env, plugin, server_cmd, prompts, steps, timeout, start_timeout, 
         if leaked:
             step, error = "plugin off", (f"the plugin-off run wrote rank reports ({', '.join(leaked)}): "
                                          f"{launch.PLUGINS_ENV} did not keep capdispatch out")
-    return Run(plugin, command, error is None, step, rank, error, ready, version, memory, tuple(replies),
-               found, saved, log_tail)
+    return Run(plugin, command, error is None, step, rank, error, ready, version, memory, settings,
+               tuple(replies), found, saved, log_tail)
 
 
 def _generate(proc, port, log, ids, n, timeout, step) -> dict:
@@ -176,9 +178,10 @@ def _generate(proc, port, log, ids, n, timeout, step) -> dict:
 def _verdict(shape, folder, devices, ids, prompt, steps, requests, seed, on, off, wall, out):
     routed = tuple(f"{o.op} on rank {r.rank} ({o.backend})" for r in on.reports for o in r.routed())
     problems = verdict.report_problems(on.reports) if on.ok else []
-    comparisons = ()
+    comparisons, differ = (), ()
     if on.ok and off is not None and off.ok:
-        exact = not routed
+        differ = verdict.settings_differ(on, off)
+        exact = not routed and not differ
         comparisons = tuple(verdict.compare(i, a, b, exact=exact) for i, (a, b) in
                             enumerate(zip(on.replies, off.replies)))
     cause = None
@@ -197,7 +200,7 @@ def _verdict(shape, folder, devices, ids, prompt, steps, requests, seed, on, off
         cause = "nothing was compared"
     measures = measures_of(shape, ids, prompt, steps, on)
     return verdict.EngineRehearsal("sglang", shape.name, folder, tuple(str(d) for d in devices), len(ids), prompt,
-                                   steps, requests, seed, on, off, routed, comparisons, measures, ok, cause,
+                                   steps, requests, seed, on, off, routed, differ, comparisons, measures, ok, cause,
                                    verdict.LOGPROB_TOL, round(wall, 2), out)
 
 

@@ -18,6 +18,10 @@ SCHEMA = "capdispatch.rehearse-engine/1"
 LOGPROB_TOL = 0.05      # nats, per position: bf16 logits through different kernels of one op contract
 TOP_LOGPROBS = 5        # alternatives SGLang returns per position, for the near-tie check
 REPORT_LIMIT = 4 << 20
+# SGLang's fields that choose kernels and that the plugin's launch step may set (knobs.yaml);
+# where the two runs resolve one differently, their kernels differ even where every op is kept.
+SETTINGS = ("kv_cache_dtype", "page_size", "attention_backend", "dsv4_attn_backend", "dsv4_prefill_backend",
+            "moe_runner_backend")
 
 
 @attrs.frozen
@@ -66,6 +70,7 @@ class Run:
     ready_s: Optional[float]
     version: Optional[str]     # SGLang's, from /server_info
     memory: Optional[dict]     # /server_info internal_states[0].memory_usage (GiB)
+    settings: tuple            # (field, value) of SETTINGS as SGLang resolved them (/server_info)
     replies: tuple             # Reply per request
     reports: tuple             # RankReport per rank (plugin on), () off
     log: Optional[str]         # the server log's file under --out, or None
@@ -120,6 +125,7 @@ class EngineRehearsal:
     on: Run
     off: Optional[Run]
     routed: tuple              # "op on rank R (backend)": where the plugin runs capdispatch's kernel
+    settings_differ: tuple     # "field: A with the plugin, B without": SETTINGS the runs resolved apart
     comparisons: tuple         # Comparison per request
     measures: tuple            # Measure...
     ok: bool
@@ -160,6 +166,17 @@ def read_reports(folder: str, gpu_ids) -> tuple:
                               None if a is None else bool(a.get("agreed")),
                               tuple(a.get("not_carried_out") or ()) if a else ()))
     return tuple(out)
+
+
+def settings_of(info: dict) -> tuple:
+    """SETTINGS as /server_info gives them (a field the release lacks is left out)."""
+    return tuple((k, info[k]) for k in SETTINGS if k in info)
+
+
+def settings_differ(on, off) -> tuple:
+    a, b = dict(on.settings), dict(off.settings)
+    return tuple(f"{k}: {a.get(k)!r} with the plugin, {b.get(k)!r} without" for k in SETTINGS
+                 if (k in a or k in b) and a.get(k) != b.get(k))
 
 
 def report_problems(reports) -> list:
