@@ -12,6 +12,8 @@ examples:
   dispatch rehearse --device emu:rtx-5090@cpu,emu:rtx-3080@cpu,emu:rtx-3080@cpu --model ./config.json
       three ranks of a model whose heads divide over 3
   dispatch rehearse --device cuda:0,cuda:1 --model deepseek-v4-flash --layers 4 --format json
+  dispatch rehearse --engine sglang --model ./v4-flash-4l --device cuda:0 --out ./engine-run
+      SGLang itself on a `dispatch checkpoint` folder, with the plugin and without: tokens, memory, TPOT
 
 devices: cpu, cuda:N, or emu:NAME@DEV: decide as the catalog card NAME, run on DEV (cpu or
 cuda:N; on cuda:N under the card's launch tables, shared memory, SM count, fp8 support and
@@ -19,8 +21,17 @@ memory); a kernel the card chose that cannot run on DEV is replaced by the card'
 runnable preference and marked. One device with --tp N stands for N ranks on it.
 The verdict is recorded for SGLang launches on the same cards, software and decisions
 (CAPDISPATCH_REQUIRE_REHEARSAL=1 there requires a passed one).
-exit codes: 0 every rank matched the reference; 2 bad input; 3 a rank failed, hung or differed.
+--engine sglang: SGLang's launcher on the checkpoint folder, plugin on then off, the same greedy
+requests; after -- come SGLang's own arguments (docs/rehearse.md, Engine rehearsal).
+exit codes: 0 every rank matched the reference (engine: the plugin-off run); 2 bad input; 3 a rank
+failed, hung or differed.
 """
+
+SMALL = {"layers": 2, "hidden": 256, "vocab": 512, "intermediate": 64, "prompt": 8, "steps": 3,
+         "timeout": 60.0, "start_timeout": 120.0, "ep": 1}
+ENGINE = {"prompt": 256, "steps": 16, "timeout": 120.0, "start_timeout": 1200.0}
+# The small model's flags, refused with --engine sglang (the checkpoint fixes what they size).
+SMALL_ONLY = ("layers", "hidden", "vocab", "experts", "intermediate", "ep", "libs")
 
 
 def add_parser(sub):
@@ -37,37 +48,68 @@ def add_parser(sub):
     completion.rehearse_devices(p.add_argument(
         "--device", action="append", default=[], metavar="DEV[,DEV...]", required=True,
         help="one device per rank, in rank order: cpu, cuda:N or emu:NAME@DEV"))
-    add(p, "model", required=True)
+    p.add_argument("--engine", choices=("capdispatch", "sglang"), default="capdispatch",
+                   help="capdispatch: its own small model of the target's structure (default); sglang: SGLang's "
+                        "launcher on a checkpoint folder, with the plugin and without")
+    add(p, "model", required=True, help="with --engine sglang, a checkpoint folder (`dispatch checkpoint`)")
     add(p, "tp", default=None, unset="one rank per device")
-    add(p, "ep")
+    add(p, "ep", default=None)
     add(p, "dp_attention", help="each rank serves its own sequence with the whole attention; the MoE runs "
         "over every rank's rows, gathered")
-    p.add_argument("--layers", type=int, default=2, metavar="N", help="layers of the small model (default 2)")
-    p.add_argument("--hidden", type=int, default=256, metavar="N", help="its hidden size (default 256)")
-    p.add_argument("--vocab", type=int, default=512, metavar="N", help="its vocabulary (default 512)")
+    p.add_argument("--layers", type=int, default=None, metavar="N", help="layers of the small model (default 2)")
+    p.add_argument("--hidden", type=int, default=None, metavar="N", help="its hidden size (default 256)")
+    p.add_argument("--vocab", type=int, default=None, metavar="N", help="its vocabulary (default 512)")
     p.add_argument("--experts", type=int, default=None, metavar="N",
                    help="its routed experts in all, split by --ep (default: the smallest count from "
                         f"{MIN_EXPERTS} up that --ep divides: {MIN_EXPERTS}, or 9 for --ep 3)")
-    p.add_argument("--intermediate", type=int, default=64, metavar="N",
+    p.add_argument("--intermediate", type=int, default=None, metavar="N",
                    help="each expert's intermediate size per rank (default 64)")
-    p.add_argument("--prompt", type=int, default=8, metavar="TOKENS", help="prefill tokens (default 8)")
-    p.add_argument("--steps", type=int, default=3, metavar="N", help="decode steps, at least 1: decode_mla and the indexer run only there (default 3)")
-    p.add_argument("--seed", type=int, default=0, metavar="N", help="weights, tokens and routes (default 0)")
-    p.add_argument("--timeout", type=float, default=60.0, metavar="S",
+    p.add_argument("--prompt", type=int, default=None, metavar="TOKENS",
+                   help="prefill tokens (default 8; --engine sglang: 256 per request)")
+    p.add_argument("--steps", type=int, default=None, metavar="N",
+                   help="decode steps, at least 1: decode_mla and the indexer run only there (default 3; "
+                        "--engine sglang: output tokens per request, at least 2, default 16)")
+    p.add_argument("--requests", type=int, default=None, metavar="N",
+                   help="--engine sglang: greedy requests, one at a time (default 4)")
+    p.add_argument("--seed", type=int, default=0, metavar="N", help="weights, tokens and routes (default 0; --engine sglang: the prompts "
+                        "and SGLang's random seed)")
+    p.add_argument("--timeout", type=float, default=None, metavar="S",
                    help="seconds a rank may go without progress (an op or all-reduce beginning), and "
-                        "each all-reduce may wait; then every rank still running is killed (default 60)")
-    p.add_argument("--start-timeout", type=float, default=120.0, metavar="S",
-                   help="seconds a rank may take to start: imports, device, joining (default 120)")
+                        "each all-reduce may wait; then every rank still running is killed (default 60; "
+                        "--engine sglang: seconds each request may take, default 120)")
+    p.add_argument("--start-timeout", type=float, default=None, metavar="S",
+                   help="seconds a rank may take to start: imports, device, joining (default 120; "
+                        "--engine sglang: until SGLang answers /health, default 1200)")
+    p.add_argument("--port", type=int, default=None, metavar="P",
+                   help="--engine sglang: SGLang's HTTP port on 127.0.0.1 (default: a free one)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="--engine sglang: also write the report (text and JSON), SGLang's logs and the "
+                        "rank reports into DIR")
     add(p, "libs", help="what the ranks decide for (kernels run with this machine's libraries; a "
         "chosen kernel missing here is a marked substitution)")
-    p.add_argument("--no-graphs", dest="graphs", action="store_false",
+    p.add_argument("--no-graphs", dest="graphs", action="store_false", default=None,
                    help="run every call eagerly on CUDA ranks (default: decode steps' calls replayed from "
                         "CUDA graphs within SGLang's capture bound, as served)")
     add(p, "format")
+    p.add_argument("sglang_args", nargs="*", metavar="-- SGLANG ARGS",
+                   help="--engine sglang: arguments for SGLang's launcher, after --")
     return p
 
 
 def run(args) -> int:
+    if args.engine == "sglang":
+        return run_engine(args)
+    from .errors import BadInput
+    for flag in ("requests", "port", "out"):
+        if getattr(args, flag) is not None:
+            raise BadInput(f"--{flag} is for --engine sglang (the small model takes none)")
+    if args.sglang_args:
+        raise BadInput(f"{' '.join(args.sglang_args)}: arguments after -- go to SGLang, with --engine sglang")
+    for k, v in SMALL.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.graphs is None:
+        args.graphs = True
     import json
 
     from ..rehearse import devices, runner
@@ -90,6 +132,30 @@ def run(args) -> int:
         print(json.dumps(dict(r.to_dict(), inventory=inventory), indent=2))
     else:
         print(render(r, inventory))
+    return ExitCode.OK if r.ok else ExitCode.UNSATISFIABLE
+
+
+def run_engine(args) -> int:
+    """`--engine sglang`: rehearse/engine/runner.py."""
+    import json
+
+    from ..rehearse.engine import render, runner
+    from .errors import BadInput, ExitCode
+    for k in SMALL_ONLY:
+        if getattr(args, k) is not None:
+            raise BadInput(f"--{k.replace('_', '-')} sizes the small model; --engine sglang serves the "
+                           f"checkpoint as it is (SGLang's own flags go after --)")
+    if args.dp_attention or args.graphs is False:
+        flag = "--dp-attention" if args.dp_attention else "--no-graphs"
+        raise BadInput(f"{flag} is the small model's; with --engine sglang give SGLang's own flag after --")
+    for k, v in ENGINE.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    r = runner.rehearse(args.model, args.device, tp=args.tp, prompt=args.prompt, steps=args.steps,
+                        requests=4 if args.requests is None else args.requests, seed=args.seed,
+                        timeout=args.timeout, start_timeout=args.start_timeout, port=args.port, out=args.out,
+                        sglang_args=args.sglang_args, say=runner.stderr_say)
+    print(json.dumps(r.to_dict(), indent=2) if args.format == "json" else render.render(r))
     return ExitCode.OK if r.ok else ExitCode.UNSATISFIABLE
 
 

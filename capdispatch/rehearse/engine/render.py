@@ -1,0 +1,63 @@
+"""The engine rehearsal for people."""
+from __future__ import annotations
+
+
+def _num(v, unit) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.3f} {unit}" if unit == "GiB" else f"{v:.1f} {unit}" if unit != "tokens/s" else f"{v:.0f} {unit}"
+
+
+def render(r) -> str:
+    lines = [f"engine rehearsal of {r.model} ({r.checkpoint}) in SGLang {r.on.version or '?'}: tp {r.tp} on "
+             f"{', '.join(r.devices)}; {r.requests} greedy request(s) of {r.prompt} prompt tokens + {r.steps} "
+             f"output tokens (seed {r.seed}); {r.wall_s:.1f} s", ""]
+    for run in (r.on, r.off):
+        if run is None:
+            lines.append("plugin off: not run (the plugin-on run failed)")
+            continue
+        state = "ok" if run.ok else f"FAILED at {run.step}"
+        ready = f", ready in {run.ready_s:.0f} s" if run.ready_s is not None else ""
+        lines.append(f"plugin {'on' if run.plugin else 'off'}: {state}{ready}; log {run.log or 'not kept (no --out)'}")
+        lines.append(f"  {' '.join(run.command)}")
+        if run.error:
+            lines.append(f"  error: {run.error}")
+        if run.log_tail:
+            lines += ["  | " + x for x in run.log_tail.splitlines()]
+    lines.append("")
+    for k in r.on.reports:
+        agreed = {None: "not agreed yet", True: "agreed", False: "NOT agreed"}[k.agreed]
+        lines.append(f"rank {k.rank}  cuda:{k.gpu_id} {k.device}  (group {agreed}; report {k.path})")
+        for o in k.ops:
+            lines.append(f"  {o.op:<15} {str(o.backend):<24} runs {str(o.runs):<22} {str(o.action):<9} "
+                         f"{o.install or ''}")
+    if r.on.reports:
+        lines.append("")
+    if r.routed:
+        lines.append("routed to capdispatch's kernels (tokens may differ; logprobs compared within "
+                     f"{r.tolerance:g}): " + ", ".join(r.routed))
+    if r.settings_differ:
+        lines.append(f"SGLang settings the runs resolved apart (logprobs compared within {r.tolerance:g}; give "
+                     f"a setting after -- to compare the kernels alone): " + "; ".join(r.settings_differ))
+    if r.on.reports and not r.routed and not r.settings_differ and r.comparisons:
+        lines.append("every rank keeps SGLang's own kernels under the same settings: tokens must be identical")
+    for c in r.comparisons:
+        lines.append(f"  {'ok  ' if c.ok else 'DIFF'} {c.detail}")
+    lines += ["", "measured vs predicted (rank 0; `dispatch plan`, `dispatch plan --speed`):"]
+    for m in r.measures:
+        d = m.to_dict()
+        miss = "" if d["miss"] is None else f", {d['miss'] * 100:+.1f}%"
+        bar = "" if d["within"] is None else (f" (within {m.bound:.0%})" if d["within"] else
+                                              f" (MISSES the {m.bound:.0%} bar)")
+        lines.append(f"  {m.name:<22} {_num(m.measured, m.unit):>14} vs {_num(m.predicted, m.unit):>14}{miss}{bar}"
+                     + (f"; {m.note}" if m.note else ""))
+    lines.append("")
+    if r.out:
+        lines.append(f"written to {r.out}")
+    if r.cause:
+        lines.append(f"first failure: {r.cause}")
+    how = ("identical greedy tokens" if not (r.routed or r.settings_differ) else
+           f"logprobs within {r.tolerance:g} per position up to a near tie")
+    lines.append(f"{'PASSED' if r.ok else 'FAILED'}: plugin-on against plugin-off replies ({how}); every rank's "
+                 f"report read, its routes installed and the group agreed")
+    return "\n".join(lines)

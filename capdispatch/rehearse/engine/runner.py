@@ -1,0 +1,285 @@
+"""The engine rehearsal's run: SGLang with the plugin, then without, the same requests to
+both, the rank reports, the comparison and the predictions beside the measures. Every step
+is bounded; no process and no temporary folder outlives the run (Ctrl-C, SIGTERM and SIGHUP
+included: processes.terminate_as_interrupt, and the server's group watches this process)."""
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import tempfile
+import time
+import urllib.error
+from typing import Callable, Optional
+
+from ...errors import CapdispatchError
+from ..errors import RehearseError
+from . import launch, server, verdict
+from .verdict import Reply, Run
+
+MEMORY_BOUND = 0.05    # the issue's bars: memory after load within 5% of the plan,
+TIME_BOUND = 0.20      # TPOT within 20% of the speed prediction
+
+
+def rehearse(model: str, devices, *, tp: Optional[int] = None, prompt: int = 256, steps: int = 16,
+             requests: int = 4, seed: int = 0, timeout: float = 120.0, start_timeout: float = 1200.0,
+             port: Optional[int] = None, out: Optional[str] = None, sglang_args=(),
+             server_cmd: tuple = ("-m", launch.SERVER_MODULE), env: Optional[dict] = None,
+             say: Callable[[str], None] = lambda s: None) -> verdict.EngineRehearsal:
+    """The engine rehearsal of checkpoint MODEL on DEVICES (--device values); SERVER_CMD is what
+    runs as `python SERVER_CMD ARGS` (SGLang's launcher; a stand-in in tests)."""
+    from .. import runner as small
+    folder_model = launch.checkpoint(model)
+    ids = launch.gpu_ids(devices, tp)
+    launch.check_bounds(prompt=prompt, steps=steps, requests=requests, port=port)
+    launch.check_timeout("--timeout", timeout)
+    launch.check_timeout("--start-timeout", start_timeout)
+    extra = launch.check_extra(sglang_args)
+    shape = _model(folder_model)
+    out = _out_dir(out)
+    prompts = launch.requests(seed, requests, prompt, shape.vocab)
+    base = {k: v for k, v in (os.environ if env is None else env).items()}
+    t0 = time.monotonic()
+    small._clean_stale_folders()
+    from ...processes import terminate_as_interrupt
+    with terminate_as_interrupt(), tempfile.TemporaryDirectory(prefix=small.FOLDER_PREFIX) as tmp:
+        with open(os.path.join(tmp, small.OWNER_FILE), "w") as f:
+            f.write(str(os.getpid()))
+        runs = []
+        for plugin in (True, False):
+            reports = os.path.join(tmp, "reports-on" if plugin else "reports-off")
+            os.mkdir(reports)
+            lp = launch.Launch(folder_model, ids, port or launch.free_port(), seed, extra)
+            e = launch.environment(base, plugin=plugin, report_dir=reports)
+            say(f"engine rehearsal: SGLang with capdispatch's plugin {'on' if plugin else 'off'}: starting")
+            run = _serve(lp, e, plugin, server_cmd, prompts, steps, timeout, start_timeout, tmp, reports, out, say)
+            runs.append(run)
+            if not run.ok:
+                break
+    on, off = runs[0], (runs[1] if len(runs) > 1 else None)
+    r = _verdict(shape, folder_model, devices, ids, prompt, steps, requests, seed, on, off,
+                 time.monotonic() - t0, out)
+    if out:
+        _write_out(r, out)
+    return r
+
+
+def _model(folder: str):
+    from ...models import load_model
+    return load_model(folder)       # a ModelError (bad input) names the file and the field
+
+
+def _out_dir(out: Optional[str]) -> Optional[str]:
+    if out is None:
+        return None
+    path = os.path.abspath(os.path.expanduser(out))
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise RehearseError(f"--out {out}: exists and is not a folder")
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent):
+        raise RehearseError(f"--out {out}: its parent folder {parent} does not exist")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def _command(lp: launch.Launch, server_cmd: tuple) -> tuple:
+    return ("python", *server_cmd, *lp.argv())
+
+
+def _serve(lp, env, plugin, server_cmd, prompts, steps, timeout, start_timeout, tmp, reports, out, say) -> Run:
+    """One server: start, wait, ask, stop. A failure is the Run's error, named by step."""
+    import shutil
+    name = f"sglang-plugin-{'on' if plugin else 'off'}.log"
+    log = os.path.join(tmp, name)
+    command = _command(lp, server_cmd)
+    ready = version = memory = None
+    settings = ()
+    replies, step, rank, error, log_tail = [], None, None, None, ""
+    proc = server.start(server_cmd, lp.argv(), env, log)
+    try:
+        ready = server.wait_ready(proc, lp.port, log, start_timeout)
+        say(f"engine rehearsal: plugin {'on' if plugin else 'off'}: ready in {ready:.0f} s; sending requests")
+        step = "server info"
+        info = server.get_json(lp.port, "/server_info", timeout)
+        version = info.get("version")
+        settings = verdict.settings_of(info)
+        states = info.get("internal_states") or [{}]
+        memory = (states[0] or {}).get("memory_usage")
+        step = "warm-up request"
+        _generate(proc, lp.port, log, prompts[0], 2, timeout, step)
+        for i, ids in enumerate(prompts):
+            step = f"request {i} (1 token)"
+            t = time.monotonic()
+            one = _generate(proc, lp.port, log, ids, 1, timeout, step)
+            first = time.monotonic() - t
+            step = f"request {i} ({steps} tokens)"
+            t = time.monotonic()
+            body = _generate(proc, lp.port, log, ids, steps, timeout, step)
+            total = time.monotonic() - t
+            rep = verdict.reply_of(body, first, total)
+            head = verdict.reply_of(one, first, first).tokens
+            if head[:1] != rep.tokens[:1]:
+                raise server.EngineFailed(step, f"SGLang's first token differs between the 1-token "
+                                                f"({head[:1]}) and the {steps}-token reply ({rep.tokens[:1]}): "
+                                                f"its greedy output is not repeatable here")
+            if len(rep.tokens) != steps:
+                raise server.EngineFailed(step, f"{len(rep.tokens)} tokens back, asked for {steps}")
+            replies.append(rep)
+        step = None
+    except server.EngineFailed as exc:
+        step, rank, error, log_tail = exc.step, exc.rank, str(exc), exc.log_tail
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        error = f"SGLang's answer cannot be read: {type(exc).__name__}: {exc}"
+    finally:
+        server.stop(proc)
+    saved = None
+    if out:
+        saved = os.path.join(out, name)
+        shutil.copyfile(log, saved)
+    found = ()
+    if plugin and error is None:
+        try:
+            found = verdict.read_reports(reports, lp.gpu_ids)
+        except ValueError as exc:
+            step, error = "rank reports", str(exc)
+        if out and found:
+            import attrs
+            os.makedirs(os.path.join(out, "reports"), exist_ok=True)
+            kept = []
+            for rep in found:
+                dest = os.path.join(out, "reports", os.path.basename(rep.path))
+                shutil.copyfile(rep.path, dest)
+                kept.append(attrs.evolve(rep, path=dest))
+            found = tuple(kept)
+    if not plugin and error is None:
+        leaked = sorted(os.listdir(reports))
+        if leaked:
+            step, error = "plugin off", (f"the plugin-off run wrote rank reports ({', '.join(leaked)}): "
+                                         f"{launch.PLUGINS_ENV} did not keep capdispatch out")
+    return Run(plugin, command, error is None, step, rank, error, ready, version, memory, settings,
+               tuple(replies), found, saved, log_tail)
+
+
+def _generate(proc, port, log, ids, n, timeout, step) -> dict:
+    body = {"input_ids": list(ids), "return_logprob": True, "top_logprobs_num": verdict.TOP_LOGPROBS,
+            "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
+    try:
+        return server.post_json(port, "/generate", body, timeout)
+    except (urllib.error.URLError, OSError) as exc:
+        if proc.poll() is not None:
+            raise server.died(proc, log, step) from None
+        why = getattr(exc, "reason", None) or exc
+        text = server.tail(log)
+        raise server.EngineFailed(step, f"no answer within --timeout {timeout:g} s, or an HTTP error ({why}); "
+                                        f"SGLang's log's last line: {server.last_error(text)}",
+                                  server.rank_in(text), text) from None
+
+
+def _verdict(shape, folder, devices, ids, prompt, steps, requests, seed, on, off, wall, out):
+    routed = tuple(f"{o.op} on rank {r.rank} ({o.backend})" for r in on.reports for o in r.routed())
+    problems = verdict.report_problems(on.reports) if on.ok else []
+    comparisons, differ = (), ()
+    if on.ok and off is not None and off.ok:
+        differ = verdict.settings_differ(on, off)
+        exact = not routed and not differ
+        comparisons = tuple(verdict.compare(i, a, b, exact=exact) for i, (a, b) in
+                            enumerate(zip(on.replies, off.replies)))
+    cause = None
+    for run in (on, off):
+        if run is not None and not run.ok and cause is None:
+            who = f"rank {run.rank}, " if run.rank is not None else ""
+            cause = f"plugin {'on' if run.plugin else 'off'}, {who}{run.step}: {run.error}"
+    if cause is None and problems:
+        cause = f"plugin on, rank reports: {problems[0]}"
+    bad = [c for c in comparisons if not c.ok]
+    if cause is None and bad:
+        cause = bad[0].detail
+    ok = (cause is None and off is not None and len(comparisons) == requests == len(on.replies)
+          and all(c.ok for c in comparisons))
+    if ok is False and cause is None:
+        cause = "nothing was compared"
+    measures = measures_of(shape, ids, prompt, steps, on)
+    return verdict.EngineRehearsal("sglang", shape.name, folder, tuple(str(d) for d in devices), len(ids), prompt,
+                                   steps, requests, seed, on, off, routed, differ, comparisons, measures, ok, cause,
+                                   verdict.LOGPROB_TOL, round(wall, 2), out)
+
+
+def measures_of(shape, ids, prompt, steps, on) -> tuple:
+    """Measured memory after load (rank 0, SGLang's /server_info) and time (client side) beside
+    `dispatch plan` and `dispatch plan --speed` for the same checkpoint and cards."""
+    mem = on.memory or {}
+    tpot = [(r.total_s - r.first_s) / (steps - 1) * 1e3 for r in on.replies]
+    pre = [prompt / r.first_s for r in on.replies if r.first_s > 0]
+    m_tpot = statistics.median(tpot) if tpot else None
+    m_pre = statistics.median(pre) if pre else None
+    gib = 1 << 30
+    w = _num(mem.get("weight"))
+    kv = _num(mem.get("kvcache"))
+    cap = mem.get("token_capacity")
+    pw = pkv = pt = pp = None
+    note_mem = note_time = ""
+    try:
+        specs, memplan = _plan(shape, ids, cap if isinstance(cap, int) and cap > 0 else None)
+        r0 = memplan.ranks[0].memory if memplan.ranks else None
+        if r0 is None:
+            note_mem = memplan.refusal or "the plan has no memory for rank 0"
+        else:
+            pw, pkv = r0.weight_bytes / gib, (r0.kv_bytes / gib if cap else None)
+        try:
+            pt, pp = _speed(shape, memplan, specs, prompt)
+        except (CapdispatchError, ValueError) as exc:     # a prediction that cannot be made is said
+            note_time = f"not predicted: {exc}"
+    except (CapdispatchError, ValueError) as exc:
+        note_mem = note_time = f"not predicted: {exc}"
+    return (verdict.Measure("weights after load", "GiB", w, pw, MEMORY_BOUND, note_mem),
+            verdict.Measure("KV pool", "GiB", kv, pkv, MEMORY_BOUND,
+                            note_mem or f"the plan's pool at SGLang's token capacity ({cap})"),
+            verdict.Measure("decode TPOT (batch 1)", "ms", m_tpot, pt, TIME_BOUND,
+                            note_time or f"median over requests of (t[{steps} tokens] - t[1 token]) / {steps - 1}"),
+            verdict.Measure("prefill throughput", "tokens/s", m_pre, pp, None,
+                            note_time or f"{prompt} tokens / t[1 token], median; includes the HTTP round trip"))
+
+
+def _num(v) -> Optional[float]:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def _plan(shape, ids, context):
+    """The ranks' cards as the plugin reads them (NVML, or CAPDISPATCH_SGLANG_DEVICES) and
+    `dispatch plan`'s rig plan at CONTEXT tokens, one request."""
+    from ...adapters.sglang import gpus
+    from ...dispatch import rigplan
+    specs = [gpus.device(g, via="nvml") for g in ids]
+    plan = rigplan.build(shape, specs, tp=len(ids), context=context or rigplan.DEFAULT_CONTEXT, batch=1)
+    return specs, plan
+
+
+def _speed(shape, memplan, specs, prompt):
+    """`dispatch plan --speed`'s decode step at batch 1 (ms) and prefill of PROMPT (tokens/s)."""
+    from ...dispatch import speed
+    from ...dispatch.explain import plan
+    if memplan.shapes is None:
+        raise ValueError(memplan.refusal)
+    decided = plan(list(memplan.devices), shapes=memplan.shapes, log_warnings=False)
+    rows = speed.predict(shape, memplan.shapes, list(memplan.devices),
+                         {op: g.per_device for op, g in decided.ops.items()},
+                         speed.merged(speed.default_calibrations()), prefill=prompt)
+
+    def step(phase, size):
+        known = [r.total for r in rows if r.phase == phase and r.size == size]
+        return max(known) if known and None not in known else None
+    dec, pre = step("decode", 1), step("prefill", prompt)
+    return dec, (prompt / pre * 1e3 if pre else None)
+
+
+def _write_out(r, out: str) -> None:
+    import json
+
+    from ...safe_io import write_atomic
+    from .render import render
+    write_atomic(os.path.join(out, "engine-rehearsal.json"), json.dumps(r.to_dict(), indent=2) + "\n")
+    write_atomic(os.path.join(out, "engine-rehearsal.txt"), render(r) + "\n")
+
+
+def stderr_say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
