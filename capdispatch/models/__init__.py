@@ -7,7 +7,8 @@ layouts that would work. Pure Python: no torch, nothing read at import.
 """
 from .errors import ModelError
 from .loader import builtin_entry, builtin_names, load_model
-from .shape import Layout, ModelShape, RankShape, TensorFormat
+from .shape import ModelShape, TensorFormat
+from .sharding import Layout, RankShape
 from .sharding import check as check_layout
 
 __all__ = ["Layout", "ModelError", "ModelShape", "RankShape", "TensorFormat", "builtin_entry",
