@@ -6,7 +6,7 @@ is made.
 """
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from .version import __version__  # noqa: F401
 
 _API = {
     "CapdispatchError": ("capdispatch.errors", "CapdispatchError"),

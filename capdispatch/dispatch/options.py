@@ -20,6 +20,7 @@ from typing import Callable, Optional
 import attrs
 
 from ..models.sharding import MAX_RANKS
+from ..version import __version__
 from .inputs import DEVICE_FORMS, shown
 
 
@@ -29,7 +30,6 @@ def version() -> str:
     try:
         return metadata.version("capdispatch")
     except metadata.PackageNotFoundError:
-        from .. import __version__
         return __version__
 
 

@@ -63,7 +63,8 @@ def run(args) -> int:
     from ..models import load_model
     from . import rigplan
     from .errors import BadInput, ExitCode
-    from .inputs import device_list, device_specs
+    from .group import device_specs
+    from .inputs import device_list
     if not args.model:
         raise BadInput("--model NAME|PATH is required (`dispatch model` lists the built-ins)")
     model = load_model(args.model)
