@@ -62,8 +62,9 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import capdispatch as cd  # noqa: E402 (after the path insertion)
+from capdispatch import bench  # noqa: E402
 
-CI = cd.calibration_inputs
+CI = bench.inputs
 
 SCALE = CI.SCALE
 H = CI.HEADS
@@ -92,7 +93,7 @@ TUNE_CONFIGS = [dict(BLOCK_H=bh, BLOCK_N=bn, num_warps=w, num_stages=st) for bh,
 
 def registry():
     """The built-in ops and backends, no plugins."""
-    return cd.build_registry(plugins=False)
+    return bench.registry.build(plugins=False)
 
 
 def _bench_graph(fn, rep):
@@ -103,6 +104,7 @@ def _bench_graph(fn, rep):
 def runnable(op, reg):
     """{backend: None if it can run on cuda:0 else the reasons}."""
     import capdispatch as cd
+    from capdispatch import bench
     res = cd.resolve(op, "cuda:0", registry=reg)
     out = {}
     for c in res.candidates:
@@ -165,6 +167,7 @@ def adapter_in_one_batch(op, shape, inputs, want, reg, lib_ms, lib_gms, args):
     one ``capdispatch.batch()`` whose first call builds the schedule (SGLang's per-batch
     work, done before timing and counted apart); rows for the table and the 1.1x bar."""
     import capdispatch as cd
+    from capdispatch import bench
     fn = cd.bind(op, "cuda:0", backend="flashmla", checks=False, registry=reg)
     with cd.batch():
         got = fn(*inputs)
@@ -227,6 +230,7 @@ def run(args):
         print("bench_attention: needs a CUDA device", file=sys.stderr)
         return 2
     import capdispatch as cd
+    from capdispatch import bench
 
     facts = run_facts(args.seed)
     seed = facts["seed"]

@@ -40,8 +40,9 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import capdispatch as cd  # noqa: E402 (after the path insertion)
+from capdispatch import bench  # noqa: E402
 
-CI = cd.calibration_inputs
+CI = bench.inputs
 
 QUANT_BYTES_PER_TOKEN = 1024 + 8 + 584
 DEQUANT_BYTES_PER_TOKEN = 584 + 8 + 1024
@@ -52,6 +53,7 @@ TRITON_BACKENDS = ("triton_u8", "triton_fp8")   # capdispatch's Triton kernels: 
 def _ops(backend):
     """The kernels exactly as the hot path gets them: capdispatch.bind, explicit."""
     import capdispatch as cd
+    from capdispatch import bench
     return (cd.bind("kv_quant", "cuda:0", backend=backend),
             cd.bind("kv_dequant", "cuda:0", backend=backend))
 

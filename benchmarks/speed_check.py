@@ -31,8 +31,9 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import capdispatch as cd  # noqa: E402 (after the path insertion)
+from capdispatch import bench  # noqa: E402
 
-speed = cd.speed_model
+speed = bench.speed
 
 
 def _runs(run_dir, prefix):
@@ -64,6 +65,7 @@ def steps(first, second) -> list:
     """The planner's step per phase from each run, at the runs' shapes, with every op's
     backend the fastest the first run measured."""
     import capdispatch as cd
+    from capdispatch import bench
     if not first.shapes_text:
         return []
     meta = _meta_shapes(first)

@@ -644,9 +644,10 @@ def _bound(st) -> dict:
     capdispatch's kernel without argument checks ("unchecked"), with them ("checked"),
     or SGLang's own call ("sglang": the dispatcher's pick is None)."""
     import capdispatch as cd
+    from capdispatch import extend
     from capdispatch.adapters.sglang import routes
     from capdispatch.backends.torch_ops import without_checks
-    reg = cd.registry()
+    reg = extend.registry.builtin()
     out = {}
     for op in st.inputs.ops:
         fn = routes.kernel(op, st.key)
@@ -690,6 +691,7 @@ def _decode_spy(gen) -> dict:
     from sglang.kernels.ops.attention import flash_mla_interface as fmi
 
     import capdispatch as cd
+    from capdispatch import extend
     import flash_mla
     from capdispatch.adapters.sglang import rank as hooks
     from capdispatch.adapters.sglang import routes

@@ -30,7 +30,7 @@ FLOORS = (
     ("backends.decode_mla",),                         # reads sparse_prefill's shared checks
     ("policies", "calibrate", "proof", "models"),
     ("dispatch",),
-    ("capdispatch",),                                 # the public face
+    ("capdispatch", "extend", "bench"),               # the faces: users, plugin and adapter authors, benchmarks
     ("rehearse", "adapters", "adapters.sglang"),      # they use the face
     ("dispatch commands", "__main__"),
 )
@@ -231,9 +231,10 @@ def test_the_private_name_reader_sees_both_forms(tmp_path):
     assert any("capdispatch.backends.compile_matrix._mod" in f for f in found)
 
 
-def test_adapters_use_only_the_face():
-    """An adapter imports capdispatch as `import capdispatch as cd` (or a face name from it),
-    never a submodule, and nothing of capdispatch outside its own package."""
+def test_adapters_use_only_the_faces():
+    """An adapter imports capdispatch as `import capdispatch as cd` (or a face name from it)
+    and `capdispatch.extend` (the adapter authors' face), never another submodule, and
+    nothing of capdispatch outside its own package."""
     bad = []
     for name, path in _modules().items():
         if room(name) != "adapters.sglang":
@@ -245,7 +246,7 @@ def test_adapters_use_only_the_face():
                 if not ".".join(up).startswith("capdispatch.adapters.sglang"):
                     bad.append(f"{name}:{node.lineno}")
             elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("capdispatch."):
-                if not node.module.startswith("capdispatch.adapters.sglang"):
+                if not node.module.startswith(("capdispatch.adapters.sglang", "capdispatch.extend")):
                     bad.append(f"{name}:{node.lineno} {node.module}")
             elif isinstance(node, ast.Import):
                 bad += [f"{name}:{node.lineno} {a.name}" for a in node.names

@@ -16,6 +16,7 @@ SIM_ENV = "CAPDISPATCH_SGLANG_DEVICES"
 
 def _positive(name: str, value, minimum: int) -> int:
     import capdispatch as cd
+    from capdispatch import extend
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise cd.BadInput(f"{name}={value!r}: expected an integer >= {minimum}")
     return value
@@ -56,15 +57,17 @@ def gpu_ids(*, tp_size: int, pp_size: int = 1, nnodes: int = 1, node_rank: int =
 def simulated_devices(env=None) -> Optional[list]:
     """The SIM_ENV device list, or None when unset."""
     import capdispatch as cd
+    from capdispatch import extend
     env = os.environ if env is None else env
     text = env.get(SIM_ENV)
     if text is None or not text.strip():
         return None
-    return cd.device_list(text, SIM_ENV)
+    return extend.device_list(text, SIM_ENV)
 
 
 def _spec(dev: str, origin: str, *, via: str):
     import capdispatch as cd
+    from capdispatch import extend
     try:
         return cd.probe(dev, via=via)
     except cd.UnknownDeviceError as exc:
@@ -78,6 +81,7 @@ def device(gpu_id: int, *, env=None, via: str = "nvml"):
     via="auto" falls back to torch.
     """
     import capdispatch as cd
+    from capdispatch import extend
     listed = simulated_devices(env)
     if listed is None:
         return _spec(f"cuda:{gpu_id}", "SGLang GPU", via=via)

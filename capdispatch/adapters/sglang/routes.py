@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 
 import capdispatch as cd
+from capdispatch import extend
 
 log = logging.getLogger("capdispatch.sglang")
 
@@ -292,8 +293,9 @@ def _distribution(module: str):
     from packaging.utils import canonicalize_name
 
     import capdispatch as cd
+    from capdispatch import extend
     top = module.split(".")[0]
-    reg = cd.registry()
+    reg = extend.registry.builtin()
     for op in reg.ops:
         for b in reg.backends(op):
             for r in b.requires:
