@@ -13,6 +13,7 @@ any floor below.
 """
 import ast
 import os
+import sys
 
 import pytest
 
@@ -252,3 +253,44 @@ def test_adapters_use_only_the_faces():
                 bad += [f"{name}:{node.lineno} {a.name}" for a in node.names
                         if a.name.startswith("capdispatch.") and not a.name.startswith("capdispatch.adapters.sglang")]
     assert not bad, "adapter imports past the face: " + "; ".join(bad)
+
+
+# Imports inside functions keep torch and friends (and the modules that import them) out of
+# planning; the standard library, attrs and yaml cost nothing worth deferring and belong at
+# a module's top. Those still inside functions are held at this ceiling, which only falls.
+LATE_LIGHT_CEILING = 60
+LIGHT = set(sys.stdlib_module_names) | {"attrs", "yaml"}
+
+
+def late_light_imports(modules) -> list:
+    """'module:line name' for every import of the standard library, attrs or yaml made
+    inside a function."""
+    out = []
+    for name, path in modules.items():
+        for fn in ast.walk(ast.parse(open(path).read(), path)):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in fn.body:
+                for sub in ast.walk(node):
+                    if isinstance(sub, ast.Import):
+                        names = [a.name for a in sub.names]
+                    elif isinstance(sub, ast.ImportFrom) and not sub.level:
+                        names = [sub.module]
+                    else:
+                        continue
+                    out += [f"{name}:{sub.lineno} {n}" for n in names if n.split(".")[0] in LIGHT]
+    return sorted(set(out))
+
+
+def test_light_imports_inside_functions_do_not_grow():
+    found = late_light_imports(_modules())
+    assert len(found) <= LATE_LIGHT_CEILING, (
+        f"{len(found)} imports of the standard library, attrs or yaml inside functions (at most "
+        f"{LATE_LIGHT_CEILING}); move new ones to the module's top: " + "; ".join(found))
+
+
+def test_the_late_import_counter_sees_one(tmp_path):
+    late = tmp_path / "late.py"
+    late.write_text("import json\n\ndef f():\n    import os\n    from yaml import safe_load\n    import torch\n")
+    assert late_light_imports({"capdispatch.late": str(late)}) == ["capdispatch.late:4 os",
+                                                                    "capdispatch.late:5 yaml"]

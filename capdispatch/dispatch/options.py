@@ -11,6 +11,7 @@ only when the shell asks.
 from __future__ import annotations
 
 import argparse
+import difflib
 import functools
 import re
 import sys
@@ -84,7 +85,6 @@ class Parser(argparse.ArgumentParser):
     def _did_you_mean(self, given) -> str:
         """'; did you mean --x?' for the first unknown flag close to one of this parser's,
         and where its options are listed."""
-        import difflib
         known = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
         hint = ""
         for g in given:
