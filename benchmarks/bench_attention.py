@@ -104,7 +104,6 @@ def _bench_graph(fn, rep):
 def runnable(op, reg):
     """{backend: None if it can run on cuda:0 else the reasons}."""
     import capdispatch as cd
-    from capdispatch import bench
     res = cd.resolve(op, "cuda:0", registry=reg)
     out = {}
     for c in res.candidates:
@@ -167,7 +166,6 @@ def adapter_in_one_batch(op, shape, inputs, want, reg, lib_ms, lib_gms, args):
     one ``capdispatch.batch()`` whose first call builds the schedule (SGLang's per-batch
     work, done before timing and counted apart); rows for the table and the 1.1x bar."""
     import capdispatch as cd
-    from capdispatch import bench
     fn = cd.bind(op, "cuda:0", backend="flashmla", checks=False, registry=reg)
     with cd.batch():
         got = fn(*inputs)
@@ -230,7 +228,6 @@ def run(args):
         print("bench_attention: needs a CUDA device", file=sys.stderr)
         return 2
     import capdispatch as cd
-    from capdispatch import bench
 
     facts = run_facts(args.seed)
     seed = facts["seed"]

@@ -109,7 +109,6 @@ class Runner:
         import contextlib
 
         import capdispatch as cd
-        from capdispatch import bench
         from capdispatch.backends.sparse_attention import kernels as K
         if self.left() <= 0:
             return dict(skipped=f"not started: past --budget-s {self.args.budget_s}")
@@ -151,7 +150,6 @@ def run(args):
         print("bench_attention_candidates: needs a CUDA device", file=sys.stderr)
         return 2
     import capdispatch as cd
-    from capdispatch import bench
     start = time.monotonic()
     facts = run_facts(args.seed)
     print(describe(facts))

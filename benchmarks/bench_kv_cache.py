@@ -53,7 +53,6 @@ TRITON_BACKENDS = ("triton_u8", "triton_fp8")   # capdispatch's Triton kernels: 
 def _ops(backend):
     """The kernels exactly as the hot path gets them: capdispatch.bind, explicit."""
     import capdispatch as cd
-    from capdispatch import bench
     return (cd.bind("kv_quant", "cuda:0", backend=backend),
             cd.bind("kv_dequant", "cuda:0", backend=backend))
 

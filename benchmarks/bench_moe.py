@@ -147,7 +147,6 @@ def run(tokens, backends, out_dir, allow_jit, seed, tiles="card", graphs=False):
     import triton
 
     import capdispatch as cd
-    from capdispatch import bench
     from capdispatch.backends.moe import prepare
     from capdispatch.backends.moe import reference as R
 

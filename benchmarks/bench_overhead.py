@@ -243,7 +243,7 @@ def dispatch_floor(iters, repeats):
     # The size-bucket dispatcher (dispatch/sized.py) over two no-op kernels, against the
     # first one called directly: its own work per call, whatever the kernels cost.
     import capdispatch as cd
-    from capdispatch import bench, extend
+    from capdispatch import bench
 
     def small(x, n, *, checks=True):
         return None
@@ -305,7 +305,7 @@ def main(argv=None) -> int:
     import torch
 
     import capdispatch as cd
-    from capdispatch import bench, extend
+    from capdispatch import extend
     dev_name = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
     device = torch.device(dev_name)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)

@@ -108,7 +108,6 @@ def _sizes(value) -> list:
     if value is None:
         return []
     import capdispatch as cd
-    from capdispatch import extend
     out = []
     for part in value.split(","):
         if not part.strip().isdigit() or int(part) < 1:
@@ -120,7 +119,6 @@ def _sizes(value) -> list:
 
 def _cuda_index(device: str) -> int:
     import capdispatch as cd
-    from capdispatch import extend
     idx = device.split(":", 1)[1] if device.startswith("cuda:") else ""
     if not idx.isdigit():
         raise cd.BadInput(f"--device {device!r}: not a device the benchmarks run on (valid: cuda:N or cpu)")
@@ -326,7 +324,6 @@ def _list() -> int:
 
 def main(argv=None) -> int:
     import capdispatch as cd
-    from capdispatch import extend
     a = _parser().parse_args(argv)
     try:
         return _main(a)

@@ -65,7 +65,6 @@ def steps(first, second) -> list:
     """The planner's step per phase from each run, at the runs' shapes, with every op's
     backend the fastest the first run measured."""
     import capdispatch as cd
-    from capdispatch import bench
     if not first.shapes_text:
         return []
     meta = _meta_shapes(first)

@@ -691,7 +691,6 @@ def _decode_spy(gen) -> dict:
     from sglang.kernels.ops.attention import flash_mla_interface as fmi
 
     import capdispatch as cd
-    from capdispatch import extend
     import flash_mla
     from capdispatch.adapters.sglang import rank as hooks
     from capdispatch.adapters.sglang import routes

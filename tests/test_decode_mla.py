@@ -397,14 +397,12 @@ def registry():
 ])
 def test_default_choice(device, want):
     import capdispatch as cd
-    from capdispatch import extend
     res = cd.resolve("decode_mla", device, registry=registry(), assume_libs=ASSUME)
     assert res.backend == want
 
 
 def test_requirements_name_what_is_missing():
     import capdispatch as cd
-    from capdispatch import extend
     res = cd.resolve("decode_mla", "sim:rtx-3080", registry=registry(), assume_libs=ASSUME)
     c = {x.backend: x for x in res.candidates}
     why = lambda name: [ch.code for ch in c[name].checks if not ch.ok]  # noqa: E731
@@ -524,7 +522,6 @@ def test_clean_ids_errors():
 @_interp
 def test_bind_on_cpu():
     import capdispatch as cd
-    from capdispatch import extend
     fn = cd.bind("decode_mla", "cpu", backend="triton", registry=registry())
     assert fn.__name__ == "decode_mla_triton" and fn is _tk().op_decode_mla_u8
 
@@ -712,7 +709,6 @@ def test_batch_scope_shares_one_flashmla_schedule_per_batch(monkeypatch):
     the same shapes and the same topk_length object share one; another lengths tensor,
     another shape, a new block or an inner block get their own."""
     import capdispatch as cd
-    from capdispatch import extend
     call, seen, made = _schedule_calls(monkeypatch)
     q = torch.zeros(2, 1, 64, 512, dtype=torch.bfloat16)
     idx = torch.zeros(2, 1, 64, dtype=torch.int32)
@@ -744,7 +740,6 @@ def test_given_schedule_reaches_flashmla_unchanged(monkeypatch):
     capdispatch.given() is the object FlashMLA receives, in or out of a batch() block,
     for every call of the block; none is made. After the block: the adapter's own again."""
     import capdispatch as cd
-    from capdispatch import extend
     call, seen, made = _schedule_calls(monkeypatch)
     q = torch.zeros(2, 1, 64, 512, dtype=torch.bfloat16)
     idx = torch.zeros(2, 1, 64, dtype=torch.int32)
@@ -777,7 +772,6 @@ def test_batch_scope_stays_in_its_context():
     import threading
 
     import capdispatch as cd
-    from capdispatch import extend
     from capdispatch.backends import batch_scope as B
     got = []
     with cd.batch():
@@ -797,7 +791,6 @@ def test_gpu_batch_scope_flashmla_matches_per_call_schedules():
     outputs of three calls outside it (a schedule each), eagerly and replayed from a
     CUDA graph captured inside the block."""
     import capdispatch as cd
-    from capdispatch import extend
     fn = cd.bind("decode_mla", "cuda:0", backend="flashmla")     # checks on: ids cleaned
     gen = torch.Generator().manual_seed(new_seed())
     q, pool, idx, ps, kw = make_case(gen, 4, 1, 64, "cuda", page_size=64, num_pages=16, topk=64,

@@ -54,7 +54,6 @@ def test_single_name_is_a_list_and_cc_ranges_match():
     pf = _parse("ops:\n  kv_quant: torch\ndevices:\n  - match: {cc: '>=8.9'}\n    ops: {kv_dequant: triton_u8}\n")
     assert pf.ops["kv_quant"].value == ("torch",)
     import capdispatch as cd
-    from capdispatch import extend
     assert pf.devices[0].matches(cd.probe("sim:rtx-4090"))
     assert not pf.devices[0].matches(cd.probe("sim:rtx-3080"))
     assert not pf.devices[0].matches(cd.probe("cpu"))
@@ -77,7 +76,6 @@ def test_missing_file_is_a_clear_error(tmp_path):
 
 def test_on_unsupported_error_makes_downgrades_refusals(tmp_path):
     import capdispatch as cd
-    from capdispatch import extend
     p = tmp_path / "strict.yaml"
     p.write_text("on_unsupported: error\nops:\n  kv_quant: [triton_fp8]\n")
     with pytest.raises(cd.Unsatisfiable, match="strict"):
@@ -91,7 +89,6 @@ def test_later_files_win_and_selections_win_over_files(tmp_path):
     stack = build(builtin(), policy=[str(a), str(b)], env={})
     assert stack.setting("mixed_group").value == "uniform"
     import capdispatch as cd
-    from capdispatch import extend
     spec = cd.probe("sim:h200")
     assert stack.preference("kv_quant", spec).backends == ("triton_u8",)
     stack = build(builtin(), policy=[str(a), str(b)], selections={"kv_quant": "torch"},
@@ -102,7 +99,6 @@ def test_later_files_win_and_selections_win_over_files(tmp_path):
 
 def test_a_user_file_beats_the_defaults_device_entries(tmp_path):
     import capdispatch as cd
-    from capdispatch import extend
     p = tmp_path / "mine.yaml"
     p.write_text("ops: {indexer: [torch]}\n")
     spec = cd.probe("sim:rtx-3080")
@@ -114,7 +110,6 @@ def test_a_user_file_beats_the_defaults_device_entries(tmp_path):
 
 def _all_devices():
     import capdispatch as cd
-    from capdispatch import extend
     from capdispatch.capabilities import catalog
     from capdispatch.dispatch.group import unique_ids
     specs = [cd.probe(f"sim:{n}") for n in catalog.names()] + [cd.probe("cpu")]
@@ -166,7 +161,6 @@ def test_policy_show_round_trips(tmp_path, texts):
 
 def test_alias_and_driver_names_match_what_they_validate():
     import capdispatch as cd
-    from capdispatch import extend
     for name in ("geforce-rtx-3080", "rtx-3080", "NVIDIA GeForce RTX 3080", "RTX-3080"):
         pf = _parse(f"devices:\n  - match: {{name: {name}}}\n    ops: {{kv_quant: [torch]}}\n")
         assert pf.devices[0].matches(cd.probe("sim:rtx-3080")), name
@@ -182,7 +176,6 @@ def test_alias_and_driver_names_match_what_they_validate():
 
 def test_repeated_cards_are_named_by_position_and_matched_consistently():
     import capdispatch as cd
-    from capdispatch import extend
     from capdispatch.dispatch.group import unique_ids
     specs = unique_ids([cd.probe(d) for d in ("sim:rtx-5090", "sim:rtx-3080", "sim:rtx-3080")])
     assert [s.id for s in specs] == ["sim:rtx-5090", "sim:rtx-3080@1", "sim:rtx-3080@2"]
@@ -205,7 +198,6 @@ def test_repeated_cards_are_named_by_position_and_matched_consistently():
                                       ("", False)])
 def test_strict_variable_words(value, on):
     import capdispatch as cd
-    from capdispatch import extend
     env = {"CAPDISPATCH_STRICT": value, "CAPDISPATCH_SET": "kv_quant=triton_fp8"}
     if on:
         with pytest.raises(cd.StrictFallbackError):
@@ -216,7 +208,6 @@ def test_strict_variable_words(value, on):
 
 def test_strict_variable_junk_is_refused():
     import capdispatch as cd
-    from capdispatch import extend
     with pytest.raises(cd.BadInput, match=r"CAPDISPATCH_STRICT='maybe' is not a yes/no value.*true"):
         cd.resolve("kv_quant", "sim:rtx-3080", env={"CAPDISPATCH_STRICT": "maybe"})
 
@@ -282,7 +273,6 @@ def test_the_h200_example_policy_loads_and_buckets_decode_by_tokens():
     import os
 
     import capdispatch as cd
-    from capdispatch import extend
     path = os.path.join(os.path.dirname(cd.__file__), "policies", "examples", "h200.yaml")
     from capdispatch.capabilities.lib_profiles import Profile, ProfileLib
     measured = Profile("h200-run", "the libraries the calibration had", "-", tuple(

@@ -16,7 +16,6 @@ SIM_ENV = "CAPDISPATCH_SGLANG_DEVICES"
 
 def _positive(name: str, value, minimum: int) -> int:
     import capdispatch as cd
-    from capdispatch import extend
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise cd.BadInput(f"{name}={value!r}: expected an integer >= {minimum}")
     return value
@@ -67,7 +66,6 @@ def simulated_devices(env=None) -> Optional[list]:
 
 def _spec(dev: str, origin: str, *, via: str):
     import capdispatch as cd
-    from capdispatch import extend
     try:
         return cd.probe(dev, via=via)
     except cd.UnknownDeviceError as exc:
@@ -81,7 +79,6 @@ def device(gpu_id: int, *, env=None, via: str = "nvml"):
     via="auto" falls back to torch.
     """
     import capdispatch as cd
-    from capdispatch import extend
     listed = simulated_devices(env)
     if listed is None:
         return _spec(f"cuda:{gpu_id}", "SGLang GPU", via=via)

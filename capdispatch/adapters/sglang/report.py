@@ -72,7 +72,6 @@ def build(state, *, proof=None, agreement=None) -> dict:
     import time
 
     import capdispatch as cd
-    from capdispatch import extend
     from . import versions
     return {
         "schema": SCHEMA,
