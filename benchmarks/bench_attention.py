@@ -62,8 +62,9 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import capdispatch as cd  # noqa: E402 (after the path insertion)
+from capdispatch import bench  # noqa: E402
 
-CI = cd.calibration_inputs
+CI = bench.inputs
 
 SCALE = CI.SCALE
 H = CI.HEADS
@@ -92,7 +93,7 @@ TUNE_CONFIGS = [dict(BLOCK_H=bh, BLOCK_N=bn, num_warps=w, num_stages=st) for bh,
 
 def registry():
     """The built-in ops and backends, no plugins."""
-    return cd.build_registry(plugins=False)
+    return bench.registry.build(plugins=False)
 
 
 def _bench_graph(fn, rep):

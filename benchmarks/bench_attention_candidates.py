@@ -8,7 +8,7 @@ ones and against FlashMLA, all in their served form, in one run on a CUDA GPU.
 Served form (as calibration times it): every backend bound with ``checks=False``
 and called inside one ``capdispatch.batch()`` (FlashMLA's decode schedule built by the
 first call, before timing); decode replayed from a CUDA graph up to SGLang's capture
-bound for this card's memory (``cd.served_capture_max_bs``), eager above it; prefill eager.
+bound for this card's memory (``bench.served.capture_max_bs``), eager above it; prefill eager.
 Shapes: DeepSeek-V4 at TP 1, 64 heads, head dim 512 (448 e4m3 nope + 64 bf16 rope per
 584-byte pool row); decode: a 128-entry SWA list over a page-256 pool plus a 512-entry
 c4 list over a page-64 pool, per token; prefill: top-k 512 bf16 rows of s_kv 65536.
@@ -76,8 +76,9 @@ class Runner:
         import torch
 
         import capdispatch as cd
+        from capdispatch import bench
         self.args, self.reg, self.bw, self.tflops, self.start = args, reg, bw, tflops, start
-        self.capture = cd.served_capture_max_bs(torch.cuda.get_device_properties(0).total_memory)
+        self.capture = bench.served.capture_max_bs(torch.cuda.get_device_properties(0).total_memory)
         self.rows = []
 
     def left(self):
@@ -91,12 +92,13 @@ class Runner:
         import torch
 
         import capdispatch as cd
+        from capdispatch import bench
         props = torch.cuda.get_device_properties(0)
         optin = getattr(props, "shared_memory_per_block_optin", None)
         if not optin:
             return call(), [], None
         cc = torch.cuda.get_device_capability(0)
-        with cd.tiles_as(cd.TileTarget(capability=cc, shared_bytes=int(optin), label="this card")) as scope:
+        with bench.tiles_as(bench.TileTarget(capability=cc, shared_bytes=int(optin), label="this card")) as scope:
             try:
                 return call(), list(scope.launches), None
             except Exception as exc:   # noqa: BLE001 - reported as the entry's error

@@ -55,9 +55,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-import capdispatch as cd  # noqa: E402 (after the path insertion)
+from capdispatch import bench  # noqa: E402
 
-CI = cd.calibration_inputs
+CI = bench.inputs
 
 H, D, PAGE = CI.INDEXER_HEADS, CI.INDEXER_DIM, CI.INDEXER_PAGE
 REL_TOL = CI.INDEXER_REL_TOL

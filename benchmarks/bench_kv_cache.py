@@ -40,8 +40,9 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import capdispatch as cd  # noqa: E402 (after the path insertion)
+from capdispatch import bench  # noqa: E402
 
-CI = cd.calibration_inputs
+CI = bench.inputs
 
 QUANT_BYTES_PER_TOKEN = 1024 + 8 + 584
 DEQUANT_BYTES_PER_TOKEN = 584 + 8 + 1024

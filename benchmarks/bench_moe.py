@@ -108,12 +108,14 @@ def _graph_time(fn):
 def _registry():
     """The built-in ops (moe among them), no plugins."""
     import capdispatch as cd
-    return cd.build_registry(plugins=False)
+    from capdispatch import bench
+    return bench.registry.build(plugins=False)
 
 
 def _weights_copy(w):
     import capdispatch as cd
-    return cd.calibration_inputs.copy_weights(w)
+    from capdispatch import bench
+    return bench.inputs.copy_weights(w)
 
 
 def _available(name, allow_jit):

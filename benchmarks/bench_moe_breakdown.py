@@ -5,7 +5,7 @@
 
 Shapes: E = 64 local experts, H = 4096, I = 2048, top-6, packed MXFP4 + E8M0 (13,369,344 B
 per expert), clamped SwiGLU (limit 10); routing skewed as calibration serves it
-(cd.SERVED_ROUTE_SKEW).
+(bench.SERVED_ROUTE_SKEW).
 
 1. Ceilings measured in this run: device-to-device copy of fresh 2 GiB buffers (40x the
    H200's L2) COPY_REPEATS times, bytes read + written, median and spread; the bf16
@@ -341,10 +341,11 @@ def run(a):
     import triton
 
     import capdispatch as cd
+    from capdispatch import bench
     from capdispatch.backends.moe import reference as R
     from capdispatch.backends.moe import triton_kernels as tk
     from capdispatch.backends.moe.launch_table import tiles_for
-    SERVED_ROUTE_SKEW, forward = cd.SERVED_ROUTE_SKEW, cd.served_forward
+    SERVED_ROUTE_SKEW, forward = bench.SERVED_ROUTE_SKEW, bench.served.forward
     from ceilings import bench_graph, run_facts
 
     cands = parse_candidates(a.candidates)

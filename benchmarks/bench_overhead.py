@@ -243,13 +243,14 @@ def dispatch_floor(iters, repeats):
     # The size-bucket dispatcher (dispatch/sized.py) over two no-op kernels, against the
     # first one called directly: its own work per call, whatever the kernels cost.
     import capdispatch as cd
+    from capdispatch import bench
 
     def small(x, n, *, checks=True):
         return None
 
     def big(x, n, *, checks=True):
         return None
-    disp = cd.size_dispatcher("noop", cd.SizeArg(key="tokens", index=0, name="x"), ((16, small),), big, ((16, "small"), (None, "big")))
+    disp = bench.sized.dispatcher("noop", bench.SizeArg(key="tokens", index=0, name="x"), ((16, small),), big, ((16, "small"), (None, "big")))
     r = interleaved_us({"python": lambda: noop(x, 1), "custom_op": lambda: op(x, 1),
                         "bucket_dispatcher": lambda: disp(x, 1), "bucket_direct": lambda: small(x, 1)},
                        iters, repeats, lambda: None)
@@ -304,6 +305,7 @@ def main(argv=None) -> int:
     import torch
 
     import capdispatch as cd
+    from capdispatch import extend
     dev_name = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
     device = torch.device(dev_name)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
@@ -320,9 +322,9 @@ def main(argv=None) -> int:
           f"size-bucket dispatcher over no-op kernels {floor['bucket_dispatcher']:.2f} us against "
           f"{floor['bucket_direct']:.2f} us direct")
 
-    reg = cd.registry()
+    reg = extend.registry.builtin()
     try:
-        ops = cd.op_list(args.op, "--op", reg) if args.op else list(reg.ops)
+        ops = extend.op_list(args.op, "--op", reg) if args.op else list(reg.ops)
     except cd.BadInput as exc:
         ap.error(str(exc))
     rows = []

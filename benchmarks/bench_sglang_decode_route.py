@@ -41,10 +41,11 @@ def run(args) -> int:
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     import sglang_prelude  # noqa: F401  (before SGLang: offline; a torchvision stand-in where it is absent)
     import capdispatch as cd
+    from capdispatch import bench
     from capdispatch.adapters.sglang import routes
     from capdispatch.backends.decode_mla.library_args import pool_view
     from ceilings import bench_graph
-    CI = cd.calibration_inputs
+    CI = bench.inputs
     fmi = importlib.import_module("sglang.kernels.ops.attention.flash_mla_interface")
     own = fmi.flash_mla_with_kvcache
     fn = cd.bind("decode_mla", "cuda:0", backend="flashmla", checks=False)

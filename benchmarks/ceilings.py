@@ -15,9 +15,9 @@ def bench(fn, warmup=25, rep=200):
 
 def bench_graph(fn, warmup=25, rep=200):
     """Median milliseconds of FN replayed from a CUDA graph, after eager warm-up (the
-    calibration timer's graph mode: cd.cuda_timer)."""
-    import capdispatch as cd
-    return cd.cuda_timer(warmup_ms=warmup, rep_ms=rep)(fn, graph=True)
+    calibration timer's graph mode: cuda_timer)."""
+    from capdispatch.bench import cuda_timer
+    return cuda_timer(warmup_ms=warmup, rep_ms=rep)(fn, graph=True)
 
 
 def copy_bandwidth(nbytes=2 << 30, warmup=25, rep=200):

@@ -21,9 +21,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-import capdispatch as cd  # noqa: E402
+from capdispatch import bench  # noqa: E402
 
-M = cd.compile_matrix
+M = bench.compile_matrix
 
 DEFAULT_OUT = os.path.join(ROOT, "benchmarks", "results", "compile_matrix.md")
 

@@ -2,7 +2,7 @@
 rings and one MoE layer's routed experts on a CUDA card the way SGLang 0.5.23 lays them out
 (one uint8 [pages, page_bytes] tensor per layer and pool, paged as SGLang pages them; fp32 state
 rings per request slot; MXFP4 experts as packed bytes plus E8M0 scales), and compare the bytes
-`dispatch plan` estimates (cd.memory_estimate) with what the allocation holds and with
+`dispatch plan` estimates (bench.memory) with what the allocation holds and with
 what torch.cuda.memory_allocated and cudaMemGetInfo report. Also the CUDA context's own memory
 against the plan's fixed allowance for it.
 
@@ -28,8 +28,9 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import capdispatch as cd  # noqa: E402 (after the path insertion)
+from capdispatch import bench  # noqa: E402
 
-bytes_per_page, load_model, mem = cd.kv_page_bytes, cd.load_model, cd.memory_estimate
+bytes_per_page, load_model, mem = bench.v4_layout.bytes_per_page, cd.load_model, bench.memory
 
 MIB = 1 << 20
 

@@ -134,8 +134,9 @@ def _load(op, backend):
     """What ``cd.bind(op, device, backend=backend)`` returns (and its checks=False variant),
     without the decision: the CPU cannot pass the fp8 backends' feature checks."""
     import capdispatch as cd
-    fn = cd.registry().backend(op, backend).load()
-    return fn, cd.without_checks(fn)
+    from capdispatch import bench, extend
+    fn = extend.registry.builtin().backend(op, backend).load()
+    return fn, bench.without_checks(fn)
 
 
 def case_inputs(case, gen):

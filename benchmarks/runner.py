@@ -98,7 +98,8 @@ def _names(values, flag) -> list:
     for n in names:
         if n not in known:
             import capdispatch as cd
-            raise cd.BadInput(f"{flag} {n}: no such benchmark{cd.did_you_mean(n, list(known))} "
+            from capdispatch import extend
+            raise cd.BadInput(f"{flag} {n}: no such benchmark{extend.did_you_mean(n, list(known))} "
                               f"(valid: {', '.join(known)})")
     return names
 
@@ -337,13 +338,14 @@ def main(argv=None) -> int:
 
 def _main(a) -> int:
     import capdispatch as cd
+    from capdispatch import extend
     if a.list:
         return _list()
     if not a.suite:
         raise cd.BadInput(f"--suite: none given (valid: {', '.join(S.SUITES)}; --list shows every benchmark)")
     only, skip = _names(a.only, "--only"), _names(a.skip, "--skip")
-    reg = cd.registry()
-    chosen = cd.op_list(a.ops, "--ops", reg) if a.ops else []
+    reg = extend.registry.builtin()
+    chosen = extend.op_list(a.ops, "--ops", reg) if a.ops else []
     sizes = _sizes(a.sizes)
     extra = {}
     for item in a.args:

@@ -62,11 +62,11 @@ def _kernel(mod: str, name: str):
 
 def jobs(only=None) -> list:
     """(row id, Job, per-iteration estimate) for each kernel of the issue's table."""
-    import capdispatch as cd
+    from capdispatch import bench
     from capdispatch.backends.moe import launch_table as ML
     from capdispatch.backends.moe import triton_kernels as MK
     from capdispatch.backends.sparse_attention import launch_table as AL
-    M = cd.compile_matrix
+    M = bench.compile_matrix
     t = M.target("sm_90")
     out = []
     # MoE: 1/8/64 tokens over 64 experts are 1-6 routes per expert (one tile class), 4096 tokens 384.

@@ -83,11 +83,11 @@ def compile_kernel(fn, signature: dict, constexprs: dict, num_warps: int, num_st
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    import capdispatch as cd
+    from capdispatch import bench
 
     if not isinstance(fn, triton.runtime.jit.JITFunction):
         raise RuntimeError("compiling offline needs the kernels imported without TRITON_INTERPRET")
-    constexprs = cd.compile_matrix.with_defaults(fn, constexprs)
+    constexprs = bench.compile_matrix.with_defaults(fn, constexprs)
     sig = dict(signature, **{k: "constexpr" for k in constexprs})
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs,
                     attrs=_launch_attrs(signature) if aligned else None)

@@ -31,8 +31,9 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import capdispatch as cd  # noqa: E402 (after the path insertion)
+from capdispatch import bench  # noqa: E402
 
-speed = cd.speed_model
+speed = bench.speed
 
 
 def _runs(run_dir, prefix):

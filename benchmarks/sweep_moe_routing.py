@@ -3,11 +3,11 @@
     python benchmarks/sweep_moe_routing.py --out DIR [--tokens 1 8 64 256] [--seed N]
 
 At 64 experts and top-6 (DeepSeek-V4's local experts at EP 4), with the routing skew
-calibration serves (cd.SERVED_ROUTE_SKEW): for each token count and each block size the MoE
+calibration serves (bench.SERVED_ROUTE_SKEW): for each token count and each block size the MoE
 uses there (BM 16 and 32), every (CH, num_warps) of CHUNKS x WARPS. Each candidate's tables are
 first compared with the torch path's (routing_tables(force_torch=True)): the sorted routes of
 every unmasked route and the three block columns, element for element; a candidate that
-differs is reported and not timed. Timed replayed from a CUDA graph (cd.cuda_timer's graph
+differs is reported and not timed. Timed replayed from a CUDA graph (bench.cuda_timer's graph
 mode: the routing kernel is one launch of a decode step's graph). The launch table's choice
 (launch_table.routing_launch) is marked in the output, which is what its rows are read from.
 
@@ -37,7 +37,7 @@ def sweep(tokens, seed, rep_ms=50):
     import torch
     import triton
 
-    import capdispatch as cd
+    from capdispatch import bench
     from capdispatch.backends.moe import reference as R
     from capdispatch.backends.moe import triton_kernels as tk
     from capdispatch.backends.moe.launch_table import routing_launch
@@ -45,7 +45,7 @@ def sweep(tokens, seed, rep_ms=50):
     gen = torch.Generator().manual_seed(seed)
     rows = []
     for T in tokens:
-        _, ids = R.random_routing(T, TOPK, E, gen=gen, device="cuda", skew=cd.SERVED_ROUTE_SKEW)
+        _, ids = R.random_routing(T, TOPK, E, gen=gen, device="cuda", skew=bench.SERVED_ROUTE_SKEW)
         ids = ids.contiguous()
         routes = T * TOPK
         live = int((ids >= 0).sum())

@@ -39,17 +39,17 @@ def label(mode: str) -> str:
 
 
 def target(mode: str):
-    """The cd.TileTarget of MODE, or None for the card's own tiles. The 99 KB
+    """The bench.TileTarget of MODE, or None for the card's own tiles. The 99 KB
     target is sm_86's; the three cards' shared memory must agree (the catalog says so)."""
     _check_mode(mode)
     if mode == "card":
         return None
-    import capdispatch as cd
-    targets = [cd.card_tile_target(k) for k in CARDS_99KB]
+    from capdispatch import bench
+    targets = [bench.card_target(k) for k in CARDS_99KB]
     sizes = {t.shared_bytes for t in targets}
     if len(sizes) != 1:
         raise ValueError(f"the 99 KB cards {CARDS_99KB} disagree on shared memory per block: {sorted(sizes)}")
-    return cd.TileTarget(capability=targets[0].capability, shared_bytes=targets[0].shared_bytes, label=LABEL_99KB)
+    return bench.TileTarget(capability=targets[0].capability, shared_bytes=targets[0].shared_bytes, label=LABEL_99KB)
 
 
 def checked(mode: str, fn):
@@ -58,8 +58,8 @@ def checked(mode: str, fn):
     t = target(mode)
     if t is None:
         return fn(), [], None
-    import capdispatch as cd
-    with cd.tiles_as(t) as scope:
+    from capdispatch import bench
+    with bench.tiles_as(t) as scope:
         try:
             return fn(), list(scope.launches), None
         except Exception as exc:   # noqa: BLE001 - e.g. no entry fits: the card would fail the same way
@@ -72,8 +72,8 @@ def timing(mode: str):
     t = target(mode)
     if t is None:
         return contextlib.nullcontext()
-    import capdispatch as cd
-    return cd.tiles_as(t, check=False)
+    from capdispatch import bench
+    return bench.tiles_as(t, check=False)
 
 
 def launch_rows(launches) -> list:

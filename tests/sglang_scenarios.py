@@ -644,9 +644,10 @@ def _bound(st) -> dict:
     capdispatch's kernel without argument checks ("unchecked"), with them ("checked"),
     or SGLang's own call ("sglang": the dispatcher's pick is None)."""
     import capdispatch as cd
+    from capdispatch import extend
     from capdispatch.adapters.sglang import routes
     from capdispatch.backends.torch_ops import without_checks
-    reg = cd.registry()
+    reg = extend.registry.builtin()
     out = {}
     for op in st.inputs.ops:
         fn = routes.kernel(op, st.key)

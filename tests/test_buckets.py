@@ -7,6 +7,7 @@ import types
 import pytest
 
 import capdispatch as cd
+from capdispatch import extend
 from capdispatch.backends import Backend, Op, Registry, TritonTarget
 from capdispatch.backends.base import SizeArg
 from capdispatch.backends.registry import BUILTIN_OP_PACKAGES
@@ -337,7 +338,7 @@ def test_bind_resolution_binds_the_decision_made_and_leaves_native_buckets_to_th
     kept = cd.bind_resolution(res, registry=reg, native="medium", checks=False)
     assert kept.keeps and kept.pick(30) is None and kept.pick(3)(_x(3)) == ("small", 3)
     assert kept(_x(300)) == ("large", 300)
-    with pytest.raises(cd.ArgumentTypeError, match=r"toy: size 30 is in a bucket the caller's own kernel runs "
+    with pytest.raises(extend.ArgumentTypeError, match=r"toy: size 30 is in a bucket the caller's own kernel runs "
                                                    r"\(<= 4: small, <= 64: medium \(the caller's own\), else large\)"):
         kept(_x(30))
     assert "medium (the caller's own)" in kept.__doc__

@@ -11,6 +11,7 @@ import stat
 import pytest
 
 import capdispatch as cd
+from capdispatch import extend
 from capdispatch import proof
 from capdispatch.proof import cache as C
 
@@ -286,8 +287,8 @@ def test_an_untrusted_key_fails_closed_and_verify_still_records(env, how, caplog
     _spoil_key(key, how)
     with caplog.at_level(logging.WARNING, logger="capdispatch"):
         card = C.open_card(cpu(), env=env)
-        assert card.get(cd.registry().backend("kv_dequant", "torch")) is None
-        assert card.suspect(cd.registry().backend("kv_dequant", "torch"))
+        assert card.get(extend.registry.builtin().backend("kv_dequant", "torch")) is None
+        assert card.suspect(extend.registry.builtin().backend("kv_dequant", "torch"))
     assert "not trusted" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="capdispatch"):

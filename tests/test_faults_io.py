@@ -14,6 +14,7 @@ import threading
 import pytest
 
 import capdispatch as cd
+from capdispatch import extend
 from capdispatch import safe_io
 from capdispatch.dispatch import cli
 
@@ -48,8 +49,8 @@ def test_readers_refuse_special_files_at_once(specials, name, monkeypatch):
         monkeypatch.delenv(k, raising=False)
     cases = {
         "--policy": lambda: cd.resolve("moe", SIM, policy=path),
-        "load_lock": lambda: cd.load_lock(path),
-        "read_file": lambda: cd.read_file(path, limit=1 << 20),
+        "load_lock": lambda: cd.lock.load(path),
+        "read_file": lambda: extend.read_bytes(path, limit=1 << 20),
     }
     for what, fn in cases.items():
         r = bounded(fn)
@@ -93,11 +94,11 @@ def test_knob_map_reader_refuses_a_fifo(specials):
 def test_load_marked_alias_bomb_is_bounded():
     lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
     lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 9)]
-    r = bounded(lambda: cd.load_marked("\n".join(lines), "bomb.yaml"), 10)
+    r = bounded(lambda: extend.load_marked("\n".join(lines), "bomb.yaml"), 10)
     assert r["seconds"] < 5
     assert isinstance(r.get("error"), cd.PolicyError) and "aliases are expanded" in str(r["error"])
     # ordinary aliases still work
-    assert cd.load_marked("a: &x [1, 2]\nb: *x\n", "ok.yaml") == {"a": [1, 2], "b": [1, 2]}
+    assert extend.load_marked("a: &x [1, 2]\nb: *x\n", "ok.yaml") == {"a": [1, 2], "b": [1, 2]}
 
 
 # --------------------------------------------------------------------------- #
@@ -123,7 +124,7 @@ def test_lock_output_keeps_mode_and_link(tmp_path, capsys):
     link.symlink_to(real)
     assert cli.main(["lock", "--device", SIM, "--op", "moe", "-o", str(link)]) == 0
     assert os.path.islink(link) and stat.S_IMODE(os.stat(real).st_mode) == 0o640
-    assert cd.load_lock(link).devices[0].id == SIM
+    assert cd.lock.load(link).devices[0].id == SIM
     assert sorted(os.listdir(tmp_path)) == ["link.lock", "real.lock"]
     new = tmp_path / "new.lock"
     assert cli.main(["lock", "--device", SIM, "--op", "moe", "-o", str(new)]) == 0
@@ -175,7 +176,7 @@ def test_bench_rewrite_keeps_the_files_settings(tmp_path, capsys):
     os.chmod(policy, 0o640)
     assert cli.main(["bench", "--device", "cpu", "--op", "kv_quant", "--sizes", "1",
                      "--write-policy", str(policy)]) == 0
-    pf = cd.policies.load_file(policy, cd.registry(), known_devices=())
+    pf = cd.policies.load_file(policy, extend.registry.builtin(), known_devices=())
     assert (pf.verify.value, pf.mixed_group.value, pf.on_unsupported.value) == ("required", "uniform", "error")
     assert stat.S_IMODE(os.stat(policy).st_mode) == 0o640
     assert sorted(os.listdir(tmp_path)) == ["cpu.yaml"]
@@ -207,7 +208,7 @@ def test_a_reader_racing_the_writer_sees_a_whole_file(tmp_path):
     t.start()
     try:
         for _ in range(200):
-            pf = cd.policies.load_file(path, cd.registry())
+            pf = cd.policies.load_file(path, extend.registry.builtin())
             if pf.ops["kv_quant"].value[-1] != "torch":
                 bad.append(pf)
     finally:

@@ -29,14 +29,14 @@ def test_empty_names_are_refused(argv, needle, capsys):
 
 def test_verify_lock_empty_is_refused():
     with pytest.raises(cd.BadInput, match="--lock: an empty file name"):
-        cd.check_lock(cd.plan(["sim:h200"], ["moe"], log_warnings=False), "")
+        cd.lock.check(cd.plan(["sim:h200"], ["moe"], log_warnings=False), "")
 
 
 def test_a_lock_without_devices_is_refused(tmp_path):
     p = tmp_path / "empty.lock"
     p.write_text("schema: 1\ndevices: []\n")
     with pytest.raises(cd.LockError, match=r"empty.lock:2: devices is empty"):
-        cd.load_lock(p)
+        cd.lock.load(p)
 
 
 @pytest.mark.parametrize("devices", [["sim:rtx-3080", "sim:rtx-3080"], ["cpu", "cpu"],
@@ -44,7 +44,7 @@ def test_a_lock_without_devices_is_refused(tmp_path):
 def test_repeated_devices_round_trip(devices, tmp_path, capsys):
     path = tmp_path / "group.lock"
     assert cli.main(["lock", "--device", ",".join(devices), "--op", "moe", "-o", str(path)]) == 0
-    ids = [d.id for d in cd.load_lock(path).devices]
+    ids = [d.id for d in cd.lock.load(path).devices]
     assert any("@" in i for i in ids)
     capsys.readouterr()
     assert cli.main(["lock", "--check", str(path)]) == 0, capsys.readouterr().err
@@ -73,7 +73,7 @@ def test_control_and_bidi_characters_in_lock_paths_are_escaped(tmp_path, capsys)
     bad = tmp_path / f"{HOSTILE}bad.lock"
     bad.write_text("schema: 1\n")
     with pytest.raises(cd.LockError) as exc:
-        cd.load_lock(str(bad))
+        cd.lock.load(str(bad))
     assert _clean(str(exc.value)) and "bad.lock:1: missing 'devices'" in str(exc.value)
 
 

@@ -5,13 +5,15 @@ A room is a sub-package of capdispatch (an adapter, an op folder or a shared ker
 folder under backends/ counts as its own room); a module directly under capdispatch/ or
 capdispatch/backends/ belongs to that package's room. The command line (dispatch/cli.py
 and dispatch/*_cmd.py) is its own room on the top floor: it runs every other room. The
-face (capdispatch/__init__.py, `import capdispatch as cd`) stands just above dispatch,
-whose names it lends; taking only its dunder data (`__version__`) is no arrow. FLOORS lists
+faces (capdispatch/__init__.py for users, capdispatch/extend.py for plugin and adapter
+authors, capdispatch/bench.py for benchmarks) stand just above dispatch, whose names they
+lend. FLOORS lists
 the rooms from the bottom: a room may import its own floor's rooms (without a circle) and
 any floor below.
 """
 import ast
 import os
+import sys
 
 import pytest
 
@@ -19,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PKG = os.path.join(ROOT, "capdispatch")
 
 FLOORS = (
-    ("errors", "safe_io", "processes"),
+    ("errors", "safe_io", "processes", "version"),
     ("marked_yaml",),                                 # the one marked YAML reader
     ("capabilities",),
     ("backends",),                                    # declarations, registry, base, v4_layout
@@ -29,7 +31,7 @@ FLOORS = (
     ("backends.decode_mla",),                         # reads sparse_prefill's shared checks
     ("policies", "calibrate", "proof", "models"),
     ("dispatch",),
-    ("capdispatch",),                                 # the public face
+    ("capdispatch", "extend", "bench"),               # the faces: users, plugin and adapter authors, benchmarks
     ("rehearse", "adapters", "adapters.sglang"),      # they use the face
     ("dispatch commands", "__main__"),
 )
@@ -57,9 +59,10 @@ def room(module: str) -> str:
     return parts[0]
 
 
-def arrows(modules) -> set:
-    """(from room, to room, 'module:line') for every import of one capdispatch module by another."""
-    out = set()
+def imports(modules):
+    """(module, imported module, line) for every import of one capdispatch module by another,
+    those inside functions and under TYPE_CHECKING too: a relative import resolved, and
+    `from pkg import name` taken as the submodule pkg.name where that is a module."""
     for name, path in modules.items():
         pkg = name if path.endswith("__init__.py") else name.rsplit(".", 1)[0]
         for node in ast.walk(ast.parse(open(path).read(), path)):
@@ -69,7 +72,7 @@ def arrows(modules) -> set:
                     up = pkg.split(".")[:len(pkg.split(".")) - node.level + 1]
                     base = ".".join(up + ([node.module] if node.module else []))
                 targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
-                           for a in node.names if not (base == "capdispatch" and a.name.startswith("__"))]
+                           for a in node.names]
             elif isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             else:
@@ -77,9 +80,22 @@ def arrows(modules) -> set:
             for t in targets:
                 while t and t not in modules:
                     t = t.rpartition(".")[0]
-                if t and room(t) != room(name):
-                    out.add((room(name), room(t), f"{name}:{node.lineno}"))
-    return out
+                if t and t != name:
+                    yield name, t, node.lineno
+
+
+def arrows(modules) -> set:
+    """(from room, to room, 'module:line') for every import of one capdispatch module by another."""
+    return {(room(name), room(t), f"{name}:{line}") for name, t, line in imports(modules)
+            if room(t) != room(name)}
+
+
+def module_arrows(modules) -> set:
+    """(module, imported module, 'module:line'), one per pair (its first line)."""
+    first = {}
+    for name, t, line in imports(modules):
+        first[(name, t)] = min(line, first.get((name, t), line))
+    return {(a, b, f"{a}:{line}") for (a, b), line in first.items()}
 
 
 def _floor(r: str) -> int:
@@ -119,6 +135,34 @@ def test_no_arrow_runs_up():
 
 def test_no_circle_between_rooms():
     assert not _circles(arrows(_modules()))
+
+
+def _said(circles, edges) -> list:
+    where = {(a, b): w for a, b, w in edges}
+    return [" -> ".join(c) + " (" + ", ".join(where[(x, y)] for x, y in zip(c, c[1:])) + ")"
+            for c in circles]
+
+
+def test_no_circle_between_modules():
+    """Module by module, every import counted (inside functions, under TYPE_CHECKING): a
+    module never needs, however late, one that needs it."""
+    edges = module_arrows(_modules())
+    found = _said(_circles(edges), edges)
+    assert not found, "import circles between modules: " + "; ".join(found)
+
+
+def test_the_module_circle_finder_sees_late_and_from_imports(tmp_path):
+    """The check can fail: a circle closed by an import inside a function, through
+    `from package import module`, is found and named with its lines."""
+    mods = dict(_modules())
+    a, b = tmp_path / "a.py", tmp_path / "b.py"
+    a.write_text("from . import b_mod\n")
+    b.write_text("def f():\n    from .a_mod import x\n")
+    mods["capdispatch.a_mod"], mods["capdispatch.b_mod"] = str(a), str(b)
+    edges = module_arrows(mods)
+    found = _said(_circles(edges), edges)
+    assert any("capdispatch.a_mod -> capdispatch.b_mod -> capdispatch.a_mod" in f
+               and "capdispatch.b_mod:2" in f for f in found), found
 
 
 @pytest.mark.parametrize("src, found", [
@@ -188,9 +232,10 @@ def test_the_private_name_reader_sees_both_forms(tmp_path):
     assert any("capdispatch.backends.compile_matrix._mod" in f for f in found)
 
 
-def test_adapters_use_only_the_face():
-    """An adapter imports capdispatch as `import capdispatch as cd` (or a face name from it),
-    never a submodule, and nothing of capdispatch outside its own package."""
+def test_adapters_use_only_the_faces():
+    """An adapter imports capdispatch as `import capdispatch as cd` (or a face name from it)
+    and `capdispatch.extend` (the adapter authors' face), never another submodule, and
+    nothing of capdispatch outside its own package."""
     bad = []
     for name, path in _modules().items():
         if room(name) != "adapters.sglang":
@@ -202,9 +247,50 @@ def test_adapters_use_only_the_face():
                 if not ".".join(up).startswith("capdispatch.adapters.sglang"):
                     bad.append(f"{name}:{node.lineno}")
             elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("capdispatch."):
-                if not node.module.startswith("capdispatch.adapters.sglang"):
+                if not node.module.startswith(("capdispatch.adapters.sglang", "capdispatch.extend")):
                     bad.append(f"{name}:{node.lineno} {node.module}")
             elif isinstance(node, ast.Import):
                 bad += [f"{name}:{node.lineno} {a.name}" for a in node.names
                         if a.name.startswith("capdispatch.") and not a.name.startswith("capdispatch.adapters.sglang")]
     assert not bad, "adapter imports past the face: " + "; ".join(bad)
+
+
+# Imports inside functions keep torch and friends (and the modules that import them) out of
+# planning; the standard library, attrs and yaml cost nothing worth deferring and belong at
+# a module's top. Those still inside functions are held at this ceiling, which only falls.
+LATE_LIGHT_CEILING = 60
+LIGHT = set(sys.stdlib_module_names) | {"attrs", "yaml"}
+
+
+def late_light_imports(modules) -> list:
+    """'module:line name' for every import of the standard library, attrs or yaml made
+    inside a function."""
+    out = []
+    for name, path in modules.items():
+        for fn in ast.walk(ast.parse(open(path).read(), path)):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in fn.body:
+                for sub in ast.walk(node):
+                    if isinstance(sub, ast.Import):
+                        names = [a.name for a in sub.names]
+                    elif isinstance(sub, ast.ImportFrom) and not sub.level:
+                        names = [sub.module]
+                    else:
+                        continue
+                    out += [f"{name}:{sub.lineno} {n}" for n in names if n.split(".")[0] in LIGHT]
+    return sorted(set(out))
+
+
+def test_light_imports_inside_functions_do_not_grow():
+    found = late_light_imports(_modules())
+    assert len(found) <= LATE_LIGHT_CEILING, (
+        f"{len(found)} imports of the standard library, attrs or yaml inside functions (at most "
+        f"{LATE_LIGHT_CEILING}); move new ones to the module's top: " + "; ".join(found))
+
+
+def test_the_late_import_counter_sees_one(tmp_path):
+    late = tmp_path / "late.py"
+    late.write_text("import json\n\ndef f():\n    import os\n    from yaml import safe_load\n    import torch\n")
+    assert late_light_imports({"capdispatch.late": str(late)}) == ["capdispatch.late:4 os",
+                                                                    "capdispatch.late:5 yaml"]

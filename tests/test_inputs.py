@@ -7,6 +7,7 @@ import os
 import pytest
 
 import capdispatch as cd
+from capdispatch import extend
 from capdispatch.adapters.sglang.cli import main as sglang_main
 from capdispatch.dispatch.cli import main
 
@@ -80,7 +81,7 @@ def test_device_lists_with_empty_entries_are_refused_everywhere(run, value):
         assert rc == 2 and err.count("\n") == 1, (args, err)
         assert source in err and "DEV[,DEV...]" in err, (args, err)
     with pytest.raises(cd.BadInput):
-        cd.device_list(value, "devices=")
+        extend.device_list(value, "devices=")
 
 
 def test_sglang_plan_names_the_flag_for_flag_values(run):

@@ -42,7 +42,7 @@ def _drift_lines(stderr: str) -> list:
 # --------------------------------------------------------------------------- #
 def test_round_trip(env, tmp_path):
     p = _plan([H200, RTX3080])
-    lk = cd.lock(p, inputs={"assume_lib": ASSUME})
+    lk = cd.lock.freeze(p, inputs={"assume_lib": ASSUME})
     path = tmp_path / "capdispatch.lock"
     lk.write(path)
     text = path.read_text()
@@ -54,10 +54,10 @@ def test_round_trip(env, tmp_path):
     assert h200["ops"]["indexer"] == {"backend": "deepgemm", "verified": "not verified",
                                       "libraries": {"torch": "2.13.0", "sgl-deep-gemm": "0.2.3.post2"}}
     assert doc["devices"][1]["ops"]["indexer"]["backend"] == "triton"
-    back = cd.load_lock(path)
+    back = cd.lock.load(path)
     assert back == lk                                   # line marks and path do not count
     assert back.path == str(path) and back.device(H200).ops["indexer"].line > 0
-    assert cd.compare_lock(p, back) == ()
+    assert cd.lock.compare(p, back) == ()
 
 
 def test_cli_write_and_check_same(run_cli, tmp_path):
@@ -88,9 +88,9 @@ def test_backend_drift_via_set(run_cli, tmp_path):
 
 def test_library_drift_via_assume_lib(env):
     p = _plan([RTX5090], ops=["indexer"])
-    lk = cd.lock(p)
+    lk = cd.lock.freeze(p)
     newer = [a if not a.startswith("tilelang") else "tilelang==0.1.13" for a in ASSUME]
-    drifts = cd.compare_lock(_plan([RTX5090], ops=["indexer"], assume_libs=newer), lk)
+    drifts = cd.lock.compare(_plan([RTX5090], ops=["indexer"], assume_libs=newer), lk)
     assert [(d.kind, d.device, d.op, d.locked, d.now) for d in drifts] == \
         [("library", RTX5090, "indexer", "tilelang 0.1.12", "tilelang 0.1.13")]
     assert str(drifts[0]).count("\n") == 0
@@ -99,23 +99,23 @@ def test_library_drift_via_assume_lib(env):
 def test_a_library_installed_without_a_version_is_not_locked_as_not_installed(env):
     """The default profile's triton is unpinned: the lock says installed, and a drift names it so."""
     p = cd.plan([RTX3080], ops=["kv_dequant"], log_warnings=False)           # the default profile
-    lk = cd.lock(p)
+    lk = cd.lock.freeze(p)
     (locked,) = [d for d in lk.devices if d.id == RTX3080]
     assert locked.ops["kv_dequant"].libraries["triton"] == "installed (no version)"
-    drifts = cd.compare_lock(_plan([RTX3080], ops=["kv_dequant"]), lk)          # triton==3.9.0 assumed
+    drifts = cd.lock.compare(_plan([RTX3080], ops=["kv_dequant"]), lk)          # triton==3.9.0 assumed
     triton = [(d.locked, d.now) for d in drifts if d.locked.startswith("triton")]
     assert triton == [("triton installed (no version)", "triton 3.9.0")]
-    absent = cd.compare_lock(_plan([RTX3080], ops=["kv_dequant"], assume_libs=["torch==2.14.1"], libs="local"), lk)
+    absent = cd.lock.compare(_plan([RTX3080], ops=["kv_dequant"], assume_libs=["torch==2.14.1"], libs="local"), lk)
     assert not any("triton not installed" in d.locked for d in absent)
-    assert cd.compare_lock(cd.plan([RTX3080], ops=["kv_dequant"], log_warnings=False), lk) == ()
+    assert cd.lock.compare(cd.plan([RTX3080], ops=["kv_dequant"], log_warnings=False), lk) == ()
 
 
 def test_card_drift(env, tmp_path):
     """Same id, another card: the card line, then each backend that changed with it."""
     was = probe(H200).with_id("cuda:0")
     now = probe(RTX5090).with_id("cuda:0")
-    lk = cd.lock(_plan([was], ops=["indexer", "kv_dequant"]))
-    drifts = cd.compare_lock(_plan([now], ops=["indexer", "kv_dequant"]), lk)
+    lk = cd.lock.freeze(_plan([was], ops=["indexer", "kv_dequant"]))
+    drifts = cd.lock.compare(_plan([now], ops=["indexer", "kv_dequant"]), lk)
     kinds = [(d.kind, d.op) for d in drifts]
     assert kinds == [("card", None), ("backend", "indexer")], drifts
     assert drifts[0].locked == "NVIDIA H200 cc 9.0" and drifts[0].now.startswith("NVIDIA GeForce RTX 5090 cc 12.0")
@@ -124,7 +124,7 @@ def test_card_drift(env, tmp_path):
     lk.write(path)
     path.write_text(path.read_text().replace("uuid: null", "uuid: GPU-1111"))
     same = attrs_evolve(was, uuid="GPU-2222")
-    drifts = cd.compare_lock(_plan([same], ops=["indexer", "kv_dequant"]), cd.load_lock(path))
+    drifts = cd.lock.compare(_plan([same], ops=["indexer", "kv_dequant"]), cd.lock.load(path))
     assert [d.kind for d in drifts] == ["card"] and "GPU-1111" in drifts[0].locked
 
 
@@ -139,25 +139,25 @@ def test_size_buckets_are_locked_and_compared(env, tmp_path):
                    '    - {prefer: [flashmla, triton_fp8]}\n')
     libs = ASSUME + ["sgl-flash-mla==1.0.0"]
     p = _plan([H200], ops=["decode_mla"], policy=[str(pol)], assume_libs=libs)
-    lk = cd.lock(p)
+    lk = cd.lock.freeze(p)
     path = tmp_path / "capdispatch.lock"
     lk.write(path)
-    back = cd.load_lock(path)
+    back = cd.lock.load(path)
     assert back.device(H200).ops["decode_mla"].buckets == ((16, "triton_fp8"), (None, "flashmla"))
     assert set(back.device(H200).ops["decode_mla"].libraries) == {"torch", "sgl-flash-mla", "triton"}
-    assert cd.compare_lock(p, back) == ()
-    (d,) = cd.compare_lock(_plan([H200], ops=["decode_mla"], assume_libs=libs), back)
+    assert cd.lock.compare(p, back) == ()
+    (d,) = cd.lock.compare(_plan([H200], ops=["decode_mla"], assume_libs=libs), back)
     assert (d.kind, d.locked, d.now) == ("buckets", "tokens <= 16: triton_fp8, rest: flashmla", "no buckets")
 
 
 def test_device_and_op_drift_and_partial(env):
-    lk = cd.lock(_plan([H200, RTX3080], ops=["indexer", "kv_dequant"]))
-    drifts = cd.compare_lock(_plan([H200], ops=["indexer"]), lk)
+    lk = cd.lock.freeze(_plan([H200, RTX3080], ops=["indexer", "kv_dequant"]))
+    drifts = cd.lock.compare(_plan([H200], ops=["indexer"]), lk)
     assert sorted((d.kind, d.device, d.op) for d in drifts) == \
         [("device", RTX3080, None), ("op", H200, "kv_dequant")]
     # One rank of the group, deciding some ops: what it does not decide is no difference.
-    assert cd.compare_lock(_plan([H200], ops=["indexer"]), lk, partial=True) == ()
-    drifts = cd.compare_lock(_plan([RTX5090], ops=["indexer"]), lk, partial=True)
+    assert cd.lock.compare(_plan([H200], ops=["indexer"]), lk, partial=True) == ()
+    drifts = cd.lock.compare(_plan([RTX5090], ops=["indexer"]), lk, partial=True)
     assert [(d.kind, d.device) for d in drifts] == [("device", RTX5090)]
 
 
@@ -202,7 +202,7 @@ def test_malformed_lock_names_file_and_line(env, tmp_path, name, text, line, nee
     path = tmp_path / "bad.lock"
     path.write_text(text)
     with pytest.raises(cd.LockError) as ei:
-        cd.load_lock(path)
+        cd.lock.load(path)
     msg = str(ei.value)
     assert msg.startswith(f"{path}:{line}: ") and "\n" not in msg, msg
     assert needle in msg, msg
@@ -210,7 +210,7 @@ def test_malformed_lock_names_file_and_line(env, tmp_path, name, text, line, nee
 
 
 def test_write_where_it_cannot_is_bad_input(env, tmp_path):
-    lk = cd.lock(_plan([H200], ops=["indexer"]))
+    lk = cd.lock.freeze(_plan([H200], ops=["indexer"]))
     with pytest.raises(cd.BadInput, match=r"cannot write the lock .*nowhere/x\.lock"):
         lk.write(tmp_path / "nowhere" / "x.lock")
 
@@ -218,7 +218,7 @@ def test_write_where_it_cannot_is_bad_input(env, tmp_path):
 def test_good_text_parses(env, tmp_path):
     path = tmp_path / "good.lock"
     path.write_text(_GOOD)
-    lk = cd.load_lock(path)
+    lk = cd.lock.load(path)
     assert lk.device(H200).ops["indexer"].libraries == {"torch": "2.13.0"}
     assert lk.device(H200).ops["indexer"].verified == "not verified"
 
@@ -237,17 +237,17 @@ def test_cli_malformed_and_missing_exit_2(run_cli, tmp_path):
 # --------------------------------------------------------------------------- #
 def test_env_lock_read_at_call_time(env, tmp_path, caplog):
     path = tmp_path / "capdispatch.lock"
-    cd.lock(_plan([RTX5090], ops=["indexer"])).write(path)
+    cd.lock.freeze(_plan([RTX5090], ops=["indexer"])).write(path)
     p = _plan([RTX5090], ops=["indexer"], selections={"indexer": "triton"})
-    assert cd.check_lock(p) == ()                   # no lock named: nothing to compare
+    assert cd.lock.check(p) == ()                   # no lock named: nothing to compare
     env.setenv("CAPDISPATCH_LOCK", str(path))       # set after import and after planning
     with caplog.at_level(logging.WARNING, logger="capdispatch"):
-        drifts = cd.check_lock(p)
+        drifts = cd.lock.check(p)
     assert [d.kind for d in drifts] == ["backend"]
     assert [r.getMessage() for r in caplog.records if "lock drift" in r.getMessage()] == [str(drifts[0])]
     env.setenv("CAPDISPATCH_STRICT", "1")
     with pytest.raises(cd.LockDriftError) as ei:
-        cd.check_lock(p)
+        cd.lock.check(p)
     assert isinstance(ei.value, cd.Unsatisfiable) and str(drifts[0]) in str(ei.value)
 
 
@@ -279,11 +279,11 @@ def test_verification_state_from_the_cache(env, tmp_path):
     proof.store(spec, "torch", proof.Verdict("kv_dequant", "torch", spec.id, "pass"))
     proof.store(spec, "torch", proof.Verdict("kv_quant", "torch", spec.id, "mismatch", max_err=0.5,
                                              where="pool[3, 17]"))
-    ops = cd.lock(p).device("cpu").ops
+    ops = cd.lock.freeze(p).device("cpu").ops
     assert ops["kv_dequant"].verified == "pass"
     assert ops["kv_quant"].verified.startswith("failed: mismatch") and "pool[3, 17]" in ops["kv_quant"].verified
     env.setenv("CAPDISPATCH_CACHE_DIR", str(tmp_path / "empty"))
-    assert cd.lock(p).device("cpu").ops["kv_dequant"].verified == "not verified"
+    assert cd.lock.freeze(p).device("cpu").ops["kv_dequant"].verified == "not verified"
 
 
 # --------------------------------------------------------------------------- #
@@ -293,7 +293,7 @@ def test_sglang_rank_checks_its_own_card_only(env, tmp_path, caplog):
     from capdispatch.adapters.sglang import rank
     path = tmp_path / "capdispatch.lock"
     gpu0, gpu1 = probe(H200).with_id("cuda:0"), probe(RTX3080).with_id("cuda:1")
-    cd.lock(_plan([gpu0, gpu1], ops=["indexer", "kv_dequant"])).write(path)
+    cd.lock.freeze(_plan([gpu0, gpu1], ops=["indexer", "kv_dequant"])).write(path)
     env.setenv("CAPDISPATCH_LOCK", str(path))
     same = types.SimpleNamespace(plan=_plan([gpu1], ops=["indexer"]))
     assert rank.check_lock(same) == ()
@@ -315,7 +315,7 @@ def test_importing_capdispatch_reads_no_lock(env, tmp_path):
     bad = tmp_path / "bad.lock"
     bad.write_text("schema: 1\ndevices: [\n")
     code = ("import capdispatch as cd; p = cd.plan(['sim:h200'], ['indexer'], log_warnings=False);"
-            "\ntry:\n    cd.check_lock(p)\nexcept cd.LockError as e:\n    print('LOCKERROR', e)")
+            "\ntry:\n    cd.lock.check(p)\nexcept cd.LockError as e:\n    print('LOCKERROR', e)")
     e = dict(os.environ, CAPDISPATCH_LOCK=str(bad), PYTHONPATH=os.getcwd())
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -327,7 +327,7 @@ def test_verify_compares_its_decisions_with_the_lock(env, tmp_path):
     compared (the run of the canaries themselves is tests/ of `dispatch verify`)."""
     from capdispatch.dispatch.lock import check_after_verify
     path = tmp_path / "capdispatch.lock"
-    cd.lock(_plan([RTX5090], ops=["indexer"])).write(path)
+    cd.lock.freeze(_plan([RTX5090], ops=["indexer"])).write(path)
     args = types.SimpleNamespace(lock=str(path), policy=[], set_=["indexer=triton"], op=["indexer"])
     drifts = check_after_verify([probe(RTX5090)], ["indexer"], args)
     assert [(d.kind, d.locked, d.now) for d in drifts] == [("backend", "tilelang", "triton")]

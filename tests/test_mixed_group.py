@@ -53,7 +53,7 @@ def _policy(tmp_path, text):
 
 def test_buckets_that_all_run_the_locked_backend_are_no_drift(clean_env, tmp_path):
     plain = _policy(tmp_path, "ops:\n  decode_mla: [triton]\n")
-    lk = cd.lock(cd.plan(["sim:h200"], ops=["decode_mla"], assume_libs=ASSUME, policy=plain,
+    lk = cd.lock.freeze(cd.plan(["sim:h200"], ops=["decode_mla"], assume_libs=ASSUME, policy=plain,
                          log_warnings=False))
     f = tmp_path / "b.yaml"
     f.write_text('ops:\n  decode_mla:\n    - {tokens: "<=16", prefer: [triton, flashmla]}\n'
@@ -61,10 +61,10 @@ def test_buckets_that_all_run_the_locked_backend_are_no_drift(clean_env, tmp_pat
     now = cd.plan(["sim:h200"], ops=["decode_mla"], assume_libs=ASSUME, policy=[str(f)], log_warnings=False)
     r = now.ops["decode_mla"].per_device["sim:h200"]
     assert [(b.upper, b.backend) for b in r.buckets] == [(16, "triton"), (None, "triton")]
-    assert cd.compare_lock(now, lk) == ()
+    assert cd.lock.compare(now, lk) == ()
     # And the other way round: a lock with such buckets, a plan with none.
-    assert cd.compare_lock(cd.plan(["sim:h200"], ops=["decode_mla"], assume_libs=ASSUME, policy=plain,
-                                   log_warnings=False), cd.lock(now)) == ()
+    assert cd.lock.compare(cd.plan(["sim:h200"], ops=["decode_mla"], assume_libs=ASSUME, policy=plain,
+                                   log_warnings=False), cd.lock.freeze(now)) == ()
 
 
 def test_adjacent_buckets_of_one_backend_compare_as_one():

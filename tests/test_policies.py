@@ -238,6 +238,7 @@ def test_undecodable_and_huge_files(tmp_path):
 
 def test_every_error_is_a_capdispatch_error():
     import capdispatch as cd
+    from capdispatch import extend
     from capdispatch.adapters.sglang.knobs import KnobsError
     from capdispatch.backends.moe import LayoutError
     from capdispatch.backends.registry import RegistryError
@@ -254,12 +255,12 @@ def test_every_error_is_a_capdispatch_error():
                       (cd.NoBackendError, cd.Unsatisfiable), (cd.StrictFallbackError, cd.Unsatisfiable),
                       (cd.GroupDivergenceError, cd.Unsatisfiable), (AgreementError, cd.Unsatisfiable),
                       (BackendLoadError, cd.Unsatisfiable), (SizesError, ValueError),
-                      (cd.ArgumentError, ValueError), (cd.ArgumentTypeError, TypeError),
+                      (extend.ArgumentError, ValueError), (extend.ArgumentTypeError, TypeError),
                       (cd.UnsupportedDeviceError, RuntimeError)]:
         assert issubclass(cls, cd.CapdispatchError) and issubclass(cls, base), cls
     # A kernel's own argument check raises under the root too.
     from capdispatch.backends.v4_layout import bytes_per_page
-    with pytest.raises(cd.ArgumentError):
+    with pytest.raises(extend.ArgumentError):
         bytes_per_page(0)
 
 

@@ -1,13 +1,17 @@
 """How the SGLang adapter's modules import each other, read from their source (no imports):
 no import circle, at most FLOORS floors (the longest chain of the package's own imports,
-lazy ones included), and capdispatch through its public face only (`import capdispatch as
-cd`, or `from capdispatch import NAME` for a name of capdispatch.__all__)."""
+lazy ones included), and capdispatch through its faces only: the users' (`import capdispatch as
+cd`, or `from capdispatch import NAME` for a name of capdispatch.__all__) and the adapter
+authors' (`from capdispatch import extend`, or `from capdispatch.extend import NAME` for a
+name of capdispatch.extend.__all__)."""
 import ast
 import functools
 import os
 
 import capdispatch
+import capdispatch.extend
 
+FACES = {"capdispatch": set(capdispatch.__all__) | {"extend"}, "capdispatch.extend": set(capdispatch.extend.__all__)}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WING = os.path.join(ROOT, "capdispatch", "adapters", "sglang")
 PACKAGE = "capdispatch.adapters.sglang"
@@ -86,12 +90,12 @@ def test_no_import_circle_and_few_floors():
     assert top <= FLOORS, f"{top} import floors (at most {FLOORS}); the highest module: {chain}"
 
 
-def test_capdispatch_through_its_public_face_only():
+def past_the_faces(folder: str) -> list:
     bad = []
-    for name in sorted(os.listdir(WING)):
+    for name in sorted(os.listdir(folder)):
         if not name.endswith(".py"):
             continue
-        path = os.path.join(WING, name)
+        path = os.path.join(folder, name)
         for node in ast.walk(ast.parse(open(path).read(), path)):
             if isinstance(node, ast.Import):
                 bad += [f"{name}:{node.lineno}: import {a.name}" for a in node.names
@@ -99,7 +103,21 @@ def test_capdispatch_through_its_public_face_only():
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("capdispatch"):
                 if node.module.startswith(PACKAGE):
                     continue
-                if node.module != "capdispatch" or any(a.name not in capdispatch.__all__ for a in node.names):
+                if node.module not in FACES or any(a.name not in FACES[node.module] for a in node.names):
                     bad.append(f"{name}:{node.lineno}: from {node.module} import "
                                + ", ".join(a.name for a in node.names))
-    assert not bad, "capdispatch past its public face: " + "; ".join(bad)
+    return bad
+
+
+def test_capdispatch_through_its_faces_only():
+    bad = past_the_faces(WING)
+    assert not bad, "capdispatch past its faces: " + "; ".join(bad)
+
+
+def test_the_face_checker_sees_a_way_past(tmp_path):
+    (tmp_path / "ok.py").write_text("import capdispatch as cd\nfrom capdispatch import extend, plan\n"
+                                    "from capdispatch.extend import Reader\n")
+    assert not past_the_faces(str(tmp_path))
+    (tmp_path / "bad.py").write_text("from capdispatch import bench\nfrom capdispatch.extend import nope\n"
+                                     "from capdispatch.dispatch import lock\n")
+    assert len(past_the_faces(str(tmp_path))) == 3

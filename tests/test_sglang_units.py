@@ -1102,7 +1102,7 @@ def test_install_outcomes_enter_the_agreement(release):
     assert rank.carried_out(plan, choices, bad) == [
         "kv_dequant on rank1:cuda:1: capdispatch triton_u8 was decided (routed), but its route was not installed "
         "(failed: SGLang could not hook it)"]
-    d = cd.plan_digest(plan)
+    d = cd.agreement.digest(plan)
     assert rank.install_digest(d, ok) != rank.install_digest(d, bad) and rank.install_digest(d, ok) != d
     c = attrs.evolve(choices["kv_dequant"]["rank0:cuda:0"], install="installed at x")
     assert rank.outcome(c) == "installed"

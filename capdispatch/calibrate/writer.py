@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from typing import Optional
 
+import yaml
+
 
 def fmt_ms(ms: float) -> str:
     if ms < 1.0:
@@ -76,7 +78,6 @@ def op_blocks(text: str) -> dict:
 def _has_aliases(text: str) -> bool:
     """Does TEXT (YAML) hold an anchor (&a) or an alias (*a)? Text that does not parse
     counts as holding one: its blocks are then not copied."""
-    import yaml
     try:
         for event in yaml.parse(text, Loader=yaml.SafeLoader):
             if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:

@@ -1,6 +1,7 @@
 """Library profiles: the inventory of a serving stack, kept as data (lib_profiles.yaml)."""
 from __future__ import annotations
 
+import difflib
 import functools
 from typing import Optional
 
@@ -70,7 +71,6 @@ def target_libs(specs, libs=None, assume_libs=()):
 
 
 def lookup(name: str) -> Profile:
-    import difflib
     by_lower = {k.lower(): v for k, v in profiles().items()}
     found = by_lower.get(name.strip().lower())
     if found is None:

@@ -5,7 +5,9 @@ recorded, never raised.
 """
 from __future__ import annotations
 
+import difflib
 import importlib
+import os
 import re
 import sys
 import threading
@@ -163,7 +165,6 @@ class Inventory:
 def _check_known(name: str, known: set) -> None:
     if name in known:
         return
-    import difflib
 
     from . import lib_profiles
     profiles = {canonicalize_name(p): p for p in lib_profiles.names()}
@@ -220,7 +221,6 @@ def import_check(module: str, *, timeout: Optional[float] = None, env=None) -> I
     (a driver call, a lock, a network mount) costs the decision TIMEOUT seconds
     instead of the whole command.
     """
-    import os
     if module in sys.modules and module not in _pending:
         return ImportCheck(module, True)
     if timeout is None:

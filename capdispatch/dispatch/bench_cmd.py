@@ -490,7 +490,7 @@ def _header(spec, timer, noise, served_: _Served) -> list:
     import platform as _pf
 
     from ..calibrate import writer
-    from .. import __version__
+    from ..version import __version__
     from ..capabilities import Inventory
     inv = Inventory.with_assumptions(None)
     libs = ", ".join(f"{d} {inv.get(d).describe()}" for d in ("torch", "triton"))

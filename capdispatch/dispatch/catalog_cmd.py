@@ -1,6 +1,8 @@
 """`dispatch catalog`: the GPUs and bare architectures `sim:NAME` can simulate."""
 from __future__ import annotations
 
+import json
+
 from .errors import ExitCode
 
 
@@ -60,7 +62,6 @@ def _text(rows, sources: bool) -> str:
 
 
 def run(args) -> int:
-    import json
     rows = entries()
     if args.format == "json":
         if not args.sources:

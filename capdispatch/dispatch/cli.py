@@ -176,7 +176,7 @@ def _run(args) -> int:
 
 def _specs(args):
     from ..capabilities import local_devices
-    from .inputs import device_specs
+    from .group import device_specs
     specs = device_specs(args.device, "--device", via=args.probe, assume_cuda=args.assume_cuda)
     return specs or local_devices(via=args.probe)
 

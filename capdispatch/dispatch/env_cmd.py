@@ -7,6 +7,7 @@ version (metadata, no import), and every environment variable capdispatch reads.
 """
 from __future__ import annotations
 
+import json
 import os
 import platform
 import sys
@@ -133,7 +134,6 @@ def _text(r) -> str:
 
 
 def run(args) -> int:
-    import json
     r = report()
     print(json.dumps(r, indent=2) if args.format == "json" else _text(r))
     return ExitCode.OK

@@ -1,7 +1,11 @@
 """Errors of a decision. BadInput -> exit 2; Unsatisfiable -> exit 3."""
 from __future__ import annotations
 
+import os
+import sys
+
 from ..errors import BadInput, CapdispatchError, ExitCode, Unsatisfiable  # noqa: F401 (the two kinds live below every room)
+from .inputs import env_flag, warn_unknown_variables
 
 
 class NoBackendError(Unsatisfiable):
@@ -37,7 +41,6 @@ def exit_code(exc: BaseException) -> int:
 def _say(text: str) -> None:
     """One line to stderr, whatever the terminal can encode (lone surrogates from
     argv or file names included)."""
-    import sys
     enc = getattr(sys.stderr, "encoding", None) or "utf-8"
     try:
         text = text.encode(enc, "backslashreplace").decode(enc)
@@ -52,9 +55,6 @@ def run_guarded(prog: str, fn) -> int:
     An exception that is not ours is a bug: one line saying so and how to
     report it (the traceback with CAPDISPATCH_DEBUG=1), exit 1.
     """
-    import os
-    import sys
-    from .inputs import env_flag, warn_unknown_variables
     try:
         debug = env_flag(os.environ, "CAPDISPATCH_DEBUG")
     except CapdispatchError as exc:

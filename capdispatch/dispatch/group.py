@@ -7,7 +7,10 @@ from typing import Optional
 
 import attrs
 
-from .errors import GroupDivergenceError, Unsatisfiable
+from ..capabilities.probing import AssumeCudaError, check_assume_cuda
+from .errors import BadInput, GroupDivergenceError, Unsatisfiable
+from .inputs import api_devices, device_list
+from .notices import ids_text
 from .resolver import BucketResolution, Context, Resolution, as_spec, context, resolve_in
 
 log = logging.getLogger("capdispatch")
@@ -69,7 +72,6 @@ SUMMARY_FROM = 4   # devices of one card deciding alike: from this many, one ent
 def _row(per_device, upper) -> str:
     """Each device -> its backend; identical cards deciding alike summarised in one entry
     (their ids as ranges, N x card) once there are SUMMARY_FROM of them."""
-    from .notices import ids_text
     groups = {}
     for i, (d, r) in enumerate(per_device.items()):
         groups.setdefault((r.device.name, r.device.cc_str, _pick(r, upper)[0]), []).append((i, d))
@@ -196,9 +198,24 @@ def resolve_group(op: str, devices, *, policy=None, selections=None, assume_libs
                   assume_cuda: Optional[str] = None, libs=None, shapes=None) -> GroupResolution:
     ctx = context(policy=policy, selections=selections, assume_libs=assume_libs,
                   strict=strict, registry=registry, env=env, libs=libs, shapes=shapes)
-    from .inputs import api_devices
     specs = unique_ids([as_spec(d, via=via, assume_cuda=assume_cuda) for d in api_devices(devices)])
     g = resolve_group_in(ctx, op, specs)
     for w in g.warnings:
         log.warning(w)
     return g
+
+
+def device_specs(values, source: str, *, via: str = "auto", assume_cuda=None) -> list:
+    """device_list(VALUES), each read (probed or simulated) as one group; an unknown device
+    names SOURCE. Empty: [] (the caller's default, e.g. the local devices)."""
+    try:
+        check_assume_cuda(assume_cuda)      # its own flag's error, not the device list's
+    except AssumeCudaError as exc:
+        raise BadInput(str(exc)) from None
+    specs = []
+    for dev in device_list(values, source):
+        try:
+            specs.append(as_spec(dev, via=via, assume_cuda=assume_cuda))
+        except BadInput as exc:
+            raise BadInput(f"{source}: {exc}") from None
+    return unique_ids(specs) if specs else []

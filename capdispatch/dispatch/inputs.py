@@ -4,9 +4,13 @@ SGLang plugin: comma lists of devices and ops, yes/no variables, the cache direc
 variable), the value and what is valid."""
 from __future__ import annotations
 
+import difflib
+import importlib.util
+import logging
 import os
 
-from .errors import BadInput
+from ..errors import BadInput
+from ..marked_yaml import did_you_mean
 
 FLAG_ON = ("1", "true", "yes", "on")
 FLAG_OFF = ("", "0", "false", "no", "off")
@@ -44,7 +48,6 @@ _warned: set = set()      # unknown names already warned of in this process
 def unknown_variables(env) -> list:
     """(name, closest known name or None) for each CAPDISPATCH_ variable of ENV that
     capdispatch does not read, sorted."""
-    import difflib
     pre = "CAPDISPATCH_"
     known = [k[len(pre):] for k in VARIABLES if k.startswith(pre)]
     # The names after the shared prefix are compared, so that any name is not close to all.
@@ -65,7 +68,6 @@ def unknown_note(names, close=None, where: bool = True) -> str:
 def warn_unknown_variables(env) -> None:
     """One WARNING line, once per process, for CAPDISPATCH_ variables capdispatch does not read
     (a misspelt name is otherwise silently ignored)."""
-    import logging
     new = [(k, c) for k, c in unknown_variables(env) if k not in _warned]
     if new:
         _warned.update(k for k, _ in new)
@@ -136,7 +138,6 @@ def api_devices(devices, source: str = "devices=") -> list:
 def op_list(values, source: str, registry) -> list:
     """Op names from a flag (repeatable, commas) or a variable, each a registered op;
     a name given twice counts once."""
-    from ..policies.loader import did_you_mean
     ops = split_list(values, source, "OP", f"one of {', '.join(registry.ops)}")
     for op in ops:
         if op not in registry.ops:
@@ -156,30 +157,10 @@ def check_cache_dir(env, name: str = "CAPDISPATCH_CACHE_DIR") -> None:
                        f"missing; unset: the user's cache directory)")
 
 
-def device_specs(values, source: str, *, via: str = "auto", assume_cuda=None) -> list:
-    """device_list(VALUES), each read (probed or simulated) as one group; an unknown device
-    names SOURCE. Empty: [] (the caller's default, e.g. the local devices)."""
-    from ..capabilities.probing import AssumeCudaError, check_assume_cuda
-    from .group import unique_ids
-    from .resolver import as_spec
-    try:
-        check_assume_cuda(assume_cuda)      # its own flag's error, not the device list's
-    except AssumeCudaError as exc:
-        raise BadInput(str(exc)) from None
-    specs = []
-    for dev in device_list(values, source):
-        try:
-            specs.append(as_spec(dev, via=via, assume_cuda=assume_cuda))
-        except BadInput as exc:
-            raise BadInput(f"{source}: {exc}") from None
-    return unique_ids(specs) if specs else []
-
-
 def needs_torch(what: str) -> None:
     """One line and exit 2 where torch is not installed: WHAT (e.g. "dispatch rehearse runs
     the group's kernels") says what needs it; planning needs none. Found, not imported: the
     command imports it where it runs kernels."""
-    import importlib.util
     try:
         found = importlib.util.find_spec("torch") is not None
     except ValueError:          # sys.modules["torch"] is None: its import is halted

@@ -38,6 +38,7 @@ import attrs
 import yaml
 
 from ..marked_yaml import Reader, line_of, read_text
+from ..version import __version__
 from .errors import BadInput, Unsatisfiable
 
 log = logging.getLogger("capdispatch")
@@ -225,7 +226,6 @@ def _bucket_text(buckets, key) -> str:
 def freeze(plan, *, inputs=None, env=None, now=None) -> Lock:
     """The lock of PLAN: per device and op the backend, its libraries' versions and its
     canary state on that card (from the verification cache; simulated: not verified)."""
-    from .. import __version__
     devices = []
     for spec in plan.devices:
         ops = {}

@@ -49,7 +49,7 @@ def _specs(args, locked=None):
     from .errors import BadInput
     from .group import unique_ids
     from .resolver import as_spec
-    from .inputs import device_specs
+    from .group import device_specs
     specs = device_specs(args.device, "--device", via=args.probe, assume_cuda=args.assume_cuda)
     if specs:
         return specs

@@ -3,6 +3,8 @@ of the shared `--model` / `--tp` / `--ep` / `--dp-attention` / `--next-n` option
 (options.LAYOUT) other commands plan with."""
 from __future__ import annotations
 
+import json
+
 from .errors import ExitCode
 
 EPILOG = """\
@@ -97,8 +99,6 @@ def rank_lines(r) -> list:
 
 
 def _list_builtins(args) -> int:
-    import json
-
     from ..models import builtin_entry, builtin_names
     rows = [{"name": n, "summary": builtin_entry(n)["summary"],
              "published": builtin_entry(n)["published"]} for n in builtin_names()]
@@ -116,8 +116,6 @@ def _list_builtins(args) -> int:
 
 
 def run(args) -> int:
-    import json
-
     from ..models import ModelError, load_model
     if args.name is None:
         return _list_builtins(args)

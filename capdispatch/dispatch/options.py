@@ -11,6 +11,7 @@ only when the shell asks.
 from __future__ import annotations
 
 import argparse
+import difflib
 import functools
 import math
 import re
@@ -21,6 +22,7 @@ from typing import Callable, Optional
 import attrs
 
 from ..models.sharding import MAX_RANKS
+from ..version import __version__
 from .inputs import DEVICE_FORMS, shown
 
 
@@ -30,7 +32,6 @@ def version() -> str:
     try:
         return metadata.version("capdispatch")
     except metadata.PackageNotFoundError:
-        from .. import __version__
         return __version__
 
 
@@ -88,7 +89,6 @@ class Parser(argparse.ArgumentParser):
     def _did_you_mean(self, given) -> str:
         """'; did you mean --x?' for the first unknown flag close to one of this parser's,
         and where its options are listed."""
-        import difflib
         known = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
         hint = ""
         for g in given:

@@ -5,6 +5,8 @@ change would fit. Exit codes: 0 every rank fits; 2 bad input; 3 the layout is re
 rank does not fit (the plan is printed either way)."""
 from __future__ import annotations
 
+import argparse
+import json
 from typing import NamedTuple, Optional
 
 EPILOG = """\
@@ -53,17 +55,15 @@ def add_parser(sub):
 
 
 def _raw():
-    import argparse
     return argparse.RawDescriptionHelpFormatter
 
 
 def run(args) -> int:
-    import json
-
     from ..models import load_model
     from . import rigplan
     from .errors import BadInput, ExitCode
-    from .inputs import device_list, device_specs
+    from .group import device_specs
+    from .inputs import device_list
     if not args.model:
         raise BadInput("--model NAME|PATH is required (`dispatch model` lists the built-ins)")
     model = load_model(args.model)

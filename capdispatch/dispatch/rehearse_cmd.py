@@ -5,6 +5,9 @@ matched the reference; 2 bad input (device, layout the model cannot take, sizes)
 failed, hung or differed."""
 from __future__ import annotations
 
+import argparse
+import json
+
 EPILOG = """\
 examples:
   dispatch rehearse --device emu:rtx-5090@cpu,emu:rtx-3080@cpu --model deepseek-v4-flash
@@ -35,8 +38,6 @@ SMALL_ONLY = ("layers", "hidden", "vocab", "experts", "intermediate", "ep", "lib
 
 
 def add_parser(sub):
-    import argparse
-
     from .options import add
     p = sub.add_parser("rehearse", help="run the group's chosen kernels together on a small model, "
                                         "against a reference",
@@ -110,8 +111,6 @@ def run(args) -> int:
             setattr(args, k, v)
     if args.graphs is None:
         args.graphs = True
-    import json
-
     from ..rehearse import devices, runner
     from .errors import ExitCode
     from .inputs import needs_torch

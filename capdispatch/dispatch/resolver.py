@@ -3,15 +3,23 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from typing import TYPE_CHECKING, Optional
 
 import attrs
+from packaging.utils import canonicalize_name
 
 from .. import policies as _policies
 from ..backends import Check, Facts, Registry, builtin, failed_checks
-from ..capabilities import DeviceSpec, Inventory, derive_features, probe
+from ..backends.base import SHAPE_FIELDS
+from ..capabilities import (AssumeCudaError, DeviceSpec, Inventory, UnknownDeviceError, derive_features,
+                            lib_profiles, probe)
 from ..capabilities import catalog as _catalog
+from ..capabilities.libraries import AssumeLibError
+from ..proof import open_card
+from ..safe_io import printable
 from .errors import BadInput, NoBackendError, StrictFallbackError
+from .inputs import FLAG_OFF, FLAG_ON, check_cache_dir, env_flag, shown, warn_unknown_variables  # noqa: F401
 
 if TYPE_CHECKING:
     from ..models import RankShape
@@ -124,7 +132,6 @@ class Context:
         default profile for simulated and emulated devices, this machine's for real ones."""
         if self.libraries_settled:
             return self
-        from ..capabilities import lib_profiles
         libs = lib_profiles.target_libs(list(specs))
         inventory = self.inventory if libs is None else Inventory.with_assumptions(libs=libs)
         return attrs.evolve(self, inventory=inventory, libraries_settled=True)
@@ -140,7 +147,6 @@ class Context:
         if device.simulated or self.verify_mode == "off":
             return None
         if device.id not in self.cards:
-            from ..proof import open_card
             self.cards[device.id] = open_card(device, inventory=self.inventory, env=self.env)
         return self.cards[device.id]
 
@@ -148,9 +154,6 @@ class Context:
     def strict_effective(self) -> bool:
         return self.strict or self.stack.setting("on_unsupported").value == "error" \
             or env_flag(self.env, "CAPDISPATCH_STRICT")
-
-
-from .inputs import FLAG_OFF, FLAG_ON, check_cache_dir, env_flag, shown, warn_unknown_variables  # noqa: E402,F401
 
 
 def known_device_names() -> dict:
@@ -167,7 +170,6 @@ def library_names(registry) -> set:
 def library_modules(registry) -> dict:
     """Canonical import name (and distribution name) -> distribution, for every library
     a registered backend declares: flash_mla -> sgl-flash-mla."""
-    from packaging.utils import canonicalize_name
     out = {}
     for op in registry.ops:
         for b in registry.backends(op):
@@ -192,8 +194,6 @@ def context(*, policy=None, selections=None, assume_libs=None, strict=False, reg
     shapes (`capdispatch.load_model(name).for_rank(tp, ep, ...)`) that the backends' shape
     ranges are checked against; None: they are not evaluated."""
     _check_shapes(shapes)
-    from ..capabilities.libraries import AssumeLibError
-    from ..safe_io import printable
     env = dict(os.environ if env is None else env)
     for k, v in env.items():     # what os.environ could hold: text only
         if not isinstance(k, str) or not isinstance(v, str):
@@ -224,7 +224,6 @@ def context(*, policy=None, selections=None, assume_libs=None, strict=False, reg
 
 
 def _check_shapes(shapes) -> None:
-    from ..backends.base import SHAPE_FIELDS
     if shapes is None:
         return
     missing = [f for f in SHAPE_FIELDS if not isinstance(getattr(shapes, f, None), int)]
@@ -242,8 +241,7 @@ def policy_from_dict(data, origin: str = "policy_from_dict", *, registry=None):
 
 def _check_op(ctx: Context, op: str) -> None:
     if op not in ctx.registry.ops:
-        from ..policies import did_you_mean
-        raise BadInput(f"unknown op {op!r}{did_you_mean(op, ctx.registry.ops)} "
+        raise BadInput(f"unknown op {op!r}{_policies.did_you_mean(op, ctx.registry.ops)} "
                        f"(valid: {', '.join(ctx.registry.ops)})")
 
 
@@ -304,7 +302,6 @@ def canary_check(verdict, mode: str, device: DeviceSpec, op: str, name: str,
     `dispatch verify` runs its canary again."""
     need = "pass" if mode == "required" else "pass, or not verified (verify: warn)"
     if verdict is None and suspect:
-        from ..safe_io import printable
         why = printable(suspect, 160)
         return Check("canary", need, f"untrusted cache entry: {why}", False,
                      f"{device.id}: {op}/{name}: its cached verdict cannot be trusted ({why}); "
@@ -318,7 +315,6 @@ def canary_check(verdict, mode: str, device: DeviceSpec, op: str, name: str,
         when = f" ({verdict.at})" if verdict.at else ""
         return Check("canary", need, f"pass{when}", True)
     # The verdict is a cached one: the message says how to run the canary again or forget it.
-    import re
     dev = re.sub(r"@\d+$", "", device.id.split("#")[0])
     return Check("canary", need, verdict.describe(), False,
                  f"{device.id}: {op}/{name} failed its canary on this card: {verdict.describe()} "
@@ -433,7 +429,6 @@ def resolve_in(ctx: Context, op: str, device: DeviceSpec) -> Resolution:
 
 
 def as_spec(device, *, via="auto", assume_cuda=None) -> DeviceSpec:
-    from ..capabilities import AssumeCudaError, UnknownDeviceError
     if via not in ("auto", "torch", "nvml"):
         raise BadInput(f"probe {via!r} is not valid (valid: auto, torch, nvml)")
     try:

@@ -9,7 +9,9 @@ a failed backend is rejected and the next one wins).
 """
 from __future__ import annotations
 
+import math
 import os
+import re
 import threading
 import time
 from typing import TYPE_CHECKING, Optional
@@ -137,7 +139,6 @@ def run(ctx: Context, todo, *, timeout: float, budget_s: Optional[float] = None,
 
 def torch_device(spec) -> str:
     """The device the child runs on: SPEC's id without a group copy's position (cpu@1 -> cpu)."""
-    import re
     return re.sub(r"@\d+$", "", spec.id.split("#")[0])
 
 
@@ -149,7 +150,6 @@ MIN_TIMEOUT_S = 1.0
 
 def check_timeout(value, what: str = "--timeout") -> float:
     """VALUE as seconds: a finite number >= MIN_TIMEOUT_S, else BadInput naming WHAT."""
-    import math
     try:
         ok = not isinstance(value, bool) and float(value) >= MIN_TIMEOUT_S and math.isfinite(float(value))
     except (TypeError, ValueError):

@@ -82,7 +82,8 @@ def run(args) -> int:
         print(f"cleared the verification cache {root}" if existed else
               f"no verification cache at {root}: nothing to clear", file=sys.stderr)
     ctx = context(policy=args.policy or None, selections=args.set_ or None, selection_origin="--set")
-    from .inputs import device_specs, needs_torch, op_list
+    from .group import device_specs
+    from .inputs import needs_torch, op_list
     specs = device_specs(args.device, "--device", via=args.probe) or local_devices(via=args.probe)
     needs_torch("dispatch verify runs the backends' canaries")
     ops = op_list(args.op, "--op", ctx.registry) or list(ctx.registry.ops)

@@ -9,7 +9,8 @@ layouts that would work; `ModelShape.calls()` what the model calls of capdispatc
 from .calls import ModelCalls, OpCalls, model_calls
 from .errors import ModelError
 from .loader import builtin_entry, builtin_names, load_model
-from .shape import Layout, ModelShape, RankShape, TensorFormat
+from .shape import ModelShape, TensorFormat
+from .sharding import Layout, RankShape
 from .sharding import check as check_layout
 
 __all__ = ["Layout", "ModelCalls", "ModelError", "ModelShape", "OpCalls", "model_calls", "RankShape", "TensorFormat", "builtin_entry",

@@ -23,7 +23,8 @@ from __future__ import annotations
 import attrs
 
 from .errors import ModelError
-from .shape import ModelShape, RankShape
+from .shape import ModelShape
+from .sharding import RankShape
 
 GIB = 1 << 30
 HC_MULT = 4                 # DeepSeek-V4's hyper-connection width (models/deepseek_v4.py: 24 = 4 x (2 + 4))

@@ -1,4 +1,6 @@
-"""How SGLang 0.5.23 spreads DeepSeek-V4 over ranks: ModelShape + layout -> RankShape.
+"""How SGLang 0.5.23 spreads DeepSeek-V4 over ranks: ModelShape + Layout -> RankShape.
+
+Every `shape` below is a ModelShape (models/shape.py, which builds on this module).
 
 The rules, each read from SGLang's code (docs/models.md quotes the places):
 - attention TP width = tp / attention-DP width (runtime_context.derive_attn_tp_size); with
@@ -21,19 +23,115 @@ from __future__ import annotations
 
 from typing import Optional
 
+import attrs
+
 from .errors import ModelError
-from .shape import Layout, ModelShape, RankShape
+
+
+def int_tuple(value) -> tuple:
+    return tuple(int(v) for v in value)
+
+
+@attrs.frozen
+class Layout:
+    """A way to spread the model over ranks, as SGLang's launch flags say it."""
+    tp: int
+    ep: int = 1
+    dp_attention: bool = False
+
+    def __str__(self) -> str:
+        text = f"tp {self.tp} ep {self.ep}"
+        return text + " dp-attention" if self.dp_attention else text
+
+
+@attrs.frozen
+class RankShape:
+    """What one rank holds and computes under a layout, the way SGLang 0.5.23 shards
+    DeepSeek-V4 (docs/models.md says where each rule comes from).
+
+    heads: attention query heads on this rank (heads / attention TP width);
+    indexer_heads: the indexer's heads (replicated: every rank runs all of them);
+    experts: routed experts stored on this rank; experts_total: all routed experts;
+    topk: experts per token; moe_intermediate: each expert's intermediate size on this
+    rank (moe_intermediate / MoE TP width); next_n: query tokens per request per decode
+    step (1 + speculative tokens); kv_bytes_per_token: bytes per token per layer of
+    the V4 main KV pool (fp8 nope + bf16 rope + scales); indexer_bytes_per_token: bytes
+    per compressed (c4) token per c4 layer of the indexer pool (fp8 keys + fp32 scales).
+    """
+    model: str
+    tp: int
+    ep: int
+    dp_attention: bool
+    layers: int
+    heads: int
+    head_dim: int
+    indexer_heads: int
+    indexer_dim: int
+    index_topk: int
+    window: int
+    next_n: int
+    experts: int
+    experts_total: int
+    topk: int
+    hidden: int
+    moe_intermediate: int
+    swiglu_limit: Optional[float]
+    kv_bytes_per_token: int
+    # Beyond the contract's names: what the KV and MoE builders also need.
+    attn_tp: int
+    attn_dp: int
+    moe_tp: int
+    rope_dim: int
+    o_groups: int
+    shared_experts: int
+    vocab: int
+    compress_ratios: tuple = attrs.field(converter=int_tuple)
+    indexer_bytes_per_token: int
+
+    @property
+    def layers_by_ratio(self) -> dict:
+        """Decoder layers per compress ratio: {0: sliding-window only, 4: c4, 128: c128}."""
+        out: dict = {}
+        for r in self.compress_ratios:
+            out[r] = out.get(r, 0) + 1
+        return dict(sorted(out.items()))
+
+    def kv_bytes_per_request(self, context: int) -> int:
+        """KV bytes one request of `context` tokens holds on this rank, over all layers:
+        every layer's sliding-window ring (window + next_n - 1 rows, as SGLang sizes it for
+        speculative verify), each c4 layer's compressed rows (context / 4) and their indexer
+        keys, each c128 layer's compressed rows (context / 128). A lower bound: the small
+        per-request compress-state rings and page rounding are not counted."""
+        if isinstance(context, bool) or not isinstance(context, int) or context < 0:
+            raise ModelError(f"context {context!r} is not valid; valid: an integer >= 0 tokens")
+        ring = min(context, self.window + self.next_n - 1)
+        total = 0
+        for ratio in self.compress_ratios:
+            total += ring * self.kv_bytes_per_token
+            if ratio:
+                rows = -(-context // ratio)
+                total += rows * self.kv_bytes_per_token
+                if ratio == 4:
+                    total += rows * self.indexer_bytes_per_token
+        return total
+
+    def to_dict(self) -> dict:
+        d = attrs.asdict(self, recurse=False)
+        d["compress_ratios"] = list(self.compress_ratios)
+        d["layers_by_ratio"] = {str(k): v for k, v in self.layers_by_ratio.items()}
+        return d
+
 
 # The V4 main pool quantizes the nope part in tiles of this many values, one scale byte each.
 KV_TILE = 64
 
 
-def kv_bytes_per_token(shape: ModelShape) -> int:
+def kv_bytes_per_token(shape) -> int:
     """Bytes per token per layer of SGLang's V4 main KV pool row."""
     return shape.nope_dim + 2 * shape.rope_dim + shape.nope_dim // KV_TILE + 1
 
 
-def indexer_bytes_per_token(shape: ModelShape) -> int:
+def indexer_bytes_per_token(shape) -> int:
     """Bytes per compressed token of the indexer pool (fp8 keys, one fp32 scale per 128)."""
     return shape.indexer_dim + shape.indexer_dim // 128 * 4
 
@@ -44,7 +142,7 @@ MAX_RANKS = 4096
 SEARCH_PAIRS = 64
 
 
-def _problem(shape: ModelShape, tp, ep, dp_attention: bool):
+def _problem(shape, tp, ep, dp_attention: bool):
     """The first rule a layout breaks, as (message, knob to vary), or None."""
     if isinstance(tp, bool) or not isinstance(tp, int) or not 1 <= tp <= MAX_RANKS:
         return f"tp {tp!r} is not a rank count (an integer from 1 to {MAX_RANKS})", "tp"
@@ -67,11 +165,11 @@ def _problem(shape: ModelShape, tp, ep, dp_attention: bool):
     return None
 
 
-def works(shape: ModelShape, layout: Layout) -> bool:
+def works(shape, layout: Layout) -> bool:
     return _problem(shape, layout.tp, layout.ep, layout.dp_attention) is None
 
 
-def _proposals(shape: ModelShape, tp, ep, dp_attention: bool, knob: str) -> tuple:
+def _proposals(shape, tp, ep, dp_attention: bool, knob: str) -> tuple:
     """Layouts near the refused one that work; bounded: at most MAX_RANKS single-knob
     candidates, or the tp x ep pairs up to SEARCH_PAIRS."""
     ranked = isinstance(tp, int) and not isinstance(tp, bool) and 1 <= tp <= MAX_RANKS
@@ -101,7 +199,7 @@ def _say(layouts: tuple, knob: str) -> str:
     return "these would: " + ", ".join(f"tp {lay.tp} ep {lay.ep}" for lay in layouts)
 
 
-def check(shape: ModelShape, tp, ep=1, dp_attention: bool = False) -> None:
+def check(shape, tp, ep=1, dp_attention: bool = False) -> None:
     """Raise ModelError, naming the numbers and the layouts that would work, if SGLang
     would refuse this layout."""
     found = _problem(shape, tp, ep, dp_attention)
@@ -112,7 +210,7 @@ def check(shape: ModelShape, tp, ep=1, dp_attention: bool = False) -> None:
     raise ModelError(f"{shape.name}: {message}; {_say(layouts, knob)}", layouts)
 
 
-def for_rank(shape: ModelShape, *, tp=1, ep=1, dp_attention: bool = False,
+def for_rank(shape, *, tp=1, ep=1, dp_attention: bool = False,
              next_n: Optional[int] = None) -> RankShape:
     if not isinstance(dp_attention, bool):
         raise ModelError(f"dp_attention {dp_attention!r} is not valid; valid: true or false")

@@ -13,6 +13,7 @@ import json
 from typing import Optional
 
 from ..capabilities import DeviceSpec, Inventory
+from ..version import __version__
 
 
 def driver_version(spec: DeviceSpec) -> Optional[str]:
@@ -41,7 +42,6 @@ def driver_version(spec: DeviceSpec) -> Optional[str]:
 
 def card_key(spec: DeviceSpec, inventory: Inventory, env, *, driver: Optional[str] = None) -> dict:
     """The card and the software every backend on it shares."""
-    from .. import __version__
     key = {
         "platform": spec.platform,
         "name": spec.name,

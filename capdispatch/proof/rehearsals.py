@@ -27,6 +27,7 @@ from typing import Optional
 
 import attrs
 
+from ..capabilities import Inventory
 from ..errors import CapdispatchError
 from ..safe_io import FileError, read_private, write_atomic
 from .cache import CacheError, _folder_problem, _private_dirs, _reason, _secret, cache_dir
@@ -38,7 +39,7 @@ SCHEMA = 1
 MAX_BYTES = 256 * 1024
 
 __all__ = ["RehearsalVerdict", "RehearsalRequiredError", "rank_card", "decisions_of", "store", "lookup",
-           "verdict_for", "root"]
+           "rehearsal_verdict", "root"]
 
 
 @attrs.frozen
@@ -76,7 +77,6 @@ class RehearsalRequiredError(CapdispatchError, RuntimeError):
 def rank_card(run_spec, inventory=None, env=None, *, emulated_spec=None) -> dict:
     """One rank's part of the group key: its card (identity.card_key, the UUID written one
     way whether torch or NVML read it), or the emulated card on it."""
-    from ..capabilities import Inventory
     from .identity import card_key
     env = dict(os.environ if env is None else env)
     own = card_key(run_spec, inventory or Inventory(), env)
@@ -88,13 +88,12 @@ def rank_card(run_spec, inventory=None, env=None, *, emulated_spec=None) -> dict
     return {"emulated": emulated_spec.catalog_key or emulated_spec.id, "on": own}
 
 
-def verdict_for(plan, ops=None, *, env=None) -> Optional[RehearsalVerdict]:
+def rehearsal_verdict(plan, ops=None, *, env=None) -> Optional[RehearsalVerdict]:
     """The recorded rehearsal verdict for PLAN's group (its devices' cards and software, in
     rank order) with PLAN's decisions for OPS (default: every op of the plan), or None: none
     recorded, or a simulated device (no card)."""
     if any(s.simulated for s in plan.devices):
         return None
-    from ..capabilities import Inventory
     inv = Inventory()
     cards = [rank_card(s, inv, env) for s in plan.devices]
     return lookup(cards, decisions_of(plan, ops, inventory=inv), env)
@@ -103,7 +102,6 @@ def verdict_for(plan, ops=None, *, env=None) -> Optional[RehearsalVerdict]:
 def decisions_of(plan, ops=None, *, registry=None, inventory=None) -> dict:
     """op -> per rank (in the plan's device order) [backend key, size buckets] of PLAN's
     decisions (the ops OPS, default every op of the plan)."""
-    from ..capabilities import Inventory
     from .identity import backend_key
     if registry is None:
         from ..backends import builtin

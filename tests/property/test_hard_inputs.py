@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import capdispatch as cd
+from capdispatch import extend
 from capdispatch.backends import builtin
 from capdispatch.dispatch.cli import main
 from capdispatch.dispatch.resolver import known_device_names
@@ -269,16 +270,16 @@ def test_the_list_readers(devs, source, ops):
     text, _, empty = devs
     if empty:
         with pytest.raises(cd.BadInput) as ei:
-            cd.device_list(text, source)
+            extend.device_list(text, source)
         assert source in str(ei.value) and "empty" in str(ei.value) and "DEV[,DEV...]" in str(ei.value)
     else:
-        assert cd.device_list(text, source) == [p.strip() for p in text.split(",")]
+        assert extend.device_list(text, source) == [p.strip() for p in text.split(",")]
     text, valid, empty = ops
     if valid:
-        assert cd.op_list(text, "--op", REG) == list(dict.fromkeys(p.strip() for p in text.split(",")))
+        assert extend.op_list(text, "--op", REG) == list(dict.fromkeys(p.strip() for p in text.split(",")))
     else:
         with pytest.raises(cd.BadInput) as ei:
-            cd.op_list(text, "--op", REG)
+            extend.op_list(text, "--op", REG)
         msg = str(ei.value)
         assert msg.startswith("--op") and ("empty" in msg if empty else "unknown op" in msg), msg
 

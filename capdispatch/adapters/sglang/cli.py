@@ -13,7 +13,8 @@ PROG = "dispatch sglang"
 
 def _parser():
     import capdispatch as cd
-    p = cd.CommandParser(prog=PROG, description="What capdispatch's SGLang plugin does for a launch.",
+    from capdispatch import extend
+    p = extend.options.Parser(prog=PROG, description="What capdispatch's SGLang plugin does for a launch.",
                          epilog="examples:\n"
                                 "  dispatch sglang plan --device sim:rtx-5090,sim:rtx-3080 --tp 2\n"
                                 "  dispatch sglang plan -- --model-path deepseek-ai/DeepSeek-V4-Flash --tp 2\n")
@@ -23,9 +24,10 @@ def _parser():
 
 def add_commands(p):
     """The subcommands of `dispatch sglang` on parser P (`dispatch` mirrors them for completion).
-    Every option is one of capdispatch's shared ones (cd.add_option)."""
+    Every option is one of capdispatch's shared ones (extend.options.add)."""
     import capdispatch as cd
-    add = cd.add_option
+    from capdispatch import extend
+    add = extend.options.add
     sub = p.add_subparsers(dest="cmd", required=True)
     plan = sub.add_parser(
         "plan", help="what the plugin would set for a launch, per rank, without launching",
@@ -60,12 +62,13 @@ def main(argv=None) -> int:
     """`dispatch sglang ...`: under capdispatch's one command handler (a CapdispatchError
     is one line and exit 2 or 3, never a traceback)."""
     import capdispatch as cd
+    from capdispatch import extend
     argv = list(sys.argv[1:] if argv is None else argv)
     sglang_args = None
     if "--" in argv:
         i = argv.index("--")
         argv, sglang_args = argv[:i], argv[i + 1:]
-    return cd.run_command(PROG, _parser(), argv, lambda args: _plan(args, sglang_args))
+    return extend.command.run(PROG, _parser(), argv, lambda args: _plan(args, sglang_args))
 
 
 def _env_for(args) -> dict:
@@ -75,10 +78,11 @@ def _env_for(args) -> dict:
     error names the flag, not a variable. --device is read as `dispatch explain`
     reads it, and each device is checked here so that an unknown one names --device."""
     import capdispatch as cd
+    from capdispatch import extend
     env = dict(os.environ)
     if args.strict:
         env["CAPDISPATCH_STRICT"] = "1"
-    devices = cd.device_list(args.device, "--device")
+    devices = extend.device_list(args.device, "--device")
     for dev in devices:
         if re.fullmatch(r"cuda:\d+", dev, re.ASCII):
             continue        # a real GPU is read by the launch's own probe (NVML)
@@ -94,12 +98,13 @@ def _env_for(args) -> dict:
 
 def _plan(args, sglang_args) -> int:
     import capdispatch as cd
+    from capdispatch import extend
     from . import plan, render
     from .records import PlanOptions
     options = PlanOptions(selections=tuple(args.set_), selection_origin="--set",
                           policy=tuple(args.policy), assume_libs=tuple(args.assume_lib),
                           strict=args.strict, libs=args.libs)
-    cd.check_layout(args, LAYOUT_WITHOUT_TP)
+    extend.options.check_layout(args, LAYOUT_WITHOUT_TP)
     model = None
     if args.model is not None:
         model = {"name": args.model, "ep": args.ep, "dp_attention": args.dp_attention,

@@ -56,11 +56,12 @@ def gpu_ids(*, tp_size: int, pp_size: int = 1, nnodes: int = 1, node_rank: int =
 def simulated_devices(env=None) -> Optional[list]:
     """The SIM_ENV device list, or None when unset."""
     import capdispatch as cd
+    from capdispatch import extend
     env = os.environ if env is None else env
     text = env.get(SIM_ENV)
     if text is None or not text.strip():
         return None
-    return cd.device_list(text, SIM_ENV)
+    return extend.device_list(text, SIM_ENV)
 
 
 def _spec(dev: str, origin: str, *, via: str):

@@ -14,6 +14,7 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 import capdispatch as cd
+from capdispatch import extend
 
 from . import compat
 from .moe_plan import NativeBy
@@ -208,8 +209,8 @@ def load(path: Optional[str] = None) -> Knobs:
     """Parse and check the knob map (the packaged knobs.yaml by default): a regular file
     of at most 1 MiB (a FIFO or a device is refused, never read)."""
     path = path or DEFAULT_PATH
-    r = cd.YamlReader.from_file(path, limit=MAX_BYTES, error=KnobsError, kind="knob map")
-    out = _knobs(r, path, cd.registry())
+    r = extend.Reader.from_file(path, limit=MAX_BYTES, error=KnobsError, kind="knob map")
+    out = _knobs(r, path, extend.registry.builtin())
     for message in dict.fromkeys(u.message for rel in out.releases for u in rel.unmapped):
         log.warning("capdispatch: %s", message)
     return out

@@ -132,8 +132,8 @@ class CapdispatchMxfp4MoEMethod:
         return requested_method
 
     def process_weights_after_loading(self, layer) -> MoePrepared:
-        import capdispatch as cd
-        MoeWeights, prepare = cd.MoeWeights, cd.prepare_moe_weights
+        from capdispatch import extend
+        MoeWeights, prepare = extend.moe.MoeWeights, extend.moe.prepare
         limit = self.moe_runner_config.swiglu_limit if self.moe_runner_config is not None else None
         w = MoeWeights(layer.w13_weight.data, layer.w13_weight_scale_inv.data,
                        layer.w2_weight.data, layer.w2_weight_scale_inv.data,

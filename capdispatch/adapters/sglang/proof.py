@@ -66,7 +66,7 @@ def _describe(spec, final: dict, failed: list, env) -> str:
     import capdispatch as cd
     ok, unverified = [], []
     for op, b in final.items():
-        v = cd.cached_verdict(spec, op, b, env=env)
+        v = cd.proof.lookup(spec, op, b, env=env)
         (ok if v is not None and v.passed else unverified).append(f"{op}={b}")
     parts = ["verified on this card: " + ", ".join(ok)] if ok else []
     parts += [f"{r.job.op}={r.job.backend} failed its canary on this card ({r.verdict.describe()}), "

@@ -125,7 +125,7 @@ def check_lock(d, env=None) -> tuple:
     import capdispatch as cd
     if d.plan is None:
         return ()
-    return cd.check_lock(d.plan, partial=True, env=env)
+    return cd.lock.check(d.plan, partial=True, env=env)
 
 
 def configure(server_args, gpu_id: int, *, env=None):
@@ -257,7 +257,7 @@ def agree(state, group):
     outcomes = [None] * len(plan.devices)
     dist.all_gather_object(outcomes, {op: outcome(c) for op, c in mine.items()}, group=group)
     missed = carried_out(plan, choices, outcomes)
-    digest = cd.plan_digest(plan)
+    digest = cd.agreement.digest(plan)
     from .rehearsal import check as rehearsal_check      # CAPDISPATCH_REQUIRE_REHEARSAL: a refusal
     rehearsal, refusal = rehearsal_check(plan, ops, inputs.model, state.env)
     agreement = Agreement(tuple(d.id for d in plan.devices), rank, digest, install_digest(digest, outcomes),

@@ -24,8 +24,9 @@ def check(plan, ops, model, env=None) -> tuple:
     """(the report's entry for PLAN's group and decisions on OPS, the cd.RehearsalRequiredError
     that refuses the launch where ENV_REQUIRE is on and the verdict is missing or failed, else None)."""
     import capdispatch as cd
+    from capdispatch import extend
     env = os.environ if env is None else env
-    required = cd.env_flag(env, ENV_REQUIRE)         # a bad value is bad input, named
+    required = extend.env_flag(env, ENV_REQUIRE)         # a bad value is bad input, named
     v = cd.rehearsal_verdict(plan, ops, env=env)
     entry = {"required": required, "found": v is not None,
              "verdict": None if v is None else v.to_dict()}

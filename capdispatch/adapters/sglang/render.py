@@ -16,7 +16,8 @@ def matrix(plan, *, color=None, width=None, ascii_only=None, stream=None, brief:
     as `dispatch explain` marks them; whose libraries below, and how many warnings follow
     (under BRIEF the mixed-group divergences count as their one summary line)."""
     import capdispatch as cd
-    Cell, Row = cd.Cell, cd.Row
+    from capdispatch import extend
+    Cell, Row = extend.Cell, extend.Row
     if not plan.ranks:
         return ""
     cols = [f"cuda:{r.gpu_id} (rank {r.rank})\n{_short(r.device.name)}"
@@ -237,10 +238,11 @@ def _wrapped(lines) -> list:
     """LINES at the terminal's width: the matrix (a multi-line entry) as drawn, each other
     line wrapped under its own indent, or (LINE, HANG) with that hanging indent."""
     import capdispatch as cd
+    from capdispatch import extend
     out = []
     for line in lines:
         line, hang = line if isinstance(line, tuple) else (line, "    ")
-        out += line.split("\n") if "\n" in line else cd.wrap_lines([line], hang=hang)
+        out += line.split("\n") if "\n" in line else extend.wrap_lines([line], hang=hang)
     return out
 
 

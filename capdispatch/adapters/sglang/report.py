@@ -10,7 +10,7 @@ that cannot be written is a WARNING, never a failed launch.
 Where not: a report directory that is itself a symbolic link, or under a symbolic link
 owned by another user than this one or root (a rank often runs as root; such a link
 would aim its writes anywhere), and a report file that is a symbolic link: each is
-refused with the WARNING, nothing written. The file is written atomically (cd.write_file), so
+refused with the WARNING, nothing written. The file is written atomically (extend.write_atomic), so
 a failed write (a full disk, a directory at the report's name) leaves no temporary file.
 
 What (docs/sglang.md, "The rank report"): the device, per op the decision (backend,
@@ -91,7 +91,7 @@ def build(state, *, proof=None, agreement=None) -> dict:
 def unsafe_folder(folder) -> Optional[str]:
     """Why the report directory FOLDER may not be written into, or None: it is a symbolic
     link, or a folder above it is one owned by another user than this one or root."""
-    from capdispatch import show_path as shown
+    from capdispatch.extend import shown
     folder = os.path.abspath(os.fspath(folder))
     if os.path.islink(folder):
         return (f"the report directory {shown(folder)} is a symbolic link (to "
@@ -115,7 +115,7 @@ def unsafe_folder(folder) -> Optional[str]:
 def write(state, *, proof=None, agreement=None):
     """Write STATE's report (build) where report_path says; returns the path, or None
     (with a WARNING) when it cannot be written."""
-    from capdispatch import FileError, write_file
+    from capdispatch.extend import FileError, write_atomic
     env = state.env if state.env is not None else os.environ
     why = None
     try:
@@ -126,7 +126,7 @@ def write(state, *, proof=None, agreement=None):
             path.parent.mkdir(parents=True, exist_ok=True)
             why = unsafe_folder(path.parent)       # what is there now, made by us or not
         if why is None:
-            write_file(path, body + "\n", links=False)
+            write_atomic(path, body + "\n", links=False)
             return path
     except FileError as exc:
         why = str(exc)

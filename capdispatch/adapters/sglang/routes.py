@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 
 import capdispatch as cd
+from capdispatch import extend
 
 log = logging.getLogger("capdispatch.sglang")
 
@@ -97,7 +98,7 @@ def store_v4(original, input, cache, indices, *, page_size, type, layout=None, f
 # targets in its release (check_knob_names in tests/sglang_scenarios.py compares them
 # with each release's source), so positional and keyword calls bind the same way with
 # no per-call inspection.
-V4_TOKEN_BYTES = cd.V4_TOKEN_BYTES      # FlashMLA tells cache formats apart by this last dim
+V4_TOKEN_BYTES = extend.v4_layout.TOKEN_BYTES      # FlashMLA tells cache formats apart by this last dim
 
 
 def _v4_view(cache) -> bool:
@@ -292,8 +293,9 @@ def _distribution(module: str):
     from packaging.utils import canonicalize_name
 
     import capdispatch as cd
+    from capdispatch import extend
     top = module.split(".")[0]
-    reg = cd.registry()
+    reg = extend.registry.builtin()
     for op in reg.ops:
         for b in reg.backends(op):
             for r in b.requires:
