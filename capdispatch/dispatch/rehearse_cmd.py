@@ -136,7 +136,6 @@ def run(args) -> int:
 
 def run_engine(args) -> int:
     """`--engine sglang`: rehearse/engine/runner.py."""
-    import json
 
     from ..rehearse.engine import render, runner
     from .errors import BadInput, ExitCode

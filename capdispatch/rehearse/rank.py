@@ -19,6 +19,7 @@ import os
 import sys
 import time
 import traceback
+from datetime import timedelta
 
 from ..errors import ExitCode
 
@@ -170,7 +171,6 @@ def _run(cfg, rank, prog, result):
 
 def _join(cfg, rank, prog):
     """Join the group: the rendezvous waits for ranks still starting (start_timeout)."""
-    from datetime import timedelta
 
     import torch.distributed as dist
     prog.set(JOINING)
@@ -296,7 +296,6 @@ class _OpCalls:
 def _forward(cfg, rank, prog, calls, shape) -> list:
     """The small model's prefill and decode steps on this rank, with the group's collectives:
     the logits of each step."""
-    from datetime import timedelta
 
     import torch
     import torch.distributed as dist

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import random
+import socket
+from importlib.metadata import entry_points
 from typing import Optional
 
 import attrs
@@ -111,7 +113,6 @@ def checkpoint(path: str) -> str:
 
 def installed_plugins() -> list:
     """The names in SGLang's general plugin group installed here (what SGLang would load)."""
-    from importlib.metadata import entry_points
     return sorted({ep.name for ep in entry_points(group=PLUGIN_GROUP)})
 
 
@@ -140,7 +141,6 @@ def requests(seed: int, count: int, prompt: int, vocab: int) -> tuple:
 
 
 def free_port() -> int:
-    import socket
     try:
         with socket.socket() as s:
             s.bind((HOST, 0))

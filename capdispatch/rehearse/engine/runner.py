@@ -4,13 +4,17 @@ is bounded; no process and no temporary folder outlives the run (Ctrl-C, SIGTERM
 included: processes.terminate_as_interrupt, and the server's group watches this process)."""
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
 import time
 import urllib.error
 from typing import Callable, Optional
+
+import attrs
 
 from ...errors import CapdispatchError
 from ..errors import RehearseError
@@ -88,7 +92,6 @@ def _command(lp: launch.Launch, server_cmd: tuple) -> tuple:
 
 def _serve(lp, env, plugin, server_cmd, prompts, steps, timeout, start_timeout, tmp, reports, out, say) -> Run:
     """One server: start, wait, ask, stop. A failure is the Run's error, named by step."""
-    import shutil
     name = f"sglang-plugin-{'on' if plugin else 'off'}.log"
     log = os.path.join(tmp, name)
     command = _command(lp, server_cmd)
@@ -143,7 +146,6 @@ def _serve(lp, env, plugin, server_cmd, prompts, steps, timeout, start_timeout, 
         except ValueError as exc:
             step, error = "rank reports", str(exc)
         if out and found:
-            import attrs
             os.makedirs(os.path.join(out, "reports"), exist_ok=True)
             kept = []
             for rep in found:
@@ -273,7 +275,6 @@ def _speed(shape, memplan, specs, prompt):
 
 
 def _write_out(r, out: str) -> None:
-    import json
 
     from ...safe_io import write_atomic
     from .render import render
