@@ -11,6 +11,7 @@ import attrs
 import pytest
 
 import capdispatch as cd
+from capdispatch.models import model_calls
 from capdispatch.adapters.sglang import sglang_facts, decide, knobs, launch, render, gpus, versions
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -44,11 +45,10 @@ def _decide(env, release, ids=(0, 1, 2), **kw):
 
 def test_knob_map_loads_with_kv_rows(release):
     assert release is not None
-    assert {r.op for r in release.routes} == {"kv_quant", "kv_dequant", "indexer", "sparse_prefill", "decode_mla", "moe"}
+    assert {r.op for r in release.routes} == set(model_calls().ops)
     assert release.route("kv_dequant").native == "triton_fp8"
     assert release.route("kv_quant").native is None
-    assert release.models["DeepseekV4ForCausalLM"].ops == ("kv_quant", "kv_dequant", "indexer", "sparse_prefill",
-                                                           "decode_mla", "moe")
+    assert release.models["DeepseekV4ForCausalLM"].ops == model_calls().ops
     assert release.models["DeepseekV4ForCausalLM"].any_kv_cache_dtype == ("moe",)
     assert {(s.kind, s.name) for s in release.settings} == {("field", "kv_cache_dtype"),
                                                             ("env", "SGLANG_DSV4_KV_LAYOUT")}
@@ -209,7 +209,7 @@ def test_simulated_gpus_bad_input(value, index, message):
 # --------------------------------------------------------------------------- decisions
 
 def test_applicable_ops(release):
-    dsv4 = ("kv_quant", "kv_dequant", "indexer", "sparse_prefill", "decode_mla", "moe")
+    dsv4 = model_calls().ops
     assert decide.applicable_ops(release, "DeepseekV4ForCausalLM", "auto")[0] == dsv4
     assert decide.applicable_ops(release, "DeepseekV4ForCausalLM", "fp8_e4m3")[0] == dsv4
     ops, why = decide.applicable_ops(release, "DeepseekV4ForCausalLM", "bfloat16")
