@@ -110,10 +110,11 @@ def test_the_new_op_is_in_the_sglang_plan_reported_with_the_entry_to_add():
     for rank in plan["ranks"]:
         row = rank["ops"]["row_scale"]
         assert (row["backend"], row["action"]) == ("torch", "reported")
-        assert "the knob map's models do not list op row_scale (plugin 'newop'): add it to " \
-               "releases[0].models.DeepseekV4ForCausalLM.ops" in row["why"]
+        assert "op row_scale (plugin 'newop'): DeepseekV4ForCausalLM does not call op 'row_scale' (" in row["why"]
+        assert "add it there to have it predicted and rehearsed, and an entry per backend under " \
+               "releases[0].backends.row_scale" in row["why"]
         assert rank["ops"]["kv_dequant"]["action"] in ("kept", "routed")
-    assert "do not list op row_scale" in err            # said once, when the knob map is read
+    assert "does not call op 'row_scale'" in err            # said when the knob map is read
 
 
 def test_plan_speed_names_the_new_op_the_model_does_not_call():
