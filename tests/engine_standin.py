@@ -51,6 +51,9 @@ def write_reports():
                               "action": "routed" if routed else "kept",
                               "install": "installed at sglang.x.dequant" if routed else None,
                               "route": "sglang.x.dequant" if routed else None}}
+        if env.get("STANDIN_EXTRA_OP"):     # a plugin's op no model declares: decided, reported
+            ops[env["STANDIN_EXTRA_OP"]] = {"backend": "torch", "runs": None, "action": "reported", "install": None,
+                                            "route": None}
         body = {"schema": report.SCHEMA, "gpu_id": g, "device": {"name": "stand-in card"}, "ops": ops,
                 "agreement": {"agreed": True, "not_carried_out": []}}
         path = report.report_path(g, env)

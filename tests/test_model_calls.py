@@ -32,17 +32,31 @@ def test_calls_per_forward_and_sizes_per_phase():
     assert d.get("moe").size("decode", 8, 2) == 16 and d.get("decode_mla").size("decode", 8, 2) == 8
     assert d.get("decode_mla").size("prefill", 4096, 2) is None
     assert d.get("kv_dequant").size("decode", 8, 1) is None and d.get("kv_dequant").size("prefill", 64, 2) == 64
-    assert d.phase_ops("decode") == ("kv_quant", "indexer", "decode_mla", "moe")
+    decode = d.phase_ops("decode")
+    assert {"kv_quant", "indexer", "decode_mla", "moe"} <= set(decode)
+    assert "kv_dequant" not in decode and "sparse_prefill" not in decode
     assert d.get("row_scale") is None and "does not call op 'row_scale'" in d.not_called("row_scale")
 
 
-def test_every_knob_map_release_lists_the_declared_ops():
-    # The knob map states, per SGLang release, which ops it decides at a launch: exactly the
-    # ops the model declaration says the architecture calls.
+def test_the_knob_map_decides_the_declared_ops_and_lists_none_of_its_own(tmp_path):
+    # The ops the plugin decides at a launch are the model declaration's, read from it: a knob
+    # map that lists them itself, or names an architecture the declaration lacks, is refused.
     from capdispatch.adapters.sglang import knobs
     for release in knobs.load().releases:
         for arch, model in release.models.items():
             assert model.ops == C.model_calls(arch).ops, (release, arch)
+    text = open(knobs.DEFAULT_PATH, encoding="utf-8").read()
+    head = "      DeepseekV4ForCausalLM:\n"
+    assert head in text
+    listed = tmp_path / "listed.yaml"
+    listed.write_text(text.replace(head, head + "        ops: [kv_quant]\n", 1))
+    with pytest.raises(knobs.KnobsError, match=r"listed.yaml:\d+: .*models.DeepseekV4ForCausalLM: unknown key 'ops'"):
+        knobs.load(str(listed))
+    other = tmp_path / "other.yaml"
+    other.write_text(text.replace(head, "      LlamaForCausalLM:\n", 1))
+    with pytest.raises(knobs.KnobsError, match=r"other.yaml:\d+: releases\[0\].models.LlamaForCausalLM: .*declares no "
+                                              r"calls of architecture 'LlamaForCausalLM'"):
+        knobs.load(str(other))
 
 
 @pytest.mark.parametrize("body, says", [

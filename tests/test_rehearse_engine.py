@@ -183,6 +183,17 @@ def test_a_passing_run_reads_reports_compares_and_predicts(ckpt, monkeypatch, tm
     assert r.on.command[:3] == ("python", STANDIN[0], "--model-path")
 
 
+def test_a_decided_op_the_model_does_not_call_is_named(ckpt, monkeypatch, tmp_path):
+    from capdispatch.rehearse.engine.render import render
+    r = _run(ckpt, monkeypatch, STANDIN_EXTRA_OP="row_scale")
+    assert r.ok, r.cause
+    assert list(r.not_called) == ["row_scale"]
+    assert "DeepseekV4ForCausalLM does not call op 'row_scale' (" in r.not_called["row_scale"]
+    assert "not rehearsed: row_scale: DeepseekV4ForCausalLM does not call op 'row_scale'" in render(r)
+    assert r.to_dict()["not_called"] == r.not_called
+    assert _run(ckpt, monkeypatch).not_called == {}          # the declared ops alone: none named
+
+
 def test_differing_tokens_fail_where_every_kernel_is_sglangs(ckpt, monkeypatch):
     r = _run(ckpt, monkeypatch, STANDIN_FLIP="2")
     assert not r.ok and "tokens differ at position 2" in r.cause

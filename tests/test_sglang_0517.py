@@ -18,6 +18,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import sglang_releases  # noqa: E402
 
+from capdispatch.models import model_calls  # noqa: E402
+
 from test_sglang_integration import _env, _free_port, _messages  # noqa: E402
 
 SCENARIOS = os.path.join(HERE, "sglang_scenarios_0517.py")
@@ -104,7 +106,7 @@ def test_launch_declares_into_0517s_stash_and_sets_no_kv_layout(launcher):
     # 0.5.17 has only the V4 layout: no SGLANG_DSV4_KV_LAYOUT; nothing else set at launch.
     assert set(c["env"].values()) == {None}
     st = c["stash"]
-    assert st["ops"] == ["kv_quant", "kv_dequant", "indexer", "sparse_prefill", "decode_mla", "moe"]
+    assert st["ops"] == list(model_calls().ops)
     assert st["applied"] == {"kv_cache_dtype": "fp8_e4m3"} and st["user_env"] == {}
     assert "kv_cache_dtype" not in st["explicit_fields"] and "tp_size" in st["explicit_fields"]
     (info,) = [m for m in _messages(c["logs"], "INFO") if "SGLang launch" in m]

@@ -16,6 +16,8 @@ import tempfile
 
 import pytest
 
+from capdispatch.models import model_calls
+
 # Skip without SGLang, but never import it here: it imports Triton, and Triton
 # decides at import whether to interpret (TRITON_INTERPRET), which other test
 # modules set per test. SGLang runs only in the scenarios' own processes.
@@ -125,7 +127,7 @@ def test_launch_sets_fields_and_environment_for_the_mixed_rig(launcher):
     assert c["fields"]["kv_cache_dtype"] == "fp8_e4m3" and c["fields"]["tp_size"] == 3
     assert c["declared"] == [{"kv_cache_dtype": "fp8_e4m3"}]
     assert c["env"] == {"SGLANG_DSV4_KV_LAYOUT": "v4"}
-    assert c["stash"]["ops"] == ["kv_quant", "kv_dequant", "indexer", "sparse_prefill", "decode_mla", "moe"]
+    assert c["stash"]["ops"] == list(model_calls().ops)
     assert c["stash"]["applied"] == {"kv_cache_dtype": "fp8_e4m3", "SGLANG_DSV4_KV_LAYOUT": "v4"}
     assert c["stash"]["user_env"] == {}
     infos = _messages(c["logs"], "INFO")
@@ -184,7 +186,7 @@ def test_launch_mixed_group_error_refuses(launcher):
 def test_launch_without_nvml_sets_nothing_but_ranks_still_decide(launcher):
     c = launcher["by_name"]["no_nvml"]
     assert c["declared"] == [] and c["env"] == {"SGLANG_DSV4_KV_LAYOUT": None}
-    assert c["stash"]["ops"] == ["kv_quant", "kv_dequant", "indexer", "sparse_prefill", "decode_mla", "moe"]
+    assert c["stash"]["ops"] == list(model_calls().ops)
     (w,) = _messages(c["logs"], "WARNING")
     assert "cannot read the launch's GPUs cuda:0, cuda:1 without initialising CUDA" in w
 

@@ -11,6 +11,7 @@ import attrs
 import pytest
 
 import capdispatch as cd
+from capdispatch.models import model_calls
 from capdispatch.adapters.sglang import sglang_facts, decide, knobs, launch, render, gpus, versions
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -44,11 +45,12 @@ def _decide(env, release, ids=(0, 1, 2), **kw):
 
 def test_knob_map_loads_with_kv_rows(release):
     assert release is not None
-    assert {r.op for r in release.routes} == {"kv_quant", "kv_dequant", "indexer", "sparse_prefill", "decode_mla", "moe"}
+    # A route for exactly the model ops whose backends the map routes (`route:` entries).
+    routed = {e.op for e in release.entries.values() if e.kind == "route"}
+    assert {r.op for r in release.routes} == routed and routed <= set(model_calls().ops)
     assert release.route("kv_dequant").native == "triton_fp8"
     assert release.route("kv_quant").native is None
-    assert release.models["DeepseekV4ForCausalLM"].ops == ("kv_quant", "kv_dequant", "indexer", "sparse_prefill",
-                                                           "decode_mla", "moe")
+    assert release.models["DeepseekV4ForCausalLM"].ops == model_calls().ops
     assert release.models["DeepseekV4ForCausalLM"].any_kv_cache_dtype == ("moe",)
     assert {(s.kind, s.name) for s in release.settings} == {("field", "kv_cache_dtype"),
                                                             ("env", "SGLANG_DSV4_KV_LAYOUT")}
@@ -209,7 +211,7 @@ def test_simulated_gpus_bad_input(value, index, message):
 # --------------------------------------------------------------------------- decisions
 
 def test_applicable_ops(release):
-    dsv4 = ("kv_quant", "kv_dequant", "indexer", "sparse_prefill", "decode_mla", "moe")
+    dsv4 = model_calls().ops
     assert decide.applicable_ops(release, "DeepseekV4ForCausalLM", "auto")[0] == dsv4
     assert decide.applicable_ops(release, "DeepseekV4ForCausalLM", "fp8_e4m3")[0] == dsv4
     ops, why = decide.applicable_ops(release, "DeepseekV4ForCausalLM", "bfloat16")
@@ -637,7 +639,7 @@ def _per_device(kd, op):
 def test_knob_map_rows_for_attention_and_moe(release):
     import capdispatch.backends.moe as moe
     from capdispatch.backends import builtin
-    assert release.models["DeepseekV4ForCausalLM"].ops[-1] == "moe"
+    assert release.models["DeepseekV4ForCausalLM"].ops == model_calls().ops
     # One entry per backend of every model op.
     reg = builtin()
     # moe's one route is SGLang's per-layer method choice, whose kernel depends on the launch value.
@@ -900,7 +902,7 @@ def test_plan_shows_every_op_and_the_sglang_settings_per_rank(env, capsys, monke
            "cuda:2 is routed to capdispatch triton_w4a16)" in flat
     rc, out, err = _plan(capsys, "--device", KNOB_RIG, *libs, "--format", "json")
     p = json.loads(out)
-    assert "knob_ops" not in p and p["ops"][-1] == "moe"
+    assert "knob_ops" not in p and p["ops"] == list(model_calls().ops)
     for r in p["ranks"]:
         assert list(r["ops"]) == p["ops"]
         for c in r["ops"].values():

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 from typing import Mapping, Optional
+import importlib
 
 import attrs
 from packaging.specifiers import SpecifierSet
@@ -348,22 +349,18 @@ class Op:
         return parse(self.signature, tuple(self.records or ()))
 
     def load_compile_jobs(self):
-        import importlib
         module, _, attr = self.compile_jobs.partition(":")
         return getattr(importlib.import_module(module), attr)
 
     def load_case(self):
-        import importlib
         module, _, attr = self.case.partition(":")
         return getattr(importlib.import_module(module), attr)
 
     def load_compare(self):
-        import importlib
         module, _, attr = self.compare.partition(":")
         return getattr(importlib.import_module(module), attr)
 
     def load_canary(self):
-        import importlib
         module, _, attr = self.canary.partition(":")
         return getattr(importlib.import_module(module), attr)
 
@@ -384,7 +381,6 @@ class Backend:
         """The tuning context manager's factory, or None."""
         if not self.tune:
             return None
-        import importlib
         module, _, attr = self.tune.partition(":")
         return getattr(importlib.import_module(module), attr)
 
@@ -393,6 +389,5 @@ class Backend:
         return [c for c in (r.evaluate(facts) for r in self.requires) if c is not None]
 
     def load(self):
-        import importlib
         module, _, attr = self.impl.partition(":")
         return getattr(importlib.import_module(module), attr)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import CapdispatchError
+from .registry import builtin
 
 STAT_ATOL = 1e-3     # softmax statistics (max logits, lse) in fp32: absolute
 
@@ -114,3 +115,10 @@ def assert_bytes_equal(got, want, name: str) -> None:
     if bool(bad.any()):
         raise Mismatch(f"{name}: {int(bad.sum())} of {bad.numel()} bytes differ from the reference",
                        max_err=float(int(bad.sum())), where=where_of(bad, name), tolerance="byte-exact")
+
+
+def compare_as_declared(op: str, got, want, args, name: str, **how):
+    """OP's declared comparison (`Op.compare`) of GOT with the reference's WANT on ARGS (HOW:
+    the keywords that comparison takes, such as MoE's backend), or a Mismatch naming NAME:
+    a canary judges a backend by the comparison the rehearsal and calibration use."""
+    return builtin().ops[op].load_compare()(got, want, args, **how).check(name)

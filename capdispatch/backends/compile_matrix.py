@@ -22,6 +22,8 @@ import io
 import os
 import re
 from typing import Callable, Optional
+import inspect
+import tempfile
 
 import attrs
 
@@ -279,14 +281,12 @@ def with_defaults(fn, constexprs: dict) -> dict:
     """CONSTEXPRS plus the value of each constexpr parameter of the @triton.jit FN that has a
     default and is not given: an offline compile (ASTSource) takes every constexpr, where a
     launch fills the defaults itself."""
-    import inspect
     return dict({p.name: p.default for p in fn.params
                  if p.is_constexpr and p.default is not inspect.Parameter.empty}, **constexprs)
 
 
 def compile_job(job: Job, t: Target) -> Row:
     """Compile ``job`` for ``t``; a failure is a row with its error, never an exception."""
-    import tempfile
 
     import triton
     from triton import knobs

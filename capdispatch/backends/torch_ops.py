@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import importlib
 import warnings
+import ast
 
 import torch
 
@@ -123,7 +124,6 @@ def _part_names(parts: str) -> list:
 
 def _default(text: str):
     """A schema default's value (the literals a signature may write: None, True, False, numbers, strings)."""
-    import ast
     return ast.literal_eval(text)
 
 

@@ -10,6 +10,8 @@ import os
 import platform as _platform
 import sys
 from typing import Optional
+import re
+from importlib import metadata
 
 from ..errors import CapdispatchError
 from . import catalog
@@ -47,7 +49,6 @@ def nvml_failure(exc) -> str:
 
 def _torch_failure() -> str:
     """Why torch sees no CUDA device, without initialising CUDA where it can be avoided."""
-    from importlib import metadata
     try:
         version = metadata.version("torch")
     except metadata.PackageNotFoundError:
@@ -98,7 +99,6 @@ def check_assume_cuda(value: Optional[str]) -> Optional[str]:
     """--assume-cuda: a CUDA toolkit version such as 12.8 or 13.0 (None: not given)."""
     if value is None:
         return None
-    import re
     if not isinstance(value, str) or not re.fullmatch(r"\d{1,2}\.\d{1,2}(\.\d{1,3})?", value.strip(), re.ASCII):
         raise AssumeCudaError(f"bad --assume-cuda {_shown(str(value))}: expected a CUDA toolkit "
                               f"version such as 12.8 or 13.0")
@@ -164,7 +164,6 @@ def cuda_from_local(version: str) -> Optional[str]:
 
 def torch_cuda_version() -> Optional[str]:
     """CUDA toolkit of the installed torch build, from its metadata (no import)."""
-    from importlib import metadata
     try:
         found = cuda_from_local(metadata.version("torch"))
     except metadata.PackageNotFoundError:
@@ -175,8 +174,6 @@ def torch_cuda_version() -> Optional[str]:
 
 
 def _cuda_from_version_file() -> Optional[str]:
-    import re
-    from importlib import metadata
     try:
         path = metadata.distribution("torch").locate_file("torch/version.py")
         text = open(path, encoding="utf-8").read()
@@ -187,14 +184,12 @@ def _cuda_from_version_file() -> Optional[str]:
 
 def cuda_from_version_text(text: str) -> Optional[str]:
     """The `cuda = '13.0'` line of torch/version.py (None on a CPU build)."""
-    import re
     m = re.search(r"^cuda\s*(?::[^=]*)?=\s*['\"]([0-9.]+)['\"]", text, flags=re.M)
     return m.group(1) if m else None
 
 
 def _torch_cannot_have_cuda() -> bool:
     # Installed metadata says: no torch, or a CPU build. Then importing it (seconds) cannot help.
-    from importlib import metadata
     try:
         metadata.version("torch")
     except metadata.PackageNotFoundError:

@@ -12,6 +12,8 @@ import os
 import sys
 
 from typing import Optional
+import importlib.util
+import platform as _pf
 
 import attrs
 
@@ -158,7 +160,6 @@ def run(args, *, timer=None) -> int:
 
 
 def _need_torch() -> None:
-    import importlib.util
     if importlib.util.find_spec("torch") is None:
         raise BadInput("dispatch bench times kernels, which need torch: torch is not installed "
                        "(pip install 'capdispatch[torch]', or your own CUDA build of torch)")
@@ -487,7 +488,6 @@ def timer_description(timer) -> str:
 
 
 def _header(spec, timer, noise, served_: _Served) -> list:
-    import platform as _pf
 
     from ..calibrate import writer
     from ..version import __version__

@@ -5,6 +5,10 @@ model, a config without a field the checkpoint needs, --layers out of range, an 
 non-empty --out, a file-system error)."""
 from __future__ import annotations
 
+import json
+import shlex
+import sys
+
 from .errors import ExitCode
 
 EPILOG = """\
@@ -46,8 +50,6 @@ def add_parser(sub):
 
 
 def serve_hint(written) -> dict:
-    import json
-    import shlex
     notes = ["no tokenizer is written: start SGLang with --skip-tokenizer-init and send input_ids "
              "(token ids below the vocabulary size); the reply carries output_ids",
              "random weights may emit the EOS token (id 1): ask with ignore_eos"]
@@ -62,7 +64,6 @@ def serve_hint(written) -> dict:
 
 
 def _progress():
-    import sys
     if not sys.stderr.isatty():
         return None
 
@@ -74,7 +75,6 @@ def _progress():
 
 
 def run(args) -> int:
-    import json
 
     from ..models import ModelError, load_model
     from ..models.checkpoint import plan, source_config, write

@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import sys
+from importlib import metadata
 
 from .errors import ExitCode
 from .inputs import VARIABLES, unknown_note, unknown_variables
@@ -30,7 +31,6 @@ def add_parser(sub):
 
 
 def _version(dist: str):
-    from importlib import metadata
     try:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:

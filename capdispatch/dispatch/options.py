@@ -18,6 +18,7 @@ import re
 import sys
 import textwrap
 from typing import Callable, Optional
+from importlib import metadata
 
 import attrs
 
@@ -28,7 +29,6 @@ from .inputs import DEVICE_FORMS, shown
 
 def version() -> str:
     """capdispatch's version: the installed distribution's, else the package's own."""
-    from importlib import metadata
     try:
         return metadata.version("capdispatch")
     except metadata.PackageNotFoundError:
@@ -102,7 +102,6 @@ class Parser(argparse.ArgumentParser):
 def _command_hint(text: str, choices) -> str:
     """"COMMAND: invalid choice: 'explian' (choose from ...)" with a did-you-mean after the
     name, when one is close."""
-    import difflib
     m = re.match(r"([^:]+: invalid choice: '([^']*)')(.*)", text, re.S)
     if not m:
         return text

@@ -15,6 +15,7 @@ import re
 import threading
 import time
 from typing import TYPE_CHECKING, Optional
+from concurrent.futures import ThreadPoolExecutor
 
 import attrs
 
@@ -125,7 +126,6 @@ def run(ctx: Context, todo, *, timeout: float, budget_s: Optional[float] = None,
         except BaseException:
             cancel.set()
             raise
-    from concurrent.futures import ThreadPoolExecutor
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="capdispatch-verify")
     try:
         futures = [pool.submit(one, job) for job in todo]

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import os
+from importlib import resources
+import yaml
 
 from .config import parse
 from .errors import ModelError
@@ -13,9 +15,7 @@ DATA = "builtin.yaml"
 
 def _builtin_data() -> dict:
     # Read on each call: a few kB, and no process-global state to go stale.
-    from importlib import resources
 
-    import yaml
     text = resources.files("capdispatch.models").joinpath(DATA).read_text("utf-8")
     return yaml.safe_load(text)["models"]
 

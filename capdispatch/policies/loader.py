@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from typing import Optional
+from importlib import resources
 
 import attrs
 import yaml
@@ -369,7 +370,6 @@ def read_text(path) -> str:
 
 
 def load_default(registry) -> PolicyFile:
-    from importlib import resources
     text = resources.files("capdispatch.policies").joinpath("default.yaml").read_text("utf-8")
     return parse(text, "default.yaml", registry, builtin=True)
 

@@ -11,6 +11,7 @@ and the report says so."""
 from __future__ import annotations
 
 from typing import Optional
+import time
 
 import attrs
 
@@ -135,7 +136,6 @@ class Graphs:
     def replay(self, e, args, spent: list):
         """Replay E (its time appended to SPENT); copy what it wrote into its inputs back to
         ARGS; its outputs, cloned."""
-        import time
 
         import torch
         self.cuda.synchronize()

@@ -15,6 +15,7 @@ import sys
 import tempfile
 import time
 from typing import Optional
+import shutil
 
 import attrs
 
@@ -350,7 +351,6 @@ def _watch(procs, folder, world, timeout, start_timeout, on_progress=None):
 def _clean_stale_folders() -> None:
     """Remove the folders of earlier rehearsals whose parent is gone (killed outright, it could
     not remove its own); a folder whose owner still runs, or that is not ours, stays."""
-    import shutil
     root = tempfile.gettempdir()
     try:
         names = [n for n in os.listdir(root) if n.startswith(FOLDER_PREFIX)]

@@ -10,6 +10,9 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import logging
+import argparse
+import ast
+import re
 
 log = logging.getLogger("capdispatch.sglang")
 
@@ -47,12 +50,10 @@ def explicit_fields(launch_command) -> set:
         return set()
     text = str(launch_command)
     if text.startswith("Engine("):
-        import ast
         try:
             call = ast.parse(text, mode="eval").body
             return {k.arg for k in call.keywords if k.arg}
         except SyntaxError:
-            import re
             return set(re.findall(r"(?:\(|, )([A-Za-z_]\w*)=", text))
     return cli_fields(text.split())
 
@@ -60,7 +61,6 @@ def explicit_fields(launch_command) -> set:
 def cli_fields(argv) -> set:
     """Fields set on an SGLang command line, parsed by SGLang's own parser with
     every default replaced by a marker (abbreviations and --opt=value included)."""
-    import argparse
 
     from sglang.srt.server_args import ServerArgs
 

@@ -280,12 +280,20 @@ def _hooks(r, node, where: str) -> Hooks:
 
 
 def _models(r, node, where: str, registry) -> dict:
-    """Architecture -> Model: the ops a model runs, under which KV-cache dtypes."""
+    """Architecture -> Model: the ops a model runs are its declaration's (extend.model_calls,
+    capdispatch/models/calls.yaml); the knob map says under which KV-cache dtypes."""
     out = {}
-    for arch, _, mnode in r.mapping(node, where):
+    for arch, anode, mnode in r.mapping(node, where):
         w = f"{where}.{arch}"
-        m = r.fields(mnode, w, required=("ops", "kv_cache_dtypes"), optional={"any_kv_cache_dtype": None})
-        ops = r.names(m["ops"], m.where("ops"), list(registry.ops), noun="op")
+        m = r.fields(mnode, w, required=("kv_cache_dtypes",), optional={"any_kv_cache_dtype": None})
+        try:
+            ops = extend.model_calls(arch).ops
+        except cd.ModelError as e:
+            raise r.err(anode, f"{w}: {e}") from None
+        unknown = [op for op in ops if op not in registry.ops]
+        if unknown:
+            raise r.err(anode, f"{w}: the model calls {', '.join(unknown)}, which no registered op is "
+                               f"(registered: {', '.join(registry.ops)})")
         anyd = m.get("any_kv_cache_dtype", r.names, valid=ops, noun="op of the model") or ()
         out[arch] = Model(ops, r.names(m["kv_cache_dtypes"], m.where("kv_cache_dtypes"), noun="dtype"), anyd)
     return out
@@ -494,10 +502,10 @@ def _unmapped(r, models: dict, entries: dict, lines: dict, where: str, models_wh
         if op in listed or not names or not all(n in from_plugin for n in names):
             continue
         plugin = from_plugin[names[0]]
-        message = (f"the knob map's models do not list op {op} (plugin {plugin!r}): add it to "
-                   f"{models_where}.{next(iter(models), 'ARCHITECTURE')}.ops and an entry per backend "
-                   f"under {where}.{op} ({r.path}); until then a decision for it is reported, not carried "
-                   f"out inside SGLang")
+        said = extend.model_calls(next(iter(models))).not_called(op) if models else \
+            f"no model of {models_where} calls op {op!r}"
+        message = (f"op {op} (plugin {plugin!r}): {said}, and an entry per backend under {where}.{op} "
+                   f"({r.path}); until then a decision for it is reported, not carried out inside SGLang")
         out += [Unmapped(op, n.split("/", 1)[1], plugin, message) for n in names]
     return tuple(out)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import attrs
 
 from .compat import cli_fields, explicit_fields  # noqa: F401  (read from 0.5.23's launch command)
 
@@ -60,7 +61,6 @@ def record_inputs(server_args, release, read, *, user_env=None):
 def prepare(server_args, release, *, env=None):
     """Before the step: what applies, the group decision, the environment.
     Returns the Decision, or None when there is nothing to decide here."""
-    import attrs
     import capdispatch as cd
 
     from . import compat, decide, gpus
@@ -93,7 +93,6 @@ def prepare(server_args, release, *, env=None):
 
 def finish(server_args, release, d) -> None:
     """After the step: declare the fields, log the summary."""
-    import attrs
 
     from . import compat, decide, render, gpus
     api = compat.of(release)

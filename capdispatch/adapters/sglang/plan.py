@@ -9,6 +9,10 @@ from __future__ import annotations
 import logging
 import os
 from typing import Optional
+import enum
+import importlib.util
+import sys
+import types
 
 import attrs
 
@@ -161,7 +165,6 @@ def with_target_libs(options, env):
     simulated GPUs when nothing names them, so that SGLang's in-process resolution (the
     plugin's launch step, which binds with this machine's libraries unless told) decides
     with the plan's libraries."""
-    import attrs
 
     from . import gpus
     listed = gpus.simulated_devices(env) or []
@@ -179,7 +182,6 @@ def decision(specs, release, inputs, *, env, shapes=None):
     """decide.decide_in with the one Context every op, rank and settings row of the plan
     reads: the plan's libraries (inputs.options), or with none named the ones the
     devices choose (cd.target_libs)."""
-    import attrs
 
     from . import decide
     ctx = decide.context_of(release, inputs, env)
@@ -339,10 +341,6 @@ def vision_placeholder() -> None:
     (planning only: it never serves) gets placeholder modules, put in after transformers has
     decided torchvision is unavailable, so no vision code path is taken. The tests' prelude
     (tests/sglang_prelude.py) calls it too."""
-    import enum
-    import importlib.util
-    import sys
-    import types
     if "torchvision" in sys.modules or importlib.util.find_spec("torchvision") is not None:
         return
     import transformers.utils.import_utils as iu

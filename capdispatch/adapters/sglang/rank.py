@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import logging
 import pkgutil
+import hashlib
+import json
+import os
+import attrs
 
 log = logging.getLogger("capdispatch.sglang")
 
@@ -57,9 +61,7 @@ def apply_routes(release, choices: dict, spec, key, environ=None, user_env=None)
     ENVIRON, this rank's own process environment. Where SGLang's own kernel is kept,
     switches the user did not set (USER_ENV) -- set by SGLang's launcher from device
     0's view -- go back to SGLang's defaults."""
-    import os
 
-    import attrs
     import capdispatch as cd
 
     from . import routes
@@ -111,7 +113,6 @@ def apply_routes(release, choices: dict, spec, key, environ=None, user_env=None)
 def user_env(release, inputs, environ=None) -> dict:
     """The route switches the user set: recorded by the launcher before SGLang's own
     defaults ran; without its record, whatever this process inherited counts."""
-    import os
     if inputs.user_env is not None:
         return dict(inputs.user_env)
     environ = os.environ if environ is None else environ
@@ -130,7 +131,6 @@ def check_lock(d, env=None) -> tuple:
 
 def configure(server_args, gpu_id: int, *, env=None):
     """Everything a rank does before its model exists. Returns its RankState."""
-    import attrs
 
     from . import sglang_facts, decide, moe_plan, proof, render, gpus
     from .records import RankState
@@ -166,7 +166,6 @@ def configure(server_args, gpu_id: int, *, env=None):
 
 def _report(state):
     """Write STATE's report (report.py) and log its one-line summary; STATE with the path."""
-    import attrs
 
     from . import report
     path = report.write(state, proof=state.proof, agreement=state.agreement)
@@ -199,8 +198,6 @@ def carried_out(plan, choices: dict, outcomes: list) -> list:
 
 def install_digest(plan_digest: str, outcomes: list) -> str:
     """The agreement digest with every rank's route-install outcomes in it."""
-    import hashlib
-    import json
     body = json.dumps({"plan": plan_digest, "installs": outcomes}, sort_keys=True)
     return hashlib.sha256(body.encode()).hexdigest()
 
@@ -214,7 +211,6 @@ def agree(state, group):
     did not install a route the group decided is said once (rank 0's WARNING), or,
     under strict, raises the same AgreementError on every rank. The rank's report is
     rewritten with the group's record. Returns the group Plan."""
-    import attrs
     import capdispatch as cd
     import torch.distributed as dist
 

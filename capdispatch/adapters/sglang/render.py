@@ -3,6 +3,8 @@
 each rank (a records.Decision)."""
 from __future__ import annotations
 
+import attrs
+
 MARKS = {"routed": "routed", "kept": "kept  ", "reported": "report"}
 # The matrix's cell suffix per action, and its legend line.
 ACTION_TAGS = {"routed": ("(routed)", "(routed): capdispatch's kernel at SGLang's call site"),
@@ -97,7 +99,6 @@ def runs(c) -> str:
 def merged(c) -> tuple:
     """C's size buckets for people (records.BucketChoice...): adjacent buckets that run one
     kernel the same way merged into one; one bucket or none: ()."""
-    import attrs
     out = []
     for b in c.bucket_rows():
         if out and (out[-1].runs, out[-1].action, out[-1].backend) == (b.runs, b.action, b.backend):

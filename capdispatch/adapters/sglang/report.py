@@ -26,6 +26,8 @@ import logging
 import os
 from pathlib import Path
 from typing import Optional
+import socket
+import time
 
 log = logging.getLogger("capdispatch.sglang")
 
@@ -43,7 +45,6 @@ def report_dir(env=None) -> Path:
 
 
 def report_path(gpu_id: int, env=None) -> Path:
-    import socket
     host = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in socket.gethostname()) or "host"
     return report_dir(env) / f"sglang-{host}-gpu{gpu_id}.json"
 
@@ -69,7 +70,6 @@ def op_entry(c, route) -> dict:
 def build(state, *, proof=None, agreement=None) -> dict:
     """The report of STATE (records.RankState); PROOF: the rank's verification line;
     AGREEMENT: the group's records.Agreement, None before the group exists."""
-    import time
 
     import capdispatch as cd
     from . import versions

@@ -20,6 +20,8 @@ ignore it.
 from __future__ import annotations
 
 import logging
+import importlib
+from importlib.metadata import packages_distributions
 
 import capdispatch as cd
 from capdispatch import extend
@@ -252,7 +254,6 @@ def _walk(target: str):
     """TARGET ("pkg.module.Class.attr") imported and looked up as SGLang's HookRegistry
     does, but raising the import's own error (HookRegistry's resolution turns a module
     that fails to import into "has no attribute")."""
-    import importlib
     parts = target.split(".")
     obj = importlib.import_module(parts[0])
     name = parts[0]
@@ -288,7 +289,6 @@ def _failing_module(exc):
 def _distribution(module: str):
     """The distribution that installs MODULE: the libraries capdispatch's backends declare
     (flash_mla -> sgl-flash-mla), else what is installed here; None when unknown."""
-    from importlib.metadata import packages_distributions
 
     from packaging.utils import canonicalize_name
 

@@ -3,6 +3,7 @@ loads the knob map and hands it in)."""
 from __future__ import annotations
 
 from typing import NamedTuple, Optional
+from importlib import metadata
 
 from packaging.version import InvalidVersion, Version
 
@@ -16,7 +17,6 @@ class Verdict(NamedTuple):
 
 def installed() -> Optional[str]:
     """The installed SGLang's version, from package metadata (no import)."""
-    from importlib import metadata
     try:
         return metadata.version("sglang")
     except metadata.PackageNotFoundError:

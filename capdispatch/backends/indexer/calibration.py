@@ -62,13 +62,35 @@ def indexer_errors(got, want, A, E, S, clean=False):
 
 
 def indexer_compare(got, want, args) -> Comparison:
-    """The indexer's Op.compare: indexer_errors' bound at every valid position of the
-    logits (A and the row lengths from ARGS)."""
+    """The indexer's Op.compare: logits of the reference's shape, each valid position within
+    2^-10 * A of the reference (A, the reference on magnitudes, bounds the rounding of any
+    summation order; an unwritten NaN fails), and with clean_logits (ARGS[7]) every
+    position at or past its row's length exactly -inf."""
+    import torch
+    from ..canary_checks import where_of
     from . import reference as R
-    q, _, _, lens, _, _, S, _ = args
-    ok, _, ratio = indexer_errors(got, want, indexer_abs_sum(args), R.row_lengths(lens, q.shape[1], S), S)
-    return Comparison(ok, f"max error / magnitude {ratio:.1e} (bound {INDEXER_REL_TOL:.1e})", ratio,
-                      INDEXER_REL_TOL)
+    tol = "|err| <= 2**-10 * A; exactly -inf past each row with clean_logits"
+    if tuple(got.shape) != tuple(want.shape):
+        return Comparison(False, f"shape {tuple(got.shape)}, reference {tuple(want.shape)}", float("inf"),
+                          INDEXER_REL_TOL, "logits", tol)
+    q, _, _, lens, _, _, S, clean = args
+    E = R.row_lengths(lens, q.shape[1], S).reshape(-1, 1).to(got.device)
+    valid = torch.arange(S, device=got.device)[None, :] < E
+    if clean:
+        not_inf = ~valid & (got != float("-inf"))
+        if bool(not_inf.any()):
+            return Comparison(False, f"{int(not_inf.sum())} positions at or past a row's length are not -inf",
+                              float("inf"), INDEXER_REL_TOL, where_of(not_inf.cpu(), "logits"), tol)
+    A = indexer_abs_sum(args).to(got.device)
+    err = (got.double() - want.double()).abs().nan_to_num(float("inf"))
+    over = valid & ~(err <= INDEXER_REL_TOL * A.double())
+    ratio = torch.where(valid, err / A.double().clamp_min(1e-300), torch.zeros_like(err)).nan_to_num(float("inf"))
+    worst = float(ratio.max()) if ratio.numel() else 0.0
+    if bool(over.any()):
+        return Comparison(False, f"{int(over.sum())} logits off by more than 2**-10 * A (worst {worst:.1e} of A)",
+                          worst, INDEXER_REL_TOL, where_of(ratio.cpu(), "logits"), tol)
+    return Comparison(True, f"max error / magnitude {worst:.1e} (bound {INDEXER_REL_TOL:.1e})", worst,
+                      INDEXER_REL_TOL, "", tol)
 
 
 def indexer_close(got, want, A, E, S):

@@ -18,6 +18,7 @@ It imports torch only (no kernel library) and never synchronises with the device
 from __future__ import annotations
 
 from typing import NamedTuple
+import operator
 
 import torch
 
@@ -137,7 +138,6 @@ def check_args(q, kv_cache, weights, context_lens, block_table, max_context_len,
 
     if isinstance(max_context_len, bool) or not isinstance(max_context_len, int):
         try:
-            import operator
             max_context_len = operator.index(max_context_len)
         except TypeError:
             raise ArgumentTypeError(f"max_context_len must be an int, got {type(max_context_len).__name__}") from None

@@ -82,12 +82,17 @@ def kv_quant_compare(got, want, args) -> Comparison:
 
 
 def kv_dequant_compare(got, want, args) -> Comparison:
-    """kv_dequant's Op.compare: rows bit-identical to the reference's, NaN matching NaN."""
+    """kv_dequant's Op.compare: rows bit-identical to the reference's, NaN matching NaN (the
+    error figure: the values that differ)."""
     import torch
     if tuple(got.shape) != tuple(want.shape):
         return Comparison(False, f"shape {tuple(got.shape)} differs from the reference's {tuple(want.shape)}",
-                          float("inf"), 0.0)
+                          float("inf"), 0.0, "out")
     if same_bf16(got, want):
         return Comparison(True, "bit-identical to the reference", 0.0, 0.0)
-    bad = int((got.reshape(-1).view(torch.int16) != want.reshape(-1).view(torch.int16)).sum())
-    return Comparison(False, "differs from the reference", float(bad), 0.0)
+    from ..canary_checks import where_of
+    g, w = got.reshape(-1).view(torch.int16), want.reshape(-1).view(torch.int16)
+    ng, nw = (g & 0x7FFF) > 0x7F80, (w & 0x7FFF) > 0x7F80
+    diff = ((ng != nw) | (~nw & (g != w))).reshape(got.shape)
+    return Comparison(False, f"{int(diff.sum())} of {diff.numel()} values differ from the reference bits",
+                      float(int(diff.sum())), 0.0, where_of(diff, "out"), "bit-exact (NaN matches NaN)")

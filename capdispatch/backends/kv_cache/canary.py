@@ -1,6 +1,6 @@
-"""Canaries of kv_quant and kv_dequant: small canonical problems checked byte- and
-bit-exactly against the torch reference (both ops are exact by contract: the same
-UE8M0 scales, RNE fp8 codes and raw bf16 rope bits).
+"""Canaries of kv_quant and kv_dequant: small canonical problems judged by each op's
+comparison (Op.compare): byte- and bit-exact against the torch reference (both ops are
+exact by contract: the same UE8M0 scales, RNE fp8 codes and raw bf16 rope bits).
 
 Cases: fresh random rows from the seed (tile magnitudes spread over several binades),
 rows whose 448 fp8 values are every finite e4m3 code at several UE8M0 scales, and for
@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from ..canary_checks import Mismatch, assert_bf16_bits_equal
+from ..canary_checks import Mismatch, compare_as_declared
 from .. import v4_layout as L
 from . import reference as R
-from .calibration import kv_quant_compare
 from .inputs import v4_pool
 
 PAGE_SIZE = 4
@@ -66,7 +65,7 @@ def kv_quant(fn, device, seed: int, backend: str = "") -> dict:
         if ret is not None:
             raise Mismatch(f"kv_quant returned {type(ret).__name__}, the contract returns None",
                            where="return value", tolerance="byte-exact")
-        kv_quant_compare(got, want, (k, got, loc, PAGE_SIZE)).check(f"pool (poisoned 0x{poison:02X})")
+        compare_as_declared("kv_quant", got, want, (k, got, loc, PAGE_SIZE), f"pool (poisoned 0x{poison:02X})")
     return {"tolerance": "byte-exact pool, two poison patterns", "checked": n}
 
 
@@ -97,7 +96,7 @@ def kv_dequant(fn, device, seed: int, backend: str = "") -> dict:
         if got is None or got.data_ptr() != out.data_ptr():
             raise Mismatch("kv_dequant(out=...) did not return out", where="return value",
                            tolerance="bit-exact")
-        assert_bf16_bits_equal(out, want, f"out (poisoned 0x{bits & 0xFFFF:04X})")
+        compare_as_declared("kv_dequant", out, want, (pool, ids, PAGE_SIZE), f"out (poisoned 0x{bits & 0xFFFF:04X})")
     fresh = fn(pool, ids, PAGE_SIZE)
-    assert_bf16_bits_equal(fresh, want, "out (allocated)")
+    compare_as_declared("kv_dequant", fresh, want, (pool, ids, PAGE_SIZE), "out (allocated)")
     return {"tolerance": "bit-exact bf16 (NaN matches NaN), two poison patterns", "checked": ids.numel()}

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import importlib
 
 import torch
 import triton
@@ -358,7 +359,6 @@ def device_configs(device: torch.device, kind: str, tokens: int | None = None) -
 
 def _out_of_resources_errors() -> tuple:
     """Triton's OutOfResources exception classes (where this Triton keeps them), looked up once."""
-    import importlib
     errs = []
     for mod, name in (("triton.runtime.errors", "OutOfResources"), ("triton.runtime.autotuner", "OutOfResources")):
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 
 from ..errors import ModelError
 
@@ -54,7 +55,6 @@ ROUTED = ("mxfp4", (1, 32))
 def source_config(name_or_path) -> tuple:
     """(the config's fields as a dict, where they were read) for a built-in or a
     config.json (or its folder), as load_model reads them."""
-    import os
 
     from ..loader import _builtin_data, _read_json
     text = os.fspath(name_or_path)

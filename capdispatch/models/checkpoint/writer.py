@@ -17,6 +17,7 @@ import shutil
 import struct
 import time
 from typing import Callable, Optional
+import secrets
 
 import attrs
 
@@ -169,7 +170,6 @@ def _check_target(out: str, need: int) -> str:
 
 def _sibling(out: str, parent: str) -> str:
     """A new hidden folder beside OUT (made with the umask's mode, as OUT will have)."""
-    import secrets
     while True:
         tmp = os.path.join(parent, f".{os.path.basename(out)}.{secrets.token_hex(4)}.partial")
         try:

@@ -33,6 +33,8 @@ def render(r) -> str:
                          f"{o.install or ''}")
     if r.on.reports:
         lines.append("")
+    for op, why in r.not_called.items():
+        lines.append(f"not rehearsed: {op}: {why}")
     if r.routed:
         lines.append("routed to capdispatch's kernels (tokens may differ; logprobs compared within "
                      f"{r.tolerance:g}): " + ", ".join(r.routed))

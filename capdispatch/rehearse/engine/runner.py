@@ -17,6 +17,7 @@ from typing import Callable, Optional
 import attrs
 
 from ...errors import CapdispatchError
+from ...models import model_calls
 from ..errors import RehearseError
 from . import launch, server, verdict
 from .verdict import Reply, Run
@@ -201,9 +202,11 @@ def _verdict(shape, folder, devices, ids, prompt, steps, requests, seed, on, off
     if ok is False and cause is None:
         cause = "nothing was compared"
     measures = measures_of(shape, ids, prompt, steps, on)
+    declared = model_calls()
+    not_called = {o.op: declared.not_called(o.op) for r in on.reports for o in r.ops if declared.get(o.op) is None}
     return verdict.EngineRehearsal("sglang", shape.name, folder, tuple(str(d) for d in devices), len(ids), prompt,
                                    steps, requests, seed, on, off, routed, differ, comparisons, measures, ok, cause,
-                                   verdict.LOGPROB_TOL, round(wall, 2), out)
+                                   verdict.LOGPROB_TOL, round(wall, 2), out, not_called)
 
 
 def measures_of(shape, ids, prompt, steps, on) -> tuple:

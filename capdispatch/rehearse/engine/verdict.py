@@ -133,6 +133,9 @@ class EngineRehearsal:
     tolerance: float
     wall_s: float
     out: Optional[str]
+    # op -> why, for the ops a rank decided that the model declaration (calls.yaml) does not
+    # call: named, not rehearsed (the comparison of tokens says nothing of them).
+    not_called: dict = attrs.field(factory=dict)
 
     def to_dict(self) -> dict:
         d = attrs.asdict(self, recurse=True, filter=lambda a, v: a.name != "measures")
