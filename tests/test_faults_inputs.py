@@ -28,3 +28,26 @@ def test_long_environment_values_are_not_echoed_whole(name, value):
     with pytest.raises(cd.CapdispatchError) as err:
         cd.resolve("moe", "sim:h200", env={name: value})
     assert len(str(err.value)) < 600, len(str(err.value))
+
+
+def _error_line(capsys, argv):
+    from capdispatch.dispatch.cli import main
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+@pytest.mark.parametrize("argv", [["model", "m" * 5000], ["model", "deepseek-v4-flash", "--tp", "9" * 5000],
+                                  ["explain", "--bogus", "b" * 5000]])
+def test_a_huge_value_is_named_not_echoed_whole(capsys, argv):
+    # argparse's own messages and ours alike: the one error line cuts a long value
+    err = _error_line(capsys, argv)
+    assert len(err) < 600 and argv[-1][:300] not in err, err
+
+
+def test_control_characters_in_a_path_are_escaped_in_the_error(tmp_path, capsys):
+    bad = tmp_path / "\u202e\x1bconfig.json"
+    bad.write_text("{")
+    err = _error_line(capsys, ["checkpoint", "--model", str(bad), "--layers", "1", "--out", str(tmp_path / "o")])
+    assert "\x1b" not in err and "\u202e" not in err and "\\x1b" in err, err
