@@ -51,3 +51,16 @@ def test_control_characters_in_a_path_are_escaped_in_the_error(tmp_path, capsys)
     bad.write_text("{")
     err = _error_line(capsys, ["checkpoint", "--model", str(bad), "--layers", "1", "--out", str(tmp_path / "o")])
     assert "\x1b" not in err and "\u202e" not in err and "\\x1b" in err, err
+
+
+def test_sglang_refusal_is_its_error_line_not_its_usage(capsys):
+    # SGLang's parser prints its whole usage before its error; the plan keeps only the error
+    import argparse
+
+    from capdispatch.adapters.sglang import compat
+    parser = argparse.ArgumentParser(prog="sglang serve")
+    parser.add_argument("--tp-size", type=int)
+    with pytest.raises(compat.Rejected) as got:
+        compat.parsed(parser.parse_args, ["--tp-size", "nan"])
+    assert got.value.code == 2 and got.value.message == "argument --tp-size: invalid int value: 'nan'"
+    assert "usage" not in capsys.readouterr().err
