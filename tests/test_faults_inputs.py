@@ -64,3 +64,9 @@ def test_sglang_refusal_is_its_error_line_not_its_usage(capsys):
         compat.parsed(parser.parse_args, ["--tp-size", "nan"])
     assert got.value.code == 2 and got.value.message == "argument --tp-size: invalid int value: 'nan'"
     assert "usage" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["==1", "triton==x.y.z", "\x1btriton"])
+def test_a_bad_assume_lib_is_one_line(capsys, value):
+    err = _error_line(capsys, ["explain", "--device", "sim:h200", "--assume-lib", value])
+    assert "expected NAME or NAME==VERSION" in err and "\x1b" not in err, err
