@@ -70,3 +70,24 @@ def test_sglang_refusal_is_its_error_line_not_its_usage(capsys):
 def test_a_bad_assume_lib_is_one_line(capsys, value):
     err = _error_line(capsys, ["explain", "--device", "sim:h200", "--assume-lib", value])
     assert "expected NAME or NAME==VERSION" in err and "\x1b" not in err, err
+
+
+def test_a_model_path_with_control_characters_prints_escaped(tmp_path, capsys):
+    import shutil
+    from pathlib import Path
+
+    from capdispatch.dispatch.cli import main
+    path = tmp_path / "\u202e\x1bconfig.json"
+    shutil.copy(Path(__file__).parent / "rehearse" / "v4-tp3" / "config.json", path)
+    assert main(["model", str(path), "--tp", "3"]) == 0
+    assert main(["plan", "--device", "sim:h200", "--tp", "3", "--model", str(path), "--brief"]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\u202e" not in out and "\\u202e\\x1bconfig" in out
+
+
+def test_the_env_report_cuts_a_long_value(capsys, monkeypatch):
+    from capdispatch.dispatch.cli import main
+    monkeypatch.setenv("CAPDISPATCH_VERIFY", "v" * 5000)
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert "v" * 300 not in out and "(5000 characters)" in out
