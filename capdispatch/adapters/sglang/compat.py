@@ -7,8 +7,10 @@ Imports SGLang only inside the methods (never at import).
 """
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
+import io
 import logging
 import sys
 
@@ -27,8 +29,6 @@ class Rejected(Exception):
 def parsed(fn, *args):
     """FN(*ARGS) (SGLang's argument parsing) with what its parser prints on stderr held
     back: a refusal is Rejected with argparse's one error line, not SGLang's whole usage."""
-    import contextlib
-    import io
     held = io.StringIO()
     try:
         with contextlib.redirect_stderr(held):
