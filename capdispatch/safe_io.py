@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import stat
 import tempfile
 from typing import Optional
@@ -285,3 +286,16 @@ def printable(text, limit: int = 0) -> str:
     if limit and len(text) > limit:
         text = text[:limit] + f"... ({len(text) - limit} more characters)"
     return "".join(c if c.isprintable() or c in "\n\t" else ascii(c)[1:-1] for c in text)
+
+
+# A run of this many characters without a space in a message is a value, never a word: it
+# is cut, so that a huge argument is named, not echoed whole.
+LONG_WORD = 200
+
+
+def message_text(text) -> str:
+    """An error line as printed: control characters escaped (printable) and each run of more
+    than LONG_WORD characters without a space cut to its start and its length."""
+    def cut(m):
+        return f"{m.group(0)[:80]}... ({len(m.group(0))} characters)"
+    return re.sub(r"\S{%d,}" % (LONG_WORD + 1), cut, printable(text))

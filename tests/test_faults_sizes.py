@@ -79,3 +79,16 @@ def test_a_fifo_as_model_is_named_as_one(tmp_path, capsys):
 def test_bench_sizes_on_the_cpu_are_bounded_by_the_ladder(capsys):
     _one_line_exit_2(capsys, ["bench", "--device", "cpu", "--op", "moe", "--sizes", "65536"],
                      "its ladder's largest, on the CPU")
+
+
+@pytest.mark.parametrize("flag, says", [("--batch", "valid: 1..1048576 (requests"),
+                                        ("--prefill", "valid: 1..1048576 (tokens")])
+def test_plan_batch_and_prefill_are_bounded(capsys, flag, says):
+    # once answered as "does not fit" (exit 3): a size nobody serves is bad input
+    _one_line_exit_2(capsys, ["plan", "--device", "sim:h200", "--model", "deepseek-v4-flash", "--speed",
+                              flag, "1" + "0" * 30], says)
+
+
+def test_empty_bench_sizes_are_refused_not_the_default_ladder(capsys):
+    # an empty --sizes once ran the whole default ladder (minutes on the CPU)
+    _one_line_exit_2(capsys, ["bench", "--device", "cpu", "--op", "indexer", "--sizes", ""], "no sizes given")

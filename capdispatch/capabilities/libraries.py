@@ -64,7 +64,9 @@ def parse_assume(text: str) -> tuple:
     try:
         req = Requirement(text)
     except (InvalidRequirement, ValueError) as exc:
-        raise AssumeLibError(f"bad --assume-lib {_shown(text)}: {exc}; expected NAME or "
+        # packaging's message goes on to draw the value with a caret under it: its first line only
+        why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise AssumeLibError(f"bad --assume-lib {_shown(text)}: {why}; expected NAME or "
                              f"NAME==VERSION") from None
     if req.url or req.extras or req.marker:
         raise AssumeLibError(f"bad --assume-lib {_shown(text)}: expected NAME or NAME==VERSION "

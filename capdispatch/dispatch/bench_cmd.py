@@ -191,7 +191,7 @@ def _ops(args, ctx, spec):
     from .inputs import op_list
     ops = op_list(args.op, "--op", ctx.registry) or list(ctx.registry.ops)
     try:
-        sizes = ladder.parse_sizes(args.sizes) if args.sizes else None
+        sizes = ladder.parse_sizes(args.sizes) if args.sizes is not None else None
     except ladder.SizesError as exc:
         raise BadInput(str(exc)) from None
     ladders = {}

@@ -127,7 +127,7 @@ def _text(r) -> str:
     lines += [f"  {k:<{width}}  {v(x)}" for k, x in r["own"].items()]
     lines.append("environment variables capdispatch reads:")
     width = max(len(k) for k in r["variables"])
-    lines += [f"  {k:<{width}}  {'(unset)' if x is None else repr(x)}" for k, x in r["variables"].items()]
+    lines += [f"  {k:<{width}}  {'(unset)' if x is None else _value(x)}" for k, x in r["variables"].items()]
     if r["unknown_variables"]:
         lines.append(f"  note: {unknown_note(r['unknown_variables'], where=False)}")
     return "\n".join(lines)
@@ -137,3 +137,9 @@ def run(args) -> int:
     r = report()
     print(json.dumps(r, indent=2) if args.format == "json" else _text(r))
     return ExitCode.OK
+
+
+def _value(x: str) -> str:
+    """A variable's value as the report shows it: quoted, escaped, a long one cut (the JSON
+    carries it whole)."""
+    return repr(x) if len(x) <= 120 else f"{x[:120]!r}... ({len(x)} characters)"

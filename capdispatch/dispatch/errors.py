@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import sys
 
+from ..safe_io import message_text
 from ..errors import BadInput, CapdispatchError, ExitCode, Unsatisfiable  # noqa: F401 (the two kinds live below every room)
 from .inputs import env_flag, warn_unknown_variables
 
@@ -40,7 +41,8 @@ def exit_code(exc: BaseException) -> int:
 
 def _say(text: str) -> None:
     """One line to stderr, whatever the terminal can encode (lone surrogates from
-    argv or file names included)."""
+    argv or file names included), control characters escaped and a huge value cut."""
+    text = message_text(text)
     enc = getattr(sys.stderr, "encoding", None) or "utf-8"
     try:
         text = text.encode(enc, "backslashreplace").decode(enc)

@@ -23,6 +23,7 @@ from importlib import metadata
 import attrs
 
 from ..models.sharding import MAX_RANKS
+from ..safe_io import message_text
 from ..version import __version__
 from .inputs import DEVICE_FORMS, shown
 
@@ -82,7 +83,7 @@ class Parser(argparse.ArgumentParser):
             if isinstance(a, argparse._SubParsersAction) and a.metavar and text.startswith(
                     f"{a.metavar}: invalid choice:"):
                 text = _command_hint(text, a.choices)
-        print(f"{self.command}: error: {text}", file=sys.stderr)
+        print(message_text(f"{self.command}: error: {text}"), file=sys.stderr)
         from .errors import ExitCode
         raise SystemExit(ExitCode.BAD_INPUT)
 

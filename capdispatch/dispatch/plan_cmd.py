@@ -105,8 +105,11 @@ def _speeds(args, p):
     from .errors import BadInput, Unsatisfiable
     from .explain import plan
     prefill = speed.DEFAULT_PREFILL if args.prefill is None else args.prefill
-    if prefill < 1:
-        raise BadInput(f"--prefill {prefill} is not valid; valid: an integer >= 1 (tokens)")
+    from .rigplan import context_limit
+    longest = context_limit(p.model)
+    if not 1 <= prefill <= longest:
+        raise BadInput(f"--prefill {prefill} is not valid; valid: 1..{longest} (tokens: at most "
+                       f"{p.model.name}'s max_position_embeddings)")
     try:
         cals = speed.merged([speed.load(f) for f in args.calibration] or speed.default_calibrations())
     except speed.SpeedError as exc:

@@ -100,7 +100,7 @@ class RigPlan:
                 "reserve": RESERVE_TEXT, "margin": _mem.MARGIN_TEXT}
 
 
-def _limit(model: ModelShape) -> int:
+def context_limit(model: ModelShape) -> int:
     return model.max_context or 1 << 20
 
 
@@ -129,7 +129,7 @@ def _rank_uncached(model, shapes, i, spec, context, batch) -> RankPlan:
     largest = None
     if budget is not None:
         largest = _mem.largest_context(model, shapes, batch=batch, card_bytes=card, budget=budget,
-                                       limit=_limit(model))
+                                       limit=context_limit(model))
     return RankPlan(i, spec, mem, card, budget, largest)
 
 
@@ -181,15 +181,21 @@ def _tp_mismatch(tp: int, devices: int) -> BadInput:
                     f"card(s); give {tp} devices (or one, to use it {tp} times)")
 
 
+# Requests served at once: SGLang's running batch is thousands at most; a million is a typo.
+MAX_BATCH = 1 << 20
+
+
 def build(model: ModelShape, specs, *, tp: int, ep: int = 1, dp_attention: bool = False,
           next_n: Optional[int] = None, context: int = DEFAULT_CONTEXT, batch: int = DEFAULT_BATCH) -> RigPlan:
     """The plan of MODEL over SPECS (one DeviceSpec per rank) at the layout."""
     for name, v, low in (("--context", context, 0), ("--batch", batch, 1)):
         if isinstance(v, bool) or not isinstance(v, int) or v < low:
             raise BadInput(f"{name} {v!r} is not valid; valid: an integer >= {low}")
-    if context > _limit(model):
+    if batch > MAX_BATCH:
+        raise BadInput(f"--batch {batch} is not valid; valid: 1..{MAX_BATCH} (requests served at once)")
+    if context > context_limit(model):
         raise BadInput(f"--context {context} is longer than {model.name}'s max_position_embeddings "
-                       f"{_limit(model)}; valid: 0..{_limit(model)}")
+                       f"{context_limit(model)}; valid: 0..{context_limit(model)}")
     specs = tuple(specs)
     if len(specs) != tp:
         raise _tp_mismatch(tp, len(specs))

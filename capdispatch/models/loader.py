@@ -6,6 +6,7 @@ import os
 from importlib import resources
 import yaml
 
+from ..safe_io import printable
 from .config import parse
 from .errors import ModelError
 from .shape import ModelShape
@@ -124,4 +125,6 @@ def load_model(name_or_path) -> ModelShape:
     folder = os.path.basename(os.path.dirname(os.path.abspath(path)))
     stem = os.path.splitext(os.path.basename(path))[0]
     name = folder if stem == "config" and folder else stem
-    return parse(_read_json(path), path, name=name, source=path)
+    # name and source are shown on every page that names the model: a path's control
+    # characters print escaped there (the file is opened by PATH itself)
+    return parse(_read_json(path), path, name=printable(name), source=printable(path))

@@ -7,22 +7,43 @@ Imports SGLang only inside the methods (never at import).
 """
 from __future__ import annotations
 
-import contextvars
-import dataclasses
-import logging
 import argparse
 import ast
+import contextlib
+import contextvars
+import dataclasses
+import io
+import logging
 import re
+import sys
 
 log = logging.getLogger("capdispatch.sglang")
 
 
 class Rejected(Exception):
-    """SGLang's argument parser refused the arguments (argparse's SystemExit CODE)."""
+    """SGLang's argument parser refused the arguments (argparse's SystemExit CODE, and the
+    error line it printed, without its usage)."""
 
-    def __init__(self, code):
+    def __init__(self, code, message: str = ""):
         super().__init__(code)
-        self.code = code
+        self.code, self.message = code, message
+
+
+def parsed(fn, *args):
+    """FN(*ARGS) (SGLang's argument parsing) with what its parser prints on stderr held
+    back: a refusal is Rejected with argparse's one error line, not SGLang's whole usage."""
+    held = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(held):
+            return fn(*args)
+    except SystemExit as exc:
+        lines = [ln for ln in held.getvalue().splitlines() if "error:" in ln]
+        raise Rejected(exc.code, lines[-1].split("error:", 1)[1].strip() if lines else "") from None
+    finally:
+        rest = "\n".join(ln for ln in held.getvalue().splitlines()
+                         if not ln.startswith(("usage:", " ")) and "error:" not in ln)
+        if rest:        # SGLang's warnings and log lines still reach stderr
+            print(rest, file=sys.stderr)
 
 
 class ResolutionFailed(Exception):
@@ -121,10 +142,7 @@ class Api0523:
     def resolve_argv(self, argv, before):
         """SGLang's preparation and resolution of ARGV; BEFORE(server_args) runs between them."""
         from sglang.srt.server_args import prepare_server_args
-        try:
-            sa = prepare_server_args(argv)
-        except SystemExit as exc:
-            raise Rejected(exc.code) from None
+        sa = parsed(prepare_server_args, argv)
         before(sa)
         _resolving(sa.resolve_once)
         return sa
@@ -226,9 +244,7 @@ class Api0517(Api0523):
         from sglang.srt.server_args import prepare_server_args
         token = _BEFORE.set(before)
         try:
-            return _resolving(prepare_server_args, argv)
-        except SystemExit as exc:
-            raise Rejected(exc.code) from None
+            return parsed(_resolving, prepare_server_args, argv)
         finally:
             _BEFORE.reset(token)
 

@@ -300,20 +300,20 @@ def sglang_resolution(sglang_args, release, env: dict, options, *, tp=None):
         vision_placeholder()
         from sglang.srt.server_args import prepare_server_args
         resolution_result = api.resolved
-        if tp is not None:
-            if "tp_size" in given:
-                if prepare_server_args(argv).tp_size != tp:
-                    raise cd.BadInput(f"--tp {tp} disagrees with SGLang's --tp-size in the SGLang arguments")
-            else:
-                argv += ["--tp-size", str(tp)]
-        if "log_level" not in given:
-            argv += ["--log-level", "warning"]
-        launch.register_step(release, apply=True)
         try:
+            if tp is not None:
+                if "tp_size" in given:
+                    if compat.parsed(prepare_server_args, argv).tp_size != tp:
+                        raise cd.BadInput(f"--tp {tp} disagrees with SGLang's --tp-size in the SGLang arguments")
+                else:
+                    argv += ["--tp-size", str(tp)]
+            if "log_level" not in given:
+                argv += ["--log-level", "warning"]
+            launch.register_step(release, apply=True)
             sa = api.resolve_argv(argv, lambda sa: setattr(sa, launch.OPTIONS_ATTR, options))
         except compat.Rejected as exc:
-            raise cd.BadInput(f"SGLang rejected the arguments {' '.join(sglang_args)!r} "
-                              f"(argparse exit {exc.code})") from None
+            raise cd.BadInput(f"SGLang rejected the arguments {' '.join(sglang_args)!r}: "
+                              f"{exc.message or f'argparse exit {exc.code}'}") from None
         except compat.ResolutionFailed as failed:
             exc = failed.error
             raise cd.BadInput(f"SGLang's argument resolution failed: {type(exc).__name__}: {exc}") from None
