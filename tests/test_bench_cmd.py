@@ -92,7 +92,8 @@ def test_a_backend_faster_by_more_than_the_band_replaces_the_incumbent(times, no
 def test_sizes_are_checked():
     assert ladder.parse_sizes("1, 16,256") == (1, 16, 256)
     for bad, needle in [("1,x", "'x' is not a size"), ("0", "'0' is not a size"), ("16,4", "must ascend"),
-                        ("4,4", "must ascend"), (",", "no sizes")]:
+                        ("4,4", "must ascend"), ("", "no sizes"), (" ", "no sizes"), (",", "empty entry"),
+                        ("1,,2", "empty entry"), ("1,2,", "empty entry")]:
         with pytest.raises(ladder.SizesError, match=needle):
             ladder.parse_sizes(bad)
 

@@ -92,3 +92,19 @@ def test_plan_batch_and_prefill_are_bounded(capsys, flag, says):
 def test_empty_bench_sizes_are_refused_not_the_default_ladder(capsys):
     # an empty --sizes once ran the whole default ladder (minutes on the CPU)
     _one_line_exit_2(capsys, ["bench", "--device", "cpu", "--op", "indexer", "--sizes", ""], "no sizes given")
+
+
+def test_prefill_without_speed_is_refused(capsys):
+    # --prefill sizes only the --speed prediction; without it a huge value was ignored (exit 3)
+    _one_line_exit_2(capsys, ["plan", "--device", "sim:h200", "--model", "deepseek-v4-flash",
+                              "--prefill", "1" + "0" * 18], "add --speed")
+
+
+def test_bench_sizes_with_an_empty_entry_are_refused(capsys):
+    _one_line_exit_2(capsys, ["bench", "--device", "cpu", "--op", "indexer", "--sizes", "1,,2"], "empty entry")
+
+
+def test_lock_into_a_missing_folder_is_one_line(capsys, tmp_path):
+    # the libraries:/note: lines once came before the error: the folder is checked before deciding
+    _one_line_exit_2(capsys, ["lock", "--device", "sim:h200", "-o", str(tmp_path / "no" / "x.yaml")],
+                     "does not exist")

@@ -63,10 +63,13 @@ def max_size(op: str, registry=None, platform: str = "cuda") -> int:
 def parse_sizes(text: str) -> tuple:
     """'1,2,16' -> (1, 2, 16): whole numbers >= 1, ascending, no repeats."""
     out = []
+    if not text.strip():
+        raise SizesError("--sizes: no sizes given (e.g. 1,16,256)")
     for part in text.split(","):
         part = part.strip()
-        if not part:
-            continue
+        if not part:     # a doubled, leading or trailing comma: a typo more often than a choice
+            raise SizesError(f"--sizes {text!r} has an empty entry (valid: whole numbers >= 1, "
+                             f"comma-separated, e.g. 1,16,256)")
         if not (part.isascii() and part.isdigit() and len(part) <= 9) or int(part) < 1:
             raise SizesError(f"--sizes: {part!r} is not a size (valid: whole numbers >= 1, "
                              f"comma-separated, e.g. 1,16,256)")

@@ -11,6 +11,7 @@ a malformed lock included: exit 2 with file:line.
 """
 from __future__ import annotations
 
+import os
 import re
 import sys
 
@@ -86,6 +87,11 @@ def run(args) -> int:
             target_of(args.output)      # refuse a directory, FIFO or device before deciding
         except FileError as exc:
             raise BadInput(f"-o {exc.path}: {exc.reason}") from None
+        from ..safe_io import shown
+        parent = os.path.dirname(os.path.abspath(os.path.expanduser(args.output)))
+        if not os.path.isdir(parent):       # refused before deciding, so no notice precedes it
+            raise BadInput(f"-o {shown(args.output)}: its folder {shown(parent)} does not exist "
+                           f"(create it, or give a path in an existing folder)")
     locked = L.load(args.check) if args.check is not None else None
     ops = op_list(args.op, "--op", builtin()) or \
         (list(dict.fromkeys(op for d in locked.devices for op in d.ops)) if locked else None)

@@ -67,6 +67,8 @@ def run(args) -> int:
     if not args.model:
         raise BadInput("--model NAME|PATH is required (`dispatch model` lists the built-ins)")
     model = load_model(args.model)
+    if args.prefill is not None:
+        _check_prefill(args, model)
     ids = device_list(args.device, "--device")
     if not ids:
         raise BadInput("--device names no device (valid: sim:NAME or cuda:N, commas for several)")
@@ -96,6 +98,19 @@ def run(args) -> int:
     return ExitCode.OK if p.fits and not (speeds and speeds.failed) else ExitCode.UNSATISFIABLE
 
 
+def _check_prefill(args, model) -> None:
+    """--prefill sizes the --speed prediction: refused without it, and above the model's context."""
+    from .errors import BadInput
+    from .rigplan import context_limit
+    if not args.speed:
+        raise BadInput(f"--prefill {args.prefill}: it sets the prompt length --speed times; add --speed "
+                       f"or leave --prefill out")
+    longest = context_limit(model)
+    if not 1 <= args.prefill <= longest:
+        raise BadInput(f"--prefill {args.prefill} is not valid; valid: 1..{longest} (tokens: at most "
+                       f"{model.name}'s max_position_embeddings)")
+
+
 SPEED_SKIPPED = ("SGLang refuses this layout, so no rank has shapes to time; --speed predicts a "
                  "layout it would load (see above)")
 
@@ -105,11 +120,6 @@ def _speeds(args, p):
     from .errors import BadInput, Unsatisfiable
     from .explain import plan
     prefill = speed.DEFAULT_PREFILL if args.prefill is None else args.prefill
-    from .rigplan import context_limit
-    longest = context_limit(p.model)
-    if not 1 <= prefill <= longest:
-        raise BadInput(f"--prefill {prefill} is not valid; valid: 1..{longest} (tokens: at most "
-                       f"{p.model.name}'s max_position_embeddings)")
     try:
         cals = speed.merged([speed.load(f) for f in args.calibration] or speed.default_calibrations())
     except speed.SpeedError as exc:
