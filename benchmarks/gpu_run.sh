@@ -81,6 +81,14 @@ if [ "$install" = 1 ]; then
       && "$PY" -m pip install "${src[@]}" $pip_args --no-deps -r tests/requirements-nodeps.txt; } >> "$OUT_DIR/install.log" 2>&1 \
       || die "pip could not install SGLang and its dependencies for the serving suite: see $OUT_DIR/install.log" 2 ;;
   esac
+  # The engine suite runs SGLang 0.5.17's own launcher: SGLang and everything it imports to
+  # serve DeepSeek-V4, all without dependencies (benchmarks/requirements-engine-sglang-0.5.17.txt).
+  case " ${suites[*]} " in *" engine "*)
+    # shellcheck disable=SC2086
+    "$PY" -m pip install "${src[@]}" $pip_args --no-deps -r benchmarks/requirements-engine-sglang-0.5.17.txt \
+      >> "$OUT_DIR/install.log" 2>&1 \
+      || die "pip could not install SGLang 0.5.17 and what it imports for the engine suite: see $OUT_DIR/install.log" 2 ;;
+  esac
 fi
 
 "$PY" - <<'EOF' || exit 3

@@ -53,6 +53,8 @@ SUITES = {
     "compile": "every Triton kernel compiled offline for each architecture: registers, spills, "
                "shared memory, SASS main loops (no GPU; needs Triton)",
     "tune": "launch-configuration sweeps of the Triton kernels (CUDA; long)",
+    "engine": "SGLang's own launcher with the plugin on and off on a generated checkpoint: "
+              "decisions, routes, tokens, memory and TPOT against the plan (CUDA, SGLang; long)",
 }
 
 _KERNEL = ("out", "seed", "graphs", "tiles")
@@ -157,6 +159,10 @@ BENCHMARKS = (
           "Triton attention launch configurations timed per shape", needs=("triton",),
           takes=_KERNEL + ("ops", "decode-tokens"), ops=("sparse_prefill", "decode_mla"),
           quick=("--quick",), limit=600),
+    # engine
+    Bench("engine_rehearsal", "engine", ("benchmarks/run_engine_rehearsal.py", "--out", "{out}"),
+          "`dispatch rehearse --engine sglang` on a 4-layer full-width checkpoint it writes",
+          needs=("sglang", "sgl_kernel"), quick=("--layers", "1"), limit=3600),
 )
 
 

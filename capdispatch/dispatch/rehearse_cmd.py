@@ -32,7 +32,7 @@ failed, hung or differed.
 
 SMALL = {"layers": 2, "hidden": 256, "vocab": 512, "intermediate": 64, "prompt": 8, "steps": 3,
          "timeout": 60.0, "start_timeout": 120.0, "ep": 1}
-ENGINE = {"prompt": 256, "steps": 16, "timeout": 120.0, "start_timeout": 1200.0}
+ENGINE = {"prompt": 256, "steps": 16, "timeout": 120.0, "start_timeout": 1800.0}
 # The small model's flags, refused with --engine sglang (the checkpoint fixes what they size).
 SMALL_ONLY = ("layers", "hidden", "vocab", "experts", "intermediate", "ep", "libs")
 
@@ -80,7 +80,7 @@ def add_parser(sub):
                         "--engine sglang: seconds each request may take, default 120)")
     p.add_argument("--start-timeout", type=float, default=None, metavar="S",
                    help="seconds a rank may take to start: imports, device, joining (default 120; "
-                        "--engine sglang: until SGLang answers /health, default 1200)")
+                        "--engine sglang: until SGLang answers /health, default 1800)")
     p.add_argument("--port", type=int, default=None, metavar="P",
                    help="--engine sglang: SGLang's HTTP port on 127.0.0.1 (default: a free one)")
     p.add_argument("--out", default=None, metavar="DIR",

@@ -4,6 +4,7 @@ is bounded; no process and no temporary folder outlives the run (Ctrl-C, SIGTERM
 included: processes.terminate_as_interrupt, and the server's group watches this process)."""
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import shutil
@@ -27,7 +28,7 @@ TIME_BOUND = 0.20      # TPOT within 20% of the speed prediction
 
 
 def rehearse(model: str, devices, *, tp: Optional[int] = None, prompt: int = 256, steps: int = 16,
-             requests: int = 4, seed: int = 0, timeout: float = 120.0, start_timeout: float = 1200.0,
+             requests: int = 4, seed: int = 0, timeout: float = 120.0, start_timeout: float = 1800.0,
              port: Optional[int] = None, out: Optional[str] = None, sglang_args=(),
              server_cmd: tuple = ("-m", launch.SERVER_MODULE), env: Optional[dict] = None,
              say: Callable[[str], None] = lambda s: None) -> verdict.EngineRehearsal:
@@ -96,7 +97,8 @@ def _serve(lp, env, plugin, server_cmd, prompts, steps, timeout, start_timeout, 
     name = f"sglang-plugin-{'on' if plugin else 'off'}.log"
     log = os.path.join(tmp, name)
     command = _command(lp, server_cmd)
-    ready = version = memory = None
+    ready = memory = None
+    version = _installed_sglang()      # what the server then reports, if it comes up
     settings = ()
     replies, step, rank, error, log_tail = [], None, None, None, ""
     proc = server.start(server_cmd, lp.argv(), env, log)
@@ -105,7 +107,7 @@ def _serve(lp, env, plugin, server_cmd, prompts, steps, timeout, start_timeout, 
         say(f"engine rehearsal: plugin {'on' if plugin else 'off'}: ready in {ready:.0f} s; sending requests")
         step = "server info"
         info = server.get_json(lp.port, "/server_info", timeout)
-        version = info.get("version")
+        version = info.get("version") or version
         settings = verdict.settings_of(info)
         states = info.get("internal_states") or [{}]
         memory = (states[0] or {}).get("memory_usage")
@@ -161,6 +163,14 @@ def _serve(lp, env, plugin, server_cmd, prompts, steps, timeout, start_timeout, 
                                          f"{launch.PLUGINS_ENV} did not keep capdispatch out")
     return Run(plugin, command, error is None, step, rank, error, ready, version, memory, settings,
                tuple(replies), found, saved, log_tail)
+
+
+def _installed_sglang():
+    """The SGLang release this interpreter (the one the server runs under) has, or None."""
+    try:
+        return importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def _generate(proc, port, log, ids, n, timeout, step) -> dict:
