@@ -231,11 +231,16 @@ def test_a_server_that_dies_at_start_is_named_at_once(ckpt, monkeypatch):
     assert time.monotonic() - t < 20
     assert not r.ok and r.on.step == "start" and r.on.rank == 0
     assert "rank 0, start: rank 0 of SGLang exited (code 1)" in r.cause and "stand-in fails at start" in r.on.error
+    # the release that failed to start is still named: the one this interpreter has
+    import importlib.metadata
+    assert r.on.version == importlib.metadata.version("sglang")
 
 
 def test_a_server_that_dies_in_a_request_is_named(ckpt, monkeypatch):
     r = _run(ckpt, monkeypatch, STANDIN_MODE="crash")
     assert not r.ok and r.on.step == "warm-up request" and "crashes in a forward" in r.on.error
+    # what the rank decided and installed before the failure is still read and reported
+    assert len(r.on.reports) == 1
 
 
 def test_a_server_that_never_gets_ready_is_bounded_and_stopped(ckpt, monkeypatch, tmp_path):

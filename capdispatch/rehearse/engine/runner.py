@@ -143,11 +143,13 @@ def _serve(lp, env, plugin, server_cmd, prompts, steps, timeout, start_timeout, 
         saved = os.path.join(out, name)
         shutil.copyfile(log, saved)
     found = ()
-    if plugin and error is None:
+    if plugin:
+        # Read after a failure too: what the ranks decided and installed before it is evidence.
         try:
             found = verdict.read_reports(reports, lp.gpu_ids)
         except ValueError as exc:
-            step, error = "rank reports", str(exc)
+            if error is None:
+                step, error = "rank reports", str(exc)
         if out and found:
             os.makedirs(os.path.join(out, "reports"), exist_ok=True)
             kept = []
