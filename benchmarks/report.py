@@ -64,6 +64,11 @@ def _driver():
         return None
 
 
+def versions(dists) -> dict:
+    """Each distribution's installed version, None where it is not installed."""
+    return {d: _version(d) for d in dists}
+
+
 def environment(cuda_index: int | None) -> dict:
     """What the run measured on: the CUDA device CUDA_INDEX (None: no GPU), its driver and the
     software versions. Imports torch (and Triton's metadata only); never initialises a context

@@ -20,7 +20,6 @@ serving (benchmarks/results/h100-engine-2026-12-07).
 from __future__ import annotations
 
 import argparse
-import importlib.metadata as md
 import json
 import os
 import subprocess
@@ -56,16 +55,6 @@ def _dispatch(*args) -> list:
     return [sys.executable, "-m", "capdispatch", *args]
 
 
-def _versions() -> dict:
-    out = {}
-    for name in LIBRARIES:
-        try:
-            out[name] = md.version(name)
-        except md.PackageNotFoundError:
-            out[name] = None
-    return out
-
-
 def main(argv=None) -> int:
     a = _args(sys.argv[1:] if argv is None else argv)
     out = os.path.abspath(a.out)
@@ -87,7 +76,7 @@ def main(argv=None) -> int:
     with open(os.path.join(engine, "engine-rehearsal.txt"), encoding="utf-8") as fh:
         text = fh.read().rstrip().splitlines()
     env = report.environment(int(a.device.split(":")[1]) if a.device.startswith("cuda:") else None)
-    versions = _versions()
+    versions = report.versions(LIBRARIES)
     md_lines = ["| library | version |", "|---|---|"] + [f"| {k} | {v or '—'} |" for k, v in versions.items()]
     md_lines += ["", f"`dispatch rehearse --engine sglang` exit status {rc}; SGLang arguments: "
                      f"`{' '.join(a.sglang)}`; checkpoint: {a.model}, {a.layers} layers", "", "```", *text, "```"]

@@ -4,7 +4,6 @@ is bounded; no process and no temporary folder outlives the run (Ctrl-C, SIGTERM
 included: processes.terminate_as_interrupt, and the server's group watches this process)."""
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import os
 import shutil
@@ -17,6 +16,7 @@ from typing import Callable, Optional
 
 import attrs
 
+from ...adapters.sglang import versions as sglang_versions
 from ...errors import CapdispatchError
 from ...models import model_calls
 from ..errors import RehearseError
@@ -98,7 +98,7 @@ def _serve(lp, env, plugin, server_cmd, prompts, steps, timeout, start_timeout, 
     log = os.path.join(tmp, name)
     command = _command(lp, server_cmd)
     ready = memory = None
-    version = _installed_sglang()      # what the server then reports, if it comes up
+    version = sglang_versions.installed()   # the server runs under this interpreter; it may say more
     settings = ()
     replies, step, rank, error, log_tail = [], None, None, None, ""
     proc = server.start(server_cmd, lp.argv(), env, log)
@@ -165,14 +165,6 @@ def _serve(lp, env, plugin, server_cmd, prompts, steps, timeout, start_timeout, 
                                          f"{launch.PLUGINS_ENV} did not keep capdispatch out")
     return Run(plugin, command, error is None, step, rank, error, ready, version, memory, settings,
                tuple(replies), found, saved, log_tail)
-
-
-def _installed_sglang():
-    """The SGLang release this interpreter (the one the server runs under) has, or None."""
-    try:
-        return importlib.metadata.version("sglang")
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def _generate(proc, port, log, ids, n, timeout, step) -> dict:
