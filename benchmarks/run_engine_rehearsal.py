@@ -2,7 +2,7 @@
 rehearsal (docs/rehearse.md, "Engine rehearsal") as a benchmark.
 
     python benchmarks/run_engine_rehearsal.py --out DIR [--layers 4] [--checkpoint DIR]
-        [--device cuda:0] [--start-timeout 1800] [-- SGLANG ARGS...]
+        [--device cuda:0] [--start-timeout 1800] [--timeout 300] [-- SGLANG ARGS...]
 
 Writes the checkpoint (`dispatch checkpoint`, full width, into --checkpoint or DIR's
 `checkpoint/`; an existing checkpoint folder with a config.json is reused), runs `dispatch
@@ -42,6 +42,8 @@ def _args(argv):
     p.add_argument("--checkpoint", help="the checkpoint folder (default: OUT/checkpoint)")
     p.add_argument("--device", default="cuda:0", help="the rank's device (default cuda:0)")
     p.add_argument("--start-timeout", type=float, default=1800.0, help="seconds for SGLang's start (default 1800)")
+    p.add_argument("--timeout", type=float, default=300.0,
+                   help="seconds each request may take (default 300: a first request may compile kernels)")
     p.add_argument("sglang", nargs=argparse.REMAINDER, help="after --: SGLang's own arguments")
     a = p.parse_args(argv)
     if a.layers < 1:
@@ -66,7 +68,7 @@ def main(argv=None) -> int:
             return rc
     engine = os.path.join(out, "engine")
     rc = subprocess.call(_dispatch("rehearse", "--engine", "sglang", "--model", ckpt, "--device", a.device,
-                                   "--start-timeout", f"{a.start_timeout:g}", "--out", engine, "--",
+                                   "--start-timeout", f"{a.start_timeout:g}", "--timeout", f"{a.timeout:g}", "--out", engine, "--",
                                    *a.sglang))
     path = os.path.join(engine, "engine-rehearsal.json")
     if not os.path.isfile(path):
