@@ -18,6 +18,7 @@ Three levels, none needing a GPU except the last:
   kv_dequant on fresh random pool bytes with every code, NaN codes included; and the
   attention kernel with the direct decode on the 64-head tiles (tables_as on the CPU),
   one valid entry per token so the output is the decoded row;
+* offline: the kernel with the direct decode built for sm_80, sm_86, sm_90a and sm_120a;
 * ``gpu``: the same row kernel with the PTX (the compiled layout), and
   tests/test_decode_mla.py::test_gpu_pool_decode_exact with the direct tables.
 """
@@ -462,3 +463,18 @@ def test_interpreted_direct_decode_on_64_head_tiles_is_the_pool_row(cfg, splits)
     assert torch.isfinite(want.float()).all(), f"seed={seed}"
     for head in range(h):
         _rows_bits_equal(got[:, head], want, f"{cfg} splits={splits} head {head} seed={seed}", zero_signs=False)
+
+
+def test_direct_decode_compiles_for_every_target():
+    """The direct decode's kernels build offline (ptxas included) for sm_80, sm_86 and sm_120a
+    with the 99 KB tables' tiles and for sm_90a with the H200's, within each target's opt-in
+    shared memory (fma.rn.bf16x2 and prmt exist from sm_80)."""
+    pytest.importorskip("triton")
+    from test_sparse_prefill import SMEM_OPTIN, compile_offline
+    small = dict(BLOCK_H=32, BLOCK_N=16, num_warps=8, num_stages=1, DIRECT=True)
+    big = dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=1, DIRECT=True)
+    jobs = [(80, 1, small, True, 4), (86, 1, small, True, 4), (120, 1, small, True), (90, 1, big, True)]
+    for job, r in zip(jobs, compile_offline(jobs)):
+        assert "error" not in r, (job, r)
+        assert r["ptxas_rc"] == 0, (job, r["log"])
+        assert r["regs"] <= 255 and r["shared"] <= SMEM_OPTIN[job[0]], (job, r)
