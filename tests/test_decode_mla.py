@@ -614,16 +614,22 @@ _DECODE_SCALE_BYTES = (0, 1, 2, 60, 100, 120, 127, 133, 134, 135, 150, 200)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["triton", pytest.param("triton_fp8", marks=_fp8_cc)])
+@pytest.mark.parametrize("backend,direct", [("triton", False), ("triton", True),
+                                            pytest.param("triton_fp8", False, marks=_fp8_cc)],
+                         ids=["triton-f32", "triton-direct", "triton_fp8"])
 @pytest.mark.parametrize("tokens", [1, 8, 128], ids=lambda t: f"t{t}")
-def test_gpu_pool_decode_exact(backend, tokens):
+def test_gpu_pool_decode_exact(backend, tokens, direct):
     """With one valid entry per token the output is that pool row, so the kernel's decode is
     checked bit for bit (as values: the sign of a zero may differ) against kv_dequant: every
     finite e4m3 code, under scale bytes from 0 (-> 0.0) to 200, several in one row, bf16
     rope values with subnormals and signed zeros; the split-K (1, 8 tokens) and one-pass
-    (128) launches; the uint8 codec's integer decode and native fp8 loads."""
+    (128) launches; the uint8 codec's float32 decode, its direct decode (the "direct"
+    candidate table of this card's capability, launch_table.CANDIDATE_TABLES or
+    CANDIDATE_TABLES_99KB) and native fp8 loads."""
     if not HAS_CUDA or INTERPRET:
         pytest.skip("needs a CUDA device without TRITON_INTERPRET")
+    from capdispatch.backends.sparse_attention import kernels as K
+    from capdispatch.backends.sparse_attention import launch_table as LT
     seed = new_seed()
     gen = torch.Generator().manual_seed(seed)
     ps, h = 64, 64
@@ -647,10 +653,16 @@ def test_gpu_pool_decode_exact(backend, tokens):
     idx[torch.arange(tokens), 0, slot] = chosen.int()
     q = (torch.randn(tokens, 1, h, 512, generator=gen) * 0.01).bfloat16().cuda()
     want = KV.kv_dequant(pool, chosen.int().cuda(), ps)[:, 0].float()
-    o, _ = op(backend)(q, pool, idx.cuda(), ps, SCALE)
+    if direct:
+        card = torch.cuda.get_device_capability(0) == LT.CANDIDATE_CC
+        table = (LT.CANDIDATE_TABLES if card else LT.CANDIDATE_TABLES_99KB)["direct"][1]
+        with K.tables_as("direct decode exact", table):
+            o, _ = op(backend)(q, pool, idx.cuda(), ps, SCALE)
+    else:
+        o, _ = op(backend)(q, pool, idx.cuda(), ps, SCALE)
     got = o[:, 0].float()
     assert torch.equal(got, want[:, None, :].expand_as(got)), \
-        f"{backend} tokens={tokens} seed={seed}: " \
+        f"{backend} tokens={tokens} direct={direct} seed={seed}: " \
         f"{int((got != want[:, None, :]).sum())} values differ from kv_dequant"
 
 

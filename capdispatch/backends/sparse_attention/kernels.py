@@ -10,6 +10,10 @@ constexpr:
 * ``KV_MODE = 2``: the same pool with Triton's native fp8 loads (cc >= 8.9)
   (decode_mla ``triton_fp8``).
 
+With ``DIRECT`` (a launch-table entry's ``"DIRECT": True``; KV_MODE 1 only) the uint8
+pool's e4m3 bytes go straight to bf16 in PTX (triton_common/v4_rows.py
+``load_rows_direct``) instead of through float32: the same rows bit for bit.
+
 Each program owns one query token and ``BLOCK_H`` heads and walks that token's index
 list in blocks of ``BLOCK_N`` rows: gather the rows (masked entries are never loaded),
 S = Q K^T on bf16 tensor cores with fp32 accumulation, an online softmax in base 2,
@@ -60,6 +64,7 @@ _round_bf16 = jit_module("codec").round_bf16
 _v4_rows = jit_module("v4_rows")
 _token_bases = _v4_rows.token_bases
 _load_v4_rows = _v4_rows.load_rows
+_load_v4_rows_direct = _v4_rows.load_rows_direct
 
 from .launch_table import (COMBINE_BLOCK_D, COMBINE_BLOCK_H, COMBINE_WARPS, DECODE_MAX_TOKENS,  # noqa: E402
                            INTERP_CONFIG, MAX_SPLITS, configs_for, table_configs)
@@ -77,12 +82,16 @@ def _load_rows(kv_ptr, ids, valid, row_stride, cols):
 
 @triton.jit
 def _load_paged(pool_ptr, ids, valid, PAGE_SIZE: tl.constexpr, BYTES_PER_PAGE: tl.constexpr,
-                NATIVE_FP8: tl.constexpr, BLOCK_N: tl.constexpr):
+                NATIVE_FP8: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr, EMULATE: tl.constexpr):
     """Tokens ``ids`` of a V4 paged pool -> dequantised [BN, 512] bf16 rows (exact, as
     kv_dequant); masked rows are zeros and none of their bytes are loaded. ``pool_ptr``
-    is a uint8 pointer, or float8e4nv with NATIVE_FP8 (triton_common/v4_rows.py)."""
+    is a uint8 pointer, or float8e4nv with NATIVE_FP8 (triton_common/v4_rows.py); DIRECT
+    (uint8 only) decodes in PTX, or, with EMULATE (the interpreter), its emulation."""
     data_base, scale_base = _token_bases(ids.to(tl.int64), PAGE_SIZE, BYTES_PER_PAGE)
-    rows = _load_v4_rows(pool_ptr, data_base, scale_base, valid, NATIVE_FP8)
+    if DIRECT:
+        rows = _load_v4_rows_direct(pool_ptr, data_base, scale_base, valid, EMULATE)
+    else:
+        rows = _load_v4_rows(pool_ptr, data_base, scale_base, valid, NATIVE_FP8)
     return tl.reshape(rows, (BLOCK_N, _DIM))
 
 
@@ -94,7 +103,7 @@ def _attend_range(q, m_i, l_i, acc, qk_scale,
                   kv_ptr, row_stride, n_kv,
                   idx_row_ptr, n_idx, b_lo, b_hi, cols,
                   KV_MODE: tl.constexpr, PAGE_SIZE: tl.constexpr, BYTES_PER_PAGE: tl.constexpr,
-                  BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr):
+                  BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, DIRECT: tl.constexpr):
     """Online softmax (base 2) over index blocks [b_lo, b_hi) of one token's list of n_idx
     valid-position entries. An entry is valid when 0 <= id < n_kv."""
     offs = tl.arange(0, BLOCK_N)
@@ -106,7 +115,8 @@ def _attend_range(q, m_i, l_i, acc, qk_scale,
         if KV_MODE == 0:
             k = _load_rows(kv_ptr, ids, valid, row_stride, cols)
         else:
-            k = _load_paged(kv_ptr, ids, valid, PAGE_SIZE, BYTES_PER_PAGE, KV_MODE == 2, BLOCK_N)
+            k = _load_paged(kv_ptr, ids, valid, PAGE_SIZE, BYTES_PER_PAGE, KV_MODE == 2, BLOCK_N,
+                            DIRECT and KV_MODE == 1, DOT_F32)
         if DOT_F32:   # interpreter: its bf16 dot multiplies raw bits; use the same values in fp32
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)))
         else:
@@ -179,7 +189,7 @@ def _sparse_mla_kernel(
     PAGE_SIZE2: tl.constexpr, BYTES_PER_PAGE2: tl.constexpr,
     HAS_LEN: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_LEN2: tl.constexpr, HAS_SINK: tl.constexpr,
     STATS: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, DIRECT: tl.constexpr = False,
 ):
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
@@ -221,14 +231,14 @@ def _sparse_mla_kernel(
         q, m_i, l_i, acc, qk_scale, kv_ptr, kv_row_stride, n_kv,
         idx_ptr + tb * idx_sb + ts * idx_ss, n1,
         tl.minimum(lo, nb1_used), tl.minimum(hi, nb1_used), cols,
-        KV_MODE, PAGE_SIZE, BYTES_PER_PAGE, BLOCK_N, DOT_F32)
+        KV_MODE, PAGE_SIZE, BYTES_PER_PAGE, BLOCK_N, DOT_F32, DIRECT)
     if HAS_EXTRA:
         nb2_used = tl.cdiv(n2, BLOCK_N)
         m_i, l_i, acc = _attend_range(
             q, m_i, l_i, acc, qk_scale, kv2_ptr, 0, n_kv2,
             idx2_ptr + tb * idx2_sb + ts * idx2_ss, n2,
             tl.minimum(tl.maximum(lo - nb1, 0), nb2_used), tl.minimum(tl.maximum(hi - nb1, 0), nb2_used), cols,
-            KV_MODE, PAGE_SIZE2, BYTES_PER_PAGE2, BLOCK_N, DOT_F32)
+            KV_MODE, PAGE_SIZE2, BYTES_PER_PAGE2, BLOCK_N, DOT_F32, DIRECT)
 
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
@@ -401,7 +411,8 @@ def compile_offline(cc: int, kv_mode: int, cfg: dict, *, extra: bool = False, nu
                   PAGE_SIZE2=64 if extra else 1, BYTES_PER_PAGE2=37440 if extra else 1,
                   HAS_LEN=True, HAS_EXTRA=extra, HAS_LEN2=extra, HAS_SINK=True,
                   STATS=0 if kv_mode == 0 else 2, SPLIT=num_splits > 1,
-                  BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], DOT_F32=False)
+                  BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], DOT_F32=False,
+                  DIRECT=bool(cfg.get("DIRECT", False)))
     sig = compile_signature(kv_mode)
     sig.update({k: "constexpr" for k in consts})
     ck = triton.compile(ASTSource(fn=_sparse_mla_kernel, signature=sig, constexprs=consts),
@@ -448,7 +459,7 @@ class LaunchPlan:
             self.per = cdiv(max(total, 1), num_splits)
             self.splits = cdiv(max(total, 1), self.per)
             self.h_pad = self.n_hb * bh
-        self.tail = self.consts + (self.splits > 1, bh, bn, INTERPRETED)
+        self.tail = self.consts + (self.splits > 1, bh, bn, INTERPRETED, bool(cfg.get("DIRECT", False)))
         self.combine_hb = cdiv(H, COMBINE_BLOCK_H)
         self.combine_tail = (self.consts[8], self.consts[9], MAX_SPLITS, COMBINE_BLOCK_H, COMBINE_BLOCK_D,
                              INTERPRETED)

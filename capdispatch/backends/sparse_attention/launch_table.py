@@ -171,8 +171,27 @@ CANDIDATE_TABLES = {
               _h200_with((), (dict(_SINGLE_TOKEN, BLOCK_N=16),) + MEASURED_CONFIGS[CANDIDATE_CC]["decode_split"][1:2])),
 }
 
+def _with_direct(table: dict) -> dict:
+    """TABLE with every decode entry decoding the uint8 pool straight to bf16 (``DIRECT``)."""
+    return {kind: tuple(c if kind == "prefill" else dict(c, DIRECT=True) for c in configs)
+            for kind, configs in table.items()}
+
+
+# An entry's "DIRECT": True makes the uint8 codec (decode_mla ``triton``; KV_MODE 1) decode
+# e4m3 straight to bf16 in PTX (triton_common/codec.py e4m3fn_scaled_bf16_ptx) instead of
+# through float32; the native-fp8 codec ignores it. Exact for every byte and scale
+# (tests/test_e4m3_decode.py: the PTX emulated for all 256 x 256, the interpreter on the
+# 64-head tiles; the GPU tests wait for a card). An earlier direct decode, tried on an
+# H200 and an H100 on 2026-12-06, was wrong on the 8-warp tiles
+# (docs/ops/sparse_attention.md says how); this one is a candidate until a card times it.
+_DIRECT_WHY = ("the current tiles with the uint8 codec (decode_mla triton) decoding e4m3 straight "
+               "to bf16 (prmt, shift, mask, NaN-code OR and two bf16 fmas per pair of values) "
+               "instead of through float32; triton_fp8 unchanged")
+CANDIDATE_TABLES["direct"] = (_DIRECT_WHY, _with_direct(MEASURED_CONFIGS[CANDIDATE_CC]))
+
 # For the 99 KB cards (SM86, SM89, SM120: 101376 B per block), in PORTABLE_CONFIGS' format.
 CANDIDATE_TABLES_99KB = {
+    "direct": (_DIRECT_WHY.replace("current tiles", "portable tiles"), _with_direct(PORTABLE_CONFIGS)),
     "hp16": ("64 heads x 16 rows: head packing within 99 KB (the 64 x 512 query tile is 64 KB, "
              "a 16-row K tile 16 KB), so each gathered row is dequantised once for 64 heads "
              "instead of twice (32-head tiles); its one-pass decode entry is the shipped one "
