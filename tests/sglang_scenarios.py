@@ -241,9 +241,25 @@ def _launch_case(case: dict, baseline: dict) -> dict:
         "fields": {f: resolution_result(sa, f) for f in FIELDS},
         "declared": [d for src, d in sa._resolved_overrides if src == "capdispatch"],
         "env": {k: os.environ.get(k) for k in KNOB_ENVS},
-        "stash": _inputs_json(getattr(sa, "_capdispatch", None)),
+        "stash": _inputs_json(_stashed(sa)),
+        "stash_json": _stash_json(sa),
         "logs": logs,
     }
+
+
+def _stashed(sa):
+    from capdispatch.adapters.sglang.launch import stashed
+    return stashed(sa)
+
+
+def _stash_json(sa):
+    """What SGLang's /server_info makes of the plugin's attribute (it dumps vars(server_args)
+    as JSON): the JSON text, or the error."""
+    import json
+    try:
+        return json.dumps(vars(sa).get("_capdispatch"))
+    except (TypeError, ValueError) as exc:
+        return f"not JSON: {exc}"
 
 
 def _inputs_json(inputs):

@@ -23,7 +23,7 @@ import pickle
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sglang_scenarios import _inputs_json, _ours, _registries, _state, capture_logs, check_knob_names, emit  # noqa: E402,I001
+from sglang_scenarios import _inputs_json, _stash_json, _stashed, _ours, _registries, _state, capture_logs, check_knob_names, emit  # noqa: E402,I001
 
 FIELDS = ("kv_cache_dtype", "page_size", "attention_backend", "moe_runner_backend", "tp_size")
 ENVS = ("SGLANG_DSV4_KV_LAYOUT", "SGLANG_OPT_USE_TILELANG_INDEXER", "SGLANG_FP8_PAGED_MQA_LOGITS_TORCH",
@@ -48,7 +48,8 @@ def _launch_case(case: dict, baseline: dict) -> dict:
         "declared": [d for src, d in sa._resolved_overrides if src == "capdispatch"],
         "materialized": bool(getattr(sa, "_declarations_materialized", False)),
         "env": {k: os.environ.get(k) for k in ENVS},
-        "stash": _inputs_json(getattr(sa, "_capdispatch", None)),
+        "stash": _inputs_json(_stashed(sa)),
+        "stash_json": _stash_json(sa),
         "logs": logs,
     }
 

@@ -107,6 +107,8 @@ def test_launch_declares_into_0517s_stash_and_sets_no_kv_layout(launcher):
     assert set(c["env"].values()) == {None}
     st = c["stash"]
     assert st["ops"] == list(model_calls().ops)
+    # SGLang's /server_info dumps vars(server_args) as JSON: the plugin's attribute is text there.
+    assert c["stash_json"].startswith('"capdispatch launch inputs: '), c["stash_json"]
     assert st["applied"] == {"kv_cache_dtype": "fp8_e4m3"} and st["user_env"] == {}
     assert "kv_cache_dtype" not in st["explicit_fields"] and "tp_size" in st["explicit_fields"]
     (info,) = [m for m in _messages(c["logs"], "INFO") if "SGLang launch" in m]

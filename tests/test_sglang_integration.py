@@ -128,6 +128,8 @@ def test_launch_sets_fields_and_environment_for_the_mixed_rig(launcher):
     assert c["declared"] == [{"kv_cache_dtype": "fp8_e4m3"}]
     assert c["env"] == {"SGLANG_DSV4_KV_LAYOUT": "v4"}
     assert c["stash"]["ops"] == list(model_calls().ops)
+    # SGLang's /server_info dumps vars(server_args) as JSON: the plugin's attribute is text there.
+    assert c["stash_json"].startswith('"capdispatch launch inputs: '), c["stash_json"]
     assert c["stash"]["applied"] == {"kv_cache_dtype": "fp8_e4m3", "SGLANG_DSV4_KV_LAYOUT": "v4"}
     assert c["stash"]["user_env"] == {}
     infos = _messages(c["logs"], "INFO")

@@ -22,6 +22,26 @@ INPUTS_ATTR = "_capdispatch"      # a bookkeeping attribute: pickled with the re
 OPTIONS_ATTR = "_capdispatch_plan"   # records.PlanOptions, set by `dispatch sglang plan` only
 
 
+class _Stash(str):
+    """The LaunchInputs riding on SGLang's server-args record. SGLang dumps
+    vars(server_args) into /server_info's internal states (JSON) and pickles the record
+    to every scheduler: as a str, the JSON gets one line of text; its `inputs`
+    attribute travels in the pickle."""
+    inputs = None
+
+
+def stash(server_args, inputs) -> None:
+    """Attach INPUTS (records.LaunchInputs) to SGLang's server-args record."""
+    s = _Stash(f"capdispatch launch inputs: {inputs.model}, ops {', '.join(inputs.ops) or 'none'}")
+    s.inputs = inputs
+    setattr(server_args, INPUTS_ATTR, s)
+
+
+def stashed(server_args):
+    """The LaunchInputs stash() attached, or None."""
+    return getattr(getattr(server_args, INPUTS_ATTR, None), "inputs", None)
+
+
 def model_arch(server_args, api):
     try:
         return api.model_config(server_args).hf_config.architectures[0]
@@ -71,7 +91,7 @@ def prepare(server_args, release, *, env=None):
     # its TileLang and torch indexer switches on): what the user set, for the ranks.
     user_env = {n: env[n] for n in release.route_env_names() if n in env}
     inputs = record_inputs(server_args, release, lambda f: getattr(cfg, f), user_env=user_env)
-    setattr(server_args, INPUTS_ATTR, inputs)
+    stash(server_args, inputs)
     if not inputs.ops:
         log.info("capdispatch: %s; nothing to decide at launch", inputs.reason)
         return None
@@ -87,7 +107,7 @@ def prepare(server_args, release, *, env=None):
     for s in d.settings:
         if s.action == "set" and s.kind == "env":
             env[s.name] = s.value
-    setattr(server_args, INPUTS_ATTR, attrs.evolve(inputs, devices=tuple(gpus.describe(s) for s in specs)))
+    stash(server_args, attrs.evolve(inputs, devices=tuple(gpus.describe(s) for s in specs)))
     return d
 
 
@@ -96,20 +116,20 @@ def finish(server_args, release, d) -> None:
 
     from . import compat, decide, render, gpus
     api = compat.of(release)
-    inputs = getattr(server_args, INPUTS_ATTR)
+    inputs = stashed(server_args)
     dtype = api.resolved(server_args, "kv_cache_dtype")
     ops, reason = decide.applicable_ops(release, inputs.model, dtype)
     inputs = attrs.evolve(inputs, kv_cache_dtype=None if dtype is None else str(dtype), reason=reason,
                           ops=tuple(op for op in inputs.ops if op in ops))
     if not inputs.ops:
-        setattr(server_args, INPUTS_ATTR, inputs)
+        stash(server_args, inputs)
         log.info("capdispatch: SGLang resolved %s; capdispatch's ops do not run", reason)
         return
     fields = {s.name: s.value for s in d.settings if s.action == "set" and s.kind == "field"}
     if fields:
         api.declare(server_args, decide.SOURCE, fields)
     inputs = attrs.evolve(inputs, applied={s.name: s.value for s in d.settings if s.action == "set"})
-    setattr(server_args, INPUTS_ATTR, inputs)
+    stash(server_args, inputs)
     for w in d.warnings:
         log.warning("capdispatch: %s", w)
     log.info("capdispatch: SGLang launch of %s on %s: %s", inputs.reason,

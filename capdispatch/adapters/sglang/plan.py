@@ -317,7 +317,7 @@ def sglang_resolution(sglang_args, release, env: dict, options, *, tp=None):
         except compat.ResolutionFailed as failed:
             exc = failed.error
             raise cd.BadInput(f"SGLang's argument resolution failed: {type(exc).__name__}: {exc}") from None
-        inputs = getattr(sa, launch.INPUTS_ATTR, None)
+        inputs = launch.stashed(sa)
         if inputs is None:      # the plugin's step did not run: read the record as a rank would
             inputs = launch.record_inputs(sa, release, lambda f: resolution_result(sa, f))
         names = {s.name for s in release.settings if s.kind == "field"} | {"kv_cache_dtype", "tp_size"}

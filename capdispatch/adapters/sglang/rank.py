@@ -34,7 +34,7 @@ def _release():
 def _inputs(server_args, release):
     """The launcher's LaunchInputs, or (its plugin was not loaded there) the record's own."""
     from . import compat, launch
-    inputs = getattr(server_args, launch.INPUTS_ATTR, None)
+    inputs = launch.stashed(server_args)
     if inputs is not None:
         return inputs
     api = compat.of(release)

@@ -106,7 +106,13 @@ def _serve(lp, env, plugin, server_cmd, prompts, steps, timeout, start_timeout, 
         ready = server.wait_ready(proc, lp.port, log, start_timeout)
         say(f"engine rehearsal: plugin {'on' if plugin else 'off'}: ready in {ready:.0f} s; sending requests")
         step = "server info"
-        info = server.get_json(lp.port, "/server_info", timeout)
+        try:
+            info = server.get_json(lp.port, "/server_info", timeout)
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            # The measures it carries (version, settings, memory) are then reported as unknown.
+            say(f"engine rehearsal: plugin {'on' if plugin else 'off'}: /server_info did not answer "
+                f"({getattr(exc, 'reason', None) or exc}); going on without it")
+            info = {}
         version = info.get("version") or version
         settings = verdict.settings_of(info)
         states = info.get("internal_states") or [{}]
@@ -134,6 +140,8 @@ def _serve(lp, env, plugin, server_cmd, prompts, steps, timeout, start_timeout, 
         step = None
     except server.EngineFailed as exc:
         step, rank, error, log_tail = exc.step, exc.rank, str(exc), exc.log_tail
+    except (urllib.error.URLError, OSError) as exc:
+        error = f"{step}: no answer from SGLang ({getattr(exc, 'reason', None) or exc})"
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         error = f"SGLang's answer cannot be read: {type(exc).__name__}: {exc}"
     finally:
