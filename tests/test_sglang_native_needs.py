@@ -243,12 +243,15 @@ def test_on_an_h100_with_0517s_libraries_sglangs_own_kernels_are_kept(r0517):
         "capdispatch)")
     assert "SGLang's own kernel (sgl-deep-gemm 0.1.5.post1 deep_gemm)" in c["indexer"].why
     assert "SGLang's own kernel (sglang-kernel 0.4.5 sgl_kernel.flash_mla)" in c["sparse_prefill"].why
+    assert c["decode_mla"].to_dict()["host"] == "SGLang's own kernel (sglang-kernel 0.4.5 sgl_kernel.flash_mla)"
+    assert c["indexer"].host == "SGLang's own kernel (sgl-deep-gemm 0.1.5.post1 deep_gemm)"
 
 
 def test_without_them_the_ops_are_routed_and_the_reason_names_sglangs_kernel(r0517):
     d = _decide(r0517, ("triton",))        # this machine's libraries would hold sgl-flash-mla: say nothing of them
     c = {op: d.choices[op][ID] for op in ATTENTION}
     assert {op: x.action for op, x in c.items()} == {op: "routed" for op in ATTENTION}
+    assert all(x.host is None for x in c.values())
     assert c["decode_mla"].why.startswith(
         "SGLang's own flash_mla_with_kvcache (sglang-kernel>=0.4.5,<0.4.6 sgl_kernel.flash_mla) cannot run there: "
         "library:sglang-kernel: need sglang-kernel>=0.4.5,<0.4.6, found ")
@@ -275,6 +278,7 @@ def test_a_routed_decode_keeps_sglangs_call_for_the_sizes_its_own_kernel_wins(tm
     d = _decide(r0517, LIBS_0517, policy=[pol], ops=("decode_mla",))
     c = d.choices["decode_mla"][ID]
     assert c.routed and [(b.action, b.runs) for b in c.buckets] == [("kept", "flashmla"), ("routed", "triton_fp8")]
+    assert c.host == "SGLang's own kernel (sglang-kernel 0.4.5 sgl_kernel.flash_mla)"
     assert ("for tokens <=64 the decision is flashmla, SGLang's own (sglang-kernel 0.4.5 sgl_kernel.flash_mla), "
             "so SGLang's call stays there") in c.why
     route = r0517.route("decode_mla", cd.probe(H100))
