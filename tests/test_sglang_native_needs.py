@@ -364,3 +364,28 @@ def test_hosted_entries_are_checked(r0517):
         cd.context(hosted={("decode_mla", "flashmlb"): extend.Hosted("SGLang", ())})
     with pytest.raises(cd.BadInput, match="expected a Hosted record"):
         cd.context(hosted={("decode_mla", "flashmla"): ()})
+
+
+def test_under_verify_required_a_rank_verifies_the_next_kernel_of_an_op_sglang_kept(r0517, monkeypatch):
+    """verify: required: only kernels that passed capdispatch's canary on this card run, so
+    SGLang's own (hosted) cannot; the rank verifies the op's next candidates in order."""
+    d = _decide(r0517, LIBS_0517, ops=("decode_mla",))
+    spec = attrs.evolve(cd.probe(H100), probe="nvml", id="cuda:0")
+    d = attrs.evolve(d, choices={op: {spec.id: c for c in row.values()} for op, row in d.choices.items()})
+    asked = []
+
+    def result(op, b, passed):
+        job = type("Job", (), {"op": op, "backend": b})()
+        return type("R", (), {"job": job, "verdict": type("V", (), {"passed": passed, "fault": False,
+                                                                       "describe": lambda self: "x"})()})()
+
+    def verify_decisions(spec, chosen, **kw):
+        asked.append(dict(chosen))
+        rs = [result(op, b, b == "triton") for op, b in chosen.items()]
+        return type("Ver", (), {"mode": "required", "results": rs, "failed": [r for r in rs if not r.verdict.passed],
+                                "unverified": []})()
+    monkeypatch.setattr(cd, "verify_decisions", verify_decisions)
+    monkeypatch.setattr(cd.proof, "lookup", lambda *a, **k: None)
+    proof.verified(spec, lambda env: d, env={"CAPDISPATCH_VERIFY": "required"})
+    # flashmla is SGLang's own: never asked; triton_fp8 failed, triton passed: stop there.
+    assert asked == [{"decode_mla": "triton_fp8"}, {"decode_mla": "triton"}]

@@ -12,7 +12,8 @@ the final decision is made with the policy as it is.
 A kept op whose kernel is SGLang's own by the release's statement (knobs.yaml `needs`:
 the candidate is judged by what SGLang's kernel needs, not by capdispatch's adapter of that
 backend) has no capdispatch canary: it is not verified, and the line says so ("SGLang's own
-kernel, not verified by capdispatch").
+kernel, not verified by capdispatch"). Under `verify: required` it cannot run: its op's next
+candidates are verified in order until one passes, and the final decision takes that one.
 """
 from __future__ import annotations
 
@@ -80,6 +81,8 @@ def verified(spec, decide, *, env=None, budget_s: float = VERIFY_BUDGET_S):
         if not v.failed:
             break
         decision = decide(trial)     # the cache now rejects what failed
+    if cd.context(env=base).verify_mode == "required":
+        failed += _verify_next(spec, decision, checked, budget_s - (time.monotonic() - t0), base)
     if trial is not env or failed:
         decision = decide(env)
     final = _backends(decision, spec)
@@ -88,6 +91,27 @@ def verified(spec, decide, *, env=None, budget_s: float = VERIFY_BUDGET_S):
         log.warning("capdispatch: %s: %s=%s failed its canary on this card (%s); running %s instead",
                     spec.id, r.job.op, r.job.backend, r.verdict.describe(), final.get(r.job.op))
     return decision, _describe(spec, {op: b for op, b in final.items() if op not in own}, failed, base, own)
+
+
+def _verify_next(spec, decision, checked: set, left: float, env) -> list:
+    """Under `verify: required` SGLang's own kernel (hosted) cannot run, having no capdispatch
+    canary: for each op the trial kept that way, verify its next candidates in order of
+    preference until one passes, so that the final decision has a verified kernel to take.
+    Returns the failed results."""
+    import capdispatch as cd
+    t0, failed = time.monotonic(), []
+    for op in hosted(decision, spec):
+        res = decision.choices[op][spec.id].resolution
+        for cand in res.candidates:
+            if cand.host is not None or not cand.ok or (op, cand.backend) in checked:
+                continue
+            v = cd.verify_decisions(spec, {op: cand.backend}, budget_s=max(0.0, left - (time.monotonic() - t0)),
+                                    env=env)
+            checked.update((r.job.op, r.job.backend) for r in v.results)
+            failed += v.failed
+            if v.results and not v.failed and not v.unverified:
+                break
+    return failed
 
 
 def _describe(spec, final: dict, failed: list, env, own=None) -> str:
