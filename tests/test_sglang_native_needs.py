@@ -389,3 +389,25 @@ def test_under_verify_required_a_rank_verifies_the_next_kernel_of_an_op_sglang_k
     proof.verified(spec, lambda env: d, env={"CAPDISPATCH_VERIFY": "required"})
     # flashmla is SGLang's own: never asked; triton_fp8 failed, triton passed: stop there.
     assert asked == [{"decode_mla": "triton_fp8"}, {"decode_mla": "triton"}]
+
+
+def test_0517s_statements_name_the_modules_its_call_sites_import():
+    """Each statement's module is what SGLang 0.5.17's DeepSeek-V4 code imports for that
+    kernel (read from its source, never run)."""
+    import os
+    import re
+
+    import sglang_releases
+    base = os.path.join(sglang_releases.FOLDERS["0.5.17"], "sglang")
+    if not os.path.isdir(base):
+        pytest.skip("needs SGLang 0.5.17 in tests/.releases (the README's test command)")
+    sites = {("decode_mla", "flashmla"): ("srt/layers/attention/deepseek_v4_backend.py", "flash_mla_with_kvcache"),
+             ("sparse_prefill", "flashmla_sparse"): ("srt/layers/attention/deepseek_v4_backend.py",
+                                                     "flash_mla_sparse_fwd"),
+             ("indexer", "deepgemm"): ("srt/layers/attention/dsv4/indexer.py", "fp8_paged_mqa_logits")}
+    hosted = knobs.load().release("0.5.17").hosted()
+    assert set(hosted) == set(sites)
+    for key, (path, name) in sites.items():
+        (lib,) = [x for x in hosted[key].requires if isinstance(x, extend.Library)]
+        text = open(os.path.join(base, path)).read()
+        assert re.search(rf"^\s*from {re.escape(lib.module)} import {name}\b", text, re.M), (key, lib.module, path)
