@@ -411,3 +411,19 @@ def test_0517s_statements_name_the_modules_its_call_sites_import():
         (lib,) = [x for x in hosted[key].requires if isinstance(x, extend.Library)]
         text = open(os.path.join(base, path)).read()
         assert re.search(rf"^\s*from {re.escape(lib.module)} import {name}\b", text, re.M), (key, lib.module, path)
+
+
+def test_a_uniform_pick_that_would_split_a_host_kernel_takes_the_next_common_backend(tmp_path, r0517):
+    """The group's uniform pass picks per size bucket; where its picks would give SGLang's
+    indexer some sizes only, those take the next backend every device runs."""
+    from capdispatch.dispatch import group
+    pol = _bucket_policy(tmp_path, "indexer", "deepgemm", "deepgemm")
+    ctx = _ctx(r0517, policy=[pol])
+    per = {s.id: cd.dispatch.resolver.resolve_in(ctx, "indexer", s) for s in (cd.probe(H100), cd.probe("sim:h200"))}
+    first = next(iter(per.values()))
+    assert [b.backend for b in first.buckets] == ["deepgemm", "deepgemm"]
+    common = group._unsplit_hosts(ctx, "indexer", per, first, (64, None), {64: "deepgemm", None: "triton"})
+    assert common[None] == "triton" and common[64] not in ("deepgemm", None)
+    # Whole, it stays.
+    assert group._unsplit_hosts(ctx, "indexer", per, first, (64, None), {64: "deepgemm", None: "deepgemm"}) == \
+        {64: "deepgemm", None: "deepgemm"}
