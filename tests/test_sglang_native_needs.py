@@ -427,3 +427,10 @@ def test_a_uniform_pick_that_would_split_a_host_kernel_takes_the_next_common_bac
     # Whole, it stays.
     assert group._unsplit_hosts(ctx, "indexer", per, first, (64, None), {64: "deepgemm", None: "deepgemm"}) == \
         {64: "deepgemm", None: "deepgemm"}
+
+
+def test_the_trace_names_sglangs_own_kernel(r0517):
+    from capdispatch.dispatch.explain import render_text
+    p = cd.plan_in(_ctx(r0517), [H100], ["decode_mla"], log_warnings=False)
+    text = render_text(p, color=False)
+    assert "flashmla  (SGLang's own kernel (sglang-kernel 0.4.5 sgl_kernel.flash_mla))" in text, text
