@@ -8,19 +8,30 @@ model calls (`model_calls(architecture)`: the one reader of capdispatch/models/c
 cells, one reader of each input kind, the shared command-line options (`options.add`,
 `options.Parser`, `options.check_layout`), the one command handler (`command.run`), shell
 completion (`completion.devices`, ...), the marked YAML reader and bounded file I/O for an
-adapter's own files. Torch-free at import, like the users' face.
+adapter's own files, and what a serving adapter says of its engine's own kernels
+(`Hosted`: a backend the engine runs itself, judged by the engine's statement in the
+requirement vocabulary `Library`, `Feature`, `AnyFeature`, `ComputeCapability`, `Platform`,
+`TritonTarget`; `capdispatch.context(hosted=...)`). Torch-free at import, like the users' face.
 """
 from __future__ import annotations
 
 from .backends import Backend, Op, Registry, moe, registry, v4_layout
+from .backends.base import AnyFeature, ComputeCapability, Feature, Library, Platform, TritonTarget
 from .dispatch import command, completion, options
 from .dispatch.inputs import device_list, env_flag, op_list
 from .dispatch.render import Cell, Row, wrap, wrap_lines
+from .dispatch.resolver import HOST_NOT_VERIFIED, Hosted
 from .errors import ArgumentError, ArgumentTypeError
 from .marked_yaml import Reader, did_you_mean
 from .models import model_calls
 from .policies import load_marked
 from .safe_io import FileError, read_bytes, shown, write_atomic
+
+def feature_names() -> tuple:
+    """The device features a requirement may name (capabilities/features.yaml)."""
+    from .capabilities import features
+    return tuple(features.rules())
+
 
 __all__ = [
     "registry", "Registry", "Op", "Backend", "moe", "v4_layout",
@@ -28,4 +39,6 @@ __all__ = [
     "device_list", "op_list", "env_flag", "options", "command", "completion", "ArgumentError",
     "ArgumentTypeError", "did_you_mean",
     "Reader", "load_marked", "read_bytes", "write_atomic", "shown", "FileError", "model_calls",
+    "Hosted", "HOST_NOT_VERIFIED", "Library", "Feature", "AnyFeature", "ComputeCapability", "Platform",
+    "TritonTarget", "feature_names",
 ]

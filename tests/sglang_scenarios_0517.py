@@ -13,7 +13,9 @@ the 0.5.17 stand-ins). Each prints one line `RESULT <json>`.
                          then SGLang's TP group over gloo and the plugin's AFTER hook as
                          init_torch_distributed calls it (ps=, then is_draft_worker=True);
                          with SCENARIO_CALLS=1, then SGLang 0.5.17's KV and attention
-                         call targets against references
+                         call targets against references; SCENARIO_ASSUME_LIBS=NAME==V,...:
+                         the rank's machine has those libraries (its inventory, as
+                         --assume-lib says it)
   plan ARGS...           `dispatch sglang plan ARGS` in this process
 """
 from __future__ import annotations
@@ -174,11 +176,24 @@ def rank(inp, gpu_id: int, tp_rank: int, port: int) -> None:
     load_plugins()
     with open(inp, "rb") as f:
         sa = pickle.load(f)
+    if os.environ.get("SCENARIO_ASSUME_LIBS"):
+        import attrs
+        from capdispatch.adapters.sglang import launch
+        given = getattr(sa, launch.INPUTS_ATTR)
+        options = attrs.evolve(given.options, assume_libs=tuple(os.environ["SCENARIO_ASSUME_LIBS"].split(",")))
+        setattr(sa, launch.INPUTS_ATTR, attrs.evolve(given, options=options))
     import sglang.srt.managers.scheduler as scheduler
     from sglang.srt.runtime_context import publish
     dp_rank = scheduler.configure_scheduler_process(sa, gpu_id, tp_rank, 0, 0, 0, 0, None, display_tp_rank=tp_rank)
     publish(sa, role="scheduler")
     out = {"dp_rank": dp_rank, "state": _state(gpu_id), "facts": _facts(), "logs": logs}
+    import json
+    from capdispatch.adapters.sglang import rank as ranks
+    with open(ranks._RANKS[gpu_id].report) as f:
+        written = json.load(f)
+    out["report"] = {"ops": {op: {"canary": e["canary"], "why": e["why"], "action": e["action"]}
+                             for op, e in written["ops"].items()},
+                     "verification": written["verification"]}
 
     from sglang.srt.distributed import parallel_state as ps
     from sglang.srt.distributed.parallel_state_wrapper import ParallelState

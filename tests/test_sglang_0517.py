@@ -71,12 +71,16 @@ def launcher(model):
                    "env": sim},
         "bf16": {"argv": _argv(dsv4, "--tp-size", "2", "--kv-cache-dtype", "bfloat16"), "env": sim},
         "llama": {"argv": _argv(model["llama"], "--tp-size", "2"), "env": sim},
+        # One H100: SGLang 0.5.17's own FlashMLA and DeepGEMM indexer are judged by its pins.
+        "h100": {"argv": _argv(dsv4, "--tp-size", "1"), "env": {"CAPDISPATCH_SGLANG_DEVICES": "sim:h100"},
+                 "pickle": str(root / "h100.pkl")},
     }
     path = root / "cases.json"
     path.write_text(json.dumps(list(cases.values())))
     r = _result(_start("launcher", path))
     r["by_name"] = dict(zip(cases, r["cases"]))
     r["record"] = cases["mixed"]["pickle"]
+    r["h100_record"] = cases["h100"]["pickle"]
     return r
 
 
@@ -227,3 +231,79 @@ def test_plan_names_0517_and_runs_its_resolution(model):
                                        "is_sm120_supported": False, "is_blackwell_supported": False,
                                        "get_device_sm": 86}
     assert not any(x["name"].startswith("dsv4_") for x in out["sglang_settings"])
+
+
+# --------------------------------------------------------------------------- SGLang's own kernels on an H100
+
+LIBS_0517 = ("sglang-kernel==0.4.5", "sgl-deep-gemm==0.1.5.post1")    # what 0.5.17 pins
+OWN = {"decode_mla": ("flashmla", "sglang-kernel 0.4.5 sgl_kernel.flash_mla"),
+       "sparse_prefill": ("flashmla_sparse", "sglang-kernel 0.4.5 sgl_kernel.flash_mla"),
+       "indexer": ("deepgemm", "sgl-deep-gemm 0.1.5.post1 deep_gemm")}
+
+
+@pytest.fixture(scope="module")
+def h100_ranks(launcher):
+    """One H100 rank as 0.5.17's run_scheduler_process runs it, on a machine with 0.5.17's pins
+    (sglang-kernel 0.4.5, sgl-deep-gemm 0.1.5.post1) and on one without them (this machine's
+    libraries: no sglang-kernel, sgl-deep-gemm 0.2.3.post2)."""
+    env = {"CAPDISPATCH_SGLANG_DEVICES": "sim:h100", "TRITON_INTERPRET": "1"}
+    out = {}
+    for name, extra in (("pins", {"SCENARIO_ASSUME_LIBS": ",".join(LIBS_0517)}), ("without", {})):
+        out[name] = _result(_start("rank", launcher["h100_record"], 0, 0, _free_port(), env={**env, **extra}))
+    return out
+
+
+def test_with_0517s_pins_sglangs_own_kernels_are_kept_and_named(h100_ranks):
+    r = h100_ranks["pins"]
+    st = r["state"]
+    for op, (backend, label) in OWN.items():
+        c = st["choices"][op]
+        assert (c["action"], c["backend"], c["routed"]) == ("kept", backend, False), (op, c)
+        assert f"SGLang's own kernel ({label}), judged by the knob map's statement" in c["why"], c["why"]
+        assert st["routes"][op] is None and c["install"] is None
+    # Nothing switches SGLang off its DeepGEMM indexer.
+    assert st["env"]["SGLANG_FP8_PAGED_MQA_LOGITS_TORCH"] is None
+    (info,) = [m for lv, m in r["logs"] if lv == "INFO" and "rank on" in m]
+    assert "SGLang's own kernel, not verified by capdispatch: indexer (SGLang's own kernel (sgl-deep-gemm " \
+           "0.1.5.post1 deep_gemm))" in info
+
+
+def test_the_rank_report_says_sglangs_own_kernels_are_not_verified_by_capdispatch(h100_ranks):
+    rep = h100_ranks["pins"]["report"]
+    for op, (backend, label) in OWN.items():
+        assert rep["ops"][op]["canary"] == {backend: f"not verified by capdispatch (SGLang's own kernel ({label}))"}
+    assert rep["verification"].startswith("SGLang's own kernel, not verified by capdispatch: ")
+    assert "verified on this card" not in rep["verification"]
+
+
+def test_without_0517s_pins_the_ops_are_routed_and_say_why(h100_ranks):
+    st = h100_ranks["without"]["state"]
+    assert {op: st["choices"][op]["action"] for op in OWN} == {op: "routed" for op in OWN}
+    assert st["choices"]["decode_mla"]["why"].startswith(
+        "SGLang's own flash_mla_with_kvcache (sglang-kernel>=0.4.5,<0.4.6 sgl_kernel.flash_mla) cannot run there: "
+        "library:sglang-kernel: need sglang-kernel>=0.4.5,<0.4.6, found not installed")
+    assert "library:sgl-deep-gemm: need sgl-deep-gemm>=0.1.5.post1,<0.1.6, found" in st["choices"]["indexer"]["why"]
+    assert st["choices"]["decode_mla"]["install"] == "installed at sgl_kernel.flash_mla.flash_mla_with_kvcache"
+    assert st["choices"]["sparse_prefill"]["install"] == "installed at sgl_kernel.flash_mla.flash_mla_sparse_fwd"
+    assert st["env"]["SGLANG_FP8_PAGED_MQA_LOGITS_TORCH"] == "true"
+    assert h100_ranks["without"]["report"]["verification"] is None       # a simulated card: nothing to prove
+
+
+@pytest.mark.parametrize("libs,kept", [(LIBS_0517, True), (("sgl-flash-mla==1.0.0", "sgl-deep-gemm==0.2.3.post2"),
+                                                           False)])
+def test_plan_on_an_h100_judges_sglangs_own_kernels_by_0517s_statement(model, libs, kept):
+    """The plan, the launch and the rank decide alike: one pass through SGLang 0.5.17's own
+    argument resolution. 0.5.23's libraries are not 0.5.17's kernels."""
+    args = ["--device", "sim:h100", "--format", "json"] + [x for lib in libs for x in ("--assume-lib", lib)]
+    p = _result(_start("plan", *args, "--", *_argv(model["dsv4"], "--tp-size", "1")))
+    assert p["rc"] == 0, p
+    out = json.loads(p["stdout"])
+    ops = out["ranks"][0]["ops"]
+    for op, (backend, label) in OWN.items():
+        assert ops[op]["action"] == ("kept" if kept else "routed"), (op, ops[op])
+        if kept:
+            assert ops[op]["backend"] == backend and f"SGLang's own kernel ({label})" in ops[op]["why"]
+            assert ops[op]["host"] == f"SGLang's own kernel ({label})"
+        else:
+            need = "sgl-deep-gemm>=0.1.5.post1,<0.1.6" if op == "indexer" else "sglang-kernel>=0.4.5,<0.4.6"
+            assert f"need {need}, found " in ops[op]["why"] and ops[op]["host"] is None, (op, ops[op])

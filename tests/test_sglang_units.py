@@ -588,7 +588,7 @@ def test_plan_json(env, capsys, monkeypatch):
     assert dq == {
         "backend": "triton_u8", "runs": "triton_u8", "action": "routed", "routed": True,
         "downgraded_from": None, "setting": None, "kind": "fallback", "size_key": None, "buckets": [],
-        "why": "SGLang's own dequantize_k_cache_paged_dsv4 cannot run there: "
+        "host": None, "why": "SGLang's own dequantize_k_cache_paged_dsv4 cannot run there: "
                "feature:fp8_e4m3: need fp8_e4m3 (cc >=8.9), found cc 8.6"}
     assert p["ranks"][1]["arch"]["device_sm"] == 86
     assert {x["name"]: x["action"] for x in p["launch"]} == {"kv_cache_dtype": "set", "SGLANG_DSV4_KV_LAYOUT": "set"}
@@ -907,7 +907,7 @@ def test_plan_shows_every_op_and_the_sglang_settings_per_rank(env, capsys, monke
         assert list(r["ops"]) == p["ops"]
         for c in r["ops"].values():
             assert set(c) == {"backend", "runs", "action", "routed", "why", "setting", "source",
-                              "downgraded_from", "kind", "size_key", "buckets"}
+                              "downgraded_from", "kind", "size_key", "buckets", "host"}
             assert c["kind"] in ("first", "fallback", "downgraded", "uniform")
             assert c["routed"] == (c["action"] == "routed") and c["why"]
     r2 = p["ranks"][2]["ops"]
@@ -915,7 +915,7 @@ def test_plan_shows_every_op_and_the_sglang_settings_per_rank(env, capsys, monke
     assert r2["moe"] == {"backend": "triton_w4a16", "action": "routed", "routed": True,
                          "why": r2["moe"]["why"], "setting": None, "source": r2["moe"]["source"],
                          "downgraded_from": None, "kind": "fallback", "runs": "triton_w4a16",
-                         "size_key": None, "buckets": []}
+                         "size_key": None, "buckets": [], "host": None}
     assert p["ranks"][1]["ops"]["moe"]["setting"] == ["moe_runner_backend=flashinfer_mxfp4"]
     assert p["ranks"][1]["ops"]["moe"]["action"] == "kept"
     mrb = next(x for x in p["sglang_settings"] if x["name"] == "moe_runner_backend")

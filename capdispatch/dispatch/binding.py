@@ -11,6 +11,11 @@ class BackendLoadError(Unsatisfiable):
     pass
 
 
+class HostedKernelError(Unsatisfiable):
+    """A decision that would need capdispatch to run a kernel the host engine runs itself
+    (resolver.Hosted): capdispatch never binds it."""
+
+
 def bind(op: str, device, backend=None, *, policy=None, selections=None, strict: bool = False,
          env=None, registry=None, checks: bool = True, shapes=None):
     """Return the kernel that runs OP on DEVICE: no wrapper, no lookup at call time.
@@ -46,7 +51,8 @@ def bind_resolution(res, *, checks: bool = True, native=None, registry=None):
     call site it lends): the buckets it wins are None entries of the dispatcher
     (`fn.pick(n)` is None for their sizes; see `sized.py`), and where it wins every
     size the result is None. REGISTRY: the registry RES was resolved with (default:
-    the built-in one with its plugins)."""
+    the built-in one with its plugins). A backend the host runs itself (Resolution.host_of)
+    is bound only as NATIVE; anywhere else binding it raises HostedKernelError."""
     if registry is None:
         from ..backends import builtin
         registry = builtin()
@@ -56,6 +62,11 @@ def bind_resolution(res, *, checks: bool = True, native=None, registry=None):
     def load(name):
         if name == native:
             return None
+        host = res.host_of(name)
+        if host is not None:
+            raise HostedKernelError(
+                f"{op}={name} on {res.device.id} is {host}, judged by the host's statement, not by "
+                f"capdispatch's {name} adapter: capdispatch cannot run it in the host's place")
         if name not in loaded:
             b = registry.backend(op, name)
             try:

@@ -332,6 +332,8 @@ def render_text(p: Plan, *, brief: bool = False, color=None, stream=None,
                 mark = sym.ok if c.ok else sym.bad
                 bad = [ch for ch in c.checks if not ch.ok]
                 tag = f"  [{c.verification}]" if c.verification else ""
+                if c.host is not None:      # the host engine's own kernel, by its statement
+                    tag = f"  ({c.host}){tag}"
                 if c.ok:
                     out.append(f"      {mark} {c.backend}{tag}")
                 elif len(bad) == 1:

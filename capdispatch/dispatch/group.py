@@ -137,9 +137,30 @@ def resolve_group_in(ctx: Context, op: str, specs) -> GroupResolution:
                                 f"runs on every device{' for ' + where if where else ''}: {table}")
         common[upper] = pick
         lower = upper
+    common = _unsplit_hosts(ctx, op, per, first, bounds, common)
     out = {d: _uniform(r, bounds, common, mode_setting.origin, key) for d, r in per.items()}
     return GroupResolution(op, out, True, mode, tuple(w for r in out.values() for w in r.warnings),
                            "", mode_setting.origin)
+
+
+def _unsplit_hosts(ctx, op, per, first, bounds, common) -> dict:
+    """COMMON without a host-run backend that may not be split across sizes (resolver.Hosted)
+    where it wins some bounds only: those take the next backend every device can run."""
+    for name in dict.fromkeys(common.values()):
+        hosted = ctx.hosted.get((op, name))
+        if hosted is None or hosted.split or len(set(common.values())) == 1:
+            continue
+        for upper in bounds:
+            if common[upper] != name:
+                continue
+            runnable = [{c.backend for c in _pick(r, upper)[1] if c.ok} for r in per.values()]
+            pick = next((c.backend for c in _pick(first, upper)[1]
+                         if c.backend != name and all(c.backend in ok for ok in runnable)), None)
+            if pick is None:
+                raise Unsatisfiable(f"{op}: mixed_group is uniform but no backend other than {name} (the "
+                                    f"host's own kernel, which runs for every size or none) runs on every device")
+            common[upper] = pick
+    return common
 
 
 def _note(origin, alone) -> str:

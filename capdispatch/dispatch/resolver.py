@@ -28,18 +28,57 @@ log = logging.getLogger("capdispatch")
 
 
 @attrs.frozen
+class Hosted:
+    """A backend of an op that the host engine runs itself, at its own call site, with a
+    kernel that is not the library capdispatch's adapter of that backend calls (e.g. SGLang
+    0.5.17's decode is sglang-kernel's sgl_kernel.flash_mla, capdispatch's `flashmla` adapter
+    calls sgl-flash-mla). The decision judges it by REQUIRES (the host's statement, in the
+    requirement vocabulary of backends.base) instead of the adapter's, and capdispatch never
+    binds it: its winner is the host's call left alone. SPLIT: the host's call can stay for
+    some size buckets while capdispatch serves the others; without it the host's kernel runs
+    only where it wins every size, and elsewhere the next candidate is taken."""
+    host: str                # who runs it, for people: "SGLang"
+    requires: tuple = attrs.field(converter=tuple)
+    split: bool = True
+
+    def label(self, checks=()) -> str:
+        """"SGLang's own kernel (sglang-kernel 0.4.5 sgl_kernel.flash_mla)": each library with
+        the version CHECKS found (its range where none was found)."""
+        found = {c.code: c for c in checks}
+        libs = []
+        for r in self.requires:
+            if not hasattr(r, "dist"):
+                continue
+            c = found.get(f"library:{r.dist}")
+            version = c.found.split(",")[0].split(" (")[0] if c is not None and c.ok else ""
+            name = f"{r.dist} {version}" if version[:1].isdigit() else f"{r.dist}{r.spec}"
+            libs.append(f"{name} {r.module}" if r.module else name)
+        return f"{self.host}'s own kernel" + (f" ({', '.join(libs)})" if libs else "")
+
+
+HOST_NOT_VERIFIED = "not verified by capdispatch"
+
+
+@attrs.frozen
 class Candidate:
     backend: str
     ok: bool
     checks: tuple
     preferred: bool          # named by the layer that spoke (not an implicit fallback)
+    # Context.hosted: the host engine runs this backend itself (its label, e.g. "SGLang's own
+    # kernel (sglang-kernel 0.4.5 sgl_kernel.flash_mla)"); judged by the host's statement,
+    # never bound by capdispatch. None: capdispatch's adapter.
+    host: Optional[str] = None
 
     @property
     def verification(self) -> Optional[str]:
-        """'verified', 'failed' or 'not verified' on this card; None where the cache
-        was not read (simulated devices, `verify: off`)."""
+        """'verified', 'failed' or 'not verified' on this card ('not verified by capdispatch'
+        for a host's own kernel, whose canary capdispatch does not have); None where the
+        cache was not read (simulated devices, `verify: off`)."""
         for c in self.checks:
             if c.code == "canary":
+                if self.host is not None:
+                    return HOST_NOT_VERIFIED
                 return "not verified" if c.found == "not verified" else "verified" if c.found.startswith("pass") \
                     else "failed"
         return None
@@ -50,6 +89,8 @@ class Candidate:
 
     def to_dict(self) -> dict:
         d = {"backend": self.backend, "ok": self.ok, "checks": [c.to_dict() for c in self.checks]}
+        if self.host is not None:
+            d["host"] = self.host
         if self.verification is not None:
             d["verification"] = self.verification
         return d
@@ -96,6 +137,12 @@ class Resolution:
     layer: str = "default"   # the kind of that layer: "default" | "policy" | "device" | "selection"
     user: bool = False       # that layer is the user's (a selection or a user policy file)
 
+    def host_of(self, backend: Optional[str]) -> Optional[str]:
+        """The host's label where BACKEND is a candidate the host engine runs itself
+        (Context.hosted), else None: capdispatch's adapter."""
+        cands = list(self.candidates) + [c for b in self.buckets for c in b.candidates]
+        return next((c.host for c in cands if c.backend == backend and c.host is not None), None)
+
     def backend_for(self, size: int) -> str:
         """The backend that runs a problem of SIZE (the op's leading dimension)."""
         for b in self.buckets:
@@ -125,6 +172,9 @@ class Context:
     # False: nothing said of libraries (no libs=, no assume_libs=); the devices decided for
     # choose them (for_devices), once per decision.
     libraries_settled: bool = True
+    # (op, backend) -> Hosted: candidates the host engine runs itself, judged by its
+    # statement (an engine adapter's; empty for capdispatch's own decisions).
+    hosted: dict = attrs.field(factory=dict)
 
     def for_devices(self, specs) -> "Context":
         """This context with the library inventory SPECS are planned with: unchanged when
@@ -183,7 +233,7 @@ def library_modules(registry) -> dict:
 
 def context(*, policy=None, selections=None, assume_libs=None, strict=False, registry=None,
             env=None, selection_origin="selections=", libs=None, settings=None,
-            settings_origin="settings=", shapes=None) -> Context:
+            settings_origin="settings=", shapes=None, hosted=None) -> Context:
     """Read the environment and policies now, for the decisions about to be made.
     LIBS: a library profile naming the target's software, "local" for this machine's;
     with neither LIBS nor ASSUME_LIBS the devices decided for choose
@@ -192,7 +242,8 @@ def context(*, policy=None, selections=None, assume_libs=None, strict=False, reg
     One Context holds one policy stack and one library inventory; every decision
     made with it (`plan_in`, `resolve_in`) sees the same assumptions. SHAPES: a rank's
     shapes (`capdispatch.load_model(name).for_rank(tp, ep, ...)`) that the backends' shape
-    ranges are checked against; None: they are not evaluated."""
+    ranges are checked against; None: they are not evaluated. HOSTED: {(op, backend): Hosted}
+    for an engine that runs those backends itself with its own kernels (see Hosted)."""
     _check_shapes(shapes)
     env = dict(os.environ if env is None else env)
     for k, v in env.items():     # what os.environ could hold: text only
@@ -220,7 +271,20 @@ def context(*, policy=None, selections=None, assume_libs=None, strict=False, reg
         raise BadInput(f"CAPDISPATCH_VERIFY={shown(verify)} is not valid{_policies.did_you_mean(verify, _policies.VERIFY)} "
                        f"(valid: {', '.join(_policies.VERIFY)}; unset: the policy's verify)")
     return Context(registry, stack, inventory, env, strict, shapes=shapes,
-                   libraries_settled=libs is not None or bool(assume_libs))
+                   libraries_settled=libs is not None or bool(assume_libs),
+                   hosted=_check_hosted(registry, hosted))
+
+
+def _check_hosted(registry, hosted) -> dict:
+    out = {}
+    for key, h in dict(hosted or {}).items():
+        op, name = key if isinstance(key, tuple) and len(key) == 2 else (None, None)
+        if op not in registry.ops or name not in [b.name for b in registry.backends(op)]:
+            raise BadInput(f"hosted: {printable(repr(key), 80)} is not an (op, backend) of the registry")
+        if not isinstance(h, Hosted):
+            raise BadInput(f"hosted[{op!r}, {name!r}]: expected a Hosted record, found {type(h).__name__}")
+        out[(op, name)] = h
+    return out
 
 
 def _check_shapes(shapes) -> None:
@@ -329,6 +393,10 @@ def evaluate(ctx: Context, op: str, device: DeviceSpec, names, preferred) -> lis
     out = []
     for name in names:
         backend = ctx.registry.backend(op, name)
+        hosted = ctx.hosted.get((op, name))
+        if hosted is not None:
+            out.append(_hosted_candidate(ctx, op, device, name, hosted, cheap, card, name in preferred))
+            continue
         checks = backend.evaluate(cheap)
         # Importing is the costly proof: only for a real device, only when all else holds.
         if all(c.ok for c in checks) and not device.simulated:
@@ -338,6 +406,24 @@ def evaluate(ctx: Context, op: str, device: DeviceSpec, names, preferred) -> lis
                                                   card.suspect(backend))]
         out.append(Candidate(name, all(c.ok for c in checks), tuple(checks), name in preferred))
     return out
+
+
+def _hosted_candidate(ctx: Context, op: str, device: DeviceSpec, name: str, hosted: Hosted, cheap, card,
+                      preferred: bool) -> Candidate:
+    """A backend the host runs itself: its statement's checks; where the card's verdicts are read,
+    a canary check saying capdispatch has none for it (ok but under `verify: required`)."""
+    checks = [c for c in (r.evaluate(cheap) for r in hosted.requires) if c is not None]
+    if all(c.ok for c in checks) and not device.simulated:
+        checks = [c for c in (r.evaluate(attrs.evolve(cheap, check_imports=True)) for r in hosted.requires)
+                  if c is not None]
+    label = hosted.label(checks)
+    if card is not None:
+        ok = ctx.verify_mode != "required"
+        checks.append(Check("canary", "pass, or not verified (verify: warn)" if ok else "pass",
+                            f"{HOST_NOT_VERIFIED} ({label}: capdispatch's canary runs its own adapter)", ok,
+                            "" if ok else f"{device.id}: {op}/{name} is {label}, which capdispatch cannot "
+                                          f"verify (verify: required)"))
+    return Candidate(name, all(c.ok for c in checks), tuple(checks), preferred, host=label)
 
 
 def _decide(ctx: Context, op: str, device: DeviceSpec, wanted_list, origin: str, user: bool,
@@ -374,7 +460,7 @@ def _decide(ctx: Context, op: str, device: DeviceSpec, wanted_list, origin: str,
         # card anyway (a missing library, a feature) is no news of the canary's.
         if failed and all(ch.ok for ch in c.checks if ch.code != "canary"):
             what = ("has not passed its canary on this card (verify: required)"
-                    if failed[0].found == "not verified" else
+                    if failed[0].found.startswith("not verified") else
                     f"failed its canary on this card ({failed[0].found})")
             warnings += (f"{device.id} ({device.name}): {op}{where}={c.backend} {what}; "
                          f"running {winner.backend} instead",)
@@ -395,11 +481,48 @@ def _same_layout(op, catch_all: str, cand: Candidate) -> Candidate:
 
 
 def resolve_in(ctx: Context, op: str, device: DeviceSpec) -> Resolution:
-    """One op on one device (each size bucket too). Logs nothing: warnings ride in the result."""
+    """One op on one device (each size bucket too). Logs nothing: warnings ride in the result.
+    A host's own kernel that may not be split across sizes (Hosted.split False) and wins some
+    sizes only is refused for every size, with a failed `host` check, and the op decided again."""
     _check_op(ctx, op)
     ctx = ctx.for_devices([device])
     pref, names = order(ctx, op, device)
     candidates = evaluate(ctx, op, device, names, pref.backends + tuple(pref.unmeasured))
+    res = _resolve(ctx, op, device, pref, candidates)
+    for _ in range(len(ctx.hosted)):
+        split = _split_host(ctx, res)
+        if split is None:
+            break
+        candidates = [_unsplit(c, res, split) if c.backend == split else c for c in candidates]
+        res = _resolve(ctx, op, device, pref, candidates)
+    return res
+
+
+def _split_host(ctx: Context, res) -> Optional[str]:
+    """The host-run backend that must not be split across sizes and wins some of RES's sizes
+    but not all, or None."""
+    if not res.buckets:
+        return None
+    winners = [b.backend for b in res.buckets]
+    for name in dict.fromkeys(winners):
+        hosted = ctx.hosted.get((res.op, name))
+        if hosted is not None and not hosted.split and len(set(winners)) > 1:
+            return name
+    return None
+
+
+def _unsplit(cand: Candidate, res, name: str) -> Candidate:
+    won = [b.label(res.size_key) for b in res.buckets if b.backend == name]
+    key = res.size_key or "size"
+    check = Check("host", f"{cand.host} for every {key} or none (once capdispatch serves any {key}, the "
+                          f"host's call is switched off for all of them)",
+                  f"the decision for {key} {', '.join(won)} only", False,
+                  f"{res.op}={name} is {cand.host}: it runs only where it wins every {key} (capdispatch "
+                  f"cannot run it for the others)")
+    return attrs.evolve(cand, ok=False, checks=cand.checks + (check,))
+
+
+def _resolve(ctx: Context, op: str, device: DeviceSpec, pref, candidates) -> Resolution:
     backend, source, fallback, downgraded, warnings = _decide(
         ctx, op, device, pref.backends, pref.origin, pref.user, candidates)
     warnings = _measured_elsewhere(ctx, device, pref) + tuple(warnings)
@@ -426,7 +549,6 @@ def resolve_in(ctx: Context, op: str, device: DeviceSpec) -> Resolution:
     return Resolution(op, device, backend, source, fallback, downgraded,
                       tuple(candidates), pref.backends[0], warnings, tuple(buckets), key,
                       layer=pref.kind, user=pref.user)
-
 
 def as_spec(device, *, via="auto", assume_cuda=None) -> DeviceSpec:
     if via not in ("auto", "torch", "nvml"):

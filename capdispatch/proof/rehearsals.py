@@ -114,7 +114,12 @@ def decisions_of(plan, ops=None, *, registry=None, inventory=None) -> dict:
         row = []
         for r in g.per_device.values():
             key = backend_key(registry.backend(op, r.backend), inventory)
-            row.append([key, [[b.upper, b.backend] for b in r.buckets]])
+            # The host engine's own kernel (resolver.Hosted): no rehearsal of capdispatch's is of it.
+            host = r.host_of(r.backend)
+            if host is not None:
+                key = f"{op}/{r.backend} run by the host: {host}"
+            row.append([key, [[b.upper, b.backend] + ([f"run by the host: {r.host_of(b.backend)}"]
+                                                      if r.host_of(b.backend) else []) for b in r.buckets]])
         out[op] = row
     return out
 

@@ -14,6 +14,8 @@ from typing import Optional
 
 import attrs
 
+from capdispatch import extend
+
 from .records import BucketChoice, Decision, GroupSetting, OpChoice
 
 SOURCE = "capdispatch"
@@ -69,7 +71,8 @@ def context_for(release, *, selections=None, selection_origin="selections=", pol
     """The one capdispatch Context a decision reads: the policy files given, the
     policies of SGLang flags, the selections given plus those of SGLang flags, the
     library inventory (LIBS: a profile instead of this machine's) with ASSUME_LIBS,
-    and ENV (CAPDISPATCH_POLICY/SET/STRICT)."""
+    ENV (CAPDISPATCH_POLICY/SET/STRICT), and the release's statements of SGLang's own
+    kernels (Release.hosted: those candidates are judged by them and never bound)."""
     import capdispatch as cd
     field_values = field_values or {}
     flags, forigin = flag_selections(release, field_values)
@@ -81,8 +84,11 @@ def context_for(release, *, selections=None, selection_origin="selections=", pol
             origin = forigin if not selections else f"{selection_origin}, {forigin}"
     given = [] if not policy else ([policy] if isinstance(policy, (str, os.PathLike)) else list(policy))
     pols = given + flag_policy(release, field_values)
+    # The release's statements of what SGLang's own kernels need, where they are not the
+    # libraries capdispatch's adapters call (knobs.yaml `needs`): the decision judges them so.
     return cd.context(policy=pols or None, selections=sels or None, selection_origin=origin,
-                      assume_libs=list(assume_libs or ()) or None, libs=libs, strict=strict, env=env)
+                      assume_libs=list(assume_libs or ()) or None, libs=libs, strict=strict, env=env,
+                      hosted=release.hosted())
 
 
 def context_of(release, inputs, env=None, *, here: bool = False):
@@ -152,26 +158,31 @@ def route_by_native(route, op: str, res, user_env=None):
     site has no environment switch, the op is routed and SGLang's call stays for those
     sizes (bucket_choices)."""
     site = route.site
+    native = next((c for c in res.candidates if c.backend == route.native), None) if route.native else None
+    # SGLang's own kernel by the release's statement (knobs.yaml `needs`), not capdispatch's adapter.
+    stated = f" ({_kernel_of(native.host)})" if native is not None and native.host else ""
     conflicts = user_env_conflicts(route, user_env)
     if conflicts:
         said = ", ".join(f"{n}={u}" for n, u, _ in conflicts)
-        native = next((c for c in res.candidates if c.backend == route.native), None)
         cannot = native is not None and not native.ok
         why = f"the user set {said}: SGLang's own {op} choice kept" + (
-            f"; SGLang's default {site} cannot run there ({native.why_not(exact=True)}), and capdispatch "
+            f"; SGLang's default {site}{stated} cannot run there ({native.why_not(exact=True)}), and capdispatch "
             f"would run {res.backend}" if cannot else "")
         return False, why, why if cannot else None
     rows = _bucket_rows(res)
     own = [r for r in rows if route.native is not None and r[2] == route.native]
     if route.native is not None and len(own) == len(rows):
         picked = f"the decision is {route.native}" if not res.user else f"{route.native} is chosen ({res.source})"
+        if stated:
+            return False, (f"SGLang's own {site} kept ({picked}: {native.host}, judged by the knob map's "
+                           f"statement of what it needs; {extend.HOST_NOT_VERIFIED})"), None
         return False, f"SGLang's own {site} kept ({picked}, the kernel SGLang runs there)", None
     tail, what = "", f"capdispatch {res.backend}"
     if own:
         mine = [r for r in rows if r not in own]
         what = f"capdispatch {', '.join(dict.fromkeys(b for _, _, b in mine))} for {_sizes(mine, res.size_key)}"
         where = _sizes(own, res.size_key)
-        tail = (f"; for {where} the decision is {route.native}, SGLang's own, so SGLang's call stays there"
+        tail = (f"; for {where} the decision is {route.native}, SGLang's own{stated}, so SGLang's call stays there"
                 if not route.env else
                 f"; for {where} capdispatch's {route.native} adapter runs (the switch takes SGLang off its "
                 f"{route.native} call for every size)")
@@ -182,15 +193,20 @@ def route_by_native(route, op: str, res, user_env=None):
         return True, f"explicit choice ({res.source}): {what} runs at {site}{tail}", None
     if route.native is None:
         return False, f"SGLang's own {site} kept ({route.why})", None
-    native = next((c for c in res.candidates if c.backend == route.native), None)
     if native is not None and not native.ok and route.env:
         # The site is a function SGLang takes only under the switches the rank sets.
-        return True, (f"SGLang's default cannot run there ({route.why}): {native.why_not(exact=True)}; capdispatch "
-                      f"{res.backend} runs at {site}, which this rank switches on"), None
+        return True, (f"SGLang's default{stated} cannot run there ({route.why}): {native.why_not(exact=True)}; "
+                      f"capdispatch {res.backend} runs at {site}, which this rank switches on"), None
     if native is not None and not native.ok:
-        return True, f"SGLang's own {site} cannot run there: {native.why_not(exact=True)}", None
+        return True, f"SGLang's own {site}{stated} cannot run there: {native.why_not(exact=True)}", None
     # SGLang's kernel could run, but the decision (a size bucket, mixed_group: uniform) is another one.
     return True, f"{what} runs at {site} ({res.source}){tail}", None
+
+
+def _kernel_of(label: str) -> str:
+    """"sglang-kernel 0.4.5 sgl_kernel.flash_mla" of a host label "SGLang's own kernel (...)"."""
+    head, _, rest = label.partition(" (")
+    return rest[:-1] if rest.endswith(")") else head
 
 
 def _cannot_carry_out(op: str, res, spec, strict: bool) -> Optional[str]:

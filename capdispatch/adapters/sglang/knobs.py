@@ -92,6 +92,10 @@ class Entry:
     routes: tuple = ()            # route names (kind "route")
     why: str = ""
     line: int = 0
+    # `needs` (kind "sglang"): what SGLang's own kernel needs where it is not the library
+    # capdispatch's adapter of BACKEND calls: requirement records (backends.base), by which
+    # the decision judges SGLang's kernel instead of the adapter's. (): the adapter's.
+    needs: tuple = ()
 
 
 @attrs.frozen
@@ -167,6 +171,18 @@ class Release:
     def unmapped_of(self, op: str, backend: Optional[str]) -> Optional[Unmapped]:
         return next((u for u in self.unmapped if (u.op, u.backend) == (op, backend)), None)
 
+    def hosted(self) -> dict:
+        """(op, backend) -> extend.Hosted for every entry with `needs`: the candidates SGLang runs
+        itself with its own kernel, for capdispatch.context(hosted=...). A site whose route sets
+        an environment switch takes SGLang off its own call for every size once any size is
+        routed, so there SGLang's kernel runs for every size or none (split False)."""
+        out = {}
+        for (op, backend), e in self.entries.items():
+            if e.needs:
+                sites = [r for r in self.routes_for(op) if r.native == backend]
+                out[(op, backend)] = extend.Hosted("SGLang", e.needs, split=not any(r.env for r in sites))
+        return out
+
     def sglang_names(self, ops) -> tuple:
         """(kind, name) of every SGLang setting the entries of OPS name, in file order."""
         return tuple(dict.fromkeys((s.kind, s.name) for (op, _), e in self.entries.items()
@@ -200,7 +216,9 @@ _SELECT_KEYS = dict(required=("field", "value", "op"), optional=("backend", "bac
 _ROUTE_KEYS = dict(required=("name", "op", "target", "call"),
                    optional={"native": None, "cc": None, "env": None, "why": "", "runner": None, "prepare": None,
                              "native_by": None})
-_ENTRY_KEYS = {"sglang": None, "route": None, "none": None, "why": ""}
+_ENTRY_KEYS = {"sglang": None, "route": None, "none": None, "why": "", "needs": None}
+# One requirement of an entry's `needs`: its kind (the key it gives) and the keys it takes.
+_NEED_KINDS = {"library": ("version", "module"), "feature": (), "any_feature": (), "cc": (), "platform": ()}
 _ARCH_KEYS = ("module", "probes", "platform", "globals", "jit_arch")
 
 
@@ -455,26 +473,97 @@ def _entries(r, node, where: str, registry, routes) -> tuple:
         for backend, bknode, enode in r.mapping(per, w):
             we = f"{w}.{backend}"
             _backend(r, bknode, we, op, registry)
-            entries[(op, backend)] = _entry(r, enode, we, op, backend, by_name)
+            entries[(op, backend)] = _entry(r, enode, we, op, backend, by_name, routes)
     return entries, lines
 
 
-def _entry(r, node, where: str, op: str, backend: str, by_name: dict) -> Entry:
+def _entry(r, node, where: str, op: str, backend: str, by_name: dict, routes=()) -> Entry:
     """How one (op, backend) runs inside SGLang: its settings, its routes, or none."""
     e = r.fields(node, where, optional=_ENTRY_KEYS)
     kind = _one_of(r, e, node, where, ENTRY_KINDS)
-    settings, routes = (), ()
+    settings, routes_ = (), ()
     if kind == "sglang":
         items = r.sequence(e["sglang"], e.where("sglang"))
         settings = tuple(_setting(r, x, f"{where}.sglang[{j}]") for j, x in enumerate(items))
     elif kind == "route":
-        routes = r.names(e["route"], e.where("route"), list(by_name), noun="route")
-        for name, rnode in zip(routes, r.sequence(e["route"], e.where("route"), one_is_list=True)):
+        routes_ = r.names(e["route"], e.where("route"), list(by_name), noun="route")
+        for name, rnode in zip(routes_, r.sequence(e["route"], e.where("route"), one_is_list=True)):
             if by_name[name].op != op:
                 raise r.err(rnode, f"{where}.route: route {name!r} is a {by_name[name].op} site, not a {op} one")
     elif r.boolean(e["none"], e.where("none")) is not True:
         raise r.err(e["none"], f"{where}.none: expected true, got false")
-    return Entry(op, backend, kind, settings, routes, e.get("why", r.text), r.line(node))
+    needs = ()
+    if e.get("needs") is not None:
+        needs = _needs(r, e["needs"], e.where("needs"), op, backend, kind, routes)
+    return Entry(op, backend, kind, settings, routes_, e.get("why", r.text), r.line(node), needs)
+
+
+def _needs(r, node, where: str, op: str, backend: str, kind: str, routes) -> tuple:
+    """An entry's `needs`: what SGLang's own kernel needs, as requirement records. Only for
+    SGLang's own kernel (kind sglang) at a site whose `native` is this backend."""
+    if kind != "sglang":
+        raise r.err(node, f"{where}: only an entry SGLang runs itself (sglang: [...]) says what SGLang's "
+                          f"own kernel needs; this one is a {kind} entry")
+    sites = [rt for rt in routes if rt.op == op and rt.native == backend and rt.native_by is None]
+    if not sites:
+        natives = ", ".join(sorted({f"{rt.name}: {rt.native}" for rt in routes
+                                    if rt.op == op and rt.native is not None})) or "none"
+        raise r.err(node, f"{where}: no {op} route names {backend} as its native kernel, so no SGLang call "
+                          f"site runs it (valid: an entry of a route's native backend; {op} routes' natives: "
+                          f"{natives})")
+    items = r.sequence(node, where)
+    if not items:
+        raise r.err(node, f"{where}: expected a list of requirements ({', '.join(_NEED_KINDS)}), found an "
+                          f"empty one")
+    out = [_need(r, item, f"{where}[{i}]") for i, item in enumerate(items)]
+    if not any(isinstance(x, extend.Library) for x in out):
+        raise r.err(node, f"{where}: names no library (give the distribution SGLang's kernel comes from: "
+                          f"{{library: DIST, version: RANGE, module: MODULE}})")
+    return tuple(out)
+
+
+def _need(r, node, where: str):
+    """One requirement: {library: DIST, version: RANGE, module: MODULE}, {feature: NAME},
+    {any_feature: [NAME, ...]}, {cc: RANGE} or {platform: cuda|cpu}."""
+    from packaging.utils import canonicalize_name
+    keys = [k for k, _, _ in r.mapping(node, where, valid=tuple(_NEED_KINDS))]
+    kind = next((k for k in keys if k in _NEED_KINDS), None)
+    if kind is None:
+        raise r.err(node, f"{where}: give one of {', '.join(_NEED_KINDS)} (e.g. {{library: sglang-kernel, "
+                          f"version: \">=0.4.5,<0.4.6\", module: sgl_kernel.flash_mla}})")
+    f = r.fields(node, where, required=(kind,), optional=_NEED_KINDS[kind])
+    known = list(extend.feature_names())
+    if kind == "library":
+        dist = r.text(f["library"], f.where("library"), need="a distribution name", nonempty=True)
+        if canonicalize_name(dist) != dist:
+            raise r.err(f["library"], f"{where}.library: {dist!r} is not a distribution's canonical name "
+                                      f"(valid: {canonicalize_name(dist)!r})")
+        if "module" not in f:
+            raise r.err(node, f"{where}: missing 'module' (the module SGLang imports from {dist}: a real "
+                              f"rank checks that it imports)")
+        spec = _range(r, f["version"], f.where("version"), "a version range", "'>=0.4.5,<0.4.6'") \
+            if "version" in f else ""
+        return extend.Library(dist, spec, module=r.text(f["module"], f.where("module"), need="a dotted module name",
+                                                        nonempty=True))
+    if kind == "feature":
+        return extend.Feature(r.name(f["feature"], f.where("feature"), known, noun="device feature"))
+    if kind == "any_feature":
+        names = r.names(f["any_feature"], f.where("any_feature"), known, noun="device feature")
+        return extend.AnyFeature(tuple(names))
+    if kind == "cc":
+        return extend.ComputeCapability(_range(r, f["cc"], f.where("cc"), "a compute-capability range",
+                                               "'>=9.0,<11.0'"))
+    return extend.Platform(r.choice(f["platform"], f.where("platform"), ("cuda", "cpu")))
+
+
+def _range(r, node, where: str, what: str, example: str) -> str:
+    """A version range as written (SpecifierSet would reorder it), checked."""
+    text = r.text(node, where, need=f"{what} such as {example}", nonempty=True)
+    try:
+        SpecifierSet(text)
+    except InvalidSpecifier:
+        raise r.err(node, f"{where}: {text!r} is not {what} (e.g. {example})") from None
+    return text
 
 
 def _unmapped(r, models: dict, entries: dict, lines: dict, where: str, models_where: str, registry) -> tuple:

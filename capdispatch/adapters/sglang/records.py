@@ -173,6 +173,18 @@ class OpChoice:
             return "downgraded" if self.warning else "first"
         return resolution_kind(self.resolution)
 
+    @property
+    def host(self) -> Optional[str]:
+        """Where SGLang's own kernel runs here by the release's statement of what it needs
+        (knobs.yaml `needs`; Resolution.host_of), its label: "SGLang's own kernel
+        (sglang-kernel 0.4.5 sgl_kernel.flash_mla)"; else None."""
+        res = self.resolution
+        if res is None or self.runs is None:
+            return None
+        labels = [res.host_of(b.runs) for b in self.bucket_rows() if b.action == "kept"] if res.buckets \
+            else [res.host_of(self.runs)] if self.action == "kept" else []
+        return next((h for h in labels if h is not None), None)
+
     def bucket_rows(self) -> tuple:
         """The size buckets with what runs there and how: the choice's own per-bucket rows
         (a route keeps SGLang's call for some sizes), else the resolution's buckets carried
@@ -188,7 +200,8 @@ class OpChoice:
     def to_dict(self) -> dict:
         """One op on one rank, as the plan JSON and the rank report give it: what runs, how,
         and why. `backend` is capdispatch's decision (the catch-all bucket's), `runs` the
-        kernel that runs (SGLang's own where kept), `buckets` per size bucket."""
+        kernel that runs (SGLang's own where kept), `host` SGLang's own kernel by the release's
+        statement where it runs, `buckets` per size bucket."""
         res = self.resolution
         key = (res.size_key or "size") if res is not None else "size"
         return {"backend": self.backend, "runs": self.runs, "action": self.action, "routed": self.routed,
@@ -196,6 +209,7 @@ class OpChoice:
                 "setting": [s.label for s in self.setting] if self.setting else None,
                 "source": res.source if res else None,
                 "downgraded_from": res.downgraded_from if res else None,
+                "host": self.host,
                 "size_key": res.size_key if res is not None and res.buckets else None,
                 "buckets": [{key: b.label(), "lower": b.lower, "upper": b.upper, "backend": b.backend,
                              "action": b.action, "runs": b.runs} for b in self.bucket_rows()]}

@@ -51,12 +51,16 @@ def report_path(gpu_id: int, env=None) -> Path:
 
 def _canaries(c) -> dict:
     """backend -> its canary verdict on this card ('verified', 'failed', 'not verified';
-    None: not read, as for a simulated card), for the backends the choice runs."""
+    None: not read, as for a simulated card), for the backends the choice runs; for SGLang's
+    own kernel by the release's statement (Resolution.host_of), on every card, 'not verified
+    by capdispatch (SGLang's own kernel (...))': capdispatch's canary is of its own adapter."""
+    from capdispatch import extend
     res = c.resolution
     if res is None:
         return {}
     names = {res.backend, *(b.backend for b in res.buckets)}
-    return {cand.backend: cand.verification for cand in res.candidates if cand.backend in names}
+    return {cand.backend: f"{extend.HOST_NOT_VERIFIED} ({cand.host})" if cand.host else cand.verification
+            for cand in res.candidates if cand.backend in names}
 
 
 def op_entry(c, route) -> dict:
