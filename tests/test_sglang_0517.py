@@ -26,6 +26,8 @@ SCENARIOS = os.path.join(HERE, "sglang_scenarios_0517.py")
 RIG = "sim:rtx-5090,sim:rtx-3080"
 TIMEOUT = 300
 RELEASE = "0.5.17"
+EMU_3080 = "emu:rtx-3080@sim:h100"       # decided as an RTX 3080, SGLang's facts an H100's
+EMU_5090 = "emu:rtx-5090@sim:h100"
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(os.path.join(sglang_releases.FOLDERS[RELEASE], "sglang")),
                                 reason="needs SGLang 0.5.17 in tests/.releases (the README's test command)")
@@ -71,12 +73,16 @@ def launcher(model):
                    "env": sim},
         "bf16": {"argv": _argv(dsv4, "--tp-size", "2", "--kv-cache-dtype", "bfloat16"), "env": sim},
         "llama": {"argv": _argv(model["llama"], "--tp-size", "2"), "env": sim},
+        "emu": {"argv": _argv(dsv4, "--tp-size", "1"), "env": {"CAPDISPATCH_SGLANG_DEVICES": EMU_3080},
+                "pickle": str(root / "emu.pkl")},
+        "emu_refused": {"argv": _argv(dsv4, "--tp-size", "1"), "env": {"CAPDISPATCH_SGLANG_DEVICES": EMU_5090}},
     }
     path = root / "cases.json"
     path.write_text(json.dumps(list(cases.values())))
     r = _result(_start("launcher", path))
     r["by_name"] = dict(zip(cases, r["cases"]))
     r["record"] = cases["mixed"]["pickle"]
+    r["record_emu"] = cases["emu"]["pickle"]
     return r
 
 
@@ -225,3 +231,31 @@ def test_plan_names_0517_and_runs_its_resolution(model):
                                        "is_sm120_supported": False, "is_blackwell_supported": False,
                                        "get_device_sm": 86}
     assert not any(x["name"].startswith("dsv4_") for x in out["sglang_settings"])
+
+
+def test_an_emulated_rank_decides_as_its_card_with_0517s_facts_the_devices(launcher):
+    """emu:rtx-3080@sim:h100 through 0.5.17's launcher and configure_scheduler_process: the
+    3080's routes at 0.5.17's targets, SGLang's probes and import-time copies the H100's."""
+    c = launcher["by_name"]["emu"]
+    assert "error" not in c, c
+    (info,) = [m for m in _messages(c["logs"], "INFO") if "SGLang launch" in m]
+    assert "cuda:0 NVIDIA GeForce RTX 3080, cc 8.6 (emulated on sim:h100: NVIDIA H100 80GB HBM3, cc 9.0)" in info
+    r = _result(_start("emu", launcher["record_emu"], 0, 0, env={"CAPDISPATCH_SGLANG_DEVICES": EMU_3080}))
+    assert "error" not in r, r
+    assert r["state"]["routes"] == {"kv_quant": None, "kv_dequant": "kv_dequant_triton_u8",
+                                    "indexer": "indexer_triton", "sparse_prefill": "sparse_prefill_triton",
+                                    "decode_mla": "decode_mla_triton", "moe": "moe_triton_w4a16"}
+    f = r["facts"]
+    assert f["probes"] == {"is_sm90_supported": True, "is_sm100_supported": False, "is_sm120_supported": False,
+                           "is_blackwell_supported": False, "get_device_sm": 90}
+    assert f["copies"]["deepseek_v4_backend._is_sm120"] is False and f["copies"]["deepseek_common.utils._device_sm"] == 90
+    assert f["jit_arch"][:2] == [9, 0]
+    assert (r["emulated"]["card"], r["emulated"]["on"], r["emulated"]["device"]) == (
+        "rtx-3080", "sim:h100", "NVIDIA H100 80GB HBM3")
+
+
+def test_an_emulated_5090_on_an_h100_is_refused_at_0517s_launch_and_rank(launcher):
+    e = launcher["by_name"]["emu_refused"]["error"]
+    assert e.startswith("Unsatisfiable: capdispatch: rank 0 (emu:rtx-5090@sim:h100): "), e
+    r = _result(_start("emu", launcher["record_emu"], 0, 0, env={"CAPDISPATCH_SGLANG_DEVICES": EMU_5090}))
+    assert r["error"].startswith("Unsatisfiable: capdispatch: rank 0 (emu:rtx-5090@sim:h100): "), r

@@ -83,12 +83,30 @@ def prepare(server_args, release, *, env=None):
                     "launch-time settings skipped, each rank still decides for its own card",
                     ", ".join(f"cuda:{g}" for g in ids), getattr(exc, "reason", exc))
         return None
+    emus = [gpus.emulation(g, env=env, via="nvml") for g in ids]
     d = decide.decide_launch(specs, release, inputs, env=env)
+    refuse_emulations(release, d, emus)
     for s in d.settings:
         if s.action == "set" and s.kind == "env":
             env[s.name] = s.value
-    setattr(server_args, INPUTS_ATTR, attrs.evolve(inputs, devices=tuple(gpus.describe(s) for s in specs)))
+    setattr(server_args, INPUTS_ATTR, attrs.evolve(inputs, devices=tuple(gpus.describe(s, e)
+                                                                         for s, e in zip(specs, emus))))
     return d
+
+
+def refuse_emulations(release, d, emus) -> None:
+    """Refuse the launch where an emulated rank (emulate.py) cannot run its card's decision
+    on the device that is there: one line naming the rank, before SGLang starts any."""
+    import capdispatch as cd
+
+    from . import emulate
+    for rank, (dev, emu) in enumerate(zip(d.devices, emus)):
+        if emu is None:
+            continue
+        refused = emulate.problems(release, {op: row[dev.id] for op, row in d.choices.items() if dev.id in row},
+                                   emu, rank)
+        if refused:
+            raise cd.Unsatisfiable(f"capdispatch: {refused[0]}")
 
 
 def finish(server_args, release, d) -> None:
@@ -113,7 +131,7 @@ def finish(server_args, release, d) -> None:
     for w in d.warnings:
         log.warning("capdispatch: %s", w)
     log.info("capdispatch: SGLang launch of %s on %s: %s", inputs.reason,
-             "; ".join(gpus.describe(s) for s in d.devices), render.summary(d))
+             "; ".join(inputs.devices or (gpus.describe(s) for s in d.devices)), render.summary(d))
 
 
 _STEPS: set = set()     # per process: the resolution steps whose wrapper is registered
