@@ -8,7 +8,8 @@ own naming and schema. STANDIN_MODE: ok (default), die (exits at start, naming T
 no alternative), STANDIN_SHIFT=X (every logprob moved by X), STANDIN_KV_DTYPE=D (the
 kv_cache_dtype /server_info reports), STANDIN_ROUTED=1 (the report
 routes kv_dequant), STANDIN_NO_REPORT=1; STANDIN_ALWAYS_REPORT=1 writes reports with the
-plugin off too. STANDIN_PIDS=FILE: this process's and a child's pid, for the cleanup tests."""
+plugin off too. A rank whose CAPDISPATCH_SGLANG_DEVICES entry is emu:CARD@cuda:N reports that
+emulation (STANDIN_EMU=wrong: another card's, none: none). STANDIN_PIDS=FILE: this process's and a child's pid, for the cleanup tests."""
 import argparse
 import json
 import os
@@ -39,6 +40,20 @@ if MODE == "die":
     sys.exit(1)
 
 
+def emulated(g):
+    """What the plugin's report says of rank G's emulation: its CAPDISPATCH_SGLANG_DEVICES
+    entry `emu:CARD@cuda:N` (STANDIN_EMU=wrong: another card; none: nothing said)."""
+    listed = [x for x in env.get("CAPDISPATCH_SGLANG_DEVICES", "").split(",") if x]
+    text = listed[g] if g < len(listed) else ""
+    if not text.startswith("emu:") or env.get("STANDIN_EMU") == "none":
+        return None
+    card, _, on = text[4:].partition("@")
+    if env.get("STANDIN_EMU") == "wrong":
+        card = "rtx-5090"
+    return {"card": card, "name": f"stand-in {card}", "cc": "8.6", "on": on, "device": "stand-in card",
+            "device_cc": "9.0", "facts": None, "note": "stand-in"}
+
+
 def write_reports():
     from capdispatch.adapters.sglang import report
     routed = env.get("STANDIN_ROUTED") == "1"
@@ -55,7 +70,7 @@ def write_reports():
             ops[env["STANDIN_EXTRA_OP"]] = {"backend": "torch", "runs": None, "action": "reported", "install": None,
                                             "route": None}
         body = {"schema": report.SCHEMA, "gpu_id": g, "device": {"name": "stand-in card"}, "ops": ops,
-                "agreement": {"agreed": True, "not_carried_out": []}}
+                "agreement": {"agreed": True, "not_carried_out": []}, "emulated": emulated(g)}
         path = report.report_path(g, env)
         os.makedirs(path.parent, exist_ok=True)
         path.write_text(json.dumps(body))
