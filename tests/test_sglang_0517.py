@@ -73,6 +73,13 @@ def launcher(model):
                    "env": sim},
         "bf16": {"argv": _argv(dsv4, "--tp-size", "2", "--kv-cache-dtype", "bfloat16"), "env": sim},
         "llama": {"argv": _argv(model["llama"], "--tp-size", "2"), "env": sim},
+        # Expert parallelism under a launch-wide value whose dispatcher keeps global expert ids.
+        "ep_global": {"argv": _argv(dsv4, "--tp-size", "2", "--ep-size", "2", "--moe-runner-backend",
+                                    "flashinfer_mxfp4"), "env": sim},
+        "ep_auto": {"argv": _argv(dsv4, "--tp-size", "2", "--ep-size", "2"), "env": sim},
+        # The same without NVML: the launch decides nothing, the ranks refuse.
+        "ep_ranks": {"argv": _argv(dsv4, "--tp-size", "2", "--ep-size", "2", "--moe-runner-backend",
+                                   "flashinfer_mxfp4"), "env": {}, "pickle": str(root / "ep.pkl")},
         "emu": {"argv": _argv(dsv4, "--tp-size", "1"), "env": {"CAPDISPATCH_SGLANG_DEVICES": EMU_3080},
                 "pickle": str(root / "emu.pkl")},
         "emu_refused": {"argv": _argv(dsv4, "--tp-size", "1"), "env": {"CAPDISPATCH_SGLANG_DEVICES": EMU_5090}},
@@ -83,6 +90,7 @@ def launcher(model):
     r["by_name"] = dict(zip(cases, r["cases"]))
     r["record"] = cases["mixed"]["pickle"]
     r["record_emu"] = cases["emu"]["pickle"]
+    r["record_ep"] = cases["ep_ranks"]["pickle"]
     return r
 
 
@@ -259,3 +267,28 @@ def test_an_emulated_5090_on_an_h100_is_refused_at_0517s_launch_and_rank(launche
     assert e.startswith("Unsatisfiable: capdispatch: rank 0 (emu:rtx-5090@sim:h100): "), e
     r = _result(_start("emu", launcher["record_emu"], 0, 0, env={"CAPDISPATCH_SGLANG_DEVICES": EMU_5090}))
     assert r["error"].startswith("Unsatisfiable: capdispatch: rank 0 (emu:rtx-5090@sim:h100): "), r
+
+
+def test_expert_parallelism_under_a_global_id_runner_value_is_refused_at_launch_and_rank(launcher):
+    """0.5.17's StandardDispatcher maps expert ids to EP-local ones from the launch-wide
+    moe_runner_backend (skip_local_expert_mapping), not per layer: under flashinfer_mxfp4 a
+    routed layer (the 3080's) would get global ids. One line at launch; where the launch
+    could not decide (no NVML), the routed rank refuses and the rank that keeps SGLang's
+    method does not. Under auto (0.5.17 maps the ids to local) the launch goes ahead."""
+    e = launcher["by_name"]["ep_global"]["error"]
+    assert e == ("Unsatisfiable: capdispatch: SGLang 0.5.17 with --ep-size 2 and moe_runner_backend=flashinfer_mxfp4 "
+                 "is not supported: its dispatcher hands every MoE layer global expert ids under that launch-wide "
+                 "value, and capdispatch's MoE method, routed on cuda:1, takes EP-local ids; give --ep-size 1 or "
+                 "--moe-runner-backend triton (its dispatcher maps the ids to local), or use SGLang 0.5.23 (it maps "
+                 "them per layer)"), e
+    auto = launcher["by_name"]["ep_auto"]
+    assert "error" not in auto, auto
+    assert "error" not in launcher["by_name"]["ep_ranks"]
+    env = {"CAPDISPATCH_SGLANG_DEVICES": RIG}
+    r1 = _result(_start("emu", launcher["record_ep"], 1, 1, env=env))
+    assert r1["error"].startswith("Unsatisfiable: capdispatch: SGLang 0.5.17 with --ep-size 2 and "
+                                  "moe_runner_backend=flashinfer_mxfp4 is not supported"), r1
+    assert "routed on cuda:1," in r1["error"]
+    r0 = _result(_start("emu", launcher["record_ep"], 0, 0, env=env))
+    assert "error" not in r0, r0
+    assert r0["state"]["choices"]["moe"]["action"] == "kept"

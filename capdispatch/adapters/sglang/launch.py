@@ -110,7 +110,9 @@ def refuse_emulations(release, d, emus) -> None:
 
 
 def finish(server_args, release, d) -> None:
-    """After the step: declare the fields, log the summary."""
+    """After the step: declare the fields, log the summary; refuse a MoE route SGLang would
+    hand global expert ids (moe_method.global_ids_refusal)."""
+    import capdispatch as cd
 
     from . import compat, decide, render, gpus
     api = compat.of(release)
@@ -123,6 +125,12 @@ def finish(server_args, release, d) -> None:
         setattr(server_args, INPUTS_ATTR, inputs)
         log.info("capdispatch: SGLang resolved %s; capdispatch's ops do not run", reason)
         return
+    from .moe_method import global_ids_refusal
+    refused = global_ids_refusal(release, lambda f: api.resolved(server_args, f),
+                                 [dev.id for dev in d.devices if "moe" in inputs.ops and
+                                  d.choices.get("moe", {}).get(dev.id) is not None and d.choices["moe"][dev.id].routed])
+    if refused:
+        raise cd.Unsatisfiable(refused)
     fields = {s.name: s.value for s in d.settings if s.action == "set" and s.kind == "field"}
     if fields:
         api.declare(server_args, decide.SOURCE, fields)

@@ -19,6 +19,7 @@ import attrs
 log = logging.getLogger("capdispatch.sglang")
 
 _RANKS: dict = {}     # gpu_id -> RankState of this process's rank (never another GPU's)
+_ARGS: dict = {}      # gpu_id -> that rank's ServerArgs record, for the checks after agreement
 
 
 def device_key(spec, gpu_id: int, emu=None):
@@ -167,6 +168,8 @@ def configure(server_args, gpu_id: int, *, env=None):
     key = device_key(spec, gpu_id, emu)
     mine = apply_routes(release, {op: row[spec.id] for op, row in d.choices.items()}, spec, key, env,
                         inputs.user_env)
+    _ARGS[gpu_id] = server_args
+    _refuse_global_ids(release, server_args, mine, spec)
     d = attrs.evolve(d, choices={op: {spec.id: c} for op, c in mine.items()})
     state = RankState(gpu_id, spec, key, inputs, release, d.resolved, mine, tuple(changes), env,
                       moe_launch=moe_launch, proof=proof_text, emulated=emulated)
@@ -179,6 +182,20 @@ def configure(server_args, gpu_id: int, *, env=None):
     state = _report(state)
     _RANKS[gpu_id] = state
     return state
+
+
+def _refuse_global_ids(release, server_args, mine: dict, spec) -> None:
+    """Refuse this rank where its routed MoE layers would get global expert ids (moe_method)."""
+    import capdispatch as cd
+
+    from . import compat
+    from .moe_method import global_ids_refusal
+    c = mine.get("moe")
+    if c is None or not c.routed or server_args is None:
+        return
+    refused = global_ids_refusal(release, lambda f: compat.of(release).resolved(server_args, f), [spec.id])
+    if refused:
+        raise cd.Unsatisfiable(refused)
 
 
 def _tp_rank(server_args, gpu_id: int) -> int:
@@ -276,6 +293,7 @@ def agree(state, group):
             raise cd.Unsatisfiable(f"capdispatch: {refused[0]}")
     if changed:
         mine = apply_routes(release, mine, state.spec, state.key, state.env, inputs.user_env)
+        _refuse_global_ids(release, _ARGS.get(state.gpu_id), mine, state.spec)
     after = {op: (c.backend, c.action) for op, c in mine.items()}
     if before != after:
         log.info("capdispatch: rank %s after agreement with %d rank(s): %s", me.id,
