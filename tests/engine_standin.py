@@ -2,7 +2,8 @@
 subset of SGLang's HTTP API the rehearsal uses (/health, /server_info, /generate with
 input_ids, return_logprob and top_logprobs_num) and, where SGLang's plugin loader would load
 capdispatch (SGLANG_PLUGINS unset or naming it), one rank report per rank in the plugin's
-own naming and schema. STANDIN_MODE: ok (default), die (exits at start, naming TP0), hang
+own naming and schema. STANDIN_MODE: ok (default), die (exits at start, naming TP0), refuse (the plugin's launch
+step refuses an emulated rank, as SGLang's launcher prints it), hang
 (never ready), crash (dies at the first /generate). With the plugin on: STANDIN_FLIP=K
 (the token at position K becomes the runner-up, a near tie), STANDIN_FAR=K (a token that is
 no alternative), STANDIN_SHIFT=X (every logprob moved by X), STANDIN_KV_DTYPE=D (the
@@ -34,6 +35,15 @@ if env.get("STANDIN_PIDS"):
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     with open(env["STANDIN_PIDS"], "w") as f:
         f.write(f"{os.getpid()} {child.pid}\n")
+
+if MODE == "refuse":        # the plugin's launch step refuses, in SGLang's launcher (no TP tag)
+    print("Traceback (most recent call last):\n  File \"launch_server.py\", line 1, in <module>\n"
+          "capdispatch.errors.Unsatisfiable: capdispatch: rank 0 (emu:rtx-5090@cuda:0): indexer's route for "
+          "the NVIDIA GeForce RTX 5090 is fp8_paged_mqa_logits_torch_sm120, but SGLang on the NVIDIA H100 80GB "
+          "HBM3 (cc 9.0) calls fp8_paged_mqa_logits_torch: the card's route is never called there, and telling "
+          "SGLang the card's architecture would run SGLang's own kernels for cc 12.0 on cc 9.0; emulate a card "
+          "whose SGLang call sites are the device's", flush=True)
+    sys.exit(1)
 
 if MODE == "die":
     print("[2026-12-07 06:00:00 TP0] Scheduler hit an exception: RuntimeError: stand-in fails at start", flush=True)

@@ -252,6 +252,15 @@ def test_an_emulation_the_report_does_not_carry_fails_naming_the_rank(ckpt, monk
     assert not r.ok and "asked to decide as cuda:0 itself" in r.cause
 
 
+def test_an_emulation_the_plugin_refuses_at_launch_names_the_rank_and_the_step(ckpt, monkeypatch):
+    monkeypatch.delenv("CAPDISPATCH_SGLANG_DEVICES", raising=False)
+    r = _run_emulated(ckpt, monkeypatch, device="emu:rtx-5090@cuda:0", STANDIN_MODE="refuse")
+    assert not r.ok and (r.on.step, r.on.rank) == ("start", 0) and r.off is None
+    assert r.cause.startswith("plugin on, rank 0, start: rank 0 of SGLang exited (code 1) during start: "
+                              "capdispatch.errors.Unsatisfiable: capdispatch: rank 0 (emu:rtx-5090@cuda:0): ")
+    assert r.cause.endswith("emulate a card whose SGLang call sites are the device's")
+
+
 def test_an_emulation_beside_a_device_list_of_the_users_is_refused(ckpt, monkeypatch):
     with pytest.raises(RehearseError, match="CAPDISPATCH_SGLANG_DEVICES=sim:h200 is set, but --device emulates"):
         _run_emulated(ckpt, monkeypatch, CAPDISPATCH_SGLANG_DEVICES="sim:h200")

@@ -161,7 +161,7 @@ def configure(server_args, gpu_id: int, *, env=None):
     if emu is not None:
         from . import emulate
         refused = emulate.problems(release, {op: row[spec.id] for op, row in d.choices.items()}, emu,
-                                   _tp_rank(server_args, gpu_id))
+                                   _tp_rank(release, server_args, gpu_id))
         if refused:
             raise cd.Unsatisfiable(f"capdispatch: {refused[0]}")
         emulated = emulate.install(emu, gpu_id)
@@ -198,12 +198,12 @@ def _refuse_global_ids(release, server_args, mine: dict, spec) -> None:
         raise cd.Unsatisfiable(refused)
 
 
-def _tp_rank(server_args, gpu_id: int) -> int:
+def _tp_rank(release, server_args, gpu_id: int) -> int:
     """The rank GPU_ID is in the launch's order (its position among the launch's GPUs)."""
     from . import compat, launch
+    api = compat.of(release)
     try:
-        ids = launch.gpu_ids_of(compat.of(_release()).view(server_args), compat.of(_release()))
-        return ids.index(gpu_id)
+        return launch.gpu_ids_of(api.view(server_args), api).index(gpu_id)
     except Exception:        # a record the launcher did not resolve: the GPU id stands for it
         return gpu_id
 
