@@ -10,7 +10,7 @@ no alternative), STANDIN_SHIFT=X (every logprob moved by X), STANDIN_KV_DTYPE=D 
 kv_cache_dtype /server_info reports), STANDIN_ROUTED=1 (the report
 routes kv_dequant), STANDIN_NO_REPORT=1; STANDIN_ALWAYS_REPORT=1 writes reports with the
 plugin off too. A rank whose CAPDISPATCH_SGLANG_DEVICES entry is emu:CARD@cuda:N reports that
-emulation (STANDIN_EMU=wrong: another card's, none: none). STANDIN_PIDS=FILE: this process's and a child's pid, for the cleanup tests."""
+emulation (STANDIN_EMU=wrong: another card's, none: none, nofacts: no launch facts installed). STANDIN_PIDS=FILE: this process's and a child's pid, for the cleanup tests."""
 import argparse
 import json
 import os
@@ -60,8 +60,9 @@ def emulated(g):
     card, _, on = text[4:].partition("@")
     if env.get("STANDIN_EMU") == "wrong":
         card = "rtx-5090"
+    facts = None if env.get("STANDIN_EMU") == "nofacts" else {"device": on, "card": card, "cc": "8.6"}
     return {"card": card, "name": f"stand-in {card}", "cc": "8.6", "on": on, "device": "stand-in card",
-            "device_cc": "9.0", "facts": None, "note": "stand-in"}
+            "device_cc": "9.0", "facts": facts, "note": "stand-in"}
 
 
 def write_reports():

@@ -247,6 +247,8 @@ def test_an_emulation_the_report_does_not_carry_fails_naming_the_rank(ckpt, monk
     assert "rank 0 (cuda:0): asked to decide as emu:rtx-3080@cuda:0" in r.cause and "emu:rtx-5090@cuda:0" in r.cause
     r = _run_emulated(ckpt, monkeypatch, STANDIN_ROUTED="1", STANDIN_EMU="none")
     assert not r.ok and "says it decided as its own card" in r.cause
+    r = _run_emulated(ckpt, monkeypatch, STANDIN_ROUTED="1", STANDIN_EMU="nofacts")
+    assert not r.ok and "shows no launch facts of rtx-3080 installed on cuda:0" in r.cause
     # a real rank whose report says it emulated: the device list was not the rehearsal's
     r = _run_emulated(ckpt, monkeypatch, device="cuda:0", CAPDISPATCH_SGLANG_DEVICES="emu:rtx-3080@cuda:0")
     assert not r.ok and "asked to decide as cuda:0 itself" in r.cause

@@ -176,6 +176,12 @@ def read_reports(folder: str, gpu_ids, emulated=None) -> tuple:
             said = f"emu:{got[0]}@{got[1]}" if got else "its own card"
             raise ValueError(f"rank {rank} (cuda:{g}): asked to decide as {asked}, its report {path} says it "
                              f"decided as {said}")
+        facts = emu.get("facts") if want is not None else None
+        if want is not None and not (isinstance(facts, dict) and facts.get("device") == f"cuda:{g}"
+                                     and facts.get("card") == want):
+            raise ValueError(f"rank {rank} (cuda:{g}): its report {path} shows no launch facts of {want} "
+                             f"installed on cuda:{g} (emulated.facts: {facts!r}): capdispatch's kernels there "
+                             f"would launch as the device, not the card")
         out.append(RankReport(rank, g, str((d.get("device") or {}).get("name") or f"cuda:{g}"), str(path), ops,
                               None if a is None else bool(a.get("agreed")),
                               tuple(a.get("not_carried_out") or ()) if a else (), emu))
