@@ -3,7 +3,8 @@ builds on, beside the users' face (`capdispatch`).
 
 The registry of declarations (`registry.builtin()`, `Registry`, `Op`, `Backend`), the MoE
 weight record and its one-time preparation (`moe.MoeWeights`, `moe.prepare`), the V4 KV
-layout's constants (`v4_layout.TOKEN_BYTES`: a route tells V4 cache views apart by it), what a
+layout's constants (`v4_layout.TOKEN_BYTES`: a route tells V4 cache views apart by it), an
+emulated card's launch facts for the kernels on a real device (`emulate_card`), what a
 model calls (`model_calls(architecture)`: the one reader of capdispatch/models/calls.yaml), the matrix's
 cells, one reader of each input kind, the shared command-line options (`options.add`,
 `options.Parser`, `options.check_layout`), the one command handler (`command.run`), shell
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 from .backends import Backend, Op, Registry, moe, registry, v4_layout
 from .backends.base import AnyFeature, ComputeCapability, Feature, Library, Platform, TritonTarget
+from .backends.device_facts import emulate_card
 from .dispatch import command, completion, options
 from .dispatch.inputs import device_list, env_flag, op_list
 from .dispatch.render import Cell, Row, wrap, wrap_lines
@@ -40,5 +42,5 @@ __all__ = [
     "ArgumentTypeError", "did_you_mean",
     "Reader", "load_marked", "read_bytes", "write_atomic", "shown", "FileError", "model_calls",
     "Hosted", "HOST_NOT_VERIFIED", "Library", "Feature", "AnyFeature", "ComputeCapability", "Platform",
-    "TritonTarget", "feature_names",
+    "TritonTarget", "feature_names", "emulate_card",
 ]

@@ -2,13 +2,15 @@
 subset of SGLang's HTTP API the rehearsal uses (/health, /server_info, /generate with
 input_ids, return_logprob and top_logprobs_num) and, where SGLang's plugin loader would load
 capdispatch (SGLANG_PLUGINS unset or naming it), one rank report per rank in the plugin's
-own naming and schema. STANDIN_MODE: ok (default), die (exits at start, naming TP0), hang
+own naming and schema. STANDIN_MODE: ok (default), die (exits at start, naming TP0), refuse (the plugin's launch
+step refuses an emulated rank, as SGLang's launcher prints it), hang
 (never ready), crash (dies at the first /generate). With the plugin on: STANDIN_FLIP=K
 (the token at position K becomes the runner-up, a near tie), STANDIN_FAR=K (a token that is
 no alternative), STANDIN_SHIFT=X (every logprob moved by X), STANDIN_KV_DTYPE=D (the
 kv_cache_dtype /server_info reports), STANDIN_ROUTED=1 (the report
 routes kv_dequant), STANDIN_NO_REPORT=1; STANDIN_ALWAYS_REPORT=1 writes reports with the
-plugin off too. STANDIN_PIDS=FILE: this process's and a child's pid, for the cleanup tests."""
+plugin off too. A rank whose CAPDISPATCH_SGLANG_DEVICES entry is emu:CARD@cuda:N reports that
+emulation (STANDIN_EMU=wrong: another card's, none: none, nofacts: no launch facts installed). STANDIN_PIDS=FILE: this process's and a child's pid, for the cleanup tests."""
 import argparse
 import json
 import os
@@ -34,9 +36,33 @@ if env.get("STANDIN_PIDS"):
     with open(env["STANDIN_PIDS"], "w") as f:
         f.write(f"{os.getpid()} {child.pid}\n")
 
+if MODE == "refuse":        # the plugin's launch step refuses, in SGLang's launcher (no TP tag)
+    print("Traceback (most recent call last):\n  File \"launch_server.py\", line 1, in <module>\n"
+          "capdispatch.errors.Unsatisfiable: capdispatch: rank 0 (emu:rtx-5090@cuda:0): indexer's route for "
+          "the NVIDIA GeForce RTX 5090 is fp8_paged_mqa_logits_torch_sm120, but SGLang on the NVIDIA H100 80GB "
+          "HBM3 (cc 9.0) calls fp8_paged_mqa_logits_torch: the card's route is never called there, and telling "
+          "SGLang the card's architecture would run SGLang's own kernels for cc 12.0 on cc 9.0; emulate a card "
+          "whose SGLang call sites are the device's", flush=True)
+    sys.exit(1)
+
 if MODE == "die":
     print("[2026-12-07 06:00:00 TP0] Scheduler hit an exception: RuntimeError: stand-in fails at start", flush=True)
     sys.exit(1)
+
+
+def emulated(g):
+    """What the plugin's report says of rank G's emulation: its CAPDISPATCH_SGLANG_DEVICES
+    entry `emu:CARD@cuda:N` (STANDIN_EMU=wrong: another card; none: nothing said)."""
+    listed = [x for x in env.get("CAPDISPATCH_SGLANG_DEVICES", "").split(",") if x]
+    text = listed[g] if g < len(listed) else ""
+    if not text.startswith("emu:") or env.get("STANDIN_EMU") == "none":
+        return None
+    card, _, on = text[4:].partition("@")
+    if env.get("STANDIN_EMU") == "wrong":
+        card = "rtx-5090"
+    facts = None if env.get("STANDIN_EMU") == "nofacts" else {"device": on, "card": card, "cc": "8.6"}
+    return {"card": card, "name": f"stand-in {card}", "cc": "8.6", "on": on, "device": "stand-in card",
+            "device_cc": "9.0", "facts": facts, "note": "stand-in"}
 
 
 def write_reports():
@@ -55,7 +81,7 @@ def write_reports():
             ops[env["STANDIN_EXTRA_OP"]] = {"backend": "torch", "runs": None, "action": "reported", "install": None,
                                             "route": None}
         body = {"schema": report.SCHEMA, "gpu_id": g, "device": {"name": "stand-in card"}, "ops": ops,
-                "agreement": {"agreed": True, "not_carried_out": []}}
+                "agreement": {"agreed": True, "not_carried_out": []}, "emulated": emulated(g)}
         path = report.report_path(g, env)
         os.makedirs(path.parent, exist_ok=True)
         path.write_text(json.dumps(body))

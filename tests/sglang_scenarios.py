@@ -423,6 +423,25 @@ def rank(inp, gpu_id: int, tp_rank: int, port=None, modes=()) -> None:
     emit(out)
 
 
+def emu(inp, gpu_id: int, tp_rank: int) -> None:
+    """A scheduler process whose CAPDISPATCH_SGLANG_DEVICES entry emulates a card
+    (`emu:NAME@sim:CARD`): its state, SGLang's facts and its report, or the refusal."""
+    import json
+    from capdispatch.adapters.sglang import rank as hooks
+    from capdispatch.adapters.sglang import report
+    try:
+        _, logs = _rank(inp, gpu_id, tp_rank)
+    except Exception as exc:
+        emit({"error": f"{type(exc).__name__}: {exc}"})
+        return
+    st = hooks._RANKS[gpu_id]
+    with open(report.report_path(gpu_id)) as f:
+        rep = json.load(f)
+    emit({"state": _state(gpu_id), "facts": _facts(), "logs": logs, "key": list(st.key),
+          "report": {"emulated": rep["emulated"], "device": rep["device"]["name"],
+                     "verification": rep["verification"]}})
+
+
 # --------------------------------------------------------------------------- KV routes
 
 def _seed() -> int:
@@ -823,6 +842,8 @@ def main(argv) -> None:
         kv(rest[0], int(rest[1]), int(rest[2]))
     elif name == "attn":
         attn(rest[0], int(rest[1]), int(rest[2]))
+    elif name == "emu":
+        emu(rest[0], int(rest[1]), int(rest[2]))
     else:
         raise SystemExit(f"unknown scenario {name!r}")
 

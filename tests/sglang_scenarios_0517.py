@@ -16,6 +16,9 @@ the 0.5.17 stand-ins). Each prints one line `RESULT <json>`.
                          call targets against references; SCENARIO_ASSUME_LIBS=NAME==V,...:
                          the rank's machine has those libraries (its inventory, as
                          --assume-lib says it)
+  emu IN.pkl GPU_ID TP_RANK
+                         a scheduler process whose device entry emulates a card: its state,
+                         facts and report, or the rank's refusal
   plan ARGS...           `dispatch sglang plan ARGS` in this process
 """
 from __future__ import annotations
@@ -179,9 +182,9 @@ def rank(inp, gpu_id: int, tp_rank: int, port: int) -> None:
     if os.environ.get("SCENARIO_ASSUME_LIBS"):
         import attrs
         from capdispatch.adapters.sglang import launch
-        given = getattr(sa, launch.INPUTS_ATTR)
+        given = launch.stashed(sa)
         options = attrs.evolve(given.options, assume_libs=tuple(os.environ["SCENARIO_ASSUME_LIBS"].split(",")))
-        setattr(sa, launch.INPUTS_ATTR, attrs.evolve(given, options=options))
+        launch.stash(sa, attrs.evolve(given, options=options))
     import sglang.srt.managers.scheduler as scheduler
     from sglang.srt.runtime_context import publish
     dp_rank = scheduler.configure_scheduler_process(sa, gpu_id, tp_rank, 0, 0, 0, 0, None, display_tp_rank=tp_rank)
@@ -223,6 +226,28 @@ def rank(inp, gpu_id: int, tp_rank: int, port: int) -> None:
     emit(out)
 
 
+def emu(inp, gpu_id: int, tp_rank: int) -> None:
+    """A scheduler process whose CAPDISPATCH_SGLANG_DEVICES entry emulates a card
+    (`emu:NAME@sim:CARD`): its state, SGLang 0.5.17's facts and its report, or the refusal."""
+    import json
+    logs = capture_logs()
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+    with open(inp, "rb") as f:
+        sa = pickle.load(f)
+    import sglang.srt.managers.scheduler as scheduler
+
+    from capdispatch.adapters.sglang import report
+    try:
+        scheduler.configure_scheduler_process(sa, gpu_id, tp_rank, 0, 0, 0, 0, None, display_tp_rank=tp_rank)
+    except Exception as exc:
+        emit({"error": f"{type(exc).__name__}: {exc}"})
+        return
+    with open(report.report_path(gpu_id)) as f:
+        rep = json.load(f)
+    emit({"state": _state(gpu_id), "facts": _facts(), "logs": logs, "emulated": rep["emulated"]})
+
+
 def plan(args) -> None:
     import contextlib
     import io
@@ -244,6 +269,8 @@ def main(argv) -> None:
         rank(rest[0], int(rest[1]), int(rest[2]), int(rest[3]))
     elif name == "plan":
         plan(rest)
+    elif name == "emu":
+        emu(rest[0], int(rest[1]), int(rest[2]))
     else:
         raise SystemExit(f"unknown scenario {name!r}")
 

@@ -84,6 +84,16 @@ def test_emulate_refuses_what_it_cannot_install():
         DF.emulate("rtx-3080")
 
 
+def test_emulate_card_installs_a_catalog_card_through_the_adapters_face(h200):
+    """extend.emulate_card: what the SGLang plugin's emulated rank calls (it imports the face only)."""
+    from capdispatch import extend
+    f = extend.emulate_card(catalog.simulate("rtx-3080"), 1)
+    assert f.label == "emu:rtx-3080@cuda:1" and DF.facts(CUDA1).sm_count == 68 and DF.facts(CUDA0).sm_count == 132
+    with pytest.raises(ValueError, match="needs a catalog card"):
+        extend.emulate_card(attrs.evolve(catalog.simulate("h200"), id="cuda:0", probe="torch"), 0)
+    assert DF.emulated(0) is None
+
+
 def test_split_counts_read_the_emulated_sm_count(h200):
     from capdispatch.backends.sparse_attention import kernels as K
     args = (CUDA0, 2, 64, 2048)                    # 2 decode tokens, 64 heads, 2048 index entries

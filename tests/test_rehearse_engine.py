@@ -101,7 +101,11 @@ def test_the_plugin_switch_is_sglangs_allow_list():
 def test_devices_and_requests():
     assert launch.gpu_ids(["cuda:1"], 2) == (1, 2)
     assert launch.gpu_ids(["cuda:0,cuda:1"], None) == (0, 1)
-    for bad, words in ((["cuda:0,cuda:2"], "consecutive"), (["emu:rtx-3080@cuda:0"], "cannot emulate"),
+    assert launch.ranks(["emu:rtx-3080@cuda:0"], 2) == ((0, "rtx-3080"), (1, "rtx-3080"))
+    assert launch.ranks(["cuda:1,emu:rtx-3080@cuda:2"], None) == ((1, None), (2, "rtx-3080"))
+    assert launch.devices_value(((1, None), (2, "rtx-3080"))) == "cuda:0,cuda:1,emu:rtx-3080@cuda:2"
+    assert launch.devices_value(((0, None),)) is None
+    for bad, words in ((["cuda:0,cuda:2"], "consecutive"), (["emu:rtx-3080@cpu"], "or emu:rtx-3080@cuda:N"),
                        (["cpu"], "CUDA devices"), (["sim:h200"], "no device to run on")):
         with pytest.raises(RehearseError, match=words):
             launch.gpu_ids(bad, None)
@@ -114,7 +118,7 @@ def test_devices_and_requests():
     (["--device", "cuda:0", "--layers", "3"], "--layers sizes the small model"),
     (["--device", "cuda:0", "--ep", "2"], "--ep sizes the small model"),
     (["--device", "cuda:0", "--no-graphs"], "--no-graphs is the small model's"),
-    (["--device", "emu:rtx-3080@cuda:0"], "cannot emulate a card yet"),
+    (["--device", "emu:rtx-3080@cpu"], "serves on CUDA devices; give cuda:N or emu:rtx-3080@cuda:N"),
     (["--device", "cuda:0", "--steps", "1"], "--steps 1: expected an integer from 2"),
     (["--device", "cuda:0", "--timeout", "0"], "--timeout 0: expected seconds above 0"),
     (["--device", "cuda:0", "--", "--port", "1"], "-- --port: dispatch rehearse sets --port itself"),
@@ -207,6 +211,61 @@ def test_routed_ops_compare_logprobs_within_tolerance(ckpt, monkeypatch):
     assert not r.ok and "logprob differs" in r.cause
     r = _run(ckpt, monkeypatch, STANDIN_ROUTED="1", STANDIN_FAR="1")
     assert not r.ok and "no near tie" in r.cause
+
+
+def _run_emulated(ckpt, monkeypatch, device="emu:rtx-3080@cuda:0", **extra):
+    kw = {k: extra.pop(k) for k in ("out",) if k in extra}
+    return runner.rehearse(ckpt, [device], prompt=32, steps=4, requests=2, server_cmd=STANDIN,
+                           env=_env(**extra), start_timeout=30.0, timeout=10.0, **kw)
+
+
+def test_an_emulated_rank_decides_as_its_card_and_is_compared_within_tolerance(ckpt, monkeypatch, tmp_path):
+    """emu:rtx-3080@cuda:0: the plugin is given the emulation (CAPDISPATCH_SGLANG_DEVICES, read
+    by the launch and every rank), its report must say it, the routed ops make the comparison
+    one of logprob tolerance, and the time prediction (the card's) carries no bar."""
+    from capdispatch.rehearse.engine.render import render
+    monkeypatch.delenv("CAPDISPATCH_SGLANG_DEVICES", raising=False)
+    r = _run_emulated(ckpt, monkeypatch, STANDIN_ROUTED="1", STANDIN_FLIP="2", out=str(tmp_path / "out"))
+    assert r.ok, r.cause
+    (k,) = r.on.reports
+    assert (k.emulated["card"], k.emulated["on"]) == ("rtx-3080", "cuda:0")
+    assert r.routed == ("kv_dequant on rank 0 (triton_u8)",) and not any(c.exact for c in r.comparisons)
+    m = {x.name: x for x in r.measures}
+    assert m["decode TPOT (batch 1)"].bound is None and "cuda:0 as rtx-3080" in m["decode TPOT (batch 1)"].note
+    assert "emulated: decided as the stand-in rtx-3080 (cc 8.6) on cuda:0" in render(r)
+    d = json.loads((tmp_path / "out" / "engine-rehearsal.json").read_text())
+    assert d["on"]["reports"][0]["emulated"]["card"] == "rtx-3080"
+    # the comparison stays one of tolerance: a logprob past it fails
+    r = _run_emulated(ckpt, monkeypatch, STANDIN_ROUTED="1", STANDIN_SHIFT=str(2 * verdict.LOGPROB_TOL))
+    assert not r.ok and "logprob differs" in r.cause
+
+
+def test_an_emulation_the_report_does_not_carry_fails_naming_the_rank(ckpt, monkeypatch):
+    monkeypatch.delenv("CAPDISPATCH_SGLANG_DEVICES", raising=False)
+    r = _run_emulated(ckpt, monkeypatch, STANDIN_ROUTED="1", STANDIN_EMU="wrong")
+    assert not r.ok and r.on.step == "rank reports"
+    assert "rank 0 (cuda:0): asked to decide as emu:rtx-3080@cuda:0" in r.cause and "emu:rtx-5090@cuda:0" in r.cause
+    r = _run_emulated(ckpt, monkeypatch, STANDIN_ROUTED="1", STANDIN_EMU="none")
+    assert not r.ok and "says it decided as its own card" in r.cause
+    r = _run_emulated(ckpt, monkeypatch, STANDIN_ROUTED="1", STANDIN_EMU="nofacts")
+    assert not r.ok and "shows no launch facts of rtx-3080 installed on cuda:0" in r.cause
+    # a real rank whose report says it emulated: the device list was not the rehearsal's
+    r = _run_emulated(ckpt, monkeypatch, device="cuda:0", CAPDISPATCH_SGLANG_DEVICES="emu:rtx-3080@cuda:0")
+    assert not r.ok and "asked to decide as cuda:0 itself" in r.cause
+
+
+def test_an_emulation_the_plugin_refuses_at_launch_names_the_rank_and_the_step(ckpt, monkeypatch):
+    monkeypatch.delenv("CAPDISPATCH_SGLANG_DEVICES", raising=False)
+    r = _run_emulated(ckpt, monkeypatch, device="emu:rtx-5090@cuda:0", STANDIN_MODE="refuse")
+    assert not r.ok and (r.on.step, r.on.rank) == ("start", 0) and r.off is None
+    assert r.cause.startswith("plugin on, rank 0, start: rank 0 of SGLang exited (code 1) during start: "
+                              "capdispatch.errors.Unsatisfiable: capdispatch: rank 0 (emu:rtx-5090@cuda:0): ")
+    assert r.cause.endswith("emulate a card whose SGLang call sites are the device's")
+
+
+def test_an_emulation_beside_a_device_list_of_the_users_is_refused(ckpt, monkeypatch):
+    with pytest.raises(RehearseError, match="CAPDISPATCH_SGLANG_DEVICES=sim:h200 is set, but --device emulates"):
+        _run_emulated(ckpt, monkeypatch, CAPDISPATCH_SGLANG_DEVICES="sim:h200")
 
 
 def test_settings_the_plugin_set_make_the_comparison_one_of_tolerance(ckpt, monkeypatch):

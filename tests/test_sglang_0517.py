@@ -26,6 +26,8 @@ SCENARIOS = os.path.join(HERE, "sglang_scenarios_0517.py")
 RIG = "sim:rtx-5090,sim:rtx-3080"
 TIMEOUT = 300
 RELEASE = "0.5.17"
+EMU_3080 = "emu:rtx-3080@sim:h100"       # decided as an RTX 3080, SGLang's facts an H100's
+EMU_5090 = "emu:rtx-5090@sim:h100"
 
 pytestmark = pytest.mark.skipif(not os.path.isdir(os.path.join(sglang_releases.FOLDERS[RELEASE], "sglang")),
                                 reason="needs SGLang 0.5.17 in tests/.releases (the README's test command)")
@@ -74,6 +76,16 @@ def launcher(model):
         # One H100: SGLang 0.5.17's own FlashMLA and DeepGEMM indexer are judged by its pins.
         "h100": {"argv": _argv(dsv4, "--tp-size", "1"), "env": {"CAPDISPATCH_SGLANG_DEVICES": "sim:h100"},
                  "pickle": str(root / "h100.pkl")},
+        # Expert parallelism under a launch-wide value whose dispatcher keeps global expert ids.
+        "ep_global": {"argv": _argv(dsv4, "--tp-size", "2", "--ep-size", "2", "--moe-runner-backend",
+                                    "flashinfer_mxfp4"), "env": sim},
+        "ep_auto": {"argv": _argv(dsv4, "--tp-size", "2", "--ep-size", "2"), "env": sim},
+        # The same without NVML: the launch decides nothing, the ranks refuse.
+        "ep_ranks": {"argv": _argv(dsv4, "--tp-size", "2", "--ep-size", "2", "--moe-runner-backend",
+                                   "flashinfer_mxfp4"), "env": {}, "pickle": str(root / "ep.pkl")},
+        "emu": {"argv": _argv(dsv4, "--tp-size", "1"), "env": {"CAPDISPATCH_SGLANG_DEVICES": EMU_3080},
+                "pickle": str(root / "emu.pkl")},
+        "emu_refused": {"argv": _argv(dsv4, "--tp-size", "1"), "env": {"CAPDISPATCH_SGLANG_DEVICES": EMU_5090}},
     }
     path = root / "cases.json"
     path.write_text(json.dumps(list(cases.values())))
@@ -81,6 +93,8 @@ def launcher(model):
     r["by_name"] = dict(zip(cases, r["cases"]))
     r["record"] = cases["mixed"]["pickle"]
     r["h100_record"] = cases["h100"]["pickle"]
+    r["record_emu"] = cases["emu"]["pickle"]
+    r["record_ep"] = cases["ep_ranks"]["pickle"]
     return r
 
 
@@ -307,3 +321,56 @@ def test_plan_on_an_h100_judges_sglangs_own_kernels_by_0517s_statement(model, li
         else:
             need = "sgl-deep-gemm>=0.1.5.post1,<0.1.6" if op == "indexer" else "sglang-kernel>=0.4.5,<0.4.6"
             assert f"need {need}, found " in ops[op]["why"] and ops[op]["host"] is None, (op, ops[op])
+
+
+def test_an_emulated_rank_decides_as_its_card_with_0517s_facts_the_devices(launcher):
+    """emu:rtx-3080@sim:h100 through 0.5.17's launcher and configure_scheduler_process: the
+    3080's routes at 0.5.17's targets, SGLang's probes and import-time copies the H100's."""
+    c = launcher["by_name"]["emu"]
+    assert "error" not in c, c
+    (info,) = [m for m in _messages(c["logs"], "INFO") if "SGLang launch" in m]
+    assert "cuda:0 NVIDIA GeForce RTX 3080, cc 8.6 (emulated on sim:h100: NVIDIA H100 80GB HBM3, cc 9.0)" in info
+    r = _result(_start("emu", launcher["record_emu"], 0, 0, env={"CAPDISPATCH_SGLANG_DEVICES": EMU_3080}))
+    assert "error" not in r, r
+    assert r["state"]["routes"] == {"kv_quant": None, "kv_dequant": "kv_dequant_triton_u8",
+                                    "indexer": "indexer_triton", "sparse_prefill": "sparse_prefill_triton",
+                                    "decode_mla": "decode_mla_triton", "moe": "moe_triton_w4a16"}
+    f = r["facts"]
+    assert f["probes"] == {"is_sm90_supported": True, "is_sm100_supported": False, "is_sm120_supported": False,
+                           "is_blackwell_supported": False, "get_device_sm": 90}
+    assert f["copies"]["deepseek_v4_backend._is_sm120"] is False and f["copies"]["deepseek_common.utils._device_sm"] == 90
+    assert f["jit_arch"][:2] == [9, 0]
+    assert (r["emulated"]["card"], r["emulated"]["on"], r["emulated"]["device"]) == (
+        "rtx-3080", "sim:h100", "NVIDIA H100 80GB HBM3")
+
+
+def test_an_emulated_5090_on_an_h100_is_refused_at_0517s_launch_and_rank(launcher):
+    e = launcher["by_name"]["emu_refused"]["error"]
+    assert e.startswith("Unsatisfiable: capdispatch: rank 0 (emu:rtx-5090@sim:h100): "), e
+    r = _result(_start("emu", launcher["record_emu"], 0, 0, env={"CAPDISPATCH_SGLANG_DEVICES": EMU_5090}))
+    assert r["error"].startswith("Unsatisfiable: capdispatch: rank 0 (emu:rtx-5090@sim:h100): "), r
+
+
+def test_expert_parallelism_under_a_global_id_runner_value_is_refused_at_launch_and_rank(launcher):
+    """0.5.17's StandardDispatcher maps expert ids to EP-local ones from the launch-wide
+    moe_runner_backend (skip_local_expert_mapping), not per layer: under flashinfer_mxfp4 a
+    routed layer (the 3080's) would get global ids. One line at launch; where the launch
+    could not decide (no NVML), the routed rank refuses and the rank that keeps SGLang's
+    method does not. Under auto (0.5.17 maps the ids to local) the launch goes ahead."""
+    e = launcher["by_name"]["ep_global"]["error"]
+    assert e == ("Unsatisfiable: capdispatch: SGLang 0.5.17 with --ep-size 2 and moe_runner_backend=flashinfer_mxfp4 "
+                 "is not supported: its dispatcher hands every MoE layer global expert ids under that launch-wide "
+                 "value, and capdispatch's MoE method, routed on cuda:1, takes EP-local ids; give --ep-size 1 or "
+                 "--moe-runner-backend triton (its dispatcher maps the ids to local), or use SGLang 0.5.23 (it maps "
+                 "them per layer)"), e
+    auto = launcher["by_name"]["ep_auto"]
+    assert "error" not in auto, auto
+    assert "error" not in launcher["by_name"]["ep_ranks"]
+    env = {"CAPDISPATCH_SGLANG_DEVICES": RIG}
+    r1 = _result(_start("emu", launcher["record_ep"], 1, 1, env=env))
+    assert r1["error"].startswith("Unsatisfiable: capdispatch: SGLang 0.5.17 with --ep-size 2 and "
+                                  "moe_runner_backend=flashinfer_mxfp4 is not supported"), r1
+    assert "routed on cuda:1," in r1["error"]
+    r0 = _result(_start("emu", launcher["record_ep"], 0, 0, env=env))
+    assert "error" not in r0, r0
+    assert r0["state"]["choices"]["moe"]["action"] == "kept"

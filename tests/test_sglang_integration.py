@@ -28,6 +28,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SCENARIOS = os.path.join(HERE, "sglang_scenarios.py")
 POL = os.path.join(HERE, "policies")
 RIG = "sim:rtx-5090,sim:rtx-3080,sim:rtx-3080"
+EMU_3080 = "emu:rtx-3080@sim:h100"       # decided as an RTX 3080, SGLang's facts an H100's
+EMU_5090 = "emu:rtx-5090@sim:h100"
 TIMEOUT = 300
 
 
@@ -91,6 +93,10 @@ def launcher(model):
                          "env": {**sim, "CAPDISPATCH_POLICY": os.path.join(POL, "error.yaml")}},
         "no_nvml": {"argv": _argv(dsv4, "--tp-size", "2"), "env": {}},
         "llama": {"argv": _argv(model["llama"], "--tp-size", "3"), "env": sim},
+        # An RTX 3080 emulated on an H100, and an RTX 5090 there (tests/test_sglang_integration.py, emulation).
+        "emu": {"argv": _argv(dsv4, "--tp-size", "1"), "env": {"CAPDISPATCH_SGLANG_DEVICES": EMU_3080},
+                "pickle": str(root / "emu.pkl")},
+        "emu_refused": {"argv": _argv(dsv4, "--tp-size", "1"), "env": {"CAPDISPATCH_SGLANG_DEVICES": EMU_5090}},
         "user_tilelang": {"argv": _argv(dsv4, "--tp-size", "3"),
                           "env": {**sim, "SGLANG_OPT_USE_TILELANG_INDEXER": "1"},
                           "pickle": str(root / "user_tilelang.pkl")},
@@ -101,6 +107,7 @@ def launcher(model):
     r["by_name"] = dict(zip(cases, r["cases"]))
     r["record"] = cases["mixed"]["pickle"]
     r["record_user_tilelang"] = cases["user_tilelang"]["pickle"]
+    r["record_emu"] = cases["emu"]["pickle"]
     return r
 
 
@@ -440,6 +447,70 @@ def test_attention_routes_on_an_sm86_rank_run_capdispatchs_kernels_at_sglangs_ca
     assert ix["max_abs_vs_sglang_torch"] <= 3e-2, f"{msg}: {ix}"
     routed = [m for lv, m in r["logs"] if lv == "INFO" and "indexer routed on" in m]
     assert routed and "set SGLANG_FP8_PAGED_MQA_LOGITS_TORCH=true" in routed[0]
+    assert (d["site"], ix["site"]) == ("flash_mla_with_kvcache", "fp8_paged_mqa_logits_torch")
+
+
+# --------------------------------------------------------------------------- emulated ranks
+
+SM86_ROUTES = {"kv_quant": None, "kv_dequant": "kv_dequant_triton_u8", "indexer": "indexer_triton",
+               "sparse_prefill": "sparse_prefill_triton", "decode_mla": "decode_mla_triton", "moe": "moe_triton_w4a16"}
+
+
+def test_an_emulated_rank_decides_as_its_card_with_sglangs_facts_the_devices(launcher):
+    """emu:rtx-3080@sim:h100: the launch and the rank decide as the RTX 3080 (its routes, the
+    real-card sites SGLang calls on the H100 alike); SGLang's own architecture facts are the
+    H100's, so every kernel SGLang runs itself is the one it runs there without the plugin;
+    the report says which card is emulated on which device."""
+    c = launcher["by_name"]["emu"]
+    assert "error" not in c, c
+    (info,) = _messages(c["logs"], "INFO")
+    assert "cuda:0 NVIDIA GeForce RTX 3080, cc 8.6 (emulated on sim:h100: NVIDIA H100 80GB HBM3, cc 9.0)" in info
+    assert "capdispatch triton_u8 on cuda:0" in info
+    r = _run("emu", launcher["record_emu"], 0, 0, env={"CAPDISPATCH_SGLANG_DEVICES": EMU_3080})
+    assert "error" not in r, r
+    assert r["state"]["device"]["name"] == "NVIDIA GeForce RTX 3080"
+    assert r["state"]["routes"] == SM86_ROUTES
+    assert r["key"] == ["cpu", None]          # the device is simulated: its kernels on the CPU
+    f = r["facts"]
+    assert f["platform"] == {"is_sm90": True, "is_sm100": False, "is_sm120": False, "is_blackwell": False,
+                             "device_sm": 90, "device_capability": [9, 0]}
+    assert f["probes"]["is_sm90_supported"] is True and f["probes"]["get_device_sm"] == 90
+    assert f["jit_arch"][:2] == [9, 0]
+    e = r["report"]["emulated"]
+    assert {k: e[k] for k in ("card", "name", "cc", "on", "device", "device_cc")} == {
+        "card": "rtx-3080", "name": "NVIDIA GeForce RTX 3080", "cc": "8.6", "on": "sim:h100",
+        "device": "NVIDIA H100 80GB HBM3", "device_cc": "9.0"}
+    assert e["facts"] is None and "simulated" in e["note"]
+    (line,) = [m for lv, m in r["logs"] if lv == "INFO" and "rank on" in m]
+    assert "(emulated on sim:h100: NVIDIA H100 80GB HBM3, cc 9.0)" in line
+    assert "SGLang's architecture facts: the NVIDIA H100 80GB HBM3's (the device that is there)" in line
+
+
+def test_an_emulated_card_whose_sglang_sites_are_not_the_devices_is_refused_at_launch_and_rank(launcher):
+    """An RTX 5090 on an H100: SGLang reaches its SM120 sites only when told SM120, which would
+    run SGLang's own SM120 kernels on an SM90 card: one line, at launch and on the rank."""
+    e = launcher["by_name"]["emu_refused"]["error"]
+    assert e.startswith("Unsatisfiable: capdispatch: rank 0 (emu:rtx-5090@sim:h100): "), e
+    assert "but SGLang on the NVIDIA H100 80GB HBM3 (cc 9.0) calls" in e and "\n" not in e
+    r = _run("emu", launcher["record_emu"], 0, 0, env={"CAPDISPATCH_SGLANG_DEVICES": EMU_5090})
+    assert r["error"].startswith("Unsatisfiable: capdispatch: rank 0 (emu:rtx-5090@sim:h100): "), r
+    assert "emulate a card whose SGLang call sites are the device's" in r["error"]
+
+
+def test_attention_routes_of_an_emulated_3080_run_at_the_sites_sglang_calls_on_the_device(launcher):
+    """The emulated 3080's routes at SGLang's own call targets, as its DSv4 backend calls them
+    with the H100's facts: capdispatch's Triton kernels (interpreter), the tolerances of
+    test_attention_routes_on_an_sm86_rank_run_capdispatchs_kernels_at_sglangs_call_sites."""
+    r = _run("attn", launcher["record_emu"], 0, 0, env={"CAPDISPATCH_SGLANG_DEVICES": EMU_3080,
+                                                        "TRITON_INTERPRET": "1"})
+    msg = f"seed {r['seed']} (KV_TEST_SEED replays)"
+    assert r["state"]["routes"] == SM86_ROUTES
+    d, ix = r["decode"], r["indexer"]
+    assert "error" not in d and d["routed"] and d["out_rel_err"] <= 1e-2, f"{msg}: {d}"
+    assert d["lse"]["same_nonfinite"] and d["lse"]["max_abs"] <= 1e-3, f"{msg}: {d}"
+    for legacy, c in r["prefill"].items():
+        assert c["out_rel_err"] <= 1e-2, f"{msg} {legacy}: {c}"
+    assert "error" not in ix and ix["routed"] and ix["max_abs_vs_reference"] <= 1e-4, f"{msg}: {ix}"
     assert (d["site"], ix["site"]) == ("flash_mla_with_kvcache", "fp8_paged_mqa_logits_torch")
 
 

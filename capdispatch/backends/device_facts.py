@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-__all__ = ["emulate", "stop_emulating", "emulated", "facts", "for_index", "real", "plan_cache", "sm_count",
+__all__ = ["emulate", "emulate_card", "stop_emulating", "emulated", "facts", "for_index", "real", "plan_cache", "sm_count",
            "capability", "native_fp8"]
 
 _emulated: dict = {}   # CUDA device index -> DeviceFacts of the card emulated on it
@@ -51,6 +51,17 @@ def emulate(f) -> None:
             raise ValueError(f"{f.label}: the card's {field} is unknown; an emulated card needs it")
     _emulated[f.index] = f
     _forget_plans()
+
+
+def emulate_card(spec, index: int):
+    """Launch on cuda:INDEX as the catalog card SPEC (a simulated DeviceSpec), for every
+    thread of this process. Returns the DeviceFacts installed."""
+    from ..capabilities.effective import facts_of
+    f = facts_of(spec, f"cuda:{int(index)}")
+    if not f.emulated:
+        raise ValueError(f"emulate_card needs a catalog card (sim:NAME), got {spec.id!r}")
+    emulate(f)
+    return f
 
 
 def stop_emulating(index: Optional[int] = None) -> None:

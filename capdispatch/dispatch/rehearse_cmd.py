@@ -25,7 +25,8 @@ runnable preference and marked. One device with --tp N stands for N ranks on it.
 The verdict is recorded for SGLang launches on the same cards, software and decisions
 (CAPDISPATCH_REQUIRE_REHEARSAL=1 there requires a passed one).
 --engine sglang: SGLang's launcher on the checkpoint folder, plugin on then off, the same greedy
-requests; after -- come SGLang's own arguments (docs/rehearse.md, Engine rehearsal).
+requests; after -- come SGLang's own arguments (docs/rehearse.md, Engine rehearsal). There
+emu:NAME@cuda:N decides as the card inside SGLang, its routes' kernels on cuda:N.
 exit codes: 0 every rank matched the reference (engine: the plugin-off run); 2 bad input; 3 a rank
 failed, hung or differed.
 """

@@ -46,8 +46,7 @@ def install(dev) -> Installed:
     index = int(dev.run[5:])
     if not dev.emulated:
         return Installed(device_facts.real(index), None, None)
-    f = facts_of(catalog.simulate(dev.decide[4:]), dev.run)
-    device_facts.emulate(f)
+    f = device_facts.emulate_card(catalog.simulate(dev.decide[4:]), index)
     return Installed(f, _cap_memory(index, f.memory, device_facts.real(index).memory), None)
 
 

@@ -152,6 +152,13 @@ class Api0523:
         from sglang.srt.runtime_context import get_device
         return get_device().gpu_id
 
+    def keeps_global_expert_ids(self, runner_backend: str) -> bool:
+        """Whether SGLang's standard dispatcher hands a MoE layer whose method reports no
+        runner (capdispatch's) global expert ids under the launch's RUNNER_BACKEND. 0.5.23
+        keys the mapping on the layer's own runner (StandardDispatcher: the layer's
+        `runner_backend`), so such a layer always gets EP-local ids."""
+        return False
+
 
 # Set by Api0517.resolve_argv while SGLang prepares a record: 0.5.17 resolves inside
 # ServerArgs.__post_init__, so what must be on the record first is applied by the step.
@@ -247,6 +254,16 @@ class Api0517(Api0523):
             return parsed(_resolving, prepare_server_args, argv)
         finally:
             _BEFORE.reset(token)
+
+    # 0.5.17's StandardDispatcher.__init__ sets skip_local_expert_mapping from the
+    # launch-wide get_moe_runner_backend(), not the layer's method: under these values every
+    # layer's top-k ids stay global (and "aiter" maps only its mask, never the ids).
+    GLOBAL_ID_BACKENDS = frozenset({"flashinfer_cutlass", "flashinfer_cutedsl", "flashinfer_trtllm",
+                                    "experimental_sgl_trtllm", "flashinfer_trtllm_routed", "hpc_ops",
+                                    "flashinfer_mxfp4", "aiter"})
+
+    def keeps_global_expert_ids(self, runner_backend: str) -> bool:
+        return str(runner_backend) in self.GLOBAL_ID_BACKENDS
 
     def group_gpu_id(self, kwargs):
         # A draft worker's call comes after its target's, which agreed for the rank.

@@ -103,16 +103,35 @@ def prepare(server_args, release, *, env=None):
                     "launch-time settings skipped, each rank still decides for its own card",
                     ", ".join(f"cuda:{g}" for g in ids), getattr(exc, "reason", exc))
         return None
+    emus = [gpus.emulation(g, env=env, via="nvml") for g in ids]
     d = decide.decide_launch(specs, release, inputs, env=env)
+    refuse_emulations(release, d, emus)
     for s in d.settings:
         if s.action == "set" and s.kind == "env":
             env[s.name] = s.value
-    stash(server_args, attrs.evolve(inputs, devices=tuple(gpus.describe(s) for s in specs)))
+    stash(server_args, attrs.evolve(inputs, devices=tuple(gpus.describe(s, e) for s, e in zip(specs, emus))))
     return d
 
 
+def refuse_emulations(release, d, emus) -> None:
+    """Refuse the launch where an emulated rank (emulate.py) cannot run its card's decision
+    on the device that is there: one line naming the rank, before SGLang starts any."""
+    import capdispatch as cd
+
+    from . import emulate
+    for rank, (dev, emu) in enumerate(zip(d.devices, emus)):
+        if emu is None:
+            continue
+        refused = emulate.problems(release, {op: row[dev.id] for op, row in d.choices.items() if dev.id in row},
+                                   emu, rank)
+        if refused:
+            raise cd.Unsatisfiable(f"capdispatch: {refused[0]}")
+
+
 def finish(server_args, release, d) -> None:
-    """After the step: declare the fields, log the summary."""
+    """After the step: declare the fields, log the summary; refuse a MoE route SGLang would
+    hand global expert ids (moe_method.global_ids_refusal)."""
+    import capdispatch as cd
 
     from . import compat, decide, render, gpus
     api = compat.of(release)
@@ -125,6 +144,12 @@ def finish(server_args, release, d) -> None:
         stash(server_args, inputs)
         log.info("capdispatch: SGLang resolved %s; capdispatch's ops do not run", reason)
         return
+    from .moe_method import global_ids_refusal
+    refused = global_ids_refusal(release, lambda f: api.resolved(server_args, f),
+                                 [dev.id for dev in d.devices if "moe" in inputs.ops and
+                                  d.choices.get("moe", {}).get(dev.id) is not None and d.choices["moe"][dev.id].routed])
+    if refused:
+        raise cd.Unsatisfiable(refused)
     fields = {s.name: s.value for s in d.settings if s.action == "set" and s.kind == "field"}
     if fields:
         api.declare(server_args, decide.SOURCE, fields)
@@ -133,7 +158,7 @@ def finish(server_args, release, d) -> None:
     for w in d.warnings:
         log.warning("capdispatch: %s", w)
     log.info("capdispatch: SGLang launch of %s on %s: %s", inputs.reason,
-             "; ".join(gpus.describe(s) for s in d.devices), render.summary(d))
+             "; ".join(inputs.devices or (gpus.describe(s) for s in d.devices)), render.summary(d))
 
 
 _STEPS: set = set()     # per process: the resolution steps whose wrapper is registered

@@ -19,10 +19,14 @@ import attrs
 log = logging.getLogger("capdispatch.sglang")
 
 _RANKS: dict = {}     # gpu_id -> RankState of this process's rank (never another GPU's)
+_ARGS: dict = {}      # gpu_id -> that rank's ServerArgs record, for the checks after agreement
 
 
-def device_key(spec, gpu_id: int):
-    # A simulated card's kernels run where the test tensors are: the CPU.
+def device_key(spec, gpu_id: int, emu=None):
+    # A simulated card's kernels run where the test tensors are: the CPU; an emulated
+    # card's on the device that is there (the CPU where that device is simulated too).
+    if emu is not None:
+        return ("cuda", gpu_id) if emu.on_cuda else ("cpu", None)
     return ("cpu", None) if spec.simulated else ("cuda", gpu_id)
 
 
@@ -132,13 +136,17 @@ def check_lock(d, env=None) -> tuple:
 def configure(server_args, gpu_id: int, *, env=None):
     """Everything a rank does before its model exists. Returns its RankState."""
 
+    import capdispatch as cd
+
     from . import sglang_facts, decide, moe_plan, proof, render, gpus
     from .records import RankState
     release = _release()
     if release is None:
         return None
-    spec = gpus.device(gpu_id, env=env, via="auto")
-    changes = sglang_facts.correct(spec, release.arch)
+    emu = gpus.emulation(gpu_id, env=env, via="auto")
+    spec = gpus.device(gpu_id, env=env, via="auto") if emu is None else emu.spec
+    # An emulated rank decides as its card; SGLang's own facts stay the device's (emulate.py).
+    changes = sglang_facts.correct(spec if emu is None else emu.real, release.arch)
     inputs = _inputs(server_args, release)
     inputs = attrs.evolve(inputs, user_env=user_env(release, inputs, env))
     moe_launch = moe_plan.record_value(server_args, release, inputs.explicit_fields)
@@ -149,19 +157,55 @@ def configure(server_args, gpu_id: int, *, env=None):
     for w in d.warnings:
         log.warning("capdispatch: %s", w)
     check_lock(d, env)
-    key = device_key(spec, gpu_id)
+    emulated = None
+    if emu is not None:
+        from . import emulate
+        refused = emulate.problems(release, {op: row[spec.id] for op, row in d.choices.items()}, emu,
+                                   _tp_rank(release, server_args, gpu_id))
+        if refused:
+            raise cd.Unsatisfiable(f"capdispatch: {refused[0]}")
+        emulated = emulate.install(emu, gpu_id)
+    key = device_key(spec, gpu_id, emu)
     mine = apply_routes(release, {op: row[spec.id] for op, row in d.choices.items()}, spec, key, env,
                         inputs.user_env)
+    _ARGS[gpu_id] = server_args
+    _refuse_global_ids(release, server_args, mine, spec)
     d = attrs.evolve(d, choices={op: {spec.id: c} for op, c in mine.items()})
     state = RankState(gpu_id, spec, key, inputs, release, d.resolved, mine, tuple(changes), env,
-                      moe_launch=moe_launch, proof=proof_text)
+                      moe_launch=moe_launch, proof=proof_text, emulated=emulated)
     facts = ", ".join(f"{n} {b!r} -> {a!r}" for n, b, a in changes) or "already this card's"
+    if emu is not None:
+        facts = f"the {emu.real.name}'s (the device that is there): {facts}"
     what = render.summary(d, settings=False) if inputs.ops else f"no op to decide ({inputs.reason})"
     log.info("capdispatch: rank on %s (gpu_id %d): %s; SGLang's architecture facts: %s%s",
-             gpus.describe(spec), gpu_id, what, facts, f"; {proof_text}" if proof_text else "")
+             gpus.describe(spec, emu), gpu_id, what, facts, f"; {proof_text}" if proof_text else "")
     state = _report(state)
     _RANKS[gpu_id] = state
     return state
+
+
+def _refuse_global_ids(release, server_args, mine: dict, spec) -> None:
+    """Refuse this rank where its routed MoE layers would get global expert ids (moe_method)."""
+    import capdispatch as cd
+
+    from . import compat
+    from .moe_method import global_ids_refusal
+    c = mine.get("moe")
+    if c is None or not c.routed or server_args is None:
+        return
+    refused = global_ids_refusal(release, lambda f: compat.of(release).resolved(server_args, f), [spec.id])
+    if refused:
+        raise cd.Unsatisfiable(refused)
+
+
+def _tp_rank(release, server_args, gpu_id: int) -> int:
+    """The rank GPU_ID is in the launch's order (its position among the launch's GPUs)."""
+    from . import compat, launch
+    api = compat.of(release)
+    try:
+        return launch.gpu_ids_of(api.view(server_args), api).index(gpu_id)
+    except Exception:        # a record the launcher did not resolve: the GPU id stands for it
+        return gpu_id
 
 
 def _report(state):
@@ -242,8 +286,14 @@ def agree(state, group):
             changed = True
         mine[op] = c
     before = {op: (c.backend, c.action) for op, c in state.choices.items()}
+    if changed and state.emulated is not None:       # the group's decision, on the device that is there
+        from . import emulate, gpus
+        refused = emulate.problems(release, mine, gpus.emulation(state.gpu_id, env=state.env, via="auto"), rank)
+        if refused:
+            raise cd.Unsatisfiable(f"capdispatch: {refused[0]}")
     if changed:
         mine = apply_routes(release, mine, state.spec, state.key, state.env, inputs.user_env)
+        _refuse_global_ids(release, _ARGS.get(state.gpu_id), mine, state.spec)
     after = {op: (c.backend, c.action) for op, c in mine.items()}
     if before != after:
         log.info("capdispatch: rank %s after agreement with %d rank(s): %s", me.id,

@@ -100,6 +100,7 @@ class RankState:
     proof: Optional[str] = None  # the rank's verification line (proof.verified), None on a simulated card
     agreement: Optional[Agreement] = None   # the group's record after agreement (in the report)
     report: Optional[str] = None       # where the rank's report was last written (report.py)
+    emulated: Optional[dict] = None    # the card this rank emulates, and on what (emulate.install)
 
 
 @attrs.frozen

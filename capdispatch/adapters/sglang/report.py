@@ -83,6 +83,7 @@ def build(state, *, proof=None, agreement=None) -> dict:
         "pid": os.getpid(),
         "gpu_id": state.gpu_id,
         "device": state.spec.to_dict(),
+        "emulated": state.emulated,
         "versions": {"capdispatch": cd.__version__, "sglang": versions.installed()},
         "model": state.inputs.model,
         "ops": {op: op_entry(c, state.release.route(op, state.spec)) for op, c in state.choices.items()},

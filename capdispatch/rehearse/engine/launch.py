@@ -52,21 +52,23 @@ class Launch:
 
 def gpu_ids(values, tp: Optional[int]) -> tuple:
     """The ranks' CUDA ordinals from --device values (rehearse's device reader) and --tp: one
-    cuda:N with --tp T is N..N+T-1; several must be consecutive (SGLang places rank R on
-    base + R). An emulated card or the CPU is refused in one line."""
+    cuda:N (or emu:NAME@cuda:N) with --tp T is N..N+T-1; several must be consecutive (SGLang
+    places rank R on base + R). The CPU is refused in one line."""
+    return tuple(g for g, _ in ranks(values, tp))
+
+
+def ranks(values, tp: Optional[int]) -> tuple:
+    """Per rank (CUDA ordinal, the catalog card it emulates or None), from --device and --tp."""
     from .. import devices
     devs = devices.parse_list(values)
     for d in devs:
-        if d.emulated:
-            raise RehearseError(f"--device {d.text}: --engine sglang cannot emulate a card yet (the plugin's "
-                                f"ranks decide from the card NVML reports, or from a sim: entry of "
-                                f"CAPDISPATCH_SGLANG_DEVICES whose routes serve CPU tensors only); give "
-                                f"cuda:N (docs/rehearse.md, Engine rehearsal)")
         if d.run == "cpu":
-            raise RehearseError(f"--device {d.text}: --engine sglang serves on CUDA devices; give cuda:N")
+            raise RehearseError(f"--device {d.text}: --engine sglang serves on CUDA devices; give cuda:N"
+                                + (f" or emu:{d.decide[4:]}@cuda:N" if d.emulated else ""))
     ids = tuple(int(d.run[5:]) for d in devs)
+    cards = tuple(d.decide[4:] if d.emulated else None for d in devs)
     if len(ids) == 1 and tp is not None:
-        return tuple(range(ids[0], ids[0] + tp))
+        return tuple((g, cards[0]) for g in range(ids[0], ids[0] + tp))
     if tp is not None and tp != len(ids):
         raise RehearseError(f"--tp {tp} with {len(ids)} devices: give one device per rank, or one "
                             f"device and --tp")
@@ -74,7 +76,18 @@ def gpu_ids(values, tp: Optional[int]) -> tuple:
         raise RehearseError(f"--device {','.join(d.text for d in devs)}: SGLang puts rank R on "
                             f"cuda:(first + R), so the devices must be consecutive, e.g. "
                             f"cuda:{ids[0]},cuda:{ids[0] + 1}")
-    return ids
+    return tuple(zip(ids, cards))
+
+
+def devices_value(ranked) -> Optional[str]:
+    """The plugin's device list (adapters/sglang/gpus.SIM_ENV) that makes each emulated rank
+    of RANKED ((gpu id, card or None), ...) decide as its card on its GPU: entry N is cuda:N,
+    `emu:CARD@cuda:N` where rank N emulates. None where no rank emulates (NVML's cards)."""
+    if not any(card for _, card in ranked):
+        return None
+    cards = dict(ranked)
+    return ",".join(f"emu:{cards[g]}@cuda:{g}" if cards.get(g) else f"cuda:{g}"
+                    for g in range(max(cards) + 1))
 
 
 def check_bounds(**values) -> None:
@@ -116,13 +129,20 @@ def installed_plugins() -> list:
     return sorted({ep.name for ep in entry_points(group=PLUGIN_GROUP)})
 
 
-def environment(base: dict, *, plugin: bool, report_dir: str, installed=None) -> dict:
+def environment(base: dict, *, plugin: bool, report_dir: str, installed=None,
+                devices: Optional[str] = None) -> dict:
     """BASE with capdispatch's plugin ON (in SGLANG_PLUGINS where the user restricts it) or OFF
     (SGLANG_PLUGINS listing every other plugin: the user's list, else every installed one,
-    else a name that matches none), and the plugin's reports going to REPORT_DIR."""
-    from ...adapters.sglang import report
+    else a name that matches none), the plugin's reports going to REPORT_DIR, and DEVICES
+    (devices_value) as the plugin's device list where a rank emulates a card."""
+    from ...adapters.sglang import gpus, report
     env = dict(base)
     env[report.ENV_DIR] = report_dir
+    if devices is not None:
+        if env.get(gpus.SIM_ENV, devices) != devices:
+            raise RehearseError(f"{gpus.SIM_ENV}={env[gpus.SIM_ENV]} is set, but --device emulates a card "
+                                f"(the rehearsal sets {gpus.SIM_ENV}={devices} for the plugin); unset it")
+        env[gpus.SIM_ENV] = devices
     given = [x.strip() for x in env.get(PLUGINS_ENV, "").split(",") if x.strip()]
     if plugin:
         if given and PLUGIN not in given:

@@ -28,6 +28,10 @@ def render(r) -> str:
     for k in r.on.reports:
         agreed = {None: "not agreed yet", True: "agreed", False: "NOT agreed"}[k.agreed]
         lines.append(f"rank {k.rank}  cuda:{k.gpu_id} {k.device}  (group {agreed}; report {k.path})")
+        if k.emulated:
+            e = k.emulated
+            lines.append(f"  emulated: decided as the {e.get('name')} (cc {e.get('cc')}) on {e.get('on')}, "
+                         f"the {e.get('device')} (cc {e.get('device_cc')}): {e.get('note') or ''}")
         for o in k.ops:
             lines.append(f"  {o.op:<15} {str(o.backend):<24} runs {str(o.runs):<22} {str(o.action):<9} "
                          f"{o.install or ''}")

@@ -36,7 +36,10 @@ def rehearse(model: str, devices, *, tp: Optional[int] = None, prompt: int = 256
     runs as `python SERVER_CMD ARGS` (SGLang's launcher; a stand-in in tests)."""
     from .. import runner as small
     folder_model = launch.checkpoint(model)
-    ids = launch.gpu_ids(devices, tp)
+    ranked = launch.ranks(devices, tp)
+    ids = tuple(g for g, _ in ranked)
+    emulated = {g: card for g, card in ranked if card}
+    listed = launch.devices_value(ranked)
     launch.check_bounds(prompt=prompt, steps=steps, requests=requests, port=port)
     launch.check_timeout("--timeout", timeout)
     launch.check_timeout("--start-timeout", start_timeout)
@@ -45,6 +48,7 @@ def rehearse(model: str, devices, *, tp: Optional[int] = None, prompt: int = 256
     out = _out_dir(out)
     prompts = launch.requests(seed, requests, prompt, shape.vocab)
     base = {k: v for k, v in (os.environ if env is None else env).items()}
+    launch.environment(base, plugin=True, report_dir="", devices=listed)    # a clash refused before any start
     t0 = time.monotonic()
     small._clean_stale_folders()
     from ...processes import terminate_as_interrupt
@@ -56,15 +60,16 @@ def rehearse(model: str, devices, *, tp: Optional[int] = None, prompt: int = 256
             reports = os.path.join(tmp, "reports-on" if plugin else "reports-off")
             os.mkdir(reports)
             lp = launch.Launch(folder_model, ids, port or launch.free_port(), seed, extra)
-            e = launch.environment(base, plugin=plugin, report_dir=reports)
+            e = launch.environment(base, plugin=plugin, report_dir=reports, devices=listed)
             say(f"engine rehearsal: SGLang with capdispatch's plugin {'on' if plugin else 'off'}: starting")
-            run = _serve(lp, e, plugin, server_cmd, prompts, steps, timeout, start_timeout, tmp, reports, out, say)
+            run = _serve(lp, e, plugin, server_cmd, prompts, steps, timeout, start_timeout, tmp, reports, out, say,
+                         emulated)
             runs.append(run)
             if not run.ok:
                 break
     on, off = runs[0], (runs[1] if len(runs) > 1 else None)
     r = _verdict(shape, folder_model, devices, ids, prompt, steps, requests, seed, on, off,
-                 time.monotonic() - t0, out)
+                 time.monotonic() - t0, out, emulated)
     if out:
         _write_out(r, out)
     return r
@@ -92,7 +97,8 @@ def _command(lp: launch.Launch, server_cmd: tuple) -> tuple:
     return ("python", *server_cmd, *lp.argv())
 
 
-def _serve(lp, env, plugin, server_cmd, prompts, steps, timeout, start_timeout, tmp, reports, out, say) -> Run:
+def _serve(lp, env, plugin, server_cmd, prompts, steps, timeout, start_timeout, tmp, reports, out, say,
+           emulated=None) -> Run:
     """One server: start, wait, ask, stop. A failure is the Run's error, named by step."""
     name = f"sglang-plugin-{'on' if plugin else 'off'}.log"
     log = os.path.join(tmp, name)
@@ -154,7 +160,7 @@ def _serve(lp, env, plugin, server_cmd, prompts, steps, timeout, start_timeout, 
     if plugin:
         # Read after a failure too: what the ranks decided and installed before it is evidence.
         try:
-            found = verdict.read_reports(reports, lp.gpu_ids)
+            found = verdict.read_reports(reports, lp.gpu_ids, emulated)
         except ValueError as exc:
             if error is None:
                 step, error = "rank reports", str(exc)
@@ -190,7 +196,7 @@ def _generate(proc, port, log, ids, n, timeout, step) -> dict:
                                   server.rank_in(text), text) from None
 
 
-def _verdict(shape, folder, devices, ids, prompt, steps, requests, seed, on, off, wall, out):
+def _verdict(shape, folder, devices, ids, prompt, steps, requests, seed, on, off, wall, out, emulated=None):
     routed = tuple(f"{o.op} on rank {r.rank} ({o.backend})" for r in on.reports for o in r.routed())
     problems = verdict.report_problems(on.reports) if on.ok else []
     comparisons, differ = (), ()
@@ -213,7 +219,7 @@ def _verdict(shape, folder, devices, ids, prompt, steps, requests, seed, on, off
           and all(c.ok for c in comparisons))
     if ok is False and cause is None:
         cause = "nothing was compared"
-    measures = measures_of(shape, ids, prompt, steps, on)
+    measures = measures_of(shape, ids, prompt, steps, on, emulated)
     declared = model_calls()
     not_called = {o.op: declared.not_called(o.op) for r in on.reports for o in r.ops if declared.get(o.op) is None}
     return verdict.EngineRehearsal("sglang", shape.name, folder, tuple(str(d) for d in devices), len(ids), prompt,
@@ -221,9 +227,11 @@ def _verdict(shape, folder, devices, ids, prompt, steps, requests, seed, on, off
                                    verdict.LOGPROB_TOL, round(wall, 2), out, not_called)
 
 
-def measures_of(shape, ids, prompt, steps, on) -> tuple:
+def measures_of(shape, ids, prompt, steps, on, emulated=None) -> tuple:
     """Measured memory after load (rank 0, SGLang's /server_info) and time (client side) beside
-    `dispatch plan` and `dispatch plan --speed` for the same checkpoint and cards."""
+    `dispatch plan` and `dispatch plan --speed` for the same checkpoint and cards. Where a
+    rank emulates a card, the times are the device's and the prediction the card's: shown,
+    without a bar."""
     mem = on.memory or {}
     tpot = [(r.total_s - r.first_s) / (steps - 1) * 1e3 for r in on.replies]
     pre = [prompt / r.first_s for r in on.replies if r.first_s > 0]
@@ -236,7 +244,7 @@ def measures_of(shape, ids, prompt, steps, on) -> tuple:
     pw = pkv = pt = pp = None
     note_mem = note_time = ""
     try:
-        specs, memplan = _plan(shape, ids, cap if isinstance(cap, int) and cap > 0 else None)
+        specs, memplan = _plan(shape, ids, cap if isinstance(cap, int) and cap > 0 else None, emulated)
         r0 = memplan.ranks[0].memory if memplan.ranks else None
         if r0 is None:
             note_mem = memplan.refusal or "the plan has no memory for rank 0"
@@ -248,10 +256,15 @@ def measures_of(shape, ids, prompt, steps, on) -> tuple:
             note_time = f"not predicted: {exc}"
     except (CapdispatchError, ValueError) as exc:
         note_mem = note_time = f"not predicted: {exc}"
+    time_bound = TIME_BOUND
+    if emulated and not note_time:
+        time_bound = None
+        note_time = (f"emulated rank(s) {', '.join(f'cuda:{g} as {c}' for g, c in sorted(emulated.items()))}: "
+                     f"measured on the device that is there, predicted for the card; no bar")
     return (verdict.Measure("weights after load", "GiB", w, pw, MEMORY_BOUND, note_mem),
             verdict.Measure("KV pool", "GiB", kv, pkv, MEMORY_BOUND,
                             note_mem or f"the plan's pool at SGLang's token capacity ({cap})"),
-            verdict.Measure("decode TPOT (batch 1)", "ms", m_tpot, pt, TIME_BOUND,
+            verdict.Measure("decode TPOT (batch 1)", "ms", m_tpot, pt, time_bound,
                             note_time or f"median over requests of (t[{steps} tokens] - t[1 token]) / {steps - 1}"),
             verdict.Measure("prefill throughput", "tokens/s", m_pre, pp, None,
                             note_time or f"{prompt} tokens / t[1 token], median; includes the HTTP round trip"))
@@ -261,12 +274,16 @@ def _num(v) -> Optional[float]:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
-def _plan(shape, ids, context):
-    """The ranks' cards as the plugin reads them (NVML, or CAPDISPATCH_SGLANG_DEVICES) and
-    `dispatch plan`'s rig plan at CONTEXT tokens, one request."""
+def _plan(shape, ids, context, emulated=None):
+    """The ranks' cards as the plugin reads them (NVML, or CAPDISPATCH_SGLANG_DEVICES; an
+    emulated rank's card from the catalog) and `dispatch plan`'s rig plan at CONTEXT tokens,
+    one request."""
+    import capdispatch as cd
     from ...adapters.sglang import gpus
     from ...dispatch import rigplan
-    specs = [gpus.device(g, via="nvml") for g in ids]
+    emulated = emulated or {}
+    specs = [cd.probe(f"sim:{emulated[g]}").with_id(f"cuda:{g}") if g in emulated else gpus.device(g, via="nvml")
+             for g in ids]
     plan = rigplan.build(shape, specs, tp=len(ids), context=context or rigplan.DEFAULT_CONTEXT, batch=1)
     return specs, plan
 

@@ -50,28 +50,30 @@ def tail(log_path: str, lines: int = TAIL_LINES) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-_RANK = re.compile(r"\bTP(\d+)\b")
+_RANK = re.compile(r"\bTP(\d+)\b|capdispatch: rank (\d+) \(")    # SGLang's tag, or the plugin's refusal
 
 
-_ERROR = re.compile(r"Error|Exception|Traceback|exception")
+_ERROR = re.compile(r"Error|Exception|Traceback|exception|capdispatch\.errors\.")   # the plugin's Unsatisfiable too
 
 
 def rank_in(text: str) -> Optional[int]:
-    """The TP rank SGLang's log names in its last error line (`[... TP1] ... Error`), if any."""
+    """The TP rank SGLang's log names in its last error line (`[... TP1] ... Error`, or the
+    plugin's refusal in the launcher: `...Unsatisfiable: capdispatch: rank 0 (...)`), if any."""
     found = None
     for line in text.splitlines():
         m = _RANK.search(line)
         if m and _ERROR.search(line):
-            found = int(m.group(1))
+            found = int(m.group(1) or m.group(2))
     return found
 
 
 def last_error(text: str) -> str:
-    """The log's last line that names an error (else its last line), cut to 300 characters."""
+    """The log's last line that names an error (else its last line), cut to 600 characters
+    (the plugin's one-line refusals run to about 450)."""
     lines = [x.strip() for x in text.splitlines() if x.strip()]
     errs = [x for x in lines if _ERROR.search(x) and not x.startswith("Traceback")]
     pick = (errs or lines or ["(the log is empty)"])[-1]
-    return pick if len(pick) <= 300 else pick[:297] + "..."
+    return pick if len(pick) <= 600 else pick[:597] + "..."
 
 
 def _opener():

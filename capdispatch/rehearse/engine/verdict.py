@@ -54,6 +54,7 @@ class RankReport:
     ops: tuple                 # OpReport...
     agreed: Optional[bool]     # None: the report predates the group's agreement
     not_carried_out: tuple
+    emulated: Optional[dict] = None   # the card the rank decided as, and on which device (the plugin's)
 
     def routed(self) -> tuple:
         return tuple(o for o in self.ops if o.action == "routed")
@@ -144,9 +145,11 @@ class EngineRehearsal:
         return d
 
 
-def read_reports(folder: str, gpu_ids) -> tuple:
+def read_reports(folder: str, gpu_ids, emulated=None) -> tuple:
     """Each rank's report in FOLDER (where CAPDISPATCH_REPORT_DIR sent them), by the plugin's
-    own naming. Raises ValueError naming the rank for one that is missing or unreadable."""
+    own naming. Raises ValueError naming the rank for one that is missing or unreadable, or
+    whose emulation is not the one asked (EMULATED: gpu id -> catalog card)."""
+    emulated = emulated or {}
     from ...adapters.sglang import report
     from ...safe_io import read_bytes
     out = []
@@ -165,9 +168,23 @@ def read_reports(folder: str, gpu_ids) -> tuple:
         ops = tuple(OpReport(op, e.get("backend"), e.get("runs"), e.get("action"), e.get("install"),
                              e.get("route")) for op, e in (d.get("ops") or {}).items())
         a = d.get("agreement")
+        emu = d.get("emulated")
+        want = emulated.get(g)
+        got = (emu.get("card"), emu.get("on")) if isinstance(emu, dict) else None
+        if (want is None) != (got is None) or (want is not None and got != (want, f"cuda:{g}")):
+            asked = f"emu:{want}@cuda:{g}" if want else f"cuda:{g} itself"
+            said = f"emu:{got[0]}@{got[1]}" if got else "its own card"
+            raise ValueError(f"rank {rank} (cuda:{g}): asked to decide as {asked}, its report {path} says it "
+                             f"decided as {said}")
+        facts = emu.get("facts") if want is not None else None
+        if want is not None and not (isinstance(facts, dict) and facts.get("device") == f"cuda:{g}"
+                                     and facts.get("card") == want):
+            raise ValueError(f"rank {rank} (cuda:{g}): its report {path} shows no launch facts of {want} "
+                             f"installed on cuda:{g} (emulated.facts: {facts!r}): capdispatch's kernels there "
+                             f"would launch as the device, not the card")
         out.append(RankReport(rank, g, str((d.get("device") or {}).get("name") or f"cuda:{g}"), str(path), ops,
                               None if a is None else bool(a.get("agreed")),
-                              tuple(a.get("not_carried_out") or ()) if a else ()))
+                              tuple(a.get("not_carried_out") or ()) if a else (), emu))
     return tuple(out)
 
 
