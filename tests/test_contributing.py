@@ -17,6 +17,8 @@ import pytest
 
 from capdispatch.backends import TritonTarget, build
 from capdispatch.backends.registry import BUILTIN_OP_PACKAGES
+from capdispatch.models import model_calls
+from test_speed_plan import _check_steps, _uncalibrated
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -121,7 +123,7 @@ def test_plan_speed_names_the_new_op_the_model_does_not_call():
     out = json.loads(_cli("plan", "--model", "deepseek-v4-flash", "--device", "sim:h200", "--tp", "4", "--ep", "4",
                           "--dp-attention", "--speed", "--libs", "sglang-0.5.23", "--format", "json"))
     steps = out["speed"]["steps"]
-    assert steps and all(s["step_ms"] > 0 for s in steps)       # the model's own ops are predicted
+    _check_steps(steps)         # the model's own ops are predicted (those h200.yaml has times for)
     for r in (r for s in steps for r in s["ranks"]):
         assert "row_scale" not in {o["op"] for o in r["ops"]}
         assert "DeepseekV4ForCausalLM does not call op 'row_scale'" in r["not_called"]["row_scale"]
@@ -143,18 +145,30 @@ def test_plan_speed_predicts_the_new_op_once_the_model_declaration_lists_it():
             "specs = [cd.probe('sim:h200')]\n"
             "p = cd.plan(specs, shapes=shapes, libs='sglang-0.5.23', log_warnings=False)\n"
             "cal = speed.Calibration('h200', 'row_scale.json', {}, {'row_scale': {'torch': ((1, 0.001), (4096, 0.5))}})\n"
-            "rows = speed.predict(model, shapes, specs, {op: g.per_device for op, g in p.ops.items()},\n"
-            "                     speed.merged(speed.default_calibrations() + [cal]))\n"
-            "print(json.dumps([(r.phase, [(o.op, o.backend, o.ms, o.how) for o in r.ops if o.op == 'row_scale'],\n"
-            "                   r.total is not None, dict(r.not_called)) for r in rows]))\n")
+            "out = []\n"
+            "for cals in ([cal], []):\n"
+            "    rows = speed.predict(model, shapes, specs, {op: g.per_device for op, g in p.ops.items()},\n"
+            "                         speed.merged(speed.default_calibrations() + cals))\n"
+            "    out.append([(r.phase, [(o.op, o.backend, o.ms, o.how) for o in r.ops if o.op == 'row_scale'],\n"
+            "                 r.total is not None, dict(r.not_called)) for r in rows])\n"
+            "print(json.dumps(out))\n")
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert p.returncode == 0, p.stderr
-    rows = json.loads(p.stdout)
-    for phase, mine, total, not_called in rows:
-        assert total and not not_called
+    timed, untimed = json.loads(p.stdout)
+    # A step is predicted when every op it calls has times (the built-in ops h200.yaml lacks, as
+    # a new op is until it is timed on the card, leave theirs unpredicted: tests/test_speed_plan.py).
+    missing = _uncalibrated()
+    for phase, mine, total, not_called in timed:
+        assert not not_called and total == (not (missing & set(model_calls().phase_ops(phase))))
         # Called on every one of Flash's 43 layers in prefill (4096 tokens: 0.5 ms a call), not in decode.
         assert mine == ([["row_scale", "torch", pytest.approx(0.5 * 43), "calibrated"]] if phase == "prefill"
-                        else []), rows
+                        else []), timed
+    # Without its times the declared op is named, and the prefill steps that call it are not predicted.
+    for phase, mine, total, not_called in untimed:
+        assert mine == ([["row_scale", "torch", None, "not predicted: h200.yaml has no row_scale times"]]
+                        if phase == "prefill" else []), untimed
+        if phase == "prefill":
+            assert not total
 
 
 def test_the_rehearsal_names_the_new_op_the_model_does_not_call():

@@ -6,8 +6,14 @@ import pytest
 import capdispatch as cd
 from capdispatch.dispatch import cli
 from capdispatch.dispatch.notices import collapse, ids_text
+from rig_divergence import divergent
 
 RIG = "sim:rtx-5090,sim:rtx-3080,sim:rtx-3080"
+# On RIG by the default policy: the KV, indexer, decode and MoE ops diverge, sparse prefill
+# runs Triton everywhere (any other op: as the plan decides it, tests/rig_divergence.py).
+ON_RIG = {"kv_quant": True, "kv_dequant": True, "indexer": True, "sparse_prefill": False,
+          "decode_mla": True, "moe": True}
+FRAME = 17      # the lines of `explain --brief` around its op rows on RIG at 80 columns
 ASSUME = ["sgl-deep-gemm==0.2.3.post2", "tilelang==0.1.12", "triton==3.9.0", "torch==2.13.0"]
 
 
@@ -77,58 +83,75 @@ def test_adjacent_buckets_of_one_backend_compare_as_one():
 # --- one summary line -------------------------------------------------------------------------
 
 def test_brief_says_the_divergence_in_one_line_and_v_in_full(dispatch):
+    ops, planned = divergent(RIG, ON_RIG)
     rc, out, err = dispatch("explain", "--device", RIG, "--brief")
     assert rc == 0
     (line,) = _warnings(err)
-    assert "mixed group: 5 of 6 ops run different backends on different cards" in line
-    assert "kv_quant, kv_dequant, indexer, decode_mla, moe" in line and "-v shows each" in line
+    assert f"mixed group: {len(ops)} of {len(planned)} ops run different backends on different cards" in line
+    assert f"({', '.join(ops)}; mixed_group: warn" in line and "-v shows each" in line
     assert len(line) <= 200
     assert "; 1 warning(s) on stderr" in out       # the caption counts what stderr shows
     rc, out, err = dispatch("explain", "--device", RIG, "--brief", "-v")
-    assert len(_warnings(err)) == 5 and "; 5 warning(s) on stderr" in out and all("choose different backends" in w for w in _warnings(err))
+    assert len(_warnings(err)) == len(ops) and f"; {len(ops)} warning(s) on stderr" in out
+    assert all("choose different backends" in w for w in _warnings(err))
     # The normal output keeps every warning in full.
     rc, out, err = dispatch("explain", "--device", RIG)
-    assert len(_warnings(err)) == 5
+    assert len(_warnings(err)) == len(ops)
 
 
-def test_the_mixed_rig_brief_fits_a_24_line_screen(dispatch, monkeypatch):
+def test_the_mixed_rig_brief_is_its_op_rows_and_a_fixed_frame(dispatch, monkeypatch):
+    """The matrix has one row per op (the registry's); everything around it (headers,
+    legend, captions, the one summary line) is FRAME lines, whatever the number of ops:
+    with the six ops DeepSeek-V4 calls, 23 lines of an 80 x 24 terminal and the prompt."""
     from capdispatch.dispatch import render
-    monkeypatch.setattr(render, "terminal_width", lambda stream=None: 80)     # an 80 x 24 terminal
+    monkeypatch.setattr(render, "terminal_width", lambda stream=None: 80)     # an 80-column terminal
+    _, planned = divergent(RIG, ON_RIG)
     rc, out, err = dispatch("explain", "--device", RIG, "--brief")
     assert rc == 0
     assert max(len(x) for x in out.splitlines()) <= 80
     # What the terminal shows of stderr's lines, folded at 80 columns.
     shown = out.splitlines() + [w[i:i + 80] for w in err for i in range(0, len(w), 80)]
-    assert len(shown) <= 23, "\n".join(shown)        # and the prompt on the 24th
+    rows = [x for x in out.splitlines() if x.split()[:1] and x.split()[0] in planned]
+    assert [x.split()[0] for x in rows] == planned
+    assert len(shown) - len(rows) <= FRAME, "\n".join(shown)
 
 
 def test_lock_and_a_matching_check_say_the_divergence_once(dispatch, tmp_path):
     path = str(tmp_path / "rig.lock")
+    ops, planned = divergent(RIG, ON_RIG)
     rc, _, err = dispatch("lock", "--device", RIG, "-o", path)
     assert rc == 0
     (line,) = _warnings(err)
-    assert line.startswith("WARNING capdispatch: mixed group: 5 of 6 ops") and "mixed_group: uniform" in line
+    assert line.startswith(f"WARNING capdispatch: mixed group: {len(ops)} of {len(planned)} ops") and "mixed_group: uniform" in line
     rc, out, err = dispatch("lock", "--check", path)
     assert rc == 0 and "match the lock" in out
     assert len(_warnings(err)) == 1
     rc, out, err = dispatch("lock", "--check", path, "-v")
-    assert rc == 0 and len(_warnings(err)) == 5
+    assert rc == 0 and len(_warnings(err)) == len(ops)
 
 
 def test_sglang_plan_brief_prints_the_warnings_it_counts_the_divergences_in_one_line(dispatch):
+    import json
+    rc, out, _ = dispatch("sglang", "plan", "--device", RIG, "--format", "json")
+    assert rc == 0
+    plan = json.loads(out)
+    # The ops the plan decides whose cards choose differently: kv_quant keeps SGLang's store
+    # on every card; the others as on RIG (any other op: as the plan's own warnings say).
+    ops = [op for op in plan["ops"]
+           if any(w.startswith(f"{op}: the group's devices choose different backends") for w in plan["warnings"])]
+    assert {op: op in ops for op in ON_RIG} == {**ON_RIG, "kv_quant": False}
     rc, out, _ = dispatch("sglang", "plan", "--device", RIG, "--brief")
     assert rc == 0
     lines = out.splitlines()
     (caption,) = [ln for ln in lines if ln.startswith("libraries:")]
     assert caption.endswith("; 1 warning(s) below")
     below = "\n".join(lines[lines.index("warnings:") + 1:])
-    # kv_quant keeps SGLang's store on every card: 4 of the 6 ops shown diverge.
-    assert below.split() == ("mixed group: 4 of 6 ops run different backends on different cards "
-                             "(kv_dequant, indexer, decode_mla, moe; mixed_group: warn, default.yaml:7); "
+    assert below.split() == (f"mixed group: {len(ops)} of {len(plan['ops'])} ops run different backends on "
+                             f"different cards ({', '.join(ops)}; mixed_group: warn, default.yaml:7); "
                              "without --brief the plan lists each").split()
     rc, out, _ = dispatch("sglang", "plan", "--device", RIG)
-    assert rc == 0 and "; 4 warning(s) below" in out
-    assert len([ln for ln in out.splitlines() if "choose different backends" in ln]) == 4
+    assert rc == 0 and f"; {len(ops)} warning(s) below" in out
+    assert len([ln for ln in out.splitlines() if "choose different backends" in ln]) == len(ops)
 
 
 # --- ranges -----------------------------------------------------------------------------------
@@ -150,10 +173,11 @@ def test_per_card_warnings_that_differ_only_in_the_card_are_said_once():
 
 def test_128_cards_name_their_ids_as_ranges(dispatch):
     big = ",".join(["sim:rtx-5090"] * 64 + ["sim:rtx-3080"] * 64)
+    ops, _ = divergent(big, ON_RIG, selections=["decode_mla=flashmla"])
     rc, _, err = dispatch("explain", "--device", big, "--brief", "-v", "--set", "decode_mla=flashmla")
     assert rc == 0
     ws = _warnings(err)
-    assert len(ws) == 2 + 5, ws           # one downgrade warning per card kind, five divergences
+    assert len(ws) == 2 + len(ops), ws    # one downgrade warning per card kind, one per divergence
     assert any(w.startswith("WARNING capdispatch: sim:rtx-3080@64-127 (NVIDIA GeForce RTX 3080): "
                             "decode_mla=flashmla") for w in ws)
     div = next(w for w in ws if "kv_quant: the group's" in w)

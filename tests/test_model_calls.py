@@ -38,6 +38,24 @@ def test_calls_per_forward_and_sizes_per_phase():
     assert d.get("row_scale") is None and "does not call op 'row_scale'" in d.not_called("row_scale")
 
 
+def test_an_op_called_twice_per_layer_counts_twice_and_kv_pool_is_read(tmp_path):
+    p = tmp_path / "calls.yaml"
+    p.write_text("schema: 1\narchitectures:\n  A:\n"
+                 "    moe: {layers: every, decode: tokens, per_layer: 2}\n"
+                 "    indexer: {layers: compress_ratio 4, prefill: tokens, per_layer: 3, kv_pool: true}\n"
+                 "    kv_quant: {layers: every, decode: tokens, kv_pool: false}\n")
+    d = C.read(str(p))["A"]
+    shape = cd.load_model("deepseek-v4-flash").for_rank(4, 4, True)
+    assert d.get("moe").per_forward(shape) == 2 * 43 and d.get("moe").per_layer == 2
+    assert d.get("indexer").per_forward(shape) == 3 * 21
+    assert d.get("kv_quant").per_forward(shape) == 43 and d.get("kv_quant").per_layer == 1
+    # The ops that run whatever the KV-cache dtype: those not on the KV pool.
+    assert d.any_kv_cache_dtype == ("moe", "kv_quant")
+    # The packaged declaration: the experts off the pool, the KV ops on it.
+    packaged = C.model_calls()
+    assert "moe" in packaged.any_kv_cache_dtype and "kv_quant" not in packaged.any_kv_cache_dtype
+
+
 def test_the_knob_map_decides_the_declared_ops_and_lists_none_of_its_own(tmp_path):
     # The ops the plugin decides at a launch are the model declaration's, read from it: a knob
     # map that lists them itself, or names an architecture the declaration lacks, is refused.
@@ -67,6 +85,10 @@ def test_the_knob_map_decides_the_declared_ops_and_lists_none_of_its_own(tmp_pat
     ("    moe: {layers: every, decode: rows}\n", ":4: architectures.A.moe.decode: 'rows' is not valid"),
     ("    moe: {layers: every, decode: tokens, scale: [head]}\n", "unknown shape 'head'; did you mean 'heads'?"),
     ("    moe: {layers: every, prefil: tokens}\n", "unknown key 'prefil'; did you mean 'prefill'?"),
+    ("    moe: {layers: every, decode: tokens, per_layer: 0}\n",
+     ":4: architectures.A.moe.per_layer: 0 is not valid (valid: an integer >= 1"),
+    ("    moe: {layers: every, decode: tokens, per_layer: two}\n", "architectures.A.moe.per_layer must be an integer"),
+    ("    moe: {layers: every, decode: tokens, kv_pool: maybe}\n", "architectures.A.moe.kv_pool must be true or false"),
 ])
 def test_a_bad_declaration_is_refused_with_its_line(tmp_path, body, says):
     p = tmp_path / "calls.yaml"
@@ -87,6 +109,6 @@ def test_docs_models_table_is_the_declaration():
     text = open(os.path.join(root, "docs", "models.md"), encoding="utf-8").read()
     table = text.split("## What the model calls", 1)[1].split("\n\n")[2].splitlines()[2:]
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in table]
-    want = [[c.op, c.layers, dict(c.sizes).get("prefill", ""), dict(c.sizes).get("decode", ""),
-             ", ".join(c.scale)] for c in C.model_calls().calls]
+    want = [[c.op, c.layers, str(c.per_layer), dict(c.sizes).get("prefill", ""), dict(c.sizes).get("decode", ""),
+             ", ".join(c.scale), "yes" if c.kv_pool else ""] for c in C.model_calls().calls]
     assert rows == want

@@ -6,8 +6,12 @@ from importlib import metadata
 import pytest
 
 from capdispatch.dispatch.cli import main
+from rig_divergence import divergent
 
 BIG = ",".join(["sim:rtx-5090"] * 64 + ["sim:rtx-3080"] * 32 + ["sim:h200"] * 32)
+# On BIG by the default policy every op DeepSeek-V4 calls diverges (any other op: as the plan
+# decides it, tests/rig_divergence.py).
+ON_BIG = dict.fromkeys(("kv_quant", "kv_dequant", "indexer", "sparse_prefill", "decode_mla", "moe"), True)
 EIGHT = "sim:rtx-5090,sim:rtx-3080,sim:h200,sim:rtx-4090,sim:a100,sim:l40s,sim:rtx-pro-6000,sim:b200"
 
 
@@ -60,9 +64,10 @@ def test_128_cards_group_identical_cards_and_fit_the_width(explain):
     assert "128 devices in 3 columns" in out
     # --brief: the divergences in one summary line; -v: one line per divergent op, each
     # naming every card once, their ids as ranges.
-    assert len(err) == 1 and err[0].startswith("mixed group: 6 of 6 ops run different backends")
+    ops, planned = divergent(BIG, ON_BIG)
+    assert len(err) == 1 and err[0].startswith(f"mixed group: {len(ops)} of {len(planned)} ops run different backends")
     rc, out, err = explain("--device", BIG, "--brief", "-v")
-    assert len(err) == 6 and max(len(w) for w in err) < 450
+    assert len(err) == len(ops) and max(len(w) for w in err) < 450
     assert "sim:rtx-5090@0-63 (64 x NVIDIA GeForce RTX 5090, cc 12.0) -> triton_fp8" in err[0]
 
 

@@ -17,6 +17,7 @@ import tempfile
 import pytest
 
 from capdispatch.models import model_calls
+from rank_routes import assert_routes
 
 # Skip without SGLang, but never import it here: it imports Triton, and Triton
 # decides at import whether to interpret (TRITON_INTERPRET), which other test
@@ -169,10 +170,14 @@ def test_launch_user_bf16_cache_means_no_kv_op(launcher):
     c = launcher["by_name"]["bf16"]
     assert c["fields"]["kv_cache_dtype"] == "bfloat16"
     assert c["declared"] == [] and c["env"] == {"SGLANG_DSV4_KV_LAYOUT": None}
-    assert c["stash"]["ops"] == ["moe"] and c["stash"]["applied"] == {}
+    # The ops the model declaration does not put on the KV pool (the experts among them).
+    anyd = list(model_calls().any_kv_cache_dtype)
+    assert "moe" in anyd and "kv_quant" not in anyd
+    assert c["stash"]["ops"] == anyd and c["stash"]["applied"] == {}
     (info,) = _messages(c["logs"], "INFO")
     assert info.startswith("capdispatch: SGLang launch of kv_cache_dtype=bfloat16: DeepseekV4ForCausalLM's KV "
-                           "and attention ops run with auto or fp8_e4m3 only; moe runs with any on ")
+                           f"and attention ops run with auto or fp8_e4m3 only; {', '.join(anyd)} "
+                           f"run{'s' if len(anyd) == 1 else ''} with any on ")
     assert "moe: SGLang's own kernel on cuda:0; capdispatch triton_w4a16 on cuda:1, cuda:2 (SGLang's " \
            "Mxfp4FlashinferTrtllmMoEMethod under moe_runner_backend=flashinfer_mxfp4 (SGLang's DeepSeek-V4 " \
            "default from device 0 (cuda:0, NVIDIA GeForce RTX 5090)) cannot run on this card" in info
@@ -252,6 +257,8 @@ def test_each_rank_decides_for_its_own_card(ranks):
                                                       "NVIDIA GeForce RTX 3080"]
     assert [s["choices"]["kv_dequant"]["backend"] for s in states] == ["triton_fp8", "triton_u8", "triton_u8"]
     kv = "kv_dequant_triton_u8"
+    # The routes each card gets; any other op of the model is held to the one rule
+    # (tests/rank_routes.py).
     sm86 = {"kv_quant": None, "kv_dequant": kv,
             "indexer": "indexer_triton",
             "sparse_prefill": "sparse_prefill_triton",
@@ -264,12 +271,12 @@ def test_each_rank_decides_for_its_own_card(ranks):
     # moe_runner_backend=auto (Fp8MoEMethod, no MXFP4 kernel) and every rank is routed,
     # the 5090 to capdispatch's FlashInfer SM120 adapter (tests/test_sglang_moe.py
     # launches with device 0's SM120 facts, where the 5090 keeps SGLang's method).
-    assert [s["routes"] for s in states] == [
-        {"kv_quant": None, "kv_dequant": None,
-         "indexer": "indexer_tilelang",
-         "sparse_prefill": None, "decode_mla": None,
-         "moe": "moe_flashinfer_cutlass_w4a8"},
-        sm86, sm86]
+    for s, known in zip(states, [{"kv_quant": None, "kv_dequant": None,
+                                  "indexer": "indexer_tilelang",
+                                  "sparse_prefill": None, "decode_mla": None,
+                                  "moe": "moe_flashinfer_cutlass_w4a8"},
+                                 sm86, sm86], strict=True):
+        assert_routes(s, known)
     assert [s["choices"]["moe"]["action"] for s in states] == ["routed", "routed", "routed"]
     assert all("moe_runner_backend=auto (as SGLang resolved it)" in s["choices"]["moe"]["why"] for s in states)
     assert states[0]["choices"]["sparse_prefill"]["why"] == "SGLang calls no routable sparse_prefill site on this card"

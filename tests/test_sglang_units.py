@@ -51,7 +51,11 @@ def test_knob_map_loads_with_kv_rows(release):
     assert release.route("kv_dequant").native == "triton_fp8"
     assert release.route("kv_quant").native is None
     assert release.models["DeepseekV4ForCausalLM"].ops == model_calls().ops
-    assert release.models["DeepseekV4ForCausalLM"].any_kv_cache_dtype == ("moe",)
+    # Which ops run whatever the KV-cache dtype is the declaration's (its ops not `kv_pool`):
+    # the experts do, the KV, indexer and attention ops work on the fp8 pool.
+    anyd = release.models["DeepseekV4ForCausalLM"].any_kv_cache_dtype
+    assert anyd == tuple(c.op for c in model_calls().calls if not c.kv_pool)
+    assert "moe" in anyd and "kv_quant" not in anyd and "decode_mla" not in anyd
     assert {(s.kind, s.name) for s in release.settings} == {("field", "kv_cache_dtype"),
                                                             ("env", "SGLANG_DSV4_KV_LAYOUT")}
     # The site SGLang calls depends on the card: SM120 has its own decode and indexer entries.
@@ -215,10 +219,31 @@ def test_applicable_ops(release):
     assert decide.applicable_ops(release, "DeepseekV4ForCausalLM", "auto")[0] == dsv4
     assert decide.applicable_ops(release, "DeepseekV4ForCausalLM", "fp8_e4m3")[0] == dsv4
     ops, why = decide.applicable_ops(release, "DeepseekV4ForCausalLM", "bfloat16")
-    # The experts run whatever the KV-cache dtype; the KV and attention ops need the fp8 pool.
-    assert ops == ("moe",) and "kv_cache_dtype=bfloat16" in why and "moe runs with any" in why
+    # The experts run whatever the KV-cache dtype; the KV and attention ops need the fp8 pool:
+    # what the model declaration says (`kv_pool`), read from there.
+    assert ops == tuple(c.op for c in model_calls().calls if not c.kv_pool)
+    assert "moe" in ops and "kv_quant" not in ops and "decode_mla" not in ops
+    assert "kv_cache_dtype=bfloat16" in why and f"{', '.join(ops)} run{'s' if len(ops) == 1 else ''} with any" in why
     assert decide.applicable_ops(release, "LlamaForCausalLM", "auto")[0] == ()
     assert decide.applicable_ops(release, None, "auto")[0] == ()
+
+
+def test_which_ops_run_under_any_kv_dtype_is_read_from_the_model_declaration(tmp_path, monkeypatch):
+    """The knob map says under which KV-cache dtypes the pool is kept; which ops need it is the
+    declaration's `kv_pool`: a declaration that puts the experts on the pool and takes
+    kv_dequant off it moves them across."""
+    from capdispatch.models import calls
+    text = open(calls._path(), encoding="utf-8").read()
+    moe = next(ln for ln in text.splitlines() if ln.strip().startswith("moe:"))
+    deq = next(ln for ln in text.splitlines() if ln.strip().startswith("kv_dequant:"))
+    assert moe.endswith("}") and ", kv_pool: true}" in deq
+    edited = tmp_path / "calls.yaml"
+    edited.write_text(text.replace(moe, moe[:-1] + ", kv_pool: true}").replace(deq, deq.replace(", kv_pool: true", "")))
+    monkeypatch.setattr(calls, "_path", lambda: str(edited))
+    rel = knobs.load.__wrapped__(knobs.DEFAULT_PATH).release(VERSION)     # read now, not the cached map
+    ops, why = decide.applicable_ops(rel, "DeepseekV4ForCausalLM", "bfloat16")
+    assert "kv_dequant" in ops and "moe" not in ops and "kv_dequant" in why
+    assert decide.applicable_ops(rel, "DeepseekV4ForCausalLM", "auto")[0] == model_calls().ops
 
 
 def test_route_wrappers_pass_what_they_do_not_cover_to_sglang():

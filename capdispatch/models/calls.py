@@ -1,5 +1,5 @@
 """What a model calls of capdispatch's ops (calls.yaml): per architecture, each op, on which
-layers and at what size per phase. The one declaration `plan --speed`, the rehearsal and the
+layers, how many times per layer, at what size per phase, and whether it works on the KV pool. The one declaration `plan --speed`, the rehearsal and the
 SGLang knob map's check read; pure Python, read on each call (a few lines, nothing cached)."""
 from __future__ import annotations
 
@@ -29,18 +29,24 @@ class CallsError(ModelError):
 
 @attrs.frozen
 class OpCalls:
-    """One op a model calls: LAYERS ("every", or "compress_ratio N"), and per phase the size
-    of one call ("tokens" or "requests"; a phase absent: not called in it)."""
+    """One op a model calls: LAYERS ("every", or "compress_ratio N"), PER_LAYER calls on each
+    of them, and per phase the size of one call ("tokens" or "requests"; a phase absent: not
+    called in it). KV_POOL: it reads or writes the model's KV pool, so it runs only where the
+    KV cache is that pool (an engine's adapter says under which KV-cache dtypes it is)."""
     op: str
     layers: str
     sizes: tuple            # ((phase, "tokens" | "requests"), ...) in PHASES' order
     scale: tuple = ()       # the rank's shapes its work grows with (SCALES)
+    per_layer: int = 1      # calls on each layer that calls it
+    kv_pool: bool = False   # works on the KV pool: runs under the pool's KV-cache dtypes only
 
     def per_forward(self, shape) -> int:
-        """Calls in one forward of SHAPE (a ModelShape or RankShape): its layers that call it."""
+        """Calls in one forward of SHAPE (a ModelShape or RankShape): PER_LAYER on each of its
+        layers that call it."""
         ratios = tuple(shape.compress_ratios)[:shape.layers]
         m = _LAYERS.fullmatch(self.layers)
-        return shape.layers if m[1] is None else sum(1 for r in ratios if r == int(m[1]))
+        layers = shape.layers if m[1] is None else sum(1 for r in ratios if r == int(m[1]))
+        return layers * self.per_layer
 
     def size(self, phase: str, n: int, next_n: int) -> Optional[int]:
         """The op's size in one call of PHASE for N (decode: requests; prefill: prompt
@@ -73,6 +79,11 @@ class ModelCalls:
     def phase_ops(self, phase: str) -> tuple:
         return tuple(c.op for c in self.calls if dict(c.sizes).get(phase))
 
+    @property
+    def any_kv_cache_dtype(self) -> tuple:
+        """The ops that run whatever the KV-cache dtype: those not declared `kv_pool`."""
+        return tuple(c.op for c in self.calls if not c.kv_pool)
+
 
 def _path() -> str:
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), DATA)
@@ -97,7 +108,7 @@ def read(path: Optional[str] = None, *, valid_ops=None) -> dict:
         for op, onode, body in r.mapping(node, where):
             r.name(onode, where, valid_ops, noun="op")
             w = f"{where}.{op}"
-            f = r.fields(body, w, required=("layers",), optional=PHASES + ("scale",))
+            f = r.fields(body, w, required=("layers",), optional=PHASES + ("scale", "per_layer", "kv_pool"))
             layers = r.text(f["layers"], f.where("layers"), need="every or compress_ratio N")
             if not _LAYERS.fullmatch(layers):
                 raise r.err(f["layers"], f"{f.where('layers')}: {layers!r} is not valid "
@@ -106,7 +117,12 @@ def read(path: Optional[str] = None, *, valid_ops=None) -> dict:
             if not sizes:
                 raise r.err(body, f"{w}: names no phase (give prefill, decode or both)")
             scale = r.names(f["scale"], f.where("scale"), SCALES, noun="shape") if "scale" in f else ()
-            calls.append(OpCalls(op, layers, sizes, scale))
+            per_layer = r.integer(f["per_layer"], f.where("per_layer")) if "per_layer" in f else 1
+            if per_layer < 1:
+                raise r.err(f["per_layer"], f"{f.where('per_layer')}: {per_layer} is not valid "
+                                            f"(valid: an integer >= 1, the calls on each layer)")
+            kv_pool = r.boolean(f["kv_pool"], f.where("kv_pool")) if "kv_pool" in f else False
+            calls.append(OpCalls(op, layers, sizes, scale, per_layer, kv_pool))
         out[arch] = ModelCalls(arch, f"{r.path}:{r.line(knode)}", tuple(calls))
     return out
 

@@ -23,8 +23,10 @@ ACTIONS = ("routed", "kept", "reported")
 
 
 def applicable_ops(release, model_arch: Optional[str], kv_cache_dtype: Optional[str]):
-    """(ops, reason): the capdispatch ops this model runs with this KV-cache dtype, then the
-    plugins' ops no model lists (decided and reported: the knob map says what to add)."""
+    """(ops, reason): the capdispatch ops this model runs with this KV-cache dtype (outside the
+    knob map's kv_cache_dtypes, only those the model declaration does not mark `kv_pool`:
+    capdispatch/models/calls.yaml), then the plugins' ops no model lists (decided and
+    reported: the knob map says what to add)."""
     if not model_arch:
         return (), "the model architecture is unknown"
     model = release.models.get(model_arch)

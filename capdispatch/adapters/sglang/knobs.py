@@ -135,9 +135,9 @@ class Hooks:
 
 @attrs.frozen
 class Model:
-    ops: tuple
-    kv_cache_dtypes: tuple
-    any_kv_cache_dtype: tuple = ()    # ops that run whatever the KV-cache dtype
+    ops: tuple                        # the model declaration's (capdispatch/models/calls.yaml)
+    kv_cache_dtypes: tuple            # the KV-cache dtypes SGLang keeps the model's KV pool in
+    any_kv_cache_dtype: tuple = ()    # the declaration's ops not on the KV pool: run under any
 
 
 @attrs.frozen
@@ -298,22 +298,24 @@ def _hooks(r, node, where: str) -> Hooks:
 
 
 def _models(r, node, where: str, registry) -> dict:
-    """Architecture -> Model: the ops a model runs are its declaration's (extend.model_calls,
-    capdispatch/models/calls.yaml); the knob map says under which KV-cache dtypes."""
+    """Architecture -> Model: the ops a model runs, and which of them work on its KV pool, are
+    its declaration's (extend.model_calls, capdispatch/models/calls.yaml); the knob map says
+    under which KV-cache dtypes SGLang keeps that pool."""
     out = {}
     for arch, anode, mnode in r.mapping(node, where):
         w = f"{where}.{arch}"
-        m = r.fields(mnode, w, required=("kv_cache_dtypes",), optional={"any_kv_cache_dtype": None})
+        m = r.fields(mnode, w, required=("kv_cache_dtypes",))
         try:
-            ops = extend.model_calls(arch).ops
+            declared = extend.model_calls(arch)
         except cd.ModelError as e:
             raise r.err(anode, f"{w}: {e}") from None
+        ops = declared.ops
         unknown = [op for op in ops if op not in registry.ops]
         if unknown:
             raise r.err(anode, f"{w}: the model calls {', '.join(unknown)}, which no registered op is "
                                f"(registered: {', '.join(registry.ops)})")
-        anyd = m.get("any_kv_cache_dtype", r.names, valid=ops, noun="op of the model") or ()
-        out[arch] = Model(ops, r.names(m["kv_cache_dtypes"], m.where("kv_cache_dtypes"), noun="dtype"), anyd)
+        out[arch] = Model(ops, r.names(m["kv_cache_dtypes"], m.where("kv_cache_dtypes"), noun="dtype"),
+                          declared.any_kv_cache_dtype)
     return out
 
 
