@@ -362,3 +362,18 @@ def _owner(name):
         return int(open(os.path.join(tempfile.gettempdir(), name, small.OWNER_FILE)).read())
     except (OSError, ValueError):
         return None
+
+
+def test_the_weights_predicted_are_those_sglang_loads_without_speculative_decoding(ckpt, monkeypatch):
+    """SGLang loads the MTP (next-n) layers only for speculative decoding: without a
+    --speculative-* argument the prediction plans one token a step and no MTP weights (an
+    H100 run of 0.5.17 loaded 16.40 GiB of a checkpoint whose MTP layer is 3.35 GiB)."""
+    from capdispatch.models import load_model
+    assert runner.next_n_of(("--mem-fraction-static", "0.8")) == 1
+    assert runner.next_n_of(("--speculative-algorithm", "EAGLE")) is None
+    monkeypatch.setenv("CAPDISPATCH_SGLANG_DEVICES", "sim:h200")
+    shape = load_model(ckpt)
+    assert shape.mtp >= 1
+    plain = runner._plan(shape, [0], None)[1].ranks[0].memory.weight_bytes
+    spec = runner._plan(shape, [0], None, next_n=runner.next_n_of(("--speculative-algorithm", "EAGLE")))[1]
+    assert spec.ranks[0].memory.weight_bytes > plain

@@ -69,7 +69,7 @@ def rehearse(model: str, devices, *, tp: Optional[int] = None, prompt: int = 256
                 break
     on, off = runs[0], (runs[1] if len(runs) > 1 else None)
     r = _verdict(shape, folder_model, devices, ids, prompt, steps, requests, seed, on, off,
-                 time.monotonic() - t0, out, emulated)
+                 time.monotonic() - t0, out, emulated, next_n_of(extra))
     if out:
         _write_out(r, out)
     return r
@@ -196,7 +196,8 @@ def _generate(proc, port, log, ids, n, timeout, step) -> dict:
                                   server.rank_in(text), text) from None
 
 
-def _verdict(shape, folder, devices, ids, prompt, steps, requests, seed, on, off, wall, out, emulated=None):
+def _verdict(shape, folder, devices, ids, prompt, steps, requests, seed, on, off, wall, out, emulated=None,
+             next_n=1):
     routed = tuple(f"{o.op} on rank {r.rank} ({o.backend})" for r in on.reports for o in r.routed())
     problems = verdict.report_problems(on.reports) if on.ok else []
     comparisons, differ = (), ()
@@ -219,7 +220,7 @@ def _verdict(shape, folder, devices, ids, prompt, steps, requests, seed, on, off
           and all(c.ok for c in comparisons))
     if ok is False and cause is None:
         cause = "nothing was compared"
-    measures = measures_of(shape, ids, prompt, steps, on, emulated)
+    measures = measures_of(shape, ids, prompt, steps, on, emulated, next_n)
     declared = model_calls()
     not_called = {o.op: declared.not_called(o.op) for r in on.reports for o in r.ops if declared.get(o.op) is None}
     return verdict.EngineRehearsal("sglang", shape.name, folder, tuple(str(d) for d in devices), len(ids), prompt,
@@ -227,7 +228,14 @@ def _verdict(shape, folder, devices, ids, prompt, steps, requests, seed, on, off
                                    verdict.LOGPROB_TOL, round(wall, 2), out, not_called)
 
 
-def measures_of(shape, ids, prompt, steps, on, emulated=None) -> tuple:
+def next_n_of(sglang_args) -> Optional[int]:
+    """The tokens a decode step verifies under SGLANG_ARGS, as the plan counts them: 1 without
+    speculative decoding (SGLang then loads no MTP layer and verifies no draft); with a
+    --speculative-* argument, None (the model's own: 1 + its MTP layers)."""
+    return None if any(str(a).startswith("--speculative") for a in sglang_args) else 1
+
+
+def measures_of(shape, ids, prompt, steps, on, emulated=None, next_n=1) -> tuple:
     """Measured memory after load (rank 0, SGLang's /server_info) and time (client side) beside
     `dispatch plan` and `dispatch plan --speed` for the same checkpoint and cards. Where a
     rank emulates a card, the times are the device's and the prediction the card's: shown,
@@ -244,7 +252,7 @@ def measures_of(shape, ids, prompt, steps, on, emulated=None) -> tuple:
     pw = pkv = pt = pp = None
     note_mem = note_time = ""
     try:
-        specs, memplan = _plan(shape, ids, cap if isinstance(cap, int) and cap > 0 else None, emulated)
+        specs, memplan = _plan(shape, ids, cap if isinstance(cap, int) and cap > 0 else None, emulated, next_n)
         r0 = memplan.ranks[0].memory if memplan.ranks else None
         if r0 is None:
             note_mem = memplan.refusal or "the plan has no memory for rank 0"
@@ -274,17 +282,18 @@ def _num(v) -> Optional[float]:
     return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
-def _plan(shape, ids, context, emulated=None):
+def _plan(shape, ids, context, emulated=None, next_n=1):
     """The ranks' cards as the plugin reads them (NVML, or CAPDISPATCH_SGLANG_DEVICES; an
     emulated rank's card from the catalog) and `dispatch plan`'s rig plan at CONTEXT tokens,
-    one request."""
+    one request, NEXT_N tokens a decode step (next_n_of)."""
     import capdispatch as cd
     from ...adapters.sglang import gpus
     from ...dispatch import rigplan
     emulated = emulated or {}
     specs = [cd.probe(f"sim:{emulated[g]}").with_id(f"cuda:{g}") if g in emulated else gpus.device(g, via="nvml")
              for g in ids]
-    plan = rigplan.build(shape, specs, tp=len(ids), context=context or rigplan.DEFAULT_CONTEXT, batch=1)
+    plan = rigplan.build(shape, specs, tp=len(ids), next_n=next_n, context=context or rigplan.DEFAULT_CONTEXT,
+                         batch=1)
     return specs, plan
 
 
