@@ -285,6 +285,7 @@ def test_sglang_rank_decides_again_after_a_failed_canary(tmp_path, caplog):
     class Choice:
         def __init__(self, backend):
             self.backend = backend
+            self.resolution = None      # no Resolution: no kernel SGLang runs itself
 
     class Decision:
         def __init__(self, backend):

@@ -145,7 +145,7 @@ def finish(server_args, release, d) -> None:
         log.info("capdispatch: SGLang resolved %s; capdispatch's ops do not run", reason)
         return
     from .moe_method import global_ids_refusal
-    refused = global_ids_refusal(release, lambda f: api.resolved(server_args, f),
+    refused = global_ids_refusal(api, lambda f: api.resolved(server_args, f),
                                  [dev.id for dev in d.devices if "moe" in inputs.ops and
                                   d.choices.get("moe", {}).get(dev.id) is not None and d.choices["moe"][dev.id].routed])
     if refused:

@@ -52,23 +52,23 @@ class MoePrepared:
     aux_bytes: int
 
 
-def global_ids_refusal(release, read, routed_on) -> Optional[str]:
+def global_ids_refusal(api, read, routed_on) -> Optional[str]:
     """Why this launch cannot route MoE (None: it can). ROUTED_ON: the devices (descriptions)
-    whose MoE layers are routed; READ(field): SGLang's resolved value. capdispatch's method
+    whose MoE layers are routed; READ(field): SGLang's resolved value; API: the release's
+    adapter code (compat.of(release)). capdispatch's method
     takes EP-local expert ids (-1 off the rank); where SGLang's standard dispatcher (no
     all-to-all backend) keeps global ids for the launch's runner value (compat:
     keeps_global_expert_ids: 0.5.17 under flashinfer_mxfp4 and the other FlashInfer values),
     a routed layer under expert parallelism would run the wrong experts: refused."""
-    from . import compat
     if not routed_on:
         return None
     try:
         ep, a2a, backend = int(read("ep_size") or 1), str(read("moe_a2a_backend")), str(read("moe_runner_backend"))
     except (AttributeError, TypeError, ValueError):
         return None       # a record without these fields: no expert parallelism to map
-    if ep <= 1 or a2a != "none" or not compat.of(release).keeps_global_expert_ids(backend):
+    if ep <= 1 or a2a != "none" or not api.keeps_global_expert_ids(backend):
         return None
-    return (f"capdispatch: SGLang {compat.of(release).name} with --ep-size {ep} and moe_runner_backend={backend} "
+    return (f"capdispatch: SGLang {api.name} with --ep-size {ep} and moe_runner_backend={backend} "
             f"is not supported: its dispatcher hands every MoE layer global expert ids under that launch-wide "
             f"value, and capdispatch's MoE method, routed on {', '.join(routed_on)}, takes EP-local ids; "
             f"give --ep-size 1 or --moe-runner-backend triton (its dispatcher maps the ids to local), or use "

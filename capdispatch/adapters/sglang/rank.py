@@ -193,7 +193,8 @@ def _refuse_global_ids(release, server_args, mine: dict, spec) -> None:
     c = mine.get("moe")
     if c is None or not c.routed or server_args is None:
         return
-    refused = global_ids_refusal(release, lambda f: compat.of(release).resolved(server_args, f), [spec.id])
+    api = compat.of(release)
+    refused = global_ids_refusal(api, lambda f: api.resolved(server_args, f), [spec.id])
     if refused:
         raise cd.Unsatisfiable(refused)
 
