@@ -117,7 +117,7 @@ def _serve(lp, env, plugin, server_cmd, prompts, steps, timeout, start_timeout, 
         except (urllib.error.URLError, OSError, ValueError) as exc:
             # The measures it carries (version, settings, memory) are then reported as unknown.
             say(f"engine rehearsal: plugin {'on' if plugin else 'off'}: /server_info did not answer "
-                f"({getattr(exc, 'reason', None) or exc}); going on without it")
+                f"({server.why(exc)}); going on without it")
             info = {}
         version = info.get("version") or version
         settings = verdict.settings_of(info)
@@ -147,7 +147,7 @@ def _serve(lp, env, plugin, server_cmd, prompts, steps, timeout, start_timeout, 
     except server.EngineFailed as exc:
         step, rank, error, log_tail = exc.step, exc.rank, str(exc), exc.log_tail
     except (urllib.error.URLError, OSError) as exc:
-        error = f"{step}: no answer from SGLang ({getattr(exc, 'reason', None) or exc})"
+        error = f"{step}: no answer from SGLang ({server.why(exc)})"
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         error = f"SGLang's answer cannot be read: {type(exc).__name__}: {exc}"
     finally:
@@ -189,7 +189,7 @@ def _generate(proc, port, log, ids, n, timeout, step) -> dict:
     except (urllib.error.URLError, OSError) as exc:
         if proc.poll() is not None:
             raise server.died(proc, log, step) from None
-        why = getattr(exc, "reason", None) or exc
+        why = server.why(exc)
         text = server.tail(log)
         raise server.EngineFailed(step, f"no answer within --timeout {timeout:g} s, or an HTTP error ({why}); "
                                         f"SGLang's log's last line: {server.last_error(text)}",

@@ -86,6 +86,11 @@ def get(port: int, path: str, timeout: float):
         return r.status, body
 
 
+def why(exc) -> object:
+    """What a failed HTTP call says: urllib's reason where it gives one, else the error."""
+    return getattr(exc, "reason", None) or exc
+
+
 def get_json(port: int, path: str, timeout: float) -> dict:
     status, body = get(port, path, timeout)
     return json.loads(body)
