@@ -128,7 +128,7 @@ def test_cli_seed_rig():
     assert p.returncode == 3, p.stderr
     out = " ".join(p.stdout.split())
     assert "REFUSED by SGLang" in out and "tp 1, 2, 4, 8 would" in out
-    assert "the weights alone are 148.8 GiB; these 3 cards hold 52.0 GiB" in out
+    assert "the weights alone are 151.2 GiB; these 3 cards hold 52.0 GiB" in out
     j = json.loads(_cli("plan", "--model", "deepseek-v4-flash", "--device", ",".join(SEED),
                         "--format", "json").stdout)
     assert j["layout"]["tp"] == 3 and j["refusal"] and j["fits"] is False
@@ -202,3 +202,92 @@ def test_measure_memory_writer(tmp_path):
     md = open(base + ".md").read()
     assert "| KV pools |" in md and "+0.0%" in md
     assert json.load(open(base + ".json"))["compare"][0]["error_vs_allocated"] == 0.0
+
+
+# ------------------------------------------------------------------ what SGLang makes at load
+
+def _flash_layers(n, **override):
+    from capdispatch.models.checkpoint.config import checkpoint_config, source_config
+    from capdispatch.models.config import parse
+    cfg, where = source_config("deepseek-v4-flash")
+    cfg = {**checkpoint_config(cfg, where, FLASH, n), **override}
+    return parse(cfg, where, f"flash-{n}", where)
+
+
+def _measured_load_gib(log):
+    """SGLang's own 'Load weight end. ... mem usage=X GB' (GiB: bytes / 2**30) from a served log."""
+    import os
+    import re
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results", log)
+    m = re.search(r"Load weight end\..*mem usage=([0-9.]+) GB", open(path, encoding="utf-8").read())
+    assert m, path
+    return float(m.group(1))
+
+
+def test_the_weights_plan_of_a_4_layer_flash_checkpoint_is_what_sglang_loaded_on_an_h100():
+    """SGLang 0.5.17 loaded the 4-layer full-width checkpoint into 16.40 GiB on an H100 (both
+    runs, 2026-12-07); the stored tensors are 1.1 GiB less: the bf16 wo_a and the rope tables."""
+    shape = _flash_layers(4)
+    rank = shape.for_rank(1, next_n=1)
+    parts = {p.name: p.bytes for p in mem.weight_parts(shape, rank)}
+    measured = _measured_load_gib("h100-engine-2026-12-07/served/sglang-plugin-off.log")
+    assert measured == _measured_load_gib("h100-engine-2026-12-07/served/sglang-plugin-on.log")
+    assert abs(sum(parts.values()) / mem.GIB / measured - 1) < 0.01, (sum(parts.values()) / mem.GIB, measured)
+    # Two bases (window layers 0-1, compressed layers 2-3), each 256 MiB of complex64 freqs_cis
+    # over 1,048,576 positions and 256 MiB of fp32 cos|sin over 65536 x 16.
+    assert parts["rope tables"] == 2 * (2 * 256 << 20)
+    # The rig plan for an H100 (what the engine rehearsal compares with) is this sum; on a B200
+    # SGLang's fp8 wo_a GEMM runs and wo_a stays fp8.
+    from capdispatch.capabilities.catalog import simulate
+    h100 = rigplan.build(shape, [simulate("h100")], tp=1, next_n=1)
+    b200 = rigplan.build(shape, [simulate("b200")], tp=1, next_n=1)
+    assert h100.ranks[0].memory.weight_bytes == sum(parts.values())
+    assert b200.ranks[0].memory.weight_bytes < h100.ranks[0].memory.weight_bytes
+
+
+def test_wo_a_stays_fp8_only_where_sglangs_fp8_gemm_runs():
+    shape = _flash_layers(4)
+    rank = shape.for_rank(1, next_n=1)
+    bf16 = {p.name: p.bytes for p in mem.weight_parts(shape, rank)}
+    fp8 = {p.name: p.bytes for p in mem.weight_parts(shape, rank, fp8_wo_a=True)}
+    rows, cols = shape.heads * shape.head_dim // shape.o_groups, shape.o_groups * shape.o_lora_rank
+    scales = -(-rows // 128) * -(-cols // 128) * mem.SCALE_BYTES
+    assert bf16["attention and shared-expert linears"] - fp8["attention and shared-expert linears"] == \
+        4 * (rows * cols - scales)
+    assert "wo_a as bf16" in mem.weight_parts(shape, rank)[1].note
+    from capdispatch.capabilities.spec import DeviceSpec
+    assert [rigplan.fp8_wo_a(DeviceSpec(id="x", name="x", platform="cuda", cc=cc)) for cc in
+            ((8, 6), (9, 0), (10, 0), (12, 0))] == [False, False, True, False]
+    assert rigplan.fp8_wo_a(DeviceSpec(id="cpu", name="cpu", platform="cpu")) is False
+
+
+@pytest.mark.parametrize("override,tables", [
+    ({}, 2),
+    ({"compress_rope_theta": 10000}, 1),               # one base: one pair of tables
+    ({"compress_ratios": [0, 0, 0, 0, 0]}, 1),       # window layers only
+])
+def test_rope_tables_are_one_pair_per_distinct_base(override, tables):
+    shape = _flash_layers(4, **override)
+    assert mem.rope_bytes(shape, shape.layer_ratios) == tables * (2 * 256 << 20)
+
+
+def test_rope_tables_without_yarn_span_max_position_embeddings():
+    shape = _flash_layers(2, rope_scaling=None, max_position_embeddings=4096)
+    assert shape.rope_original is None and shape.rope_factor == 1.0
+    assert mem.rope_bytes(shape, (0,)) == 4096 * 32 * 8 + 4096 * 64 * 4
+
+
+@pytest.mark.parametrize("override,message", [
+    ({"rope_scaling": {"factor": 0, "original_max_position_embeddings": 65536}},
+     "rope_scaling.factor 0 is not valid; valid: a positive number up to 1024"),
+    ({"rope_scaling": {"factor": 16, "original_max_position_embeddings": -1}},
+     "rope_scaling.original_max_position_embeddings -1 is not valid; valid: a positive integer"),
+    ({"rope_scaling": "yarn"}, "rope_scaling 'yarn' is not valid; valid: an object"),
+    ({"rope_theta": float("nan")}, "rope_theta nan is not valid; valid: a positive number"),
+    ({"compress_rope_theta": True}, "compress_rope_theta True is not valid; valid: a positive number"),
+])
+def test_bad_rope_fields_are_named(override, message):
+    from capdispatch.models.errors import ModelError
+    with pytest.raises(ModelError) as e:
+        _flash_layers(2, **override)
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)

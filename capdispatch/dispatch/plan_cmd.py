@@ -249,8 +249,8 @@ def text(p, *, brief: bool = False, speeds=None) -> str:
     if p.refusal:
         out += wrap(p.refusal, "  ")
     fmts = "; ".join(f.describe() + f" ({f.kind})" for f in p.model.formats)
-    out += wrap(f"weights: {_gib(p.weights_total)} GiB in their stored formats ({fmts}); "
-                f"the cards: {_gib(p.cards_total)} GiB", "")
+    out += wrap(f"weights: {_gib(p.weights_total)} GiB as SGLang loads them at TP 1 (stored as {fmts}; wo_a "
+                f"in bf16 and the rope tables made at load); the cards: {_gib(p.cards_total)} GiB", "")
     out += wrap(f"KV for --context {p.context} x --batch {p.batch}; reserve: {rigplan.RESERVE_TEXT}", "")
     if p.shapes is not None:
         s = p.shapes

@@ -113,7 +113,7 @@ def budget_of(card_bytes: Optional[int]) -> Optional[int]:
 def _rank(model, shapes, i, spec, context, batch, memo=None) -> RankPlan:
     """One rank's plan; MEMO (a dict the caller owns for one build) shares the arithmetic
     between ranks of the same shapes on cards of the same size."""
-    key = (shapes, spec.memory, context, batch)
+    key = (shapes, spec.memory, fp8_wo_a(spec), context, batch)
     if memo is not None and key in memo:
         return attrs.evolve(memo[key], rank=i, device=spec)
     out = _rank_uncached(model, shapes, i, spec, context, batch)
@@ -122,14 +122,21 @@ def _rank(model, shapes, i, spec, context, batch, memo=None) -> RankPlan:
     return out
 
 
+def fp8_wo_a(spec) -> bool:
+    """Does SGLang keep wo_a in fp8 on this card? Only where DeepGEMM's UE8M0 scales run (SM100);
+    elsewhere its launcher turns the fp8 wo_a GEMM off and the loader dequantises wo_a to bf16."""
+    return spec.cc is not None and spec.cc[0] == 10
+
+
 def _rank_uncached(model, shapes, i, spec, context, batch) -> RankPlan:
     card = spec.memory
     budget = budget_of(card)
-    mem = _mem.rank_memory(model, shapes, context=context, batch=batch, card_bytes=card or 0)
+    fp8 = fp8_wo_a(spec)
+    mem = _mem.rank_memory(model, shapes, context=context, batch=batch, card_bytes=card or 0, fp8_wo_a=fp8)
     largest = None
     if budget is not None:
         largest = _mem.largest_context(model, shapes, batch=batch, card_bytes=card, budget=budget,
-                                       limit=context_limit(model))
+                                       limit=context_limit(model), fp8_wo_a=fp8)
     return RankPlan(i, spec, mem, card, budget, largest)
 
 

@@ -113,6 +113,37 @@ def _swiglu(cfg: dict, where: str):
     return float(value)
 
 
+def _positive(cfg: dict, where: str, key: str, default: float, what: str, high: float = 1e12) -> float:
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value) or not 0 < value <= high:
+        raise _bad(where, key, value, f"a positive number up to {high:g} ({what}), or absent / null for "
+                                      f"{default:g}")
+    return float(value)
+
+
+def _rope(cfg: dict, where: str) -> dict:
+    """The rope's bases and YaRN stretch (SGLang's DeepSeek-V4 config defaults where absent)."""
+    out = {"rope_theta": _positive(cfg, where, "rope_theta", 10000.0, "the window layers' rope base"),
+           "compress_rope_theta": _positive(cfg, where, "compress_rope_theta", 40000.0,
+                                            "the compressed layers' rope base")}
+    scaling = cfg.get("rope_scaling")
+    if scaling is None:
+        return out
+    if not isinstance(scaling, dict):
+        raise _bad(where, "rope_scaling", scaling, "an object {factor, original_max_position_embeddings, ...} "
+                                                   "or absent / null for none")
+    # Named by their path in errors (rope_scaling.factor), read by the same checks.
+    named = {f"rope_scaling.{k}": v for k, v in scaling.items() if isinstance(k, str)}
+    out["rope_factor"] = _positive(named, where, "rope_scaling.factor", 1.0, "YaRN's stretch", high=1024)
+    if named.get("rope_scaling.original_max_position_embeddings") is not None:
+        out["rope_original"] = _int(named, where, "rope_scaling.original_max_position_embeddings",
+                                    "the positions YaRN stretches", 1)
+    return out
+
+
 def formats(cfg: dict, where: str) -> tuple:
     """The checkpoint formats the config states: quantization_config for the linears,
     expert_dtype for the routed experts, torch_dtype for the rest."""
@@ -182,4 +213,4 @@ def parse(cfg, where: str, name: str, source: str) -> ModelShape:
         max_context = _int(cfg, where, "max_position_embeddings", "the longest context", 1)
     return ModelShape(name=name, source=source, compress_ratios=_ratios(cfg, where, layers),
                       swiglu_limit=_swiglu(cfg, where), max_context=max_context,
-                      formats=formats(cfg, where), **values)
+                      formats=formats(cfg, where), **_rope(cfg, where), **values)

@@ -11,6 +11,13 @@ Where each number comes from (SGLang 0.5.23):
   compressor), the routed experts split over EP and MoE TP, the shared expert over TP,
   `VocabParallelEmbedding` split over TP unless attention is data parallel, `ParallelLMHead`
   split over TP;
+* what SGLang makes at load beside the stored weights: `models/deepseek_v4.py` dequantises
+  wo_a to bf16 while loading unless its fp8 GEMM runs (SGLANG_OPT_FP8_WO_A_GEMM survives
+  the launcher only with DeepGEMM's UE8M0 scales, SM100, or an explicit opt-in on SM90), and
+  keeps per rope base (rope_theta for the window layers, compress_rope_theta for the
+  compressed ones) a complex64 `freqs_cis` over max_position_embeddings and its rotary
+  embedding's fp32 cos|sin cache over original x factor positions (`rotary_embedding/`,
+  kept fp32 on CUDA);
 * KV: `mem_cache/deepseek_v4_memory_pool.py` (584-byte rows; each layer's sliding-window ring
   of window + next_n - 1 rows; c4 / c128 compressed rows; the indexer's 132 bytes per c4 row)
   and `model_executor/pool_configurator.py` (the per-request compress-state rings: c4 rings
@@ -30,6 +37,9 @@ GIB = 1 << 30
 HC_MULT = 4                 # DeepSeek-V4's hyper-connection width (models/deepseek_v4.py: 24 = 4 x (2 + 4))
 STATE_BYTES = 4             # compress-state dtype: fp32 (SGLANG_DSV4_COMPRESS_STATE_DTYPE default)
 SCALE_BYTES = 4             # SGLang keeps FP8 block scales as fp32 weight_scale_inv per 128x128 block
+FREQS_BYTES = 8             # freqs_cis: complex64 per position and rope pair
+ROPE_CACHE_BYTES = 4        # the rotary embedding's cos|sin cache: fp32 per position and rope dim
+DEFAULT_POSITIONS = 65536   # SGLang's DeepSeek-V4 config: max_position_embeddings when absent
 
 # Bytes per stored element for the formats a checkpoint may state.
 ELEMENT_BYTES = {"mxfp4": 17 / 32,          # 4-bit e2m1 + one E8M0 byte per 32: 4.25 bits
@@ -119,7 +129,7 @@ def _ratio_of_mtp(model: ModelShape, i: int) -> int:
     return extra[i] if i < len(extra) else 0
 
 
-def _layer(model: ModelShape, rank: RankShape, ratio: int, *, hash_layer: bool) -> dict:
+def _layer(model: ModelShape, rank: RankShape, ratio: int, *, hash_layer: bool, fp8_wo_a: bool) -> dict:
     """Bytes per kind of one decoder layer on this rank."""
     H, D, q = model.hidden, model.head_dim, model.q_lora_rank
     heads = rank.heads
@@ -127,8 +137,8 @@ def _layer(model: ModelShape, rank: RankShape, ratio: int, *, hash_layer: bool) 
     # Attention projections (fp8 with block scales in V4 checkpoints).
     out["linear"] += _linear(model, H, q) + _linear(model, H, D)                    # wq_a, wkv
     out["linear"] += _linear(model, q, heads * D)                                  # wq_b
-    out["linear"] += _linear(model, model.heads * D // model.o_groups,
-                             rank.o_groups * model.o_lora_rank)                    # wo_a
+    wo_a = (model.heads * D // model.o_groups, rank.o_groups * model.o_lora_rank)
+    out["linear"] += _linear(model, *wo_a) if fp8_wo_a else wo_a[0] * wo_a[1] * 2   # wo_a
     out["linear"] += _linear(model, rank.o_groups * model.o_lora_rank, H)          # wo_b
     out["fp32"] += heads * 4                                                       # attn_sink
     out["bf16"] += (q + D + 2 * H) * 2                                             # norms
@@ -153,20 +163,31 @@ def _layer(model: ModelShape, rank: RankShape, ratio: int, *, hash_layer: bool) 
     return out
 
 
-def weight_parts(model: ModelShape, rank: RankShape) -> tuple:
-    """The weights one rank loads, by stored format. The MTP (next-n) layers are counted when
-    the rank verifies drafts (next_n > 1), as SGLang loads them for speculative decoding."""
+def rope_bytes(model: ModelShape, ratios) -> int:
+    """SGLang's rope tables for layers of these compress RATIOS: one freqs_cis and one rotary
+    cos|sin cache per distinct base."""
+    bases = {model.compress_rope_theta if r else model.rope_theta for r in ratios}
+    positions = model.max_context or DEFAULT_POSITIONS
+    rows = int(model.rope_original * model.rope_factor) if model.rope_original else positions
+    return len(bases) * (positions * (model.rope_dim // 2) * FREQS_BYTES + rows * model.rope_dim * ROPE_CACHE_BYTES)
+
+
+def weight_parts(model: ModelShape, rank: RankShape, *, fp8_wo_a: bool = False) -> tuple:
+    """The weights one rank loads, by stored format, and what SGLang makes beside them at load
+    (wo_a in bf16 unless FP8_WO_A: SGLang's fp8 wo_a GEMM runs, on SM100; the rope tables).
+    The MTP (next-n) layers are counted when the rank verifies drafts (next_n > 1), as SGLang
+    loads them for speculative decoding."""
     if model.dense_layers:
         raise ModelError(f"{model.name}: {model.dense_layers} dense layers: the memory plan models "
                          f"DeepSeek-V4's all-MoE layers only")
     total = {"linear": 0.0, "routed": 0.0, "bf16": 0.0, "fp32": 0.0}
     ratios = list(model.layer_ratios) + [0] * (model.layers - len(model.layer_ratios))
     for i, ratio in enumerate(ratios):
-        for k, v in _layer(model, rank, ratio, hash_layer=i < model.hash_layers).items():
+        for k, v in _layer(model, rank, ratio, hash_layer=i < model.hash_layers, fp8_wo_a=fp8_wo_a).items():
             total[k] += v
     mtp = model.mtp if rank.next_n > 1 else 0
     for i in range(mtp):
-        for k, v in _layer(model, rank, _ratio_of_mtp(model, i), hash_layer=False).items():
+        for k, v in _layer(model, rank, _ratio_of_mtp(model, i), hash_layer=False, fp8_wo_a=fp8_wo_a).items():
             total[k] += v
         total["linear"] += _linear(model, 2 * model.hidden, model.hidden)           # eh_proj
         total["bf16"] += 3 * model.hidden * 2
@@ -181,12 +202,17 @@ def weight_parts(model: ModelShape, rank: RankShape) -> tuple:
              + (f" + {mtp} MTP" if mtp else "") + f", intermediate {rank.moe_intermediate}; "
              f"{fmt['routed_experts']}"),
         Part("attention and shared-expert linears", int(total["linear"]),
-             f"{rank.heads} heads per rank; {fmt['linear']}"),
+             f"{rank.heads} heads per rank; {fmt['linear']}"
+             + ("" if fp8_wo_a else "; wo_a as bf16 (SGLang dequantises it at load where its fp8 GEMM "
+                                    "does not run: every card but SM100)")),
         Part("compressors, indexers, norms, router", int(total["bf16"] + total["fp32"]),
              "bf16 projections (replicated), fp32 sinks, position biases, hyper-connection mixers"),
         Part("embedding", int(embed_rank),
              "whole on every rank (dp-attention)" if rank.dp_attention else f"1/{rank.tp} of the vocab"),
         Part("lm_head", int(head_rank), f"1/{rank.tp} of the vocab"),
+        Part("rope tables", rope_bytes(model, ratios + [_ratio_of_mtp(model, i) for i in range(mtp)]),
+             "SGLang's per rope base: complex64 freqs_cis and the rotary embedding's fp32 cos|sin "
+             "cache, made at load"),
     ]
     return tuple(parts)
 
@@ -315,16 +341,16 @@ def workspace_parts(model: ModelShape, rank: RankShape, card_bytes: int, batch: 
 
 
 def rank_memory(model: ModelShape, rank: RankShape, *, context: int, batch: int,
-                card_bytes: int) -> RankMemory:
-    return RankMemory(weight_parts(model, rank), kv_parts(model, rank, context, batch),
+                card_bytes: int, fp8_wo_a: bool = False) -> RankMemory:
+    return RankMemory(weight_parts(model, rank, fp8_wo_a=fp8_wo_a), kv_parts(model, rank, context, batch),
                       workspace_parts(model, rank, card_bytes, batch), context, batch)
 
 
 def largest_context(model: ModelShape, rank: RankShape, *, batch: int, card_bytes: int,
-                    budget: int, limit: int) -> int:
+                    budget: int, limit: int, fp8_wo_a: bool = False) -> int:
     """The largest context (tokens, up to LIMIT) whose memory at BATCH fits BUDGET bytes;
     0 when not even an empty cache fits."""
-    fixed = (sum(p.bytes for p in weight_parts(model, rank))
+    fixed = (sum(p.bytes for p in weight_parts(model, rank, fp8_wo_a=fp8_wo_a))
              + sum(p.bytes for p in workspace_parts(model, rank, card_bytes, batch)))
 
     def fits(ctx):

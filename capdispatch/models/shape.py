@@ -80,6 +80,13 @@ class ModelShape:
     swiglu_limit: Optional[float] = None
     max_context: Optional[int] = None
     formats: tuple = attrs.field(default=(), converter=tuple)
+    # The rope: window-only layers rotate with rope_theta, compressed layers with
+    # compress_rope_theta (SGLang's config defaults); YaRN stretches rope_original positions
+    # by rope_factor (rope_scaling; None: no scaling).
+    rope_theta: float = 10000.0
+    compress_rope_theta: float = 40000.0
+    rope_factor: float = 1.0
+    rope_original: Optional[int] = None
 
     @property
     def nope_dim(self) -> int:
