@@ -18,7 +18,7 @@ What it does:
   4. reports for each backend: time, fraction of the roofline
         roofline time = max(bytes / copy bandwidth, FLOPs / bf16 matmul rate)
         bytes  = the distinct K/V rows the inputs reference, each read once (1024 B
-                 bf16 for prefill, 584 B per pool token for decode) + q + out (1024 B
+                 bf16 for prefill, v4_layout.TOKEN_BYTES per pool token for decode) + q + out (1024 B
                  per token x head) + indices (4 B per entry) + statistics
         FLOPs  = 2 x 2 x tokens x heads x entries x 512 (Q.K^T and P.V)
      which term bounds it, and the Triton / torch speedup;
@@ -209,7 +209,7 @@ def sglang_peer(inputs):
 def work(op, acc):
     T, n = acc["tokens"], acc["entries"]
     flops = 2 * 2 * T * H * n * 512
-    row = 1024 if op == "sparse_prefill" else 584
+    row = 1024 if op == "sparse_prefill" else bench.v4_layout.TOKEN_BYTES
     nbytes = acc["rows"] * row + T * n * 4 + T * H * (1024 + 1024) + T * H * (8 if op == "sparse_prefill" else 4)
     return flops, nbytes
 

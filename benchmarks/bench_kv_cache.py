@@ -16,8 +16,9 @@ With --tiles 99kb only the Triton backends run (the torch reference still checks
 with the launch-table entries and shared-memory limit of the 99 KB cards (SM86, SM89,
 SM120; tile_modes.py); the results are the series kv_cache_<device>_99kb.
 
-Bytes counted per token: quant reads 1024 (bf16 K) + 8 (int64 slot) and writes 584;
-dequant reads 584 + 8 and writes 1024.
+Bytes counted per token: quant reads the bf16 K row (2 x v4_layout.DIM) and its int64
+slot (8) and writes one pool row (v4_layout.TOKEN_BYTES); dequant reads the row and the
+slot and writes the K row.
 
 Importable without a GPU; it only needs CUDA when run.
 """
@@ -43,9 +44,12 @@ import capdispatch as cd  # noqa: E402 (after the path insertion)
 from capdispatch import bench  # noqa: E402
 
 CI = bench.inputs
+L = bench.v4_layout
 
-QUANT_BYTES_PER_TOKEN = 1024 + 8 + 584
-DEQUANT_BYTES_PER_TOKEN = 584 + 8 + 1024
+K_ROW_BYTES = L.DIM * 2     # one bf16 K row: what kv_quant reads and kv_dequant writes
+SLOT_BYTES = 8              # one int64 slot index per token
+QUANT_BYTES_PER_TOKEN = K_ROW_BYTES + SLOT_BYTES + L.TOKEN_BYTES
+DEQUANT_BYTES_PER_TOKEN = L.TOKEN_BYTES + SLOT_BYTES + K_ROW_BYTES
 BACKENDS = ("torch", "triton_u8", "triton_fp8")
 TRITON_BACKENDS = ("triton_u8", "triton_fp8")   # capdispatch's Triton kernels: what --tiles changes
 

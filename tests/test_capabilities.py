@@ -3,6 +3,7 @@ import sys
 import types
 
 import pytest
+from attrs import evolve as attrs_evolve
 
 from capdispatch.capabilities import catalog, derive_features, features, probe
 from capdispatch.capabilities.libraries import AssumeLibError, Inventory, parse_assume
@@ -89,6 +90,8 @@ class _FakeNVML(types.ModuleType):
     def nvmlDeviceGetMemoryInfo(self, h): return types.SimpleNamespace(total=h["mem"])
     def nvmlDeviceGetUUID(self, h): return h["uuid"]
     def nvmlDeviceGetAttributes_v2(self, h): raise self.NVMLError("Not Supported")
+    def nvmlSystemGetDriverVersion(self): return b"580.95.05"
+    def nvmlSystemGetCudaDriverVersion(self): return 13000
 
 
 @pytest.fixture
@@ -132,6 +135,78 @@ def test_nvml_is_shut_down_after_each_probe_and_fails_as_probe_errors(fake_nvml,
     with pytest.raises(ProbeError, match=r"^cuda:0: NVML could not start: undefined symbol"):
         probe_nvml(0)
     assert fake_nvml.shutdowns == 4                               # never started: not shut down
+
+
+def test_env_and_the_verdict_key_read_nvml_in_the_same_session(fake_nvml, monkeypatch):
+    """`dispatch env` and a verdict's driver open the probe's session: shut down once
+    started, also when a query fails; env keeps what it read before the failure and says
+    why, the verdict key says "unknown" (None); missing bindings or NVML that cannot start
+    are said as the probe says them. Each call asks the driver again (nothing cached)."""
+    from capdispatch.capabilities import catalog as cat
+    from capdispatch.capabilities.probing import nvml_failure
+    from capdispatch.dispatch import env_cmd
+    from capdispatch.proof import identity
+    card = attrs_evolve(cat.simulate("rtx-3080"), platform="cuda")
+    r = env_cmd._nvml()
+    assert (r["ok"], r["driver"], r["cuda_driver"]) == (True, "580.95.05", "13.0")
+    assert [c["uuid"] for c in r["cards"]] == ["GPU-aaa", "GPU-bbb"]
+    assert identity.driver_version(card) == "580.95.05"
+    assert fake_nvml.inits == fake_nvml.shutdowns == 2
+    monkeypatch.setattr(fake_nvml, "nvmlSystemGetDriverVersion", lambda: b"581.00")
+    assert identity.driver_version(card) == "581.00"           # asked again, not remembered
+
+    def lost(h):
+        raise fake_nvml.NVMLError("GPU is lost")
+    monkeypatch.setattr(fake_nvml, "nvmlDeviceGetUUID", lost)
+    r = env_cmd._nvml()
+    assert (r["ok"], r["error"], r["driver"], r["cards"]) == (False, "NVML query failed: GPU is lost", "581.00", [])
+
+    def gone():
+        raise fake_nvml.NVMLError("Uninitialized")
+    monkeypatch.setattr(fake_nvml, "nvmlSystemGetDriverVersion", gone)
+    assert identity.driver_version(card) is None
+    monkeypatch.setattr(fake_nvml, "nvmlSystemGetDriverVersion", lambda: 7 / 0)   # a broken binding
+    assert identity.driver_version(card) is None
+    assert fake_nvml.inits == fake_nvml.shutdowns == 6
+
+    def broken():
+        raise OSError("undefined symbol: nvmlInit_v2")
+    monkeypatch.setattr(fake_nvml, "nvmlInit", broken)
+    assert env_cmd._nvml() == {"ok": False, "error": "NVML could not start: undefined symbol: nvmlInit_v2",
+                               "cards": []}
+    assert identity.driver_version(card) is None
+    assert fake_nvml.shutdowns == 6                               # never started: not shut down
+    monkeypatch.setitem(sys.modules, "pynvml", None)             # not installed
+    assert env_cmd._nvml() == {"ok": False, "error": nvml_failure(ImportError()), "cards": []}
+    assert identity.driver_version(card) is None
+    assert identity.driver_version(cat.simulate("rtx-3080")) is None    # not a CUDA card: NVML unasked
+
+
+def test_one_module_opens_nvml():
+    """NVML's session (import pynvml, init, shut down) is written once, in
+    capabilities/probing.py's nvml_session: every other module opens it from there."""
+    import ast
+    import os
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "capdispatch")
+    found = []
+    for d, _, files in os.walk(root):
+        for f in files:
+            if not f.endswith(".py"):
+                continue
+            path = os.path.join(d, f)
+            tree = ast.parse(open(path, encoding="utf-8").read(), path)
+            where = {}       # node -> the function it stands in (the module: "")
+            for fn in ast.walk(tree):
+                if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    for node in ast.walk(fn):
+                        where[node] = fn.name    # the innermost function: walked last
+            for node in ast.walk(tree):
+                hit = ((isinstance(node, ast.Import) and any(a.name.split(".")[0] == "pynvml" for a in node.names))
+                       or (isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "pynvml")
+                       or (isinstance(node, ast.Attribute) and node.attr in ("nvmlInit", "nvmlShutdown")))
+                if hit:
+                    found.append(f"{os.path.relpath(path, root)}:{where.get(node, '')}")
+    assert sorted(set(found)) == ["capabilities/probing.py:nvml_session"], sorted(set(found))
 
 
 def test_nvml_probe_honours_cuda_visible_devices_at_call_time(fake_nvml, monkeypatch):

@@ -1,11 +1,15 @@
 """A mixed rig: what mixed_group: uniform's warnings say runs, bucket drift as it
 dispatches, and divergence as one summary line under --brief, lock and lock --check
 (the full warnings with -v), device ids as ranges at 128 cards."""
+import os
+import re
+
 import pytest
 
 import capdispatch as cd
 from capdispatch.dispatch import cli
 from capdispatch.dispatch.notices import collapse, ids_text
+from doc_files import ROOT, docs
 from rig_divergence import divergent
 
 RIG = "sim:rtx-5090,sim:rtx-3080,sim:rtx-3080"
@@ -152,6 +156,41 @@ def test_sglang_plan_brief_prints_the_warnings_it_counts_the_divergences_in_one_
     rc, out, _ = dispatch("sglang", "plan", "--device", RIG)
     assert rc == 0 and f"; {len(ops)} warning(s) below" in out
     assert len([ln for ln in out.splitlines() if "choose different backends" in ln]) == len(ops)
+
+
+# --- the docs say the line as the commands print it -------------------------------------------
+
+# What the docs write in the summary line's place for what the registry and the policy decide.
+SLOTS = {"K of N": r"\d+ of \d+", "OP, ...": r"\w+(?:, \w+)*", "FILE:LINE": r"[\w./-]+:\d+"}
+
+
+def _quoted_summaries():
+    """(doc, the summary line it quotes, whitespace folded) for every quote in the docs."""
+    for doc in docs():
+        text = open(os.path.join(ROOT, doc), encoding="utf-8").read()
+        for m in re.finditer(r"`(mixed group: [^`]*)`", text):
+            yield doc, " ".join(m[1].split())
+
+
+def test_the_docs_quote_the_summary_line_as_the_commands_print_it(dispatch):
+    """docs/cli.md (explain) and docs/sglang.md (sglang plan) quote the summary line with
+    placeholders where the registry and the policy decide (how many ops of how many, which,
+    the policy line): every other word is the commands' today, and no doc writes a count
+    of ops that a new op would make stale."""
+    rc, _, err = dispatch("explain", "--device", RIG, "--brief")
+    (line,) = _warnings(err)
+    said = [line.removeprefix("WARNING capdispatch: ")]
+    rc, out, _ = dispatch("sglang", "plan", "--device", RIG, "--brief")
+    out = out.splitlines()
+    said.append(" ".join(" ".join(out[out.index("warnings:") + 1:]).split()))
+    quoted = list(_quoted_summaries())
+    assert {doc for doc, _ in quoted} >= {"docs/cli.md", "docs/sglang.md"}, quoted
+    for doc, q in quoted:
+        assert not re.search(r"\d+ of \d+ ops", q), f"{doc} counts the ops: {q}"
+        pattern = re.escape(q)
+        for slot, rx in SLOTS.items():
+            pattern = pattern.replace(re.escape(slot), rx)
+        assert any(re.fullmatch(pattern, s) for s in said), (doc, q, said)
 
 
 # --- ranges -----------------------------------------------------------------------------------

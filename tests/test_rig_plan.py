@@ -179,6 +179,39 @@ def test_kv_pools_are_sglang_pages():
         (FLASH.layers + 1) / FLASH.layers
 
 
+def test_the_v4_row_and_page_sizes_are_the_layouts():
+    """The pool row's and the page padding's bytes are declared once, in
+    backends/v4_layout.py: the memory estimate, the model shapes and the benchmarks take
+    them from there, so no copy of the numbers (as code or as a sentence) drifts from it."""
+    import ast
+    import os
+    import re
+    from capdispatch.backends import v4_layout as L
+    from capdispatch.models import sharding
+    assert L.row_bytes(L.DIM_NOPE, L.DIM_ROPE) == L.TOKEN_BYTES
+    assert sharding.kv_bytes_per_token(FLASH) == FLASH.for_rank(1).kv_bytes_per_token == L.TOKEN_BYTES
+    assert all(mem.page_bytes(p) == L.bytes_per_page(p) for p in range(1, 300))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sizes = {L.TOKEN_BYTES, L.DATA_BYTES}
+    said = {"capdispatch/models/memory.py", "capdispatch/models/sharding.py", "benchmarks/bench_kv_cache.py"}
+    paths = [os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(os.path.join(root, "capdispatch"))
+             for f in fs if f.endswith(".py")]
+    paths += [os.path.join("benchmarks", f) for f in os.listdir(os.path.join(root, "benchmarks")) if f.endswith(".py")]
+    found = []
+    for rel in sorted(paths):
+        if rel.replace(os.sep, "/") == "capdispatch/backends/v4_layout.py":
+            continue
+        text = open(os.path.join(root, rel), encoding="utf-8").read()
+        for node in ast.walk(ast.parse(text, rel)):
+            if isinstance(node, ast.Constant) and type(node.value) is int and node.value in sizes:
+                found.append(f"{rel}:{node.lineno} {node.value}")
+        if rel.replace(os.sep, "/") in said:        # their docstrings and comments name the constants
+            found += [f"{rel}:{text[:m.start()].count(chr(10)) + 1} says {m[0]}"
+                      for m in re.finditer(r"(?<![\w.])(%s)(?![\w.])" % "|".join(map(str, sizes)), text)]
+    # The Triton KV kernels hard-code the layout and assert it against v4_layout's constants.
+    assert found == ["capdispatch/backends/kv_cache/triton_kernels.py:139 576"], found
+
+
 def test_measure_memory_writer(tmp_path):
     import importlib.util
     import os

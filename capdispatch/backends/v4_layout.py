@@ -31,13 +31,21 @@ NUM_TILES = DIM_NOPE // TILE  # 7 scales per token
 ROPE_ELEM_BYTES = 2  # bf16
 ROPE_BYTE_OFFSET = DIM_NOPE  # rope starts right after the 448 fp8 bytes
 DATA_BYTES = DIM_NOPE + DIM_ROPE * ROPE_ELEM_BYTES  # 576 contiguous bytes per token
-SCALE_BYTES = NUM_TILES + 1  # 7 scales + 1 pad byte (written as 0)
+SCALE_PAD = 1  # the pad byte after a token's scales (written as 0)
+SCALE_BYTES = NUM_TILES + SCALE_PAD  # 7 scales + 1 pad byte
 TOKEN_BYTES = DATA_BYTES + SCALE_BYTES  # 584
 PAGE_ALIGN = DATA_BYTES  # a page's byte length is padded to a multiple of this
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 SCALE_EPS = 1e-8  # amax floor before computing the tile scale
 UE8M0_BIAS = 127  # scale = 2 ** (byte - UE8M0_BIAS)
+
+
+def row_bytes(dim_nope: int, dim_rope: int) -> int:
+    """Bytes of one token's pool row for a K row of DIM_NOPE fp8 and DIM_ROPE bf16 values:
+    the data, one UE8M0 scale per TILE nope values and the pad byte (TOKEN_BYTES at V4's
+    DIM_NOPE and DIM_ROPE). Model-shape code sizes a checkpoint's rows with it."""
+    return dim_nope + dim_rope * ROPE_ELEM_BYTES + dim_nope // TILE + SCALE_PAD
 
 
 def _check_page_size(page_size: int) -> int:

@@ -258,9 +258,14 @@ def _visible_to_physical(index: int, nvml) -> tuple:
 
 
 @contextlib.contextmanager
-def _nvml_session(where: str = ""):
-    """pynvml, initialised for the block and shut down after it. NVML that cannot start,
-    or a query in the block that fails, is a ProbeError prefixed with WHERE ('cuda:1: ')."""
+def nvml_session(where: str = ""):
+    """pynvml (nvidia-ml-py), imported when called, initialised for the block and shut down
+    after it: the one NVML session every caller opens (probing, `dispatch env`, a verdict's
+    driver). Bindings that are missing or NVML that cannot start (nvml_failure says why), or
+    an NVMLError a query in the block raises ("NVML query failed: ..."), is a ProbeError
+    prefixed with WHERE ('cuda:1: '). Shutting down is best effort: a session whose answers
+    are read is not failed by its close. Nothing is kept between sessions: each one asks
+    the driver again."""
     try:
         import pynvml as nvml
     except ImportError as exc:
@@ -276,13 +281,13 @@ def _nvml_session(where: str = ""):
     finally:
         try:
             nvml.nvmlShutdown()
-        except nvml.NVMLError:
+        except Exception:   # noqa: BLE001 - NVMLError, or a broken binding: the answers stand
             pass
 
 
 def probe_nvml(index: int) -> DeviceSpec:
     """Facts through NVML: never initialises CUDA in this process."""
-    with _nvml_session(f"cuda:{index}: ") as nvml:
+    with nvml_session(f"cuda:{index}: ") as nvml:
         handle, notes = _visible_to_physical(index, nvml)
         name = nvml.nvmlDeviceGetName(handle)
         name = name.decode() if isinstance(name, bytes) else name
@@ -313,7 +318,7 @@ def probe_nvml(index: int) -> DeviceSpec:
 
 def _nvml_count() -> int:
     """Visible devices by NVML; ProbeError (with the reason) when NVML cannot start."""
-    with _nvml_session() as nvml:
+    with nvml_session() as nvml:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         total = nvml.nvmlDeviceGetCount()
         return total if visible is None else sum(1 for _ in _iter_visible(visible, total))

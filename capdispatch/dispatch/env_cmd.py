@@ -38,37 +38,26 @@ def _version(dist: str):
 
 
 def _nvml() -> dict:
-    """Driver and cards through NVML, or why NVML cannot say."""
-    from ..capabilities.probing import nvml_failure
-    try:
-        import pynvml as nvml
-    except ImportError as exc:
-        return {"ok": False, "error": nvml_failure(exc), "cards": []}
-    try:
-        nvml.nvmlInit()
-    except Exception as exc:   # NVMLError subclasses, or a broken binding
-        return {"ok": False, "error": nvml_failure(exc), "cards": []}
+    """Driver and cards through NVML, or why NVML cannot say: what it read before a query
+    failed stays, with the failure."""
+    from ..capabilities.probing import ProbeError, nvml_session
 
     def text(v):
         return v.decode() if isinstance(v, bytes) else str(v)
     out = {"ok": True, "error": None, "cards": []}
     try:
-        out["driver"] = text(nvml.nvmlSystemGetDriverVersion())
-        cuda = nvml.nvmlSystemGetCudaDriverVersion()
-        out["cuda_driver"] = f"{cuda // 1000}.{cuda % 1000 // 10}"
-        for i in range(nvml.nvmlDeviceGetCount()):
-            h = nvml.nvmlDeviceGetHandleByIndex(i)
-            major, minor = nvml.nvmlDeviceGetCudaComputeCapability(h)
-            out["cards"].append({"index": i, "name": text(nvml.nvmlDeviceGetName(h)),
-                                 "cc": f"{major}.{minor}", "memory": nvml.nvmlDeviceGetMemoryInfo(h).total,
-                                 "uuid": text(nvml.nvmlDeviceGetUUID(h))})
-    except nvml.NVMLError as exc:
-        out.update(ok=False, error=f"NVML query failed: {exc}")
-    finally:
-        try:
-            nvml.nvmlShutdown()
-        except nvml.NVMLError:
-            pass
+        with nvml_session() as nvml:
+            out["driver"] = text(nvml.nvmlSystemGetDriverVersion())
+            cuda = nvml.nvmlSystemGetCudaDriverVersion()
+            out["cuda_driver"] = f"{cuda // 1000}.{cuda % 1000 // 10}"
+            for i in range(nvml.nvmlDeviceGetCount()):
+                h = nvml.nvmlDeviceGetHandleByIndex(i)
+                major, minor = nvml.nvmlDeviceGetCudaComputeCapability(h)
+                out["cards"].append({"index": i, "name": text(nvml.nvmlDeviceGetName(h)),
+                                     "cc": f"{major}.{minor}", "memory": nvml.nvmlDeviceGetMemoryInfo(h).total,
+                                     "uuid": text(nvml.nvmlDeviceGetUUID(h))})
+    except ProbeError as exc:     # no bindings, NVML that cannot start, or a query that failed
+        out.update(ok=False, error=str(exc))
     return out
 
 

@@ -18,7 +18,7 @@ Where each number comes from (SGLang 0.5.23):
   compressed ones) a complex64 `freqs_cis` over max_position_embeddings and its rotary
   embedding's fp32 cos|sin cache over original x factor positions (`rotary_embedding/`,
   kept fp32 on CUDA);
-* KV: `mem_cache/deepseek_v4_memory_pool.py` (584-byte rows; each layer's sliding-window ring
+* KV: `mem_cache/deepseek_v4_memory_pool.py` (rows of v4_layout.TOKEN_BYTES; each layer's sliding-window ring
   of window + next_n - 1 rows; c4 / c128 compressed rows; the indexer's 132 bytes per c4 row)
   and `model_executor/pool_configurator.py` (the per-request compress-state rings: c4 rings
   of 8 rows, 16 with speculative decoding, of 4 x (head_dim + indexer_dim) fp32 values; c128
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import attrs
 
+from ..backends import v4_layout
 from .errors import ModelError
 from .shape import ModelShape
 from .sharding import RankShape
@@ -226,13 +227,13 @@ def state_ring_rows(ratio: int, speculative: bool) -> int:
 
 PAGE_SIZE = 256            # tokens per page of the main pool (a compressed pool: PAGE_SIZE / ratio rows)
 INDEX_PAGE = 64            # c4 rows per index-K page (SGLang's block_kv for DSv4)
-ROW_ALIGN = 576            # a main-pool page is padded to a multiple of 576 bytes (backends/v4_layout.py)
 
 
-def page_bytes(rows: int, row_bytes: int = 584) -> int:
-    """One V4 pool page of ROWS 584-byte rows: [rows x 576 data][rows x 8 scales], padded
-    to a multiple of 576 bytes (capdispatch backends/backends/v4_layout.py bytes_per_page)."""
-    return -(-(rows * row_bytes) // ROW_ALIGN) * ROW_ALIGN
+def page_bytes(rows: int, row_bytes: int = v4_layout.TOKEN_BYTES) -> int:
+    """One V4 pool page of ROWS rows of ROW_BYTES (the layout's TOKEN_BYTES: the rows' data,
+    then their scales), padded to a multiple of v4_layout.PAGE_ALIGN: at TOKEN_BYTES,
+    v4_layout.bytes_per_page(ROWS)."""
+    return -(-(rows * row_bytes) // v4_layout.PAGE_ALIGN) * v4_layout.PAGE_ALIGN
 
 
 @attrs.frozen

@@ -17,7 +17,8 @@ The rules, each read from SGLang's code (docs/models.md quotes the places):
   rank = moe_intermediate / MoE TP, which must divide (same file);
 - the KV cache is one latent per token (one KV head), so every attention rank holds it
   whole; the V4 main pool row is fp8 nope + bf16 rope + one scale byte per 64 nope
-  values + 1 pad byte = 584 bytes for head_dim 512 (mem_cache/deepseek_v4_memory_pool.py).
+  values + 1 pad byte (mem_cache/deepseek_v4_memory_pool.py): backends/v4_layout.py's
+  row_bytes, its TOKEN_BYTES for head_dim 512.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from typing import Optional
 
 import attrs
 
+from ..backends import v4_layout
 from .errors import ModelError
 
 
@@ -122,13 +124,9 @@ class RankShape:
         return d
 
 
-# The V4 main pool quantizes the nope part in tiles of this many values, one scale byte each.
-KV_TILE = 64
-
-
 def kv_bytes_per_token(shape) -> int:
-    """Bytes per token per layer of SGLang's V4 main KV pool row."""
-    return shape.nope_dim + 2 * shape.rope_dim + shape.nope_dim // KV_TILE + 1
+    """Bytes per token per layer of SGLang's V4 main KV pool row (the V4 layout's row)."""
+    return v4_layout.row_bytes(shape.nope_dim, shape.rope_dim)
 
 
 def indexer_bytes_per_token(shape) -> int:

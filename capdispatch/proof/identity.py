@@ -13,31 +13,21 @@ import json
 from typing import Optional
 
 from ..capabilities import DeviceSpec, Inventory
+from ..capabilities.probing import nvml_session
 from ..version import __version__
 
 
 def driver_version(spec: DeviceSpec) -> Optional[str]:
-    """The NVIDIA driver version through NVML (never initialises CUDA); None off CUDA."""
+    """The NVIDIA driver version through NVML (never initialises CUDA); None off CUDA, and
+    None where NVML cannot say (the key then says "unknown")."""
     if spec.platform != "cuda":
         return None
     try:
-        import pynvml as nvml
-    except ImportError:
+        with nvml_session() as nvml:
+            v = nvml.nvmlSystemGetDriverVersion()
+            return v.decode() if isinstance(v, bytes) else str(v)
+    except Exception:   # noqa: BLE001 - no bindings, no driver, or a broken binding: unknown
         return None
-    try:
-        nvml.nvmlInit()
-    except Exception:   # noqa: BLE001 - no driver or no NVML library: the key says "unknown"
-        return None
-    try:
-        v = nvml.nvmlSystemGetDriverVersion()
-        return v.decode() if isinstance(v, bytes) else str(v)
-    except Exception:   # noqa: BLE001
-        return None
-    finally:
-        try:
-            nvml.nvmlShutdown()
-        except Exception:   # noqa: BLE001
-            pass
 
 
 def card_key(spec: DeviceSpec, inventory: Inventory, env, *, driver: Optional[str] = None) -> dict:
