@@ -9,11 +9,29 @@ from packaging.version import Version
 from capdispatch.capabilities import lib_profiles
 
 
-def _pins(stack: str) -> dict:
+def _distribution(name: str, version: str):
+    """The stack's distribution at VERSION: the venv's, or a release folder the README's test
+    command installs (tests/sglang_releases.py); None when neither holds it."""
+    import glob
+    import os
+    import pathlib
+
+    import sglang_releases
+    try:
+        if Version(metadata.version(name)) == Version(version):
+            return metadata.distribution(name)
+    except metadata.PackageNotFoundError:
+        pass
+    folder = sglang_releases.FOLDERS.get(version) if canonicalize_name(name) == "sglang" else None
+    infos = glob.glob(os.path.join(folder, f"sglang-{version}.dist-info")) if folder else []
+    return metadata.PathDistribution(pathlib.Path(infos[0])) if infos else None
+
+
+def _pins(dist) -> dict:
     """canonical name -> the exact version the stack's Requires-Dist pins (None: unpinned),
     for the requirements that apply without an extra."""
     out = {}
-    for text in metadata.requires(stack) or ():
+    for text in dist.requires or ():
         req = Requirement(text)
         if req.marker is not None and "extra" in str(req.marker):
             continue
@@ -27,13 +45,10 @@ def test_profile_matches_its_stacks_metadata(name):
     p = lib_profiles.lookup(name)
     stack = Requirement(p.stack)
     want = next(s.version for s in stack.specifier if s.operator == "==")
-    try:
-        installed = metadata.version(stack.name)
-    except metadata.PackageNotFoundError:
-        pytest.skip(f"{stack.name} is not installed")
-    if Version(installed) != Version(want):
-        pytest.skip(f"{stack.name} {installed} is installed, the profile describes {want}")
-    pins = _pins(stack.name)
+    dist = _distribution(stack.name, want)
+    if dist is None:
+        pytest.skip(f"{stack.name} {want} is neither installed nor in a release folder")
+    pins = _pins(dist)
     assert p.get(stack.name).version == want
     for lib in p.libraries:
         if lib.name == canonicalize_name(stack.name):
@@ -53,11 +68,11 @@ def test_every_pinned_backend_library_of_the_stack_is_in_the_profile():
     declared = library_names(b.builtin())
     for name in lib_profiles.names():
         p = lib_profiles.lookup(name)
-        stack = Requirement(p.stack).name
-        try:
-            pins = _pins(stack)
-        except metadata.PackageNotFoundError:
-            pytest.skip(f"{stack} is not installed")
+        stack = Requirement(p.stack)
+        found = _distribution(stack.name, next(s.version for s in stack.specifier if s.operator == "=="))
+        if found is None:
+            pytest.skip(f"{stack} is neither installed nor in a release folder")
+        pins = _pins(found)
         for dist in declared & set(pins):
             assert p.get(dist) is not None, (name, dist)
 
@@ -66,3 +81,14 @@ def test_profiles_load_and_unknown_names_suggest():
     assert "sglang-0.5.23" in lib_profiles.names()
     with pytest.raises(lib_profiles.UnknownProfileError, match="did you mean 'sglang-0.5.23'"):
         lib_profiles.lookup("sglang-0.5.32")
+
+
+def test_every_release_the_tests_run_has_a_profile():
+    """SGLang's releases in the adapter's tested range that the suite installs are each a
+    profile, checked against that release's own metadata above (never skipped: the README's
+    test command installs both)."""
+    import sglang_releases
+    for release in sglang_releases.RELEASES:
+        name = f"sglang-{release}"
+        assert name in lib_profiles.names(), name
+        assert _distribution("sglang", release) is not None, release

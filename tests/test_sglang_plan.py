@@ -262,3 +262,29 @@ def test_planning_with_sglang_arguments_needs_no_torchvision(clean_env, tmp_path
     assert "torchvision" not in proc.stderr
     out = json.loads(proc.stdout)
     assert out["model"]["assumed"] is False
+
+
+# --------------------------------------------------------------------------------------------
+# A profile of another release plans with that release's knob map
+# --------------------------------------------------------------------------------------------
+
+def test_a_profile_of_sglang_0517_plans_for_0517_with_its_own_kernels_kept(clean_env):
+    rc, out, err = _plan(["--device", "sim:h100", "--libs", "sglang-0.5.17"])
+    assert rc == 0, err
+    p = json.loads(out)
+    assert p["sglang"]["version"] == "0.5.17" and p["sglang"]["installed"] is False
+    ops = {op: (e["backend"], e["action"]) for op, e in p["ranks"][0]["ops"].items()}
+    # 0.5.17's FlashMLA and DeepGEMM indexer, judged by its knob map's statements, are kept.
+    assert ops["decode_mla"] == ("flashmla", "kept") and ops["sparse_prefill"] == ("flashmla_sparse", "kept")
+    assert ops["indexer"] == ("deepgemm", "kept")
+    # The installed release's map (0.5.23) judges FlashMLA by sgl-flash-mla, which 0.5.17 does not pin.
+    rc, out, err = _plan(["--device", "sim:h100", "--libs", "sglang-0.5.23"])
+    assert rc == 0 and json.loads(out)["sglang"] == {**p["sglang"], "version": "0.5.23", "installed": True}
+
+
+def test_sglang_arguments_are_read_by_the_installed_release_only(clean_env):
+    rc, out, err = _plan(["--device", "sim:h100", "--libs", "sglang-0.5.17", "--", "--tp", "1"])
+    assert rc == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "--libs sglang-0.5.17 plans for SGLang 0.5.17" in lines[0] \
+        and "installed here (0.5.23)" in lines[0], err

@@ -160,6 +160,16 @@ def check_libraries(options, env) -> None:
     cd.context(libs=options.libs, assume_libs=list(options.assume_libs) or None, env=env)
 
 
+def profile_release(libs) -> Optional[str]:
+    """The SGLang version a --libs profile describes (the plan is then for that release's
+    knob map, installed here or not); None for none, `local` or a profile without SGLang."""
+    from ...capabilities import lib_profiles
+    if libs is None or libs in (lib_profiles.LOCAL, lib_profiles.DEFAULT) or not isinstance(libs, str):
+        return None
+    lib = lib_profiles.lookup(libs).get("sglang")
+    return lib.version if lib is not None else None
+
+
 def with_target_libs(options, env):
     """OPTIONS with whose libraries named by the one rule (cd.target_libs) over the node's
     simulated GPUs when nothing names them, so that SGLang's in-process resolution (the
@@ -240,15 +250,20 @@ def build(*, tp=None, sglang_args=None, options, env: dict, model=None) -> Launc
     if tp is not None and tp < 1:
         raise cd.BadInput(f"--tp {tp}: expected an integer >= 1")
     check_libraries(options, env)
+    target = profile_release(options.libs)
     options = with_target_libs(options, env)
     k = knobs.load()
     installed = versions.installed()
     if sglang_args is not None and installed is None:
         raise cd.BadInput("SGLang arguments were given after `--` but SGLang is not installed; "
                           "install it, or plan without `-- ...` (a DeepSeek-V4 launch with defaults)")
-    version = installed or newest(k)
+    if sglang_args is not None and target is not None and target != installed:
+        raise cd.BadInput(f"--libs {options.libs} plans for SGLang {target}, but the arguments after `--` are "
+                          f"read by the SGLang installed here ({installed}); plan without `-- ...`, or "
+                          f"with --libs naming {installed}'s profile or none")
+    version = target or installed or newest(k)
     verdict = versions.check(version, k)
-    release_info = SglangRelease(version, installed is not None, verdict.tested, verdict.ok)
+    release_info = SglangRelease(version, installed == version, verdict.tested, verdict.ok)
     if not verdict.ok:
         return LaunchPlan(release_info, note=verdict.message)
     release = k.release(version)
