@@ -6,7 +6,10 @@ own naming and schema. STANDIN_MODE: ok (default), die (exits at start, naming T
 step refuses an emulated rank, as SGLang's launcher prints it), hang
 (never ready), crash (dies at the first /generate). With the plugin on: STANDIN_FLIP=K
 (the token at position K becomes the runner-up, a near tie), STANDIN_FAR=K (a token that is
-no alternative), STANDIN_SHIFT=X (every logprob moved by X), STANDIN_KV_DTYPE=D (the
+no alternative), STANDIN_SHIFT=X (every logprob moved by X; STANDIN_REF_SHIFT=X: in the reference
+run, the plugin on with CAPDISPATCH_SET naming torch), STANDIN_ARGS=FILE (each start's arguments
+appended, a line each; STANDIN_REF_IGNORED=1: the reference run's report keeps the
+routed kernel), STANDIN_KV_DTYPE=D (the
 kv_cache_dtype /server_info reports), STANDIN_ROUTED=1 (the report
 routes kv_dequant), STANDIN_NO_REPORT=1; STANDIN_ALWAYS_REPORT=1 writes reports with the
 plugin off too. A rank whose CAPDISPATCH_SGLANG_DEVICES entry is emu:CARD@cuda:N reports that
@@ -27,6 +30,9 @@ p.add_argument("--tp-size", type=int, default=1)
 p.add_argument("--base-gpu-id", type=int, default=0)
 args, _ = p.parse_known_args()
 env = os.environ
+if env.get("STANDIN_ARGS"):
+    with open(env["STANDIN_ARGS"], "a") as f:
+        f.write(json.dumps({"argv": sys.argv[1:], "set": env.get("CAPDISPATCH_SET")}) + "\n")
 MODE = env.get("STANDIN_MODE", "ok")
 allowed = [x for x in env.get("SGLANG_PLUGINS", "").split(",") if x]
 PLUGIN = not allowed or "capdispatch" in allowed
@@ -68,12 +74,15 @@ def emulated(g):
 def write_reports():
     from capdispatch.adapters.sglang import report
     routed = env.get("STANDIN_ROUTED") == "1"
+    # The reference run: the plugin takes CAPDISPATCH_SET's kv_dequant=torch (STANDIN_REF_IGNORED: it does not).
+    ref = "kv_dequant=torch" in env.get("CAPDISPATCH_SET", "") and env.get("STANDIN_REF_IGNORED") != "1"
+    dequant = "torch" if ref else "triton_u8"
     for r in range(args.tp_size):
         g = args.base_gpu_id + r
         ops = {"kv_quant": {"backend": "triton_fp8", "runs": "sglang", "action": "kept", "install": None,
                             "route": None},
-               "kv_dequant": {"backend": "triton_u8" if routed else "triton_fp8",
-                              "runs": "triton_u8" if routed else "sglang",
+               "kv_dequant": {"backend": dequant if routed else "triton_fp8",
+                              "runs": dequant if routed else "sglang",
                               "action": "routed" if routed else "kept",
                               "install": "installed at sglang.x.dequant" if routed else None,
                               "route": "sglang.x.dequant" if routed else None}}
@@ -102,7 +111,10 @@ def reply(ids, n):
             t, lp = t + 1, lp - 0.01
         if PLUGIN and env.get("STANDIN_FAR") == str(k):
             t = t + 500
-        if PLUGIN and env.get("STANDIN_SHIFT"):
+        reference = PLUGIN and "=torch" in env.get("CAPDISPATCH_SET", "")
+        if reference and env.get("STANDIN_REF_SHIFT"):
+            lp += float(env["STANDIN_REF_SHIFT"])
+        elif PLUGIN and not reference and env.get("STANDIN_SHIFT"):
             lp += float(env["STANDIN_SHIFT"])
         toks.append(t)
         lps.append([lp, t, None])

@@ -377,3 +377,82 @@ def test_the_weights_predicted_are_those_sglang_loads_without_speculative_decodi
     plain = runner._plan(shape, [0], None)[1].ranks[0].memory.weight_bytes
     spec = runner._plan(shape, [0], None, next_n=runner.next_n_of(("--speculative-algorithm", "EAGLE")))[1]
     assert spec.ranks[0].memory.weight_bytes > plain
+
+
+# ------------------------------------------------------------ the reference run: whose kernel is off
+
+def _shifted(r, x):
+    return _reply(r.tokens, [v + x for v in r.logprobs], r.top)
+
+
+def test_a_logprob_miss_is_judged_by_the_distance_from_the_torch_references():
+    on = _reply([5, 6, 7], [-0.1, -0.2, -0.3])
+    off = _shifted(on, 0.2)
+    assert not verdict.compare(0, on, off, exact=False).ok                  # no reference: the bar alone
+    same_as_on = verdict.compare(0, on, off, exact=False, ref=on)
+    assert same_as_on.ok and same_as_on.from_ref_on == 0 and abs(same_as_on.from_ref_off - 0.2) < 1e-9
+    same_as_off = verdict.compare(0, on, off, exact=False, ref=off)
+    assert not same_as_off.ok and "from the ops' torch references where SGLang's own are 0" in same_as_off.detail
+    halfway = verdict.compare(0, on, off, exact=False, ref=_shifted(on, 0.1))
+    assert halfway.ok, halfway.detail                          # 0.1 from it, as SGLang's own: within 1.5 x
+    nearer_off = verdict.compare(0, on, off, exact=False, ref=_shifted(on, 0.16))
+    assert not nearer_off.ok                                   # 0.16 where SGLang's are 0.04: past 1.5 x and tol
+    # The reference's first token is another: nothing to judge by.
+    other = verdict.compare(0, on, off, exact=False, ref=_reply([9, 6, 7], [-0.1, -0.2, -0.3]))
+    assert not other.ok and "gives no finite logprob of the same token" in other.detail
+    # Past the positions the reference agrees on, the bar holds again.
+    part = verdict.compare(0, on, off, exact=False, ref=_reply([5, 9, 7], [-0.1, -0.2, -0.3]))
+    assert not part.ok and "past the 1 position(s) the reference run agrees on" in part.detail
+    # A miss with kept kernels is never excused by a reference.
+    assert not verdict.compare(0, on, off, exact=True, ref=on).ok
+
+
+def test_the_reference_selection_keeps_the_users_other_choices():
+    assert verdict.reference_set(None, ("moe", "indexer")) == "moe=torch,indexer=torch"
+    assert verdict.reference_set("moe=triton_w4a16, kv_dequant=triton_u8", ("kv_dequant",)) == \
+        "moe=triton_w4a16,kv_dequant=torch"
+
+
+def _starts(path):
+    return [json.loads(x) for x in open(path).read().splitlines()]
+
+
+def test_routed_kernels_as_close_to_the_references_as_sglangs_pass(ckpt, monkeypatch, tmp_path):
+    starts = tmp_path / "starts"
+    out = tmp_path / "out"
+    shift = str(2 * verdict.LOGPROB_TOL)
+    r = _run(ckpt, monkeypatch, STANDIN_ROUTED="1", STANDIN_SHIFT=shift, STANDIN_REF_SHIFT=shift,
+             STANDIN_ARGS=str(starts), out=str(out))
+    assert r.ok, r.cause
+    assert r.reference is not None and r.reference.ok and r.reference_ops == ("kv_dequant",)
+    assert all(c.from_ref_on == 0 and c.from_ref_off > verdict.LOGPROB_TOL for c in r.comparisons)
+    s = _starts(starts)
+    assert len(s) == 3 and s[2]["set"] == "kv_dequant=torch" and "--disable-cuda-graph" in s[2]["argv"]
+    assert "--disable-cuda-graph" not in s[0]["argv"] and s[0]["set"] is None
+    assert (out / "sglang-reference.log").exists() and any((out / "reports-reference").iterdir())
+    from capdispatch.rehearse.engine.render import render
+    text = render(r)
+    assert "reference (kv_dequant on their torch references): ok" in text
+    assert "as far from the ops' torch references" in text and text.splitlines()[-1].startswith("PASSED")
+    assert json.loads((out / "engine-rehearsal.json").read_text())["reference"]["reference"] is True
+
+
+def test_routed_kernels_further_from_the_references_than_sglangs_fail(ckpt, monkeypatch, tmp_path):
+    r = _run(ckpt, monkeypatch, STANDIN_ROUTED="1", STANDIN_SHIFT=str(2 * verdict.LOGPROB_TOL))
+    assert not r.ok and r.reference is not None and "from the ops' torch references" in r.cause
+
+
+def test_a_reference_run_that_keeps_the_routed_kernel_fails_closed(ckpt, monkeypatch):
+    shift = str(2 * verdict.LOGPROB_TOL)
+    r = _run(ckpt, monkeypatch, STANDIN_ROUTED="1", STANDIN_SHIFT=shift, STANDIN_REF_SHIFT=shift,
+             STANDIN_REF_IGNORED="1")
+    assert not r.ok and "did not route kv_dequant to its torch reference (its report: triton_u8, routed)" in r.cause
+
+
+def test_no_reference_run_where_the_logprobs_agree_or_every_kernel_is_sglangs(ckpt, monkeypatch, tmp_path):
+    starts = tmp_path / "starts"
+    r = _run(ckpt, monkeypatch, STANDIN_ROUTED="1", STANDIN_FLIP="2", STANDIN_ARGS=str(starts))
+    assert r.ok and r.reference is None and len(_starts(starts)) == 2
+    starts.unlink()
+    r = _run(ckpt, monkeypatch, STANDIN_SHIFT=str(2 * verdict.LOGPROB_TOL), STANDIN_ARGS=str(starts))
+    assert not r.ok and r.reference is None and len(_starts(starts)) == 2

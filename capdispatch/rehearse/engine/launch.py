@@ -25,6 +25,7 @@ BOUNDS = {"prompt": (16, 16384), "steps": (2, 1024), "requests": (1, 64), "port"
 MAX_TIMEOUT_S = 86400.0
 
 # SGLang flags the rehearsal sets itself, and the flag of ours that sets each (None: fixed).
+GRAPHS_OFF = "--disable-cuda-graph"   # the reference run: torch references run eagerly
 OWN_FLAGS = {"--model-path": "--model", "--model": "--model", "--tp-size": "--tp", "--tp": "--tp",
              "--base-gpu-id": "--device", "--device": "--device", "--port": "--port", "--host": None,
              "--skip-tokenizer-init": None, "--disable-radix-cache": None, "--random-seed": "--seed"}

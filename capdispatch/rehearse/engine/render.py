@@ -1,6 +1,8 @@
 """The engine rehearsal for people."""
 from __future__ import annotations
 
+from . import verdict
+
 
 def _num(v, unit) -> str:
     if v is None:
@@ -12,13 +14,15 @@ def render(r) -> str:
     lines = [f"engine rehearsal of {r.model} ({r.checkpoint}) in SGLang {r.on.version or '?'}: tp {r.tp} on "
              f"{', '.join(r.devices)}; {r.requests} greedy request(s) of {r.prompt} prompt tokens + {r.steps} "
              f"output tokens (seed {r.seed}); {r.wall_s:.1f} s", ""]
-    for run in (r.on, r.off):
+    for run in (r.on, r.off, r.reference):
         if run is None:
-            lines.append("plugin off: not run (the plugin-on run failed)")
+            if run is r.off:
+                lines.append("plugin off: not run (the plugin-on run failed)")
             continue
         state = "ok" if run.ok else f"FAILED at {run.step}"
         ready = f", ready in {run.ready_s:.0f} s" if run.ready_s is not None else ""
-        lines.append(f"plugin {'on' if run.plugin else 'off'}: {state}{ready}; log {run.log or 'not kept (no --out)'}")
+        what = f" ({', '.join(r.reference_ops)} on their torch references)" if run.reference else ""
+        lines.append(f"{run.label}{what}: {state}{ready}; log {run.log or 'not kept (no --out)'}")
         lines.append(f"  {' '.join(run.command)}")
         if run.error:
             lines.append(f"  error: {run.error}")
@@ -42,6 +46,10 @@ def render(r) -> str:
     if r.routed:
         lines.append("routed to capdispatch's kernels (tokens may differ; logprobs compared within "
                      f"{r.tolerance:g}): " + ", ".join(r.routed))
+    if r.reference is not None:
+        lines.append(f"the logprobs missed {r.tolerance:g}, so the reference run judged whose kernels are off: "
+                     f"capdispatch's may be at most {verdict.REF_FACTOR:g} x as far from the ops' torch references "
+                     f"as SGLang's own (or within {r.tolerance:g})")
     if r.settings_differ:
         lines.append(f"SGLang settings the runs resolved apart (logprobs compared within {r.tolerance:g}; give "
                      f"a setting after -- to compare the kernels alone): " + "; ".join(r.settings_differ))
@@ -63,7 +71,8 @@ def render(r) -> str:
     if r.cause:
         lines.append(f"first failure: {r.cause}")
     how = ("identical greedy tokens" if not (r.routed or r.settings_differ) else
-           f"logprobs within {r.tolerance:g} per position up to a near tie")
+           f"logprobs within {r.tolerance:g} per position up to a near tie"
+           + (", or as close to the ops' torch references as SGLang's own" if r.reference is not None else ""))
     lines.append(f"{'PASSED' if r.ok else 'FAILED'}: plugin-on against plugin-off replies ({how}); every rank's "
                  f"report read, its routes installed and the group agreed")
     return "\n".join(lines)

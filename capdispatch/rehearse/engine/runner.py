@@ -23,6 +23,7 @@ from ..errors import RehearseError
 from . import launch, server, verdict
 from .verdict import Reply, Run
 
+SET_ENV = "CAPDISPATCH_SET"
 MEMORY_BOUND = 0.05    # the issue's bars: memory after load within 5% of the plan,
 TIME_BOUND = 0.20      # TPOT within 20% of the speed prediction
 
@@ -67,9 +68,23 @@ def rehearse(model: str, devices, *, tp: Optional[int] = None, prompt: int = 256
             runs.append(run)
             if not run.ok:
                 break
-    on, off = runs[0], (runs[1] if len(runs) > 1 else None)
+        on, off = runs[0], (runs[1] if len(runs) > 1 else None)
+        ref = None
+        ref_ops = tuple(dict.fromkeys(o.op for r in on.reports for o in r.routed()))
+        if ref_ops and off is not None and off.ok and verdict.needs_reference(_comparisons(on, off)):
+            # Whose kernel is off: the same launch with the routed ops on their torch references.
+            reports = os.path.join(tmp, "reports-reference")
+            os.mkdir(reports)
+            graphs = () if launch.GRAPHS_OFF in extra else (launch.GRAPHS_OFF,)
+            lp = launch.Launch(folder_model, ids, port or launch.free_port(), seed, extra + graphs)
+            e = launch.environment(base, plugin=True, report_dir=reports, devices=listed)
+            e[SET_ENV] = verdict.reference_set(base.get(SET_ENV), ref_ops)
+            say(f"engine rehearsal: logprobs miss {verdict.LOGPROB_TOL:g}; SGLang with {', '.join(ref_ops)} on "
+                f"their torch references: starting")
+            ref = _serve(lp, e, True, server_cmd, prompts, steps, timeout, start_timeout, tmp, reports, out, say,
+                         emulated, reference=True)
     r = _verdict(shape, folder_model, devices, ids, prompt, steps, requests, seed, on, off,
-                 time.monotonic() - t0, out, emulated, next_n_of(extra))
+                 time.monotonic() - t0, out, emulated, next_n_of(extra), ref, ref_ops if ref is not None else ())
     if out:
         _write_out(r, out)
     return r
@@ -98,9 +113,10 @@ def _command(lp: launch.Launch, server_cmd: tuple) -> tuple:
 
 
 def _serve(lp, env, plugin, server_cmd, prompts, steps, timeout, start_timeout, tmp, reports, out, say,
-           emulated=None) -> Run:
+           emulated=None, reference=False) -> Run:
     """One server: start, wait, ask, stop. A failure is the Run's error, named by step."""
-    name = f"sglang-plugin-{'on' if plugin else 'off'}.log"
+    name = "sglang-reference.log" if reference else f"sglang-plugin-{'on' if plugin else 'off'}.log"
+    label = "reference" if reference else f"plugin {'on' if plugin else 'off'}"
     log = os.path.join(tmp, name)
     command = _command(lp, server_cmd)
     ready = memory = None
@@ -110,13 +126,13 @@ def _serve(lp, env, plugin, server_cmd, prompts, steps, timeout, start_timeout, 
     proc = server.start(server_cmd, lp.argv(), env, log)
     try:
         ready = server.wait_ready(proc, lp.port, log, start_timeout)
-        say(f"engine rehearsal: plugin {'on' if plugin else 'off'}: ready in {ready:.0f} s; sending requests")
+        say(f"engine rehearsal: {label}: ready in {ready:.0f} s; sending requests")
         step = "server info"
         try:
             info = server.get_json(lp.port, "/server_info", timeout)
         except (urllib.error.URLError, OSError, ValueError) as exc:
             # The measures it carries (version, settings, memory) are then reported as unknown.
-            say(f"engine rehearsal: plugin {'on' if plugin else 'off'}: /server_info did not answer "
+            say(f"engine rehearsal: {label}: /server_info did not answer "
                 f"({server.why(exc)}); going on without it")
             info = {}
         version = info.get("version") or version
@@ -165,10 +181,11 @@ def _serve(lp, env, plugin, server_cmd, prompts, steps, timeout, start_timeout, 
             if error is None:
                 step, error = "rank reports", str(exc)
         if out and found:
-            os.makedirs(os.path.join(out, "reports"), exist_ok=True)
+            folder = "reports-reference" if reference else "reports"
+            os.makedirs(os.path.join(out, folder), exist_ok=True)
             kept = []
             for rep in found:
-                dest = os.path.join(out, "reports", os.path.basename(rep.path))
+                dest = os.path.join(out, folder, os.path.basename(rep.path))
                 shutil.copyfile(rep.path, dest)
                 kept.append(attrs.evolve(rep, path=dest))
             found = tuple(kept)
@@ -178,7 +195,7 @@ def _serve(lp, env, plugin, server_cmd, prompts, steps, timeout, start_timeout, 
             step, error = "plugin off", (f"the plugin-off run wrote rank reports ({', '.join(leaked)}): "
                                          f"{launch.PLUGINS_ENV} did not keep capdispatch out")
     return Run(plugin, command, error is None, step, rank, error, ready, version, memory, settings,
-               tuple(replies), found, saved, log_tail)
+               tuple(replies), found, saved, log_tail, reference)
 
 
 def _generate(proc, port, log, ids, n, timeout, step) -> dict:
@@ -196,23 +213,32 @@ def _generate(proc, port, log, ids, n, timeout, step) -> dict:
                                   server.rank_in(text), text) from None
 
 
+def _comparisons(on, off, ref=None) -> tuple:
+    """Each request's plugin-on reply against its plugin-off one (and the reference's)."""
+    if not (on.ok and off is not None and off.ok):
+        return ()
+    routed = any(r.routed() for r in on.reports)
+    exact = not routed and not verdict.settings_differ(on, off)
+    refs = ref.replies if ref is not None and ref.ok else ()
+    return tuple(verdict.compare(i, a, b, exact=exact, ref=refs[i] if i < len(refs) else None)
+                 for i, (a, b) in enumerate(zip(on.replies, off.replies)))
+
+
 def _verdict(shape, folder, devices, ids, prompt, steps, requests, seed, on, off, wall, out, emulated=None,
-             next_n=1):
+             next_n=1, ref=None, ref_ops=()):
     routed = tuple(f"{o.op} on rank {r.rank} ({o.backend})" for r in on.reports for o in r.routed())
     problems = verdict.report_problems(on.reports) if on.ok else []
-    comparisons, differ = (), ()
-    if on.ok and off is not None and off.ok:
-        differ = verdict.settings_differ(on, off)
-        exact = not routed and not differ
-        comparisons = tuple(verdict.compare(i, a, b, exact=exact) for i, (a, b) in
-                            enumerate(zip(on.replies, off.replies)))
+    if ref is not None and ref.ok:
+        problems += verdict.report_problems(ref.reports) + verdict.reference_problems(ref.reports, ref_ops)
+    differ = verdict.settings_differ(on, off) if on.ok and off is not None and off.ok else ()
+    comparisons = _comparisons(on, off, ref)
     cause = None
-    for run in (on, off):
+    for run in (on, off, ref):
         if run is not None and not run.ok and cause is None:
             who = f"rank {run.rank}, " if run.rank is not None else ""
-            cause = f"plugin {'on' if run.plugin else 'off'}, {who}{run.step}: {run.error}"
+            cause = f"{run.label}, {who}{run.step}: {run.error}"
     if cause is None and problems:
-        cause = f"plugin on, rank reports: {problems[0]}"
+        cause = f"rank reports: {problems[0]}"
     bad = [c for c in comparisons if not c.ok]
     if cause is None and bad:
         cause = bad[0].detail
@@ -225,7 +251,7 @@ def _verdict(shape, folder, devices, ids, prompt, steps, requests, seed, on, off
     not_called = {o.op: declared.not_called(o.op) for r in on.reports for o in r.ops if declared.get(o.op) is None}
     return verdict.EngineRehearsal("sglang", shape.name, folder, tuple(str(d) for d in devices), len(ids), prompt,
                                    steps, requests, seed, on, off, routed, differ, comparisons, measures, ok, cause,
-                                   verdict.LOGPROB_TOL, round(wall, 2), out, not_called)
+                                   verdict.LOGPROB_TOL, round(wall, 2), out, not_called, ref, tuple(ref_ops))
 
 
 def next_n_of(sglang_args) -> Optional[int]:

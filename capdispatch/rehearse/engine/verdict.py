@@ -1,10 +1,18 @@
 """The engine rehearsal's records, the rank reports it reads (the plugin's own format,
 adapters/sglang/report.py) and the comparison of the plugin-on run with the plugin-off run.
 
-Fail closed: tokens must be identical where every rank keeps SGLang's own kernels; where a
+Fail closed: tokens must be identical (and their logprobs within LOGPROB_TOL) where every
+rank keeps SGLang's own kernels; where a
 rank routes an op to capdispatch's kernel, each position's logprob must agree within
 LOGPROB_TOL up to the first differing token, and that token must be a near tie in the
-plugin-off run (its logprob there within LOGPROB_TOL of the token chosen)."""
+plugin-off run (its logprob there within LOGPROB_TOL of the token chosen).
+
+Where routed kernels' logprobs are further apart than LOGPROB_TOL, a third run settles
+whose kernel is off: the same launch with each routed op on its torch reference (the op's
+meaning: exact dequantisation, fp32 accumulation). The routed kernels pass only where they
+are no further from the references than REF_FACTOR times SGLang's own kernels are (or
+within LOGPROB_TOL of them), over the positions all three runs agree on; positions past
+those are held to LOGPROB_TOL as before."""
 from __future__ import annotations
 
 import json
@@ -16,6 +24,7 @@ import attrs
 
 SCHEMA = "capdispatch.rehearse-engine/1"
 LOGPROB_TOL = 0.05      # nats, per position: bf16 logits through different kernels of one op contract
+REF_FACTOR = 1.5        # routed kernels may be this much further from the references than SGLang's own
 TOP_LOGPROBS = 5        # alternatives SGLang returns per position, for the near-tie check
 REPORT_LIMIT = 4 << 20
 # SGLang's fields that choose kernels and that the plugin's launch step may set (knobs.yaml);
@@ -76,6 +85,11 @@ class Run:
     reports: tuple             # RankReport per rank (plugin on), () off
     log: Optional[str]         # the server log's file under --out, or None
     log_tail: str = ""         # the log's last lines where the run failed
+    reference: bool = False    # the plugin on, the routed ops on their torch references
+
+    @property
+    def label(self) -> str:
+        return "reference" if self.reference else f"plugin {'on' if self.plugin else 'off'}"
 
 
 @attrs.frozen
@@ -87,6 +101,10 @@ class Comparison:
     compared: int              # positions whose logprobs were compared
     max_logprob_diff: Optional[float]
     detail: str
+    # Against the reference run (where one ran): the routed kernels' and SGLang's own largest
+    # logprob distance from the torch references, over the positions all three agree on.
+    from_ref_on: Optional[float] = None
+    from_ref_off: Optional[float] = None
 
 
 @attrs.frozen
@@ -137,6 +155,8 @@ class EngineRehearsal:
     # op -> why, for the ops a rank decided that the model declaration (calls.yaml) does not
     # call: named, not rehearsed (the comparison of tokens says nothing of them).
     not_called: dict = attrs.field(factory=dict)
+    reference: Optional[Run] = None     # the routed ops on their torch references, where needed
+    reference_ops: tuple = ()           # the ops that run routed it
 
     def to_dict(self) -> dict:
         d = attrs.asdict(self, recurse=True, filter=lambda a, v: a.name != "measures")
@@ -222,8 +242,37 @@ def _finite(xs) -> bool:
     return all(isinstance(x, (int, float)) and math.isfinite(x) for x in xs)
 
 
-def compare(i: int, on: Reply, off: Reply, *, exact: bool, tol: float = LOGPROB_TOL) -> Comparison:
-    """Request I's plugin-on reply against its plugin-off reply (module docstring)."""
+def needs_reference(comparisons, tol: float = LOGPROB_TOL) -> bool:
+    """Does a request's routed-kernel comparison miss by its logprobs alone (the reference run
+    can tell whose kernel is off)?"""
+    return any(not c.exact and c.max_logprob_diff is not None and c.max_logprob_diff > tol for c in comparisons)
+
+
+def reference_set(given: Optional[str], ops) -> str:
+    """CAPDISPATCH_SET for the reference run: the user's selections, with OPS on torch."""
+    kept = [x.strip() for x in (given or "").split(",")
+            if x.strip() and x.split("=", 1)[0].strip() not in ops]
+    return ",".join([*kept, *(f"{op}=torch" for op in ops)])
+
+
+def reference_problems(reports, ops) -> list:
+    """Where the reference run's ranks did not route OPS to their torch references."""
+    out = []
+    for r in reports:
+        got = {o.op: o for o in r.ops}
+        for op in ops:
+            o = got.get(op)
+            if o is None or o.backend != "torch" or o.action != "routed":
+                said = "not decided" if o is None else f"{o.backend}, {o.action}"
+                out.append(f"rank {r.rank} (cuda:{r.gpu_id}): the reference run did not route {op} to its torch "
+                           f"reference (its report: {said})")
+    return out
+
+
+def compare(i: int, on: Reply, off: Reply, *, exact: bool, tol: float = LOGPROB_TOL,
+            ref: Optional[Reply] = None) -> Comparison:
+    """Request I's plugin-on reply against its plugin-off reply, and against REF (the routed
+    ops on their torch references) where the logprobs miss TOL (module docstring)."""
     def no(detail, first=None, compared=0, worst=None):
         return Comparison(i, exact, False, first, compared, worst, f"request {i}: {detail}")
     if not on.tokens or len(on.tokens) != len(off.tokens):
@@ -238,24 +287,54 @@ def compare(i: int, on: Reply, off: Reply, *, exact: bool, tol: float = LOGPROB_
             return no(f"tokens differ at position {first} ({on.tokens[first]} with the plugin, "
                       f"{off.tokens[first]} without) though every rank keeps SGLang's own kernels",
                       first, upto, worst)
-        return Comparison(i, True, True, None, upto, worst, f"request {i}: {upto} tokens identical")
+        if worst is None or worst > tol:
+            said = "no finite logprob per token in both replies" if worst is None else f"logprobs {worst:.3g} apart"
+            return no(f"tokens identical but {said} (bound {tol:g}) though every rank keeps SGLang's own kernels",
+                      None, upto, worst)
+        return Comparison(i, True, True, None, upto, worst,
+                          f"request {i}: {upto} tokens identical, logprobs at most {worst:.2g} apart")
     if worst is None:
         return no("no finite logprob per token in both replies: nothing to compare within tolerance", first)
+    d_on = d_off = None
+    judged = f"logprobs at most {worst:.2g} apart"
     if worst > tol:
         k = max(range(upto), key=lambda k: abs(on.logprobs[k] - off.logprobs[k]))
-        return no(f"logprob differs by {worst:.3g} at position {k} (bound {tol:g})", first, upto, worst)
+        if ref is None:
+            return no(f"logprob differs by {worst:.3g} at position {k} (bound {tol:g})", first, upto, worst)
+        agree = next((k for k in range(upto) if k >= len(ref.tokens) or ref.tokens[k] != on.tokens[k]), upto)
+        if agree == 0 or not _finite(ref.logprobs[:agree]) or len(ref.logprobs) < agree:
+            return no(f"logprob differs by {worst:.3g} at position {k} (bound {tol:g}), and the reference run "
+                      f"gives no finite logprob of the same token to judge it by", first, upto, worst)
+        d_on = max(abs(a - b) for a, b in zip(on.logprobs[:agree], ref.logprobs[:agree]))
+        d_off = max(abs(a - b) for a, b in zip(off.logprobs[:agree], ref.logprobs[:agree]))
+        bound = max(tol, REF_FACTOR * d_off)
+        if d_on > bound:
+            return attrs.evolve(no(f"logprob differs by {worst:.3g} at position {k}; capdispatch's routed kernels are "
+                                   f"{d_on:.3g} from the ops' torch references where SGLang's own are {d_off:.3g} "
+                                   f"(bound {bound:.3g}: the larger of {tol:g} and {REF_FACTOR:g} x SGLang's) over "
+                                   f"{agree} position(s)", first, upto, worst), from_ref_on=d_on, from_ref_off=d_off)
+        past = [(abs(on.logprobs[j] - off.logprobs[j]), j) for j in range(agree, upto)]
+        if past and max(past)[0] > tol:
+            miss, j = max(past)
+            return attrs.evolve(no(f"logprob differs by {miss:.3g} at position {j}, past the {agree} position(s) the "
+                                   f"reference run agrees on (bound {tol:g})", first, upto, worst),
+                                from_ref_on=d_on, from_ref_off=d_off)
+        judged = (f"logprobs {worst:.2g} apart, and capdispatch's kernels {d_on:.2g} from the ops' torch references "
+                  f"where SGLang's own are {d_off:.2g} (bound {bound:.2g}) over {agree} position(s)")
     if first is None:
-        return Comparison(i, False, True, None, upto, worst,
-                          f"request {i}: {upto} tokens identical, logprobs at most {worst:.2g} apart")
+        return Comparison(i, False, True, None, upto, worst, f"request {i}: {upto} tokens identical, {judged}",
+                          d_on, d_off)
     alt = dict((t, lp) for t, lp in (off.top[first] if first < len(off.top) else ()))
     chosen = on.tokens[first]
     if chosen not in alt or not math.isfinite(alt[chosen]) or off.logprobs[first] - alt[chosen] > tol:
         gap = "not among its top alternatives" if chosen not in alt else f"{off.logprobs[first] - alt[chosen]:.3g} below"
-        return no(f"token {chosen} at position {first} (plugin on) is no near tie without the plugin, which "
-                  f"chose {off.tokens[first]} ({gap}; bound {tol:g})", first, upto, worst)
+        return attrs.evolve(no(f"token {chosen} at position {first} (plugin on) is no near tie without the plugin, "
+                               f"which chose {off.tokens[first]} ({gap}; bound {tol:g})", first, upto, worst),
+                            from_ref_on=d_on, from_ref_off=d_off)
     return Comparison(i, False, True, first, upto, worst,
-                      f"request {i}: logprobs at most {worst:.2g} apart over {upto} positions; at position {first} a near "
-                      f"tie ({chosen} vs {off.tokens[first]}) went the other way; later positions not compared")
+                      f"request {i}: {judged} over {upto} positions; at position {first} a near "
+                      f"tie ({chosen} vs {off.tokens[first]}) went the other way; later positions not compared",
+                      d_on, d_off)
 
 
 def reply_of(body: dict, first_s: float, total_s: float) -> Reply:
