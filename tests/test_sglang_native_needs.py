@@ -12,13 +12,19 @@ import pytest
 
 import capdispatch as cd
 from capdispatch import extend
-from capdispatch.adapters.sglang import decide, knobs, proof, rank, report
+from capdispatch.adapters.sglang import decide, knobs, moe_plan, proof, rank, report
+from capdispatch.adapters.sglang.records import SglangSetting
 from capdispatch.dispatch.binding import HostedKernelError
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
 H100 = "sim:h100"
 LIBS_0517 = ("sglang-kernel==0.4.5", "sgl-deep-gemm==0.1.5.post1")
+# What SGLang 0.5.17's own Marlin MoE needs (its own JIT module, built through tvm_ffi).
+LIBS_MARLIN = ("sglang==0.5.17", "apache-tvm-ffi==0.1.11", "sglang-kernel==0.4.5")
+MARLIN = {"moe_runner_backend": "marlin"}
+MARLIN_HOST = ("SGLang's own kernel (sglang 0.5.17 sglang.kernels.ops.moe.moe_wna16_marlin, apache-tvm-ffi 0.1.11 "
+               "tvm_ffi, sglang-kernel 0.4.5 sgl_kernel.scalar_type)")
 ATTENTION = ("indexer", "sparse_prefill", "decode_mla")
 ID = H100            # a simulated card's id
 
@@ -33,16 +39,18 @@ def r0523():
     return knobs.load().release("0.5.23")
 
 
-def _decide(release, assume=(), policy=(), devices=(H100,), ops=ATTENTION, env=None):
+def _decide(release, assume=(), policy=(), devices=(H100,), ops=ATTENTION, env=None, **kw):
     specs = [cd.probe(d) for d in devices]
-    return decide.decide(specs, ops, release, assume_libs=assume, policy=policy, env=env or {})
+    return decide.decide(specs, ops, release, assume_libs=assume, policy=policy, env=env or {}, **kw)
 
 
-def _edited(tmp_path, old, new):
+def _edited(tmp_path, old, new, last=False):
+    """The packaged knob map with OLD's first (LAST: last, i.e. 0.5.17's) occurrence replaced by NEW."""
     text = open(knobs.DEFAULT_PATH).read()
     assert old in text, old
     path = tmp_path / "knobs.yaml"
-    path.write_text(text.replace(old, new, 1))
+    head, _, tail = text.rpartition(old) if last else text.partition(old)
+    path.write_text(head + new + tail)
     return str(path)
 
 
@@ -51,7 +59,8 @@ def _edited(tmp_path, old, new):
 def test_0517_states_what_its_own_kernels_need_and_0523_states_nothing(r0517, r0523):
     assert r0523.hosted() == {}        # 0.5.23's native kernels are capdispatch's adapters' libraries
     h = r0517.hosted()
-    assert set(h) == {("decode_mla", "flashmla"), ("sparse_prefill", "flashmla_sparse"), ("indexer", "deepgemm")}
+    assert set(h) == {("decode_mla", "flashmla"), ("sparse_prefill", "flashmla_sparse"), ("indexer", "deepgemm"),
+                      ("moe", "marlin_w4a16")}
     flash = extend.Library("sglang-kernel", ">=0.4.5,<0.4.6", module="sgl_kernel.flash_mla")
     sm90_100 = extend.AnyFeature(("wgmma", "tcgen05"))
     assert h["decode_mla", "flashmla"].requires == (flash, extend.Platform("cuda"), sm90_100)
@@ -59,9 +68,21 @@ def test_0517_states_what_its_own_kernels_need_and_0523_states_nothing(r0517, r0
     assert h["indexer", "deepgemm"].requires == (
         extend.Library("sgl-deep-gemm", ">=0.1.5.post1,<0.1.6", module="deep_gemm"), extend.Platform("cuda"),
         sm90_100)
-    # The indexer's site switches SGLang off DeepGEMM for every size once any size is routed.
+    # The indexer's site switches SGLang off DeepGEMM for every size once any size is routed;
+    # SGLang's MoE method runs for every size or none (the runner is launch-wide).
     assert [h[k].split for k in (("decode_mla", "flashmla"), ("sparse_prefill", "flashmla_sparse"),
-                                 ("indexer", "deepgemm"))] == [True, True, False]
+                                 ("indexer", "deepgemm"), ("moe", "marlin_w4a16"))] == [True, True, False, False]
+    # SGLang's own Marlin MoE: led by the launch's value (unknown here: believed to run nowhere).
+    nb = moe_plan.route_of(r0517).native_by
+    assert h["moe", "marlin_w4a16"].requires == (
+        moe_plan.Builds(nb, "marlin_w4a16", None),
+        extend.Library("sglang", ">=0.5.17,<0.5.18", module="sglang.kernels.ops.moe.moe_wna16_marlin"),
+        extend.Library("apache-tvm-ffi", ">=0.1.11,<0.1.12", module="tvm_ffi"),
+        extend.Library("sglang-kernel", ">=0.4.5,<0.4.6", module="sgl_kernel.scalar_type"),
+        extend.Platform("cuda"), extend.ComputeCapability(">=9.0,<13.0,!=10.*,!=11.*"))
+    marlin = SglangSetting("field", "moe_runner_backend", "marlin")
+    assert r0517.launch_hosted(marlin)["moe", "marlin_w4a16"].requires[0] == moe_plan.Builds(nb, "marlin_w4a16", "marlin")
+    assert set(r0517.launch_hosted(marlin)) == {("moe", "marlin_w4a16")} and r0523.launch_hosted(marlin) == {}
 
 
 def test_0517s_statements_match_its_pins():
@@ -75,8 +96,11 @@ def test_0517s_statements_match_its_pins():
     if not os.path.exists(meta):
         pytest.skip("needs SGLang 0.5.17 in tests/.releases (the README's test command)")
     pins = dict(re.findall(r"^Requires-Dist: ([A-Za-z0-9_.-]+)==([^\s;]+)", open(meta).read(), re.M))
-    for hosted in knobs.load().release("0.5.17").hosted().values():
-        (lib,) = [x for x in hosted.requires if isinstance(x, extend.Library)]
+    pins["sglang"] = "0.5.17"             # the release's own distribution pins no version of itself
+    libs = [x for hosted in knobs.load().release("0.5.17").hosted().values() for x in hosted.requires
+            if isinstance(x, extend.Library)]
+    assert {lib.dist for lib in libs} == {"sglang", "apache-tvm-ffi", "sglang-kernel", "sgl-deep-gemm"}
+    for lib in libs:
         assert pins[lib.dist] in SpecifierSet(lib.spec, prereleases=True), (lib, pins[lib.dist])
 
 
@@ -124,13 +148,25 @@ def test_needs_only_where_sglang_runs_its_own_kernel_at_a_route_it_names_native(
                                                r"\(sglang: \[\.\.\.\]\) says what SGLang's own kernel needs; this "
                                                r"one is a route entry"):
         knobs.load(path)
-    # The MoE site's SGLang kernel is a method per launch value (native_by), no route's native.
-    path = _edited(tmp_path, "          why: SGLang's Mxfp4MarlinMoEMethod (sgl-kernel Marlin W4A16; cc >= 8.0)\n"
-                             "        triton_w4a16: {route: [moe_layer]}\n        torch: {route: [moe_layer]}\n\n    routes:",
-                   "          why: x\n          needs: [{library: sglang-kernel, module: sgl_kernel}]\n"
-                   "        triton_w4a16: {route: [moe_layer]}\n        torch: {route: [moe_layer]}\n\n    routes:")
-    with pytest.raises(knobs.KnobsError, match=r"moe\.marlin_w4a16\.needs: no moe route names marlin_w4a16 as its "
-                                               r"native kernel, so no SGLang call site runs it"):
+    # The MoE site's SGLang kernel is a method per launch value (native_by): a backend no launch
+    # value's method runs on any family is no kernel of SGLang's to state.
+    path = _edited(tmp_path, "marlin: {sm90: marlin_w4a16, sm120: marlin_w4a16, other: null}",
+                   "marlin: {other: null}", last=True)
+    with pytest.raises(knobs.KnobsError) as e:
+        knobs.load(path)
+    text = str(e.value)
+    assert "moe.marlin_w4a16.needs: no moe route names marlin_w4a16 as its native kernel, so no SGLang call " \
+           "site runs it (valid: an entry of a route's native backend, or of one its native_by names; moe " \
+           "routes' natives: moe_layer: flashinfer_cutlass_w4a16 (native_by)" in text and "\n" not in text, text
+    line = open(path).read().splitlines()[int(text.split(":")[1]) - 1]      # the statement refused
+    assert text.startswith(f"{path}:") and "module: sglang.kernels.ops.moe.moe_wna16_marlin" in line, line
+    # A route entry of the MoE site: capdispatch's kernel runs there, SGLang's own does not.
+    path = _edited(tmp_path, "        triton_w4a16: {route: [moe_layer]}\n        torch: {route: [moe_layer]}\n\n    routes:\n"
+                             "      # No layout parameter",
+                   "        triton_w4a16: {route: [moe_layer], needs: [{platform: cuda}]}\n"
+                   "        torch: {route: [moe_layer]}\n\n    routes:\n      # No layout parameter")
+    with pytest.raises(knobs.KnobsError, match=r"^[^\n]*knobs\.yaml:\d+: .*moe\.triton_w4a16\.needs: only an entry "
+                                               r"SGLang runs itself \(sglang: \[\.\.\.\]\)[^\n]*route entry$"):
         knobs.load(path)
 
 
@@ -259,6 +295,100 @@ def test_without_them_the_ops_are_routed_and_the_reason_names_sglangs_kernel(r05
     # 0.5.23's own DeepGEMM on the same card is not 0.5.17's: outside the statement's range.
     d = _decide(r0517, ("sglang-kernel==0.4.5", "sgl-deep-gemm==0.2.3.post2"))
     assert d.choices["indexer"][ID].routed and not d.choices["decode_mla"][ID].routed
+
+
+def _marlin(release, devices=(H100,), assume=LIBS_MARLIN, values=MARLIN, **kw):
+    return _decide(release, assume, devices=devices, ops=("moe",), field_values=values,
+                   explicit_fields=tuple(values), **kw)
+
+
+def _marlin_candidate(c):
+    (m,) = [x for x in c.resolution.candidates if x.backend == "marlin_w4a16"]
+    return m
+
+
+def test_on_an_h100_under_the_marlin_runner_sglangs_own_marlin_moe_is_kept(r0517):
+    d = _marlin(r0517)
+    c = d.choices["moe"][ID]
+    assert (c.action, c.backend, c.runs, c.host) == ("kept", "marlin_w4a16", "marlin_w4a16", MARLIN_HOST)
+    assert c.why == ("explicit choice (sglang --moe-runner-backend marlin); SGLang's own Mxfp4MarlinMoEMethod kept "
+                     "under moe_runner_backend=marlin (set by the user (--moe-runner-backend)): it runs "
+                     f"{MARLIN_HOST}, judged by the knob map's statement of what it needs; not verified by capdispatch")
+    assert not [w for w in d.warnings if "moe" in w], d.warnings       # no downgrade: SGLang's Marlin runs
+    assert [ch.code for ch in _marlin_candidate(c).checks] == [
+        "sglang:moe_runner_backend", "library:sglang", "library:apache-tvm-ffi", "library:sglang-kernel", "platform",
+        "cc"]
+    spec = cd.probe(H100)
+    assert proof.hosted(d, spec) == {"moe": MARLIN_HOST} and "moe" not in proof._decided(d, spec)
+    entry = report.op_entry(c, r0517.route("moe", spec))
+    assert entry["canary"] == {"marlin_w4a16": f"not verified by capdispatch ({MARLIN_HOST})"}
+    # A rank judges it under SGLang's resolved value (its record), as the launcher did.
+    resolved = SglangSetting("field", "moe_runner_backend", "marlin", origin="as SGLang resolved it")
+    d = _marlin(r0517, moe_launch=resolved)
+    assert (d.choices["moe"][ID].action, d.choices["moe"][ID].host) == ("kept", MARLIN_HOST)
+    # SM120 too (native_by: marlin -> marlin_w4a16 there).
+    d = _marlin(r0517, devices=("sim:rtx-5090",))
+    assert (d.choices["moe"]["sim:rtx-5090"].action, d.choices["moe"]["sim:rtx-5090"].host) == ("kept", MARLIN_HOST)
+
+
+def test_under_the_default_runner_the_statement_keeps_nothing(r0517, tmp_path):
+    """auto builds Fp8MoEMethod (native null): SGLang runs no Marlin, so capdispatch never
+    believes it does, whatever asks for marlin_w4a16."""
+    d = _marlin(r0517, values={})
+    c = d.choices["moe"][ID]
+    assert c.routed and c.backend != "marlin_w4a16" and c.host is None
+    m = _marlin_candidate(c)
+    assert not m.ok and m.host is not None
+    assert ("sglang:moe_runner_backend: need moe_runner_backend=marlin on sm90, sm120 (SGLang's method that runs "
+            "marlin_w4a16), found moe_runner_backend=auto on sm90 (Fp8MoEMethod)") in m.why_not(exact=True)
+    # Asked for by capdispatch's own selection or policy under auto: downgraded, never routed to it.
+    for kw in (dict(selections=["moe=marlin_w4a16"]), dict(policy=[_bucket_policy(tmp_path, "moe", "marlin_w4a16",
+                                                                                  "marlin_w4a16")])):
+        d = _marlin(r0517, values={}, **kw)
+        c = d.choices["moe"][ID]
+        assert c.routed and c.backend != "marlin_w4a16" and "marlin_w4a16" not in c.routed_backends, c.why
+    # Other launch values: the same.
+    for value in ("triton", "flashinfer_mxfp4"):
+        c = _marlin(r0517, values={"moe_runner_backend": value}).choices["moe"][ID]
+        assert c.backend != "marlin_w4a16" and c.host is None and not _marlin_candidate(c).ok, value
+    # Without a launch value (a bare context): believed to run nowhere.
+    res = cd.dispatch.resolver.resolve_in(decide.context_for(r0517, assume_libs=LIBS_MARLIN), "moe", cd.probe(H100))
+    (m,) = [x for x in res.candidates if x.backend == "marlin_w4a16"]
+    assert not m.ok and "found the launch's moe_runner_backend unknown" in m.why_not(exact=True)
+
+
+@pytest.mark.parametrize("device,family", [("sim:rtx-3080", "sm80"), ("sim:b200", "sm100")])
+def test_where_native_by_gives_no_marlin_the_statement_keeps_nothing(r0517, device, family):
+    d = _marlin(r0517, devices=(device,))
+    c = d.choices["moe"][device]
+    assert c.routed and c.backend != "marlin_w4a16" and c.host is None
+    assert 'raises "MXFP4 Marlin requires SM90 or SM120"' in c.why
+    m = _marlin_candidate(c)
+    (builds,) = [ch for ch in m.checks if ch.code == "sglang:moe_runner_backend"]
+    assert not builds.ok and builds.found == f"moe_runner_backend=marlin on {family} (Mxfp4MarlinMoEMethod)"
+    # The user's explicit --moe-runner-backend marlin is downgraded loudly there.
+    assert any("moe=marlin_w4a16 was asked for (sglang --moe-runner-backend marlin) but cannot run" in w
+               for w in d.warnings), d.warnings
+
+
+def test_a_mixed_group_under_the_marlin_runner_keeps_sglangs_marlin_where_it_runs(r0517):
+    d = _marlin(r0517, devices=(H100, "sim:rtx-3080"))
+    row = d.choices["moe"]
+    assert (row[H100].action, row[H100].host) == ("kept", MARLIN_HOST)
+    assert row["sim:rtx-3080"].routed and row["sim:rtx-3080"].backend == "triton_w4a16"
+
+
+def test_without_0517s_marlin_libraries_moe_is_routed_and_the_reason_names_sglangs_kernel(r0517):
+    d = _marlin(r0517, assume=("sglang==0.5.23", "apache-tvm-ffi==0.1.11", "sglang-kernel==0.4.10"))
+    c = d.choices["moe"][ID]
+    assert c.routed and c.backend != "marlin_w4a16" and c.host is None
+    assert ("SGLang's Mxfp4MarlinMoEMethod under moe_runner_backend=marlin (set by the user (--moe-runner-backend)) "
+            "cannot run on this card (SGLang's own kernel (sglang>=0.5.17,<0.5.18 "
+            "sglang.kernels.ops.moe.moe_wna16_marlin, apache-tvm-ffi 0.1.11 tvm_ffi, sglang-kernel>=0.4.5,<0.4.6 "
+            "sgl_kernel.scalar_type): library:sglang: need sglang>=0.5.17,<0.5.18, found 0.5.23 (assumed); "
+            "library:sglang-kernel: need sglang-kernel>=0.4.5,<0.4.6, found 0.4.10 (assumed))") in c.why, c.why
+    assert any("moe=marlin_w4a16 was asked for (sglang --moe-runner-backend marlin) but cannot run" in w
+               for w in d.warnings), d.warnings
 
 
 def test_0523_is_judged_by_capdispatchs_adapters_as_before(r0523):
@@ -404,13 +534,26 @@ def test_0517s_statements_name_the_modules_its_call_sites_import():
     sites = {("decode_mla", "flashmla"): ("srt/layers/attention/deepseek_v4_backend.py", "flash_mla_with_kvcache"),
              ("sparse_prefill", "flashmla_sparse"): ("srt/layers/attention/deepseek_v4_backend.py",
                                                      "flash_mla_sparse_fwd"),
-             ("indexer", "deepgemm"): ("srt/layers/attention/dsv4/indexer.py", "fp8_paged_mqa_logits")}
+             ("indexer", "deepgemm"): ("srt/layers/attention/dsv4/indexer.py", "fp8_paged_mqa_logits"),
+             ("moe", "marlin_w4a16"): ("srt/layers/moe/fused_moe_triton/fused_marlin_moe.py", "moe_wna16_marlin_gemm")}
     hosted = knobs.load().release("0.5.17").hosted()
     assert set(hosted) == set(sites)
     for key, (path, name) in sites.items():
-        (lib,) = [x for x in hosted[key].requires if isinstance(x, extend.Library)]
+        lib = [x for x in hosted[key].requires if isinstance(x, extend.Library)][0]     # the kernel's own
         text = open(os.path.join(base, path)).read()
         assert re.search(rf"^\s*from {re.escape(lib.module)} import {name}\b", text, re.M), (key, lib.module, path)
+    # SGLang's Marlin MoE: the kernel module builds through tvm_ffi (load_jit), with sgl_kernel's scalar
+    # types in fused_marlin_moe; Mxfp4MarlinMoEMethod refuses every card but SM90/SM120.
+    marlin = {x.dist: x.module for x in hosted["moe", "marlin_w4a16"].requires if isinstance(x, extend.Library)}
+    jit = open(os.path.join(base, "kernels/ops/moe/moe_wna16_marlin.py")).read()
+    assert "load_jit(" in jit and "from sglang.kernels.jit.utils import cache_once, load_jit" in jit
+    compile_ = open(os.path.join(base, "kernels/jit/utils/compile.py")).read()
+    assert f"from {marlin['apache-tvm-ffi']}.cpp import load" in compile_
+    fused = open(os.path.join(base, "srt/layers/moe/fused_moe_triton/fused_marlin_moe.py")).read()
+    assert f"from {marlin['sglang-kernel']} import scalar_types" in fused
+    method = open(os.path.join(base, "srt/layers/quantization/mxfp4_marlin_moe.py")).read()
+    assert "if not is_sm90_supported() and not is_sm120_supported():" in method
+    assert 'raise RuntimeError("MXFP4 Marlin requires SM90 or SM120.")' in method
 
 
 def test_a_uniform_pick_that_would_split_a_host_kernel_takes_the_next_common_backend(tmp_path, r0517):

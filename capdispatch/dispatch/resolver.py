@@ -217,17 +217,19 @@ def library_names(registry) -> set:
             for r in b.requires if hasattr(r, "dist")}
 
 
-def library_modules(registry) -> dict:
+def library_modules(registry, hosted=None) -> dict:
     """Canonical import name (and distribution name) -> distribution, for every library
-    a registered backend declares: flash_mla -> sgl-flash-mla."""
+    a registered backend declares, or a host's statement of its own kernel (HOSTED, as
+    `context` takes it) names: flash_mla -> sgl-flash-mla."""
     out = {}
-    for op in registry.ops:
-        for b in registry.backends(op):
-            for r in b.requires:
-                if hasattr(r, "dist"):
-                    out[r.dist] = r.dist
-                    if getattr(r, "module", None):
-                        out.setdefault(canonicalize_name(r.module.split(".")[0]), r.dist)
+    stated = [b.requires for op in registry.ops for b in registry.backends(op)]
+    stated += [getattr(h, "requires", ()) for h in dict(hosted or {}).values()]
+    for requires in stated:
+        for r in requires:
+            if hasattr(r, "dist"):
+                out[r.dist] = r.dist
+                if getattr(r, "module", None):
+                    out.setdefault(canonicalize_name(r.module.split(".")[0]), r.dist)
     return out
 
 
@@ -252,7 +254,7 @@ def context(*, policy=None, selections=None, assume_libs=None, strict=False, reg
                            f"variables and their values are strings")
     registry = registry or builtin()
     try:
-        inventory = Inventory.with_assumptions(assume_libs, libs=libs, known=library_modules(registry))
+        inventory = Inventory.with_assumptions(assume_libs, libs=libs, known=library_modules(registry, hosted))
     except AssumeLibError as exc:
         raise BadInput(str(exc)) from None
     try:

@@ -88,9 +88,19 @@ def context_for(release, *, selections=None, selection_origin="selections=", pol
     pols = given + flag_policy(release, field_values)
     # The release's statements of what SGLang's own kernels need, where they are not the
     # libraries capdispatch's adapters call (knobs.yaml `needs`): the decision judges them so.
+    # One that depends on the launch's moe_runner_backend runs nowhere here (the value is
+    # unknown); decide_in judges it under the launch's value (with_launch).
     return cd.context(policy=pols or None, selections=sels or None, selection_origin=origin,
                       assume_libs=list(assume_libs or ()) or None, libs=libs, strict=strict, env=env,
                       hosted=release.hosted())
+
+
+def with_launch(ctx, release, launch):
+    """CTX with the release's statements of SGLang's own MoE kernel judged under LAUNCH (the
+    launch's moe_runner_backend, an SglangSetting; None: unknown): SGLang runs that kernel only
+    where the launch's value builds its method on the card's family (knobs.Release.hosted)."""
+    stated = release.launch_hosted(launch)
+    return attrs.evolve(ctx, hosted={**ctx.hosted, **stated}) if stated else ctx
 
 
 def context_of(release, inputs, env=None, *, here: bool = False):
@@ -444,10 +454,11 @@ def decide_in(ctx, specs, ops, release, *, env=None, explicit_fields=(), field_v
     active = resolved_ops(release, ops, ctx)
     plan, choices = None, {}
     if active:
-        # Warnings ride in the plan; the caller logs them once, where it should.
-        plan = cd.plan_in(ctx, list(specs), list(active), log_warnings=False)
         launch = moe_launch_of(release, specs, explicit_fields=explicit_fields, field_values=field_values,
                                moe_launch=moe_launch)
+        ctx = with_launch(ctx, release, launch)
+        # Warnings ride in the plan; the caller logs them once, where it should.
+        plan = cd.plan_in(ctx, list(specs), list(active), log_warnings=False)
         choices = choices_for(plan, release, active, specs,
                               ids={p.id: s.id for p, s in zip(plan.devices, specs)}, user_env=user_env,
                               moe_launch=launch, strict=ctx.strict_effective)

@@ -171,17 +171,35 @@ class Release:
     def unmapped_of(self, op: str, backend: Optional[str]) -> Optional[Unmapped]:
         return next((u for u in self.unmapped if (u.op, u.backend) == (op, backend)), None)
 
-    def hosted(self) -> dict:
+    def hosted(self, launch=None) -> dict:
         """(op, backend) -> extend.Hosted for every entry with `needs`: the candidates SGLang runs
         itself with its own kernel, for capdispatch.context(hosted=...). A site whose route sets
         an environment switch takes SGLang off its own call for every size once any size is
-        routed, so there SGLang's kernel runs for every size or none (split False)."""
+        routed, so there SGLang's kernel runs for every size or none (split False). At a site
+        whose kernel is a method per launch value (`native_by`, the MoE layer) the method runs
+        for every size or none (split False), and only where LAUNCH (the launch's SglangSetting
+        of that field; None: unknown) builds the method that runs the backend on the card's
+        family: the statement leads with that requirement (moe_plan.Builds)."""
+        from .moe_plan import Builds
         out = {}
         for (op, backend), e in self.entries.items():
-            if e.needs:
-                sites = [r for r in self.routes_for(op) if r.native == backend]
+            if not e.needs:
+                continue
+            sites = [r for r in self.routes_for(op) if r.native == backend and r.native_by is None]
+            by = next((r.native_by for r in self.routes_for(op)
+                       if r.native_by is not None and r.native_by.names(backend)), None)
+            if by is not None:
+                value = getattr(launch, "value", None) if getattr(launch, "name", by.field) == by.field else None
+                out[(op, backend)] = extend.Hosted("SGLang", (Builds(by, backend, value),) + e.needs, split=False)
+            else:
                 out[(op, backend)] = extend.Hosted("SGLang", e.needs, split=not any(r.env for r in sites))
         return out
+
+    def launch_hosted(self, launch) -> dict:
+        """The statements of hosted() whose judgement depends on the launch's value (`native_by`
+        sites), judged under LAUNCH: what a decision that knows the launch's value replaces."""
+        from .moe_plan import Builds
+        return {k: h for k, h in self.hosted(launch).items() if any(isinstance(r, Builds) for r in h.requires)}
 
     def sglang_names(self, ops) -> tuple:
         """(kind, name) of every SGLang setting the entries of OPS name, in file order."""
@@ -502,17 +520,22 @@ def _entry(r, node, where: str, op: str, backend: str, by_name: dict, routes=())
 
 def _needs(r, node, where: str, op: str, backend: str, kind: str, routes) -> tuple:
     """An entry's `needs`: what SGLang's own kernel needs, as requirement records. Only for
-    SGLang's own kernel (kind sglang) at a site whose `native` is this backend."""
+    SGLang's own kernel (kind sglang) at a site whose `native` is this backend, or whose
+    `native_by` names it for some launch value and card family."""
     if kind != "sglang":
         raise r.err(node, f"{where}: only an entry SGLang runs itself (sglang: [...]) says what SGLang's "
                           f"own kernel needs; this one is a {kind} entry")
-    sites = [rt for rt in routes if rt.op == op and rt.native == backend and rt.native_by is None]
+    sites = [rt for rt in routes if rt.op == op and (rt.native == backend and rt.native_by is None
+                                                     or rt.native_by is not None and rt.native_by.names(backend))]
     if not sites:
         natives = ", ".join(sorted({f"{rt.name}: {rt.native}" for rt in routes
-                                    if rt.op == op and rt.native is not None})) or "none"
+                                    if rt.op == op and rt.native is not None and rt.native_by is None}
+                                   | {f"{rt.name}: {b} (native_by)" for rt in routes
+                                      if rt.op == op and rt.native_by is not None
+                                      for _, per in rt.native_by.values for _, b in per if b})) or "none"
         raise r.err(node, f"{where}: no {op} route names {backend} as its native kernel, so no SGLang call "
-                          f"site runs it (valid: an entry of a route's native backend; {op} routes' natives: "
-                          f"{natives})")
+                          f"site runs it (valid: an entry of a route's native backend, or of one its "
+                          f"native_by names; {op} routes' natives: {natives})")
     items = r.sequence(node, where)
     if not items:
         raise r.err(node, f"{where}: expected a list of requirements ({', '.join(_NEED_KINDS)}), found an "

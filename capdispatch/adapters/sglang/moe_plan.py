@@ -47,6 +47,40 @@ class NativeBy:
     def reason(self, value: str) -> str:
         return self._lookup(self.why, value, "")
 
+    def names(self, backend: str) -> bool:
+        """Does some launch value's method run BACKEND on some card family?"""
+        return any(b == backend for _, per in self.values for _, b in per)
+
+    def where(self, backend: str, value: str) -> tuple:
+        """The families (`other` included) on which VALUE's method runs BACKEND."""
+        return tuple(f for f, b in self._lookup(self.values, value, ()) if b == backend)
+
+
+@attrs.frozen
+class Builds:
+    """A requirement (backends.base vocabulary) of a statement of SGLang's own MoE kernel
+    (knobs.yaml `needs` of a backend `native_by` names): SGLang runs that kernel only where
+    the launch's value builds the method that runs BACKEND on the card's family. VALUE: the
+    launch's value (None: unknown, so the kernel is not believed to run anywhere)."""
+    native_by: NativeBy
+    backend: str
+    value: Optional[str] = None
+
+    def evaluate(self, f):
+        from capdispatch.backends.base import Check
+        nb, fam = self.native_by, family(f.device) or "no CUDA family"
+        wanted = "; ".join(f"{nb.field}={v} on {', '.join(fs)}" for v, _ in nb.values
+                           if (fs := nb.where(self.backend, v)))
+        need = f"{wanted} (SGLang's method that runs {self.backend})"
+        if self.value is None:
+            return Check(f"sglang:{nb.field}", need, f"the launch's {nb.field} unknown", False,
+                         f"the launch's {nb.field} is unknown, so SGLang's {self.backend} method is not known to run")
+        found = f"{nb.field}={self.value} on {fam} ({nb.method(self.value, f.device)})"
+        ok = nb.native(self.value, f.device) == self.backend
+        return Check(f"sglang:{nb.field}", need, found, ok,
+                     "" if ok else f"{f.device.id}: SGLang builds {nb.method(self.value, f.device)} under "
+                                   f"{nb.field}={self.value} on {fam}, which does not run {self.backend}")
+
 
 def route_of(release):
     """The moe route (the one with `native_by`), or None."""
@@ -94,6 +128,11 @@ def route_by_method(route, res, spec, launch: Optional[SglangSetting], strict: b
     method = nb.method(launch.value, spec)
     native = nb.native(launch.value, spec)
     cand = next((c for c in res.candidates if c.backend == native), None) if native else None
+    if native is not None and res.backend == native and cand is not None and cand.host:
+        # SGLang's own kernel by the release's statement (knobs.yaml `needs`), not capdispatch's adapter.
+        from capdispatch.extend import HOST_NOT_VERIFIED
+        return False, (f"{said}SGLang's own {method} kept under {setting}: it runs {cand.host}, judged by "
+                       f"the knob map's statement of what it needs; {HOST_NOT_VERIFIED}"), None
     if native is not None and res.backend == native:
         return False, (f"{said}SGLang's own {method} kept under {setting}: it runs {native}'s kernel, "
                        f"and this card has what that needs"), None
@@ -102,7 +141,8 @@ def route_by_method(route, res, spec, launch: Optional[SglangSetting], strict: b
         return True, (f"{said}capdispatch {res.backend} ({res.source}) runs at {site} in place of SGLang's "
                       f"{method} under {setting}"), None
     cannot = (cand.why_not(exact=True) if cand is not None else nb.reason(launch.value)) or "no kernel for this card"
-    what = f"{native}'s kernel" if native else "no MXFP4 kernel here"
+    what = (cand.host if cand is not None and cand.host else f"{native}'s kernel") if native else \
+        "no MXFP4 kernel here"
     why = (f"{said}SGLang's {method} under {setting} cannot run on this card ({what}: {cannot}); "
            f"capdispatch {res.backend} runs at {site} instead, with its weights prepared at load")
     warning = None

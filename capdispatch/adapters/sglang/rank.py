@@ -264,6 +264,11 @@ def agree(state, group):
     release, inputs = state.release, state.inputs
     ops = list(state.resolved)      # the same on every rank: derived from settings, not cards
     ctx = decide.context_of(release, inputs, state.env, here=True)
+    # SGLang's own MoE kernel is judged under the launch's value as SGLang resolved it (the
+    # rank's record), as the rank's own decision judged it.
+    ctx = decide.with_launch(ctx, release, decide.moe_launch_of(
+        release, (), explicit_fields=inputs.explicit_fields, field_values=inputs.field_values,
+        moe_launch=state.moe_launch))
     plan = cd.agree(state.spec, ops, group=group, log_warnings=False, context=ctx)
     rank = dist.get_rank(group)
     me = plan.devices[rank]
