@@ -13,22 +13,35 @@ versions of SGLang and the libraries it loads) beside the rehearsal's own files
 3 failed, 2 bad input).
 
 SGLang's arguments default to what a one-GPU first run needs: `--mem-fraction-static 0.85
---cuda-graph-max-bs 4 --sampling-backend pytorch`. The start timeout defaults to 1800 s:
-SGLang 0.5.17's first start on an H100 compiled its TileLang mHC kernels for 527 s before
-serving (benchmarks/results/h100-engine-2026-12-07).
+--cuda-graph-max-bs 4 --sampling-backend pytorch --moe-runner-backend marlin` (the plugin-off
+run needs a runner that serves the MXFP4 experts: 0.5.17's `auto` has none on SM90; Marlin's
+serves SM90 and SM120), and with SGLang 0.5.17 `--fp8-gemm-backend triton` (DeepGEMM's fp8
+linears JIT-compile per shape at first use). Unless set, the rehearsal runs with
+SGLANG_DSV4_MHC_PREWARM=0 (the TileLang mHC kernels compile at first use instead of a 527 s
+prewarm), SGLANG_JIT_DEEPGEMM_PRECOMPILE=0 and HF_HUB_OFFLINE=1 (benchmarks/results/
+h100-engine-2026-12-07). The start timeout defaults to 1800 s.
+
+`--name NAME` keeps several cases beside one checkpoint (OUT/NAME/, report NAME_<card>_...):
+the engine suite runs the card itself, the MoE on capdispatch's Triton kernel (`--set
+moe=triton_w4a16`: CAPDISPATCH_SET for the plugin) and the card emulating an RTX 3080
+(`--device emu:rtx-3080@cuda:0`).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 
 import report
 from results_dir import add_out
 
-DEFAULT_SGLANG = ("--mem-fraction-static", "0.85", "--cuda-graph-max-bs", "4", "--sampling-backend", "pytorch")
+DEFAULT_SGLANG = ("--mem-fraction-static", "0.85", "--cuda-graph-max-bs", "4", "--sampling-backend", "pytorch",
+                  "--moe-runner-backend", "marlin")
+DEFAULT_BY_RELEASE = {"0.5.17": ("--fp8-gemm-backend", "triton")}
+DEFAULT_ENV = {"SGLANG_DSV4_MHC_PREWARM": "0", "SGLANG_JIT_DEEPGEMM_PRECOMPILE": "0", "HF_HUB_OFFLINE": "1"}
 LIBRARIES = ("sglang", "sglang-kernel", "sgl-deep-gemm", "flashinfer-python", "tilelang", "transformers",
              "torch", "triton", "capdispatch")
 
@@ -44,13 +57,25 @@ def _args(argv):
     p.add_argument("--start-timeout", type=float, default=1800.0, help="seconds for SGLang's start (default 1800)")
     p.add_argument("--timeout", type=float, default=300.0,
                    help="seconds each request may take (default 300: a first request may compile kernels)")
+    p.add_argument("--name", default="engine", help="the case's folder under OUT and its report's name "
+                                                    "(default engine)")
+    p.add_argument("--set", dest="selections", metavar="OP=BACKEND[,...]",
+                   help="explicit choices for the plugin (CAPDISPATCH_SET), e.g. moe=triton_w4a16")
     p.add_argument("sglang", nargs=argparse.REMAINDER, help="after --: SGLang's own arguments")
     a = p.parse_args(argv)
     if a.layers < 1:
         p.error(f"--layers {a.layers}: expected 1 or more")
+    if not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,63}", a.name):
+        p.error(f"--name {a.name!r}: expected lowercase letters, digits and dashes (a folder and report name)")
     extra = a.sglang[1:] if a.sglang[:1] == ["--"] else a.sglang
-    a.sglang = tuple(extra) or DEFAULT_SGLANG
+    a.sglang = tuple(extra) or default_sglang()
     return a
+
+
+def default_sglang() -> tuple:
+    """DEFAULT_SGLANG, and what the installed release adds (DEFAULT_BY_RELEASE)."""
+    from capdispatch.adapters.sglang import versions
+    return DEFAULT_SGLANG + DEFAULT_BY_RELEASE.get(versions.installed() or "", ())
 
 
 def _dispatch(*args) -> list:
@@ -66,10 +91,13 @@ def main(argv=None) -> int:
         rc = subprocess.call(_dispatch("checkpoint", "--model", a.model, "--layers", str(a.layers), "--out", ckpt))
         if rc != 0:
             return rc
-    engine = os.path.join(out, "engine")
+    engine = os.path.join(out, a.name)
+    run_env = {**DEFAULT_ENV, **os.environ}
+    if a.selections:
+        run_env["CAPDISPATCH_SET"] = a.selections
     rc = subprocess.call(_dispatch("rehearse", "--engine", "sglang", "--model", ckpt, "--device", a.device,
                                    "--start-timeout", f"{a.start_timeout:g}", "--timeout", f"{a.timeout:g}", "--out", engine, "--",
-                                   *a.sglang))
+                                   *a.sglang), env=run_env)
     path = os.path.join(engine, "engine-rehearsal.json")
     if not os.path.isfile(path):
         return rc
@@ -82,7 +110,8 @@ def main(argv=None) -> int:
     md_lines = ["| library | version |", "|---|---|"] + [f"| {k} | {v or '—'} |" for k, v in versions.items()]
     md_lines += ["", f"`dispatch rehearse --engine sglang` exit status {rc}; SGLang arguments: "
                      f"`{' '.join(a.sglang)}`; checkpoint: {a.model}, {a.layers} layers", "", "```", *text, "```"]
-    report.write(out, "engine", env, {"exit_status": rc, "versions": versions, "sglang_args": list(a.sglang),
+    report.write(out, a.name, env, {"exit_status": rc, "versions": versions, "sglang_args": list(a.sglang),
+                                    "device": a.device, "set": a.selections,
                                       "layers": a.layers, "rehearsal": rehearsal}, md_lines,
                  title="Engine rehearsal: SGLang's launcher with capdispatch's plugin, on and off")
     return rc

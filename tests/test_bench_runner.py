@@ -187,3 +187,32 @@ def test_the_gpu_script_stops_in_one_line_without_a_cuda_device(tmp_path):
     w = subprocess.run(["bash", script, str(tmp_path / "out"), "--wheels", str(tmp_path / "none")],
                        capture_output=True, text=True, env=env, timeout=60)
     assert w.returncode == 2 and "--wheels" in w.stderr and "no such folder" in w.stderr
+
+
+def _engine_script():
+    sys.path.insert(0, BENCH)
+    try:
+        import run_engine_rehearsal
+    finally:
+        sys.path.remove(BENCH)
+    return run_engine_rehearsal
+
+
+def test_the_engine_cases_share_one_checkpoint_and_name_their_folders(monkeypatch, tmp_path):
+    m = _engine_script()
+    from capdispatch.adapters.sglang import versions
+    monkeypatch.setattr(versions, "installed", lambda: "0.5.17")
+    a = m._args(["--out", str(tmp_path), "--name", "engine-moe-triton", "--set", "moe=triton_w4a16"])
+    assert a.name == "engine-moe-triton" and a.selections == "moe=triton_w4a16"
+    assert a.sglang == m.DEFAULT_SGLANG + ("--fp8-gemm-backend", "triton")
+    assert ("--moe-runner-backend", "marlin") == a.sglang[6:8]
+    monkeypatch.setattr(versions, "installed", lambda: "0.5.23")
+    assert m._args(["--out", str(tmp_path)]).sglang == m.DEFAULT_SGLANG
+    assert m._args(["--out", str(tmp_path), "--", "--tp", "1"]).sglang == ("--tp", "1")
+    with pytest.raises(SystemExit):
+        m._args(["--out", str(tmp_path), "--name", "../x"])
+    # The suite's cases: one checkpoint folder (OUT/checkpoint), three rehearsal folders.
+    engine = [b for b in _suites().BENCHMARKS if b.suite == "engine"]
+    names = [b.command[b.command.index("--name") + 1] if "--name" in b.command else "engine" for b in engine]
+    assert names == ["engine", "engine-moe-triton", "engine-emu-rtx-3080"]
+    assert not any("--checkpoint" in b.command for b in engine)

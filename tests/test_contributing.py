@@ -225,3 +225,11 @@ def test_the_guide_names_the_places_that_exist():
         if "<" not in path:
             assert os.path.exists(os.path.join(ROOT, path)), path
     assert "BUILTIN_OP_PACKAGES" in text and "default.yaml" in text
+
+
+def test_every_op_page_is_linked_from_the_readme():
+    import glob
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    readme = open(os.path.join(root, "README.md"), encoding="utf-8").read()
+    pages = sorted(os.path.relpath(p, root) for p in glob.glob(os.path.join(root, "docs", "ops", "*.md")))
+    assert pages and [p for p in pages if f"]({p})" not in readme] == []

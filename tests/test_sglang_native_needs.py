@@ -161,10 +161,9 @@ def test_needs_only_where_sglang_runs_its_own_kernel_at_a_route_it_names_native(
     line = open(path).read().splitlines()[int(text.split(":")[1]) - 1]      # the statement refused
     assert text.startswith(f"{path}:") and "module: sglang.kernels.ops.moe.moe_wna16_marlin" in line, line
     # A route entry of the MoE site: capdispatch's kernel runs there, SGLang's own does not.
-    path = _edited(tmp_path, "        triton_w4a16: {route: [moe_layer]}\n        torch: {route: [moe_layer]}\n\n    routes:\n"
-                             "      # No layout parameter",
-                   "        triton_w4a16: {route: [moe_layer], needs: [{platform: cuda}]}\n"
-                   "        torch: {route: [moe_layer]}\n\n    routes:\n      # No layout parameter")
+    # (0.5.17's entry: the file's last; anchored on the entry alone, whatever op follows it)
+    path = _edited(tmp_path, "        triton_w4a16: {route: [moe_layer]}\n",
+                   "        triton_w4a16: {route: [moe_layer], needs: [{platform: cuda}]}\n", last=True)
     with pytest.raises(knobs.KnobsError, match=r"^[^\n]*knobs\.yaml:\d+: .*moe\.triton_w4a16\.needs: only an entry "
                                                r"SGLang runs itself \(sglang: \[\.\.\.\]\)[^\n]*route entry$"):
         knobs.load(path)
