@@ -17,8 +17,9 @@ requirement vocabulary `Library`, `Feature`, `AnyFeature`, `ComputeCapability`, 
 from __future__ import annotations
 
 from .backends import Backend, Op, Registry, moe, registry, v4_layout
-from .backends.base import AnyFeature, ComputeCapability, Feature, Library, Platform, TritonTarget
+from .backends.base import AnyFeature, Check, ComputeCapability, Feature, Library, Platform, TritonTarget
 from .backends.device_facts import emulate_card
+from .capabilities.lib_profiles import lookup as lib_profile, names as lib_profile_names
 from .dispatch import command, completion, options
 from .dispatch.inputs import device_list, env_flag, op_list
 from .dispatch.render import Cell, Row, wrap, wrap_lines
@@ -42,5 +43,5 @@ __all__ = [
     "ArgumentTypeError", "did_you_mean",
     "Reader", "load_marked", "read_bytes", "write_atomic", "shown", "FileError", "model_calls",
     "Hosted", "HOST_NOT_VERIFIED", "Library", "Feature", "AnyFeature", "ComputeCapability", "Platform",
-    "TritonTarget", "feature_names", "emulate_card",
+    "TritonTarget", "feature_names", "emulate_card", "Check", "lib_profile", "lib_profile_names",
 ]

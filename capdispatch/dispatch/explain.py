@@ -83,8 +83,7 @@ def inventory_note(specs, inventory) -> str:
                 f"--libs PROFILE or --assume-lib NAME[==VERSION] with another's")
     if not inventory.local or not any(s.simulated for s in specs):
         return ""
-    names = lib_profiles.names()
-    example = f"--libs {names[0]}" if names else "--libs PROFILE"
+    example = f"--libs {lib_profiles.default_name()}"
     return ("simulated devices, but this machine's libraries: a library missing here counts as "
             f"missing there; name the target's software with {example} or --assume-lib NAME[==VERSION]")
 

@@ -67,7 +67,7 @@ class Builds:
     value: Optional[str] = None
 
     def evaluate(self, f):
-        from capdispatch.backends.base import Check
+        from capdispatch.extend import Check
         nb, fam = self.native_by, family(f.device) or "no CUDA family"
         wanted = "; ".join(f"{nb.field}={v} on {', '.join(fs)}" for v, _ in nb.values
                            if (fs := nb.where(self.backend, v)))

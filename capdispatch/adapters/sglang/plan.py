@@ -163,10 +163,10 @@ def check_libraries(options, env) -> None:
 def profile_release(libs) -> Optional[str]:
     """The SGLang version a --libs profile describes (the plan is then for that release's
     knob map, installed here or not); None for none, `local` or a profile without SGLang."""
-    from ...capabilities import lib_profiles
-    if libs is None or libs in (lib_profiles.LOCAL, lib_profiles.DEFAULT) or not isinstance(libs, str):
+    from capdispatch import extend
+    if not isinstance(libs, str) or libs not in extend.lib_profile_names():
         return None
-    lib = lib_profiles.lookup(libs).get("sglang")
+    lib = extend.lib_profile(libs).get("sglang")
     return lib.version if lib is not None else None
 
 
