@@ -16,13 +16,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks")
 
 
-def _suites():
+def _bench_module(name):
+    """A module of benchmarks/, imported as the runner imports it (its folder on the path)."""
+    import importlib
     sys.path.insert(0, BENCH)
     try:
-        import suites
+        return importlib.import_module(name)
     finally:
         sys.path.remove(BENCH)
-    return suites
+
+
+def _suites():
+    return _bench_module("suites")
 
 
 def runner(*args, timeout=300):
@@ -189,17 +194,8 @@ def test_the_gpu_script_stops_in_one_line_without_a_cuda_device(tmp_path):
     assert w.returncode == 2 and "--wheels" in w.stderr and "no such folder" in w.stderr
 
 
-def _engine_script():
-    sys.path.insert(0, BENCH)
-    try:
-        import run_engine_rehearsal
-    finally:
-        sys.path.remove(BENCH)
-    return run_engine_rehearsal
-
-
 def test_the_engine_cases_share_one_checkpoint_and_name_their_folders(monkeypatch, tmp_path):
-    m = _engine_script()
+    m = _bench_module("run_engine_rehearsal")
     from capdispatch.adapters.sglang import versions
     monkeypatch.setattr(versions, "installed", lambda: "0.5.17")
     a = m._args(["--out", str(tmp_path), "--name", "engine-moe-triton", "--set", "moe=triton_w4a16"])

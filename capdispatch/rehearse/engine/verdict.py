@@ -273,8 +273,10 @@ def compare(i: int, on: Reply, off: Reply, *, exact: bool, tol: float = LOGPROB_
             ref: Optional[Reply] = None) -> Comparison:
     """Request I's plugin-on reply against its plugin-off reply, and against REF (the routed
     ops on their torch references) where the logprobs miss TOL (module docstring)."""
+    d_on = d_off = None         # the distances from the reference, once judged by it
+
     def no(detail, first=None, compared=0, worst=None):
-        return Comparison(i, exact, False, first, compared, worst, f"request {i}: {detail}")
+        return Comparison(i, exact, False, first, compared, worst, f"request {i}: {detail}", d_on, d_off)
     if not on.tokens or len(on.tokens) != len(off.tokens):
         return no(f"{len(on.tokens)} tokens with the plugin, {len(off.tokens)} without: nothing to compare alike")
     first = next((k for k, (a, b) in enumerate(zip(on.tokens, off.tokens)) if a != b), None)
@@ -295,7 +297,6 @@ def compare(i: int, on: Reply, off: Reply, *, exact: bool, tol: float = LOGPROB_
                           f"request {i}: {upto} tokens identical, logprobs at most {worst:.2g} apart")
     if worst is None:
         return no("no finite logprob per token in both replies: nothing to compare within tolerance", first)
-    d_on = d_off = None
     judged = f"logprobs at most {worst:.2g} apart"
     if worst > tol:
         k = max(range(upto), key=lambda k: abs(on.logprobs[k] - off.logprobs[k]))
@@ -309,16 +310,15 @@ def compare(i: int, on: Reply, off: Reply, *, exact: bool, tol: float = LOGPROB_
         d_off = max(abs(a - b) for a, b in zip(off.logprobs[:agree], ref.logprobs[:agree]))
         bound = max(tol, REF_FACTOR * d_off)
         if d_on > bound:
-            return attrs.evolve(no(f"logprob differs by {worst:.3g} at position {k}; capdispatch's routed kernels are "
-                                   f"{d_on:.3g} from the ops' torch references where SGLang's own are {d_off:.3g} "
-                                   f"(bound {bound:.3g}: the larger of {tol:g} and {REF_FACTOR:g} x SGLang's) over "
-                                   f"{agree} position(s)", first, upto, worst), from_ref_on=d_on, from_ref_off=d_off)
+            return no(f"logprob differs by {worst:.3g} at position {k}; capdispatch's routed kernels are "
+                      f"{d_on:.3g} from the ops' torch references where SGLang's own are {d_off:.3g} "
+                      f"(bound {bound:.3g}: the larger of {tol:g} and {REF_FACTOR:g} x SGLang's) over "
+                      f"{agree} position(s)", first, upto, worst)
         past = [(abs(on.logprobs[j] - off.logprobs[j]), j) for j in range(agree, upto)]
         if past and max(past)[0] > tol:
             miss, j = max(past)
-            return attrs.evolve(no(f"logprob differs by {miss:.3g} at position {j}, past the {agree} position(s) the "
-                                   f"reference run agrees on (bound {tol:g})", first, upto, worst),
-                                from_ref_on=d_on, from_ref_off=d_off)
+            return no(f"logprob differs by {miss:.3g} at position {j}, past the {agree} position(s) the "
+                      f"reference run agrees on (bound {tol:g})", first, upto, worst)
         judged = (f"logprobs {worst:.2g} apart, and capdispatch's kernels {d_on:.2g} from the ops' torch references "
                   f"where SGLang's own are {d_off:.2g} (bound {bound:.2g}) over {agree} position(s)")
     if first is None:
@@ -328,9 +328,8 @@ def compare(i: int, on: Reply, off: Reply, *, exact: bool, tol: float = LOGPROB_
     chosen = on.tokens[first]
     if chosen not in alt or not math.isfinite(alt[chosen]) or off.logprobs[first] - alt[chosen] > tol:
         gap = "not among its top alternatives" if chosen not in alt else f"{off.logprobs[first] - alt[chosen]:.3g} below"
-        return attrs.evolve(no(f"token {chosen} at position {first} (plugin on) is no near tie without the plugin, "
-                               f"which chose {off.tokens[first]} ({gap}; bound {tol:g})", first, upto, worst),
-                            from_ref_on=d_on, from_ref_off=d_off)
+        return no(f"token {chosen} at position {first} (plugin on) is no near tie without the plugin, "
+                  f"which chose {off.tokens[first]} ({gap}; bound {tol:g})", first, upto, worst)
     return Comparison(i, False, True, first, upto, worst,
                       f"request {i}: {judged} over {upto} positions; at position {first} a near "
                       f"tie ({chosen} vs {off.tokens[first]}) went the other way; later positions not compared",
