@@ -14,7 +14,8 @@
 #                    tilelang, nvml, sglang)
 #   --also REQ       one more package to install (repeatable), e.g. --also sgl-flash-mla==1.0.0
 #   --pip-args ARGS  more pip arguments (e.g. "--extra-index-url https://download.pytorch.org/whl/cu128")
-#   --no-install     install nothing: the environment has what the suites need
+#   --no-install     install nothing: the environment has what the suites need (PYTHONPATH,
+#                    e.g. a `pip install --target` folder, is kept after the repository)
 #   --no-tests       skip the GPU tests
 #   --tests PATHS    the tests to run (default: tests/), marked `gpu`
 #   --jobs N         test processes at once (needs pytest-xdist; default 4)
@@ -25,7 +26,7 @@
 # its report <suite>_<card>_<UTC time>.json/.md with the benchmarks' own files beside it.
 # Exit status: 0 all passed; 1 a test or benchmark failed; 2 bad arguments; 3 no CUDA device.
 set -u
-usage() { sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//'; }
 die() { echo "gpu_run.sh: $1" >&2; exit "${2:-2}"; }
 
 [ $# -ge 1 ] || { usage >&2; exit 2; }
@@ -64,6 +65,8 @@ fi
 command -v "$PY" >/dev/null 2>&1 || die "no Python interpreter $PY (set PYTHON or give --venv)"
 cd "$ROOT"
 export PYTHONUNBUFFERED=1
+# The repository first, then what the user put on PYTHONPATH (a `pip install --target` folder).
+PYPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 
 if [ "$install" = 1 ]; then
   src=()
@@ -108,7 +111,7 @@ EOF
 sargs=(); for s in "${suites[@]}"; do [ "$s" = none ] || sargs+=(--suite "$s"); done
 # The suites and runner options are checked before anything runs (bad ones: exit 2).
 if [ ${#sargs[@]} -gt 0 ]; then
-  PYTHONPATH=$ROOT "$PY" -m benchmarks "${sargs[@]}" --out "$OUT_DIR" --dry-run "$@" > /dev/null || exit $?
+  PYTHONPATH=$PYPATH "$PY" -m benchmarks "${sargs[@]}" --out "$OUT_DIR" --dry-run "$@" > /dev/null || exit $?
 fi
 
 rc=0
@@ -117,13 +120,13 @@ if [ "$tests" = 1 ]; then
   "$PY" -c "import xdist" 2>/dev/null && [ "$jobs" -gt 1 ] && args+=(-n "$jobs")
   echo "GPU tests: pytest -m gpu $test_paths (output: $OUT_DIR/gpu_tests.txt)"
   # shellcheck disable=SC2086  # test_paths is a path list
-  PYTHONPATH=$ROOT "$PY" -m pytest "${args[@]}" $test_paths > "$OUT_DIR/gpu_tests.txt" 2>&1
+  PYTHONPATH=$PYPATH "$PY" -m pytest "${args[@]}" $test_paths > "$OUT_DIR/gpu_tests.txt" 2>&1
   t=$?; tail -3 "$OUT_DIR/gpu_tests.txt"
   [ $t -eq 0 ] || { echo "GPU tests: exit $t"; rc=1; }
 fi
 
 if [ ${#sargs[@]} -gt 0 ]; then
-  PYTHONPATH=$ROOT "$PY" -m benchmarks "${sargs[@]}" --out "$OUT_DIR" "$@"
+  PYTHONPATH=$PYPATH "$PY" -m benchmarks "${sargs[@]}" --out "$OUT_DIR" "$@"
   b=$?
   [ $b -eq 0 ] || { [ $b -ge 2 ] && exit $b; rc=1; }
 fi

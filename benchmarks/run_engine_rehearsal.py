@@ -24,7 +24,8 @@ h100-engine-2026-12-07). The start timeout defaults to 1800 s.
 `--name NAME` keeps several cases beside one checkpoint (OUT/NAME/, report NAME_<card>_...):
 the engine suite runs the card itself, the MoE on capdispatch's Triton kernel (`--set
 moe=triton_w4a16`: CAPDISPATCH_SET for the plugin) and the card emulating an RTX 3080
-(`--device emu:rtx-3080@cuda:0`).
+(`--device emu:rtx-3080@cuda:0`); those two compare against the first case's plugin-off run
+(`--off-from-case engine`: SGLang alone is the same launch in all three).
 """
 from __future__ import annotations
 
@@ -61,12 +62,20 @@ def _args(argv):
                                                     "(default engine)")
     p.add_argument("--set", dest="selections", metavar="OP=BACKEND[,...]",
                    help="explicit choices for the plugin (CAPDISPATCH_SET), e.g. moe=triton_w4a16")
+    p.add_argument("--off-from-case", metavar="NAME",
+                   help="compare against case NAME's plugin-off run (OUT/NAME/engine-rehearsal.json, `dispatch "
+                        "rehearse --off-from`) where it passed its start, instead of starting one: the cases "
+                        "differ in the plugin alone, so SGLang alone is the same launch (the rehearsal refuses "
+                        "it otherwise)")
     p.add_argument("sglang", nargs=argparse.REMAINDER, help="after --: SGLang's own arguments")
     a = p.parse_args(argv)
     if a.layers < 1:
         p.error(f"--layers {a.layers}: expected 1 or more")
-    if not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,63}", a.name):
-        p.error(f"--name {a.name!r}: expected lowercase letters, digits and dashes (a folder and report name)")
+    for flag, v in (("--name", a.name), ("--off-from-case", a.off_from_case)):
+        if v is not None and not re.fullmatch(r"[a-z0-9][a-z0-9-]{0,63}", v):
+            p.error(f"{flag} {v!r}: expected lowercase letters, digits and dashes (a folder and report name)")
+    if a.off_from_case == a.name:
+        p.error(f"--off-from-case {a.off_from_case}: that is this case (--name)")
     extra = a.sglang[1:] if a.sglang[:1] == ["--"] else a.sglang
     a.sglang = tuple(extra) or default_sglang()
     return a
@@ -76,6 +85,23 @@ def default_sglang() -> tuple:
     """DEFAULT_SGLANG, and what the installed release adds (DEFAULT_BY_RELEASE)."""
     from capdispatch.adapters.sglang import versions
     return DEFAULT_SGLANG + DEFAULT_BY_RELEASE.get(versions.installed() or "", ())
+
+
+def kept_off(out: str, case: str):
+    """Case CASE's report where its plugin-off run answered every request, else None (said)."""
+    path = os.path.join(out, case, "engine-rehearsal.json")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            off = json.load(fh).get("off")
+    except (OSError, ValueError, AttributeError) as exc:
+        print(f"run_engine_rehearsal.py: no plugin-off run of case {case} to compare against ({path}: "
+              f"{type(exc).__name__}); this case starts its own", file=sys.stderr)
+        return None
+    if not (isinstance(off, dict) and off.get("ok")):
+        print(f"run_engine_rehearsal.py: case {case}'s plugin-off run did not answer ({path}); this case starts "
+              f"its own", file=sys.stderr)
+        return None
+    return path
 
 
 def _dispatch(*args) -> list:
@@ -95,9 +121,10 @@ def main(argv=None) -> int:
     run_env = {**DEFAULT_ENV, **os.environ}
     if a.selections:
         run_env["CAPDISPATCH_SET"] = a.selections
+    kept = kept_off(out, a.off_from_case) if a.off_from_case else None
     rc = subprocess.call(_dispatch("rehearse", "--engine", "sglang", "--model", ckpt, "--device", a.device,
-                                   "--start-timeout", f"{a.start_timeout:g}", "--timeout", f"{a.timeout:g}", "--out", engine, "--",
-                                   *a.sglang), env=run_env)
+                                   "--start-timeout", f"{a.start_timeout:g}", "--timeout", f"{a.timeout:g}", "--out", engine,
+                                   *(("--off-from", kept) if kept else ()), "--", *a.sglang), env=run_env)
     path = os.path.join(engine, "engine-rehearsal.json")
     if not os.path.isfile(path):
         return rc
@@ -111,7 +138,7 @@ def main(argv=None) -> int:
     md_lines += ["", f"`dispatch rehearse --engine sglang` exit status {rc}; SGLang arguments: "
                      f"`{' '.join(a.sglang)}`; checkpoint: {a.model}, {a.layers} layers", "", "```", *text, "```"]
     report.write(out, a.name, env, {"exit_status": rc, "versions": versions, "sglang_args": list(a.sglang),
-                                    "device": a.device, "set": a.selections,
+                                    "device": a.device, "set": a.selections, "off_from": kept,
                                       "layers": a.layers, "rehearsal": rehearsal}, md_lines,
                  title="Engine rehearsal: SGLang's launcher with capdispatch's plugin, on and off")
     return rc

@@ -163,14 +163,17 @@ BENCHMARKS = (
     Bench("engine_rehearsal", "engine", ("benchmarks/run_engine_rehearsal.py", "--out", "{out}"),
           "`dispatch rehearse --engine sglang` on a 4-layer full-width checkpoint it writes",
           needs=("sglang", "sgl_kernel"), quick=("--layers", "1"), limit=3600),
-    # The same checkpoint (OUT/checkpoint), two more cases: one op routed, and the card as an RTX 3080.
-    Bench("engine_moe_triton", "engine", ("benchmarks/run_engine_rehearsal.py", "--out", "{out}", "--name",
-                                          "engine-moe-triton", "--set", "moe=triton_w4a16"),
-          "the engine rehearsal with the MoE alone on capdispatch's Triton W4A16 kernel",
-          needs=("sglang", "sgl_kernel"), quick=("--layers", "1"), limit=3600),
+    # The same checkpoint (OUT/checkpoint), two more cases: the card as an RTX 3080, and one op routed;
+    # both compare against the first case's plugin-off run (SGLang alone is the same launch).
     Bench("engine_emu_rtx3080", "engine", ("benchmarks/run_engine_rehearsal.py", "--out", "{out}", "--name",
-                                           "engine-emu-rtx-3080", "--device", "emu:rtx-3080@cuda:0"),
+                                           "engine-emu-rtx-3080", "--device", "emu:rtx-3080@cuda:0",
+                                           "--off-from-case", "engine"),
           "the engine rehearsal with cuda:0 decided as an RTX 3080: the portable routes in SGLang's forward",
+          needs=("sglang", "sgl_kernel"), quick=("--layers", "1"), limit=3600),
+    Bench("engine_moe_triton", "engine", ("benchmarks/run_engine_rehearsal.py", "--out", "{out}", "--name",
+                                          "engine-moe-triton", "--set", "moe=triton_w4a16",
+                                          "--off-from-case", "engine"),
+          "the engine rehearsal with the MoE alone on capdispatch's Triton W4A16 kernel",
           needs=("sglang", "sgl_kernel"), quick=("--layers", "1"), limit=3600),
 )
 

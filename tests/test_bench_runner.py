@@ -210,5 +210,17 @@ def test_the_engine_cases_share_one_checkpoint_and_name_their_folders(monkeypatc
     # The suite's cases: one checkpoint folder (OUT/checkpoint), three rehearsal folders.
     engine = [b for b in _suites().BENCHMARKS if b.suite == "engine"]
     names = [b.command[b.command.index("--name") + 1] if "--name" in b.command else "engine" for b in engine]
-    assert names == ["engine", "engine-moe-triton", "engine-emu-rtx-3080"]
+    assert names == ["engine", "engine-emu-rtx-3080", "engine-moe-triton"]
     assert not any("--checkpoint" in b.command for b in engine)
+    # The later cases compare against the first case's plugin-off run, where it answered.
+    assert [b.command[b.command.index("--off-from-case") + 1] for b in engine[1:]] == ["engine", "engine"]
+    assert "--off-from-case" not in engine[0].command
+    with pytest.raises(SystemExit):
+        m._args(["--out", str(tmp_path), "--name", "engine", "--off-from-case", "engine"])
+    assert m.kept_off(str(tmp_path), "engine") is None                      # no first case yet
+    (tmp_path / "engine").mkdir()
+    kept = tmp_path / "engine" / "engine-rehearsal.json"
+    kept.write_text(json.dumps({"off": {"ok": False}}))
+    assert m.kept_off(str(tmp_path), "engine") is None                      # its plugin-off run failed
+    kept.write_text(json.dumps({"off": {"ok": True}}))
+    assert m.kept_off(str(tmp_path), "engine") == str(kept)

@@ -123,6 +123,7 @@ def test_devices_and_requests():
     (["--device", "cuda:0", "--timeout", "0"], "--timeout 0: expected seconds above 0"),
     (["--device", "cuda:0", "--", "--port", "1"], "-- --port: dispatch rehearse sets --port itself"),
     (["--device", "cuda:0", "--", "--tp-size=2"], "use --tp"),
+    (["--device", "cuda:0", "--off-from", "nowhere.json"], "--off-from nowhere.json: no such file"),
 ])
 def test_bad_engine_flags_are_one_line(ckpt, argv, words):
     p = subprocess.run([sys.executable, "-m", "capdispatch", "rehearse", "--engine", "sglang", "--model", ckpt,
@@ -134,6 +135,7 @@ def test_bad_engine_flags_are_one_line(ckpt, argv, words):
 
 @pytest.mark.parametrize("argv, words", [
     (["--model", "deepseek-v4-flash", "--device", "cpu", "--port", "3000"], "--port is for --engine sglang"),
+    (["--model", "deepseek-v4-flash", "--device", "cpu", "--off-from", "x.json"], "--off-from is for --engine sglang"),
     (["--model", "deepseek-v4-flash", "--device", "cpu", "--", "--x"], "arguments after -- go to SGLang"),
     (["--engine", "sglang", "--model", "deepseek-v4-flash", "--device", "cuda:0"], "serves a checkpoint folder"),
 ])
@@ -456,3 +458,56 @@ def test_no_reference_run_where_the_logprobs_agree_or_every_kernel_is_sglangs(ck
     starts.unlink()
     r = _run(ckpt, monkeypatch, STANDIN_SHIFT=str(2 * verdict.LOGPROB_TOL), STANDIN_ARGS=str(starts))
     assert not r.ok and r.reference is None and len(_starts(starts)) == 2
+
+
+# ------------------------------------------------------------ a plugin-off run kept for the same launch
+
+def test_a_plugin_off_run_is_kept_for_the_same_launch_only(ckpt, monkeypatch, tmp_path):
+    """--off-from: an emulated rehearsal compares against the earlier rehearsal's plugin-off
+    run (SGLang alone: the emulation is the plugin's) without starting one; a launch that
+    differs in anything SGLang sees is refused before any start, naming what differs."""
+    from capdispatch.rehearse.engine.render import render
+    starts, out = tmp_path / "starts", tmp_path / "first"
+    first = _run(ckpt, monkeypatch, STANDIN_ARGS=str(starts), out=str(out))
+    assert first.ok, first.cause
+    kept = str(out / "engine-rehearsal.json")
+    assert json.loads(open(kept).read())["off_key"]["checkpoint"][0][0] == "config.json"
+    monkeypatch.delenv("CAPDISPATCH_SGLANG_DEVICES", raising=False)
+
+    def again(device="emu:rtx-3080@cuda:0", steps=4, **extra):
+        return runner.rehearse(ckpt, [device], prompt=32, steps=steps, requests=2, server_cmd=STANDIN,
+                               env=_env(STANDIN_ARGS=str(starts), **extra), start_timeout=30.0, timeout=10.0,
+                               off_from=kept)
+    r = again(CAPDISPATCH_SET="moe=torch")       # the plugin's own variables do not reach SGLang alone
+    assert r.ok, r.cause
+    assert len(_starts(starts)) == 3 and _starts(starts)[2]["set"] == "moe=torch"   # the plugin-on run alone
+    assert r.off.kept_from == kept and r.off.replies == first.off.replies and r.on.reports[0].emulated
+    assert f"plugin off: ok, ready in" in render(r) and f"kept from {kept}" in render(r)
+    assert r.to_dict()["off"]["kept_from"] == kept and r.to_dict()["off_key"] == first.to_dict()["off_key"]
+    for kw, words in ((dict(STANDIN_KV_DTYPE="bf16"), "the environment (STANDIN_KV_DTYPE)"),
+                      (dict(steps=5), "the requests (--seed, --prompt, --steps, --requests)")):
+        with pytest.raises(RehearseError, match=r"its plugin-off run was another launch: ") as e:
+            again(**kw)
+        assert words in str(e.value) and len(str(e.value).splitlines()) == 1
+    with open(os.path.join(ckpt, "config.json"), "a") as fh:
+        fh.write("\n")
+    with pytest.raises(RehearseError, match=r"the checkpoint's files \(config.json\)"):
+        again()
+    assert len(_starts(starts)) == 3             # nothing started for a refused launch
+
+
+def test_an_off_from_file_that_cannot_serve_is_one_line(ckpt, monkeypatch, tmp_path):
+    def with_file(text):
+        f = tmp_path / "kept.json"
+        f.write_text(text)
+        with pytest.raises(RehearseError) as e:
+            runner.rehearse(ckpt, ["cuda:0"], prompt=32, steps=4, requests=2, server_cmd=STANDIN, env=_env(),
+                            start_timeout=30.0, timeout=10.0, off_from=str(f))
+        assert len(str(e.value).splitlines()) == 1 and str(e.value).startswith(f"--off-from {f}: ")
+        return str(e.value)
+    assert "cannot be read as JSON" in with_file("{")
+    assert "expected capdispatch.rehearse-engine/1" in with_file('{"schema": "other"}')
+    assert "has no plugin-off run" in with_file(json.dumps({"schema": verdict.SCHEMA, "off": None}))
+    assert "its plugin-off run failed (start: died)" in with_file(
+        json.dumps({"schema": verdict.SCHEMA, "off": {"ok": False, "error": "start: died"}}))
+    assert "records no launch key" in with_file(json.dumps({"schema": verdict.SCHEMA, "off": {"ok": True}}))

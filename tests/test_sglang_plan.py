@@ -288,3 +288,23 @@ def test_sglang_arguments_are_read_by_the_installed_release_only(clean_env):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "--libs sglang-0.5.17 plans for SGLang 0.5.17" in lines[0] \
         and "installed here (0.5.23)" in lines[0], err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is None,
+                    reason="needs SGLang (see tests/requirements-nodeps.txt and tests/requirements.txt)")
+def test_an_sglang_that_cannot_import_here_is_one_line_naming_it(clean_env, tmp_path):
+    """SGLang's import fails on what it needs beside it (0.5.17 beside a newer transformers,
+    a missing module): `dispatch sglang plan -- ...` says so in one line, exit 3, no traceback."""
+    pkg = tmp_path / "shadow" / "sglang"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text('raise ImportError("tokenizers>=0.22 is required\\nTry: pip install -U")\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CAPDISPATCH_", "SGLANG_"))}
+    env.update(CAPDISPATCH_CACHE_DIR=os.environ["CAPDISPATCH_CACHE_DIR"],
+               PYTHONPATH=os.pathsep.join([str(pkg.parent), os.getcwd()]))
+    proc = subprocess.run([sys.executable, "-m", "capdispatch", "sglang", "plan", "--device", "sim:h100",
+                           "--", "--tp-size", "1"], env=env, text=True, capture_output=True, timeout=300,
+                          cwd=str(tmp_path))
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 3 and proc.stdout == "", proc.stderr
+    assert len(lines) == 1 and "cannot be imported here to read the arguments after `--`" in lines[0], lines
+    assert "tokenizers>=0.22 is required Try: pip install -U" in lines[0] and "internal error" not in lines[0]

@@ -87,6 +87,11 @@ def add_parser(sub):
     p.add_argument("--out", default=None, metavar="DIR",
                    help="--engine sglang: also write the report (text and JSON), SGLang's logs and the "
                         "rank reports into DIR")
+    p.add_argument("--off-from", default=None, metavar="FILE",
+                   help="--engine sglang: compare against the plugin-off run of an earlier rehearsal's "
+                        "engine-rehearsal.json instead of starting one; refused unless it was the same "
+                        "launch (SGLang, its arguments, the checkpoint's files, the requests, the environment "
+                        "but capdispatch's variables, the cards)")
     add(p, "libs", help="what the ranks decide for (kernels run with this machine's libraries; a "
         "chosen kernel missing here is a marked substitution)")
     p.add_argument("--no-graphs", dest="graphs", action="store_false", default=None,
@@ -102,9 +107,9 @@ def run(args) -> int:
     if args.engine == "sglang":
         return run_engine(args)
     from .errors import BadInput
-    for flag in ("requests", "port", "out"):
+    for flag in ("requests", "port", "out", "off_from"):
         if getattr(args, flag) is not None:
-            raise BadInput(f"--{flag} is for --engine sglang (the small model takes none)")
+            raise BadInput(f"--{flag.replace('_', '-')} is for --engine sglang (the small model takes none)")
     if args.sglang_args:
         raise BadInput(f"{' '.join(args.sglang_args)}: arguments after -- go to SGLang, with --engine sglang")
     for k, v in SMALL.items():
@@ -153,7 +158,7 @@ def run_engine(args) -> int:
     r = runner.rehearse(args.model, args.device, tp=args.tp, prompt=args.prompt, steps=args.steps,
                         requests=4 if args.requests is None else args.requests, seed=args.seed,
                         timeout=args.timeout, start_timeout=args.start_timeout, port=args.port, out=args.out,
-                        sglang_args=args.sglang_args, say=runner.stderr_say)
+                        sglang_args=args.sglang_args, off_from=args.off_from, say=runner.stderr_say)
     print(json.dumps(r.to_dict(), indent=2) if args.format == "json" else render.render(r))
     return ExitCode.OK if r.ok else ExitCode.UNSATISFIABLE
 

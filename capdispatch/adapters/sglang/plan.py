@@ -304,6 +304,7 @@ def sglang_resolution(sglang_args, release, env: dict, options, *, tp=None):
     from .records import SglangRun
     api = compat.of(release)
     argv = list(sglang_args)
+    prepare_server_args = _server_args_module().prepare_server_args
     given = launch.cli_fields(argv)
     before = dict(os.environ)
     logger = logging.getLogger("capdispatch.sglang")
@@ -312,8 +313,6 @@ def sglang_resolution(sglang_args, release, env: dict, options, *, tp=None):
         os.environ.clear()
         os.environ.update(env)
         logger.setLevel(logging.ERROR)   # the plan says it all
-        vision_placeholder()
-        from sglang.srt.server_args import prepare_server_args
         resolution_result = api.resolved
         try:
             if tp is not None:
@@ -347,6 +346,20 @@ def sglang_resolution(sglang_args, release, env: dict, options, *, tp=None):
         os.environ.clear()
         os.environ.update(before)
         logger.setLevel(level)
+
+
+def _server_args_module():
+    """sglang.srt.server_args, or a one-line error: SGLang's import can fail on what it needs
+    beside it here (a module it imports, a transformers release it clashes with)."""
+    from . import versions
+    try:
+        vision_placeholder()    # before SGLang's first import: 0.5.17's package imports torchvision
+        import sglang.srt.server_args as server_args
+    except Exception as exc:    # whatever SGLang's import raises, named as SGLang's
+        raise cd.Unsatisfiable(f"SGLang {versions.installed()} cannot be imported here to read the arguments "
+                               f"after `--`: {type(exc).__name__}: {' '.join(str(exc).split())} (install what SGLang needs beside it, "
+                               f"or plan without `-- SGLANG ARGS`)") from None
+    return server_args
 
 
 def vision_placeholder() -> None:

@@ -22,7 +22,8 @@ def render(r) -> str:
         state = "ok" if run.ok else f"FAILED at {run.step}"
         ready = f", ready in {run.ready_s:.0f} s" if run.ready_s is not None else ""
         what = f" ({', '.join(r.reference_ops)} on their torch references)" if run.reference else ""
-        lines.append(f"{run.label}{what}: {state}{ready}; log {run.log or 'not kept (no --out)'}")
+        kept = f"; kept from {run.kept_from} (the same launch, --off-from)" if run.kept_from else ""
+        lines.append(f"{run.label}{what}: {state}{ready}; log {run.log or 'not kept (no --out)'}{kept}")
         lines.append(f"  {' '.join(run.command)}")
         if run.error:
             lines.append(f"  error: {run.error}")

@@ -20,7 +20,7 @@ from ...adapters.sglang import versions as sglang_versions
 from ...errors import CapdispatchError
 from ...models import model_calls
 from ..errors import RehearseError
-from . import launch, server, verdict
+from . import baseline, launch, server, verdict
 from .verdict import Reply, Run
 
 SET_ENV = "CAPDISPATCH_SET"
@@ -32,9 +32,12 @@ def rehearse(model: str, devices, *, tp: Optional[int] = None, prompt: int = 256
              requests: int = 4, seed: int = 0, timeout: float = 120.0, start_timeout: float = 1800.0,
              port: Optional[int] = None, out: Optional[str] = None, sglang_args=(),
              server_cmd: tuple = ("-m", launch.SERVER_MODULE), env: Optional[dict] = None,
+             off_from: Optional[str] = None,
              say: Callable[[str], None] = lambda s: None) -> verdict.EngineRehearsal:
     """The engine rehearsal of checkpoint MODEL on DEVICES (--device values); SERVER_CMD is what
-    runs as `python SERVER_CMD ARGS` (SGLang's launcher; a stand-in in tests)."""
+    runs as `python SERVER_CMD ARGS` (SGLang's launcher; a stand-in in tests). OFF_FROM: an
+    earlier rehearsal's engine-rehearsal.json whose plugin-off run is this launch's
+    (baseline.py), compared against instead of starting a plugin-off server."""
     from .. import runner as small
     folder_model = launch.checkpoint(model)
     ranked = launch.ranks(devices, tp)
@@ -50,6 +53,11 @@ def rehearse(model: str, devices, *, tp: Optional[int] = None, prompt: int = 256
     prompts = launch.requests(seed, requests, prompt, shape.vocab)
     base = {k: v for k, v in (os.environ if env is None else env).items()}
     launch.environment(base, plugin=True, report_dir="", devices=listed)    # a clash refused before any start
+    off_key = baseline.key((*server_cmd, *launch.Launch(folder_model, ids, 0, seed, extra).argv()), 0,
+                           folder_model, prompts, steps, seed,
+                           launch.environment(base, plugin=False, report_dir="", devices=listed), ids,
+                           sglang_versions.installed())
+    kept_off = baseline.load(off_from, off_key) if off_from else None     # refused before any start
     t0 = time.monotonic()
     small._clean_stale_folders()
     from ...processes import terminate_as_interrupt
@@ -58,6 +66,11 @@ def rehearse(model: str, devices, *, tp: Optional[int] = None, prompt: int = 256
             f.write(str(os.getpid()))
         runs = []
         for plugin in (True, False):
+            if not plugin and kept_off is not None:
+                say(f"engine rehearsal: SGLang with capdispatch's plugin off: the same launch's run of "
+                    f"{off_from}")
+                runs.append(kept_off)
+                break
             reports = os.path.join(tmp, "reports-on" if plugin else "reports-off")
             os.mkdir(reports)
             lp = launch.Launch(folder_model, ids, port or launch.free_port(), seed, extra)
@@ -84,7 +97,8 @@ def rehearse(model: str, devices, *, tp: Optional[int] = None, prompt: int = 256
             ref = _serve(lp, e, True, server_cmd, prompts, steps, timeout, start_timeout, tmp, reports, out, say,
                          emulated, reference=True)
     r = _verdict(shape, folder_model, devices, ids, prompt, steps, requests, seed, on, off,
-                 time.monotonic() - t0, out, emulated, next_n_of(extra), ref, ref_ops if ref is not None else ())
+                 time.monotonic() - t0, out, emulated, next_n_of(extra), ref, ref_ops if ref is not None else (),
+                 off_key)
     if out:
         _write_out(r, out)
     return r
@@ -225,7 +239,7 @@ def _comparisons(on, off, ref=None) -> tuple:
 
 
 def _verdict(shape, folder, devices, ids, prompt, steps, requests, seed, on, off, wall, out, emulated=None,
-             next_n=1, ref=None, ref_ops=()):
+             next_n=1, ref=None, ref_ops=(), off_key=None):
     routed = tuple(f"{o.op} on rank {r.rank} ({o.backend})" for r in on.reports for o in r.routed())
     problems = verdict.report_problems(on.reports) if on.ok else []
     if ref is not None and ref.ok:
@@ -251,7 +265,8 @@ def _verdict(shape, folder, devices, ids, prompt, steps, requests, seed, on, off
     not_called = {o.op: declared.not_called(o.op) for r in on.reports for o in r.ops if declared.get(o.op) is None}
     return verdict.EngineRehearsal("sglang", shape.name, folder, tuple(str(d) for d in devices), len(ids), prompt,
                                    steps, requests, seed, on, off, routed, differ, comparisons, measures, ok, cause,
-                                   verdict.LOGPROB_TOL, round(wall, 2), out, not_called, ref, tuple(ref_ops))
+                                   verdict.LOGPROB_TOL, round(wall, 2), out, not_called, ref, tuple(ref_ops),
+                                   off_key)
 
 
 def next_n_of(sglang_args) -> Optional[int]:

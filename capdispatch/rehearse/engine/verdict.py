@@ -86,6 +86,7 @@ class Run:
     log: Optional[str]         # the server log's file under --out, or None
     log_tail: str = ""         # the log's last lines where the run failed
     reference: bool = False    # the plugin on, the routed ops on their torch references
+    kept_from: Optional[str] = None   # plugin off: the report of the same launch it was run for (--off-from)
 
     @property
     def label(self) -> str:
@@ -157,6 +158,7 @@ class EngineRehearsal:
     not_called: dict = attrs.field(factory=dict)
     reference: Optional[Run] = None     # the routed ops on their torch references, where needed
     reference_ops: tuple = ()           # the ops that run routed it
+    off_key: Optional[object] = None    # baseline.OffKey: what the plugin-off run's answers depend on
 
     def to_dict(self) -> dict:
         d = attrs.asdict(self, recurse=True, filter=lambda a, v: a.name != "measures")
