@@ -1045,6 +1045,53 @@ def test_flashinfer_adapter_calls_bind_to_real_api(backend, monkeypatch):
         assert kw["intermediate_size"] == I and kw["top_k"] == K
 
 
+@hypothesis.settings(max_examples=60, deadline=None)
+@hypothesis.given(st.integers(1, 9), st.integers(1, 8), st.integers(0, 8), st.data())
+def test_marlin_masked_routes_go_to_unused_experts_of_their_token(T, K, extra, data):
+    """fill_masked (0.5.17's Marlin GEMM leaves skipped routes' rows unwritten): each -1
+    route lands on an expert its token does not use, distinct within the token; the others
+    are untouched."""
+    from capdispatch.backends.moe import sglang_marlin as MA
+    E = K + extra
+    rows = [data.draw(st.permutations(range(E)))[:K] for _ in range(T)]
+    ids = torch.tensor(rows, dtype=torch.int32)
+    mask = torch.tensor(data.draw(st.lists(st.lists(st.booleans(), min_size=K, max_size=K), min_size=T,
+                                           max_size=T)))
+    ids = torch.where(mask, -1, ids)
+    got = MA.fill_masked(ids, E)
+    assert got.dtype == ids.dtype and torch.equal(got[~mask], ids[~mask])
+    assert int(got.min()) >= 0 and int(got.max()) < E
+    for r in range(T):
+        assert len(set(got[r].tolist())) == K
+        assert sorted(got[r][mask[r]].tolist()) == sorted(set(range(E)) - set(ids[r][~mask[r]].tolist()))[
+            :int(mask[r].sum())]
+
+
+@pytest.mark.parametrize("zeroes", [True, False])
+def test_marlin_sends_masked_routes_with_weight_zero_where_the_gemm_does_not_zero_them(monkeypatch, zeroes):
+    from capdispatch.backends.moe import sglang_marlin as MA
+    seed = new_seed()
+    w, x, tw, ids = make_case(seed, **SMALL, T=5, device="cpu", mask_frac=0.4)
+    ids[1] = -1
+    seen = {}
+
+    def fake(**kw):
+        seen.update(kw)
+        return torch.zeros_like(kw["hidden_states"])
+    monkeypatch.setattr(MA, "_sglang", lambda: (fake, zeroes))
+    monkeypatch.setattr(MA, "_workspace", lambda device: None)
+    w.layout = MA.LAYOUT
+    MA.moe_marlin(x, w, tw, ids, checks=False)
+    masked = ids < 0
+    assert bool((seen["topk_weights"][masked] == 0).all()) and torch.equal(seen["topk_weights"][~masked],
+                                                                           tw[~masked].float())
+    if zeroes:      # 0.5.23: the align kernel's inactive bucket skips -1 and GEMM2 zeroes its rows
+        assert torch.equal(seen["topk_ids"], ids.int())
+    else:
+        assert int(seen["topk_ids"].min()) >= 0 and torch.equal(seen["topk_ids"][~masked], ids[~masked].int())
+        assert all(len(set(r.tolist())) == ids.shape[1] for r in seen["topk_ids"])
+
+
 def test_marlin_real_signature():
     mod = pytest.importorskip("sglang.srt.layers.moe.fused_moe_triton.fused_marlin_moe")
     from capdispatch.backends.moe import sglang_marlin as MA

@@ -40,11 +40,13 @@ OPS = (
 # 0.6.14: first release with the SM120 MXFP8 x MXFP4 CUTLASS MoE and the SM90
 # mixed-input (W4A16) interleave helpers that SGLang 0.5.23 calls.
 _FLASHINFER = Library("flashinfer-python", ">=0.6.14", module="flashinfer.fused_moe")
-# SGLang 0.5.23's MXFP4 Marlin MoE: sglang.srt.layers.moe.fused_moe_triton.fused_marlin_moe
+# SGLang's MXFP4 Marlin MoE: sglang.srt.layers.moe.fused_moe_triton.fused_marlin_moe
 # (GEMM JIT-built from the sglang wheel's csrc through apache-tvm-ffi), which imports
-# sgl_kernel (distribution sglang-kernel) for scalar types and moe_sum_reduce.
-_SGLANG = Library("sglang", ">=0.5.23", module="sglang.srt.layers.moe.fused_moe_triton.fused_marlin_moe")
-_SGL_KERNEL = Library("sglang-kernel", ">=0.4.10", module="sgl_kernel")
+# sgl_kernel (distribution sglang-kernel) for scalar types and moe_sum_reduce. 0.5.17
+# (with its pin, sglang-kernel 0.4.5) has the same call and helpers; its GEMM does not zero
+# skipped routes' rows, which the adapter works around (sglang_marlin.py).
+_SGLANG = Library("sglang", ">=0.5.17", module="sglang.srt.layers.moe.fused_moe_triton.fused_marlin_moe")
+_SGL_KERNEL = Library("sglang-kernel", ">=0.4.5", module="sgl_kernel")
 _CUDA = Platform("cuda")
 
 # SGLang 0.5.23 `--moe-runner-backend` value that runs the same kernel family,

@@ -1,6 +1,8 @@
-"""Thin adapter from the ``moe`` op to SGLang 0.5.23's MXFP4 Marlin MoE (W4A16, cc >= 8.0).
+"""Thin adapter from the ``moe`` op to SGLang's MXFP4 Marlin MoE (W4A16, cc >= 8.0), as
+SGLang 0.5.17 (with sglang-kernel 0.4.5) and 0.5.23 (sglang-kernel 0.4.10) ship it: the same
+``fused_marlin_moe`` keywords, the same repack and scale helpers.
 
-Where the kernel lives (SGLang 0.5.23): the Marlin MoE GEMM is not an
+Where the kernel lives (SGLang 0.5.23; 0.5.17 alike): the Marlin MoE GEMM is not an
 AOT op of sgl-kernel; it is JIT-built from the ``sglang`` wheel
 (``sglang.kernels.ops.moe.moe_wna16_marlin.moe_wna16_marlin_gemm``, sources
 ``sglang/kernels/jit/csrc/gemm/marlin_moe/moe_wna16_marlin.cuh``, through
@@ -19,6 +21,10 @@ Masked routes: the 0.5.23 align kernel puts id -1 in an inactive bucket whose
 blocks the GEMMs skip (and GEMM2 zeroes their output rows,
 ``zero_inactive_output``); their top-k weight is also set to 0 here, so a
 masked route contributes exactly nothing even if a future kernel computed it.
+A Marlin GEMM without ``zero_inactive_output`` (0.5.17) leaves a skipped route's
+GEMM2 rows as they were in a buffer GEMM1 shares, and the top-k sum would add them:
+there each masked route is sent to an expert its token does not use (distinct, as
+the single-token align needs) with weight 0, so it is computed and adds exactly 0.
 Activation: ``clamp_limit=L`` -> SGLang's ``swiglu_limit_func`` (gate clamped
 above, up clamped both sides, silu(gate) * up), the DSv4 contract.
 """
@@ -31,7 +37,7 @@ import torch
 from ...errors import ArgumentError
 from .reference import check_moe_args
 
-__all__ = ["prepare_marlin", "moe_marlin", "MARLIN_KWARGS"]
+__all__ = ["prepare_marlin", "moe_marlin", "fill_masked", "MARLIN_KWARGS"]
 
 LAYOUT = "marlin"
 GROUP = 32
@@ -44,8 +50,23 @@ _workspaces = {}
 
 @functools.cache   # imported once, on the first call
 def _sglang():
+    """(fused_marlin_moe, whether its GEMM zeroes the rows of skipped routes)."""
+    import inspect
+    from sglang.kernels.ops.moe.moe_wna16_marlin import moe_wna16_marlin_gemm
     from sglang.srt.layers.moe.fused_moe_triton.fused_marlin_moe import fused_marlin_moe
-    return fused_marlin_moe
+    return fused_marlin_moe, "zero_inactive_output" in inspect.signature(moe_wna16_marlin_gemm).parameters
+
+
+def fill_masked(ids, num_experts: int):
+    """IDS (int [T, K], -1 masked) with each masked route of a row on an expert that row
+    does not use, the lowest first: distinct within the row, all on the device, no host
+    synchronisation (graph-capturable)."""
+    masked = ids < 0
+    used = torch.zeros(ids.shape[0], num_experts + 1, dtype=torch.int32, device=ids.device)
+    used.scatter_(1, torch.where(masked, num_experts, ids).long(), 1)   # column E gathers the masked
+    free = torch.argsort(used[:, :num_experts], dim=1, stable=True)     # unused experts first, ascending
+    nth = (torch.cumsum(masked.int(), dim=1) - 1).clamp(min=0).long()   # the j-th masked route of its row
+    return torch.where(masked, torch.gather(free, 1, nth).to(ids.dtype), ids)
 
 
 def _prep_fns():
@@ -109,12 +130,14 @@ def moe_marlin(x, weights, topk_weights, topk_ids, out=None, *, checks=True):
     if checks:
         check_moe_args(x, weights, topk_weights, topk_ids, out)
     weights.require_layout(LAYOUT, "marlin_w4a16")
-    fused_marlin_moe = _sglang()
+    fused_marlin_moe, zeroes_skipped = _sglang()
     T = x.shape[0]
     if T == 0:
         return torch.empty_like(x) if out is None else out
     ids = topk_ids.to(torch.int32)
     tw = torch.where(ids >= 0, topk_weights.float(), 0.0)
+    if not zeroes_skipped:
+        ids = fill_masked(ids, weights.num_experts)
     y = fused_marlin_moe(
         hidden_states=x.contiguous(),
         w1=weights.w13, w2=weights.w2,
