@@ -31,6 +31,7 @@ above, up clamped both sides, silu(gate) * up), the DSv4 contract.
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 
@@ -51,7 +52,6 @@ _workspaces = {}
 @functools.cache   # imported once, on the first call
 def _sglang():
     """(fused_marlin_moe, whether its GEMM zeroes the rows of skipped routes)."""
-    import inspect
     from sglang.kernels.ops.moe.moe_wna16_marlin import moe_wna16_marlin_gemm
     from sglang.srt.layers.moe.fused_moe_triton.fused_marlin_moe import fused_marlin_moe
     return fused_marlin_moe, "zero_inactive_output" in inspect.signature(moe_wna16_marlin_gemm).parameters
