@@ -379,3 +379,18 @@ def test_expert_parallelism_under_a_global_id_runner_value_is_refused_at_launch_
     r0 = _result(_start("emu", launcher["record_ep"], 0, 0, env=env))
     assert "error" not in r0, r0
     assert r0["state"]["choices"]["moe"]["action"] == "kept"
+
+
+def test_the_engine_suites_first_case_keeps_every_op_on_an_h100(model):
+    """The engine suite's launch on an H100 with 0.5.17's pins (benchmarks/run_engine_rehearsal.py:
+    --moe-runner-backend marlin --fp8-gemm-backend triton): every op keeps SGLang's own kernel,
+    the MoE its Marlin (the runner value is the user's choice, which 0.5.17's Marlin serves), so
+    the plugin-on and plugin-off runs must give identical tokens."""
+    args = ["--device", "sim:h100", "--format", "json", "--assume-lib", "apache-tvm-ffi==0.1.11"]
+    args += [x for lib in LIBS_0517 for x in ("--assume-lib", lib)]
+    p = _result(_start("plan", *args, "--", *_argv(model["dsv4"], "--tp-size", "1", "--moe-runner-backend", "marlin",
+                                                    "--fp8-gemm-backend", "triton")))
+    assert p["rc"] == 0, p
+    ops = json.loads(p["stdout"])["ranks"][0]["ops"]
+    assert {op: ops[op]["action"] for op in ops} == {op: "kept" for op in ops}, ops
+    assert ops["moe"]["backend"] == "marlin_w4a16"
