@@ -130,6 +130,11 @@ BENCHMARKS = (
     Bench("speed_check", "calibrate", ("benchmarks/speed_check.py", "{run}", "--out", "{out}"),
           "`dispatch plan --speed`'s predictions from the first run against the second",
           cuda=False, limit=60),
+    Bench("sm_share", "calibrate", ("benchmarks/bench_sm_share.py",),
+          "every runnable backend on an RTX 3080's, 3090's and 4090's SM count of this card (CUDA green "
+          "contexts), the partition checked by the bf16 rate: a projection for cards not run",
+          needs=("triton",), takes=("out", "seed", "ops", "sizes"), ops=("moe", "decode_mla"),
+          quick=("--cards", "rtx-3080", "--sizes", "1,64"), limit=3600),
     # compile (no GPU)
     Bench("compile_matrix", "compile", ("benchmarks/compile_matrix.py", "--out", "{out}/compile_matrix.md"),
           "every Triton kernel and variant compiled for sm_80 ... sm_120a: registers, spills, shared memory",
