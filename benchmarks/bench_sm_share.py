@@ -6,10 +6,13 @@ cannot run (docs/policies.md: a projection).
         [--ops moe decode_mla] [--sizes 1,8,64,4096] [--seed N] [--timeout S]
 
 Per card (and once for the whole card, first): a child process makes a green context of the
-card's SM count current before anything else touches the GPU, measures the copy bandwidth
+card's SM count current before anything else touches the GPU, emulates the card on the device
+(capdispatch.extend.emulate_card: its launch tables, shared-memory limit, split counts and
+fp8 codec, as an emu: rank does), measures the copy bandwidth
 and the bf16 matmul rate there (eagerly and replayed from a CUDA graph), then runs `dispatch
 bench --device cuda:0 --op OP --sizes ... --format json`: every runnable backend of the op in
-the served form, each checked against the op's reference first.
+the served form, each checked against the op's reference first; the report keeps the
+backends whose requirements the card meets.
 
 The partition is checked, failing closed: the matmul rate must fall to k/N of the whole
 card's, within PARTITION_TOL, in both timing modes (a graph replayed outside the green
@@ -20,8 +23,8 @@ them. A kernel bound by its SMs would take about t_k on the target; one bound by
 take t_k x BW_k / BW_card (BW_k: the copy bandwidth measured on the k SMs; BW_card: the
 target's published bandwidth, capdispatch's speed model). The report gives both ends of that
 bracket per backend and size, and where one backend is ahead at both ends, the order it
-supports. It does not capture the target's own architecture (SM86 has no wgmma, 99 KB of
-shared memory, its launch-table entries): the docs call it a projection, never a measurement.
+supports. It does not capture the target's own architecture (SM86 has no wgmma; its clocks, caches and
+memory system): the docs call it a projection, never a measurement.
 
 Writes sm_share_<card>_<stamp>.json/.md (report.py) into --out. Exit status: 0 every card
 measured with its partition in effect; 1 a child failed or a partition did not take; 2 bad
@@ -60,6 +63,7 @@ def _args(argv):
                    help=f"seconds each child may take (default {CHILD_TIMEOUT_S:g})")
     p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)     # K SMs (0: the whole card)
     p.add_argument("--ceilings", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--emulate", default=None, help=argparse.SUPPRESS)                # the child's card
     a = p.parse_args(argv)
     a.cards = tuple(x.strip() for x in a.cards.split(",") if x.strip())
     a.ops = tuple(a.ops)
@@ -129,6 +133,10 @@ def child(a) -> int:
         ctx = green_contexts.GreenContext.create(num_sms=a.child, device_id=0)
         ctx.set_context()
         torch.cuda.set_stream(ctx.Stream())
+    if a.emulate:       # the card's launch tables, shared memory, split counts and fp8 codec
+        import capdispatch as cd
+        from capdispatch import extend
+        extend.emulate_card(cd.probe(f"sim:{a.emulate}"), 0)
     import ceilings
     bw, _ = ceilings.copy_bandwidth()
     n = 8192
@@ -146,10 +154,11 @@ def child(a) -> int:
                  "--seed", str(a.seed), "--format", "json"])
 
 
-def _run_child(a, k: int, folder: str) -> dict:
+def _run_child(a, k: int, folder: str, card=None) -> dict:
     os.makedirs(folder, exist_ok=True)
     ceil = os.path.join(folder, "ceilings.json")
     cmd = [sys.executable, os.path.abspath(__file__), "--child", str(k), "--ceilings", ceil, "--out", folder,
+           *(("--emulate", card) if card else ()),
            "--cards", ",".join(a.cards), "--ops", *a.ops, "--sizes", a.sizes, "--seed", str(a.seed)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, ROOT, env.get("PYTHONPATH")) if p)
@@ -178,8 +187,15 @@ def times(bench_json: dict) -> dict:
     return out
 
 
-def project(full: dict, part: dict, card: str, k: int) -> dict:
-    """One card's section of the report from the whole card's and its partition's results."""
+def runnable(card: str, op: str) -> set:
+    """The backends of OP whose requirements CARD meets (with this machine's libraries)."""
+    import capdispatch as cd
+    return {c.backend for c in cd.resolve(op, f"sim:{card}").candidates if c.ok}
+
+
+def project(full: dict, part: dict, card: str, k: int, can=runnable) -> dict:
+    """One card's section of the report from the whole card's and its partition's results:
+    the backends CAN(card, op) says the card runs."""
     from capdispatch import bench
     c0, c = full["ceilings"], part["ceilings"]
     took = {m: partition_ok(c[f"bf16_tflops_{m}"], c0[f"bf16_tflops_{m}"], k, c0["sms"]) for m in ("eager", "graph")}
@@ -191,7 +207,7 @@ def project(full: dict, part: dict, card: str, k: int) -> dict:
         return sec
     bw_card = bench.speed.CARDS[card][0]
     for (op, size), by in sorted(times(part["bench"]).items()):
-        ends = {b: bracket(ms, c["copy_gbps"], bw_card) for b, ms in by.items()}
+        ends = {b: bracket(ms, c["copy_gbps"], bw_card) for b, ms in by.items() if b in can(card, op)}
         for b, (lo, hi) in sorted(ends.items()):
             sec["rows"].append({"op": op, "size": size, "backend": b, "ms_on_k_sms": lo, "ms_memory_bound": hi,
                                 "ms_whole_card": times(full["bench"]).get((op, size), {}).get(b)})
@@ -225,7 +241,7 @@ def main(argv=None) -> int:
         if k >= n:
             sections.append({"card": card, "sms": k, "of": n, "error": f"needs {k} SMs, this card has {n}"})
             continue
-        part = _run_child(a, k, os.path.join(work, card))
+        part = _run_child(a, k, os.path.join(work, card), card)
         sec = project(full, part, card, k) if "error" not in part else {"card": card, "sms": k, "of": n,
                                                                          "error": part["error"]}
         rc |= 1 if "error" in sec else 0

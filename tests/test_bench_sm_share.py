@@ -54,7 +54,8 @@ def _result(rate_eager, rate_graph, sms, ms):
 def test_a_cards_section_projects_only_where_its_partition_took():
     full = _result(700.0, 700.0, 132, {"triton_w4a16": 0.05, "marlin_w4a16": 0.06})
     part = _result(700.0 * 68 / 132, 700.0 * 68 / 132, 68, {"triton_w4a16": 0.08, "marlin_w4a16": 0.1})
-    s = B.project(full, part, "rtx-3080", 68)
+    can = lambda card, op: {"triton_w4a16", "marlin_w4a16"}       # noqa: E731 (the card's runnable backends)
+    s = B.project(full, part, "rtx-3080", 68, can)
     assert "error" not in s and s["partition"] == {"eager": True, "graph": True}
     r = {x["backend"]: x for x in s["rows"]}
     assert set(r) == {"triton_w4a16", "marlin_w4a16"}           # a row that failed its check is left out
@@ -63,5 +64,14 @@ def test_a_cards_section_projects_only_where_its_partition_took():
     assert s["orders"] == [{"op": "moe", "size": 1, "faster": "triton_w4a16", "slower": "marlin_w4a16"}]
     # A graph replayed outside the green context runs on every SM: no projection.
     part = _result(700.0 * 68 / 132, 690.0, 68, {"triton_w4a16": 0.08})
-    s = B.project(full, part, "rtx-3080", 68)
+    s = B.project(full, part, "rtx-3080", 68, can)
     assert s["partition"] == {"eager": True, "graph": False} and s["rows"] == [] and "did not take" in s["error"]
+
+
+def test_only_the_backends_the_card_can_run_are_projected():
+    full = _result(700.0, 700.0, 132, {})
+    part = _result(700.0 * 68 / 132, 700.0 * 68 / 132, 68, {"triton_w4a16": 0.08, "flashinfer_cutlass_w4a16": 0.01})
+    s = B.project(full, part, "rtx-3080", 68, lambda card, op: {"triton_w4a16"})
+    assert [r["backend"] for r in s["rows"]] == ["triton_w4a16"]
+    assert "flashinfer_cutlass_w4a16" not in B.runnable("rtx-3080", "moe")       # wgmma: not on SM86
+    assert "triton_w4a16" in B.runnable("rtx-3080", "moe")
