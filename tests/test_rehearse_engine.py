@@ -489,11 +489,14 @@ def test_a_plugin_off_run_is_kept_for_the_same_launch_only(ckpt, monkeypatch, tm
         with pytest.raises(RehearseError, match=r"its plugin-off run was another launch: ") as e:
             again(**kw)
         assert words in str(e.value) and len(str(e.value).splitlines()) == 1
+    with open(os.path.join(ckpt, ".lock"), "w") as fh:          # what a run may leave there changes no answer
+        fh.write("x")
+    assert again().ok
     with open(os.path.join(ckpt, "config.json"), "a") as fh:
         fh.write("\n")
     with pytest.raises(RehearseError, match=r"the checkpoint's files \(config.json\)"):
         again()
-    assert len(_starts(starts)) == 3             # nothing started for a refused launch
+    assert len(_starts(starts)) == 4             # nothing started for a refused launch
 
 
 def test_an_off_from_file_that_cannot_serve_is_one_line(ckpt, monkeypatch, tmp_path):

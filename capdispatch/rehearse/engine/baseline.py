@@ -49,11 +49,16 @@ def _digest(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
+# What SGLang reads from a checkpoint folder: its configs and index, the weights, a custom
+# model's code, a tokenizer; a lock or cache file a run leaves there changes no answer.
+READ_SUFFIXES = (".json", ".safetensors", ".py", ".model", ".tiktoken", ".txt")
+
+
 def _files(folder: str) -> tuple:
     out = []
     for name in sorted(os.listdir(folder)):
         path = os.path.join(folder, name)
-        if not os.path.isfile(path):
+        if name.startswith(".") or not name.endswith(READ_SUFFIXES) or not os.path.isfile(path):
             continue
         st = os.stat(path)
         if name.endswith(".json") and st.st_size <= FILE_LIMIT:
