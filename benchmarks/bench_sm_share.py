@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import runpy
 import subprocess
 import sys
 
@@ -149,9 +150,14 @@ def child(a) -> int:
     with open(a.ceilings, "w", encoding="utf-8") as fh:
         json.dump({"sms": a.child or torch.cuda.get_device_properties(0).multi_processor_count,
                    "copy_gbps": bw, "bf16_tflops_eager": eager, "bf16_tflops_graph": graph}, fh)
-    from capdispatch.dispatch.cli import main
-    return main(["bench", "--device", "cuda:0", "--op", ",".join(a.ops), "--sizes", a.sizes,
-                 "--seed", str(a.seed), "--format", "json"])
+    # `python -m capdispatch bench` in this process, whose green context and emulation it must run under.
+    sys.argv = ["dispatch", "bench", "--device", "cuda:0", "--op", ",".join(a.ops), "--sizes", a.sizes,
+                "--seed", str(a.seed), "--format", "json"]
+    try:
+        runpy.run_module("capdispatch", run_name="__main__", alter_sys=True)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 1
+    return 0
 
 
 def _run_child(a, k: int, folder: str, card=None) -> dict:
