@@ -140,13 +140,8 @@ def child(a) -> int:
         extend.emulate_card(cd.probe(f"sim:{a.emulate}"), 0)
     import ceilings
     bw, _ = ceilings.copy_bandwidth()
-    n = 8192
-    x = torch.randn(n, n, device="cuda").bfloat16()
-    y = torch.randn(n, n, device="cuda").bfloat16()
-    flops = 2 * n ** 3
-    eager = flops / (ceilings.bench(lambda: torch.matmul(x, y)) * 1e-3) / 1e12
-    graph = flops / (ceilings.bench_graph(lambda: torch.matmul(x, y)) * 1e-3) / 1e12
-    del x, y
+    eager, _ = ceilings.matmul_rate()
+    graph, _ = ceilings.matmul_rate(timer=ceilings.bench_graph)
     with open(a.ceilings, "w", encoding="utf-8") as fh:
         json.dump({"sms": a.child or torch.cuda.get_device_properties(0).multi_processor_count,
                    "copy_gbps": bw, "bf16_tflops_eager": eager, "bf16_tflops_graph": graph}, fh)
@@ -202,7 +197,6 @@ def runnable(card: str, op: str) -> set:
 def project(full: dict, part: dict, card: str, k: int, can=runnable) -> dict:
     """One card's section of the report from the whole card's and its partition's results:
     the backends CAN(card, op) says the card runs."""
-    from capdispatch import bench
     c0, c = full["ceilings"], part["ceilings"]
     took = {m: partition_ok(c[f"bf16_tflops_{m}"], c0[f"bf16_tflops_{m}"], k, c0["sms"]) for m in ("eager", "graph")}
     sec = {"card": card, "sms": k, "of": c0["sms"], "ceilings": c, "partition": took, "rows": [], "orders": []}
@@ -211,12 +205,14 @@ def project(full: dict, part: dict, card: str, k: int, can=runnable) -> dict:
                         ", ".join(f"{m} {c[f'bf16_tflops_{m}']:.0f} of {c0[f'bf16_tflops_{m}']:.0f} TFLOP/s"
                                   for m in ("eager", "graph")) + f", expected about {k}/{c0['sms']} of it")
         return sec
-    bw_card = bench.speed.CARDS[card][0]
-    for (op, size), by in sorted(times(part["bench"]).items()):
-        ends = {b: bracket(ms, c["copy_gbps"], bw_card) for b, ms in by.items() if b in can(card, op)}
+    bw_card = bench_bw(card)
+    whole, part_times = times(full["bench"]), times(part["bench"])
+    runs = {op: can(card, op) for op, _ in part_times}
+    for (op, size), by in sorted(part_times.items()):
+        ends = {b: bracket(ms, c["copy_gbps"], bw_card) for b, ms in by.items() if b in runs[op]}
         for b, (lo, hi) in sorted(ends.items()):
             sec["rows"].append({"op": op, "size": size, "backend": b, "ms_on_k_sms": lo, "ms_memory_bound": hi,
-                                "ms_whole_card": times(full["bench"]).get((op, size), {}).get(b)})
+                                "ms_whole_card": whole.get((op, size), {}).get(b)})
         sec["orders"] += [{"op": op, "size": size, "faster": f, "slower": s} for f, s in order_supported(ends)]
     return sec
 

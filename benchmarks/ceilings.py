@@ -31,9 +31,11 @@ def copy_bandwidth(nbytes=2 << 30, warmup=25, rep=200):
     return 2 * nbytes / ms / 1e6, ms
 
 
-def matmul_rate(n=8192, warmup=25, rep=200, fp8=False):
+def matmul_rate(n=8192, warmup=25, rep=200, fp8=False, timer=None):
     """(TFLOP/s, dtype) of an n^3 product on random data: bf16, or fp8 scaled_mm
-    when FP8 and the card has it (falls back to bf16 and says so)."""
+    when FP8 and the card has it (falls back to bf16 and says so). TIMER(fn, warmup, rep)
+    -> ms: `bench` (eager, the default) or `bench_graph`."""
+    timer = timer or bench
     import torch
     a = torch.randn(n, n, device="cuda").bfloat16()
     b = torch.randn(n, n, device="cuda").bfloat16()
@@ -45,10 +47,10 @@ def matmul_rate(n=8192, warmup=25, rep=200, fp8=False):
                 fn = lambda: torch._scaled_mm(a8, b8.t(), scale_a=one, scale_b=one,  # noqa: E731
                                               out_dtype=torch.bfloat16)
                 fn()
-                return 2 * n ** 3 / bench(fn, warmup, rep) / 1e9, "fp8"
+                return 2 * n ** 3 / timer(fn, warmup, rep) / 1e9, "fp8"
             except Exception as exc:  # older torch: the bf16 rate, said aloud
                 print(f"fp8 scaled_mm unavailable ({type(exc).__name__}: {exc}); using the bf16 rate")
-        return 2 * n ** 3 / bench(lambda: a @ b, warmup, rep) / 1e9, "bf16"
+        return 2 * n ** 3 / timer(lambda: a @ b, warmup, rep) / 1e9, "bf16"
     finally:
         del a, b
         torch.cuda.empty_cache()

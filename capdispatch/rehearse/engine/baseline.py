@@ -41,9 +41,6 @@ class OffKey:
     devices: tuple             # (cuda:N, name, uuid or why unknown) per rank
     host: str
 
-    def to_dict(self) -> dict:
-        return attrs.asdict(self)
-
 
 def _digest(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:16]
@@ -101,14 +98,11 @@ def differences(kept: dict, now: OffKey) -> list:
         was, is_ = kept.get(field.name), _plain(getattr(now, field.name))
         if was == is_:
             continue
-        if field.name == "env":
-            a, b = dict(map(tuple, was or ())), dict(is_)
+        if field.name in ("env", "checkpoint"):     # entries named first: (name, ...) each
+            a, b = ({x[0]: x for x in v or ()} for v in (was, is_))
             names = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
-            out.append(f"the environment ({', '.join(names[:6])}{' ...' if len(names) > 6 else ''})")
-        elif field.name == "checkpoint":
-            a, b = {x[0]: x for x in was or ()}, {x[0]: x for x in is_}
-            names = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
-            out.append(f"the checkpoint's files ({', '.join(names[:6])}{' ...' if len(names) > 6 else ''})")
+            what = "the environment" if field.name == "env" else "the checkpoint's files"
+            out.append(f"{what} ({', '.join(names[:6])}{' ...' if len(names) > 6 else ''})")
         else:
             out.append({"sglang": "SGLang or its interpreter", "command": "SGLang's launch arguments",
                         "requests": "the requests (--seed, --prompt, --steps, --requests)",
